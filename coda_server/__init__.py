@@ -1,0 +1,22 @@
+"""coda rollout pacing service: the server package and its plugin API for custom strategies."""
+from .core import (
+    GroupFilter,
+    Pacer,
+    SlidingWindowStrategy,
+    TrajectoryStatus,
+    create_strategy,
+    load_config,
+    register_group_filter,
+    register_sliding_window_strategy,
+)
+
+__all__ = [
+    "GroupFilter",
+    "Pacer",
+    "SlidingWindowStrategy",
+    "TrajectoryStatus",
+    "create_strategy",
+    "load_config",
+    "register_group_filter",
+    "register_sliding_window_strategy",
+]

@@ -1,0 +1,68 @@
+"""Typed errors of the pacing core; the transport maps each class to one status code."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+class PacerError(Exception):
+    """Base of every error the pacer raises on purpose; the state is unchanged when one is raised."""
+
+    reason: str = "PACER_ERROR"
+
+    def __init__(self, message: str, *, violations: Sequence[tuple[str, str]] = (), reason: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        # (field path, what was wrong and what is allowed), one per offending field.
+        self.violations: list[tuple[str, str]] = list(violations)
+        if reason is not None:
+            self.reason = reason
+
+
+class InvalidArgumentError(PacerError):
+    """Malformed request, bad value, or a duplicate id with different content."""
+
+    reason = "INVALID_ARGUMENT"
+
+
+class UnknownPromptError(PacerError):
+    """A trajectory names a prompt that was never dispatched (or is too old to remember)."""
+
+    reason = "UNKNOWN_PROMPT"
+
+
+class FailedPreconditionError(PacerError):
+    """The request is well-formed but the pacer's state does not allow it now."""
+
+    reason = "FAILED_PRECONDITION"
+
+
+class StaleGenerationError(FailedPreconditionError):
+    """A trajectory belongs to a prompt dispatched before the last Reset."""
+
+    reason = "STALE_GENERATION"
+
+
+class ResetInProgressError(FailedPreconditionError):
+    """A second Reset (or a Resume) arrived while a Reset runs."""
+
+    reason = "RESET_IN_PROGRESS"
+
+
+class ResourceExhaustedError(PacerError):
+    """A cap is full; retry after `retry_after` seconds."""
+
+    reason = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, reason: Optional[str] = None):
+        super().__init__(message, reason=reason)
+        self.retry_after = retry_after
+
+
+class ShuttingDownError(PacerError):
+    """The pacer is shutting down and takes no new work."""
+
+    reason = "SHUTTING_DOWN"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key, the value and what is allowed."""

@@ -1,0 +1,52 @@
+"""Name -> class registries for pluggable strategies and group filters."""
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+from .errors import ConfigError
+
+T = TypeVar("T", bound=type)
+
+
+class Registry(Generic[T]):
+    """Maps configuration names to plugin classes; `register` is the decorator plugins use."""
+
+    def __init__(self, kind: str, config_key: str):
+        self.kind = kind
+        self.config_key = config_key
+        self._classes: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+
+        def decorate(cls: T) -> T:
+            existing = self._classes.get(name)
+            # Re-importing the same module (e.g. reloaded plugins) re-registers the same qualified class.
+            if existing is not None and _qualified(existing) != _qualified(cls):
+                raise ValueError(
+                    f"{self.kind} name {name!r} is already registered by {_qualified(existing)}; "
+                    f"{_qualified(cls)} must use another name"
+                )
+            self._classes[name] = cls
+            return cls
+
+        return decorate
+
+    def get(self, name: str) -> T:
+        try:
+            return self._classes[name]
+        except (KeyError, TypeError):
+            raise ConfigError(
+                f"{self.config_key}: unknown {self.kind} {name!r}; registered: {', '.join(self.names())}"
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,113 @@
+"""The sliding-window strategy plugin API: base class, registry decorator and thread-safe factory."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, Mapping, Sequence
+
+from .registry import Registry
+from .types import TrajectoryStatus
+
+STRATEGIES: Registry = Registry("sliding-window strategy", "fully_async.sliding_window")
+
+
+def register_sliding_window_strategy(name: str):
+    """Class decorator: make a `SlidingWindowStrategy` selectable as `fully_async.sliding_window: name`."""
+    return STRATEGIES.register(name)
+
+
+class SlidingWindowStrategy:
+    """Decides how many prompt groups may be dispatched now and which complete groups may be collected.
+
+    Subclasses implement `compute_dispatch_count`; overrides of `on_dispatched` / `on_collected`
+    must call `super()` so `_running_count` stays right.
+    """
+
+    def __init__(self, config: Any = None):
+        self._running_count = 0
+
+    def compute_dispatch_count(self, buf_qsize: int) -> int:
+        """How many groups may be dispatched now, given `buf_qsize` groups in the pipeline buffer."""
+        raise NotImplementedError
+
+    def on_dispatched(self, groups: Sequence[Any]) -> None:
+        """Groups were admitted; each has `.prompt_id` (and `.seq`)."""
+        self._running_count += len(groups)
+
+    def on_collected(self, prompt_id: str) -> None:
+        """A group left the trajectory queue (into the buffer or dropped by a filter)."""
+        self._running_count -= 1
+
+    def on_reset(self) -> None:
+        """Step-boundary reset: the in-flight registry is cleared."""
+        self._running_count = 0
+
+    def will_collect(self, group: Mapping[str, Any]) -> bool:
+        """May this complete group (trajectory_id -> trajectory) leave the trajectory queue now?
+
+        Runs under the queue lock and the strategy lock: no I/O, no sleeping, no other locks,
+        and the group must not be changed.
+        """
+        return not any(t.status == TrajectoryStatus.ABORTED for t in group.values())
+
+
+class ThreadSafeStrategy:
+    """Proxy that runs every strategy call under one re-entrant lock, as `create_strategy` returns it."""
+
+    def __init__(self, strategy: SlidingWindowStrategy, name: str):
+        self._strategy = strategy
+        self.name = name
+        self.lock = threading.RLock()
+
+    @property
+    def wrapped(self) -> SlidingWindowStrategy:
+        return self._strategy
+
+    @property
+    def running_count(self) -> int:
+        with self.lock:
+            return self._strategy._running_count
+
+    def compute_dispatch_count(self, buf_qsize: int) -> int:
+        with self.lock:
+            return int(self._strategy.compute_dispatch_count(buf_qsize))
+
+    def on_dispatched(self, groups: Iterable[Any]) -> None:
+        with self.lock:
+            self._strategy.on_dispatched(groups)
+
+    def on_collected(self, prompt_id: str) -> None:
+        with self.lock:
+            self._strategy.on_collected(prompt_id)
+
+    def on_reset(self) -> None:
+        with self.lock:
+            self._strategy.on_reset()
+
+    def will_collect(self, group: Mapping[str, Any]) -> bool:
+        with self.lock:
+            return bool(self._strategy.will_collect(group))
+
+    def __getattr__(self, item: str) -> Any:
+        # Anything else (custom helpers, attributes) reads through to the strategy, under the lock.
+        with self.lock:
+            return getattr(self._strategy, item)
+
+
+def create_strategy(config: Any, name: str | None = None) -> ThreadSafeStrategy:
+    """Build the strategy `config.fully_async.sliding_window` (or `name`) names, wrapped thread-safe.
+
+    `config` is any object with `config.data_sources[0].num_prompts_per_step`,
+    `config.fully_async.stale_steps` and `.get()`, e.g. an OmegaConf DictConfig.
+    """
+    if name is None:
+        fully_async = config.get("fully_async") if hasattr(config, "get") else config.fully_async
+        name = fully_async.get("sliding_window", "no-window") if fully_async is not None else "no-window"
+    cls = STRATEGIES.get(name)
+    return ThreadSafeStrategy(cls(config), name)
+
+
+def window_size(config: Any) -> int:
+    """C = int(B * (1 + stale_steps)): groups that may be running or buffered at once."""
+    num_prompts = int(config.data_sources[0].num_prompts_per_step)
+    stale_steps = float(config.fully_async.stale_steps)
+    return int(num_prompts * (1 + stale_steps))

@@ -1,0 +1,202 @@
+"""Value types the pacing core passes around: trajectory status, trajectories, groups and results."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+
+class TrajectoryStatus(enum.IntEnum):
+    """How a trajectory ended; values equal the wire enum's numbers (0 is refused)."""
+
+    UNSPECIFIED = 0
+    COMPLETED = 1
+    FAILED = 2
+    ABORTED = 3
+
+
+class ResetMode(enum.IntEnum):
+    """What workers are asked to do with running requests when a Reset pauses dispatch."""
+
+    UNSPECIFIED = 0  # the server's default, from rollout.partial
+    ABORT = 1  # abort requests and submit what they have as ABORTED (partial rollout)
+    WAIT = 2  # let running requests finish
+
+
+@dataclass(frozen=True)
+class PromptRef:
+    """A prompt group a generation worker proposes to start."""
+
+    prompt_id: str
+    ds_index: int = 0
+    epoch: Optional[int] = None
+    index: Optional[int] = None
+
+
+@dataclass
+class Trajectory:
+    """One generated trajectory as the pacer sees it.
+
+    The routing fields are what pacing needs; `body` is everything else (token ids, logprobs,
+    payload ...), opaque to the core, compared with == for duplicate detection and handed back
+    to the trainer as it came. `size_bytes` feeds the byte cap.
+    """
+
+    trajectory_id: str
+    prompt_id: str
+    ds_index: int = 0
+    status: TrajectoryStatus = TrajectoryStatus.COMPLETED
+    reward: float = 0.0
+    start_weight_version: int = 0
+    end_weight_version: int = 0
+    num_turns: int = 0
+    body: Any = None
+    size_bytes: int = 0
+
+    def same_content(self, other: "Trajectory") -> bool:
+        """True when `other` is a harmless re-send of this trajectory."""
+        return (
+            self.trajectory_id == other.trajectory_id
+            and self.prompt_id == other.prompt_id
+            and self.ds_index == other.ds_index
+            and self.status == other.status
+            and (self.reward == other.reward or (self.reward != self.reward and other.reward != other.reward))
+            and self.start_weight_version == other.start_weight_version
+            and self.end_weight_version == other.end_weight_version
+            and self.num_turns == other.num_turns
+            and self.body == other.body
+        )
+
+
+@dataclass
+class TrajectoryGroup:
+    """A prompt's complete set of trajectories, as the trainer (or a restoring Reset) receives it."""
+
+    prompt_id: str
+    seq: int
+    ds_index: int
+    trajectories: list[Trajectory]
+    epoch: Optional[int] = None
+    index: Optional[int] = None
+    dispatched_at: float = 0.0
+
+
+@dataclass
+class Admitted:
+    """A candidate the pacer admitted, with the dispatch sequence number it was given."""
+
+    prompt_id: str
+    seq: int
+
+
+@dataclass
+class DispatchResult:
+    admitted: list[Admitted]
+    paused: bool
+    step: int
+    weight_version: int
+    generation: int
+    running: int
+    buffered: int
+    capacity: int  # C = int(B * (1 + stale_steps))
+    remaining: int  # what a Dispatch would admit now, after this one
+
+
+@dataclass
+class SubmitResult:
+    accepted: int
+    duplicates: int
+    groups_completed: int
+
+
+@dataclass
+class CollectResult:
+    groups: list[TrajectoryGroup]
+    timed_out: bool
+
+
+@dataclass
+class StepReport:
+    """The seed framework's step-boundary metrics, over the groups the trainer took this step."""
+
+    step: int = 0
+    pipeline_buf_size: int = 0
+    filter_drop: int = 0
+    partial_ratio: float = 0.0
+    partial_span_max: int = 0
+    partial_restored_count: int = 0
+    partial_dropped_incomplete_count: int = 0
+    pause_delay: float = 0.0
+
+
+@dataclass
+class ResetResult:
+    restored: list[TrajectoryGroup]
+    dropped_prompt_ids: list[str]
+    pause_delay_seconds: float
+    generation: int
+    step: int
+    weight_version: int
+    paused: bool
+    report: StepReport = field(default_factory=StepReport)
+
+
+@dataclass
+class ResumeResult:
+    step: int
+    weight_version: int
+
+
+class ControlEventType(enum.IntEnum):
+    """Kinds of control events pushed to subscribed workers; values equal the wire enum's."""
+
+    UNSPECIFIED = 0
+    STATE = 1
+    PAUSE = 2
+    RESUME = 3
+    SHUTDOWN = 4
+
+
+@dataclass(frozen=True)
+class ControlEvent:
+    type: ControlEventType
+    mode: ResetMode = ResetMode.UNSPECIFIED
+    weight_version: int = 0
+    step: int = 0
+    generation: int = 0
+    paused: bool = False
+
+
+@dataclass
+class PacerState:
+    """Every counter of the semantics doc, flat, as GetState reports it."""
+
+    running: int
+    buffered: int
+    queued_trajectories: int
+    capacity: int  # what a Dispatch would admit now (0 while paused)
+    window_size: int  # C
+    step: int
+    weight_version: int
+    generation: int
+    paused: bool
+    resetting: bool
+    strategy: str
+    dispatched: int
+    submitted: int
+    collected: int
+    consumed: int
+    filtered: int
+    restored: int
+    dropped: int
+    stale_rejected: int
+    duplicates: int
+    config_summary: Mapping[str, str] = field(default_factory=dict)
+    recent_reports: list[StepReport] = field(default_factory=list)
+
+    def invariant_holds(self) -> bool:
+        """dispatched = running + collected + filtered + restored + dropped, and buffered = collected - consumed."""
+        return (
+            self.dispatched == self.running + self.collected + self.filtered + self.restored + self.dropped
+            and self.buffered == self.collected - self.consumed
+        )
