@@ -117,7 +117,8 @@ def _validate_server(server: Any, need) -> None:
     dirs = server.get("custom_strategy_dirs")
     need(isinstance(dirs, (list, ListConfig)), "server.custom_strategy_dirs", dirs, "must be a list of directories")
     for key in ("max_message_bytes", "request_id_cache_size", "remembered_generations", "max_collect_groups",
-                "max_dispatch_candidates", "max_submit_trajectories", "max_id_length", "step_reports_kept"):
+                "max_dispatch_candidates", "max_submit_trajectories", "max_id_length", "step_reports_kept",
+                "max_concurrent_rpcs"):
         value = server.get(key)
         need(_is_int(value) and value >= 1, f"server.{key}", value, "must be an integer >= 1")
     for key in ("max_wait_seconds", "shutdown_grace_seconds"):

@@ -1,0 +1,76 @@
+"""`coda-server [--config FILE] [key=value ...]`: load the configuration, serve until SIGTERM, drain, exit 0."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .core.config import load_config
+from .core.errors import ConfigError
+from .server import BindError, PacerServer
+
+log = logging.getLogger("coda_server")
+
+CONFIG_ENV = "CODA_CONFIG"
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="coda-server",
+        description="Serve the coda rollout pacer over gRPC. Starts on the built-in conf/default.yaml.",
+        epilog="Example: coda-server --config run.yaml server.address=0.0.0.0:50051 fully_async.stale_steps=2.0",
+    )
+    parser.add_argument("--config", default=os.environ.get(CONFIG_ENV) or None,
+                        help=f"YAML file merged over the defaults (default: ${CONFIG_ENV}, else none)")
+    parser.add_argument("--port-file", type=Path,
+                        help="once serving, write {\"address\", \"port\"} as JSON here (for scripts and tests)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied last")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"coda-server: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger().setLevel(str(config.server.log_level).upper())
+    try:
+        return asyncio.run(serve(config, port_file=args.port_file))
+    except BindError as exc:
+        log.error("%s", exc)
+        return 1
+
+
+async def serve(config, *, port_file: Optional[Path] = None) -> int:
+    server = PacerServer(config)
+    if not config.fully_async.enable:
+        log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
+    ports = await server.start()
+    host = str(config.server.address).rsplit(":", 1)[0]
+    log.info("serving coda.pacer.v1.RolloutPacer on %s:%d (strategy %s, window %d, state in memory)",
+             host, ports[0], config.fully_async.sliding_window, server.pacer.state().window_size)
+    if port_file is not None:
+        temporary = port_file.with_suffix(port_file.suffix + ".tmp")
+        temporary.write_text(json.dumps({"address": f"{host}:{ports[0]}", "port": ports[0]}))
+        temporary.replace(port_file)  # readers never see a half-written file
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("shutting down: readiness NOT_SERVING, answering waiting calls, %.1fs grace",
+             float(config.server.shutdown_grace_seconds))
+    await server.stop()
+    state = server.pacer.state()
+    log.info("stopped: step %d, %d running, %d buffered groups discarded (state in memory)",
+             state.step, state.running, state.buffered)
+    return 0

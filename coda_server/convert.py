@@ -1,0 +1,131 @@
+"""Conversion between protobuf messages and the pacing core's types; nothing else."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from coda_client._proto import pacer_pb2 as pb
+
+from .core.errors import InvalidArgumentError
+from .core.types import (
+    CollectResult,
+    ControlEvent,
+    DispatchResult,
+    PacerState,
+    PromptRef,
+    ResetMode,
+    ResetResult,
+    ResumeResult,
+    SubmitResult,
+    Trajectory,
+    TrajectoryGroup,
+    TrajectoryStatus,
+)
+
+
+def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
+    return [
+        PromptRef(
+            c.prompt_id,
+            c.ds_index,
+            c.epoch if c.HasField("epoch") else None,
+            c.index if c.HasField("index") else None,
+        )
+        for c in candidates
+    ]
+
+
+def trajectories(messages: Sequence[pb.Trajectory]) -> list[Trajectory]:
+    """Core trajectories whose body is the wire message itself, so the trainer gets it back byte for byte."""
+    _check_array_lengths(messages)
+    return [
+        Trajectory(
+            trajectory_id=m.trajectory_id,
+            prompt_id=m.prompt_id,
+            ds_index=m.ds_index,
+            # Kept as a plain int when unknown, so the core can refuse it by value.
+            status=TrajectoryStatus(m.status) if m.status in TrajectoryStatus._value2member_map_ else m.status,
+            reward=m.reward,
+            start_weight_version=m.start_weight_version,
+            end_weight_version=m.end_weight_version,
+            num_turns=m.num_turns,
+            body=m,
+        )
+        for m in messages
+    ]
+
+
+def _check_array_lengths(messages: Sequence[pb.Trajectory]) -> None:
+    violations = []
+    for i, m in enumerate(messages):
+        lengths = {name: len(getattr(m, name)) for name in ("token_ids", "logprobs", "loss_mask")}
+        present = {length for length in lengths.values() if length}
+        if len(present) > 1:
+            shown = ", ".join(f"{name}={length}" for name, length in lengths.items())
+            violations.append((f"trajectories[{i}]", f"non-empty token_ids, logprobs and loss_mask must have "
+                                                     f"equal lengths; got {shown}"))
+    if violations:
+        raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
+                                   violations=violations)
+
+
+def reset_mode(value: int) -> ResetMode:
+    if value not in ResetMode._value2member_map_:
+        raise InvalidArgumentError(f"reset mode {value} is not allowed; use RESET_MODE_ABORT, RESET_MODE_WAIT "
+                                   f"or RESET_MODE_UNSPECIFIED (server default)",
+                                   violations=[("mode", "must be RESET_MODE_ABORT, RESET_MODE_WAIT or unspecified")])
+    return ResetMode(value)
+
+
+def group_message(group: TrajectoryGroup) -> pb.TrajectoryGroup:
+    message = pb.TrajectoryGroup(prompt_id=group.prompt_id, seq=group.seq, ds_index=group.ds_index,
+                                 trajectories=[t.body for t in group.trajectories])
+    if group.epoch is not None:
+        message.epoch = group.epoch
+    if group.index is not None:
+        message.index = group.index
+    return message
+
+
+def dispatch_response(result: DispatchResult) -> pb.DispatchResponse:
+    return pb.DispatchResponse(
+        admitted=[pb.AdmittedPrompt(prompt_id=a.prompt_id, seq=a.seq) for a in result.admitted],
+        paused=result.paused, step=result.step, weight_version=result.weight_version,
+        generation=result.generation, running=result.running, buffered=result.buffered,
+        capacity=result.capacity, remaining=result.remaining,
+    )
+
+
+def submit_response(result: SubmitResult) -> pb.SubmitResponse:
+    return pb.SubmitResponse(accepted=result.accepted, duplicates=result.duplicates,
+                             groups_completed=result.groups_completed)
+
+
+def collect_response(result: CollectResult) -> pb.CollectResponse:
+    return pb.CollectResponse(groups=[group_message(g) for g in result.groups], timed_out=result.timed_out)
+
+
+def reset_response(result: ResetResult) -> pb.ResetResponse:
+    return pb.ResetResponse(
+        restored=[group_message(g) for g in result.restored], dropped_prompt_ids=result.dropped_prompt_ids,
+        pause_delay_seconds=result.pause_delay_seconds, generation=result.generation, step=result.step,
+        weight_version=result.weight_version, paused=result.paused,
+    )
+
+
+def resume_response(result: ResumeResult) -> pb.ResumeResponse:
+    return pb.ResumeResponse(step=result.step, weight_version=result.weight_version)
+
+
+STATE_FIELDS = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version",
+                "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed",
+                "filtered", "restored", "dropped", "stale_rejected", "duplicates")
+
+
+def state_response(state: PacerState) -> pb.GetStateResponse:
+    return pb.GetStateResponse(config_summary=state.config_summary,
+                               **{name: getattr(state, name) for name in STATE_FIELDS})
+
+
+def control_event(event: ControlEvent) -> pb.ControlEvent:
+    return pb.ControlEvent(type=int(event.type), mode=int(event.mode), weight_version=event.weight_version,
+                           step=event.step, generation=event.generation, paused=event.paused)

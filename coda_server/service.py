@@ -1,0 +1,85 @@
+"""The RolloutPacer servicer: converts messages, delegates to the AsyncPacer, maps errors to status codes."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from coda_client._proto import pacer_pb2 as pb
+from coda_client._proto import pacer_pb2_grpc
+
+from . import convert
+from .core.async_pacer import AsyncPacer
+from .core.errors import InvalidArgumentError, PacerError
+from .status import status_for
+
+# Answer a long-poll this long before the caller's deadline, so the answer arrives in time.
+DEADLINE_MARGIN_SECONDS = 0.05
+
+
+def maps_errors(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
+    """Turn a core PacerError into the status code of the architecture's table, with rich details."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except PacerError as error:
+            await context.abort_with_status(status_for(error))
+
+    return wrapper
+
+
+def bounded_wait(requested: float, context: grpc.aio.ServicerContext) -> float:
+    """The request's wait, no longer than the call's own deadline allows."""
+    if not math.isfinite(requested) or requested < 0:
+        raise InvalidArgumentError(f"wait_seconds {requested!r} must be a finite number >= 0",
+                                   violations=[("wait_seconds", "must be a finite number >= 0")])
+    remaining = context.time_remaining()
+    if remaining is not None:
+        requested = min(requested, max(0.0, remaining - DEADLINE_MARGIN_SECONDS))
+    return requested
+
+
+class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
+    def __init__(self, pacer: AsyncPacer):
+        self._pacer = pacer
+
+    @maps_errors
+    async def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:
+        result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
+                                            bounded_wait(request.wait_seconds, context), request.request_id)
+        return convert.dispatch_response(result)
+
+    @maps_errors
+    async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
+        result = await self._pacer.submit(convert.trajectories(request.trajectories), request.request_id)
+        return convert.submit_response(result)
+
+    @maps_errors
+    async def Collect(self, request: pb.CollectRequest, context) -> pb.CollectResponse:
+        result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
+                                           request.allow_partial, request.request_id)
+        return convert.collect_response(result)
+
+    @maps_errors
+    async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetResponse:
+        result = await self._pacer.reset(convert.reset_mode(request.mode), bounded_wait(request.wait_seconds, context),
+                                         request.resume, request.weight_version if request.resume else None,
+                                         request.request_id)
+        return convert.reset_response(result)
+
+    @maps_errors
+    async def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeResponse:
+        result = await self._pacer.resume(request.weight_version, request.request_id)
+        return convert.resume_response(result)
+
+    @maps_errors
+    async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
+        return convert.state_response(self._pacer.pacer.state())
+
+    async def WatchControl(self, request: pb.WatchControlRequest, context) -> AsyncIterator[pb.ControlEvent]:
+        async for event in self._pacer.watch():
+            yield convert.control_event(event)

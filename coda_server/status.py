@@ -1,0 +1,46 @@
+"""Maps the core's typed errors to gRPC status codes with google.rpc rich details."""
+from __future__ import annotations
+
+import grpc
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from .core import errors
+
+ERROR_DOMAIN = "coda.pacer.v1"
+
+# Most specific class first: StaleGenerationError is a FailedPreconditionError.
+_CODES: list[tuple[type, grpc.StatusCode]] = [
+    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.UnknownPromptError, grpc.StatusCode.NOT_FOUND),
+    (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def code_for(error: errors.PacerError) -> grpc.StatusCode:
+    for cls, code in _CODES:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def status_for(error: errors.PacerError) -> grpc.Status:
+    """A grpc.Status carrying the message, ErrorInfo(reason), BadRequest field violations and RetryInfo."""
+    code = code_for(error)
+    details = status_pb2.Status(code=getattr(code_pb2, code.name), message=error.message)
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN)
+    details.details.add().Pack(info)
+    if error.violations:
+        bad_request = error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+            for field, description in error.violations
+        ])
+        details.details.add().Pack(bad_request)
+    if isinstance(error, errors.ResourceExhaustedError):
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(error.retry_after * 1e9))
+        details.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return rpc_status.to_status(details)

@@ -1,0 +1,92 @@
+"""Starts a real coda-server in a subprocess on 127.0.0.1:0 and hands tests its address and raw stubs."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import grpc
+
+from coda_client._proto import pacer_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_SECONDS = 30.0
+
+
+class ServerProcess:
+    """A coda-server subprocess; `address` is host:port once `start()` returned."""
+
+    def __init__(self, tmp_path: Path, *overrides: str, config_file: Optional[Path] = None, env: Optional[dict] = None):
+        self.tmp_path = Path(tmp_path)
+        self.overrides = overrides
+        self.config_file = config_file
+        self.env = env
+        self.process: Optional[subprocess.Popen] = None
+        self.address: Optional[str] = None
+        self.log_path = self.tmp_path / f"server-{os.getpid()}-{id(self)}.log"
+        self._channels: list[grpc.Channel] = []
+
+    def command(self, port_file: Path) -> list[str]:
+        command = [sys.executable, "-m", "coda_server", "--port-file", str(port_file)]
+        if self.config_file is not None:
+            command += ["--config", str(self.config_file)]
+        return command + ["server.address=127.0.0.1:0", *self.overrides]
+
+    def start(self) -> "ServerProcess":
+        port_file = self.tmp_path / f"port-{id(self)}.json"
+        env = {**os.environ, **(self.env or {})}
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.command(port_file), cwd=REPO_ROOT, stdout=self._log,
+                                        stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while not port_file.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"server did not start in {START_TIMEOUT_SECONDS}s:\n{self.log()}")
+            time.sleep(0.02)
+        self.address = json.loads(port_file.read_text())["address"]
+        return self
+
+    def channel(self) -> grpc.Channel:
+        channel = grpc.insecure_channel(self.address)
+        self._channels.append(channel)
+        return channel
+
+    def stub(self) -> pacer_pb2_grpc.RolloutPacerStub:
+        return pacer_pb2_grpc.RolloutPacerStub(self.channel())
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self.kill()
+        if hasattr(self, "_log"):
+            self._log.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
