@@ -1,0 +1,115 @@
+"""Request building and response conversion for each RPC, shared by the sync and async clients."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from ._channel import call_timeout
+from ._proto import pacer_pb2
+from .types import (
+    CollectResult,
+    DispatchResult,
+    PacerState,
+    PromptRef,
+    ResetMode,
+    ResetResult,
+    ResumeResult,
+    SubmitResult,
+    Trajectory,
+)
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Call(Generic[_T]):
+    """One unary call, ready to send: stub method name, request, deadline and response converter."""
+
+    method: str
+    request: Any
+    timeout: float
+    convert: Callable[[Any], _T]
+
+
+def request_id_or_new(request_id: str | None) -> str:
+    """The caller's id, or a fresh one: every attempt of this call (channel retries included) shares it,
+    so the server applies a mutating call once however often it is delivered."""
+    return str(uuid.uuid4()) if request_id is None else request_id
+
+
+def dispatch(
+    candidates: Iterable[PromptRef | str], *, wait: float, request_id: str | None, timeout: float
+) -> Call[DispatchResult]:
+    """Dispatch: candidates are prompt ids or PromptRefs, in preference order."""
+    if isinstance(candidates, (str, bytes)):
+        # A bare string would otherwise be iterated as one candidate per character.
+        raise TypeError("candidates must be a list of prompt ids or PromptRefs, not a single string")
+    request = pacer_pb2.DispatchRequest(
+        candidates=[PromptRef.of(c).to_pb() for c in candidates],
+        wait_seconds=wait,
+        request_id=request_id_or_new(request_id),
+    )
+    return Call("Dispatch", request, call_timeout(timeout, wait), DispatchResult.from_pb)
+
+
+def submit(trajectories: Sequence[Trajectory], *, request_id: str | None, timeout: float) -> Call[SubmitResult]:
+    """Submit: all-or-nothing on the server side."""
+    request = pacer_pb2.SubmitRequest(
+        trajectories=[t.to_pb() for t in trajectories], request_id=request_id_or_new(request_id)
+    )
+    return Call("Submit", request, timeout, SubmitResult.from_pb)
+
+
+def collect(
+    num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float
+) -> Call[CollectResult]:
+    """Collect: a retried Collect must not take a second batch, hence the request id here too."""
+    request = pacer_pb2.CollectRequest(
+        num_groups=num_groups,
+        wait_seconds=wait,
+        allow_partial=allow_partial,
+        request_id=request_id_or_new(request_id),
+    )
+    return Call("Collect", request, call_timeout(timeout, wait), CollectResult.from_pb)
+
+
+def reset(
+    mode: ResetMode | str | None,
+    *,
+    wait: float,
+    resume: bool,
+    weight_version: int,
+    request_id: str | None,
+    timeout: float,
+) -> Call[ResetResult]:
+    """Reset: mode "abort", "wait" or None (the server default)."""
+    request = pacer_pb2.ResetRequest(
+        mode=ResetMode.parse(mode),
+        wait_seconds=wait,
+        resume=resume,
+        weight_version=weight_version,
+        request_id=request_id_or_new(request_id),
+    )
+    return Call("Reset", request, call_timeout(timeout, wait), ResetResult.from_pb)
+
+
+def resume(weight_version: int, *, request_id: str | None, timeout: float) -> Call[ResumeResult]:
+    """Resume: a retry must not increment the step twice, hence the request id."""
+    request = pacer_pb2.ResumeRequest(weight_version=weight_version, request_id=request_id_or_new(request_id))
+    return Call("Resume", request, timeout, ResumeResult.from_pb)
+
+
+def get_state(*, timeout: float) -> Call[PacerState]:
+    """GetState: read-only, no request id."""
+    return Call("GetState", pacer_pb2.GetStateRequest(), timeout, PacerState.from_pb)
+
+
+WATCH_METHOD = "WatchControl"
+
+
+def watch_request() -> pacer_pb2.WatchControlRequest:
+    """WatchControl takes no parameters; the stream has no deadline."""
+    return pacer_pb2.WatchControlRequest()

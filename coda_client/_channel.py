@@ -1,0 +1,179 @@
+"""Channel construction shared by the sync and async clients: service config, options, credentials."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import grpc
+
+SERVICE = "coda.pacer.v1.RolloutPacer"
+# Calls that may long-poll: their deadline grows with the requested wait (see call_timeout).
+LONG_POLL_METHODS = ("Dispatch", "Collect", "Reset")
+SHORT_METHODS = ("Submit", "Resume", "GetState")
+STREAM_METHODS = ("WatchControl",)
+
+DEFAULT_TIMEOUT_SECONDS = 30.0
+# Added to a call's wait to get its deadline: the server answers a long-poll when the wait ends, and the
+# answer still needs time to be built and to travel.
+WAIT_MARGIN_SECONDS = 5.0
+# The service config's per-method timeout is a cap on every deadline (gRPC uses the smaller of the two),
+# so long-poll methods get a generous one; the server bounds its waits far below it.
+LONG_POLL_CAP_SECONDS = 3600.0
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+ChannelOptions = Union[Sequence[tuple[str, Any]], Mapping[str, Any], None]
+PemSource = Union[bytes, str, os.PathLike, None]
+
+
+def call_timeout(timeout: float, wait: float = 0.0) -> float:
+    """Per-call deadline: the client timeout, stretched for a long-poll so the wait is never cut short."""
+    return max(timeout, wait + WAIT_MARGIN_SECONDS) if wait > 0 else timeout
+
+
+def _seconds(value: float) -> str:
+    """proto3 JSON Duration, as the service config wants it ("2s", "0.1s")."""
+    return f"{value:g}s"
+
+
+def service_config(timeout: float = DEFAULT_TIMEOUT_SECONDS) -> dict[str, Any]:
+    """The channel's service config (gRPC A6/A2): per-method timeouts, wait-for-ready, UNAVAILABLE retries."""
+    # Only UNAVAILABLE is retried: it means the call never reached a working server (or the server was
+    # draining and refused it). Mutating calls carry a request_id the server de-duplicates, so even a
+    # retry of a call that did land is applied once.
+    retry_policy = {
+        "maxAttempts": 5,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+
+    def entry(methods: Sequence[str], cap: float | None) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "name": [{"service": SERVICE, "method": m} for m in methods],
+            # Queue calls while the sidecar (re)starts instead of failing them at once; the deadline
+            # still bounds the wait.
+            "waitForReady": True,
+            "retryPolicy": retry_policy,
+        }
+        if cap is not None:
+            config["timeout"] = _seconds(cap)
+        return config
+
+    return {
+        "methodConfig": [
+            entry(SHORT_METHODS, timeout),
+            entry(LONG_POLL_METHODS, max(timeout, LONG_POLL_CAP_SECONDS)),
+            entry(STREAM_METHODS, None),  # a watch lives as long as the caller wants it
+        ],
+        # Stop retrying when most calls fail (server down for good): each failure costs a token, each
+        # success gives back 0.1; retries stop below half of maxTokens.
+        "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
+    }
+
+
+def channel_options(
+    *,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    options: ChannelOptions = None,
+) -> list[tuple[str, Any]]:
+    """gRPC channel arguments; entries in `options` override the defaults key by key."""
+    merged: dict[str, Any] = {
+        # A Submit of a few long trajectories easily exceeds gRPC's 4 MiB default.
+        "grpc.max_send_message_length": max_message_bytes,
+        "grpc.max_receive_message_length": max_message_bytes,
+        "grpc.enable_retries": 1,
+        # A request larger than the retry buffer (256 KiB by default) is silently not retried; size it
+        # so a large Submit is retried like any other call.
+        "grpc.per_rpc_retry_buffer_size": max_message_bytes,
+        "grpc.service_config": json.dumps(service_config(timeout), sort_keys=True),
+        # Keepalive pings detect a dead server (or a silently dropped connection) during a long watch or
+        # long-poll. A gRPC server answers pings more frequent than its
+        # grpc.http2.min_ping_interval_without_data_ms (5 min by default) with GOAWAY "too_many_pings";
+        # coda-server accepts one every 10 s, so 30 s is safe. Raise it for a server with the default.
+        "grpc.keepalive_time_ms": 30_000,
+        # Declare the connection dead when a ping is not acknowledged within this time.
+        "grpc.keepalive_timeout_ms": 20_000,
+        # No pings without an active call: an idle client has nothing to lose.
+        "grpc.keepalive_permit_without_calls": 0,
+        "grpc.primary_user_agent": "coda-pacer-client",
+    }
+    if options:
+        merged.update(dict(options.items() if isinstance(options, Mapping) else options))
+    return list(merged.items())
+
+
+def _pem(source: PemSource) -> bytes | None:
+    """PEM bytes as given, PEM text as given, or the content of the file a str/path names."""
+    if source is None or isinstance(source, bytes):
+        return source
+    if isinstance(source, str) and source.lstrip().startswith("-----BEGIN"):
+        return source.encode("ascii")
+    return Path(source).read_bytes()
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS settings: each PEM value is bytes, PEM text, or a file path.
+
+    root_certificates: CA bundle to verify the server (None: the system roots).
+    certificate_chain / private_key: the client's certificate and key, for mutual TLS (both or neither).
+    server_name: overrides the name checked against the server certificate (e.g. connecting by IP).
+    """
+
+    root_certificates: PemSource = None
+    certificate_chain: PemSource = None
+    private_key: PemSource = None
+    server_name: str | None = None
+
+    @classmethod
+    def of(cls, tls: TlsSpec) -> TlsConfig | None:
+        """Normalises the `tls` argument: None/False (plaintext), True (system roots), a mapping or a TlsConfig."""
+        if tls is None or tls is False:
+            return None
+        if tls is True:
+            return cls()
+        if isinstance(tls, TlsConfig):
+            return tls
+        if isinstance(tls, Mapping):
+            return cls(**tls)
+        raise TypeError(f"tls must be None, True, a TlsConfig, a mapping or grpc.ChannelCredentials, not {tls!r}")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Channel credentials; raises ValueError when only one of certificate_chain/private_key is set."""
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("mutual TLS needs both certificate_chain and private_key")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.root_certificates),
+            private_key=_pem(self.private_key),
+            certificate_chain=_pem(self.certificate_chain),
+        )
+
+
+TlsSpec = Union[TlsConfig, Mapping[str, Any], bool, grpc.ChannelCredentials, None]
+
+
+def resolve_tls(tls: TlsSpec) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+    """Credentials (None: plaintext) and the extra channel options the TLS settings need."""
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls, []
+    config = TlsConfig.of(tls)
+    if config is None:
+        return None, []
+    extra = [("grpc.ssl_target_name_override", config.server_name)] if config.server_name else []
+    return config.credentials(), extra
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Metadata sent with every call: the bearer token, when one is configured.
+
+    Sent as plain call metadata rather than call credentials, which gRPC refuses on plaintext
+    channels (a sidecar on localhost often runs without TLS).
+    """
+    return (("authorization", f"Bearer {token}"),) if token else ()

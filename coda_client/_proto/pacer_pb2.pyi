@@ -1,0 +1,309 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TrajectoryStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRAJECTORY_STATUS_UNSPECIFIED: _ClassVar[TrajectoryStatus]
+    TRAJECTORY_STATUS_COMPLETED: _ClassVar[TrajectoryStatus]
+    TRAJECTORY_STATUS_FAILED: _ClassVar[TrajectoryStatus]
+    TRAJECTORY_STATUS_ABORTED: _ClassVar[TrajectoryStatus]
+
+class ResetMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESET_MODE_UNSPECIFIED: _ClassVar[ResetMode]
+    RESET_MODE_ABORT: _ClassVar[ResetMode]
+    RESET_MODE_WAIT: _ClassVar[ResetMode]
+
+class ControlEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTROL_EVENT_TYPE_UNSPECIFIED: _ClassVar[ControlEventType]
+    CONTROL_EVENT_TYPE_STATE: _ClassVar[ControlEventType]
+    CONTROL_EVENT_TYPE_PAUSE: _ClassVar[ControlEventType]
+    CONTROL_EVENT_TYPE_RESUME: _ClassVar[ControlEventType]
+    CONTROL_EVENT_TYPE_SHUTDOWN: _ClassVar[ControlEventType]
+TRAJECTORY_STATUS_UNSPECIFIED: TrajectoryStatus
+TRAJECTORY_STATUS_COMPLETED: TrajectoryStatus
+TRAJECTORY_STATUS_FAILED: TrajectoryStatus
+TRAJECTORY_STATUS_ABORTED: TrajectoryStatus
+RESET_MODE_UNSPECIFIED: ResetMode
+RESET_MODE_ABORT: ResetMode
+RESET_MODE_WAIT: ResetMode
+CONTROL_EVENT_TYPE_UNSPECIFIED: ControlEventType
+CONTROL_EVENT_TYPE_STATE: ControlEventType
+CONTROL_EVENT_TYPE_PAUSE: ControlEventType
+CONTROL_EVENT_TYPE_RESUME: ControlEventType
+CONTROL_EVENT_TYPE_SHUTDOWN: ControlEventType
+
+class PromptRef(_message.Message):
+    __slots__ = ("prompt_id", "ds_index", "epoch", "index")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    DS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    ds_index: int
+    epoch: int
+    index: int
+    def __init__(self, prompt_id: _Optional[str] = ..., ds_index: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class Trajectory(_message.Message):
+    __slots__ = ("trajectory_id", "prompt_id", "ds_index", "status", "reward", "token_ids", "logprobs", "loss_mask", "start_weight_version", "end_weight_version", "num_turns", "metadata", "payload")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    DS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    START_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    END_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    prompt_id: str
+    ds_index: int
+    status: TrajectoryStatus
+    reward: float
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    start_weight_version: int
+    end_weight_version: int
+    num_turns: int
+    metadata: _containers.ScalarMap[str, str]
+    payload: bytes
+    def __init__(self, trajectory_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., ds_index: _Optional[int] = ..., status: _Optional[_Union[TrajectoryStatus, str]] = ..., reward: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., start_weight_version: _Optional[int] = ..., end_weight_version: _Optional[int] = ..., num_turns: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class TrajectoryGroup(_message.Message):
+    __slots__ = ("prompt_id", "seq", "ds_index", "epoch", "index", "trajectories")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    seq: int
+    ds_index: int
+    epoch: int
+    index: int
+    trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
+    def __init__(self, prompt_id: _Optional[str] = ..., seq: _Optional[int] = ..., ds_index: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
+
+class DispatchRequest(_message.Message):
+    __slots__ = ("candidates", "wait_seconds", "request_id")
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    candidates: _containers.RepeatedCompositeFieldContainer[PromptRef]
+    wait_seconds: float
+    request_id: str
+    def __init__(self, candidates: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class AdmittedPrompt(_message.Message):
+    __slots__ = ("prompt_id", "seq")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    seq: int
+    def __init__(self, prompt_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class DispatchResponse(_message.Message):
+    __slots__ = ("admitted", "paused", "step", "weight_version", "generation", "running", "buffered", "capacity", "remaining")
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    admitted: _containers.RepeatedCompositeFieldContainer[AdmittedPrompt]
+    paused: bool
+    step: int
+    weight_version: int
+    generation: int
+    running: int
+    buffered: int
+    capacity: int
+    remaining: int
+    def __init__(self, admitted: _Optional[_Iterable[_Union[AdmittedPrompt, _Mapping]]] = ..., paused: _Optional[bool] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., running: _Optional[int] = ..., buffered: _Optional[int] = ..., capacity: _Optional[int] = ..., remaining: _Optional[int] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("trajectories", "request_id")
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
+    request_id: str
+    def __init__(self, trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("accepted", "duplicates", "groups_completed")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    duplicates: int
+    groups_completed: int
+    def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., groups_completed: _Optional[int] = ...) -> None: ...
+
+class CollectRequest(_message.Message):
+    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id")
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    num_groups: int
+    wait_seconds: float
+    allow_partial: bool
+    request_id: str
+    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class CollectResponse(_message.Message):
+    __slots__ = ("groups", "timed_out")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
+    timed_out: bool
+    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., timed_out: _Optional[bool] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("mode", "wait_seconds", "resume", "weight_version", "request_id")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    mode: ResetMode
+    wait_seconds: float
+    resume: bool
+    weight_version: int
+    request_id: str
+    def __init__(self, mode: _Optional[_Union[ResetMode, str]] = ..., wait_seconds: _Optional[float] = ..., resume: _Optional[bool] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused")
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    restored: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
+    dropped_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    pause_delay_seconds: float
+    generation: int
+    step: int
+    weight_version: int
+    paused: bool
+    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("weight_version", "request_id")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    request_id: str
+    def __init__(self, weight_version: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("step", "weight_version")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weight_version: int
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class GetStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStateResponse(_message.Message):
+    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary")
+    class ConfigSummaryEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    RESETTING_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    COLLECTED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STALE_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    buffered: int
+    queued_trajectories: int
+    capacity: int
+    window_size: int
+    step: int
+    weight_version: int
+    generation: int
+    paused: bool
+    resetting: bool
+    strategy: str
+    dispatched: int
+    submitted: int
+    collected: int
+    consumed: int
+    filtered: int
+    restored: int
+    dropped: int
+    stale_rejected: int
+    duplicates: int
+    config_summary: _containers.ScalarMap[str, str]
+    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class WatchControlRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ControlEvent(_message.Message):
+    __slots__ = ("type", "mode", "weight_version", "step", "generation", "paused")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    type: ControlEventType
+    mode: ResetMode
+    weight_version: int
+    step: int
+    generation: int
+    paused: bool
+    def __init__(self, type: _Optional[_Union[ControlEventType, str]] = ..., mode: _Optional[_Union[ResetMode, str]] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...

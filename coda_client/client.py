@@ -1,0 +1,398 @@
+"""PacerClient (blocking) and AsyncPacerClient (grpc.aio): thin typed wrappers over the RolloutPacer stub."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from . import _calls
+from ._calls import Call
+from ._channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TIMEOUT_SECONDS,
+    ChannelOptions,
+    TlsSpec,
+    call_metadata,
+    channel_options,
+    resolve_tls,
+)
+from ._proto import pacer_pb2_grpc
+from .errors import translate
+from .types import (
+    CollectResult,
+    ControlEvent,
+    DispatchResult,
+    PacerState,
+    PromptRef,
+    ResetMode,
+    ResetResult,
+    ResumeResult,
+    SubmitResult,
+    Trajectory,
+    TrajectoryGroup,
+)
+
+__all__ = ["PacerClient", "AsyncPacerClient", "ControlStream", "AsyncControlStream"]
+
+_T = TypeVar("_T")
+
+# Every client alive in this process, so the fork hook can make the child build its own channel.
+_LIVE_CLIENTS: weakref.WeakSet[_ClientBase] = weakref.WeakSet()
+# Channels inherited from the parent. They are kept referenced, never closed or collected, in the
+# child: their destructors would drive gRPC core state that belongs to the parent process.
+_INHERITED_CHANNELS: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    """os.register_at_fork hook: the child drops every inherited channel and rebuilds on its next call."""
+    for client in list(_LIVE_CLIENTS):
+        client._forget_inherited_channel()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _StreamBase:
+    """Shared state of a watch stream: the gRPC call and whether this side cancelled it."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """Ends the stream; a pending or later read finishes the iteration instead of raising."""
+        self._cancelled = True
+        self._call.cancel()
+
+
+class ControlStream(_StreamBase):
+    """Iterator of ControlEvent from WatchControl; ends on server close, cancel() or client close()."""
+
+    def __iter__(self) -> ControlStream:
+        return self
+
+    def __next__(self) -> ControlEvent:
+        try:
+            message = next(self._call)
+        except grpc.RpcError as exc:
+            if self._cancelled:  # our own cancel (or the client's close): a normal end, not an error
+                raise StopIteration from None
+            raise translate(exc) from exc
+        return ControlEvent.from_pb(message)
+
+    def __enter__(self) -> ControlStream:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.cancel()
+
+
+class AsyncControlStream(_StreamBase):
+    """Async iterator of ControlEvent from WatchControl; ends on server close, cancel() or client close()."""
+
+    def __aiter__(self) -> AsyncControlStream:
+        return self
+
+    async def __anext__(self) -> ControlEvent:
+        try:
+            message = await self._call.read()
+        except asyncio.CancelledError:
+            # grpc.aio reports a locally cancelled call as CancelledError; only swallow it when we
+            # cancelled the call, so cancelling the awaiting task still propagates.
+            if self._cancelled:
+                raise StopAsyncIteration from None
+            raise
+        except grpc.RpcError as exc:
+            if self._cancelled:
+                raise StopAsyncIteration from None
+            raise translate(exc) from exc
+        if message is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return ControlEvent.from_pb(message)
+
+    async def __aenter__(self) -> AsyncControlStream:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.cancel()
+
+
+class _ClientBase:
+    """Configuration, per-process channel bookkeeping and call building shared by both clients."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: TlsSpec = None,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        options: ChannelOptions = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.target = target
+        self.timeout = float(timeout)
+        self._metadata = call_metadata(token)
+        # Resolved now so a bad certificate path fails at construction, not at the first call.
+        self._credentials, tls_options = resolve_tls(tls)
+        user_options = dict(options.items() if isinstance(options, Mapping) else options or ())
+        self._options = channel_options(
+            timeout=self.timeout, max_message_bytes=max_message_bytes, options={**dict(tls_options), **user_options}
+        )
+        self._lock = threading.Lock()
+        self._channel: Any = None
+        self._stub: Any = None
+        self._pid = os.getpid()
+        self._closed = False
+        self._streams: weakref.WeakSet[_StreamBase] = weakref.WeakSet()
+        _LIVE_CLIENTS.add(self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.target!r})"
+
+    def _new_channel(self) -> Any:
+        raise NotImplementedError
+
+    def _stub_for_process(self) -> pacer_pb2_grpc.RolloutPacerStub:
+        """The stub of this process's channel, created on first use (and again in a forked child)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self!r} is closed")
+            if self._pid != os.getpid():  # forked without the hook having run (belt and braces)
+                self._forget_inherited_channel_locked()
+            if self._stub is None:
+                self._channel = self._new_channel()
+                self._stub = pacer_pb2_grpc.RolloutPacerStub(self._channel)
+            return self._stub
+
+    def _forget_inherited_channel_locked(self) -> None:
+        if self._channel is not None:
+            _INHERITED_CHANNELS.append(self._channel)
+        self._channel = self._stub = None
+        self._streams = weakref.WeakSet()
+        self._pid = os.getpid()
+
+    def _forget_inherited_channel(self) -> None:
+        # A fresh lock: another parent thread may have held the old one at the moment of fork.
+        self._lock = threading.Lock()
+        self._forget_inherited_channel_locked()
+
+    def _track(self, stream: _StreamBase) -> None:
+        with self._lock:
+            self._streams.add(stream)
+
+    def _detach(self) -> Any:
+        """Marks the client closed, cancels its watch streams and hands back the channel to close."""
+        with self._lock:
+            self._closed = True
+            if self._pid != os.getpid():
+                self._forget_inherited_channel_locked()
+            channel, self._channel, self._stub = self._channel, None, None
+            streams = list(self._streams)
+        for stream in streams:
+            stream.cancel()
+        return channel
+
+    def _watch_call(self) -> Any:
+        """Starts WatchControl (no deadline: the stream lives until cancelled or the server ends it)."""
+        return self._stub_for_process().WatchControl(_calls.watch_request(), metadata=self._metadata)
+
+    # Call builders shared by both clients; the public methods only add blocking or awaiting.
+    def _dispatch(self, candidates: Iterable[PromptRef | str], wait: float, request_id: str | None) -> Call[Any]:
+        return _calls.dispatch(candidates, wait=wait, request_id=request_id, timeout=self.timeout)
+
+    def _submit(self, trajectories: Sequence[Trajectory], request_id: str | None) -> Call[Any]:
+        return _calls.submit(trajectories, request_id=request_id, timeout=self.timeout)
+
+    def _collect(self, num_groups: int, wait: float, allow_partial: bool, request_id: str | None) -> Call[Any]:
+        return _calls.collect(
+            num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id, timeout=self.timeout
+        )
+
+    def _reset(self, mode: Any, wait: float, resume: bool, weight_version: int, request_id: str | None) -> Call[Any]:
+        return _calls.reset(
+            mode, wait=wait, resume=resume, weight_version=weight_version, request_id=request_id, timeout=self.timeout
+        )
+
+    def _resume(self, weight_version: int, request_id: str | None) -> Call[Any]:
+        return _calls.resume(weight_version, request_id=request_id, timeout=self.timeout)
+
+    def _get_state(self) -> Call[Any]:
+        return _calls.get_state(timeout=self.timeout)
+
+
+class PacerClient(_ClientBase):
+    """Blocking client of the RolloutPacer service; thread-safe, one channel per process.
+
+    target: "host:port". token: bearer token sent with every call. tls: None (plaintext), True (system
+    roots), a TlsConfig or mapping of its fields (root cert, client cert/key for mTLS, server name), or
+    grpc.ChannelCredentials. timeout: default deadline in seconds; long-polls get wait + a margin.
+    options: extra gRPC channel arguments, overriding the defaults. Errors raise PacerClientError subclasses.
+    """
+
+    def _new_channel(self) -> grpc.Channel:
+        if self._credentials is None:
+            return grpc.insecure_channel(self.target, options=self._options)
+        return grpc.secure_channel(self.target, self._credentials, options=self._options)
+
+    def _run(self, call: Call[_T]) -> _T:
+        rpc = getattr(self._stub_for_process(), call.method)
+        try:
+            response = rpc(call.request, timeout=call.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise translate(exc) from exc
+        return call.convert(response)
+
+    def dispatch(
+        self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None
+    ) -> DispatchResult:
+        """Proposes prompt groups (ids or PromptRefs); admits the first k allowed. No candidates: a peek."""
+        return self._run(self._dispatch(candidates, wait, request_id))
+
+    def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None) -> SubmitResult:
+        """Reports trajectories; a request_id is generated when None so retries are de-duplicated."""
+        return self._run(self._submit(trajectories, request_id))
+
+    def collect(
+        self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
+    ) -> list[TrajectoryGroup]:
+        """Takes num_groups complete groups, waiting up to `wait` seconds; [] on timeout unless allow_partial."""
+        return self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id).groups
+
+    def collect_result(
+        self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
+    ) -> CollectResult:
+        """Like collect(), also telling whether the wait timed out."""
+        return self._run(self._collect(num_groups, wait, allow_partial, request_id))
+
+    def reset(
+        self,
+        mode: ResetMode | str | None = None,
+        *,
+        wait: float = 0.0,
+        resume: bool = False,
+        weight_version: int = 0,
+        request_id: str | None = None,
+    ) -> ResetResult:
+        """Step boundary: mode "abort", "wait" or None (server default); optionally resumes at once."""
+        return self._run(self._reset(mode, wait, resume, weight_version, request_id))
+
+    def resume(self, weight_version: int, *, request_id: str | None = None) -> ResumeResult:
+        """Increments the step, records weight_version and reopens dispatch."""
+        return self._run(self._resume(weight_version, request_id))
+
+    def state(self) -> PacerState:
+        """Every counter of the pacer (GetState)."""
+        return self._run(self._get_state())
+
+    def watch(self) -> ControlStream:
+        """Control events, first the current state; iterate it, cancel() it, or close the client to end it."""
+        stream = ControlStream(self._watch_call())
+        self._track(stream)
+        return stream
+
+    def close(self) -> None:
+        """Ends open watch streams and closes the channel; the client cannot be used afterwards."""
+        channel = self._detach()
+        if channel is not None:
+            channel.close()
+
+    def __enter__(self) -> PacerClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class AsyncPacerClient(_ClientBase):
+    """grpc.aio client with PacerClient's calls as coroutines; use it from one event loop.
+
+    Same arguments as PacerClient. The channel is created on the first call, inside the running loop.
+    """
+
+    def _new_channel(self) -> grpc.aio.Channel:
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(self.target, options=self._options)
+        return grpc.aio.secure_channel(self.target, self._credentials, options=self._options)
+
+    async def _run(self, call: Call[_T]) -> _T:
+        rpc = getattr(self._stub_for_process(), call.method)
+        try:
+            response = await rpc(call.request, timeout=call.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise translate(exc) from exc
+        return call.convert(response)
+
+    async def dispatch(
+        self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None
+    ) -> DispatchResult:
+        """Coroutine form of PacerClient.dispatch."""
+        return await self._run(self._dispatch(candidates, wait, request_id))
+
+    async def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None) -> SubmitResult:
+        """Coroutine form of PacerClient.submit."""
+        return await self._run(self._submit(trajectories, request_id))
+
+    async def collect(
+        self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
+    ) -> list[TrajectoryGroup]:
+        """Coroutine form of PacerClient.collect."""
+        result = await self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id)
+        return result.groups
+
+    async def collect_result(
+        self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
+    ) -> CollectResult:
+        """Coroutine form of PacerClient.collect_result."""
+        return await self._run(self._collect(num_groups, wait, allow_partial, request_id))
+
+    async def reset(
+        self,
+        mode: ResetMode | str | None = None,
+        *,
+        wait: float = 0.0,
+        resume: bool = False,
+        weight_version: int = 0,
+        request_id: str | None = None,
+    ) -> ResetResult:
+        """Coroutine form of PacerClient.reset."""
+        return await self._run(self._reset(mode, wait, resume, weight_version, request_id))
+
+    async def resume(self, weight_version: int, *, request_id: str | None = None) -> ResumeResult:
+        """Coroutine form of PacerClient.resume."""
+        return await self._run(self._resume(weight_version, request_id))
+
+    async def state(self) -> PacerState:
+        """Coroutine form of PacerClient.state."""
+        return await self._run(self._get_state())
+
+    def watch(self) -> AsyncControlStream:
+        """Async iterator of control events (`async for event in client.watch()`); cancel() or close() ends it."""
+        stream = AsyncControlStream(self._watch_call())
+        self._track(stream)
+        return stream
+
+    async def close(self) -> None:
+        """Ends open watch streams and closes the channel; the client cannot be used afterwards."""
+        channel = self._detach()
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> AsyncPacerClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

@@ -1,0 +1,143 @@
+"""The client's exception hierarchy and the translation of grpc.RpcError into it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import grpc
+
+from ._status import STATUS_DETAILS_KEY, FieldViolation, StatusDetails, decode_status
+
+__all__ = [
+    "STALE_GENERATION",
+    "ERROR_DOMAIN",
+    "FieldViolation",
+    "PacerClientError",
+    "BadRequestError",
+    "UnknownPromptError",
+    "FailedPreconditionError",
+    "StaleGenerationError",
+    "ResourceExhaustedError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "DeadlineExceededError",
+    "translate",
+]
+
+# google.rpc.ErrorInfo reason for a trajectory whose prompt was dispatched before the last Reset.
+STALE_GENERATION = "STALE_GENERATION"
+# google.rpc.ErrorInfo domain the server uses.
+ERROR_DOMAIN = "coda.pacer.v1"
+
+
+class PacerClientError(Exception):
+    """A failed pacer call: the gRPC code, the server's message and the decoded status details."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        *,
+        field_violations: tuple[FieldViolation, ...] = (),
+        reason: str = "",
+        domain: str = "",
+        metadata: Mapping[str, str] | None = None,
+        retry_delay: float | None = None,
+    ) -> None:
+        self.code = code
+        self.details = details
+        self.field_violations = tuple(field_violations)
+        self.reason = reason
+        self.domain = domain
+        self.metadata = MappingProxyType(dict(metadata or {}))
+        self.retry_delay = retry_delay
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        """One line for logs: code, message, then the violations or the reason."""
+        text = f"{self.code.name}: {self.details}" if self.details else self.code.name
+        if self.field_violations:
+            text += " [" + "; ".join(f"{v.field}: {v.description}" for v in self.field_violations) + "]"
+        if self.reason:
+            text += f" (reason {self.reason})"
+        return text
+
+
+class BadRequestError(PacerClientError):
+    """INVALID_ARGUMENT: malformed request, bad value, or a known id with different content."""
+
+
+class UnknownPromptError(PacerClientError):
+    """NOT_FOUND: a trajectory for a prompt that was never dispatched."""
+
+
+class FailedPreconditionError(PacerClientError):
+    """FAILED_PRECONDITION: the call conflicts with the pacer's state (e.g. a Reset is already running)."""
+
+
+class StaleGenerationError(FailedPreconditionError):
+    """FAILED_PRECONDITION with reason STALE_GENERATION: the prompt was dispatched before the last Reset."""
+
+
+class ResourceExhaustedError(PacerClientError):
+    """RESOURCE_EXHAUSTED: a buffer or byte cap is full; retry after `retry_delay` seconds (None: unknown)."""
+
+
+class UnauthenticatedError(PacerClientError):
+    """UNAUTHENTICATED: missing or wrong bearer token."""
+
+
+class UnavailableError(PacerClientError):
+    """UNAVAILABLE: the server is unreachable or shutting down (after the channel's own retries)."""
+
+
+class DeadlineExceededError(PacerClientError):
+    """DEADLINE_EXCEEDED: no answer in time; calls wait for a ready server, so an unreachable one ends here."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[PacerClientError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: BadRequestError,
+    grpc.StatusCode.NOT_FOUND: UnknownPromptError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def _status_details(rpc_error: grpc.RpcError) -> StatusDetails:
+    """Decodes the grpc-status-details-bin trailer; missing or malformed details read as empty."""
+    trailing = getattr(rpc_error, "trailing_metadata", None)
+    try:
+        for key, value in (trailing() if callable(trailing) else None) or ():
+            if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
+                return decode_status(value)
+    except ValueError:
+        # Details are a best-effort extra: a garbled trailer must not hide the real error code.
+        pass
+    return StatusDetails()
+
+
+def translate(rpc_error: grpc.RpcError) -> PacerClientError:
+    """Maps a grpc.RpcError (sync or grpc.aio) to the most specific PacerClientError subclass."""
+    code_fn = getattr(rpc_error, "code", None)
+    code = code_fn() if callable(code_fn) else None
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+    details_fn = getattr(rpc_error, "details", None)
+    status = _status_details(rpc_error)
+    message = (details_fn() if callable(details_fn) else None) or status.message
+    cls = _BY_CODE.get(code, PacerClientError)
+    if cls is FailedPreconditionError and status.reason == STALE_GENERATION:
+        cls = StaleGenerationError
+    return cls(
+        code,
+        message,
+        field_violations=status.field_violations,
+        reason=status.reason,
+        domain=status.domain,
+        metadata=status.metadata,
+        retry_delay=status.retry_delay,
+    )
