@@ -243,6 +243,25 @@ class CollectResult:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """The seed framework's step-boundary metrics over the groups the trainer took in one step."""
+
+    step: int
+    pipeline_buf_size: int
+    filter_drop: int
+    partial_ratio: float
+    partial_span_max: int
+    partial_restored_count: int
+    partial_dropped_incomplete_count: int
+    pause_delay: float
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.StepReport) -> StepReport:
+        """From the wire message."""
+        return _from_fields(cls, msg)
+
+
+@dataclass(frozen=True)
 class ResetResult:
     """Reset answer: restored groups, dropped incomplete prompt ids, and the state after the call."""
 
@@ -253,11 +272,13 @@ class ResetResult:
     step: int
     weight_version: int
     paused: bool
+    report: StepReport
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.ResetResponse) -> ResetResult:
         """From the wire message."""
-        return _from_fields(cls, msg, restored=_groups(msg.restored), dropped_prompt_ids=list(msg.dropped_prompt_ids))
+        return _from_fields(cls, msg, restored=_groups(msg.restored), dropped_prompt_ids=list(msg.dropped_prompt_ids),
+                            report=StepReport.from_pb(msg.report))
 
 
 @dataclass(frozen=True)
@@ -298,11 +319,14 @@ class PacerState:
     stale_rejected: int
     duplicates: int
     config_summary: dict[str, str]
+    waiting_calls: int  # long-polls waiting in the server now
+    recent_reports: list[StepReport]  # oldest first
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.GetStateResponse) -> PacerState:
         """From the wire message."""
-        return _from_fields(cls, msg, config_summary=dict(msg.config_summary))
+        return _from_fields(cls, msg, config_summary=dict(msg.config_summary),
+                            recent_reports=[StepReport.from_pb(r) for r in msg.recent_reports])
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Conversion between protobuf messages and the pacing core's types; nothing else."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Sequence
 
 from coda_client._proto import pacer_pb2 as pb
@@ -15,6 +16,7 @@ from .core.types import (
     ResetMode,
     ResetResult,
     ResumeResult,
+    StepReport,
     SubmitResult,
     Trajectory,
     TrajectoryGroup,
@@ -104,11 +106,15 @@ def collect_response(result: CollectResult) -> pb.CollectResponse:
     return pb.CollectResponse(groups=[group_message(g) for g in result.groups], timed_out=result.timed_out)
 
 
+def step_report(report: StepReport) -> pb.StepReport:
+    return pb.StepReport(**dataclasses.asdict(report))
+
+
 def reset_response(result: ResetResult) -> pb.ResetResponse:
     return pb.ResetResponse(
         restored=[group_message(g) for g in result.restored], dropped_prompt_ids=result.dropped_prompt_ids,
         pause_delay_seconds=result.pause_delay_seconds, generation=result.generation, step=result.step,
-        weight_version=result.weight_version, paused=result.paused,
+        weight_version=result.weight_version, paused=result.paused, report=step_report(result.report),
     )
 
 
@@ -118,11 +124,12 @@ def resume_response(result: ResumeResult) -> pb.ResumeResponse:
 
 STATE_FIELDS = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version",
                 "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed",
-                "filtered", "restored", "dropped", "stale_rejected", "duplicates")
+                "filtered", "restored", "dropped", "stale_rejected", "duplicates", "waiting_calls")
 
 
 def state_response(state: PacerState) -> pb.GetStateResponse:
     return pb.GetStateResponse(config_summary=state.config_summary,
+                               recent_reports=[step_report(r) for r in state.recent_reports],
                                **{name: getattr(state, name) for name in STATE_FIELDS})
 
 

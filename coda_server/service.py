@@ -78,7 +78,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
-        return convert.state_response(self._pacer.pacer.state())
+        return convert.state_response(self._pacer.state())
 
     async def WatchControl(self, request: pb.WatchControlRequest, context) -> AsyncIterator[pb.ControlEvent]:
         async for event in self._pacer.watch():

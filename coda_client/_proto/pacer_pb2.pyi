@@ -198,7 +198,7 @@ class ResetRequest(_message.Message):
     def __init__(self, mode: _Optional[_Union[ResetMode, str]] = ..., wait_seconds: _Optional[float] = ..., resume: _Optional[bool] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused")
+    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused", "report")
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class ResetResponse(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     restored: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     dropped_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     pause_delay_seconds: float
@@ -213,7 +214,8 @@ class ResetResponse(_message.Message):
     step: int
     weight_version: int
     paused: bool
-    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...
+    report: StepReport
+    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("weight_version", "request_id")
@@ -236,7 +238,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary")
+    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports")
     class ConfigSummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +267,8 @@ class GetStateResponse(_message.Message):
     STALE_REJECTED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     CONFIG_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_REPORTS_FIELD_NUMBER: _ClassVar[int]
     running: int
     buffered: int
     queued_trajectories: int
@@ -286,7 +290,29 @@ class GetStateResponse(_message.Message):
     stale_rejected: int
     duplicates: int
     config_summary: _containers.ScalarMap[str, str]
-    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    waiting_calls: int
+    recent_reports: _containers.RepeatedCompositeFieldContainer[StepReport]
+    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("step", "pipeline_buf_size", "filter_drop", "partial_ratio", "partial_span_max", "partial_restored_count", "partial_dropped_incomplete_count", "pause_delay")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_BUF_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FILTER_DROP_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_RATIO_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_SPAN_MAX_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_RESTORED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_DROPPED_INCOMPLETE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_DELAY_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    pipeline_buf_size: int
+    filter_drop: int
+    partial_ratio: float
+    partial_span_max: int
+    partial_restored_count: int
+    partial_dropped_incomplete_count: int
+    pause_delay: float
+    def __init__(self, step: _Optional[int] = ..., pipeline_buf_size: _Optional[int] = ..., filter_drop: _Optional[int] = ..., partial_ratio: _Optional[float] = ..., partial_span_max: _Optional[int] = ..., partial_restored_count: _Optional[int] = ..., partial_dropped_incomplete_count: _Optional[int] = ..., pause_delay: _Optional[float] = ...) -> None: ...
 
 class WatchControlRequest(_message.Message):
     __slots__ = ()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
@@ -12,6 +13,7 @@ from .types import (
     ControlEvent,
     ControlEventType,
     DispatchResult,
+    PacerState,
     PromptRef,
     ResetMode,
     ResetResult,
@@ -21,6 +23,8 @@ from .types import (
 )
 
 WATCH_QUEUE_LIMIT = 1024
+# Answers that carry trajectories (Collect, Reset) are large: only the most recent few are kept for replay.
+DATA_REPLAY_LIMIT = 64
 
 
 class RequestReplayCache:
@@ -32,13 +36,13 @@ class RequestReplayCache:
 
     def __init__(self, size: int):
         self._size = size
-        self._done: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._running: dict[tuple[str, str], asyncio.Future] = {}
+        self._done: OrderedDict[str, Any] = OrderedDict()
+        self._running: dict[str, asyncio.Future] = {}
 
-    async def run(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
+    async def run(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
         if not request_id:
             return await call()
-        key = (method, request_id)
+        key = request_id
         if key in self._done:
             self._done.move_to_end(key)
             return self._done[key]
@@ -67,12 +71,15 @@ class AsyncPacer:
     def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0, request_id_cache_size: int = 65536):
         self.pacer = pacer
         self.max_wait_seconds = max_wait_seconds
-        self._replay = RequestReplayCache(request_id_cache_size)
+        self._replay = {method: RequestReplayCache(request_id_cache_size) for method in ("Dispatch", "Submit", "Resume")}
+        self._replay.update({method: RequestReplayCache(min(DATA_REPLAY_LIMIT, request_id_cache_size))
+                             for method in ("Collect", "Reset")})
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
         self._change: Optional[asyncio.Future] = None
         self._watchers: set[asyncio.Queue] = set()
         self._draining = False
+        self.waiting_calls = 0
         pacer.add_change_listener(self._on_change)
         pacer.add_control_listener(self._on_control)
 
@@ -113,12 +120,18 @@ class AsyncPacer:
         deadline = loop.time() + self.clamp_wait(wait)
         while True:
             change = self._next_change()  # taken before the check, so no wake-up is lost
+            if self._draining or self.pacer.closed:
+                return False
             if ready():
                 return True
             remaining = deadline - loop.time()
-            if remaining <= 0 or self._draining or self.pacer.closed:
+            if remaining <= 0:
                 return False
-            await asyncio.wait((change,), timeout=remaining)
+            self.waiting_calls += 1
+            try:
+                await asyncio.wait((change,), timeout=remaining)
+            finally:
+                self.waiting_calls -= 1
 
     def clamp_wait(self, wait: float) -> float:
         return min(max(0.0, float(wait)), self.max_wait_seconds)
@@ -137,15 +150,17 @@ class AsyncPacer:
                 return bool(holder[0].admitted)
 
             await self._wait_until(admitted_some, wait)
+            if self._draining:  # answered because the server is going away: nothing will be admitted
+                return dataclasses.replace(holder[0], paused=True, remaining=0)
             return holder[0]
 
-        return await self._replay.run("Dispatch", request_id, call)
+        return await self._replay["Dispatch"].run(request_id, call)
 
     async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         async def call() -> SubmitResult:
             return self.pacer.submit(trajectories)
 
-        return await self._replay.run("Submit", request_id, call)
+        return await self._replay["Submit"].run(request_id, call)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "") -> CollectResult:
@@ -162,7 +177,7 @@ class AsyncPacer:
                 return holder[0]
             return self.pacer.collect_now(num_groups, allow_partial)
 
-        return await self._replay.run("Collect", request_id, call)
+        return await self._replay["Collect"].run(request_id, call)
 
     async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: float = 0.0, resume: bool = False,
                     weight_version: Optional[int] = None, request_id: str = "") -> ResetResult:
@@ -173,7 +188,7 @@ class AsyncPacer:
             task = asyncio.ensure_future(self._finish_reset(wait, resume, weight_version))
             return await asyncio.shield(task)
 
-        return await self._replay.run("Reset", request_id, call)
+        return await self._replay["Reset"].run(request_id, call)
 
     async def _finish_reset(self, wait: float, resume: bool, weight_version: Optional[int]) -> ResetResult:
         try:
@@ -187,7 +202,10 @@ class AsyncPacer:
         async def call() -> ResumeResult:
             return self.pacer.resume(weight_version)
 
-        return await self._replay.run("Resume", request_id, call)
+        return await self._replay["Resume"].run(request_id, call)
+
+    def state(self) -> PacerState:
+        return dataclasses.replace(self.pacer.state(), waiting_calls=self.waiting_calls)
 
     # ------------------------------------------------------------- watchers
 

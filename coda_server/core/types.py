@@ -193,6 +193,7 @@ class PacerState:
     duplicates: int
     config_summary: Mapping[str, str] = field(default_factory=dict)
     recent_reports: list[StepReport] = field(default_factory=list)
+    waiting_calls: int = 0  # long-polls waiting now (filled in by the asyncio face)
 
     def invariant_holds(self) -> bool:
         """dispatched = running + collected + filtered + restored + dropped, and buffered = collected - consumed."""

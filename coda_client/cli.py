@@ -1,0 +1,172 @@
+"""`coda-client`: state, health, watch, reset and resume against a running server, for humans and probes."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import queue
+import sys
+import threading
+from typing import Any, Optional, Sequence, TextIO
+
+import grpc
+
+from .client import PacerClient
+from .errors import PacerClientError
+from .types import ControlEvent, ControlEventType, PacerState
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coda-client", description="Talk to a running coda-server.")
+    parser.add_argument("--address", default=os.environ.get("CODA_ADDRESS", DEFAULT_ADDRESS),
+                        help=f"server host:port (default: $CODA_ADDRESS, else {DEFAULT_ADDRESS})")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+    parser.add_argument("--token-file", default=os.environ.get("CODA_TOKEN_FILE"),
+                        help="file holding the bearer token (default: $CODA_TOKEN_FILE; $CODA_TOKEN also works)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    state = commands.add_parser("state", help="print the pacer's counters")
+    state.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+
+    health = commands.add_parser("health", help="probe grpc.health.v1; exit 0 only when SERVING")
+    health.add_argument("--service", default="readiness", help='health service name: "", liveness or readiness')
+
+    watch = commands.add_parser("watch", help="live view of the window, refreshed on every control event")
+    watch.add_argument("--count", type=int, default=0, help="stop after this many frames (0: until SHUTDOWN)")
+    watch.add_argument("--interval", type=float, default=1.0, help="refresh at least this often, seconds")
+
+    reset = commands.add_parser("reset", help="step boundary: pause, restore/drop running groups")
+    reset.add_argument("--mode", choices=["abort", "wait"], default=None, help="default: the server's rollout.partial")
+    reset.add_argument("--wait", type=float, default=0.0, help="seconds to wait for running groups to assemble")
+    reset.add_argument("--resume", action="store_true", help="resume at once with --weight-version")
+    reset.add_argument("--weight-version", type=int, default=0)
+
+    resume = commands.add_parser("resume", help="step += 1, set the weight version, reopen dispatch")
+    resume.add_argument("--weight-version", type=int, required=True)
+    return parser
+
+
+def read_token(token_file: Optional[str]) -> Optional[str]:
+    if token_file:
+        with open(token_file, encoding="utf-8") as handle:
+            return handle.read().strip() or None
+    return os.environ.get("CODA_TOKEN") or None
+
+
+def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "health":
+        return probe_health(args.address, args.service, args.timeout, out)
+    try:
+        with PacerClient(args.address, token=read_token(args.token_file), timeout=args.timeout) as client:
+            if args.command == "state":
+                state = client.state()
+                out.write((json.dumps(as_json(state), sort_keys=True) if args.json else render_state(state)) + "\n")
+            elif args.command == "watch":
+                run_watch(client, out, count=args.count, interval=args.interval)
+            elif args.command == "reset":
+                result = client.reset(args.mode, wait=args.wait, resume=args.resume,
+                                      weight_version=args.weight_version)
+                out.write(json.dumps(as_json(result), sort_keys=True) + "\n")
+            elif args.command == "resume":
+                out.write(json.dumps(as_json(client.resume(args.weight_version)), sort_keys=True) + "\n")
+    except PacerClientError as error:
+        print(f"coda-client: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def probe_health(address: str, service: str, timeout: float, out: TextIO) -> int:
+    """Exit code for orchestration: 0 SERVING, 1 anything else (including unreachable)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # only the probe needs the health stubs
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as error:
+            out.write(f"{service or '(server)'}: {error.code().name}\n")
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    out.write(f"{service or '(server)'}: {status}\n")
+    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def as_json(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: as_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: as_json(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return value.hex()
+    if hasattr(value, "name") and isinstance(value, int):  # IntEnum
+        return value.name
+    return value
+
+
+def render_state(state: PacerState) -> str:
+    window = state.window_size or 1
+    bar_width = 40
+    running = round(bar_width * state.running / window)
+    buffered = round(bar_width * state.buffered / window)
+    bar = ("R" * running + "Q" * buffered).ljust(bar_width, ".")[:bar_width]
+    return "\n".join([
+        f"strategy {state.strategy}   step {state.step}   weight version {state.weight_version}   "
+        f"generation {state.generation}   {'PAUSED' if state.paused else 'running'}"
+        f"{'  (reset in progress)' if state.resetting else ''}",
+        f"window [{bar}] running {state.running} + buffered {state.buffered} of {state.window_size}; "
+        f"dispatch would admit {state.capacity}",
+        f"totals dispatched {state.dispatched}  submitted {state.submitted}  collected {state.collected}  "
+        f"consumed {state.consumed}  filtered {state.filtered}  restored {state.restored}  dropped {state.dropped}  "
+        f"stale {state.stale_rejected}  duplicates {state.duplicates}",
+    ])
+
+
+def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: float = 1.0) -> int:
+    """Redraw the window on each control event and at least every `interval` s; returns frames drawn.
+
+    A reader thread moves stream events into a queue, so the view refreshes from GetState between events.
+    """
+    clear = "\x1b[H\x1b[2J" if out.isatty() else ""
+    events: "queue.Queue[Optional[ControlEvent]]" = queue.Queue()
+    frames = 0
+    last: Optional[ControlEvent] = None
+    with client.watch() as stream:
+        reader = threading.Thread(target=_pump, args=(stream, events), daemon=True)
+        reader.start()
+        while True:
+            try:
+                event = events.get(timeout=interval)
+            except queue.Empty:
+                event = last
+            else:
+                if event is None:  # the stream ended
+                    return frames
+                last = event
+            note = f"last control event: {_name(last.type)}" if last is not None else "waiting for the first event"
+            out.write(f"{clear}{render_state(client.state())}\n{note}\n")
+            out.flush()
+            frames += 1
+            if (count and frames >= count) or (last is not None and last.type == ControlEventType.SHUTDOWN):
+                return frames
+
+
+def _pump(stream: Any, events: "queue.Queue[Optional[ControlEvent]]") -> None:
+    try:
+        for event in stream:
+            events.put(event)
+    except PacerClientError:
+        pass
+    finally:
+        events.put(None)
+
+
+def _name(value: Any) -> str:
+    return value.name if hasattr(value, "name") else str(value)
