@@ -14,10 +14,13 @@ COPY coda_client ./coda_client
 COPY coda_sim ./coda_sim
 RUN pip install --no-cache-dir . \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin coda \
+    && mkdir -p /var/lib/coda && chown 10001 /var/lib/coda \
     && rm -rf /src
 
 COPY deploy/container.yaml /etc/coda/pacer.yaml
 
+# Durable state (server.state_dir in /etc/coda/pacer.yaml): mount a volume to keep it across containers.
+VOLUME ["/var/lib/coda"]
 USER 10001
 EXPOSE 50051
 # Probes the standard gRPC health service (readiness); orchestrators with native gRPC probes can use that instead.

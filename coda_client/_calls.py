@@ -64,7 +64,7 @@ def submit(trajectories: Sequence[Trajectory], *, request_id: str | None, timeou
 
 
 def collect(
-    num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float
+    num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0
 ) -> Call[CollectResult]:
     """Collect: a retried Collect must not take a second batch, hence the request id here too."""
     request = pacer_pb2.CollectRequest(
@@ -72,8 +72,15 @@ def collect(
         wait_seconds=wait,
         allow_partial=allow_partial,
         request_id=request_id_or_new(request_id),
+        lease_seconds=lease,
     )
     return Call("Collect", request, call_timeout(timeout, wait), CollectResult.from_pb)
+
+
+def ack(lease_id: str, *, request_id: str | None, timeout: float) -> Call[int]:
+    """Ack: consumes a leased Collect's groups for good; the request id makes a retry harmless."""
+    request = pacer_pb2.AckRequest(lease_id=lease_id, request_id=request_id_or_new(request_id))
+    return Call("Ack", request, timeout, lambda response: response.groups)
 
 
 def reset(

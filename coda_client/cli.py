@@ -12,9 +12,10 @@ from typing import Any, Optional, Sequence, TextIO
 
 import grpc
 
+from ._channel import TlsConfig, resolve_tls
 from .client import PacerClient
 from .errors import PacerClientError
-from .types import ControlEvent, ControlEventType, PacerState
+from .types import ControlEvent, ControlEventType, PacerState, StepReport
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -26,6 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
     parser.add_argument("--token-file", default=os.environ.get("CODA_TOKEN_FILE"),
                         help="file holding the bearer token (default: $CODA_TOKEN_FILE; $CODA_TOKEN also works)")
+    tls = parser.add_argument_group("TLS (the address may also be unix:/path/to/socket, always plaintext)")
+    tls.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server against the system "
+                                                        "roots (or --ca-file); implied by --ca-file and --cert-file")
+    tls.add_argument("--ca-file", default=os.environ.get("CODA_TLS_CA_FILE"),
+                     help="PEM CA bundle to verify the server with (default: $CODA_TLS_CA_FILE)")
+    tls.add_argument("--cert-file", default=os.environ.get("CODA_TLS_CERT_FILE"),
+                     help="PEM client certificate, for mutual TLS (default: $CODA_TLS_CERT_FILE)")
+    tls.add_argument("--key-file", default=os.environ.get("CODA_TLS_KEY_FILE"),
+                     help="PEM client private key, for mutual TLS (default: $CODA_TLS_KEY_FILE)")
+    tls.add_argument("--server-name", help="name to check the server certificate against (e.g. when dialing an IP)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     state = commands.add_parser("state", help="print the pacer's counters")
@@ -56,12 +67,27 @@ def read_token(token_file: Optional[str]) -> Optional[str]:
     return os.environ.get("CODA_TOKEN") or None
 
 
+def tls_config(args: argparse.Namespace) -> Optional[TlsConfig]:
+    """TLS settings from --tls/--ca-file/--cert-file/--key-file/--server-name; None for plaintext."""
+    if not (args.tls or args.ca_file or args.cert_file or args.key_file):
+        return None
+    return TlsConfig(root_certificates=args.ca_file, certificate_chain=args.cert_file, private_key=args.key_file,
+                     server_name=args.server_name)
+
+
 def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "health":
-        return probe_health(args.address, args.service, args.timeout, out)
     try:
-        with PacerClient(args.address, token=read_token(args.token_file), timeout=args.timeout) as client:
+        tls = tls_config(args)
+        if tls is not None:
+            tls.credentials()  # an unreadable certificate file fails here, with a message
+        if args.command == "health":
+            return probe_health(args.address, args.service, args.timeout, out, tls=tls)
+    except (OSError, ValueError) as error:  # unreadable certificate file, key without certificate
+        print(f"coda-client: {error}", file=sys.stderr)
+        return 2
+    try:
+        with PacerClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout) as client:
             if args.command == "state":
                 state = client.state()
                 out.write((json.dumps(as_json(state), sort_keys=True) if args.json else render_state(state)) + "\n")
@@ -81,11 +107,16 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
     return 0
 
 
-def probe_health(address: str, service: str, timeout: float, out: TextIO) -> int:
-    """Exit code for orchestration: 0 SERVING, 1 anything else (including unreachable)."""
+def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: Optional[TlsConfig] = None) -> int:
+    """Exit code for orchestration: 0 SERVING, 1 anything else (including unreachable).
+
+    Health needs no token; over TLS (`tls`) the server certificate is verified as for any call.
+    """
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # only the probe needs the health stubs
 
-    with grpc.insecure_channel(address) as channel:
+    credentials, options = resolve_tls(tls)
+    channel = grpc.secure_channel(address, credentials, options) if credentials else grpc.insecure_channel(address)
+    with channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -126,7 +157,17 @@ def render_state(state: PacerState) -> str:
         f"totals dispatched {state.dispatched}  submitted {state.submitted}  collected {state.collected}  "
         f"consumed {state.consumed}  filtered {state.filtered}  restored {state.restored}  dropped {state.dropped}  "
         f"stale {state.stale_rejected}  duplicates {state.duplicates}",
+        f"queued trajectories {state.queued_trajectories}   waiting long-polls {state.waiting_calls}",
+        render_report(state.recent_reports[-1]) if state.recent_reports else "no step report yet (none before the first Reset)",
     ])
+
+
+def render_report(report: StepReport) -> str:
+    """One line for the latest step report (the seed framework's step-boundary metrics)."""
+    return (f"step {report.step} report: pipeline_buf_size {report.pipeline_buf_size}  filter_drop {report.filter_drop}  "
+            f"partial_ratio {report.partial_ratio:.3f}  partial_span_max {report.partial_span_max}  "
+            f"restored {report.partial_restored_count}  dropped_incomplete {report.partial_dropped_incomplete_count}  "
+            f"pause_delay {report.pause_delay:.3f}s")
 
 
 def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: float = 1.0) -> int:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -213,10 +214,16 @@ class _ClientBase:
     def _submit(self, trajectories: Sequence[Trajectory], request_id: str | None) -> Call[Any]:
         return _calls.submit(trajectories, request_id=request_id, timeout=self.timeout)
 
-    def _collect(self, num_groups: int, wait: float, allow_partial: bool, request_id: str | None) -> Call[Any]:
+    def _collect(
+        self, num_groups: int, wait: float, allow_partial: bool, request_id: str | None, lease: float = 0.0
+    ) -> Call[Any]:
         return _calls.collect(
-            num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id, timeout=self.timeout
+            num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id, timeout=self.timeout,
+            lease=lease,
         )
+
+    def _ack(self, lease_id: str, request_id: str | None) -> Call[Any]:
+        return _calls.ack(lease_id, request_id=request_id, timeout=self.timeout)
 
     def _reset(self, mode: Any, wait: float, resume: bool, weight_version: int, request_id: str | None) -> Call[Any]:
         return _calls.reset(
@@ -269,10 +276,27 @@ class PacerClient(_ClientBase):
         return self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id).groups
 
     def collect_result(
-        self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
+        self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None,
+        lease: float = 0.0,
     ) -> CollectResult:
-        """Like collect(), also telling whether the wait timed out."""
-        return self._run(self._collect(num_groups, wait, allow_partial, request_id))
+        """Like collect(), also telling whether the wait timed out; with `lease` seconds, the groups come
+        back to the buffer unless ack(result.lease_id) is called in time."""
+        return self._run(self._collect(num_groups, wait, allow_partial, request_id, lease))
+
+    def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
+        """Consumes a leased Collect's groups for good; returns how many."""
+        return self._run(self._ack(lease_id, request_id))
+
+    @contextlib.contextmanager
+    def collect_leased(
+        self, num_groups: int, *, lease: float, wait: float = 0.0, allow_partial: bool = False
+    ) -> Iterator[list[TrajectoryGroup]]:
+        """At-least-once Collect: the groups are acknowledged when the block completes without an
+        exception; otherwise (or if the process dies) they return to the buffer after `lease` seconds."""
+        result = self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, lease=lease)
+        yield result.groups
+        if result.lease_id:
+            self.ack(result.lease_id)
 
     def reset(
         self,
@@ -352,10 +376,25 @@ class AsyncPacerClient(_ClientBase):
         return result.groups
 
     async def collect_result(
-        self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
+        self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None,
+        lease: float = 0.0,
     ) -> CollectResult:
         """Coroutine form of PacerClient.collect_result."""
-        return await self._run(self._collect(num_groups, wait, allow_partial, request_id))
+        return await self._run(self._collect(num_groups, wait, allow_partial, request_id, lease))
+
+    async def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
+        """Coroutine form of PacerClient.ack."""
+        return await self._run(self._ack(lease_id, request_id))
+
+    @contextlib.asynccontextmanager
+    async def collect_leased(
+        self, num_groups: int, *, lease: float, wait: float = 0.0, allow_partial: bool = False
+    ) -> AsyncIterator[list[TrajectoryGroup]]:
+        """Coroutine form of PacerClient.collect_leased."""
+        result = await self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, lease=lease)
+        yield result.groups
+        if result.lease_id:
+            await self.ack(result.lease_id)
 
     async def reset(
         self,

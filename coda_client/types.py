@@ -235,6 +235,7 @@ class CollectResult:
 
     groups: list[TrajectoryGroup]
     timed_out: bool
+    lease_id: str = ""  # set for a leased Collect: Ack it, or the groups are delivered again
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.CollectResponse) -> CollectResult:
@@ -273,12 +274,13 @@ class ResetResult:
     weight_version: int
     paused: bool
     report: StepReport
+    expired: list[TrajectoryGroup]  # partial groups whose in-flight lease ran out, for their data source
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.ResetResponse) -> ResetResult:
         """From the wire message."""
         return _from_fields(cls, msg, restored=_groups(msg.restored), dropped_prompt_ids=list(msg.dropped_prompt_ids),
-                            report=StepReport.from_pb(msg.report))
+                            report=StepReport.from_pb(msg.report), expired=_groups(msg.expired))
 
 
 @dataclass(frozen=True)
@@ -321,6 +323,10 @@ class PacerState:
     config_summary: dict[str, str]
     waiting_calls: int  # long-polls waiting in the server now
     recent_reports: list[StepReport]  # oldest first
+    expired: int  # running groups reclaimed because their in-flight lease ran out
+    redelivered: int  # leased groups returned to the buffer because no Ack came in time
+    leased: int  # groups under a Collect lease, not yet acknowledged
+    held_bytes: int  # bytes of trajectories queued, buffered or leased
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.GetStateResponse) -> PacerState:

@@ -24,6 +24,19 @@ from .core.types import (
 )
 
 
+class ProtoBodies:
+    """Journal codec for trajectory bodies, which on the server are the wire messages themselves."""
+
+    def is_body(self, value: object) -> bool:
+        return isinstance(value, pb.Trajectory)
+
+    def encode(self, body: pb.Trajectory) -> bytes:
+        return body.SerializeToString()
+
+    def decode(self, data: bytes) -> pb.Trajectory:
+        return pb.Trajectory.FromString(data)
+
+
 def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     return [
         PromptRef(
@@ -51,6 +64,7 @@ def trajectories(messages: Sequence[pb.Trajectory]) -> list[Trajectory]:
             end_weight_version=m.end_weight_version,
             num_turns=m.num_turns,
             body=m,
+            size_bytes=m.ByteSize(),
         )
         for m in messages
     ]
@@ -103,7 +117,8 @@ def submit_response(result: SubmitResult) -> pb.SubmitResponse:
 
 
 def collect_response(result: CollectResult) -> pb.CollectResponse:
-    return pb.CollectResponse(groups=[group_message(g) for g in result.groups], timed_out=result.timed_out)
+    return pb.CollectResponse(groups=[group_message(g) for g in result.groups], timed_out=result.timed_out,
+                              lease_id=result.lease_id)
 
 
 def step_report(report: StepReport) -> pb.StepReport:
@@ -115,6 +130,7 @@ def reset_response(result: ResetResult) -> pb.ResetResponse:
         restored=[group_message(g) for g in result.restored], dropped_prompt_ids=result.dropped_prompt_ids,
         pause_delay_seconds=result.pause_delay_seconds, generation=result.generation, step=result.step,
         weight_version=result.weight_version, paused=result.paused, report=step_report(result.report),
+        expired=[group_message(g) for g in result.expired],
     )
 
 
@@ -124,7 +140,8 @@ def resume_response(result: ResumeResult) -> pb.ResumeResponse:
 
 STATE_FIELDS = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version",
                 "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed",
-                "filtered", "restored", "dropped", "stale_rejected", "duplicates", "waiting_calls")
+                "filtered", "restored", "dropped", "stale_rejected", "duplicates", "waiting_calls", "expired",
+                "redelivered", "leased", "held_bytes")
 
 
 def state_response(state: PacerState) -> pb.GetStateResponse:

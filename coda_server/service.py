@@ -61,8 +61,12 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     @maps_errors
     async def Collect(self, request: pb.CollectRequest, context) -> pb.CollectResponse:
         result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
-                                           request.allow_partial, request.request_id)
+                                           request.allow_partial, request.request_id, request.lease_seconds)
         return convert.collect_response(result)
+
+    @maps_errors
+    async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
+        return pb.AckResponse(groups=await self._pacer.ack(request.lease_id, request.request_id))
 
     @maps_errors
     async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetResponse:

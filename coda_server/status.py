@@ -14,9 +14,11 @@ ERROR_DOMAIN = "coda.pacer.v1"
 _CODES: list[tuple[type, grpc.StatusCode]] = [
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.UnknownPromptError, grpc.StatusCode.NOT_FOUND),
+    (errors.UnknownLeaseError, grpc.StatusCode.NOT_FOUND),
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+    (errors.NotReadyError, grpc.StatusCode.UNAVAILABLE),
 ]
 
 

@@ -164,24 +164,42 @@ class SubmitResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., groups_completed: _Optional[int] = ...) -> None: ...
 
 class CollectRequest(_message.Message):
-    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id")
+    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
     wait_seconds: float
     allow_partial: bool
     request_id: str
-    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("lease_id", "request_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    request_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class AckResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: int
+    def __init__(self, groups: _Optional[int] = ...) -> None: ...
 
 class CollectResponse(_message.Message):
-    __slots__ = ("groups", "timed_out")
+    __slots__ = ("groups", "timed_out", "lease_id")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     timed_out: bool
-    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., timed_out: _Optional[bool] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., timed_out: _Optional[bool] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("mode", "wait_seconds", "resume", "weight_version", "request_id")
@@ -198,7 +216,7 @@ class ResetRequest(_message.Message):
     def __init__(self, mode: _Optional[_Union[ResetMode, str]] = ..., wait_seconds: _Optional[float] = ..., resume: _Optional[bool] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused", "report")
+    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused", "report", "expired")
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +225,7 @@ class ResetResponse(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
     restored: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     dropped_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     pause_delay_seconds: float
@@ -215,7 +234,8 @@ class ResetResponse(_message.Message):
     weight_version: int
     paused: bool
     report: StepReport
-    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
+    expired: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
+    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("weight_version", "request_id")
@@ -238,7 +258,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports")
+    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes")
     class ConfigSummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +289,10 @@ class GetStateResponse(_message.Message):
     CONFIG_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
     RECENT_REPORTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERED_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     running: int
     buffered: int
     queued_trajectories: int
@@ -292,7 +316,11 @@ class GetStateResponse(_message.Message):
     config_summary: _containers.ScalarMap[str, str]
     waiting_calls: int
     recent_reports: _containers.RepeatedCompositeFieldContainer[StepReport]
-    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
+    expired: int
+    redelivered: int
+    leased: int
+    held_bytes: int
+    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("step", "pipeline_buf_size", "filter_drop", "partial_ratio", "partial_span_max", "partial_restored_count", "partial_dropped_incomplete_count", "pause_delay")

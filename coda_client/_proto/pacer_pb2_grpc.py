@@ -50,6 +50,11 @@ class RolloutPacerStub:
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectRequest.SerializeToString,
                 response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectResponse.FromString,
                 _registered_method=True)
+        self.Ack = channel.unary_unary(
+                '/coda.pacer.v1.RolloutPacer/Ack',
+                request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.AckRequest.SerializeToString,
+                response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.AckResponse.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/coda.pacer.v1.RolloutPacer/Reset',
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ResetRequest.SerializeToString,
@@ -99,8 +104,19 @@ class RolloutPacerServicer:
 
     def Collect(self, request, context):
         """Takes complete groups from the pipeline buffer for training, oldest priority first.
-        A timeout is OK with `timed_out` set. Errors: INVALID_ARGUMENT (num_groups 0, negative wait),
-        UNAUTHENTICATED, UNAVAILABLE.
+        A timeout is OK with `timed_out` set. With `lease_seconds`, the groups come back to the buffer
+        unless acknowledged (Ack) in time. Errors: INVALID_ARGUMENT (num_groups 0, negative wait or
+        lease), UNAUTHENTICATED, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ack(self, request, context):
+        """Acknowledges the groups of a leased Collect: they are consumed for good.
+        Errors: NOT_FOUND reason UNKNOWN_LEASE (never granted, or already acknowledged),
+        FAILED_PRECONDITION reason LEASE_EXPIRED (the groups went back to the buffer), UNAUTHENTICATED,
+        UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -157,6 +173,11 @@ def add_RolloutPacerServicer_to_server(servicer, server):
                     servicer.Collect,
                     request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectRequest.FromString,
                     response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectResponse.SerializeToString,
+            ),
+            'Ack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ack,
+                    request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.AckRequest.FromString,
+                    response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.AckResponse.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
@@ -261,6 +282,33 @@ class RolloutPacer:
             '/coda.pacer.v1.RolloutPacer/Collect',
             coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectRequest.SerializeToString,
             coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coda.pacer.v1.RolloutPacer/Ack',
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.AckRequest.SerializeToString,
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import dataclasses
+import functools
 import threading
-from collections import OrderedDict
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
-from .pacer import Pacer
+from .errors import NotReadyError, ResourceExhaustedError, ShuttingDownError
+from .pacer import ANSWERED_METHODS, Pacer
 from .types import (
     CollectResult,
     ControlEvent,
@@ -22,34 +24,39 @@ from .types import (
     Trajectory,
 )
 
+log = logging.getLogger("coda_server.leases")
+
 WATCH_QUEUE_LIMIT = 1024
-# Answers that carry trajectories (Collect, Reset) are large: only the most recent few are kept for replay.
-DATA_REPLAY_LIMIT = 64
+# How often lease deadlines are checked; leases are meant in seconds to minutes, so this is plenty.
+LEASE_TICK_SECONDS = 0.25
+# Retry delay suggested to a long-poll refused because server.max_waiting_calls callers already wait.
+WAITERS_RETRY_AFTER_SECONDS = 1.0
 
 
-class RequestReplayCache:
-    """Remembers the answers of recent mutating calls by request_id so a retry applies once.
+class RequestDeduplicator:
+    """Makes a retried call (same request_id) apply once.
 
-    A retry that arrives while the first call still runs awaits the same result. Only successful
-    answers are kept: a failed call may be retried and run again.
+    The Pacer remembers the answers of calls that changed its state (that memory is part of the
+    state and survives a restart); a retry arriving while the first call still runs awaits it.
     """
 
-    def __init__(self, size: int):
-        self._size = size
-        self._done: OrderedDict[str, Any] = OrderedDict()
+    def __init__(self, answered: Callable[[str], Any], check: Optional[Callable[[str], None]] = None):
+        self._answered = answered
+        self._check = check  # validates a non-empty request_id before it is used
         self._running: dict[str, asyncio.Future] = {}
 
     async def run(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
         if not request_id:
             return await call()
-        key = request_id
-        if key in self._done:
-            self._done.move_to_end(key)
-            return self._done[key]
-        if key in self._running:
-            return await asyncio.shield(self._running[key])
+        if self._check is not None:
+            self._check(request_id)
+        answer = self._answered(request_id)
+        if answer is not None:
+            return answer
+        if request_id in self._running:
+            return await asyncio.shield(self._running[request_id])
         future = asyncio.get_running_loop().create_future()
-        self._running[key] = future
+        self._running[request_id] = future
         try:
             result = await call()
         except BaseException as exc:
@@ -57,29 +64,30 @@ class RequestReplayCache:
             future.exception()  # mark retrieved: waiters may not exist
             raise
         finally:
-            del self._running[key]
+            del self._running[request_id]
         future.set_result(result)
-        self._done[key] = result
-        if len(self._done) > self._size:
-            self._done.popitem(last=False)
         return result
 
 
 class AsyncPacer:
     """Wraps a `Pacer` for one asyncio event loop; waits are awaited conditions, each with a bound."""
 
-    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0, request_id_cache_size: int = 65536):
+    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0,
+                 max_waiting_calls: int = 512):
         self.pacer = pacer
         self.max_wait_seconds = max_wait_seconds
-        self._replay = {method: RequestReplayCache(request_id_cache_size) for method in ("Dispatch", "Submit", "Resume")}
-        self._replay.update({method: RequestReplayCache(min(DATA_REPLAY_LIMIT, request_id_cache_size))
-                             for method in ("Collect", "Reset")})
+        self.max_waiting_calls = max_waiting_calls
+        check = getattr(pacer, "check_request_id", None)
+        self._replay = {method: RequestDeduplicator(functools.partial(pacer.answer, method), check)
+                        for method in ANSWERED_METHODS}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
         self._change: Optional[asyncio.Future] = None
         self._watchers: set[asyncio.Queue] = set()
         self._draining = False
+        self._lease_task: Optional[asyncio.Task] = None
         self.waiting_calls = 0
+        self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
         pacer.add_change_listener(self._on_change)
         pacer.add_control_listener(self._on_control)
 
@@ -87,6 +95,26 @@ class AsyncPacer:
         """Attach to the running loop; call once from it before serving."""
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        self._lease_task = self._loop.create_task(self._expire_leases_periodically())
+
+    async def _expire_leases_periodically(self) -> None:
+        """Reclaim in-flight groups and Collect leases whose time ran out (checked every LEASE_TICK_SECONDS)."""
+        while not self._draining:
+            await asyncio.sleep(LEASE_TICK_SECONDS)
+            if self.recovering or self.pacer.closed:
+                continue
+            try:
+                prompts, leases = self.pacer.expire_leases()
+            except Exception:  # a broken strategy hook must not stop lease expiry for good
+                log.exception("lease expiry failed")
+                continue
+            if prompts:
+                log.warning("in-flight lease ran out for %d running group(s) (%s%s): slots reclaimed, partial "
+                            "trajectories set aside for the next Reset", len(prompts), ", ".join(prompts[:5]),
+                            ", ..." if len(prompts) > 5 else "")
+            if leases:
+                log.warning("Collect lease(s) %s ran out without Ack: their groups are back in the buffer",
+                            ", ".join(leases))
 
     # ------------------------------------------------------------- wake-ups
 
@@ -114,10 +142,15 @@ class AsyncPacer:
             self._change = asyncio.get_running_loop().create_future()
         return self._change
 
-    async def _wait_until(self, ready: Callable[[], bool], wait: float) -> bool:
-        """Await `ready()` for at most `wait` seconds (clamped); False on timeout or shutdown."""
+    async def _wait_until(self, ready: Callable[[], bool], wait: float, capped: bool = True) -> bool:
+        """Await `ready()` for at most `wait` seconds (clamped); False on timeout or shutdown.
+
+        `capped`: refuse with ResourceExhaustedError, before waiting at all, when max_waiting_calls callers
+        already wait (Reset is not capped: only one runs at a time, and it must finish).
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.clamp_wait(wait)
+        first = True
         while True:
             change = self._next_change()  # taken before the check, so no wake-up is lost
             if self._draining or self.pacer.closed:
@@ -127,6 +160,12 @@ class AsyncPacer:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return False
+            if first and capped and self.waiting_calls >= self.max_waiting_calls:
+                raise ResourceExhaustedError(
+                    f"{self.waiting_calls} long-polls are already waiting (server.max_waiting_calls = "
+                    f"{self.max_waiting_calls}); retry in {WAITERS_RETRY_AFTER_SECONDS:g}s or poll with wait_seconds = 0",
+                    retry_after=WAITERS_RETRY_AFTER_SECONDS, reason="TOO_MANY_WAITERS")
+            first = False
             self.waiting_calls += 1
             try:
                 await asyncio.wait((change,), timeout=remaining)
@@ -140,13 +179,17 @@ class AsyncPacer:
 
     async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
         async def call() -> DispatchResult:
-            result = self.pacer.dispatch(candidates)
+            result = self.pacer.dispatch(candidates, request_id=request_id)
             if result.admitted or not candidates or wait <= 0:
                 return result
             holder = [result]
 
             def admitted_some() -> bool:
-                holder[0] = self.pacer.dispatch(candidates)
+                # Re-validating a large candidate list on every change would let one caller stall the loop:
+                # only try again when the window has room.
+                if not self.pacer.admissible_now():
+                    return False
+                holder[0] = self.pacer.dispatch(candidates, request_id=request_id)
                 return bool(holder[0].admitted)
 
             await self._wait_until(admitted_some, wait)
@@ -154,30 +197,32 @@ class AsyncPacer:
                 return dataclasses.replace(holder[0], paused=True, remaining=0)
             return holder[0]
 
-        return await self._replay["Dispatch"].run(request_id, call)
+        return await self._applied("Dispatch", request_id, call)
 
     async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         async def call() -> SubmitResult:
-            return self.pacer.submit(trajectories)
+            return self.pacer.submit(trajectories, request_id=request_id)
 
-        return await self._replay["Submit"].run(request_id, call)
+        return await self._applied("Submit", request_id, call)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
-                      request_id: str = "") -> CollectResult:
+                      request_id: str = "", lease_seconds: float = 0.0) -> CollectResult:
         async def call() -> CollectResult:
+            if self.pacer.closed:  # like every other call; a Collect already waiting is answered timed_out instead
+                raise ShuttingDownError("the pacer is shutting down and takes no new calls")
             holder: list[CollectResult] = []
 
             def got_all() -> bool:
-                result = self.pacer.collect_now(num_groups)
+                result = self.pacer.collect_now(num_groups, request_id=request_id, lease_seconds=lease_seconds)
                 if result.groups:
                     holder.append(result)
                 return bool(result.groups)
 
             if await self._wait_until(got_all, wait):
                 return holder[0]
-            return self.pacer.collect_now(num_groups, allow_partial)
+            return self.pacer.collect_now(num_groups, allow_partial, request_id=request_id, lease_seconds=lease_seconds)
 
-        return await self._replay["Collect"].run(request_id, call)
+        return await self._applied("Collect", request_id, call)
 
     async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: float = 0.0, resume: bool = False,
                     weight_version: Optional[int] = None, request_id: str = "") -> ResetResult:
@@ -185,32 +230,67 @@ class AsyncPacer:
             self.pacer.begin_reset(mode, resume=resume, weight_version=weight_version)
             # The reset runs to its end even if the caller goes away: a half-done reset would
             # leave dispatch paused forever. A retry with the same request_id gets the answer.
-            task = asyncio.ensure_future(self._finish_reset(wait, resume, weight_version))
+            task = asyncio.ensure_future(self._finish_reset(wait, resume, weight_version, request_id))
             return await asyncio.shield(task)
 
-        return await self._replay["Reset"].run(request_id, call)
+        return await self._applied("Reset", request_id, call)
 
-    async def _finish_reset(self, wait: float, resume: bool, weight_version: Optional[int]) -> ResetResult:
+    async def _finish_reset(self, wait: float, resume: bool, weight_version: Optional[int],
+                            request_id: str) -> ResetResult:
         try:
-            await self._wait_until(self.pacer.reset_ready, wait)
+            await self._wait_until(self.pacer.reset_ready, wait, capped=False)
         except BaseException:
             self.pacer.abandon_reset()
             raise
-        return self.pacer.finish_reset(resume=resume, weight_version=weight_version)
+        return self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
+
+    async def ack(self, lease_id: str, request_id: str = "") -> int:
+        async def call() -> int:
+            return self.pacer.ack(lease_id, request_id=request_id)
+
+        return await self._applied("Ack", request_id, call)
 
     async def resume(self, weight_version: int, request_id: str = "") -> ResumeResult:
         async def call() -> ResumeResult:
-            return self.pacer.resume(weight_version)
+            return self.pacer.resume(weight_version, request_id=request_id)
 
-        return await self._replay["Resume"].run(request_id, call)
+        return await self._applied("Resume", request_id, call)
+
+    async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Run `call` once per request_id, and answer only when what it changed is durable."""
+        self.check_ready()
+        result = await self._replay[method].run(request_id, call)
+        self.pacer.remember_answer(method, request_id, result)
+        await self._durable()
+        return result
+
+    async def _durable(self) -> None:
+        """Wait (without blocking the loop) until the journal has committed every change made so far."""
+        journal = self.pacer.journal
+        if journal is None:
+            return
+        loop = asyncio.get_running_loop()
+        committed = loop.create_future()
+        journal.on_durable(self.pacer.last_ticket,
+                           lambda: loop.call_soon_threadsafe(lambda: committed.done() or committed.set_result(None)))
+        await committed
+        if journal.error is not None:
+            raise ShuttingDownError(f"the state directory can no longer be written ({journal.error}); "
+                                    f"the change is not acknowledged")
+
+    def check_ready(self) -> None:
+        if self.recovering:
+            raise NotReadyError("the server is still recovering its state from server.state_dir; retry shortly")
 
     def state(self) -> PacerState:
+        self.check_ready()
         return dataclasses.replace(self.pacer.state(), waiting_calls=self.waiting_calls)
 
     # ------------------------------------------------------------- watchers
 
     async def watch(self) -> AsyncIterator[ControlEvent]:
         """The current state first, then every control event until SHUTDOWN (or the watcher lags too far)."""
+        self.check_ready()
         queue: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE_LIMIT)
         self._watchers.add(queue)
         try:
@@ -247,3 +327,5 @@ class AsyncPacer:
         self._draining = True
         self.pacer.close()
         self._wake()
+        if self._lease_task is not None:
+            self._lease_task.cancel()

@@ -42,6 +42,18 @@ class StaleGenerationError(FailedPreconditionError):
     reason = "STALE_GENERATION"
 
 
+class LeaseExpiredError(FailedPreconditionError):
+    """A lease ran out: late Submits for a reclaimed group, or an Ack after the groups went back."""
+
+    reason = "LEASE_EXPIRED"
+
+
+class UnknownLeaseError(PacerError):
+    """An Ack names a lease that was never granted or was already acknowledged."""
+
+    reason = "UNKNOWN_LEASE"
+
+
 class ResetInProgressError(FailedPreconditionError):
     """A second Reset (or a Resume) arrived while a Reset runs."""
 
@@ -56,6 +68,12 @@ class ResourceExhaustedError(PacerError):
     def __init__(self, message: str, *, retry_after: float = 1.0, reason: Optional[str] = None):
         super().__init__(message, reason=reason)
         self.retry_after = retry_after
+
+
+class NotReadyError(PacerError):
+    """The server is still recovering its state; retry shortly."""
+
+    reason = "RECOVERING"
 
 
 class ShuttingDownError(PacerError):

@@ -5,20 +5,23 @@ import heapq
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .config import config_summary
 from .errors import (
     InvalidArgumentError,
+    LeaseExpiredError,
     ResetInProgressError,
+    ResourceExhaustedError,
     ShuttingDownError,
     StaleGenerationError,
+    UnknownLeaseError,
     UnknownPromptError,
 )
 from .filters import GroupFilter, create_filters
-from .strategy import ThreadSafeStrategy, create_strategy, window_size
+from .strategy import ThreadSafeStrategy, create_strategy, gate_is_ordered, window_size
 from .types import (
     Admitted,
     CollectResult,
@@ -38,13 +41,17 @@ from .types import (
 )
 
 VALID_STATUSES = (TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED)
+ANSWERED_METHODS = ("Dispatch", "Submit", "Collect", "Reset", "Resume", "Ack")
+RESOURCE_RETRY_SECONDS = 1.0
+DATA_ANSWERS_KEPT = 64
+SNAPSHOT_FORMAT = 1
 _NO_PRIORITY = float("inf")
 
 
 class InflightGroup:
     """A dispatched group that has not left the trajectory queue; handed to strategy hooks."""
 
-    __slots__ = ("prompt_id", "ds_index", "epoch", "index", "seq", "group_size", "trajectories",
+    __slots__ = ("prompt_id", "ds_index", "epoch", "index", "seq", "group_size", "trajectories", "deadline",
                  "dispatched_at", "held")
 
     def __init__(self, ref: PromptRef, seq: int, group_size: int, now: float):
@@ -57,6 +64,7 @@ class InflightGroup:
         self.trajectories: dict[str, Trajectory] = {}
         self.dispatched_at = now
         self.held = False  # complete, but the strategy's will_collect refused it so far
+        self.deadline = math.inf  # when its in-flight lease runs out (extended by every Submit for it)
 
     @property
     def complete(self) -> bool:
@@ -91,6 +99,18 @@ class _StepTally:
             self.span_max = max(self.span_max, span)
 
 
+class CollectLease:
+    """Groups handed to the trainer that go back to the buffer unless acknowledged before `deadline`."""
+
+    __slots__ = ("lease_id", "entries", "seconds", "deadline")
+
+    def __init__(self, lease_id: str, entries: list, seconds: float, deadline: float):
+        self.lease_id = lease_id
+        self.entries = entries  # (priority, group) as they were in the buffer, so redelivery keeps the order
+        self.seconds = seconds
+        self.deadline = deadline
+
+
 class Pacer:
     """Thread-safe pacing state machine; every operation is atomic under one lock.
 
@@ -105,10 +125,16 @@ class Pacer:
         strategy: Optional[ThreadSafeStrategy] = None,
         filters: Optional[list[GroupFilter]] = None,
         clock: Callable[[], float] = time.monotonic,
+        journal: Optional[Any] = None,
     ):
         self.config = config
         self._clock = clock
+        # Where acknowledged changes are recorded (see journal.py); None keeps state in memory only.
+        self._journal = journal
+        self.last_ticket = 0  # journal ticket of the latest recorded change
         self._strategy = strategy if strategy is not None else create_strategy(config)
+        # With an ordered gate, a re-examination pass stops at the first refusal (see SlidingWindowStrategy).
+        self._ordered_gate = gate_is_ordered(getattr(self._strategy, "wrapped", self._strategy))
         self._filters = filters if filters is not None else create_filters(list(config.rollout.filter), config)
         self._group_sizes = [int(s.num_trajectories_per_prompt) for s in config.data_sources]
         self._window_size = window_size(config)
@@ -124,6 +150,7 @@ class Pacer:
         self._changed = threading.Condition(self._lock)
         self._change_listeners: list[Callable[[], None]] = []
         self._control_listeners: list[Callable[[ControlEvent], None]] = []
+        self._consume_listeners: list[Callable[[list[TrajectoryGroup], int, float], None]] = []
 
         self._inflight: dict[str, InflightGroup] = {}
         self._held: list[tuple[int, str]] = []  # heap of (seq, prompt_id); stale entries skipped lazily
@@ -148,7 +175,24 @@ class Pacer:
         self._reports: deque[StepReport] = deque(maxlen=int(server.get("step_reports_kept", 32)))
         self.totals = dict.fromkeys(
             ("dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped",
-             "stale_rejected", "duplicates"), 0)
+             "stale_rejected", "duplicates", "expired", "redelivered"), 0)
+        # Answers of recent mutating calls by request_id, so a retry gets the first answer (and,
+        # being part of the state, this survives a restart). Answers carrying trajectories are big:
+        # fewer of them are kept.
+        answers_kept = int(server.get("request_id_cache_size", 65536))
+        self._inflight_lease = float(server.get("inflight_lease_seconds", 0) or 0)
+        self._lease_heap: list[tuple[float, int, str]] = []  # (deadline, seq, prompt_id); stale entries skipped lazily
+        self._expired_groups: list[TrajectoryGroup] = []  # reclaimed this generation; the next Reset returns them
+        self._expired_prompts: set[str] = set()
+        self._leases: dict[str, CollectLease] = {}  # Collect leases awaiting Ack, by lease id
+        self._lease_serial = 0
+        self._lapsed_leases: deque[str] = deque(maxlen=4096)  # recently expired lease ids, for a clear Ack error
+        self._max_buffered = int(server.get("max_buffered_groups", 0) or 0)
+        self._max_bytes = int(server.get("max_held_bytes", 0) or 0)
+        self._held_bytes = 0  # bytes of trajectories queued, buffered or leased
+        self._answers: dict[str, OrderedDict] = {method: OrderedDict() for method in ANSWERED_METHODS}
+        self._answer_limits = {method: answers_kept for method in ANSWERED_METHODS}
+        self._answer_limits.update({method: min(answers_kept, DATA_ANSWERS_KEPT) for method in ("Collect", "Reset")})
 
     # ----------------------------------------------------------------- listeners
 
@@ -161,6 +205,12 @@ class Pacer:
         """`callback(event)` runs for every PAUSE / RESUME / SHUTDOWN, in order, under the lock."""
         with self._lock:
             self._control_listeners.append(callback)
+
+    def add_consume_listener(self, callback: Callable[[list[TrajectoryGroup], int, float], None]) -> None:
+        """`callback(groups, weight_version, now)` runs (under the lock, so it must be quick) when the trainer
+        takes groups; `now` is the pacer clock, the clock of `TrajectoryGroup.dispatched_at` (for metrics)."""
+        with self._lock:
+            self._consume_listeners.append(callback)
 
     def _notify(self) -> None:
         self._changed.notify_all()
@@ -182,13 +232,17 @@ class Pacer:
 
     # ----------------------------------------------------------------- dispatch
 
-    def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0) -> DispatchResult:
+    def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
         """Admit the first k candidates the strategy allows now; with `wait`, wait up to that long for one slot."""
         deadline = self._clock() + max(0.0, wait)
         with self._lock:
+            answered = self.answer("Dispatch", request_id)
+            if answered is not None:
+                return answered
+            self._check_open()
             while True:
-                self._check_open()
-                result = self._dispatch_locked(candidates)
+                # A waiter woken by close() answers at once, admitting nothing.
+                result = self._dispatch_locked([] if self.closed else candidates, request_id)
                 if result.admitted or not candidates or self.closed:
                     return result
                 remaining = deadline - self._clock()
@@ -196,7 +250,7 @@ class Pacer:
                     return result
                 self._changed.wait(remaining)
 
-    def _dispatch_locked(self, candidates: Sequence[PromptRef]) -> DispatchResult:
+    def _dispatch_locked(self, candidates: Sequence[PromptRef], request_id: str = "") -> DispatchResult:
         self._validate_candidates(candidates)
         buffered = len(self._buffer)
         count = 0 if self.paused else self._strategy.compute_dispatch_count(buffered)
@@ -212,16 +266,26 @@ class Pacer:
             for group in groups:
                 self._inflight[group.prompt_id] = group
                 self._generation_prompts.add(group.prompt_id)
+                self._extend_lease(group, now)
                 admitted.append(Admitted(group.prompt_id, group.seq))
             self.totals["dispatched"] += count
             self._strategy_touched = True
             self._release_held()
             self._notify()
-        return DispatchResult(
+        result = DispatchResult(
             admitted=admitted, paused=self.paused, step=self.step, weight_version=self.weight_version,
             generation=self.generation, running=len(self._inflight), buffered=len(self._buffer),
             capacity=self._window_size, remaining=self._admissible_now(),
         )
+        if count:
+            self._record(("dispatch", now, list(candidates[:count]), request_id))
+            self._remember("Dispatch", request_id, result)
+        return result
+
+    def admissible_now(self) -> int:
+        """What a Dispatch would admit now (0 while paused or closed); cheap, unlike re-validating candidates."""
+        with self._lock:
+            return self._admissible_now()
 
     def _admissible_now(self) -> int:
         if self.paused or self.closed:
@@ -253,6 +317,12 @@ class Pacer:
     def _ds_index_problem(self, ds_index: Any) -> str:
         return f"ds_index {ds_index!r} is not configured; allowed: 0..{len(self._group_sizes) - 1}"
 
+    def check_request_id(self, request_id: Any) -> None:
+        """A non-empty request_id is kept in the replay cache: bound its length and refuse control characters."""
+        problem = self._id_problem(request_id)
+        if problem:
+            raise InvalidArgumentError(f"request_id {problem}", violations=[("request_id", problem)])
+
     def _id_problem(self, value: Any) -> Optional[str]:
         if not isinstance(value, str) or not value:
             return "must be a non-empty string"
@@ -264,18 +334,30 @@ class Pacer:
 
     # ----------------------------------------------------------------- submit
 
-    def submit(self, trajectories: Sequence[Trajectory]) -> SubmitResult:
+    def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready."""
         with self._lock:
+            answered = self.answer("Submit", request_id)
+            if answered is not None:
+                return answered
             self._check_open()
-            fresh, duplicates = self._validate_submit(trajectories)
+            stale_before = self.totals["stale_rejected"]
+            try:
+                fresh, duplicates = self._validate_submit(trajectories)
+            except StaleGenerationError:
+                self._record(("stale", self._clock(), self.totals["stale_rejected"] - stale_before))
+                raise
             completed: list[InflightGroup] = []
+            now = self._clock()
             for trajectory in fresh:
                 group = self._inflight[trajectory.prompt_id]
                 group.trajectories[trajectory.trajectory_id] = trajectory
                 self._accepted[trajectory.trajectory_id] = trajectory
+                self._held_bytes += trajectory.size_bytes
                 if group.complete:
                     completed.append(group)
+                else:
+                    self._extend_lease(group, now)
             self._queued_trajectories += len(fresh)
             self._complete_inflight += len(completed)
             self.totals["submitted"] += len(fresh)
@@ -283,7 +365,10 @@ class Pacer:
             self._collect_ready(completed)
             if fresh or duplicates:
                 self._notify()
-            return SubmitResult(accepted=len(fresh), duplicates=duplicates, groups_completed=len(completed))
+            result = SubmitResult(accepted=len(fresh), duplicates=duplicates, groups_completed=len(completed))
+            self._record(("submit", self._clock(), list(trajectories), request_id))
+            self._remember("Submit", request_id, result)
+            return result
 
     def _validate_submit(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
         """Return (new trajectories, duplicate count) or raise with every problem found; changes nothing."""
@@ -294,6 +379,7 @@ class Pacer:
         violations: list[tuple[str, str]] = []
         unknown: list[str] = []
         stale: list[str] = []
+        expired: list[str] = []
         fresh: list[Trajectory] = []
         in_batch: dict[str, Trajectory] = {}
         added_per_group: dict[str, int] = {}
@@ -321,7 +407,9 @@ class Pacer:
                 continue
             group = self._inflight.get(t.prompt_id)
             if group is None:
-                if t.prompt_id in self._generation_prompts:
+                if t.prompt_id in self._expired_prompts:
+                    expired.append(t.prompt_id)
+                elif t.prompt_id in self._generation_prompts:
                     violations.append((f"{field}.prompt_id", f"the group of prompt {t.prompt_id!r} is already "
                                        f"complete and collected; it takes no more trajectories"))
                 elif any(t.prompt_id in past for past in self._past_generation_prompts):
@@ -351,7 +439,30 @@ class Pacer:
             self.totals["stale_rejected"] += len(stale)
             raise StaleGenerationError(f"Submit refused, nothing accepted: prompt {stale[0]!r} was dispatched before "
                                        f"the last Reset (current generation {self.generation})")
+        if expired:
+            raise LeaseExpiredError(f"Submit refused, nothing accepted: the in-flight lease of prompt {expired[0]!r} "
+                                    f"ran out (server.inflight_lease_seconds = {self._inflight_lease:g}); its slot was "
+                                    f"reclaimed and its partial trajectories are returned by the next Reset")
+        self._check_limits(fresh, added_per_group)
         return fresh, duplicates
+
+    def _check_limits(self, fresh: list[Trajectory], added_per_group: dict[str, int]) -> None:
+        """Refuse (changing nothing) a Submit that would overfill the buffer or the byte budget."""
+        if self._max_bytes:
+            incoming = sum(t.size_bytes for t in fresh)
+            if self._held_bytes + incoming > self._max_bytes:
+                raise ResourceExhaustedError(
+                    f"Submit refused, nothing accepted: {self._held_bytes} bytes are held and this Submit brings "
+                    f"{incoming} more, over server.max_held_bytes = {self._max_bytes}; retry after the trainer "
+                    f"collects", retry_after=RESOURCE_RETRY_SECONDS, reason="BYTES_FULL")
+        if self._max_buffered:
+            completing = sum(1 for prompt_id, added in added_per_group.items()
+                             if len(self._inflight[prompt_id].trajectories) + added == self._inflight[prompt_id].group_size)
+            if completing and len(self._buffer) + completing > self._max_buffered:
+                raise ResourceExhaustedError(
+                    f"Submit refused, nothing accepted: the pipeline buffer holds {len(self._buffer)} groups and this "
+                    f"Submit completes {completing} more, over server.max_buffered_groups = {self._max_buffered}; "
+                    f"retry after the trainer collects", retry_after=RESOURCE_RETRY_SECONDS, reason="BUFFER_FULL")
 
     # ----------------------------------------------------------------- collector
 
@@ -362,11 +473,18 @@ class Pacer:
                     self._move_out(group)
                 else:
                     group.held = True
-                    heapq.heappush(self._held, (group.seq, group.prompt_id))
+                    # An ordered gate never takes an aborted group: it waits for the Reset outside the heap.
+                    if not (self._ordered_gate and any(t.status == TrajectoryStatus.ABORTED
+                                                       for t in group.trajectories.values())):
+                        heapq.heappush(self._held, (group.seq, group.prompt_id))
             self._release_held()
 
     def _release_held(self) -> None:
-        """Re-examine gate-refused groups, oldest first, for as long as the strategy state keeps changing."""
+        """Re-examine gate-refused groups, oldest first, for as long as the strategy state keeps changing.
+
+        With an ordered gate a pass ends at the first refusal (later groups would be refused too),
+        so its cost follows the groups released, not the groups held.
+        """
         while self._strategy_touched and self._held:
             self._strategy_touched = False
             still_held = []
@@ -379,6 +497,8 @@ class Pacer:
                     self._move_out(group)
                 else:
                     still_held.append((seq, prompt_id))
+                    if self._ordered_gate:
+                        break
             for entry in still_held:
                 heapq.heappush(self._held, entry)
         self._strategy_touched = False
@@ -397,6 +517,7 @@ class Pacer:
         else:
             self.totals["filtered"] += 1
             self._tally.filtered += 1
+            self._held_bytes -= _bytes_of(group.trajectories.values())
 
     # ----------------------------------------------------------------- collect
 
@@ -408,25 +529,115 @@ class Pacer:
         self._validate_collect(num_groups)
         deadline = self._clock() + max(0.0, wait)
         with self._lock:
+            self._check_open()  # once: a waiter woken by close() answers with what is there
             while True:
-                self._check_open()
                 if len(self._buffer) >= num_groups:
-                    return CollectResult(self._take(num_groups), timed_out=False)
+                    return self._taken(num_groups, timed_out=False)
                 remaining = deadline - self._clock()
                 if remaining <= 0 or self.closed:
                     return self.collect_now(num_groups, allow_partial)
                 self._changed.wait(remaining)
 
-    def collect_now(self, num_groups: int, allow_partial: bool = False) -> CollectResult:
-        """Non-waiting collect: all `num_groups`, or with `allow_partial` whatever is there."""
+    def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
+                    lease_seconds: float = 0.0) -> CollectResult:
+        """Non-waiting collect: all `num_groups`, or with `allow_partial` whatever is there.
+
+        With `lease_seconds` > 0 the groups are leased: they return to the buffer, in their original
+        order, unless `ack(lease_id)` comes within that time (at-least-once delivery).
+        """
         self._validate_collect(num_groups)
+        if not (isinstance(lease_seconds, (int, float)) and math.isfinite(lease_seconds) and lease_seconds >= 0):
+            raise InvalidArgumentError(f"lease_seconds {lease_seconds!r} must be a finite number >= 0 (0: no lease)",
+                                       violations=[("lease_seconds", "must be a finite number >= 0")])
         with self._lock:
+            answered = self.answer("Collect", request_id)
+            if answered is not None:
+                return answered
             available = len(self._buffer)
             if available >= num_groups:
-                return CollectResult(self._take(num_groups), timed_out=False)
+                return self._taken(num_groups, timed_out=False, request_id=request_id, lease_seconds=lease_seconds)
             if allow_partial and available:
-                return CollectResult(self._take(available), timed_out=True)
+                return self._taken(available, timed_out=True, request_id=request_id, lease_seconds=lease_seconds)
             return CollectResult([], timed_out=True)
+
+    def _taken(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0) -> CollectResult:
+        now = self._clock()
+        if lease_seconds > 0:
+            entries = [heapq.heappop(self._buffer) for _ in range(count)]
+            self._lease_serial += 1
+            lease = CollectLease(f"lease-{self._lease_serial}", entries, lease_seconds, now + lease_seconds)
+            self._leases[lease.lease_id] = lease
+            self._strategy_touched = True  # leased groups no longer count as buffered
+            self._notify()
+            result = CollectResult([group for _, group in entries], timed_out=timed_out, lease_id=lease.lease_id)
+        else:
+            result = CollectResult(self._take(count), timed_out=timed_out)
+        self._record(("collect", now, count, timed_out, request_id, lease_seconds))
+        self._remember("Collect", request_id, result)
+        return result
+
+    def ack(self, lease_id: str, request_id: str = "") -> int:
+        """The trainer has the leased groups: they are consumed for good. Returns how many."""
+        with self._lock:
+            answered = self.answer("Ack", request_id)
+            if answered is not None:
+                return answered
+            self._check_open()
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                if lease_id in self._lapsed_leases:
+                    raise LeaseExpiredError(f"lease {lease_id!r} ran out before this Ack; its groups went back to "
+                                            f"the buffer and will be delivered again")
+                raise UnknownLeaseError(f"lease {lease_id!r} is not known (never granted, or already acknowledged)")
+            self._consume([group for _, group in lease.entries])
+            count = len(lease.entries)
+            self._record(("ack", self._clock(), lease_id, request_id))
+            self._remember("Ack", request_id, count)
+            return count
+
+    def expire_leases(self) -> tuple[list[str], list[str]]:
+        """Reclaim what ran out: in-flight groups (their slots) and Collect leases (back to the buffer).
+
+        Returns (expired prompt ids, expired lease ids). Called periodically by the server.
+        """
+        with self._lock:
+            now = self._clock()
+            groups = []
+            while self._lease_heap and self._lease_heap[0][0] <= now:
+                deadline, seq, prompt_id = heapq.heappop(self._lease_heap)
+                group = self._inflight.get(prompt_id)
+                if group is not None and group.seq == seq and group.deadline == deadline and not group.complete:
+                    group.deadline = math.inf  # taken: a duplicate heap entry must not take it twice
+                    groups.append(group)
+            lapsed = [lease_id for lease_id, lease in self._leases.items() if lease.deadline <= now]
+            if groups or lapsed:
+                self._expire([g.prompt_id for g in groups], lapsed)
+                self._record(("expire", now, [g.prompt_id for g in groups], lapsed))
+            return [g.prompt_id for g in groups], lapsed
+
+    def _expire(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
+        for prompt_id in prompt_ids:
+            group = self._inflight.pop(prompt_id)
+            self._strategy.on_collected(prompt_id)  # the slot is reclaimed as if the group had been collected
+            self._queued_trajectories -= len(group.trajectories)
+            self._expired_groups.append(group.to_group())
+            self._expired_prompts.add(prompt_id)
+            self.totals["expired"] += 1
+        for lease_id in lease_ids:
+            lease = self._leases.pop(lease_id)
+            for entry in lease.entries:
+                heapq.heappush(self._buffer, entry)
+            self.totals["redelivered"] += len(lease.entries)
+            self._lapsed_leases.append(lease_id)
+        self._strategy_touched = True
+        self._release_held()
+        self._notify()
+
+    def _extend_lease(self, group: InflightGroup, now: float) -> None:
+        deadline = now + self._inflight_lease
+        if self._inflight_lease and deadline != group.deadline:
+            group.deadline = deadline
+            heapq.heappush(self._lease_heap, (deadline, group.seq, group.prompt_id))
 
     def _validate_collect(self, num_groups: int) -> None:
         if not isinstance(num_groups, int) or isinstance(num_groups, bool) or not 1 <= num_groups <= self._max_collect:
@@ -436,12 +647,21 @@ class Pacer:
 
     def _take(self, count: int) -> list[TrajectoryGroup]:
         groups = [heapq.heappop(self._buffer)[1] for _ in range(count)]
-        self.totals["consumed"] += count
+        self._consume(groups)
+        return groups
+
+    def _consume(self, groups: list[TrajectoryGroup]) -> None:
+        """The trainer has these groups for good: count them, free their bytes, tell listeners."""
+        self.totals["consumed"] += len(groups)
         for group in groups:
             self._tally.count_consumed(group)
+            self._held_bytes -= _bytes_of(group.trajectories)
+        if self._consume_listeners:
+            now = self._clock()
+            for callback in self._consume_listeners:
+                callback(groups, self.weight_version, now)
         self._strategy_touched = True  # Q shrank: dispatch may open
         self._notify()
-        return groups
 
     # ----------------------------------------------------------------- reset / resume
 
@@ -472,15 +692,17 @@ class Pacer:
             if resume:
                 self._validate_weight_version(weight_version)
             mode = self._default_mode if mode == ResetMode.UNSPECIFIED else mode
+            now = self._clock()
             self.resetting = True
             if not self.paused:
                 self.paused = True
-                self._pause_started = self._clock()
+                self._pause_started = now
             elif self._pause_started is None:
-                self._pause_started = self._clock()
+                self._pause_started = now
             self._reset_ready_at = None
             self._emit(ControlEventType.PAUSE, mode)
             self._notify()
+            self._record(("begin_reset", now, mode, resume, weight_version))
             return mode
 
     def reset_ready(self) -> bool:
@@ -491,12 +713,15 @@ class Pacer:
                 self._reset_ready_at = self._clock()
             return ready
 
-    def finish_reset(self, *, resume: bool = False, weight_version: Optional[int] = None) -> ResetResult:
+    def finish_reset(self, *, resume: bool = False, weight_version: Optional[int] = None,
+                     request_id: str = "") -> ResetResult:
         """Steps 3-6 of a Reset: restore complete groups, drop incomplete ones, clear, optionally resume."""
         with self._lock:
             if not self.resetting:
                 raise ResetInProgressError("finish_reset without begin_reset")
+            now = self._clock()
             self.reset_ready()
+            ready_at_recorded = self._reset_ready_at
             restored: list[TrajectoryGroup] = []
             dropped: list[str] = []
             for group in sorted(self._inflight.values(), key=lambda g: g.seq):
@@ -506,30 +731,44 @@ class Pacer:
                     dropped.append(group.prompt_id)
             self.totals["restored"] += len(restored)
             self.totals["dropped"] += len(dropped)
+            expired, self._expired_groups = self._expired_groups, []
+            self._expired_prompts = set()
+            for group in (*restored, *expired):
+                self._held_bytes -= _bytes_of(group.trajectories)
+            for prompt_id in dropped:
+                self._held_bytes -= _bytes_of(self._inflight[prompt_id].trajectories.values())
             self._strategy.on_reset()
             self._inflight.clear()
             self._held.clear()
+            self._lease_heap.clear()
             self._complete_inflight = 0
             self._queued_trajectories = 0
             self._accepted.clear()
             self._past_generation_prompts.append(self._generation_prompts)
             self._generation_prompts = set()
             self.generation += 1
-            ready_at = self._reset_ready_at if self._reset_ready_at is not None else self._clock()
+            ready_at = self._reset_ready_at if self._reset_ready_at is not None else now
             pause_delay = max(0.0, ready_at - (self._pause_started or ready_at))
             report = self._close_step(len(restored), len(dropped), pause_delay)
             self.resetting = False
             if resume:
                 self._resume_locked(weight_version)
             self._notify()
-            return ResetResult(restored, dropped, pause_delay, self.generation, self.step, self.weight_version,
-                               self.paused, report)
+            result = ResetResult(restored, dropped, pause_delay, self.generation, self.step, self.weight_version,
+                                 self.paused, report, expired)
+            self._record(("finish_reset", now, ready_at_recorded, resume, weight_version, request_id))
+            self._remember("Reset", request_id, result)
+            if self._journal is not None:
+                # The step boundary is the natural checkpoint: nothing is in flight, so the snapshot is small.
+                self.last_ticket = self._journal.snapshot(self.export_state())
+            return result
 
     def abandon_reset(self) -> None:
         """Used when a Reset cannot finish (shutdown): leave the pause on, allow a later Reset."""
         with self._lock:
             self.resetting = False
             self._notify()
+            self._record(("abandon_reset", self._clock()))
 
     def _close_step(self, restored: int, dropped: int, pause_delay: float) -> StepReport:
         tally = self._tally
@@ -547,16 +786,22 @@ class Pacer:
         self._tally = _StepTally()
         return report
 
-    def resume(self, weight_version: int) -> ResumeResult:
+    def resume(self, weight_version: int, request_id: str = "") -> ResumeResult:
         """step += 1, record the weight version, reopen dispatch, tell watchers."""
         with self._lock:
+            answered = self.answer("Resume", request_id)
+            if answered is not None:
+                return answered
             self._check_open()
             if self.resetting:
                 raise ResetInProgressError("a Reset is running; it resumes when it finishes (Reset with resume=true)")
             self._validate_weight_version(weight_version)
             self._resume_locked(weight_version)
             self._notify()
-            return ResumeResult(self.step, self.weight_version)
+            result = ResumeResult(self.step, self.weight_version)
+            self._record(("resume", self._clock(), weight_version, request_id))
+            self._remember("Resume", request_id, result)
+            return result
 
     def _validate_weight_version(self, weight_version: Optional[int]) -> None:
         if weight_version is None:
@@ -575,6 +820,140 @@ class Pacer:
         self._strategy_touched = True
         self._emit(ControlEventType.RESUME)
 
+    # ----------------------------------------------------------------- answers, journal, recovery
+
+    def answer(self, method: str, request_id: str) -> Optional[Any]:
+        """The first answer of an earlier `method` call with this request_id, if still remembered."""
+        if not request_id:
+            return None
+        with self._lock:
+            return self._answers[method].get(request_id)
+
+    def remember_answer(self, method: str, request_id: str, result: Any) -> None:
+        """Keep the final answer of a call that changed nothing (a retry gets it too); changes are kept as made."""
+        with self._lock:
+            if request_id and request_id not in self._answers[method]:
+                self._remember(method, request_id, result)
+
+    def _remember(self, method: str, request_id: str, result: Any) -> None:
+        if request_id:
+            answers = self._answers[method]
+            answers[request_id] = result
+            if len(answers) > self._answer_limits[method]:
+                answers.popitem(last=False)
+
+    @property
+    def journal(self) -> Optional[Any]:
+        return self._journal
+
+    def _record(self, event: tuple) -> None:
+        if self._journal is not None:
+            self.last_ticket = self._journal.append(event)
+
+    def export_state(self) -> dict:
+        """A consistent copy of everything a Reset leaves behind (nothing is in flight then), for a snapshot."""
+        with self._lock:
+            return {
+                "format": SNAPSHOT_FORMAT,
+                "step": self.step, "weight_version": self.weight_version, "generation": self.generation,
+                "paused": self.paused, "next_seq": self._next_seq, "totals": dict(self.totals),
+                "buffer": list(self._buffer), "past_generation_prompts": list(self._past_generation_prompts),
+                "reports": list(self._reports),
+                "answers": {method: list(answers.items()) for method, answers in self._answers.items()},
+                "leases": [(lease.lease_id, lease.entries, lease.seconds) for lease in self._leases.values()],
+                "lease_serial": self._lease_serial, "lapsed_leases": list(self._lapsed_leases),
+                "held_bytes": self._held_bytes,
+            }
+
+    def recover(self) -> int:
+        """Rebuild the state from the journal: its snapshot, then its events replayed in order.
+
+        The strategy is a fresh instance that hears every dispatch and collection since the last
+        Reset again, custom strategies included. Returns the number of events replayed.
+        """
+        if self._journal is None:
+            return 0
+        snapshot, events = self._journal.load()
+        journal, clock = self._journal, self._clock
+        self._journal = None  # replaying must not record the events again
+        try:
+            with self._lock:
+                if snapshot is not None:
+                    self._import_state(snapshot)
+                for event in events:
+                    self._clock = lambda at=event[1]: at  # the replayed call sees the time it first ran at
+                    self._replay(event)
+        finally:
+            self._journal, self._clock = journal, clock
+        if self.resetting:  # the last process died during a Reset's wait: end it (recorded); a retried Reset starts afresh
+            self.abandon_reset()
+        if self.paused and not self.resetting:
+            self._pause_started = self._clock()
+        with self._lock:  # deadlines were on the old process's clock: every lease gets its full time again
+            now = self._clock()
+            for group in self._inflight.values():
+                self._extend_lease(group, now)
+            for lease in self._leases.values():
+                lease.deadline = now + lease.seconds
+        return len(events)
+
+    def _import_state(self, snapshot: dict) -> None:
+        if snapshot.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"state snapshot format {snapshot.get('format')!r} is not {SNAPSHOT_FORMAT}")
+        self.step, self.weight_version = snapshot["step"], snapshot["weight_version"]
+        self.generation, self.paused, self._next_seq = snapshot["generation"], snapshot["paused"], snapshot["next_seq"]
+        self.totals.update(snapshot["totals"])
+        self._buffer = list(snapshot["buffer"])
+        heapq.heapify(self._buffer)
+        self._past_generation_prompts.extend(snapshot["past_generation_prompts"])
+        self._reports.extend(snapshot["reports"])
+        for method, items in snapshot["answers"].items():
+            self._answers[method].update(items)
+        now = self._clock()
+        for lease_id, entries, seconds in snapshot["leases"]:
+            # The old deadline was on the old process's clock: a recovered lease gets its full time again.
+            self._leases[lease_id] = CollectLease(lease_id, entries, seconds, now + seconds)
+        self._lease_serial = snapshot["lease_serial"]
+        self._lapsed_leases.extend(snapshot["lapsed_leases"])
+        self._held_bytes = snapshot["held_bytes"]
+
+    def _replay(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "dispatch":
+            _, _, refs, request_id = event
+            result = self.dispatch(refs, request_id=request_id)
+            if [a.prompt_id for a in result.admitted] != [r.prompt_id for r in refs]:
+                raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted)} of the "
+                                   f"{len(refs)} groups it admitted before the restart")
+        elif kind == "submit":
+            _, _, trajectories, request_id = event
+            self.submit(trajectories, request_id=request_id)
+        elif kind == "stale":
+            self.totals["stale_rejected"] += event[2]
+        elif kind == "collect":
+            _, _, count, timed_out, request_id, lease_seconds = event
+            self._taken(count, timed_out, request_id, lease_seconds)
+        elif kind == "ack":
+            _, _, lease_id, request_id = event
+            self.ack(lease_id, request_id)
+        elif kind == "expire":
+            _, _, prompt_ids, lease_ids = event
+            self._expire(prompt_ids, lease_ids)
+        elif kind == "begin_reset":
+            _, _, mode, resume, weight_version = event
+            self.begin_reset(mode, resume=resume, weight_version=weight_version)
+        elif kind == "finish_reset":
+            _, _, ready_at, resume, weight_version, request_id = event
+            self._reset_ready_at = ready_at
+            self.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
+        elif kind == "abandon_reset":
+            self.abandon_reset()
+        elif kind == "resume":
+            _, _, weight_version, request_id = event
+            self.resume(weight_version, request_id=request_id)
+        else:
+            raise ValueError(f"unknown journal event {kind!r}")
+
     # ----------------------------------------------------------------- state / shutdown
 
     def state(self) -> PacerState:
@@ -585,6 +964,7 @@ class Pacer:
                 window_size=self._window_size, step=self.step, weight_version=self.weight_version,
                 generation=self.generation, paused=self.paused, resetting=self.resetting,
                 strategy=self._strategy.name, config_summary=dict(self._summary),
+                leased=sum(len(lease.entries) for lease in self._leases.values()), held_bytes=self._held_bytes,
                 recent_reports=list(self._reports), **self.totals,
             )
 
@@ -600,3 +980,7 @@ class Pacer:
     def _check_open(self) -> None:
         if self.closed:
             raise ShuttingDownError("the pacer is shutting down and takes no new calls")
+
+
+def _bytes_of(trajectories: Iterable[Trajectory]) -> int:
+    return sum(t.size_bytes for t in trajectories)

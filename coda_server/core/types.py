@@ -113,6 +113,7 @@ class SubmitResult:
 class CollectResult:
     groups: list[TrajectoryGroup]
     timed_out: bool
+    lease_id: str = ""  # set when the groups are leased: Ack it, or they are delivered again
 
 
 @dataclass
@@ -139,6 +140,8 @@ class ResetResult:
     weight_version: int
     paused: bool
     report: StepReport = field(default_factory=StepReport)
+    # Partial groups whose in-flight lease ran out this generation, set aside for their data source.
+    expired: list[TrajectoryGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -194,10 +197,15 @@ class PacerState:
     config_summary: Mapping[str, str] = field(default_factory=dict)
     recent_reports: list[StepReport] = field(default_factory=list)
     waiting_calls: int = 0  # long-polls waiting now (filled in by the asyncio face)
+    expired: int = 0  # running groups reclaimed because their in-flight lease ran out
+    redelivered: int = 0  # leased groups returned to the buffer because no Ack came in time
+    leased: int = 0  # groups handed out under a Collect lease, not yet acknowledged
+    held_bytes: int = 0  # bytes of trajectories queued, buffered or leased
 
     def invariant_holds(self) -> bool:
-        """dispatched = running + collected + filtered + restored + dropped, and buffered = collected - consumed."""
+        """dispatched = running + collected + filtered + restored + dropped + expired,
+        and buffered = collected - consumed - leased."""
         return (
-            self.dispatched == self.running + self.collected + self.filtered + self.restored + self.dropped
-            and self.buffered == self.collected - self.consumed
+            self.dispatched == self.running + self.collected + self.filtered + self.restored + self.dropped + self.expired
+            and self.buffered == self.collected - self.consumed - self.leased
         )

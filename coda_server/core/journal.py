@@ -1,0 +1,233 @@
+"""Durable state: an SQLite (WAL) log of the Pacer's events with a snapshot at each Reset, and the state-dir lock."""
+from __future__ import annotations
+
+import fcntl
+import io
+import logging
+import os
+import pickle
+import sqlite3
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+log = logging.getLogger("coda_server.journal")
+
+# synchronous= levels. WAL mode writes every commit to the OS before returning, so each of these
+# survives kill -9 of the server; they differ in what survives a machine crash or power loss.
+FSYNC_POLICIES = {
+    "off": "OFF",  # no fsync: a machine crash may lose recent commits or corrupt the database
+    "normal": "NORMAL",  # fsync at WAL checkpoints: a machine crash may lose the last commits, never corrupts
+    "full": "FULL",  # fsync every commit: nothing acknowledged is lost even on power loss
+}
+# Classes a journal may contain; anything else is refused on load (the file is data, not code).
+ALLOWED_CLASSES = {
+    ("coda_server.core.types", name)
+    for name in ("Trajectory", "TrajectoryGroup", "TrajectoryStatus", "ResetMode", "PromptRef", "Admitted",
+                 "DispatchResult", "SubmitResult", "CollectResult", "ResetResult", "ResumeResult", "StepReport")
+} | {("builtins", name) for name in ("set", "frozenset", "tuple", "list", "dict")} | {
+    ("collections", "OrderedDict"), ("collections", "deque")}
+
+
+class StateDirLockedError(RuntimeError):
+    """Another server holds the state directory."""
+
+
+class BodyCodec(Protocol):
+    """Turns the transport's trajectory bodies into bytes and back (the server uses protobuf)."""
+
+    def is_body(self, value: Any) -> bool: ...
+
+    def encode(self, body: Any) -> bytes: ...
+
+    def decode(self, data: bytes) -> Any: ...
+
+
+class PlainBodies:
+    """Bodies that pickle as they are (None, bytes, str, plain containers): in-process embedding."""
+
+    def is_body(self, value: Any) -> bool:
+        return False
+
+    def encode(self, body: Any) -> bytes:
+        raise TypeError("plain bodies are pickled inline")
+
+    def decode(self, data: bytes) -> Any:
+        raise TypeError("plain bodies are pickled inline")
+
+
+def dumps(value: Any, codec: BodyCodec) -> bytes:
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=5)
+    pickler.persistent_id = lambda obj: ("body", codec.encode(obj)) if codec.is_body(obj) else None
+    pickler.dump(value)
+    return buffer.getvalue()
+
+
+def loads(data: bytes, codec: BodyCodec) -> Any:
+    unpickler = _RestrictedUnpickler(io.BytesIO(data))
+    unpickler.persistent_load = lambda pid: codec.decode(pid[1])
+    return unpickler.load()
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in ALLOWED_CLASSES:
+            raise pickle.UnpicklingError(f"the journal refers to {module}.{name}, which it may not contain")
+        return super().find_class(module, name)
+
+
+class Journal:
+    """The log of one state directory, written in order by one background thread with group commit.
+
+    `append(event)` queues an event and returns its ticket; `snapshot(state)` queues a snapshot that
+    replaces every event queued before it. `wait(ticket)` / `on_durable(ticket, callback)` tell when
+    the write has been committed.
+    """
+
+    def __init__(self, state_dir: str | Path, *, fsync: str = "normal", codec: Optional[BodyCodec] = None):
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync policy {fsync!r} is not known; allowed: {', '.join(FSYNC_POLICIES)}")
+        self.directory = Path(state_dir)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.codec = codec or PlainBodies()
+        self._lock_file = self._take_lock()
+        self._db = sqlite3.connect(self.directory / "pacer.sqlite3", isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={FSYNC_POLICIES[fsync]}")
+        self._db.execute("CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS snapshot (id INTEGER PRIMARY KEY CHECK (id = 1), body BLOB NOT NULL)")
+        self._queue: deque[tuple[int, str, Any]] = deque()
+        self._cond = threading.Condition()
+        self._queued = 0  # tickets handed out
+        self._durable = 0  # tickets committed
+        self._error: Optional[BaseException] = None
+        self._callbacks: list[tuple[int, Callable[[], None]]] = []
+        self._closing = False
+        self._writer = threading.Thread(target=self._write_loop, name="coda-journal", daemon=True)
+        self._writer.start()
+
+    def _take_lock(self):
+        path = self.directory / "LOCK"
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise StateDirLockedError(
+                f"state directory {self.directory} is in use by another coda-server (pid {holder}); "
+                f"each server needs its own server.state_dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        return handle
+
+    # ------------------------------------------------------------------ reading
+
+    def load(self) -> tuple[Any, list[Any]]:
+        """(snapshot or None, events after it, in order)."""
+        row = self._db.execute("SELECT body FROM snapshot WHERE id = 1").fetchone()
+        snapshot = loads(row[0], self.codec) if row else None
+        events = [loads(body, self.codec) for (body,) in self._db.execute("SELECT body FROM events ORDER BY id")]
+        return snapshot, events
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, event: Any) -> int:
+        return self._enqueue("event", event)
+
+    def snapshot(self, state: Any) -> int:
+        return self._enqueue("snapshot", state)
+
+    def _enqueue(self, kind: str, value: Any) -> int:
+        with self._cond:
+            if self._error is not None:
+                raise RuntimeError(f"the journal failed earlier: {self._error}") from self._error
+            self._queued += 1
+            self._queue.append((self._queued, kind, value))
+            self._cond.notify_all()
+            return self._queued
+
+    @property
+    def last_ticket(self) -> int:
+        return self._queued
+
+    def wait(self, ticket: int, timeout: Optional[float] = None) -> None:
+        """Block until `ticket` (and everything before it) is committed."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._durable >= ticket or self._error is not None, timeout):
+                raise TimeoutError(f"journal write {ticket} not committed within {timeout}s")
+            if self._error is not None:
+                raise RuntimeError(f"the journal failed: {self._error}") from self._error
+
+    def on_durable(self, ticket: int, callback: Callable[[], None]) -> None:
+        """Run `callback()` (on the writer thread, or now) once `ticket` is committed or the journal failed."""
+        with self._cond:
+            if self._durable >= ticket or self._error is not None:
+                ready = True
+            else:
+                self._callbacks.append((ticket, callback))
+                ready = False
+        if ready:
+            callback()
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing)
+                if not self._queue and self._closing:
+                    return
+                batch = list(self._queue)
+                self._queue.clear()
+            try:
+                self._commit(batch)
+            except BaseException as exc:  # the disk failed: every waiter learns it, nothing more is written
+                log.error("journal write failed; the server can no longer acknowledge changes: %s", exc)
+                with self._cond:
+                    self._error = exc
+                    callbacks, self._callbacks = self._callbacks, []
+                    self._cond.notify_all()
+                for _, callback in callbacks:
+                    callback()
+                return
+            with self._cond:
+                self._durable = batch[-1][0]
+                ready = [cb for ticket, cb in self._callbacks if ticket <= self._durable]
+                self._callbacks = [(t, cb) for t, cb in self._callbacks if t > self._durable]
+                self._cond.notify_all()
+            for callback in ready:
+                callback()
+
+    def _commit(self, batch: list[tuple[int, str, Any]]) -> None:
+        # Encode outside the transaction; one transaction for the whole batch (group commit).
+        encoded = [(kind, dumps(value, self.codec)) for _, kind, value in batch]
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            for kind, body in encoded:
+                if kind == "snapshot":
+                    db.execute("DELETE FROM events")
+                    db.execute("INSERT OR REPLACE INTO snapshot (id, body) VALUES (1, ?)", (body,))
+                else:
+                    db.execute("INSERT INTO events (body) VALUES (?)", (body,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        """Write what is queued, then release the database and the directory lock."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._writer.join()
+        self._db.close()
+        self._lock_file.close()

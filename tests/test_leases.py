@@ -1,0 +1,159 @@
+"""In-flight leases, Collect leases with Ack and redelivery, and the buffer/byte caps."""
+from __future__ import annotations
+
+import pytest
+
+from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectoryStatus as WireStatus
+from coda_client.errors import FailedPreconditionError, PacerClientError
+from coda_server.core import (
+    InvalidArgumentError,
+    Pacer,
+    PromptRef,
+    ResourceExhaustedError,
+    Trajectory,
+    load_config,
+)
+from coda_server.core.errors import LeaseExpiredError, UnknownLeaseError
+from server_harness import ServerProcess
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_pacer(*overrides: str) -> tuple[Pacer, FakeClock]:
+    clock = FakeClock()
+    config = load_config(overrides=["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
+                                    "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
+                                    "server.inflight_lease_seconds=10", *overrides])
+    return Pacer(config, clock=clock), clock
+
+
+def group(prompt_id: str, count: int = 2, size: int = 0) -> list[Trajectory]:
+    return [Trajectory(f"{prompt_id}/t{i}", prompt_id, size_bytes=size) for i in range(count)]
+
+
+def test_silent_worker_loses_its_slot_and_late_submits_are_refused():
+    pacer, clock = make_pacer()
+    pacer.dispatch([PromptRef("a"), PromptRef("b"), PromptRef("c"), PromptRef("d")])
+    assert pacer.dispatch([PromptRef("e")]).admitted == []  # window C = 4 is full
+    pacer.submit(group("a", 1))
+    clock.now += 6
+    pacer.submit(group("b", 2))  # b completes; a's lease was extended at 1000 and runs to 1010
+    clock.now += 5  # 1011: c and d (no Submit since dispatch at 1000) and a (last Submit at 1000) ran out
+    prompts, leases = pacer.expire_leases()
+    assert sorted(prompts) == ["a", "c", "d"] and leases == []
+    state = pacer.state()
+    assert (state.running, state.expired, state.buffered) == (0, 3, 1) and state.invariant_holds()
+    assert [r.prompt_id for r in pacer.dispatch([PromptRef("e"), PromptRef("f")]).admitted] == ["e", "f"]
+    with pytest.raises(LeaseExpiredError) as caught:
+        pacer.submit([Trajectory("a/t1", "a")])
+    assert "reclaimed" in str(caught.value)
+    before = pacer.state()
+    assert pacer.expire_leases() == ([], [])  # nothing more ran out; state unchanged
+    assert pacer.state() == before
+    reset = pacer.reset(wait=0)
+    assert [g.prompt_id for g in reset.expired] == ["a", "c", "d"]
+    assert [len(g.trajectories) for g in reset.expired] == [1, 0, 0]  # the partial data is handed back
+
+
+def test_submits_extend_the_lease_and_complete_groups_never_expire():
+    pacer, clock = make_pacer("fully_async.sliding_window=windowed-fifo", "data_source.num_prompts_per_step=1",
+                              "data_source.num_trajectories_per_prompt=4", "trainer.mini_batch_size=4")
+    pacer.dispatch([PromptRef("head"), PromptRef("next")])
+    pacer.submit(group("next", 4))  # complete, but held back by windowed-fifo behind the head
+    for i in range(3):  # a Submit every 8 s keeps a 10 s lease alive
+        clock.now += 8
+        pacer.submit([Trajectory(f"head/t{i}", "head")])
+        assert pacer.expire_leases() == ([], [])
+    clock.now += 100
+    prompts, _ = pacer.expire_leases()
+    assert prompts == ["head"]  # "next" is complete (held) and keeps its slot until the gate opens
+    assert pacer.state().buffered == 1  # the head left: next is released into the buffer
+
+
+def test_collect_lease_redelivers_in_original_order_unless_acknowledged():
+    pacer, clock = make_pacer("server.inflight_lease_seconds=0")
+    pacer.dispatch([PromptRef("a"), PromptRef("b"), PromptRef("c")])
+    for prompt_id in ("a", "b", "c"):
+        pacer.submit(group(prompt_id))
+    leased = pacer.collect_now(2, lease_seconds=30)
+    assert [g.prompt_id for g in leased.groups] == ["a", "b"] and leased.lease_id
+    state = pacer.state()
+    assert (state.buffered, state.leased, state.consumed) == (1, 2, 0) and state.invariant_holds()
+    clock.now += 31
+    assert pacer.expire_leases() == ([], [leased.lease_id])
+    assert pacer.state().redelivered == 2
+    with pytest.raises(LeaseExpiredError):
+        pacer.ack(leased.lease_id)
+    again = pacer.collect_now(3, lease_seconds=30)
+    assert [g.prompt_id for g in again.groups] == ["a", "b", "c"]  # original priority order kept
+    assert pacer.ack(again.lease_id) == 3
+    with pytest.raises(UnknownLeaseError):
+        pacer.ack(again.lease_id)
+    state = pacer.state()
+    assert (state.consumed, state.leased, state.buffered) == (3, 0, 0) and state.invariant_holds()
+
+
+def test_negative_lease_is_refused_and_changes_nothing():
+    pacer, _ = make_pacer()
+    pacer.dispatch([PromptRef("a")])
+    pacer.submit(group("a"))
+    before = pacer.state()
+    with pytest.raises(InvalidArgumentError):
+        pacer.collect_now(1, lease_seconds=-1)
+    assert pacer.state() == before
+
+
+def test_buffer_cap_refuses_with_retry_delay_and_changes_nothing():
+    pacer, _ = make_pacer("server.max_buffered_groups=1", "server.inflight_lease_seconds=0")
+    pacer.dispatch([PromptRef("a"), PromptRef("b")])
+    pacer.submit(group("a"))
+    before = pacer.state()
+    with pytest.raises(ResourceExhaustedError) as caught:
+        pacer.submit(group("b"))
+    assert caught.value.retry_after > 0 and "max_buffered_groups = 1" in str(caught.value)
+    assert pacer.state() == before
+    pacer.collect_now(1)
+    assert pacer.submit(group("b")).groups_completed == 1
+
+
+def test_byte_cap_counts_queued_and_buffered_bytes_and_frees_them_on_consumption():
+    pacer, _ = make_pacer("server.max_held_bytes=300", "server.inflight_lease_seconds=0")
+    pacer.dispatch([PromptRef("a"), PromptRef("b")])
+    pacer.submit(group("a", size=100))
+    assert pacer.state().held_bytes == 200
+    before = pacer.state()
+    with pytest.raises(ResourceExhaustedError) as caught:
+        pacer.submit(group("b", size=100))
+    assert "max_held_bytes = 300" in str(caught.value) and pacer.state() == before
+    pacer.collect_now(1)
+    assert pacer.state().held_bytes == 0
+    pacer.submit(group("b", size=100))
+    assert pacer.state().held_bytes == 200
+
+
+def test_ack_and_redelivery_over_grpc(tmp_path):
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=1",
+                       "trainer.mini_batch_size=1") as server, PacerClient(server.address) as pacer:
+        pacer.dispatch(["a", "b"])
+        pacer.submit([WireTrajectory(trajectory_id=f"{p}/t", prompt_id=p, status=WireStatus.COMPLETED)
+                      for p in ("a", "b")])
+        with pacer.collect_leased(1, lease=60) as groups:  # acknowledged when the block completes
+            assert [g.prompt_id for g in groups] == ["a"]
+        lapsed = pacer.collect_result(1, lease=0.2)
+        assert [g.prompt_id for g in lapsed.groups] == ["b"] and pacer.state().leased == 1
+        redelivered = pacer.collect_result(1, wait=30)  # waits until the lease runs out and b comes back
+        assert [g.prompt_id for g in redelivered.groups] == ["b"]
+        with pytest.raises(FailedPreconditionError) as caught:
+            pacer.ack(lapsed.lease_id)
+        assert caught.value.reason == "LEASE_EXPIRED"
+        with pytest.raises(PacerClientError) as caught:
+            pacer.ack("lease-unknown")
+        assert caught.value.reason == "UNKNOWN_LEASE"
+        state = pacer.state()
+        assert (state.consumed, state.redelivered, state.leased, state.buffered) == (2, 1, 0, 0)
