@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 
 from .core.config import load_config
 from .core.errors import ConfigError
+from .core.journal import StateDirLockedError
+from .observability import TEXT_FORMAT, configure_logging, fields
 from .server import BindError, PacerServer
 
 log = logging.getLogger("coda_server")
@@ -29,48 +31,59 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--config", default=os.environ.get(CONFIG_ENV) or None,
                         help=f"YAML file merged over the defaults (default: ${CONFIG_ENV}, else none)")
     parser.add_argument("--port-file", type=Path,
-                        help="once serving, write {\"address\", \"port\"} as JSON here (for scripts and tests)")
+                        help="once serving, write {\"address\", \"port\", \"metrics_port\"} as JSON here (for scripts and tests), "
+                             "plus \"uds\" and \"health_port\" when those listeners are set; address and port "
+                             "are null without a TCP listener")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied last")
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=TEXT_FORMAT)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"coda-server: {exc}", file=sys.stderr)
         return 2
-    logging.getLogger().setLevel(str(config.server.log_level).upper())
+    configure_logging(str(config.server.log_format), str(config.server.log_level))
     try:
         return asyncio.run(serve(config, port_file=args.port_file))
-    except BindError as exc:
+    except (BindError, StateDirLockedError) as exc:  # port taken, or state directory held by another server
         log.error("%s", exc)
         return 1
+    except ConfigError as exc:  # a file the configuration names (token, certificates) is unusable
+        print(f"coda-server: {exc}", file=sys.stderr)
+        return 2
 
 
 async def serve(config, *, port_file: Optional[Path] = None) -> int:
     server = PacerServer(config)
     if not config.fully_async.enable:
         log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
-    ports = await server.start()
-    host = str(config.server.address).rsplit(":", 1)[0]
-    log.info("serving coda.pacer.v1.RolloutPacer on %s:%d (strategy %s, window %d, state in memory)",
-             host, ports[0], config.fully_async.sliding_window, server.pacer.state().window_size)
+    await server.start()
+    listeners = server.listeners  # TCP (address, port) if any, Unix socket and health-only port if set
+    window = server.pacer.state().window_size
+    log.info("serving coda.pacer.v1.RolloutPacer on %s (strategy %s, window %d, state in memory)",
+             listeners.describe(), config.fully_async.sliding_window, window,
+             extra=fields(event="start", address=listeners.tcp_address, uds=listeners.uds_path,
+                          health_port=listeners.health_port, strategy=str(config.fully_async.sliding_window),
+                          window=window, metrics_port=server.metrics_port))
     if port_file is not None:
         temporary = port_file.with_suffix(port_file.suffix + ".tmp")
-        temporary.write_text(json.dumps({"address": f"{host}:{ports[0]}", "port": ports[0]}))
+        temporary.write_text(json.dumps({**listeners.port_file(), "metrics_port": server.metrics_port}))
         temporary.replace(port_file)  # readers never see a half-written file
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
-    log.info("shutting down: readiness NOT_SERVING, answering waiting calls, %.1fs grace",
-             float(config.server.shutdown_grace_seconds))
+    grace = float(config.server.shutdown_grace_seconds)
+    log.info("shutting down: readiness NOT_SERVING, answering waiting calls, %.1fs grace", grace,
+             extra=fields(event="shutdown", grace_seconds=grace))
     await server.stop()
     state = server.pacer.state()
     log.info("stopped: step %d, %d running, %d buffered groups discarded (state in memory)",
-             state.step, state.running, state.buffered)
+             state.step, state.running, state.buffered,
+             extra=fields(event="stopped", step=state.step, running=state.running, buffered=state.buffered))
     return 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Optional
 
 import grpc
@@ -10,18 +11,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coda_client._proto import pacer_pb2, pacer_pb2_grpc
 
+from . import auth, transport
+from .convert import ProtoBodies
 from .core.async_pacer import AsyncPacer
+from .core.journal import Journal
 from .core.pacer import Pacer
+from .guard import MalformedRequestInterceptor
+from .observability import Observability
 from .service import RolloutPacerServicer
+from .transport import BindError  # re-exported: the CLI and tests import it from here
 
 log = logging.getLogger("coda_server")
 
 SERVICE_NAME = pacer_pb2.DESCRIPTOR.services_by_name["RolloutPacer"].full_name
 HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME)
-
-
-class BindError(RuntimeError):
-    """The configured address could not be bound (in use, or not a local address)."""
 
 
 def server_options(config: Any) -> list[tuple[str, Any]]:
@@ -46,20 +49,38 @@ class PacerServer:
 
     def __init__(self, config: Any, pacer: Optional[Pacer] = None):
         self.config = config
-        self.pacer = pacer if pacer is not None else Pacer(config)
+        state_dir = str(config.server.state_dir or "")
+        # The journal takes the state directory's lock now: a second server on it fails before binding.
+        self.journal = (Journal(state_dir, fsync=str(config.server.fsync), codec=ProtoBodies())
+                        if state_dir and pacer is None else None)
+        self.pacer = pacer if pacer is not None else Pacer(config, journal=self.journal)
         self.async_pacer = AsyncPacer(
             self.pacer,
             max_wait_seconds=float(config.server.max_wait_seconds),
-            request_id_cache_size=int(config.server.request_id_cache_size),
+            max_waiting_calls=int(config.server.max_waiting_calls),
         )
+        # None when no token is configured; reads server.auth_token_file or $CODA_TOKEN (ConfigError if unusable).
+        self.auth = auth.token_interceptor(config.server)
+        self.listeners = transport.Listeners()  # what start() bound: TCP, Unix socket, health-only port
+        self.health_server: Optional[grpc.aio.Server] = None  # the plaintext health-only server, if configured
         self.health = health.aio.HealthServicer()
+        self.observability = Observability(config, self.async_pacer)
         self.server: Optional[grpc.aio.Server] = None
         self.ports: list[int] = []
+        self.metrics_port: Optional[int] = None  # bound port of the /metrics listener; None when disabled
 
     async def start(self) -> list[int]:
         """Bind, start serving and turn readiness on; returns the bound port(s)."""
         self.async_pacer.bind_loop()
+        # Observability comes first (outermost): it counts, times and logs every call, refused ones included.
+        interceptors: list[grpc.aio.ServerInterceptor] = [*self.observability.interceptors()]
+        # Then authentication (a refused call is never decoded), then the guard answering INVALID_ARGUMENT
+        # for request bytes that do not decode.
+        if self.auth is not None:
+            interceptors.append(self.auth)
+        interceptors.append(MalformedRequestInterceptor())
         self.server = grpc.aio.server(
+            interceptors=interceptors,
             options=server_options(self.config),
             maximum_concurrent_rpcs=int(self.config.server.max_concurrent_rpcs),
         )
@@ -70,25 +91,42 @@ class PacerServer:
             from grpc_reflection.v1alpha import reflection
 
             reflection.enable_server_reflection([*services, reflection.SERVICE_NAME], self.server)
-        address = str(self.config.server.address)
-        self.ports = [self._bind(address)]
+        # TCP (plaintext, TLS or mutual TLS) and/or the Unix socket; then the plaintext health-only port.
+        self.listeners = transport.bind(self.server, self.config)
+        self.ports = [self.listeners.tcp_port] if self.listeners.tcp_port is not None else []
+        self.health_server, self.listeners.health_host, self.listeners.health_port = \
+            transport.health_only_server(self.config, self.health)
+        try:
+            self.metrics_port = self.observability.start_metrics()
+        except OSError as exc:
+            raise BindError(f"cannot serve metrics on {self.config.server.metrics_address}: {exc} "
+                            f"(set server.metrics_address, \"\" disables metrics)") from None
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
-        # State is in memory and ready the moment the server starts.
+        transport.secure_socket(self.listeners)
+        if self.health_server is not None:
+            await self.health_server.start()
+        await self._recover()
         for name in ("", "readiness", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.ports
 
-    def _bind(self, address: str) -> int:
+    async def _recover(self) -> None:
+        """Rebuild the state from server.state_dir, off the event loop; until then pacer calls get UNAVAILABLE."""
+        if self.journal is None:
+            return
+        self.async_pacer.recovering = True
+        started = time.monotonic()
         try:
-            port = self.server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise BindError(f"cannot listen on {address}: {exc}") from None
-        if port == 0:
-            raise BindError(f"cannot listen on {address}: the address is in use or not available")
-        return port
+            replayed = await asyncio.get_running_loop().run_in_executor(None, self.pacer.recover)
+        finally:
+            self.async_pacer.recovering = False
+        state = self.pacer.state()
+        log.info("recovered state from %s in %.2fs: %d events replayed since the last snapshot; step %d, "
+                 "generation %d, %d running, %d buffered groups", self.journal.directory,
+                 time.monotonic() - started, replayed, state.step, state.generation, state.running, state.buffered)
 
     async def drain(self) -> None:
         """Stop taking work: readiness NOT_SERVING, waiting long-polls answered now, watchers told SHUTDOWN."""
@@ -103,6 +141,11 @@ class PacerServer:
         await self.drain()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.health_server is not None:  # last: probes see NOT_SERVING until the main server is gone
+            await self.health_server.stop(0)
+        await self.observability.stop()
+        if self.journal is not None:  # after the last RPC: everything acknowledged is written
+            await asyncio.get_running_loop().run_in_executor(None, self.journal.close)
 
     async def wait_for_termination(self) -> None:
         if self.server is not None:

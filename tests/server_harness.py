@@ -35,7 +35,8 @@ class ServerProcess:
         command = [sys.executable, "-m", "coda_server", "--port-file", str(port_file)]
         if self.config_file is not None:
             command += ["--config", str(self.config_file)]
-        return command + ["server.address=127.0.0.1:0", *self.overrides]
+        # Metrics on a free port too: servers of parallel tests must not fight over the default 9464.
+        return command + ["server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0", *self.overrides]
 
     def start(self) -> "ServerProcess":
         port_file = self.tmp_path / f"port-{id(self)}.json"
@@ -51,7 +52,10 @@ class ServerProcess:
                 self.kill()
                 raise RuntimeError(f"server did not start in {START_TIMEOUT_SECONDS}s:\n{self.log()}")
             time.sleep(0.02)
-        self.address = json.loads(port_file.read_text())["address"]
+        # The whole --port-file content (uds, health_port when set); address is null without a TCP listener
+        # (override server.address= to serve on server.uds_path only): then the socket is the address.
+        self.info = json.loads(port_file.read_text())
+        self.address = self.info["address"] or f"unix:{self.info['uds']}"
         return self
 
     def channel(self) -> grpc.Channel:

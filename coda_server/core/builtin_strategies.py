@@ -77,6 +77,8 @@ class _WindowStrategy(SlidingWindowStrategy):
 class NoWindowStrategy(SlidingWindowStrategy):
     """Keep C groups running or buffered; collect any complete, non-aborted group."""
 
+    ordered_gate = True  # refuses aborted groups; otherwise opens oldest-first
+
     def __init__(self, config: Any):
         super().__init__(config)
         self._capacity = window_size(config)
@@ -89,6 +91,8 @@ class NoWindowStrategy(SlidingWindowStrategy):
 class WindowGatedStrategy(_WindowStrategy):
     """Never let the newest dispatched seq run more than C ahead of the oldest uncollected one."""
 
+    ordered_gate = True  # refuses aborted groups; otherwise opens oldest-first
+
     def compute_dispatch_count(self, buf_qsize: int) -> int:
         span_left = self._seqs.min_seq() + self._capacity - self._seqs.next_seq
         return min(span_left, self._free_slots(buf_qsize))
@@ -97,6 +101,8 @@ class WindowGatedStrategy(_WindowStrategy):
 @register_sliding_window_strategy("windowed-fifo")
 class WindowedFifoStrategy(_WindowStrategy):
     """Dispatch like no-window; collect only groups within B seqs of the oldest in-flight one."""
+
+    ordered_gate = True  # refuses aborted groups; otherwise opens oldest-first
 
     def compute_dispatch_count(self, buf_qsize: int) -> int:
         return max(0, self._free_slots(buf_qsize))

@@ -11,6 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
 from .filters import FILTERS
+from .journal import FSYNC_POLICIES
 from .plugins import load_custom_modules
 from .strategy import STRATEGIES
 
@@ -112,19 +113,81 @@ def validate_config(config: Any) -> None:
 
 def _validate_server(server: Any, need) -> None:
     address = server.get("address")
-    need(isinstance(address, str) and address.strip() != "", "server.address", address,
-         "must be host:port, e.g. 127.0.0.1:50051")
+    no_address = address is None or (isinstance(address, str) and address.strip() == "")
+    need((isinstance(address, str) and not no_address) or (no_address and bool(server.get("uds_path"))),
+         "server.address", address, "must be host:port, e.g. 127.0.0.1:50051 (may be \"\" only when server.uds_path is set)")
     dirs = server.get("custom_strategy_dirs")
     need(isinstance(dirs, (list, ListConfig)), "server.custom_strategy_dirs", dirs, "must be a list of directories")
     for key in ("max_message_bytes", "request_id_cache_size", "remembered_generations", "max_collect_groups",
                 "max_dispatch_candidates", "max_submit_trajectories", "max_id_length", "step_reports_kept",
-                "max_concurrent_rpcs"):
+                "max_concurrent_rpcs", "max_waiting_calls"):
         value = server.get(key)
         need(_is_int(value) and value >= 1, f"server.{key}", value, "must be an integer >= 1")
+    _validate_transport(server, need)
+    for key in ("max_buffered_groups", "max_held_bytes"):
+        value = server.get(key)
+        need(_is_int(value) and value >= 0, f"server.{key}", value, "must be an integer >= 0 (0: no cap)")
+    lease = server.get("inflight_lease_seconds")
+    need(_is_number(lease) and lease >= 0 and math.isfinite(lease), "server.inflight_lease_seconds", lease,
+         "must be a finite number >= 0 (0: no lease)")
+    state_dir = server.get("state_dir")
+    need(isinstance(state_dir, str), "server.state_dir", state_dir, "must be a directory path, or \"\" for memory only")
+    need(server.get("fsync") in FSYNC_POLICIES, "server.fsync", server.get("fsync"),
+         f"allowed: {', '.join(FSYNC_POLICIES)}")
+    need(server.get("log_format") in ("text", "json"), "server.log_format", server.get("log_format"),
+         "must be text or json")
+    need(isinstance(server.get("log_rpcs"), bool), "server.log_rpcs", server.get("log_rpcs"), "must be true or false")
+    metrics = server.get("metrics_address")
+    need(metrics in ("", None) or parse_host_port(metrics) is not None, "server.metrics_address", metrics,
+         "must be host:port with a port in 0..65535, e.g. 127.0.0.1:9464, or \"\" to disable metrics")
     for key in ("max_wait_seconds", "shutdown_grace_seconds"):
         value = server.get(key)
         need(_is_number(value) and value >= 0 and math.isfinite(value), f"server.{key}", value,
              "must be a finite number >= 0")
+
+
+def _validate_transport(server: Any, need) -> None:
+    """Security and listener keys: token file, TLS files, Unix socket, health-only port."""
+    for key in ("auth_token_file", "uds_path", "health_address"):
+        value = server.get(key, "")
+        need(value is None or isinstance(value, str), f"server.{key}", value, "must be a string (\"\" for none)")
+    tls = server.get("tls") or {}
+    files = {key: tls.get(key) or "" for key in ("cert_file", "key_file", "client_ca_file")}
+    for key, value in files.items():
+        need(isinstance(value, str), f"server.tls.{key}", value, "must be a path string (\"\" for none)")
+    if all(isinstance(value, str) for value in files.values()):
+        need(bool(files["cert_file"]) == bool(files["key_file"]), "server.tls", files,
+             "cert_file and key_file must be set together")
+        need(not files["client_ca_file"] or bool(files["cert_file"]), "server.tls.client_ca_file",
+             files["client_ca_file"], "mutual TLS needs the server's own cert_file and key_file too")
+    mode = server.get("uds_mode", "0660")
+    need(parse_file_mode(mode) is not None, "server.uds_mode", mode,
+         "must be an octal file mode between \"0000\" and \"0777\", written as a quoted string, e.g. \"0660\"")
+
+
+def parse_file_mode(value: Any) -> Optional[int]:
+    """A file mode from an octal string ("0660", "0o660", "660") or an int (YAML 1.1 reads 0660 as 432); None if invalid."""
+    if isinstance(value, str):
+        digits = value.strip().lower().removeprefix("0o")
+        if not digits or any(c not in "01234567" for c in digits):
+            return None
+        mode = int(digits, 8)
+    elif _is_int(value):
+        mode = value
+    else:
+        return None
+    return mode if 0 <= mode <= 0o777 else None
+
+
+def parse_host_port(value: Any) -> Optional[tuple[str, int]]:
+    """'host:port' (IPv6 as '[::1]:9464') -> (host, port), port in 0..65535; None when it is not one."""
+    if not isinstance(value, str):
+        return None
+    host, sep, port = value.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return None
+    return host, int(port)
 
 
 def config_summary(config: Any) -> dict[str, str]:

@@ -22,6 +22,13 @@ class SlidingWindowStrategy:
     must call `super()` so `_running_count` stays right.
     """
 
+    #: Optional promise that lets the Pacer re-examine gate-refused groups without scanning them all.
+    #: Set True only if `will_collect` (a) never accepts a group holding an ABORTED trajectory and
+    #: (b) whenever it refuses a complete, non-aborted group, also refuses every such group dispatched
+    #: after it (the gate opens oldest-first). False (the default) re-asks every refused group each time.
+    #: A subclass that overrides `will_collect` must declare it again: it is not inherited past an override.
+    ordered_gate: bool = False
+
     def __init__(self, config: Any = None):
         self._running_count = 0
 
@@ -48,6 +55,19 @@ class SlidingWindowStrategy:
         and the group must not be changed.
         """
         return not any(t.status == TrajectoryStatus.ABORTED for t in group.values())
+
+
+def gate_is_ordered(strategy: Any) -> bool:
+    """True when `strategy` promises `ordered_gate` for the `will_collect` it actually uses.
+
+    The promise counts only if it was declared by the class that defines that `will_collect` or
+    by a subclass of it, so overriding the gate of a built-in does not inherit the built-in's promise.
+    """
+    mro = type(strategy).__mro__
+    promiser = next((k for k in mro if "ordered_gate" in vars(k)), None)
+    gate = next((k for k in mro if "will_collect" in vars(k)), None)
+    return (promiser is not None and gate is not None and vars(promiser)["ordered_gate"] is True
+            and issubclass(promiser, gate))
 
 
 class ThreadSafeStrategy:

@@ -1,0 +1,89 @@
+"""Request bytes that are not a valid protobuf message answer INVALID_ARGUMENT, saying why.
+
+Without this, grpc.aio answers a request it cannot decode (corrupt wire format, a string field with
+invalid UTF-8) with UNKNOWN and a Python exception text. This interceptor wraps the deserializer of
+every unary-request method: a request that fails to decode reaches a small handler that answers
+INVALID_ARGUMENT (reason MALFORMED_REQUEST) instead of the servicer.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Awaitable, Callable, Optional
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from .core.errors import InvalidArgumentError
+from .status import status_for
+
+
+class _Malformed:
+    """Stands in for a request that could not be decoded."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: InvalidArgumentError):
+        self.error = error
+
+
+def _message_name(method: str) -> str:
+    """'/coda.pacer.v1.RolloutPacer/Submit' -> 'coda.pacer.v1.RolloutPacer/Submit'."""
+    return method.lstrip("/")
+
+
+def _safe(deserializer: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except (DecodeError, UnicodeDecodeError, ValueError) as exc:
+            detail = str(exc) or type(exc).__name__
+            return _Malformed(InvalidArgumentError(
+                f"the request of {_message_name(method)} is not a valid protobuf message: {detail}",
+                violations=[("request", f"could not be decoded: {detail}")], reason="MALFORMED_REQUEST"))
+
+    return deserialize
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT for a unary request that does not decode (streaming requests pass as they are)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Optional[grpc.RpcMethodHandler]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Optional[grpc.RpcMethodHandler]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        deserialize = _safe(handler.request_deserializer, method)
+        if handler.response_streaming:
+            inner_stream = handler.unary_stream
+            if inspect.isasyncgenfunction(inner_stream):  # yields its responses (WatchControl)
+
+                async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    if isinstance(request, _Malformed):
+                        await context.abort_with_status(status_for(request.error))
+                    async for response in inner_stream(request, context):
+                        yield response
+
+            elif inspect.iscoroutinefunction(inner_stream):  # writes with context.write (health Watch)
+
+                async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    if isinstance(request, _Malformed):
+                        await context.abort_with_status(status_for(request.error))
+                    return await inner_stream(request, context)
+
+            else:  # a synchronous handler: left as it is
+                return handler
+            return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, handler.response_serializer)
+        inner = handler.unary_unary
+        if not inspect.iscoroutinefunction(inner):
+            return handler
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort_with_status(status_for(request.error))
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, handler.response_serializer)

@@ -1,0 +1,433 @@
+"""Operations: Prometheus metrics, one structured log line per RPC, and lifecycle log lines.
+
+* `Observability` is what `PacerServer` owns: a per-server `CollectorRegistry` (never the global one),
+  the gRPC interceptor, the pacer collector and histograms, and the `/metrics` HTTP listener on
+  `server.metrics_address`.
+* `ObservabilityInterceptor` (grpc.aio) counts and times every RPC under the standard gRPC server metric
+  names (`grpc_server_started_total`, `grpc_server_handled_total`, `grpc_server_handling_seconds`) and
+  logs one line per RPC on the `coda_server.rpc` logger. It must be the first (outermost) interceptor,
+  so that calls another interceptor refuses (e.g. UNAUTHENTICATED) are counted and logged too.
+* `PacerCollector` reads `PacerState` at scrape time: gauges and counters named `coda_pacer_*`, with the
+  latest step report. Consumption histograms are fed by `Pacer.add_consume_listener`.
+* `configure_logging` installs the `server.log_format` formatter (text or json); structured lines pass
+  their figures as `extra=fields(...)`, shown as JSON keys (the text message already says them).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from coda_client._proto import pacer_pb2
+
+from .core.async_pacer import AsyncPacer
+from .core.config import parse_host_port
+from .core.types import ControlEvent, ControlEventType, PacerState, ResetMode, StepReport, TrajectoryGroup
+
+log = logging.getLogger("coda_server")
+rpc_log = logging.getLogger("coda_server.rpc")
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# grpc_server_handling_seconds: the usual Prometheus latency buckets, extended for long-polls (up to
+# server.max_wait_seconds, 600 s by default).
+HANDLING_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0, 60.0, 120.0, 300.0, 600.0)
+# Dispatch to Collect: generation of long responses takes minutes, and a group may wait in the buffer
+# for a step or two.
+DISPATCH_TO_COLLECT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0,
+                               3600.0, 7200.0)
+# Staleness in weight versions; the window keeps it near stale_steps.
+STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
+
+# gRPC method kinds, named as the standard gRPC server metrics name them.
+_GRPC_TYPES = {(False, False): "unary", (False, True): "server_stream",
+               (True, False): "client_stream", (True, True): "bidi_stream"}
+
+
+# ------------------------------------------------------------------------------------------ logging
+
+def fields(**values: Any) -> dict[str, Any]:
+    """`extra=` for a structured log line: the figures become keys of the JSON line."""
+    return {"fields": values}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts (UTC, ms), level, logger, msg, then the line's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str, separators=(",", ":"))
+
+
+def configure_logging(log_format: str, level: str) -> None:
+    """Give every root handler the `server.log_format` formatter and set the level."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig()
+    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    for handler in root.handlers:
+        handler.setFormatter(formatter)
+    root.setLevel(str(level).upper())
+
+
+def log_control_event(pacer_state: Callable[[], PacerState]) -> Callable[[ControlEvent], None]:
+    """A Pacer control listener that logs each pause and resume once, with its figures.
+
+    Runs under the pacer lock (it is a control listener): it reads the state, which is re-entrant, and logs.
+    SHUTDOWN is logged by the command line, which knows the grace period.
+    """
+
+    def on_event(event: ControlEvent) -> None:
+        if event.type == ControlEventType.PAUSE:
+            state = pacer_state()
+            mode = ResetMode(event.mode).name.lower()
+            log.info("paused dispatch for a Reset (mode %s) at step %d, weight version %d: %d groups running, "
+                     "%d buffered, %d trajectories queued", mode, event.step, event.weight_version,
+                     state.running, state.buffered, state.queued_trajectories,
+                     extra=fields(event="pause", mode=mode, step=event.step, weight_version=event.weight_version,
+                                  generation=event.generation, running=state.running, buffered=state.buffered,
+                                  queued_trajectories=state.queued_trajectories))
+        elif event.type == ControlEventType.RESUME:
+            state = pacer_state()
+            log.info("resumed dispatch: step %d, weight version %d, generation %d; %d groups buffered, "
+                     "dispatch would admit %d", event.step, event.weight_version, event.generation,
+                     state.buffered, state.capacity,
+                     extra=fields(event="resume", step=event.step, weight_version=event.weight_version,
+                                  generation=event.generation, buffered=state.buffered, capacity=state.capacity))
+
+    return on_event
+
+
+# ------------------------------------------------------------------------------ gRPC server metrics
+
+class GrpcServerMetrics:
+    """The standard gRPC server metrics (names and labels as go-grpc-prometheus / grpc-ecosystem use)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        labels = ("grpc_type", "grpc_service", "grpc_method")
+        self.started = Counter("grpc_server_started", "RPCs started on the server.", labels, registry=registry)
+        self.handled = Counter("grpc_server_handled", "RPCs completed on the server, whatever their status code.",
+                               (*labels, "grpc_code"), registry=registry)
+        self.handling = Histogram("grpc_server_handling_seconds",
+                                  "Seconds from the start of an RPC to its status (long-polls included).",
+                                  labels, buckets=HANDLING_BUCKETS, registry=registry)
+
+    def initialize(self, service: Any) -> None:
+        """Start every method of a service descriptor at zero, so rates exist before the first call."""
+        for method in service.methods:
+            kind = _GRPC_TYPES[(method.client_streaming, method.server_streaming)]
+            self.started.labels(kind, service.full_name, method.name)
+            self.handled.labels(kind, service.full_name, method.name, "OK")
+
+
+def _split_method(full_method: str) -> tuple[str, str]:
+    """'/pkg.Service/Method' -> ('pkg.Service', 'Method')."""
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    return service or "unknown", method
+
+
+def _status_code(context: grpc.aio.ServicerContext, error: Optional[BaseException]) -> str:
+    """The code the client sees: what the handler set or aborted with, else OK / CANCELLED / UNKNOWN."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and (code != grpc.StatusCode.OK or error is None):
+        return code.name
+    if error is None:
+        return "OK"
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    return "UNKNOWN"
+
+
+class _MethodObserver:
+    """Per-method label children, resolved once; `begin`/`end` bracket each call."""
+
+    __slots__ = ("service", "method", "_labels", "_started", "_handling", "_handled", "_handled_by_code", "_log_rpcs")
+
+    def __init__(self, metrics: GrpcServerMetrics, kind: str, full_method: str, log_rpcs: bool = True):
+        self._log_rpcs = log_rpcs
+        self.service, self.method = _split_method(full_method)
+        self._started = metrics.started.labels(kind, self.service, self.method)
+        self._handling = metrics.handling.labels(kind, self.service, self.method)
+        self._handled = metrics.handled
+        self._handled_by_code: dict[str, Any] = {}
+        self._labels = (kind, self.service, self.method)
+
+    def begin(self) -> float:
+        self._started.inc()
+        return time.perf_counter()
+
+    def end(self, started: float, context: grpc.aio.ServicerContext, request: Any,
+            error: Optional[BaseException]) -> None:
+        elapsed = time.perf_counter() - started
+        code = _status_code(context, error)
+        counter = self._handled_by_code.get(code)
+        if counter is None:
+            counter = self._handled_by_code[code] = self._handled.labels(*self._labels, code)
+        counter.inc()
+        self._handling.observe(elapsed)
+        if self._log_rpcs and rpc_log.isEnabledFor(logging.INFO):
+            self._log(code, elapsed, context, request)
+
+    def _log(self, code: str, elapsed: float, context: grpc.aio.ServicerContext, request: Any) -> None:
+        duration_ms = round(elapsed * 1000.0, 3)
+        request_id = getattr(request, "request_id", "") if request is not None else ""
+        peer = context.peer()
+        values: dict[str, Any] = {"event": "rpc", "service": self.service, "method": self.method, "code": code,
+                                  "duration_ms": duration_ms}
+        text = f"{self.method} {code} {duration_ms:.3f}ms"
+        if request_id:
+            values["request_id"] = request_id
+            text += f" request_id={request_id}"
+        values["peer"] = peer
+        rpc_log.info("%s peer=%s", text, peer, extra={"fields": values})
+
+
+class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
+    """Counts, times and logs every RPC; handles all four method kinds, async generators and coroutines.
+
+    The wrapped handler of each method is built once and reused for as long as the inner interceptors
+    return the same handler object for it.
+    """
+
+    def __init__(self, metrics: GrpcServerMetrics, *, log_rpcs: bool = True):
+        self._metrics = metrics
+        self._log_rpcs = log_rpcs
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED (not counted: no label explosion)
+            return None
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        kind = _GRPC_TYPES[(bool(handler.request_streaming), bool(handler.response_streaming))]
+        observer = _MethodObserver(self._metrics, kind, full_method, self._log_rpcs)
+        inner, observe, make = {
+            "unary": (handler.unary_unary, _observe_response, grpc.unary_unary_rpc_method_handler),
+            "server_stream": (handler.unary_stream, _observe_stream, grpc.unary_stream_rpc_method_handler),
+            "client_stream": (handler.stream_unary, _observe_response, grpc.stream_unary_rpc_method_handler),
+            "bidi_stream": (handler.stream_stream, _observe_stream, grpc.stream_stream_rpc_method_handler),
+        }[kind]
+        behavior = observe(inner, observer, unary_request=not handler.request_streaming)
+        if behavior is None:  # a synchronous handler (run in a thread by gRPC): left as it is
+            return handler
+        return make(behavior, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+def _observe_response(inner: Callable, observer: _MethodObserver, *, unary_request: bool) -> Optional[Callable]:
+    """Wrap a coroutine handler that returns one response. None (leave unwrapped) for a sync handler."""
+    if not inspect.iscoroutinefunction(inner):
+        return None
+
+    async def behavior(request, context):
+        started = observer.begin()
+        error: Optional[BaseException] = None
+        try:
+            return await inner(request, context)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            observer.end(started, context, request if unary_request else None, error)
+
+    return behavior
+
+
+def _observe_stream(inner: Callable, observer: _MethodObserver, *, unary_request: bool) -> Optional[Callable]:
+    """Wrap a streaming-response handler: an async generator, or a coroutine writing with context.write()."""
+    if inspect.isasyncgenfunction(inner):
+        async def generator(request, context):
+            started = observer.begin()
+            error: Optional[BaseException] = None
+            try:
+                async for response in inner(request, context):
+                    yield response
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                observer.end(started, context, request if unary_request else None, error)
+
+        return generator
+    return _observe_response(inner, observer, unary_request=unary_request)
+
+
+# ------------------------------------------------------------------------------------ pacer metrics
+
+# (PacerState field, metric name, help). Gauges are read at scrape time.
+PACER_GAUGES = (
+    ("running", "coda_pacer_running_groups", "R: groups dispatched and not yet collected out of the trajectory "
+     "queue (GetState running)."),
+    ("buffered", "coda_pacer_buffered_groups", "Q: complete groups in the pipeline buffer, not yet taken by the "
+     "trainer (GetState buffered)."),
+    ("queued_trajectories", "coda_pacer_queued_trajectories", "Trajectories waiting in the trajectory queue."),
+    ("capacity", "coda_pacer_capacity_groups", "Groups a Dispatch would admit now (0 while paused)."),
+    ("window_size", "coda_pacer_window_size_groups", "C = int(B * (1 + stale_steps)), the window size in groups."),
+    ("paused", "coda_pacer_paused", "1 while dispatch is paused by a Reset, else 0."),
+    ("resetting", "coda_pacer_resetting", "1 while a Reset is running, else 0."),
+    ("step", "coda_pacer_step", "Trainer step (Resume increments it)."),
+    ("weight_version", "coda_pacer_weight_version", "Weight version generation runs with (set at Resume)."),
+    ("generation", "coda_pacer_generation", "Reset generation (increments at every Reset)."),
+    ("waiting_calls", "coda_pacer_waiting_calls", "Long-polls (Dispatch, Collect, Reset) waiting in the server now."),
+)
+# Counters, exported with the `_total` suffix.
+PACER_COUNTERS = (
+    ("dispatched", "coda_pacer_dispatched_groups", "Groups admitted by Dispatch."),
+    ("submitted", "coda_pacer_submitted_trajectories", "Trajectories accepted by Submit (duplicates excluded)."),
+    ("collected", "coda_pacer_collected_groups", "Groups collected into the pipeline buffer."),
+    ("consumed", "coda_pacer_consumed_groups", "Groups taken by the trainer through Collect."),
+    ("filtered", "coda_pacer_filtered_groups", "Groups dropped by a filter (rollout.filter)."),
+    ("restored", "coda_pacer_restored_groups", "Assembled groups returned by a Reset for continuation."),
+    ("dropped", "coda_pacer_dropped_groups", "Incomplete groups dropped by a Reset."),
+    ("stale_rejected", "coda_pacer_stale_rejected_trajectories",
+     "Trajectories refused by Submit with reason STALE_GENERATION (prompt dispatched before the last Reset)."),
+    ("duplicates", "coda_pacer_duplicate_trajectories", "Re-submitted identical trajectories acknowledged as duplicates."),
+)
+# Leases and caps (the durable-state work): exported only when PacerState carries the field, so this module
+# works with a core that has none of them. (PacerState field, metric name, help, is_counter.)
+LEASE_METRICS = (
+    ("expired", "coda_pacer_expired_groups", "Running groups reclaimed because their in-flight lease ran out.", True),
+    ("redelivered", "coda_pacer_redelivered_groups",
+     "Leased groups returned to the buffer because no Ack came in time.", True),
+    ("leased", "coda_pacer_leased_groups", "Groups handed out under a Collect lease, not yet acknowledged.", False),
+    ("held_bytes", "coda_pacer_held_bytes", "Bytes of trajectories queued, buffered or leased.", False),
+)
+# The latest step report (0 before the first Reset): (StepReport field, metric name, help).
+STEP_REPORT_GAUGES = (
+    ("step", "coda_pacer_step_report_step", "The step the latest step report is about."),
+    ("pipeline_buf_size", "coda_pacer_step_report_pipeline_buf_size",
+     "Latest step report: complete groups left in the pipeline buffer at the step boundary."),
+    ("filter_drop", "coda_pacer_step_report_filter_drop", "Latest step report: groups a filter dropped in the step."),
+    ("partial_ratio", "coda_pacer_step_report_partial_ratio",
+     "Latest step report: fraction of consumed trajectories whose start and end weight versions differ."),
+    ("partial_span_max", "coda_pacer_step_report_partial_span_max",
+     "Latest step report: largest end - start weight version among consumed trajectories."),
+    ("partial_restored_count", "coda_pacer_step_report_partial_restored_count",
+     "Latest step report: assembled groups the Reset restored."),
+    ("partial_dropped_incomplete_count", "coda_pacer_step_report_partial_dropped_incomplete_count",
+     "Latest step report: incomplete groups the Reset dropped."),
+    ("pause_delay", "coda_pacer_step_report_pause_delay_seconds",
+     "Latest step report: seconds from the pause until every running group was assembled (or the wait ended)."),
+)
+
+
+class PacerCollector:
+    """`coda_pacer_*` gauges and counters, read from the pacer's state at each scrape."""
+
+    def __init__(self, async_pacer: AsyncPacer):
+        self._pacer = async_pacer
+
+    def collect(self) -> Iterable[Any]:
+        state = self._pacer.state()  # takes the pacer lock once; the scrape runs in the HTTP thread
+        info = GaugeMetricFamily("coda_pacer_info", "The pacing strategy; always 1.", labels=["strategy"])
+        info.add_metric([state.strategy], 1)
+        yield info
+        for attribute, name, help_text in PACER_GAUGES:
+            yield GaugeMetricFamily(name, help_text, value=float(getattr(state, attribute)))
+        yield GaugeMetricFamily("coda_pacer_watchers", "WatchControl streams open now.",
+                                value=self._pacer.watcher_count)
+        for attribute, name, help_text in PACER_COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=getattr(state, attribute))
+        for attribute, name, help_text, is_counter in LEASE_METRICS:
+            if hasattr(state, attribute):
+                family = CounterMetricFamily if is_counter else GaugeMetricFamily
+                yield family(name, help_text, value=getattr(state, attribute))
+        report = state.recent_reports[-1] if state.recent_reports else StepReport()
+        for attribute, name, help_text in STEP_REPORT_GAUGES:
+            yield GaugeMetricFamily(name, help_text, value=float(getattr(report, attribute)))
+        # One step report per finished Reset, and every finished Reset increments the generation.
+        yield CounterMetricFamily("coda_pacer_step_reports", "Step reports computed (one per finished Reset).",
+                                  value=state.generation)
+
+
+class ConsumptionMetrics:
+    """Histograms observed when the trainer takes groups (a Pacer consume listener)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.dispatch_to_collect = Histogram(
+            "coda_pacer_dispatch_to_collect_seconds",
+            "Seconds from Dispatch admitting a group to the trainer taking it with Collect.",
+            buckets=DISPATCH_TO_COLLECT_BUCKETS, registry=registry)
+        self.staleness = Histogram(
+            "coda_pacer_staleness_versions",
+            "Per consumed trajectory: the weight version when the trainer took it minus its start_weight_version.",
+            buckets=STALENESS_BUCKETS, registry=registry)
+
+    def on_consumed(self, groups: list[TrajectoryGroup], weight_version: int, now: float) -> None:
+        for group in groups:
+            self.dispatch_to_collect.observe(max(0.0, now - group.dispatched_at))
+            for trajectory in group.trajectories:
+                self.staleness.observe(weight_version - trajectory.start_weight_version)
+
+
+# ---------------------------------------------------------------------------------------- wiring
+
+class Observability:
+    """Metrics registry, interceptor, listeners and the /metrics listener of one PacerServer."""
+
+    def __init__(self, config: Any, async_pacer: AsyncPacer):
+        self.metrics_address = str(config.server.get("metrics_address") or "")
+        self.registry = CollectorRegistry()
+        self.grpc_metrics = GrpcServerMetrics(self.registry)
+        self.grpc_metrics.initialize(pacer_pb2.DESCRIPTOR.services_by_name["RolloutPacer"])
+        self.registry.register(PacerCollector(async_pacer))
+        self.consumption = ConsumptionMetrics(self.registry)
+        async_pacer.pacer.add_consume_listener(self.consumption.on_consumed)
+        async_pacer.pacer.add_control_listener(log_control_event(async_pacer.pacer.state))
+        self._interceptor = ObservabilityInterceptor(self.grpc_metrics,
+                                                     log_rpcs=bool(config.server.get("log_rpcs", True)))
+        self._httpd: Any = None  # the /metrics WSGI server; its serving thread is a daemon
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """Outermost first: these go at the head of the server's interceptor list."""
+        return [self._interceptor]
+
+    def start_metrics(self) -> Optional[int]:
+        """Serve /metrics on server.metrics_address; returns the bound port (None when disabled).
+
+        Raises OSError when the address cannot be bound.
+        """
+        if not self.metrics_address:
+            return None
+        host, port = parse_host_port(self.metrics_address)  # validated with the configuration
+        self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound = int(self._httpd.server_port)
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", host, bound,
+                 extra=fields(event="metrics", host=host, port=bound))
+        return bound
+
+    async def stop(self) -> None:
+        """Stop the /metrics listener (its shutdown waits for the serving thread, so off the event loop)."""
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+
+        def close() -> None:
+            httpd.shutdown()
+            httpd.server_close()
+
+        await asyncio.get_running_loop().run_in_executor(None, close)

@@ -1,0 +1,195 @@
+"""Listeners: TCP (plaintext, TLS or mutual TLS), a Unix domain socket, and a plaintext health-only port.
+
+Which to use when is in docs/security.md. In short: the Unix socket for callers in the same pod (the
+file mode decides who may connect), TLS or mutual TLS for callers in other pods, the health-only port
+for the Kubernetes gRPC probe (which speaks neither TLS nor bearer tokens).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from .core.config import parse_file_mode
+from .core.errors import ConfigError
+
+log = logging.getLogger("coda_server")
+
+# sun_path holds 108 bytes on Linux, including the terminating NUL.
+MAX_UDS_PATH_BYTES = 107
+# The health-only server answers probes: a few at a time is plenty, and tiny messages.
+HEALTH_MAX_CONCURRENT_RPCS = 64
+HEALTH_MAX_MESSAGE_BYTES = 4096
+
+
+class BindError(RuntimeError):
+    """The configured address could not be bound (in use, or not a local address)."""
+
+
+@dataclass
+class Listeners:
+    """What the server listens on, once bound."""
+
+    tcp_host: Optional[str] = None
+    tcp_port: Optional[int] = None
+    tls: str = "plaintext"  # "plaintext", "TLS" or "mutual TLS" (the TCP listener; the socket is always plaintext)
+    uds_path: Optional[str] = None
+    uds_mode: Optional[int] = None
+    health_host: Optional[str] = None
+    health_port: Optional[int] = None
+
+    @property
+    def tcp_address(self) -> Optional[str]:
+        return f"{self.tcp_host}:{self.tcp_port}" if self.tcp_port is not None else None
+
+    def port_file(self) -> dict[str, Any]:
+        """The --port-file content: the main TCP listener (null without one), plus the socket and health port if set."""
+        content: dict[str, Any] = {"address": self.tcp_address, "port": self.tcp_port}
+        if self.uds_path is not None:
+            content["uds"] = self.uds_path
+        if self.health_port is not None:
+            content["health_port"] = self.health_port
+            content["health_address"] = f"{self.health_host}:{self.health_port}"
+        return content
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        parts = []
+        if self.tcp_port is not None:
+            parts.append(f"{self.tcp_address} ({self.tls})")
+        if self.uds_path is not None:
+            parts.append(f"unix:{self.uds_path} (mode {self.uds_mode:04o})")
+        if self.health_port is not None:
+            parts.append(f"health only {self.health_host}:{self.health_port} (plaintext)")
+        return ", ".join(parts)
+
+
+def _read(key: str, path: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"server.tls.{key} = {path!r}: cannot be read ({exc.strerror or exc})") from None
+    if b"-----BEGIN" not in data:
+        raise ConfigError(f"server.tls.{key} = {path!r}: not a PEM file (no -----BEGIN line)")
+    return data
+
+
+def server_credentials(config: Any) -> tuple[Optional[grpc.ServerCredentials], str]:
+    """(credentials, kind) for the TCP listener: (None, "plaintext") unless server.tls.cert_file is set."""
+    tls = config.server.get("tls") or {}
+    cert_file, key_file, ca_file = (str(tls.get(key) or "") for key in ("cert_file", "key_file", "client_ca_file"))
+    if not cert_file:
+        return None, "plaintext"
+    chain, key = _read("cert_file", cert_file), _read("key_file", key_file)
+    if ca_file:
+        roots = _read("client_ca_file", ca_file)
+        # Mutual TLS: the handshake fails for a client without a certificate chaining to `roots`.
+        return grpc.ssl_server_credentials([(key, chain)], root_certificates=roots, require_client_auth=True), "mutual TLS"
+    return grpc.ssl_server_credentials([(key, chain)]), "TLS"
+
+
+def bind(server: grpc.aio.Server, config: Any) -> Listeners:
+    """Add the TCP listener (when server.address is set) and the Unix socket (when server.uds_path is set).
+
+    Call before `server.start()`; call `secure_socket` after it.
+    """
+    listeners = Listeners()
+    address = str(config.server.get("address") or "").strip()
+    if address:
+        credentials, listeners.tls = server_credentials(config)
+        listeners.tcp_port = _add_port(server, address, credentials)
+        listeners.tcp_host = address.rsplit(":", 1)[0]
+    uds_path = str(config.server.get("uds_path") or "")
+    if uds_path:
+        mode = parse_file_mode(config.server.get("uds_mode", "0660"))
+        path = os.path.abspath(uds_path)
+        _check_socket_path(path)
+        # The socket is created with the process umask: narrow it during the bind, so there is no moment
+        # in which the socket is more open than `mode` (chmod afterwards would leave such a window).
+        previous = os.umask(0o777 & ~mode)
+        try:
+            _add_port(server, f"unix:{path}", None)
+        finally:
+            os.umask(previous)
+        listeners.uds_path, listeners.uds_mode = path, mode
+    return listeners
+
+
+def secure_socket(listeners: Listeners) -> None:
+    """After start: apply the socket's mode explicitly (the umask can only remove bits, never add them)."""
+    if listeners.uds_path is not None and os.path.exists(listeners.uds_path):
+        os.chmod(listeners.uds_path, listeners.uds_mode)
+
+
+def _add_port(server: grpc.aio.Server, address: str, credentials: Optional[grpc.ServerCredentials]) -> int:
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise BindError(f"cannot listen on {address}: {exc}") from None
+    if port == 0:
+        raise BindError(f"cannot listen on {address}: the address is in use or not available")
+    return port
+
+
+def _check_socket_path(path: str) -> None:
+    """Refuse a path gRPC would mishandle; remove a stale socket left by a crashed server.
+
+    gRPC unlinks whatever socket sits at the path before binding, so a second server would silently take
+    the socket over from a running one: find out first whether someone still listens there.
+    """
+    if len(os.fsencode(path)) > MAX_UDS_PATH_BYTES:
+        raise BindError(f"server.uds_path {path!r} is longer than {MAX_UDS_PATH_BYTES} bytes, the Unix socket limit")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise BindError(f"server.uds_path {path!r}: directory {parent!r} does not exist")
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise BindError(f"server.uds_path {path!r} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise BindError(f"server.uds_path {path!r}: cannot tell whether it is in use ({exc})") from None
+        log.info("removing stale socket %s (nobody listens on it)", path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    else:
+        raise BindError(f"cannot listen on unix:{path}: another server is listening on it")
+    finally:
+        probe.close()
+
+
+def health_only_server(config: Any, health_servicer: Any) -> tuple[Optional[grpc.aio.Server], Optional[str], Optional[int]]:
+    """A second, plaintext grpc.aio server with grpc.health.v1 only, on server.health_address (None if unset).
+
+    It shares the main server's HealthServicer, so readiness flips on both at once. No token is asked:
+    probes send none, and health reveals nothing but SERVING / NOT_SERVING.
+    """
+    address = str(config.server.get("health_address") or "").strip()
+    if not address:
+        return None, None, None
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", HEALTH_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", HEALTH_MAX_MESSAGE_BYTES),
+        ],
+        maximum_concurrent_rpcs=HEALTH_MAX_CONCURRENT_RPCS,
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = _add_port(server, address, None)
+    return server, address.rsplit(":", 1)[0], port

@@ -1,0 +1,182 @@
+"""`coda-sim`: simulate a fully-async RL job on the real pacing core and compare strategies.
+
+    coda-sim                                   # built-in long_tail preset, its configured strategy
+    coda-sim --compare --stale-steps 1.0,2.0   # every registered strategy x those stale_steps
+    coda-sim --config my.yaml sim.cluster.rollout_replicas=12 --steps 100 --seed 3
+    coda-sim --compare --json > runs.json      # JSON only on stdout; progress on stderr
+    coda-sim --compare --plot figures/         # timeline.png, staleness.png, comparison.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Optional, Sequence
+
+from coda_server.core.errors import ConfigError
+
+from . import config as sim_config
+from .plot import PlotUnavailable, require_matplotlib, write_plots
+from .report import format_table, summarize
+from .runner import registered_strategies, sweep
+from .sim import SimulationError
+from .workload import WorkloadError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="coda-sim",
+        description="Deterministic discrete-event simulator of a fully-async RL job driving the real coda pacing "
+                    "core: choose sliding_window and stale_steps before spending GPU hours.",
+        epilog="Overrides are dotted key=value pairs over the preset / --config file, e.g. "
+               "fully_async.sliding_window=no-window sim.cluster.rollout_replicas=12 rollout.partial=false. "
+               "Workload keys are documented in docs/simulator.md and coda_sim/presets/defaults.yaml.",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="configuration overrides")
+    parser.add_argument("--config", metavar="FILE", help="YAML merged over the defaults (pacer keys and a sim: section)")
+    parser.add_argument("--preset", metavar="NAME",
+                        help=f"built-in workload preset (default: {sim_config.DEFAULT_PRESET} unless --config is given); "
+                             f"--list-presets shows them")
+    parser.add_argument("--list-presets", action="store_true", help="print the built-in presets and exit")
+    parser.add_argument("--compare", action="store_true", help="run every registered strategy (or --strategies)")
+    parser.add_argument("--strategies", metavar="A,B", help="comma-separated strategy names to run")
+    parser.add_argument("--stale-steps", metavar="X,Y", help="comma-separated fully_async.stale_steps values to sweep")
+    parser.add_argument("--steps", type=int, metavar="N", help="training steps per run (sim.steps)")
+    parser.add_argument("--seed", type=int, metavar="S", help="random seed (sim.seed); same seed, same result")
+    parser.add_argument("--json", action="store_true", help="write only JSON to stdout: a list, one object per run")
+    parser.add_argument("--plot", metavar="DIR", help="write timeline.png, staleness.png and comparison.png to DIR")
+    parser.add_argument("--check-invariants", action="store_true",
+                        help="check the pacer invariant and the workers' bookkeeping after every event (slower)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return parser
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per finished run when stderr is not a terminal)."""
+
+    def __init__(self, enabled: bool, stream=sys.stderr):
+        self.enabled = enabled
+        self.stream = stream
+        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+        self.started = time.perf_counter()
+
+    def __call__(self, run: int, runs: int, label: str, step: int, steps: int) -> None:
+        if not self.enabled:
+            return
+        done = (run + step / steps) / runs
+        elapsed = time.perf_counter() - self.started
+        if self.tty:
+            width = 30
+            filled = int(round(done * width))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {100 * done:5.1f}%  run {run + 1}/{runs} "
+                              f"{label:<24} step {step}/{steps}  {elapsed:6.1f}s\x1b[K")
+            self.stream.flush()
+        elif step == steps:
+            self.stream.write(f"coda-sim: run {run + 1}/{runs} {label} done ({elapsed:.1f}s)\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _floats(text: str, option: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{option} {text!r}: must be comma-separated numbers, e.g. 1.0,2.0") from None
+    if not values or any(not math.isfinite(v) or v < 0 for v in values):
+        raise ConfigError(f"{option} {text!r}: every value must be a finite number >= 0")
+    return values
+
+
+def workload_line(cfg: sim_config.SimConfig, pacer) -> str:
+    sim = cfg.sim
+    gen, length = sim["generation"], sim["generation"]["length"]
+    source = pacer.data_sources[0]
+    dist = length["distribution"]
+    if dist == "lognormal":
+        dist = f"lognormal median {length['median']:g} sigma {length['sigma']:g} cap {length['cap']}"
+    elif dist == "constant":
+        dist = f"constant {length['median']:g}"
+    else:
+        dist = f"empirical {length['file']} cap {length['cap']}"
+    filtered = sim["reward"]["filtered_group_prob"]
+    return (f"B={source.num_prompts_per_step} N={source.num_trajectories_per_prompt} "
+            f"M={pacer.trainer.mini_batch_size}, {sim['cluster']['rollout_replicas']} replicas x "
+            f"{sim['cluster']['slots_per_replica']} slots (colocate {sim['colocate']['rollout_replicas']}), "
+            f"responses {dist} tokens, {gen['decode']['tokens_per_s_full']:g}-{gen['decode']['tokens_per_s_single']:g} "
+            f"tok/s, reward-filtered groups {100 * filtered:g}%")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_presets:
+        for name in sim_config.preset_names():
+            first = (sim_config.preset_path(name).read_text().splitlines() or [""])[0].lstrip("# ")
+            print(f"{name:<16} {first}")
+        return 0
+    try:
+        if args.plot:
+            require_matplotlib()
+        overrides = list(args.overrides)
+        if args.steps is not None:
+            overrides.append(f"sim.steps={args.steps}")
+        if args.seed is not None:
+            overrides.append(f"sim.seed={args.seed}")
+        cfg = sim_config.load_sim_config(args.config, overrides, preset=args.preset)
+        if cfg.steps < 1:
+            raise ConfigError(f"sim.steps = {cfg.steps}: must be >= 1")
+        pacer = cfg.pacer_config()
+        known = registered_strategies(cfg)
+        if args.strategies:
+            strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        elif args.compare:
+            strategies = known
+        else:
+            strategies = [str(pacer.fully_async.sliding_window)]
+        unknown = [s for s in strategies if s not in known]
+        if unknown:
+            raise ConfigError(f"unknown strategy {unknown[0]!r}; registered: {', '.join(known)}")
+        stale_values = _floats(args.stale_steps, "--stale-steps") if args.stale_steps else [
+            float(pacer.fully_async.stale_steps)]
+        runs_total = len(strategies) * len(stale_values)
+        progress = Progress(not args.no_progress)
+        try:
+            runs = sweep(cfg, strategies, stale_values, check_invariants=args.check_invariants,
+                         record_timeline=bool(args.plot), progress=progress)
+        finally:
+            progress.close()
+    except PlotUnavailable as exc:
+        print(f"coda-sim: {exc}", file=sys.stderr)
+        return 2
+    except (ConfigError, WorkloadError) as exc:
+        print(f"coda-sim: {exc}", file=sys.stderr)
+        return 2
+    except SimulationError as exc:
+        print(f"coda-sim: {exc}", file=sys.stderr)
+        return 1
+    summaries = [summarize(run) for run in runs]
+    if args.plot:
+        paths = write_plots(args.plot, runs, summaries)
+        print("coda-sim: wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    try:
+        if args.json:
+            json.dump(summaries, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            print(f"coda-sim: {workload_line(cfg, pacer)}; {cfg.steps} steps, seed {cfg.seed}, {runs_total} run(s)")
+            print(format_table(summaries))
+            print("speedup = colocate step time / async step time excluding step 0 (pipeline fill); staleness = "
+                  "weight version at consumption - trajectory start version")
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. piped into head: not an error of ours
+        sys.stderr.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

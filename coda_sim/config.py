@@ -1,0 +1,124 @@
+"""Simulator configuration: built-in defaults, a preset, a --config file and key=value overrides.
+
+One YAML holds both halves: the pacing service's own keys (fully_async, data_source, trainer, rollout,
+server ...), handed to `coda_server.core.load_config` as they are, and the `sim:` section (workload
+model), checked against `presets/defaults.yaml` so a misspelt key is an error, not a silent default.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from coda_server.core import load_config
+from coda_server.core.errors import ConfigError
+
+DEFAULT_PRESET = "long_tail"
+
+
+def presets_dir() -> Path:
+    return Path(str(importlib.resources.files("coda_sim").joinpath("presets")))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in presets_dir().glob("*.yaml") if p.stem != "defaults")
+
+
+def preset_path(name: str) -> Path:
+    path = presets_dir() / f"{name}.yaml"
+    if name == "defaults" or not path.is_file():
+        raise ConfigError(f"unknown preset {name!r}; built-in presets: {', '.join(preset_names())}")
+    return path
+
+
+class SimConfig:
+    """The merged configuration: `pacer_part` (plain dict) and `sim` (plain dict), plus where files live."""
+
+    def __init__(self, merged: DictConfig, base_dir: Optional[Path]):
+        container = OmegaConf.to_container(merged, resolve=True)
+        self.sim: dict = container.pop("sim")
+        self.pacer_part: dict = container
+        self.base_dir = base_dir
+
+    # --------------------------------------------------------------- pacer configs
+
+    def pacer_overrides(self, strategy: Optional[str] = None, stale_steps: Optional[float] = None) -> list[str]:
+        """Dotted overrides giving the core's load_config this configuration (plus a strategy / stale_steps)."""
+        items = _dotlist(self.pacer_part)
+        if self.sim["reward"]["filtered_group_prob"] > 0:
+            filters = list(self.pacer_part.get("rollout", {}).get("filter") or ["status"])
+            if "reward" not in filters:
+                filters.append("reward")
+            items.append(f"rollout.filter={json.dumps(filters)}")
+        if strategy is not None:
+            items.append(f"fully_async.sliding_window={json.dumps(strategy)}")
+        if stale_steps is not None:
+            items.append(f"fully_async.stale_steps={float(stale_steps)}")
+        return items
+
+    def pacer_config(self, strategy: Optional[str] = None, stale_steps: Optional[float] = None) -> DictConfig:
+        return load_config(None, self.pacer_overrides(strategy, stale_steps))
+
+    @property
+    def steps(self) -> int:
+        return int(self.sim["steps"])
+
+    @property
+    def seed(self) -> int:
+        return int(self.sim["seed"])
+
+
+def load_sim_config(path: Optional[str | Path] = None, overrides: Iterable[str] = (), *,
+                    preset: Optional[str] = None) -> SimConfig:
+    """defaults.yaml, then the preset (long_tail unless `path` is given without one), then `path`, then overrides.
+
+    A --config file is merged over the preset named by `preset` (default: over the defaults alone when
+    a file is given, over long_tail otherwise), so a file may hold only the keys it changes.
+    """
+    try:
+        defaults = OmegaConf.load(presets_dir() / "defaults.yaml")
+        OmegaConf.set_struct(defaults.sim, True)  # a sim key not in defaults.yaml is an error
+        layers = [defaults]
+        if preset is None and path is None:
+            preset = DEFAULT_PRESET
+        if preset is not None:
+            layers.append(OmegaConf.load(preset_path(preset)))
+        base_dir = None
+        if path is not None:
+            layers.append(OmegaConf.load(path))
+            base_dir = Path(path).resolve().parent
+        overrides = list(overrides)
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like key=value, e.g. sim.steps=20")
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(*layers)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"simulator configuration could not be loaded: {_first_line(exc)}") from None
+    except OSError as exc:
+        raise ConfigError(f"simulator configuration file could not be read: {exc}") from None
+    config = SimConfig(merged, base_dir)
+    config.pacer_config()  # validate the pacer half now, with the core's own messages
+    return config
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _dotlist(tree: dict, prefix: str = "") -> list[str]:
+    """Flatten nested mappings to key=value items; lists and scalars as JSON (which OmegaConf parses as YAML)."""
+    items = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            items.extend(_dotlist(value, name + "."))
+        else:
+            items.append(f"{name}={json.dumps(value)}")
+    return items

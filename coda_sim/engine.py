@@ -1,0 +1,326 @@
+"""Discrete-event engine: a time-ordered event queue and the generation pool (replicas x slots).
+
+Each replica decodes its requests with processor sharing: with n requests decoding, every one of them
+advances at `workload.decode_rate(n)` tokens/s. A replica keeps a "virtual progress" clock V (tokens
+per request since it started); a request that needs w units of work finishes when V reaches
+V_at_start + w, so only the replica's next finisher needs an event, re-planned whenever n changes.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Any, Callable, Optional
+
+from .workload import TrajSpec, Workload
+
+_EPS = 1e-9
+
+
+class EventQueue:
+    """Events ordered by (time, insertion order): ties run in the order they were scheduled."""
+
+    __slots__ = ("now", "_heap", "_counter")
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., Any], tuple]] = []
+        self._counter = 0
+
+    def at(self, time: float, fn: Callable[..., Any], *args: Any) -> None:
+        self._counter += 1
+        heapq.heappush(self._heap, (max(time, self.now), self._counter, fn, args))
+
+    def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
+        self.at(self.now + delay, fn, *args)
+
+    def pop(self) -> Optional[tuple[Callable[..., Any], tuple]]:
+        """Advance `now` to the next event and return it (None when no event is left)."""
+        if not self._heap:
+            return None
+        time, _, fn, args = heapq.heappop(self._heap)
+        self.now = time
+        return fn, args
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+# Phases of a request (one trajectory's generation).
+IDLE, QUEUED, PREFILL, DECODE, TOOL, DONE = range(6)
+
+
+class Request:
+    """One trajectory's generation across turns, aborts and continuations."""
+
+    __slots__ = ("owner", "j", "spec", "slowdown", "turn", "done_in_turn", "tokens_done", "phase", "ticket",
+                 "replica", "v_start", "start_version", "tool_next", "busy_tokens_lost")
+
+    def __init__(self, owner: Any, j: int, spec: TrajSpec, slowdown: float):
+        self.owner = owner
+        self.j = j
+        self.spec = spec
+        self.slowdown = slowdown
+        self.turn = 0
+        self.done_in_turn = 0.0  # tokens of the current turn generated so far
+        self.tokens_done = 0.0  # response tokens generated so far, all turns
+        self.phase = IDLE
+        self.ticket = 0
+        self.replica: Optional[Replica] = None
+        self.v_start = 0.0
+        self.start_version: Optional[int] = None  # weight version of its first token
+        self.tool_next = False  # the next thing to do is the tool call after turn `turn - 1`
+
+    @property
+    def finished(self) -> bool:
+        return self.phase == DONE
+
+
+class Replica:
+    __slots__ = ("index", "occupied", "decoding", "v", "last_t", "heap", "ver")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.occupied = 0  # requests holding a slot (prefill or decode)
+        self.decoding = 0
+        self.v = 0.0
+        self.last_t = 0.0
+        self.heap: list[tuple[float, int, Request]] = []
+        self.ver = 0
+
+
+class GenerationPool:
+    """Replicas x slots; FIFO queue of requests waiting for a slot; calls `on_done(request)` at the end."""
+
+    def __init__(self, events: EventQueue, workload: Workload, replicas: int,
+                 on_done: Callable[[Request], None], on_first_token: Optional[Callable[[Request], None]] = None):
+        self.events = events
+        self.workload = workload
+        self.slots = workload.slots_per_replica
+        self.replicas = [Replica(i) for i in range(replicas)]
+        self.total_slots = replicas * self.slots
+        self.on_done = on_done
+        self.on_first_token = on_first_token
+        self.pending: deque[Request] = deque()
+        self.live: dict[int, Request] = {}  # id -> request not IDLE/DONE, in start order (deterministic)
+        self._ids: dict[Request, int] = {}
+        self._next_id = 0
+        self._ticket = 0
+        self.occupied = 0
+        self.busy_slot_seconds = 0.0
+        self._busy_since = 0.0
+        self.tokens_generated = 0.0
+
+    # ------------------------------------------------------------------ public
+
+    def start(self, req: Request) -> None:
+        """Begin (or continue) a request: its next tool call, or queue its next turn for a slot."""
+        self._register(req)
+        if req.tool_next:
+            self._begin_tool(req)
+        else:
+            self._enqueue(req)
+
+    def abort_all(self) -> list[Request]:
+        """Stop every live request now, keeping its progress; they go IDLE, in start order."""
+        now = self.events.now
+        for rep in self.replicas:
+            self._advance(rep, now)
+        aborted = list(self.live.values())
+        for req in aborted:
+            self._stop(req)
+        self.pending.clear()
+        self.live.clear()
+        self._ids.clear()
+        for rep in self.replicas:
+            rep.heap.clear()
+            rep.ver += 1
+        return aborted
+
+    def cancel(self, req: Request) -> None:
+        """Stop one request for good (its group was dropped)."""
+        if req.phase in (IDLE, DONE):
+            return
+        rep = req.replica
+        if rep is not None:
+            self._advance(rep, self.events.now)
+        if req.phase == QUEUED:
+            self.pending.remove(req)
+        self._stop(req)
+        self._unregister(req)
+        if rep is not None:
+            self._plan(rep)
+        self._fill()
+
+    @property
+    def idle(self) -> bool:
+        return not self.live
+
+    def utilisation_until(self, now: float) -> float:
+        """Slot-seconds busy (prefill or decode) up to `now`."""
+        return self.busy_slot_seconds + self.occupied * (now - self._busy_since)
+
+    # ------------------------------------------------------------------ internals
+
+    def _register(self, req: Request) -> None:
+        if req not in self._ids:
+            self._ids[req] = self._next_id
+            self.live[self._next_id] = req
+            self._next_id += 1
+
+    def _unregister(self, req: Request) -> None:
+        rid = self._ids.pop(req, None)
+        if rid is not None:
+            del self.live[rid]
+
+    def _new_ticket(self, req: Request) -> int:
+        self._ticket += 1
+        req.ticket = self._ticket
+        return self._ticket
+
+    def _occupy(self, delta: int) -> None:
+        now = self.events.now
+        self.busy_slot_seconds += self.occupied * (now - self._busy_since)
+        self._busy_since = now
+        self.occupied += delta
+
+    def _stop(self, req: Request) -> None:
+        """Leave the current phase keeping progress (replica already advanced)."""
+        rep = req.replica
+        if req.phase == DECODE:
+            progress = min((rep.v - req.v_start) / req.slowdown, req.spec.turns[req.turn] - req.done_in_turn)
+            progress = max(0.0, progress)
+            req.done_in_turn += progress
+            req.tokens_done += progress
+            self.tokens_generated += progress
+            rep.decoding -= 1
+        if req.phase in (DECODE, PREFILL):
+            rep.occupied -= 1
+            self._occupy(-1)
+        if req.phase == TOOL:
+            req.tool_next = True  # the tool call is redone on continuation
+        req.phase = IDLE
+        req.replica = None
+        self._new_ticket(req)
+
+    def _enqueue(self, req: Request) -> None:
+        req.phase = QUEUED
+        self._new_ticket(req)
+        self.pending.append(req)
+        self._fill()
+
+    def _fill(self) -> None:
+        slots = self.slots
+        while self.pending:
+            best = None
+            for rep in self.replicas:
+                if rep.occupied < slots and (best is None or rep.occupied < best.occupied):
+                    best = rep
+                    if rep.occupied == 0:
+                        break
+            if best is None:
+                return
+            req = self.pending.popleft()
+            best.occupied += 1
+            self._occupy(+1)
+            req.replica = best
+            if self.workload.prefill_s > 0:
+                req.phase = PREFILL
+                self.events.after(self.workload.prefill_s, self._prefill_done, req, self._new_ticket(req))
+            else:
+                self._begin_decode(req)
+
+    def _prefill_done(self, req: Request, ticket: int) -> bool:
+        if req.ticket != ticket:
+            return False
+        self._begin_decode(req)
+        return True
+
+    def _begin_decode(self, req: Request) -> None:
+        rep = req.replica
+        now = self.events.now
+        self._advance(rep, now)
+        req.phase = DECODE
+        ticket = self._new_ticket(req)
+        req.v_start = rep.v
+        if req.start_version is None and self.on_first_token is not None:
+            self.on_first_token(req)
+        work = (req.spec.turns[req.turn] - req.done_in_turn) * req.slowdown
+        heapq.heappush(rep.heap, (rep.v + work, ticket, req))
+        rep.decoding += 1
+        self._plan(rep)
+
+    def _advance(self, rep: Replica, now: float) -> None:
+        if rep.decoding:
+            rep.v += self.workload.decode_rate(rep.decoding) * (now - rep.last_t)
+        rep.last_t = now
+
+    def _top(self, rep: Replica) -> Optional[tuple[float, int, Request]]:
+        heap = rep.heap
+        while heap:
+            fv, ticket, req = heap[0]
+            if req.ticket == ticket and req.phase == DECODE:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
+
+    def _plan(self, rep: Replica) -> None:
+        rep.ver += 1
+        top = self._top(rep)
+        if top is not None:
+            delay = max(0.0, (top[0] - rep.v) / self.workload.decode_rate(rep.decoding))
+            self.events.after(delay, self._replica_due, rep, rep.ver)
+
+    def _replica_due(self, rep: Replica, ver: int) -> bool:
+        if ver != rep.ver:
+            return False
+        self._advance(rep, self.events.now)
+        top = self._top(rep)
+        if top is None:
+            return False
+        rep.v = max(rep.v, top[0])  # the event was planned for this finisher: no rounding left-over
+        limit = rep.v + _EPS * max(1.0, abs(rep.v))
+        finished = []
+        while True:
+            top = self._top(rep)
+            if top is None or top[0] > limit:
+                break
+            heapq.heappop(rep.heap)
+            finished.append(top[2])
+        for req in finished:
+            self._turn_done(req)
+        self._plan(rep)
+        self._fill()
+        return True
+
+    def _turn_done(self, req: Request) -> None:
+        rep = req.replica
+        rest = req.spec.turns[req.turn] - req.done_in_turn
+        req.tokens_done += rest
+        self.tokens_generated += rest
+        req.done_in_turn = 0.0
+        req.turn += 1
+        rep.decoding -= 1
+        rep.occupied -= 1
+        self._occupy(-1)
+        req.replica = None
+        if req.turn < len(req.spec.turns):
+            req.tool_next = True
+            self._begin_tool(req)
+            return
+        req.phase = DONE
+        self._new_ticket(req)
+        self._unregister(req)
+        self.on_done(req)
+
+    def _begin_tool(self, req: Request) -> None:
+        req.tool_next = False
+        req.phase = TOOL
+        ticket = self._new_ticket(req)
+        wait = req.spec.tool_waits[req.turn - 1] if req.turn >= 1 else 0.0
+        self.events.after(wait, self._tool_done, req, ticket)
+
+    def _tool_done(self, req: Request, ticket: int) -> bool:
+        if req.ticket != ticket:
+            return False
+        self._enqueue(req)
+        return True

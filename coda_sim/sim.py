@@ -1,0 +1,552 @@
+"""The simulated fully-async RL job, driving the real `coda_server.core.Pacer`, and the colocate baseline.
+
+Actors (all on one simulated clock, no threads):
+- generation workers: ask the pacer for as many groups as it admits, generate their N trajectories on
+  the generation pool, submit each trajectory when it ends; at a step boundary they abort (partial
+  rollout) or finish (wait) what runs, and continue the groups the Reset restores;
+- the trainer: collects M // N groups per fetch, trains (B x N) / M fetches per step, then runs the step
+  boundary: Reset (pause, wait until every running group is assembled, restore / drop), weight sync,
+  Resume with the next weight version.
+"""
+from __future__ import annotations
+
+import math
+import time as _time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from coda_server.core import Pacer, PromptRef, ResetMode, Trajectory, TrajectoryStatus
+from coda_server.core.filters import GroupFilter, create_filters
+from coda_server.core.strategy import window_size
+from coda_server.core.types import StepReport
+
+from .engine import DONE, IDLE, EventQueue, GenerationPool, Request
+from .workload import PromptSpec, Workload
+
+
+class SimulationError(RuntimeError):
+    """The simulation could not go on: a stall (nothing left to happen) or a broken invariant."""
+
+
+class GroupRun:
+    """The worker / data-source side of one prompt group, across dispatches."""
+
+    __slots__ = ("spec", "reqs", "final", "seq", "dispatches")
+
+    def __init__(self, spec: PromptSpec):
+        self.spec = spec
+        self.reqs = [Request(self, j, t, spec.slowdown) for j, t in enumerate(spec.trajs)]
+        self.final: dict[int, Trajectory] = {}  # trajectories that ended (COMPLETED / FAILED): never regenerated
+        self.seq = -1
+        self.dispatches = 0
+
+    def trajectory_id(self, j: int) -> str:
+        return f"{self.spec.prompt_id}_t{j}"
+
+
+class _ObservedFilters(GroupFilter):
+    """The configured filters, applied as the pacer applies them (all must keep), with each verdict recorded.
+
+    The pacer runs its filters on every group that leaves the trajectory queue, so this tells the
+    simulated workers which groups moved on (to the buffer, or dropped) without changing what happens.
+    """
+
+    def __init__(self, inner: list[GroupFilter], moves: list[tuple[str, bool]]):
+        super().__init__(None)
+        self.inner = inner
+        self.moves = moves
+
+    def keep(self, group) -> bool:
+        kept = all(f.keep(group) for f in self.inner)
+        self.moves.append((next(iter(group.values())).prompt_id, kept))
+        return kept
+
+
+@dataclass
+class StepRecord:
+    step: int
+    started: float
+    ended: float = 0.0
+    boundary_at: float = 0.0  # the trainer finished its last fetch; Reset begins
+    paused_at: float = 0.0  # every running group assembled (reset ready, or wait timeout)
+    trainer_wait: float = 0.0
+    dispatched_before_boundary: int = 0  # pacer total `dispatched` when the Reset began
+    report: StepReport = field(default_factory=StepReport)
+
+    @property
+    def duration(self) -> float:
+        return self.ended - self.started
+
+
+@dataclass
+class RunResult:
+    """Raw outcome of one simulated run; `coda_sim.report.summarize` turns it into the metrics."""
+
+    strategy: str
+    stale_steps: float
+    capacity: int
+    batch_groups: int
+    group_size: int
+    partial: bool
+    seed: int
+    steps: list[StepRecord]
+    sim_time: float
+    trainer_busy: float
+    trainer_wait: float
+    pause_wait: float
+    sync_time: float
+    slot_seconds_busy: float
+    total_slots: int
+    tokens_generated: float
+    tokens_wasted: float
+    staleness: Counter
+    partial_consumed: int
+    consumed_trajectories: int
+    consumed_nominal_tokens: int
+    population_trajectories: int
+    population_nominal_tokens: int
+    buffered_integral: float
+    running_integral: float
+    totals: dict
+    final_running: int
+    final_buffered: int
+    final_candidates: int
+    prompts_created: int
+    fates: Counter  # consumed / filtered / dropped, per unique prompt
+    events: int
+    wall_seconds: float
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, running, buffered, admissible)
+    colocate: Optional["ColocateResult"] = None
+
+
+@dataclass
+class ColocateResult:
+    step_times: list[float]
+    gen_times: list[float]
+    train_times: list[float]
+    regenerated_groups: int
+    slot_seconds_busy: float
+    total_slots: int
+
+    @property
+    def avg_step_time(self) -> float:
+        return sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
+
+
+# Trainer phases.
+_WAIT, _TRAIN, _RESET, _SYNC, _FINISHED = "wait", "train", "reset", "sync", "finished"
+
+
+class AsyncSimulation:
+    """One run: a pacer configuration (strategy, stale_steps, rollout.partial, filters) on a workload."""
+
+    def __init__(self, pacer_config: Any, workload: Workload, steps: int, *, check_invariants: bool = False,
+                 record_timeline: bool = False, on_step: Optional[Callable[[int, int], None]] = None):
+        if steps < 1:
+            raise ValueError(f"steps = {steps!r}: must be >= 1")
+        self.config = pacer_config
+        self.workload = workload
+        self.steps_wanted = steps
+        self.check_invariants = check_invariants
+        self.record_timeline = record_timeline
+        self.on_step = on_step
+        source = pacer_config.data_sources[0]
+        self.B = int(source.num_prompts_per_step)
+        self.N = int(source.num_trajectories_per_prompt)
+        self.M = int(pacer_config.trainer.mini_batch_size)
+        if len(pacer_config.data_sources) != 1:
+            raise SimulationError("coda-sim models one data source; configure exactly one in data_sources")
+        if self.M % self.N:
+            raise SimulationError(f"trainer.mini_batch_size = {self.M}: the simulator needs a multiple of "
+                                  f"num_trajectories_per_prompt ({self.N}) so a fetch takes whole groups")
+        self.fetch_groups = self.M // self.N
+        self.fetches_per_step = (self.B * self.N) // self.M
+        self.partial = bool(pacer_config.rollout.partial)
+        self.mode = ResetMode.ABORT if self.partial else ResetMode.WAIT
+
+        self.events = EventQueue()
+        self.moves: list[tuple[str, bool]] = []
+        filters = [_ObservedFilters(create_filters(list(pacer_config.rollout.filter), pacer_config), self.moves)]
+        self.pacer = Pacer(pacer_config, filters=filters, clock=lambda: self.events.now)
+        self.strategy = str(pacer_config.fully_async.sliding_window)
+        self.capacity = window_size(pacer_config)
+        self.pool = GenerationPool(self.events, workload, workload.replicas, self._request_done, self._first_token)
+
+        self.inflight: dict[str, GroupRun] = {}  # dispatched in the current generation, not collected
+        self.waiting_fate: dict[str, GroupRun] = {}  # collected by the pacer (buffer), not yet consumed
+        self.candidates: deque[GroupRun] = deque()  # restored groups waiting to be dispatched again
+        self.next_number = 0
+        self.version = 0
+        self.phase = _WAIT
+        self.fetches_done = 0
+        self.phase_since = 0.0
+        self.steps: list[StepRecord] = [StepRecord(0, 0.0)]
+        self.trainer_busy = self.trainer_wait = self.pause_wait = self.sync_time = 0.0
+        self.staleness: Counter = Counter()
+        self.partial_consumed = self.consumed_trajectories = self.consumed_nominal = 0
+        self.population_trajectories = self.population_nominal = 0
+        self.tokens_wasted = 0.0
+        self.fates: Counter = Counter()
+        self.events_handled = 0
+        self._last_observed = (0.0, 0, 0)
+        self.buffered_integral = self.running_integral = 0.0
+        self.timeline: list[tuple[float, int, int, int]] = []
+        self._reset_ticket = 0
+        self._dirty = True  # the pacer changed since it was last asked what it admits
+        # Newer cores answer "what would Dispatch admit now" without building a result; else peek.
+        self._admissible_now = getattr(self.pacer, "admissible_now", None)
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> RunResult:
+        started = _time.perf_counter()
+        self._settle()
+        events = self.events
+        while self.phase != _FINISHED:
+            item = events.pop()
+            if item is None:
+                raise SimulationError(self._stall_message())
+            fn, args = item
+            if fn(*args) is False:
+                continue  # superseded event
+            self.events_handled += 1
+            self._settle()
+        return self._result(_time.perf_counter() - started)
+
+    def _settle(self) -> None:
+        """After every event: let the trainer collect and the workers dispatch until nothing changes.
+
+        The pacer is only asked when something it knows changed since the last answer (`_dirty`).
+        """
+        pacer = self.pacer
+        while self._dirty:
+            self._dirty = False
+            collected = self._try_collect()
+            admissible = self._admissible()
+            if admissible > 0:
+                self._dispatch(admissible)
+                self._dirty = True
+            elif collected:
+                self._dirty = True
+        if self.phase == _RESET and pacer.reset_ready():
+            self._paused()
+            self._dirty = True
+        self._observe()
+
+    def _admissible(self) -> int:
+        if self._admissible_now is not None:
+            return self._admissible_now()
+        peek = self.pacer.dispatch([])
+        return 0 if peek.paused else peek.remaining
+
+    def _observe(self) -> None:
+        now = self.events.now
+        t0, running, buffered = self._last_observed
+        self.running_integral += running * (now - t0)
+        self.buffered_integral += buffered * (now - t0)
+        running, buffered = len(self.inflight), len(self.waiting_fate)
+        self._last_observed = (now, running, buffered)
+        if self.record_timeline and (not self.timeline or self.timeline[-1][1:3] != (running, buffered)):
+            self.timeline.append((now, running, buffered, self._admissible()))
+        if self.check_invariants:
+            state = self.pacer.state()
+            if not state.invariant_holds():
+                raise SimulationError(f"pacer invariant broken at t={now:.3f}: {state}")
+            if state.running != running:
+                raise SimulationError(f"at t={now:.3f} the pacer counts {state.running} running groups, "
+                                      f"the simulated workers {running}")
+            if state.buffered != buffered:
+                raise SimulationError(f"at t={now:.3f} the pacer buffers {state.buffered} groups, "
+                                      f"the simulation expects {buffered}")
+
+    # ------------------------------------------------------------------ workers
+
+    def _dispatch(self, want: int) -> None:
+        """Propose `want` groups (restored ones first, then fresh prompts) and start what is admitted."""
+        groups: list[GroupRun] = []
+        while self.candidates and len(groups) < want:
+            groups.append(self.candidates.popleft())
+        while len(groups) < want:
+            groups.append(self._new_group())
+        refs = [PromptRef(g.spec.prompt_id, 0, g.spec.epoch, g.spec.index) for g in groups]
+        result = self.pacer.dispatch(refs)
+        self._drain_moves()  # a dispatch re-examines groups the gate held
+        admitted = result.admitted
+        for g in reversed(groups[len(admitted):]):  # not admitted: first in line next time
+            self.candidates.appendleft(g)
+        finals: list[Trajectory] = []
+        for a, g in zip(admitted, groups):
+            if a.prompt_id != g.spec.prompt_id:
+                raise SimulationError(f"Dispatch admitted {a.prompt_id!r} where {g.spec.prompt_id!r} was proposed")
+            g.seq = a.seq
+            g.dispatches += 1
+            self.inflight[g.spec.prompt_id] = g
+            for req in g.reqs:
+                if req.j in g.final:
+                    finals.append(g.final[req.j])
+                else:
+                    self.pool.start(req)
+        if finals:
+            self._submit(finals)
+        if not admitted:
+            raise SimulationError(f"Dispatch admitted none of {want} candidates although {want} were admissible")
+
+    def _new_group(self) -> GroupRun:
+        spec = self.workload.prompt(self.next_number)
+        self.next_number += 1
+        self.population_trajectories += len(spec.trajs)
+        self.population_nominal += spec.nominal_tokens
+        return GroupRun(spec)
+
+    def _first_token(self, req: Request) -> None:
+        req.start_version = self.version
+
+    def _request_done(self, req: Request) -> None:
+        g: GroupRun = req.owner
+        spec = req.spec
+        t = Trajectory(g.trajectory_id(req.j), g.spec.prompt_id, 0, spec.status, spec.reward,
+                       req.start_version if req.start_version is not None else self.version, self.version,
+                       len(spec.turns))
+        g.final[req.j] = t
+        self._submit([t])
+
+    def _submit(self, trajectories: list[Trajectory]) -> None:
+        self.pacer.submit(trajectories)
+        self._dirty = True
+        self._drain_moves()
+
+    def _drain_moves(self) -> None:
+        """Groups that left the pacer's trajectory queue: into the buffer (kept) or dropped by a filter."""
+        for prompt_id, kept in self.moves:
+            g = self.inflight.pop(prompt_id, None)
+            if g is None:
+                raise SimulationError(f"the pacer collected {prompt_id!r}, which is not running")
+            if kept:
+                self.waiting_fate[prompt_id] = g
+            else:
+                self.fates["filtered"] += 1
+                self.workload.forget(g.spec.number)
+        self.moves.clear()
+
+    # ------------------------------------------------------------------ trainer
+
+    def _try_collect(self) -> bool:
+        if self.phase != _WAIT:
+            return False
+        result = self.pacer.collect_now(self.fetch_groups)
+        if not result.groups:
+            return False
+        now = self.events.now
+        waited = now - self.phase_since
+        self.trainer_wait += waited
+        self.steps[-1].trainer_wait += waited
+        tokens = trajectories = 0
+        for group in result.groups:
+            g = self.waiting_fate.pop(group.prompt_id, None)
+            if g is None:
+                raise SimulationError(f"the trainer got group {group.prompt_id!r}, which no worker generated")
+            self.fates["consumed"] += 1
+            for t in group.trajectories:
+                self.staleness[self.version - t.start_weight_version] += 1
+                if t.start_weight_version != t.end_weight_version:
+                    self.partial_consumed += 1
+            self.consumed_trajectories += len(group.trajectories)
+            self.consumed_nominal += g.spec.nominal_tokens
+            tokens += sum(t.tokens for t in g.spec.trajs)
+            trajectories += len(group.trajectories)
+            self.workload.forget(g.spec.number)
+        self._dirty = True
+        seconds = self.workload.train_seconds(self.workload.trainer_tokens(tokens, trajectories))
+        self.trainer_busy += seconds
+        self.phase, self.phase_since = _TRAIN, now
+        self.events.after(seconds, self._trained)
+        return True
+
+    def _trained(self) -> None:
+        self._dirty = True
+        self.fetches_done += 1
+        now = self.events.now
+        if self.fetches_done < self.fetches_per_step:
+            self.phase, self.phase_since = _WAIT, now
+            return
+        self.fetches_done = 0
+        record = self.steps[-1]
+        record.boundary_at = now
+        record.dispatched_before_boundary = self.pacer.state().dispatched
+        self.pacer.begin_reset(self.mode)
+        self._dirty = True
+        self.phase, self.phase_since = _RESET, now
+        self._reset_ticket += 1
+        if self.mode == ResetMode.ABORT:
+            self.events.after(self.workload.abort_latency_s, self._abort_running, self._reset_ticket)
+        elif self.workload.wait_timeout_s > 0:
+            self.events.after(self.workload.wait_timeout_s, self._wait_timeout, self._reset_ticket)
+
+    def _abort_running(self, ticket: int) -> Optional[bool]:
+        if ticket != self._reset_ticket or self.phase != _RESET:
+            return False
+        aborted = self.pool.abort_all()
+        trajectories = []
+        for req in aborted:
+            g: GroupRun = req.owner
+            start = req.start_version if req.start_version is not None else self.version
+            trajectories.append(Trajectory(g.trajectory_id(req.j), g.spec.prompt_id, 0, TrajectoryStatus.ABORTED,
+                                           0.0, start, self.version, req.turn))
+        if trajectories:
+            self._submit(trajectories)
+        return None
+
+    def _wait_timeout(self, ticket: int) -> Optional[bool]:
+        if ticket != self._reset_ticket or self.phase != _RESET:
+            return False
+        for g in list(self.inflight.values()):
+            if len(g.final) < len(g.reqs):
+                for req in g.reqs:
+                    self.pool.cancel(req)
+        self._paused()
+        return None
+
+    def _paused(self) -> None:
+        """Every running group is assembled (or the wait gave up): finish the Reset, then sync weights."""
+        now = self.events.now
+        record = self.steps[-1]
+        record.paused_at = now
+        self.pause_wait += now - self.phase_since
+        result = self.pacer.finish_reset(resume=False)
+        self._dirty = True
+        record.report = result.report
+        restored_ids = [g.prompt_id for g in result.restored]
+        for group in result.restored:
+            g = self.inflight.pop(group.prompt_id, None)
+            if g is None:
+                raise SimulationError(f"Reset restored {group.prompt_id!r}, which is not running")
+            for t in group.trajectories:
+                j = int(t.trajectory_id.rsplit("_t", 1)[1])
+                if t.status == TrajectoryStatus.ABORTED:
+                    g.final.pop(j, None)
+                    if g.reqs[j].phase not in (IDLE,):
+                        raise SimulationError(f"restored trajectory {t.trajectory_id!r} is still generating")
+                else:
+                    g.final[j] = t
+            self.candidates.append(g)
+        for prompt_id in result.dropped_prompt_ids:
+            g = self.inflight.pop(prompt_id, None)
+            if g is None:
+                raise SimulationError(f"Reset dropped {prompt_id!r}, which is not running")
+            for req in g.reqs:
+                self.pool.cancel(req)
+                self.tokens_wasted += req.tokens_done
+            self.fates["dropped"] += 1
+            self.workload.forget(g.spec.number)
+        if self.inflight:
+            raise SimulationError(f"after Reset (restored {restored_ids[:5]} ...), groups "
+                                  f"{list(self.inflight)[:5]} are neither restored nor dropped")
+        self.phase, self.phase_since = _SYNC, now
+        self.events.after(self.workload.weight_sync_s, self._synced)
+
+    def _synced(self) -> None:
+        now = self.events.now
+        self.sync_time += now - self.phase_since
+        self.version += 1
+        self.pacer.resume(self.version)
+        self._dirty = True
+        record = self.steps[-1]
+        record.ended = now
+        if self.on_step is not None:
+            self.on_step(len(self.steps), self.steps_wanted)
+        if len(self.steps) >= self.steps_wanted:
+            self.phase = _FINISHED
+            return
+        self.steps.append(StepRecord(len(self.steps), now))
+        self.phase, self.phase_since = _WAIT, now
+
+    # ------------------------------------------------------------------ results
+
+    def _stall_message(self) -> str:
+        state = self.pacer.state()
+        return (f"simulation stalled at t={self.events.now:.1f}s, step {len(self.steps) - 1}, trainer {self.phase}: "
+                f"nothing left to happen (strategy {self.strategy!r}: running {state.running}, buffered "
+                f"{state.buffered}, admissible {state.capacity}, C {state.window_size}); the trainer needs "
+                f"{self.fetch_groups} buffered groups")
+
+    def _result(self, wall: float) -> RunResult:
+        now = self.events.now
+        self._observe()
+        state = self.pacer.state()
+        if not state.invariant_holds():
+            raise SimulationError(f"pacer invariant broken at the end: {state}")
+        return RunResult(
+            strategy=self.strategy, stale_steps=float(self.config.fully_async.stale_steps), capacity=self.capacity,
+            batch_groups=self.B, group_size=self.N, partial=self.partial, seed=self.workload.seed, steps=self.steps,
+            sim_time=now, trainer_busy=self.trainer_busy, trainer_wait=self.trainer_wait,
+            pause_wait=self.pause_wait, sync_time=self.sync_time,
+            slot_seconds_busy=self.pool.utilisation_until(now), total_slots=self.pool.total_slots,
+            tokens_generated=self.pool.tokens_generated, tokens_wasted=self.tokens_wasted,
+            staleness=self.staleness, partial_consumed=self.partial_consumed,
+            consumed_trajectories=self.consumed_trajectories, consumed_nominal_tokens=self.consumed_nominal,
+            population_trajectories=self.population_trajectories, population_nominal_tokens=self.population_nominal,
+            buffered_integral=self.buffered_integral, running_integral=self.running_integral,
+            totals={k: getattr(state, k) for k in ("dispatched", "submitted", "collected", "consumed", "filtered",
+                                                   "restored", "dropped", "stale_rejected", "duplicates")},
+            final_running=state.running, final_buffered=state.buffered, final_candidates=len(self.candidates),
+            prompts_created=self.next_number, fates=self.fates, events=self.events_handled, wall_seconds=wall,
+            timeline=self.timeline,
+        )
+
+
+def run_colocate(pacer_config: Any, workload: Workload, steps: int) -> ColocateResult:
+    """The synchronous baseline on all GPUs: generate B groups (again for those the filters drop), train, switch.
+
+    Uses the same prompts (same numbers, same draws) as the fully-async runs and the core's own filters.
+    """
+    source = pacer_config.data_sources[0]
+    B, N = int(source.num_prompts_per_step), int(source.num_trajectories_per_prompt)
+    M = int(pacer_config.trainer.mini_batch_size)
+    fetch_groups = max(1, M // N)
+    filters = create_filters(list(pacer_config.rollout.filter), pacer_config)
+    events = EventQueue()
+    pool = GenerationPool(events, workload, workload.colocate_replicas, lambda req: None,
+                          lambda req: setattr(req, "start_version", 0))
+    number = 0
+    regenerated = 0
+    step_times, gen_times, train_times = [], [], []
+    for _ in range(steps):
+        started = events.now
+        kept: list[GroupRun] = []
+        while len(kept) < B:
+            count = math.ceil((B - len(kept)) * workload.colocate_oversample - 1e-9)
+            batch = [GroupRun(workload.prompt(number + i)) for i in range(count)]
+            number += len(batch)
+            for g in batch:
+                for req in g.reqs:
+                    pool.start(req)
+            while not pool.idle:
+                item = events.pop()
+                if item is None:
+                    raise SimulationError("colocate baseline stalled: requests left and no event pending")
+                fn, args = item
+                fn(*args)
+            for g in batch:
+                view = {g.trajectory_id(j): Trajectory(g.trajectory_id(j), g.spec.prompt_id, 0, t.status, t.reward)
+                        for j, t in enumerate(g.spec.trajs)}
+                if all(f.keep(view) for f in filters):
+                    kept.append(g)
+                else:
+                    regenerated += 1
+            for g in batch:
+                workload.forget(g.spec.number)
+        kept = kept[:B]
+        generated = events.now - started
+        train = 0.0
+        for i in range(0, len(kept), fetch_groups):
+            chunk = kept[i:i + fetch_groups]
+            tokens = sum(t.tokens for g in chunk for t in g.spec.trajs)
+            train += workload.train_seconds(workload.trainer_tokens(tokens, N * len(chunk)))
+        train /= workload.colocate_trainer_speedup
+        events.now += train + workload.colocate_switch_s
+        gen_times.append(generated)
+        train_times.append(train)
+        step_times.append(events.now - started)
+    return ColocateResult(step_times, gen_times, train_times, regenerated,
+                          pool.utilisation_until(events.now), pool.total_slots)

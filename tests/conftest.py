@@ -1,0 +1,62 @@
+"""Shared fixtures. Keep this small: helpers used by one test file belong in that file."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_STRATEGIES = REPO_ROOT / "examples" / "strategies"
+
+
+def core_overrides(strategy: str = "no-window", *, B: int = 4, stale: float = 1.0, N: int = 2, M: int | None = None,
+                   filters: str = "[status]", extra: tuple[str, ...] = ()) -> list[str]:
+    """Dotted overrides for a small pacing config (single data source unless `extra` adds more)."""
+    overrides = [
+        f"fully_async.sliding_window={strategy}",
+        f"fully_async.stale_steps={float(stale)}",
+        f"data_source.num_prompts_per_step={B}",
+        f"data_source.num_trajectories_per_prompt={N}",
+        f"trainer.mini_batch_size={M if M is not None else N}",
+        f"rollout.filter={filters}",
+    ]
+    if strategy == "fixed-capacity":
+        overrides.append(f"server.custom_strategy_dirs=[{EXAMPLE_STRATEGIES}]")
+    return overrides + list(extra)
+
+
+_CONFIGS: dict = {}
+
+
+def load_core_config(strategy: str = "no-window", **kwargs):
+    """A validated DictConfig for `core_overrides(strategy, **kwargs)`; loaded once, a fresh copy each call."""
+    from coda_server.core import load_config
+
+    overrides = tuple(core_overrides(strategy, **kwargs))
+    if overrides not in _CONFIGS:
+        _CONFIGS[overrides] = load_config(overrides=overrides)
+    return copy.deepcopy(_CONFIGS[overrides])
+
+
+@pytest.fixture
+def core_config():
+    """`core_config(strategy, B=, stale=, N=, M=, filters=, extra=)` -> a validated DictConfig."""
+    return load_core_config
+
+
+@pytest.fixture
+def core_pacer(core_config):
+    """`core_pacer(strategy, **core_config kwargs)` -> a fresh `Pacer` (closed after the test)."""
+    from coda_server.core import Pacer
+
+    made = []
+
+    def make(strategy: str = "no-window", **kwargs):
+        pacer = Pacer(core_config(strategy, **kwargs))
+        made.append(pacer)
+        return pacer
+
+    yield make
+    for pacer in made:
+        pacer.close()

@@ -1,0 +1,181 @@
+"""Durable state across restarts: the state-directory lock, an exact clean restart, request_id answers kept."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import subprocess
+import sys
+
+import pytest
+
+from coda_client import PacerClient, PromptRef, Trajectory, TrajectoryStatus
+from crash_workload import FAST_RECONNECT, fingerprint
+from server_harness import REPO_ROOT, ServerProcess
+from test_durability_crash import N, check_invariant, durable_overrides, free_port
+
+
+def trajectory(prompt_id: str, j: int, weight_version: int = 0) -> Trajectory:
+    digest = hashlib.sha256(f"{prompt_id}/{j}".encode()).digest()
+    return Trajectory(trajectory_id=f"{prompt_id}/t{j}", prompt_id=prompt_id, status=TrajectoryStatus.COMPLETED,
+                      reward=float(digest[0] % 3), token_ids=list(digest[:12]), logprobs=[-x / 256 for x in digest[:12]],
+                      loss_mask=[1] * 12, start_weight_version=weight_version, end_weight_version=weight_version,
+                      metadata={"j": str(j)}, payload=digest * 3)
+
+
+def group(prompt_id: str, weight_version: int = 0) -> list[Trajectory]:
+    return [trajectory(prompt_id, j, weight_version) for j in range(N)]
+
+
+def comparable(state) -> dict:
+    """Every GetState field except the live count of waiting long-polls."""
+    values = dataclasses.asdict(state)
+    values.pop("waiting_calls")
+    return values
+
+
+def delivered(groups) -> list[tuple[str, list[str]]]:
+    """Groups as (prompt id, fingerprints of their trajectories), in the order given."""
+    return [(g.prompt_id, [fingerprint(t) for t in g.trajectories]) for g in groups]
+
+
+class Restartable:
+    """A durable server on a fixed port; `restart(kill=...)` stops it (SIGKILL or SIGTERM) and starts it again."""
+
+    def __init__(self, tmp_path, *extra: str):
+        self.tmp_path = tmp_path
+        self.overrides = durable_overrides(tmp_path / "state", free_port(), *extra)
+        self.server = ServerProcess(tmp_path, *self.overrides).start()
+        self.client = PacerClient(self.server.address, timeout=10, options=FAST_RECONNECT)
+
+    def restart(self, kill: bool) -> None:
+        if kill:
+            self.server.kill()
+        else:
+            assert self.server.terminate() == 0, self.server.log()
+        self.server.close()
+        self.server = ServerProcess(self.tmp_path, *self.overrides).start()
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+
+
+@pytest.fixture
+def durable(tmp_path):
+    made = []
+
+    def make(*extra: str) -> Restartable:
+        made.append(Restartable(tmp_path, *extra))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def test_a_second_server_on_the_same_state_dir_refuses_to_start(durable, tmp_path):
+    first = durable()
+    first.client.dispatch(["p0"], request_id="d-0")
+    command = [sys.executable, "-m", "coda_server", "server.address=127.0.0.1:0", "server.metrics_address=",
+               f"server.state_dir={tmp_path / 'state'}"]
+    second = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    output = second.stdout + second.stderr
+    assert second.returncode == 1, output
+    assert "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1, output  # one clear line, naming the directory and the holder
+    assert "in use by another coda-server" in lines[0] and str(tmp_path / "state") in lines[0], output
+    assert f"pid {first.server.process.pid}" in lines[0], output
+    # The first server is untouched and still serving its state.
+    assert first.client.state().dispatched == 1
+    # Once it has stopped (even by SIGKILL, which releases the lock with the process), the directory is free.
+    first.restart(kill=True)
+    assert first.client.state().dispatched == 1
+
+
+def build_state(pacer: PacerClient) -> list:
+    """Step 0 consumed and reset; then prompts of step 1 with scrambled priorities, some complete, one partial,
+    one complete but held by the windowed-fifo gate, some running with nothing yet. Returns the Collect answers."""
+    answers = []
+    pacer.dispatch([PromptRef(f"a{i}", epoch=0, index=i) for i in range(4)], request_id="d-a")
+    for i in range(4):
+        pacer.submit(group(f"a{i}"), request_id=f"s-a{i}")
+    answers.append(pacer.collect(2, request_id="c-1"))
+    pacer.reset("abort", resume=True, weight_version=7, request_id="r-1")  # a2, a3 stay buffered
+    # Window C = 8 minus the 2 buffered: 6 admitted, their priorities (epoch, index) out of dispatch order.
+    order = [5, 1, 4, 0, 3, 2]
+    admitted = pacer.dispatch([PromptRef(f"b{k}", epoch=1, index=order[k]) for k in range(6)], request_id="d-b")
+    assert admitted.admitted == [f"b{k}" for k in range(6)]
+    for k in (1, 2, 3):
+        pacer.submit(group(f"b{k}", 7), request_id=f"s-b{k}")
+    pacer.submit(group("b0", 7)[:1], request_id="s-b0-part")  # b0 (the oldest in flight) stays incomplete...
+    pacer.submit(group("b5", 7), request_id="s-b5")  # ...so windowed-fifo holds b5 (4 seqs past b0), complete
+    answers.append(pacer.collect(1, request_id="c-2"))
+    return answers
+
+
+def finish(pacer: PacerClient) -> list:
+    """What happens after the (possible) restart: complete b0, b4; take everything. Returns the groups in order."""
+    pacer.submit(group("b0", 7)[1:], request_id="s-b0-rest")
+    pacer.submit(group("b4", 7), request_id="s-b4")
+    groups = []
+    while True:
+        got = pacer.collect(1, wait=0, allow_partial=True)
+        if not got:
+            return groups
+        groups.extend(got)
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_restart_restores_step_generation_buffer_order_and_counters_exactly(durable, stop):
+    restarted = durable()
+    twin = durable()  # the same calls, never restarted
+    assert delivered(sum(build_state(restarted.client), [])) == delivered(sum(build_state(twin.client), []))
+    before = restarted.client.state()
+    assert (before.step, before.weight_version, before.generation) == (1, 7, 1)
+    assert before.running == 5 and before.buffered == 4 and before.queued_trajectories == 3 * N + 1, before
+    check_invariant(before)
+
+    restarted.restart(kill=stop == "SIGKILL")
+    after = restarted.client.state()
+    assert comparable(after) == comparable(before)
+    assert comparable(after) == comparable(twin.client.state())
+
+    # The recovered server goes on exactly like the one that never stopped: same groups, same order, same bytes.
+    expected = finish(twin.client)
+    got = finish(restarted.client)
+    assert [prompt for prompt, _ in delivered(got)] == [prompt for prompt, _ in delivered(expected)]
+    assert delivered(got) == delivered(expected)
+    assert len(got) == 4 + 2  # a2 a3 buffered before, b0 b4 completed after; b5 came out once b0 did
+    assert [g.prompt_id for g in got][:2] == ["a2", "a3"]  # epoch 0 first, then epoch 1 by index
+    final = restarted.client.state()
+    assert comparable(final) == comparable(twin.client.state())
+    check_invariant(final)
+
+
+@pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
+def test_request_id_answers_survive_a_restart(durable, stop):
+    server = durable()
+    pacer = server.client
+    first = {
+        "dispatch": pacer.dispatch(["p0", "p1", "p2"], request_id="d-1"),
+        "submit": pacer.submit(group("p0"), request_id="s-1"),
+    }
+    pacer.submit(group("p1"), request_id="s-2")
+    first["collect"] = pacer.collect_result(2, request_id="c-1")
+    first["reset"] = pacer.reset("abort", resume=True, weight_version=3, request_id="r-1")
+    first["resume"] = pacer.reset("abort", resume=True, weight_version=4, request_id="r-2")
+    assert first["collect"].groups and first["reset"].dropped_prompt_ids == ["p2"]
+    before = pacer.state()
+
+    server.restart(kill=stop == "SIGKILL")
+    # Each retry (same request_id, same arguments) gets the first answer and changes nothing.
+    assert pacer.dispatch(["p0", "p1", "p2"], request_id="d-1") == first["dispatch"]
+    assert pacer.submit(group("p0"), request_id="s-1") == first["submit"]  # accepted again, not "duplicates"
+    retried = pacer.collect_result(2, request_id="c-1")
+    assert delivered(retried.groups) == delivered(first["collect"].groups) and retried == first["collect"]
+    assert pacer.reset("abort", resume=True, weight_version=3, request_id="r-1") == first["reset"]
+    assert pacer.reset("abort", resume=True, weight_version=4, request_id="r-2") == first["resume"]
+    assert comparable(pacer.state()) == comparable(before)
+    # A new request_id is a new call.
+    assert pacer.dispatch(["p0"], request_id="d-2").admitted == ["p0"]

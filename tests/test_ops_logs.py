@@ -1,0 +1,98 @@
+"""Logs: one structured line per RPC (JSON or text by server.log_format), lifecycle lines once each, and the
+validation of the operations keys."""
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import pytest
+
+from coda_client import PacerClient
+from coda_client._proto import pacer_pb2 as pb
+from coda_server.core import load_config
+from coda_server.core.errors import ConfigError
+from ops_harness import trajectory
+from server_harness import ServerProcess
+
+CONFIG = ("fully_async.sliding_window=no-window", "data_source.num_prompts_per_step=2",
+          "data_source.num_trajectories_per_prompt=1", "trainer.mini_batch_size=1")
+PEER = re.compile(r"^ipv[46]:.+:\d+$")
+
+
+def test_json_log_has_one_line_per_rpc_and_each_lifecycle_event_once(tmp_path):
+    server = ServerProcess(tmp_path, *CONFIG, "server.log_format=json").start()
+    try:
+        with PacerClient(server.address) as pacer:
+            pacer.dispatch(["p0"], request_id="dispatch-1")
+            pacer.submit([trajectory("p0", 0)], request_id="submit-1")
+            pacer.state()
+            pacer.reset("wait", wait=1, request_id="reset-1")
+            pacer.resume(weight_version=4, request_id="resume-1")
+        with pytest.raises(grpc.RpcError):
+            server.stub().Collect(pb.CollectRequest(num_groups=0), timeout=10)
+        assert server.terminate() == 0
+    finally:
+        server.close()
+    lines = [json.loads(line) for line in server.log().splitlines()]  # every line is one JSON object
+    assert all({"ts", "level", "logger", "msg"} <= line.keys() for line in lines)
+    rpcs = [line for line in lines if line.get("event") == "rpc"]
+    assert [(r["method"], r["code"], r.get("request_id")) for r in rpcs] == [
+        ("Dispatch", "OK", "dispatch-1"),
+        ("Submit", "OK", "submit-1"),
+        ("GetState", "OK", None),  # GetState carries no request_id: the key is left out
+        ("Reset", "OK", "reset-1"),
+        ("Resume", "OK", "resume-1"),
+        ("Collect", "INVALID_ARGUMENT", None),  # the raw request's request_id is empty: left out too
+    ]
+    for r in rpcs:
+        assert r["logger"] == "coda_server.rpc" and r["service"] == "coda.pacer.v1.RolloutPacer"
+        assert isinstance(r["duration_ms"], float) and 0 <= r["duration_ms"] < 5000
+        assert PEER.match(r["peer"]), r["peer"]
+    events = [line["event"] for line in lines if line.get("event") not in (None, "rpc")]
+    assert events == ["metrics", "start", "pause", "resume", "shutdown", "stopped"]
+    start = next(line for line in lines if line.get("event") == "start")
+    assert (start["address"], start["strategy"], start["window"]) == (server.address, "no-window", 4)
+    pause = next(line for line in lines if line.get("event") == "pause")
+    assert (pause["mode"], pause["step"], pause["running"], pause["buffered"]) == ("wait", 0, 0, 1)
+    resume = next(line for line in lines if line.get("event") == "resume")
+    assert (resume["step"], resume["weight_version"], resume["generation"]) == (1, 4, 1)
+
+
+def test_text_log_has_a_readable_line_per_rpc(tmp_path):
+    with ServerProcess(tmp_path, *CONFIG) as server, PacerClient(server.address) as pacer:
+        pacer.dispatch(["p0"], request_id="abc")
+        pacer.state()
+        log = server.log()
+    assert re.search(r" INFO coda_server\.rpc: Dispatch OK \d+\.\d{3}ms request_id=abc peer=ipv[46]:\S+\n", log), log
+    assert re.search(r" INFO coda_server\.rpc: GetState OK \d+\.\d{3}ms peer=ipv[46]:\S+\n", log), log
+    assert "{" not in log.split("coda_server.rpc:", 1)[1].splitlines()[0]
+
+
+def test_rpc_lines_can_be_turned_off_keeping_the_lifecycle_lines(tmp_path):
+    with ServerProcess(tmp_path, *CONFIG, "server.log_rpcs=false") as server, PacerClient(server.address) as pacer:
+        pacer.reset("abort", resume=True, weight_version=1)
+        assert server.terminate() == 0
+    log = server.log()
+    assert "coda_server.rpc" not in log
+    for line in ("serving coda.pacer.v1.RolloutPacer", "paused dispatch for a Reset (mode abort)",
+                 "resumed dispatch: step 1, weight version 1", "shutting down"):
+        assert log.count(line) == 1, line
+
+
+@pytest.mark.parametrize("override, problem", [
+    ("server.log_rpcs=sometimes", "server.log_rpcs = 'sometimes': must be true or false"),
+    ("server.log_format=xml", "server.log_format = 'xml': must be text or json"),
+    ("server.metrics_address=9464", "server.metrics_address = 9464: must be host:port"),
+    ("server.metrics_address=localhost:99999", "server.metrics_address = 'localhost:99999'"),
+    ("server.metrics_address=:9464", "server.metrics_address = ':9464'"),
+])
+def test_invalid_operations_keys_stop_start_up_naming_the_key(override, problem):
+    with pytest.raises(ConfigError) as caught:
+        load_config(overrides=[override], load_plugins=False)
+    assert problem in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["''", "0.0.0.0:9464", "'[::1]:0'", "localhost:0"])
+def test_valid_metrics_addresses_load(value):
+    assert load_config(overrides=[f"server.metrics_address={value}"], load_plugins=False) is not None

@@ -1,0 +1,88 @@
+"""The `coda-client watch` live view and `state --json`, rendered against a live server (no TTY)."""
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import pytest
+
+from coda_client import PacerClient
+from coda_client import cli as client_cli
+from ops_harness import MetricsServer, trajectory
+
+# B = 4, N = 2, M = 2, stale_steps 0.5: window C = 6.
+CONFIG = ("fully_async.sliding_window=no-window", "fully_async.stale_steps=0.5", "data_source.num_prompts_per_step=4",
+          "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with MetricsServer(tmp_path_factory.mktemp("watch"), *CONFIG) as process, PacerClient(process.address) as pacer:
+        pacer.dispatch(["a0", "a1"])
+        pacer.submit([trajectory("a0", 0, 0, 1), trajectory("a0", 1)])
+        pacer.collect(1)
+        pacer.reset("abort", wait=0, resume=True, weight_version=3)  # a1 dropped; a report for step 0
+        pacer.dispatch(["b0", "b1", "b2"])
+        pacer.submit([trajectory("b0", 0, 3), trajectory("b0", 1, 3)])
+        pacer.submit([trajectory("b1", 0, 3), trajectory("b1", 1, 3)])
+        pacer.submit([trajectory("b2", 0, 3)])
+        yield process
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return client_cli.main(list(argv), out=out), out.getvalue()
+
+
+def test_watch_draws_the_window_step_version_and_latest_report(server):
+    code, text = run_cli("--address", server.address, "watch", "--count", "2", "--interval", "0.05")
+    assert code == 0
+    lines = text.splitlines()
+    assert "\x1b[" not in text  # no screen clearing without a TTY
+    assert sum(line.startswith("strategy no-window") for line in lines) == 2  # two frames
+    first = lines[:lines.index("last control event: STATE") + 1]
+    assert first[0] == "strategy no-window   step 1   weight version 3   generation 1   running"
+    # R = b2 (one of two trajectories), Q = b0 + b1, C = 6: 6 - 1 - 2 = 3 admissible.
+    assert first[1] == f"window [{'R' * 7}{'Q' * 13}{'.' * 20}] running 1 + buffered 2 of 6; dispatch would admit 3"
+    assert first[2].startswith("totals dispatched 5  submitted 7  collected 3  consumed 1  filtered 0  restored 0  "
+                               "dropped 1")
+    assert first[3] == "queued trajectories 1   waiting long-polls 0"
+    # Step 0 took a0 (t0 spanned 0 -> 1): partial_ratio 1/2, span 1; the Reset dropped a1.
+    assert first[4].startswith("step 0 report: pipeline_buf_size 0  filter_drop 0  partial_ratio 0.500  "
+                               "partial_span_max 1  restored 0  dropped_incomplete 1  pause_delay ")
+
+
+def test_watch_redraws_on_pause_and_resume(tmp_path):
+    server = MetricsServer(tmp_path, *CONFIG).start()
+    out = io.StringIO()
+    frames: list[int] = []
+
+    def watch() -> None:
+        frames.append(client_cli.main(["--address", server.address, "watch", "--count", "3", "--interval", "60"],
+                                      out=out))
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    # Wait until the watch stream is open (the server exports its watcher count), then pause and resume.
+    server.scrape_until(lambda s: s.value("coda_pacer_watchers") == 1, timeout=30)
+    with PacerClient(server.address) as pacer:
+        pacer.reset("wait", wait=5, resume=True, weight_version=5)
+    thread.join(30)
+    server.close()
+    assert frames == [0]
+    lines = out.getvalue().splitlines()
+    notes = [line for line in lines if line.startswith("last control event")]
+    assert notes == ["last control event: STATE", "last control event: PAUSE", "last control event: RESUME"]
+    heads = [line for line in lines if line.startswith("strategy ")]
+    assert heads[0].startswith("strategy no-window   step 0   weight version 0   generation 0")
+    assert heads[-1].startswith("strategy no-window   step 1   weight version 5   generation 1   running")
+
+
+def test_state_json_is_one_object_for_scripts(server):
+    code, text = run_cli("--address", server.address, "state", "--json")
+    assert code == 0 and text.count("\n") == 1
+    state = json.loads(text)
+    assert state["window_size"] == 6 and state["strategy"] == "no-window"
+    assert {"running", "buffered", "capacity", "step", "weight_version", "paused", "waiting_calls"} <= state.keys()
+    assert state["recent_reports"][0]["partial_dropped_incomplete_count"] == 1
