@@ -37,6 +37,11 @@ class ProtoBodies:
         return pb.Trajectory.FromString(data)
 
 
+_STATUSES = {int(status): status for status in TrajectoryStatus}
+# Ids, versions, reward and framing: a rough constant per trajectory on top of its arrays and payload.
+FIXED_TRAJECTORY_BYTES = 128
+
+
 def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     return [
         PromptRef(
@@ -50,38 +55,38 @@ def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
 
 
 def trajectories(messages: Sequence[pb.Trajectory]) -> list[Trajectory]:
-    """Core trajectories whose body is the wire message itself, so the trainer gets it back byte for byte."""
-    _check_array_lengths(messages)
-    return [
-        Trajectory(
+    """Core trajectories whose body is the wire message itself, so the trainer gets it back byte for byte.
+
+    `size_bytes` is an estimate from the array lengths and the payload (exact sizes would cost a
+    walk over every packed element); it feeds the server.max_held_bytes cap.
+    """
+    converted = []
+    violations = []
+    for i, m in enumerate(messages):
+        tokens, logprobs, mask = len(m.token_ids), len(m.logprobs), len(m.loss_mask)
+        present = {length for length in (tokens, logprobs, mask) if length}
+        if len(present) > 1:
+            violations.append((f"trajectories[{i}]", f"non-empty token_ids, logprobs and loss_mask must have equal "
+                                                     f"lengths; got token_ids={tokens}, logprobs={logprobs}, "
+                                                     f"loss_mask={mask}"))
+            continue
+        converted.append(Trajectory(
             trajectory_id=m.trajectory_id,
             prompt_id=m.prompt_id,
             ds_index=m.ds_index,
             # Kept as a plain int when unknown, so the core can refuse it by value.
-            status=TrajectoryStatus(m.status) if m.status in TrajectoryStatus._value2member_map_ else m.status,
+            status=_STATUSES.get(m.status, m.status),
             reward=m.reward,
             start_weight_version=m.start_weight_version,
             end_weight_version=m.end_weight_version,
             num_turns=m.num_turns,
             body=m,
-            size_bytes=m.ByteSize(),
-        )
-        for m in messages
-    ]
-
-
-def _check_array_lengths(messages: Sequence[pb.Trajectory]) -> None:
-    violations = []
-    for i, m in enumerate(messages):
-        lengths = {name: len(getattr(m, name)) for name in ("token_ids", "logprobs", "loss_mask")}
-        present = {length for length in lengths.values() if length}
-        if len(present) > 1:
-            shown = ", ".join(f"{name}={length}" for name, length in lengths.items())
-            violations.append((f"trajectories[{i}]", f"non-empty token_ids, logprobs and loss_mask must have "
-                                                     f"equal lengths; got {shown}"))
+            size_bytes=4 * (tokens + logprobs + mask) + len(m.payload) + FIXED_TRAJECTORY_BYTES,
+        ))
     if violations:
         raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
                                    violations=violations)
+    return converted
 
 
 def reset_mode(value: int) -> ResetMode:
