@@ -149,7 +149,9 @@ def _status_code(context: grpc.aio.ServicerContext, error: Optional[BaseExceptio
         return code.name
     if error is None:
         return "OK"
-    if isinstance(error, asyncio.CancelledError):
+    # Cancelled by the client (or its deadline): the task is cancelled, or a streaming handler is closed
+    # (GeneratorExit) when gRPC stops iterating it because the call has ended.
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
         return "CANCELLED"
     return "UNKNOWN"
 
@@ -168,12 +170,16 @@ class _MethodObserver:
         self._handled_by_code: dict[str, Any] = {}
         self._labels = (kind, self.service, self.method)
 
-    def begin(self) -> float:
+    def begin(self, context: grpc.aio.ServicerContext) -> tuple[float, str]:
+        """Count the start; returns the start time and the peer (read now: once a call is cancelled, its
+        context must not be asked for the peer, which reads the finished C call and can crash the process)."""
         self._started.inc()
-        return time.perf_counter()
+        peer = context.peer() if self._log_rpcs and rpc_log.isEnabledFor(logging.INFO) else ""
+        return time.perf_counter(), peer
 
-    def end(self, started: float, context: grpc.aio.ServicerContext, request: Any,
+    def end(self, begun: tuple[float, str], context: grpc.aio.ServicerContext, request: Any,
             error: Optional[BaseException]) -> None:
+        started, peer = begun
         elapsed = time.perf_counter() - started
         code = _status_code(context, error)
         counter = self._handled_by_code.get(code)
@@ -181,13 +187,12 @@ class _MethodObserver:
             counter = self._handled_by_code[code] = self._handled.labels(*self._labels, code)
         counter.inc()
         self._handling.observe(elapsed)
-        if self._log_rpcs and rpc_log.isEnabledFor(logging.INFO):
-            self._log(code, elapsed, context, request)
+        if peer:
+            self._log(code, elapsed, peer, request)
 
-    def _log(self, code: str, elapsed: float, context: grpc.aio.ServicerContext, request: Any) -> None:
+    def _log(self, code: str, elapsed: float, peer: str, request: Any) -> None:
         duration_ms = round(elapsed * 1000.0, 3)
         request_id = getattr(request, "request_id", "") if request is not None else ""
-        peer = context.peer()
         values: dict[str, Any] = {"event": "rpc", "service": self.service, "method": self.method, "code": code,
                                   "duration_ms": duration_ms}
         text = f"{self.method} {code} {duration_ms:.3f}ms"
@@ -244,7 +249,7 @@ def _observe_response(inner: Callable, observer: _MethodObserver, *, unary_reque
         return None
 
     async def behavior(request, context):
-        started = observer.begin()
+        begun = observer.begin(context)
         error: Optional[BaseException] = None
         try:
             return await inner(request, context)
@@ -252,7 +257,7 @@ def _observe_response(inner: Callable, observer: _MethodObserver, *, unary_reque
             error = exc
             raise
         finally:
-            observer.end(started, context, request if unary_request else None, error)
+            observer.end(begun, context, request if unary_request else None, error)
 
     return behavior
 
@@ -261,7 +266,7 @@ def _observe_stream(inner: Callable, observer: _MethodObserver, *, unary_request
     """Wrap a streaming-response handler: an async generator, or a coroutine writing with context.write()."""
     if inspect.isasyncgenfunction(inner):
         async def generator(request, context):
-            started = observer.begin()
+            begun = observer.begin(context)
             error: Optional[BaseException] = None
             try:
                 async for response in inner(request, context):
@@ -270,7 +275,7 @@ def _observe_stream(inner: Callable, observer: _MethodObserver, *, unary_request
                 error = exc
                 raise
             finally:
-                observer.end(started, context, request if unary_request else None, error)
+                observer.end(begun, context, request if unary_request else None, error)
 
         return generator
     return _observe_response(inner, observer, unary_request=unary_request)

@@ -137,7 +137,7 @@ def too_many(spec):
 count_value = mostly(st.integers(1, 4), st.sampled_from([0, CAP, CAP + 1, 2**32 - 1]))
 METHODS = {"Dispatch": (pb.DispatchRequest, pb.DispatchResponse), "Submit": (pb.SubmitRequest, pb.SubmitResponse),
            "Collect": (pb.CollectRequest, pb.CollectResponse), "Reset": (pb.ResetRequest, pb.ResetResponse),
-           "Resume": (pb.ResumeRequest, pb.ResumeResponse)}
+           "Resume": (pb.ResumeRequest, pb.ResumeResponse), "Ack": (pb.AckRequest, pb.AckResponse)}
 
 
 # ----------------------------------------------------------------------------------------------- the model
@@ -163,8 +163,13 @@ class Group:
         return (math.inf, math.inf, self.seq)
 
 
-def id_problem(value: str) -> bool:
-    return not value or len(value) > MAX_ID or not value.isprintable()
+def id_problem(value: str, limit: int = MAX_ID) -> bool:
+    return not value or len(value) > limit or not value.isprintable()
+
+
+def opaque_id_problem(value: str) -> bool:
+    """Request and lease ids may always have 128 characters (a UUID fits whatever max_id_length says)."""
+    return id_problem(value, max(MAX_ID, 128))
 
 
 def wait_problem(value: float) -> bool:
@@ -214,7 +219,7 @@ class PacerFuzz(RuleBasedStateMachine):
         return OK, response, ""
 
     def request_id(self, kind: str) -> str:
-        return {"none": "", "fresh": f"{self.tag}{uuid.uuid4().hex[:16]}", "long": "q" * (MAX_ID + 1),
+        return {"none": "", "fresh": f"{self.tag}{uuid.uuid4().hex[:16]}", "long": "q" * 129,
                 "control": "id\x00"}[kind]
 
     def prompt_id(self, spec) -> str:
@@ -272,7 +277,7 @@ class PacerFuzz(RuleBasedStateMachine):
             refs.append(ref)
         request = pb.DispatchRequest(candidates=refs, wait_seconds=wait, request_id=self.request_id(rid))
         ids = [r.prompt_id for r in refs]
-        valid = (len(refs) <= CAP and not wait_problem(wait) and not (request.request_id and id_problem(request.request_id))
+        valid = (len(refs) <= CAP and not wait_problem(wait) and not (request.request_id and opaque_id_problem(request.request_id))
                  and all(not id_problem(i) and i not in self.inflight for i in ids) and len(set(ids)) == len(ids)
                  and all(r.ds_index < len(GROUP_SIZES) for r in refs))
         code, response, message = self.call("Dispatch", request)
@@ -319,7 +324,7 @@ class PacerFuzz(RuleBasedStateMachine):
 
     def expected_submit(self, request: pb.SubmitRequest):
         """(code, fresh trajectories, duplicates, stale count) as the server's rules give them."""
-        if request.request_id and id_problem(request.request_id):
+        if request.request_id and opaque_id_problem(request.request_id):
             return INVALID, [], 0, 0
         batch = list(request.trajectories)
         for t in batch:
@@ -440,12 +445,14 @@ class PacerFuzz(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ Collect
 
-    @rule(num_groups=count_value, wait=wait_value, allow_partial=st.booleans(), rid=request_id_kind)
-    def collect(self, num_groups, wait, allow_partial, rid) -> None:
+    @rule(num_groups=count_value, wait=wait_value, allow_partial=st.booleans(), rid=request_id_kind,
+          lease=mostly(st.just(0.0), st.sampled_from([math.nan, -1.0, math.inf])))
+    def collect(self, num_groups, wait, allow_partial, rid, lease=0.0) -> None:
+        # Leases (lease_seconds > 0, then Ack) are not modelled here: only refused lease values are sent.
         request = pb.CollectRequest(num_groups=num_groups, wait_seconds=wait, allow_partial=allow_partial,
-                                    request_id=self.request_id(rid))
-        valid = 1 <= num_groups <= CAP and not wait_problem(wait) and not (
-            request.request_id and id_problem(request.request_id))
+                                    request_id=self.request_id(rid), lease_seconds=lease)
+        valid = 1 <= num_groups <= CAP and not wait_problem(wait) and not wait_problem(lease) and not (
+            request.request_id and opaque_id_problem(request.request_id))
         code, response, message = self.call("Collect", request)
         assert code == (OK if valid else INVALID), (code, message, request)
         if code != OK:
@@ -477,6 +484,15 @@ class PacerFuzz(RuleBasedStateMachine):
             assert self.fate.get(entry, "missing") is None, f"{entry} delivered twice or never accepted"
             self.fate[entry] = fate
 
+    @rule(lease=mostly(st.sampled_from(["lease-1", "lease-77", "x"]), hostile_id), rid=request_id_kind)
+    def ack(self, lease, rid) -> None:
+        """No lease is ever granted in these runs: an Ack is NOT_FOUND, or INVALID_ARGUMENT for a bad id."""
+        lease_id = lease if isinstance(lease, str) else self.hostile(lease)
+        request = pb.AckRequest(lease_id=lease_id, request_id=self.request_id(rid))
+        bad = opaque_id_problem(lease_id) or (request.request_id and opaque_id_problem(request.request_id))
+        code, _, message = self.call("Ack", request)
+        assert code == (INVALID if bad else NOT_FOUND), (code, message, request)
+
     # ------------------------------------------------------------------ Reset / Resume
 
     @rule(mode=mostly(st.sampled_from([0, 1, 2]), st.integers(-3, 9)), wait=wait_value,
@@ -487,7 +503,7 @@ class PacerFuzz(RuleBasedStateMachine):
         request = pb.ResetRequest(mode=mode, wait_seconds=wait, resume=resume, weight_version=weight_version,
                                   request_id=self.request_id(rid))
         valid = (mode in (0, 1, 2) and not wait_problem(wait) and not (resume and weight_version < self.weight_version)
-                 and not (request.request_id and id_problem(request.request_id)))
+                 and not (request.request_id and opaque_id_problem(request.request_id)))
         code, response, message = self.call("Reset", request)
         assert code == (OK if valid else INVALID), (code, message, request)
         if code != OK:
@@ -519,7 +535,7 @@ class PacerFuzz(RuleBasedStateMachine):
     @rule(version=mostly(st.integers(0, 2), st.integers(-2, -1)), rid=request_id_kind)
     def resume(self, version, rid) -> None:
         request = pb.ResumeRequest(weight_version=self.weight_version + version, request_id=self.request_id(rid))
-        valid = version >= 0 and not (request.request_id and id_problem(request.request_id))
+        valid = version >= 0 and not (request.request_id and opaque_id_problem(request.request_id))
         code, response, message = self.call("Resume", request)
         assert code == (OK if valid else INVALID), (code, message, request)
         if code == OK:
@@ -565,8 +581,10 @@ class PacerFuzz(RuleBasedStateMachine):
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert Server.process.process.poll() is None, "the server died"
         s = self.state()
-        assert s.dispatched == s.running + s.collected + s.filtered + s.restored + s.dropped
-        assert s.buffered == s.collected - s.consumed
+        # The state's invariant (expired and leased are the server's in-flight and Collect leases: 0 here).
+        assert s.dispatched == s.running + s.collected + s.filtered + s.restored + s.dropped + s.expired
+        assert s.buffered == s.collected - s.consumed - s.leased
+        assert (s.expired, s.leased, s.redelivered) == (0, 0, 0)
         if not hasattr(self, "base"):
             return
         for name in COUNTERS:

@@ -8,6 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
+from google.protobuf import symbol_database
 from google.rpc import error_details_pb2
 from omegaconf import OmegaConf
 
@@ -104,26 +105,26 @@ def refusal(call, *args, **kwargs) -> tuple[grpc.StatusCode, str, str]:
 
 
 def test_every_pacer_rpc_refuses_a_missing_or_wrong_token(server):
-    stub = server.stub()
+    """Every method the service declares (new ones included), with a harmless request of its input type."""
+    channel = server.channel()
     wrong = (("authorization", "Bearer " + TOKEN[::-1]),)
-    calls = [
-        (stub.Dispatch, pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="p")])),
-        (stub.Submit, pb.SubmitRequest(trajectories=[pb.Trajectory(trajectory_id="t", prompt_id="p", status=1)])),
-        (stub.Collect, pb.CollectRequest(num_groups=1)),
-        (stub.Reset, pb.ResetRequest(resume=True, weight_version=1)),
-        (stub.Resume, pb.ResumeRequest(weight_version=1)),
-        (stub.GetState, pb.GetStateRequest()),
-        (stub.WatchControl, pb.WatchControlRequest()),
-    ]
-    for call, request in calls:
+    service = pb.DESCRIPTOR.services_by_name["RolloutPacer"]
+    harmless = {"Dispatch": pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="p")]),
+                "Reset": pb.ResetRequest(resume=True, weight_version=1), "Resume": pb.ResumeRequest(weight_version=1)}
+    assert len(service.methods) >= 8
+    for method in service.methods:
+        request = harmless.get(method.name) or symbol_database.Default().GetSymbol(method.input_type.full_name)()
+        path = f"/{service.full_name}/{method.name}"
+        stream = channel.unary_stream if method.server_streaming else channel.unary_unary
+        call = stream(path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=lambda b: b)
         code, message, reason = refusal(call, request)
-        assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "MISSING_TOKEN")
+        assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "MISSING_TOKEN"), method.name
         assert "authorization: Bearer <token>" in message
         code, message, reason = refusal(call, request, metadata=wrong)
-        assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "INVALID_TOKEN")
+        assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "INVALID_TOKEN"), method.name
         assert "not the one this server was configured with" in message
     # Nothing of the refused calls was applied.
-    state = stub.GetState(pb.GetStateRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),))
+    state = server.stub().GetState(pb.GetStateRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),))
     assert (state.dispatched, state.step, state.weight_version, state.paused) == (0, 0, 0, False)
 
 

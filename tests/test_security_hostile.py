@@ -115,7 +115,7 @@ CASES = [
     ("Dispatch", pb.DispatchRequest(candidates=[ref("ok")], wait_seconds=-1), INVALID, ["wait_seconds", ">= 0"]),
     ("Dispatch", pb.DispatchRequest(candidates=[ref("ok")], wait_seconds=math.inf), INVALID, ["wait_seconds"]),
     ("Dispatch", pb.DispatchRequest(candidates=[ref("ok")], request_id="r" * 10_000), INVALID,
-     ["request_id", f"at most {MAX_ID}"]),
+     ["request_id is 10000 characters long", "at most 128"]),  # request/lease ids: max(max_id_length, 128)
     ("Dispatch", pb.DispatchRequest(candidates=[ref("ok")], request_id="id\x07bell"), INVALID,
      ["request_id", "control"]),
     # ------------------------------------------------------------------ Submit
@@ -151,12 +151,24 @@ CASES = [
     ("Collect", pb.CollectRequest(num_groups=2**32 - 1), INVALID, ["num_groups 4294967295"]),
     ("Collect", pb.CollectRequest(num_groups=1, wait_seconds=math.nan), INVALID, ["wait_seconds"]),
     ("Collect", pb.CollectRequest(num_groups=1, request_id="\x00"), INVALID, ["request_id"]),
+    *[("Collect", pb.CollectRequest(num_groups=1, lease_seconds=bad), INVALID, ["lease_seconds", "finite"])
+      for bad in (math.nan, -1.0, math.inf)],
+    # ------------------------------------------------------------------ Ack
+    ("Ack", pb.AckRequest(lease_id="lease-424242"), NOT_FOUND, ["lease 'lease-424242' is not known"]),
+    ("Ack", pb.AckRequest(lease_id=""), INVALID, ["lease_id", "non-empty"]),
+    ("Ack", pb.AckRequest(lease_id="l" * 100_000), INVALID, ["lease_id is 100000 characters long", "at most 128"]),
+    ("Ack", pb.AckRequest(lease_id="lease-1\x00"), INVALID, ["lease_id", "control"]),
+    # ------------------------------------------------------------------ a flood of bad fields in one call
+    ("Dispatch", pb.DispatchRequest(candidates=[ref("\x01" * MAX_ID) for _ in range(CAP)]), INVALID,
+     ["candidates[0].prompt_id", "990 more violations not shown"]),
+    ("Submit", pb.SubmitRequest(trajectories=[traj(f"t{i}", token_ids=[1], logprobs=[1.0, 2.0]) for i in range(CAP)]),
+     INVALID, ["trajectories[0]", "equal lengths", "990 more violations not shown"]),
     # ------------------------------------------------------------------ Reset / Resume
     ("Reset", pb.ResetRequest(mode=9), INVALID, ["reset mode 9 is not allowed"]),
     ("Reset", pb.ResetRequest(mode=-1), INVALID, ["reset mode -1"]),
     ("Reset", pb.ResetRequest(wait_seconds=-3), INVALID, ["wait_seconds"]),
     ("Reset", pb.ResetRequest(resume=True, weight_version=-1), INVALID, ["weight_version -1", ">= the current 0"]),
-    ("Reset", pb.ResetRequest(request_id="x" * 100), INVALID, ["request_id"]),
+    ("Reset", pb.ResetRequest(request_id="x" * 129), INVALID, ["request_id is 129 characters long"]),
     ("Resume", pb.ResumeRequest(weight_version=-7), INVALID, ["weight_version -7"]),
     ("Resume", pb.ResumeRequest(weight_version=1, request_id="\n"), INVALID, ["request_id"]),
 ]
@@ -179,6 +191,7 @@ NEGATIVE_ONE_VARINT = b"\xff" * 9 + b"\x01"  # -1 as a 64-bit varint: what a cli
     ("Reset", b"\x08", "corrupt"),
     ("Resume", b"\x12\xff\xff\xff\xff\x0f", "corrupt"),
     ("GetState", b"\x07", "corrupt"),
+    ("Ack", b"\x0a\x02\xc3\x28", "bad UTF-8"),
 ])
 def test_bytes_that_are_no_protobuf_message_are_invalid_argument(server, method, data, says):
     before = snapshot(server.stub())

@@ -44,6 +44,8 @@ def load_config(
         if overrides:
             config = OmegaConf.merge(config, OmegaConf.from_dotlist(overrides))
         config = inherit_data_source_defaults(config)
+        if isinstance(config.get("server"), DictConfig) and config.server.get("fsync") is False:
+            config.server.fsync = "off"  # YAML reads a bare `off` (fsync: off, server.fsync=off) as false
     except OmegaConfBaseException as exc:
         raise ConfigError(f"configuration could not be loaded: {exc}") from None
     except OSError as exc:

@@ -44,6 +44,8 @@ VALID_STATUSES = (TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, Trajector
 ANSWERED_METHODS = ("Dispatch", "Submit", "Collect", "Reset", "Resume", "Ack")
 RESOURCE_RETRY_SECONDS = 1.0
 DATA_ANSWERS_KEPT = 64
+# Request ids (client-made, e.g. UUIDs) and lease ids (server-made) may always be this long, whatever max_id_length.
+OPAQUE_ID_MIN_LIMIT = 128
 SNAPSHOT_FORMAT = 1
 _NO_PRIORITY = float("inf")
 
@@ -319,15 +321,20 @@ class Pacer:
 
     def check_request_id(self, request_id: Any) -> None:
         """A non-empty request_id is kept in the replay cache: bound its length and refuse control characters."""
-        problem = self._id_problem(request_id)
+        problem = self._opaque_id_problem(request_id)
         if problem:
             raise InvalidArgumentError(f"request_id {problem}", violations=[("request_id", problem)])
 
-    def _id_problem(self, value: Any) -> Optional[str]:
+    def _opaque_id_problem(self, value: Any) -> Optional[str]:
+        """Request and lease ids: like prompt ids, but never refused below 128 characters (a UUID must fit)."""
+        return self._id_problem(value, max(self._max_id_length, OPAQUE_ID_MIN_LIMIT))
+
+    def _id_problem(self, value: Any, limit: Optional[int] = None) -> Optional[str]:
+        limit = self._max_id_length if limit is None else limit
         if not isinstance(value, str) or not value:
             return "must be a non-empty string"
-        if len(value) > self._max_id_length:
-            return f"is {len(value)} characters long; at most {self._max_id_length} are allowed"
+        if len(value) > limit:
+            return f"is {len(value)} characters long; at most {limit} are allowed"
         if not value.isprintable():
             return "must not contain control or non-printable characters"
         return None
@@ -578,6 +585,9 @@ class Pacer:
 
     def ack(self, lease_id: str, request_id: str = "") -> int:
         """The trainer has the leased groups: they are consumed for good. Returns how many."""
+        problem = self._opaque_id_problem(lease_id)
+        if problem:  # before the id is echoed in any message
+            raise InvalidArgumentError(f"lease_id {problem}", violations=[("lease_id", problem)])
         with self._lock:
             answered = self.answer("Ack", request_id)
             if answered is not None:
