@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 class Progress:
     """A one-line progress bar on stderr (a line per finished run when stderr is not a terminal)."""
 
-    def __init__(self, enabled: bool, stream=sys.stderr):
+    def __init__(self, enabled: bool, stream=None):
         self.enabled = enabled
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stderr
         self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
         self.started = time.perf_counter()
 

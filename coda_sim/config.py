@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException

@@ -153,8 +153,3 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
         lines.append("  ".join([label.ljust(first), *(c.rjust(w) for c, w in zip(cells, widths))]))
     return "\n".join(lines)
 
-
-def format_header(summaries: Sequence[dict[str, Any]], workload_line: str) -> str:
-    s = summaries[0]
-    return (f"coda-sim: {workload_line}; {s['steps']} steps, seed {s['seed']}; "
-            f"speedup = colocate step time / async step time excl. step 0")

@@ -21,7 +21,7 @@ from coda_server.core.filters import GroupFilter, create_filters
 from coda_server.core.strategy import window_size
 from coda_server.core.types import StepReport
 
-from .engine import DONE, IDLE, EventQueue, GenerationPool, Request
+from .engine import IDLE, EventQueue, GenerationPool, Request
 from .workload import PromptSpec, Workload
 
 
@@ -160,6 +160,9 @@ class AsyncSimulation:
         if self.M % self.N:
             raise SimulationError(f"trainer.mini_batch_size = {self.M}: the simulator needs a multiple of "
                                   f"num_trajectories_per_prompt ({self.N}) so a fetch takes whole groups")
+        if self.N == 1 and "reward" in list(pacer_config.rollout.filter):
+            raise SimulationError("the reward filter drops every group of one trajectory (its rewards are all equal); "
+                                  "use num_trajectories_per_prompt >= 2 or drop 'reward' from rollout.filter")
         self.fetch_groups = self.M // self.N
         self.fetches_per_step = (self.B * self.N) // self.M
         self.partial = bool(pacer_config.rollout.partial)
@@ -193,6 +196,8 @@ class AsyncSimulation:
         self.buffered_integral = self.running_integral = 0.0
         self.timeline: list[tuple[float, int, int, int]] = []
         self._reset_ticket = 0
+        self._drawn_this_step = 0
+        self._runaway_limit = 100 * max(self.capacity, self.B)  # fresh prompts per step before giving up
         self._dirty = True  # the pacer changed since it was last asked what it admits
         # Newer cores answer "what would Dispatch admit now" without building a result; else peek.
         self._admissible_now = getattr(self.pacer, "admissible_now", None)
@@ -220,6 +225,9 @@ class AsyncSimulation:
         The pacer is only asked when something it knows changed since the last answer (`_dirty`).
         """
         pacer = self.pacer
+        if self.phase == _FINISHED:  # the last Resume: the run ends here, nothing new starts
+            self._observe()
+            return
         while self._dirty:
             self._dirty = False
             collected = self._try_collect()
@@ -293,6 +301,13 @@ class AsyncSimulation:
             raise SimulationError(f"Dispatch admitted none of {want} candidates although {want} were admissible")
 
     def _new_group(self) -> GroupRun:
+        self._drawn_this_step += 1
+        if self._drawn_this_step > self._runaway_limit:
+            raise SimulationError(
+                f"no progress in step {len(self.steps) - 1}: {self._drawn_this_step - 1} fresh prompts started since "
+                f"the last boundary, the trainer took {self.fetches_done} of {self.fetches_per_step} fetches "
+                f"(filtered so far: {self.fates['filtered']}); do the filters {list(self.config.rollout.filter)} "
+                f"drop (nearly) every group?")
         spec = self.workload.prompt(self.next_number)
         self.next_number += 1
         self.population_trajectories += len(spec.trajs)
@@ -459,6 +474,7 @@ class AsyncSimulation:
             self.phase = _FINISHED
             return
         self.steps.append(StepRecord(len(self.steps), now))
+        self._drawn_this_step = 0
         self.phase, self.phase_since = _WAIT, now
 
     # ------------------------------------------------------------------ results
@@ -514,7 +530,12 @@ def run_colocate(pacer_config: Any, workload: Workload, steps: int) -> ColocateR
     for _ in range(steps):
         started = events.now
         kept: list[GroupRun] = []
+        rounds = 0
         while len(kept) < B:
+            rounds += 1
+            if rounds > 100:
+                raise SimulationError(f"colocate baseline: after 100 generation rounds only {len(kept)} of {B} groups "
+                                      f"passed the filters {list(pacer_config.rollout.filter)}")
             count = math.ceil((B - len(kept)) * workload.colocate_oversample - 1e-9)
             batch = [GroupRun(workload.prompt(number + i)) for i in range(count)]
             number += len(batch)

@@ -1,0 +1,202 @@
+"""coda-sim building blocks: configuration, the workload model and the generation pool (no Pacer here)."""
+from __future__ import annotations
+
+import pytest
+
+from coda_server.core import TrajectoryStatus
+from coda_server.core.errors import ConfigError
+from coda_sim import Workload, WorkloadError, load_sim_config, preset_names
+from coda_sim.engine import DONE, IDLE, EventQueue, GenerationPool, Request
+from coda_sim.workload import TrajSpec
+
+
+def sim_section(*overrides: str, preset: str | None = None) -> dict:
+    return load_sim_config(overrides=list(overrides), preset=preset).sim
+
+
+def workload(*overrides: str, n: int = 8, preset: str | None = None) -> Workload:
+    return Workload(sim_section(*overrides, preset=preset), n)
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_presets_ship_and_load():
+    names = preset_names()
+    assert "long_tail" in names and "defaults" not in names
+    for name in names:
+        config = load_sim_config(preset=name)
+        assert config.steps >= 1
+        config.pacer_config()  # the pacer half validates with the core's own rules
+
+
+def test_default_preset_is_long_tail_and_overrides_apply():
+    config = load_sim_config(overrides=["sim.cluster.rollout_replicas=3", "fully_async.stale_steps=0.5"])
+    assert config.sim["generation"]["length"]["cap"] == 20000  # from long_tail
+    assert config.sim["cluster"]["rollout_replicas"] == 3
+    assert float(config.pacer_config().fully_async.stale_steps) == 0.5
+
+
+def test_misspelt_sim_key_is_an_error():
+    with pytest.raises(ConfigError, match="rollout_replica"):
+        load_sim_config(overrides=["sim.cluster.rollout_replica=3"])
+
+
+def test_invalid_pacer_key_reports_the_core_message():
+    with pytest.raises(ConfigError, match="fully_async.stale_steps"):
+        load_sim_config(overrides=["fully_async.stale_steps=-1"])
+
+
+def test_reward_filter_is_added_when_groups_are_filtered():
+    config = load_sim_config(overrides=["sim.reward.filtered_group_prob=0.2", "rollout.filter=[status]"])
+    assert list(config.pacer_config().rollout.filter) == ["status", "reward"]
+    config = load_sim_config(overrides=["sim.reward.filtered_group_prob=0.0", "rollout.filter=[status]"])
+    assert list(config.pacer_config().rollout.filter) == ["status"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("sim.generation.decode.tokens_per_s_full=500.0", "tokens_per_s_full"),
+    ("sim.generation.length.cap=0", "cap"),
+    ("sim.reward.filtered_group_prob=1.5", "filtered_group_prob"),
+    ("sim.generation.length.distribution=pareto", "distribution"),
+    ("sim.colocate.oversample=0.5", "oversample"),
+])
+def test_invalid_workload_values_name_the_key(override, key):
+    with pytest.raises(WorkloadError, match=key):
+        workload(override)
+
+
+# ------------------------------------------------------------------ workload draws
+
+
+def test_same_seed_same_prompts_other_seed_other_prompts():
+    a, b, c = workload("sim.seed=7"), workload("sim.seed=7"), workload("sim.seed=8")
+    assert [a.prompt(k) for k in range(50)] == [b.prompt(k) for k in range(50)]
+    assert [a.prompt(k) for k in range(50)] != [c.prompt(k) for k in range(50)]
+    # Prompt k does not depend on which prompts were drawn before it.
+    assert workload("sim.seed=7").prompt(33) == a.prompt(33)
+
+
+def test_lognormal_lengths_respect_min_and_cap_and_have_a_tail():
+    w = workload("sim.generation.length.median=1000", "sim.generation.length.sigma=1.2",
+                 "sim.generation.length.cap=5000", "sim.generation.length.min=50")
+    lengths = [t.nominal_tokens for k in range(300) for t in w.prompt(k).trajs]
+    assert min(lengths) >= 50 and max(lengths) == 5000  # the cap is hit: a long tail
+    assert sorted(lengths)[len(lengths) // 2] < 1500  # median near 1000
+
+
+def test_constant_lengths():
+    w = workload("sim.generation.length.distribution=constant", "sim.generation.length.median=321")
+    assert {t.tokens for k in range(20) for t in w.prompt(k).trajs} == {321}
+
+
+def test_empirical_lengths_from_a_file(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("# measured\n10\n20\n\n40000\n")
+    w = workload("sim.generation.length.distribution=empirical", f"sim.generation.length.file={path}",
+                 "sim.generation.length.cap=30", "sim.generation.length.min=1")
+    assert {t.tokens for k in range(40) for t in w.prompt(k).trajs} == {10, 20, 30}
+    path.write_text("[5, 6]")
+    w = workload("sim.generation.length.distribution=empirical", f"sim.generation.length.file={path}",
+                 "sim.generation.length.min=1")
+    assert {t.tokens for k in range(40) for t in w.prompt(k).trajs} == {5, 6}
+    with pytest.raises(WorkloadError, match="file"):
+        workload("sim.generation.length.distribution=empirical")
+
+
+def test_multi_turn_splits_the_response_and_waits_for_tools():
+    w = workload("sim.generation.turns.min=2", "sim.generation.turns.max=4", "sim.generation.turns.tool_latency_s=3.0")
+    for k in range(30):
+        for t in w.prompt(k).trajs:
+            assert 2 <= len(t.turns) <= 4 and sum(t.turns) == t.nominal_tokens
+            assert len(t.tool_waits) == len(t.turns) - 1 and all(x >= 0 for x in t.tool_waits)
+
+
+def test_reward_filtered_groups_have_equal_rewards_others_do_not():
+    w = workload("sim.reward.filtered_group_prob=0.3")
+    specs = [w.prompt(k) for k in range(200)]
+    flagged = [s for s in specs if s.all_equal_reward]
+    assert 30 < len(flagged) < 90
+    for s in specs:
+        assert (len({t.reward for t in s.trajs}) == 1) == s.all_equal_reward
+
+
+def test_failures_and_stragglers():
+    w = workload("sim.generation.fail_prob=0.5", "sim.generation.stragglers.indices=[3]",
+                 "sim.generation.stragglers.slowdown=9.0")
+    statuses = {t.status for k in range(20) for t in w.prompt(k).trajs}
+    assert statuses == {TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED}
+    assert w.prompt(3).slowdown == 9.0 and w.prompt(4).slowdown == 1.0
+
+
+# ------------------------------------------------------------------ generation pool
+
+
+def _pool(single: float, full: float, slots: int, replicas: int = 1):
+    w = workload(f"sim.generation.decode.tokens_per_s_single={single}",
+                 f"sim.generation.decode.tokens_per_s_full={full}", f"sim.cluster.slots_per_replica={slots}",
+                 "sim.generation.prefill_s=0.0")
+    events = EventQueue()
+    done: list[tuple[float, int]] = []
+    pool = GenerationPool(events, w, replicas, lambda req: done.append((events.now, req.j)))
+    return w, events, pool, done
+
+
+def _request(j: int, tokens: int, slowdown: float = 1.0, turns: tuple[int, ...] | None = None) -> Request:
+    turns = turns or (tokens,)
+    spec = TrajSpec(turns, tuple(0.0 for _ in turns[1:]), TrajectoryStatus.COMPLETED, 1.0, sum(turns))
+    return Request(None, j, spec, slowdown)
+
+
+def _run(events: EventQueue, until: float = float("inf")) -> None:
+    while len(events):
+        if events._heap[0][0] > until:
+            break
+        fn, args = events.pop()
+        fn(*args)
+
+
+def test_processor_sharing_by_hand():
+    # 10 tok/s alone, 5 tok/s each when two decode: 100 and 200 tokens finish at 20 s and 30 s.
+    w, events, pool, done = _pool(10.0, 5.0, slots=2)
+    assert w.decode_rate(1) == pytest.approx(10.0) and w.decode_rate(2) == pytest.approx(5.0)
+    pool.start(_request(0, 100))
+    pool.start(_request(1, 200))
+    _run(events)
+    assert done == [(pytest.approx(20.0), 0), (pytest.approx(30.0), 1)]
+    assert pool.tokens_generated == pytest.approx(300)
+    assert pool.utilisation_until(30.0) == pytest.approx(50.0)  # slot-seconds: 2 x 20 + 1 x 10
+
+
+def test_slots_queue_requests_fifo_and_least_loaded_replica_first():
+    w, events, pool, done = _pool(10.0, 10.0, slots=1, replicas=2)
+    for j in range(3):
+        pool.start(_request(j, 100))
+    _run(events)
+    assert done == [(pytest.approx(10.0), 0), (pytest.approx(10.0), 1), (pytest.approx(20.0), 2)]
+
+
+def test_abort_keeps_progress_and_continuation_finishes_the_rest():
+    w, events, pool, done = _pool(10.0, 10.0, slots=4)
+    a, b = _request(0, 100), _request(1, 100, slowdown=4.0)
+    pool.start(a)
+    pool.start(b)
+    _run(events, until=6.0)
+    events.now = 6.0
+    aborted = pool.abort_all()
+    assert aborted == [a, b] and a.phase == b.phase == IDLE
+    assert a.tokens_done == pytest.approx(60) and b.tokens_done == pytest.approx(15)  # b decodes 4x slower
+    pool.start(a)
+    _run(events)
+    assert a.phase == DONE and done == [(pytest.approx(10.0), 0)]
+    assert pool.tokens_generated == pytest.approx(115)
+
+
+def test_multi_turn_request_leaves_its_slot_during_the_tool_call():
+    w, events, pool, done = _pool(10.0, 10.0, slots=1)
+    spec = TrajSpec((50, 50), (7.0,), TrajectoryStatus.COMPLETED, 0.0, 100)
+    pool.start(Request(None, 0, spec, 1.0))
+    pool.start(_request(1, 30))
+    _run(events)
+    # turn 1: 0-5 s; the tool call frees the slot, request 1 runs 5-8 s; turn 2: 12-17 s.
+    assert done == [(pytest.approx(8.0), 1), (pytest.approx(17.0), 0)]
