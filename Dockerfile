@@ -22,7 +22,7 @@ COPY deploy/container.yaml /etc/coda/pacer.yaml
 # Durable state (server.state_dir in /etc/coda/pacer.yaml): mount a volume to keep it across containers.
 VOLUME ["/var/lib/coda"]
 USER 10001
-EXPOSE 50051
+EXPOSE 50051 9464
 # Probes the standard gRPC health service (readiness); orchestrators with native gRPC probes can use that instead.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
     CMD ["coda-client", "--address", "127.0.0.1:50051", "health", "--service", "readiness"]

@@ -8,7 +8,7 @@ import re
 import grpc
 import pytest
 
-from coda_client import PacerClient
+from coda_client import ControlEventType, PacerClient
 from coda_client._proto import pacer_pb2 as pb
 from coda_server.core import load_config
 from coda_server.core.errors import ConfigError
@@ -67,6 +67,20 @@ def test_text_log_has_a_readable_line_per_rpc(tmp_path):
     assert re.search(r" INFO coda_server\.rpc: Dispatch OK \d+\.\d{3}ms request_id=abc peer=ipv[46]:\S+\n", log), log
     assert re.search(r" INFO coda_server\.rpc: GetState OK \d+\.\d{3}ms peer=ipv[46]:\S+\n", log), log
     assert "{" not in log.split("coda_server.rpc:", 1)[1].splitlines()[0]
+
+
+def test_cancelled_watch_streams_are_logged_and_the_server_lives_on(tmp_path):
+    """Regression: the peer of a call is read when it starts. Reading it from the context of a cancelled
+    stream, once the call has ended, crashed the server (SIGSEGV) within a few dozen cancellations."""
+    with ServerProcess(tmp_path, *CONFIG) as server, PacerClient(server.address, timeout=10) as pacer:
+        for _ in range(100):
+            with pacer.watch() as stream:
+                assert next(stream).type == ControlEventType.STATE
+            assert pacer.state().step == 0  # the server answers after every cancellation
+        assert server.process.poll() is None
+        assert server.terminate() == 0  # a clean exit; every cancellation has been handled by then
+        log = server.log()
+    assert log.count("coda_server.rpc: WatchControl CANCELLED") == 100
 
 
 def test_rpc_lines_can_be_turned_off_keeping_the_lifecycle_lines(tmp_path):
