@@ -8,12 +8,13 @@ INVALID_ARGUMENT (reason MALFORMED_REQUEST) instead of the servicer.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from .core.errors import InvalidArgumentError
+from .interceptors import HandlerWrappingInterceptor
 from .status import status_for
 
 
@@ -44,18 +45,12 @@ def _safe(deserializer: Callable[[bytes], Any], method: str) -> Callable[[bytes]
     return deserialize
 
 
-class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+class MalformedRequestInterceptor(HandlerWrappingInterceptor):
     """Answers INVALID_ARGUMENT for a unary request that does not decode (streaming requests pass as they are)."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Optional[grpc.RpcMethodHandler]]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Optional[grpc.RpcMethodHandler]:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        if handler.request_streaming or handler.request_deserializer is None:
             return handler
-        method = handler_call_details.method
         deserialize = _safe(handler.request_deserializer, method)
         if handler.response_streaming:
             inner_stream = handler.unary_stream

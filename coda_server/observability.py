@@ -30,6 +30,7 @@ from coda_client._proto import pacer_pb2
 from .core.async_pacer import AsyncPacer
 from .core.config import parse_host_port
 from .core.types import ControlEvent, ControlEventType, PacerState, ResetMode, StepReport, TrajectoryGroup
+from .interceptors import HandlerWrappingInterceptor
 
 log = logging.getLogger("coda_server")
 rpc_log = logging.getLogger("coda_server.rpc")
@@ -203,31 +204,18 @@ class _MethodObserver:
         rpc_log.info("%s peer=%s", text, peer, extra={"fields": values})
 
 
-class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
+class ObservabilityInterceptor(HandlerWrappingInterceptor):
     """Counts, times and logs every RPC; handles all four method kinds, async generators and coroutines.
 
-    The wrapped handler of each method is built once and reused for as long as the inner interceptors
-    return the same handler object for it.
+    Unknown methods are not counted (gRPC answers UNIMPLEMENTED; no label explosion).
     """
 
     def __init__(self, metrics: GrpcServerMetrics, *, log_rpcs: bool = True):
+        super().__init__()
         self._metrics = metrics
         self._log_rpcs = log_rpcs
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED (not counted: no label explosion)
-            return None
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(method, handler)
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
-
-    def _wrap(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wrap(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         kind = _GRPC_TYPES[(bool(handler.request_streaming), bool(handler.response_streaming))]
         observer = _MethodObserver(self._metrics, kind, full_method, self._log_rpcs)
         inner, observe, make = {
