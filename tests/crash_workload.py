@@ -70,10 +70,11 @@ class Retrier:
                 time.sleep(0.05)
 
 
-def make_trajectory(rng: random.Random, prompt_id: str, j: int, weight_version: int, worker: int) -> Trajectory:
+def make_trajectory(rng: random.Random, prompt_id: str, j: int, weight_version: int, worker: int,
+                    status: TrajectoryStatus = TrajectoryStatus.COMPLETED) -> Trajectory:
     length = rng.randint(8, 48)
     return Trajectory(
-        trajectory_id=f"{prompt_id}/t{j}", prompt_id=prompt_id, status=TrajectoryStatus.COMPLETED,
+        trajectory_id=f"{prompt_id}/t{j}", prompt_id=prompt_id, status=status,
         reward=float(rng.randint(0, 3)), token_ids=[rng.randrange(151_936) for _ in range(length)],
         logprobs=[-rng.randrange(4096) / 256 for _ in range(length)],  # exact in float32: the bytes round-trip
         loss_mask=[rng.randint(0, 1) for _ in range(length)], start_weight_version=weight_version,
@@ -104,12 +105,19 @@ def run_worker(address: str, worker: int, log_path: str, stop: Any, seed: int, g
                 for prompt_id in answer.admitted:
                     note(f"D {prompt_id}")
                 for prompt_id in answer.admitted:
-                    group = [make_trajectory(rng, prompt_id, j, answer.weight_version, worker) for j in range(group_size)]
-                    # One Submit, or two: a Reset between them leaves an incomplete group to drop.
-                    cut = rng.choice([group_size, rng.randint(1, group_size)])
-                    for chunk in (group[:cut], group[cut:]):
-                        if not chunk:
-                            continue
+                    # One Submit, or two. Between the two halves a Reset may come: it drops the incomplete
+                    # group, or, if the worker sees the pause first, the rest comes ABORTED (partial rollout)
+                    # and the strategy's gate holds the complete group until the Reset returns it as restored.
+                    cut = rng.choice([group_size, rng.randint(1, group_size - 1)]) if group_size > 1 else group_size
+                    status, first = TrajectoryStatus.COMPLETED, 0
+                    for last in sorted({cut, group_size}):
+                        if first:
+                            time.sleep(rng.uniform(0, 0.1))  # a slow second half: later groups wait at the gate
+                            if retry(pacer.state).paused:
+                                status = TrajectoryStatus.ABORTED
+                        chunk = [make_trajectory(rng, prompt_id, j, answer.weight_version, worker, status)
+                                 for j in range(first, last)]
+                        first = last
                         calls += 1
                         request_id = f"w{worker}-c{calls}"
                         try:
@@ -128,7 +136,8 @@ def run_worker(address: str, worker: int, log_path: str, stop: Any, seed: int, g
             note(f"RETRIES {retry.retries}")
             note("DONE")
         except BaseException as exc:
-            note("ERROR " + " | ".join(traceback.format_exception(exc)).replace("\n", " "))
+            trace = " | ".join(traceback.format_exception(exc)).replace("\n", " ")
+            note(f"ERROR {type(exc).__name__}: {exc} || {trace}")
             raise
 
 

@@ -96,7 +96,7 @@ class Trainer(threading.Thread):
 
     def reset(self, weight_version: int, resume: bool = True):
         request_id = self.request_id("r")
-        answer = self.retry(lambda: self.client.reset("abort", wait=0.05, resume=resume, weight_version=weight_version,
+        answer = self.retry(lambda: self.client.reset("abort", wait=0.1, resume=resume, weight_version=weight_version,
                                                       request_id=request_id))
         self.restored.extend(answer.restored)
         self.expired.extend(getattr(answer, "expired", []))
@@ -140,22 +140,28 @@ def test_sigkill_at_random_points_loses_and_duplicates_no_acknowledged_trajector
 
         observer = PacerClient(address, timeout=crash_workload.CALL_TIMEOUT_SECONDS, options=FAST_RECONNECT)
         observe = Retrier()
-        for _ in range(KILLS):
+        long_outage = rng.randrange(KILLS)
+        for k in range(KILLS):
             time.sleep(rng.uniform(0.3, 2.0))  # a random point of the workload
             servers[-1].kill()  # SIGKILL: no drain, no journal close, the lock dies with the process
             kill_times.append(time.monotonic() - started)
-            time.sleep(rng.uniform(0.0, 0.3))
+            # Calls wait for the server (wait-for-ready) up to their deadline; one outage outlasts it, so
+            # calls fail DEADLINE_EXCEEDED and the clients retry them with the same request_id.
+            time.sleep(crash_workload.CALL_TIMEOUT_SECONDS + 0.5 if k == long_outage else rng.uniform(0.0, 0.3))
             servers.append(ServerProcess(tmp_path, *overrides).start())
             state = observe(observer.state)
-            check_invariant(state)  # the recovered state is consistent before anyone touched it
+            check_invariant(state)  # the recovered state adds up
             recovered_states.append(state)
             assert trainer.is_alive(), f"trainer stopped: {trainer.error!r}"
         time.sleep(1.0)  # the workload runs on after the last restart
 
         stop.set()
-        for worker in workers:
+        for worker, log in zip(workers, logs):
             worker.join(60)
-            assert worker.exitcode == 0, f"worker exited with {worker.exitcode}"
+            if worker.exitcode != 0:
+                errors = WorkerLog(log).errors
+                raise AssertionError(f"{worker.name} exited with {worker.exitcode}: "
+                                     f"{errors[-1][:2000] if errors else 'no error logged'}")
         trainer.halt.set()
         trainer.join(60)
         assert not trainer.is_alive(), "trainer did not stop"
@@ -225,13 +231,14 @@ def test_sigkill_at_random_points_loses_and_duplicates_no_acknowledged_trajector
     assert any(s.running or s.buffered for s in recovered_states), "no kill caught groups running or buffered"
     replayed = [int(m) for server in servers[1:] for m in re.findall(r"(\d+) events replayed", server.log())]
     assert len(replayed) == KILLS and sum(replayed) > 0, replayed
-    # Calls that met a dead server mostly wait for it (wait-for-ready, transparent retries); these few failed.
     retries = sum(log.retries for log in worker_logs) + trainer.retry.retries
+    assert retries > 0, "no call outlived the long outage: the same-request_id retry path was not exercised"
     assert duration < 90, f"the crash test took {duration:.0f}s"
     print(f"\ncrash test (seed {SEED}): {KILLS} SIGKILLs at {', '.join(f'{t:.1f}' for t in kill_times)} s; "
           f"{duration:.1f} s; {len(admitted)} groups dispatched, {len(acknowledged)} trajectories acknowledged, "
           f"{len(delivered)} delivered in {len(trainer.consumed)} groups over {trainer.steps} steps, "
           f"{len(returned)} returned by Resets ({len(trainer.restored)} restored / {len(trainer.expired)} expired "
-          f"groups), {len(trainer.dropped)} incomplete groups dropped; {retries} calls failed and were retried; "
+          f"groups), {len(trainer.dropped)} incomplete groups dropped; {retries} calls failed (deadline) and were "
+          f"retried; "
           f"events replayed per recovery {replayed}; running/buffered groups recovered "
           f"{[(s.running, s.buffered) for s in recovered_states]}")
