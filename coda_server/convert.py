@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from coda_client._proto import pacer_pb2 as pb
 
@@ -24,17 +24,15 @@ from .core.types import (
 )
 
 
-class ProtoBodies:
-    """Journal codec for trajectory bodies, which on the server are the wire messages themselves."""
+class ProtoTrajectories:
+    """Journal codec: a trajectory is written as its wire message, which carries every field the core reads."""
 
-    def is_body(self, value: object) -> bool:
-        return isinstance(value, pb.Trajectory)
+    def encode(self, trajectory: Trajectory) -> Optional[bytes]:
+        body = trajectory.body
+        return body.SerializeToString() if isinstance(body, pb.Trajectory) else None
 
-    def encode(self, body: pb.Trajectory) -> bytes:
-        return body.SerializeToString()
-
-    def decode(self, data: bytes) -> pb.Trajectory:
-        return pb.Trajectory.FromString(data)
+    def decode(self, data: bytes) -> Trajectory:
+        return trajectories([pb.Trajectory.FromString(data)])[0]
 
 
 _STATUSES = {int(status): status for status in TrajectoryStatus}

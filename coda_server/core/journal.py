@@ -12,6 +12,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
+from .types import Trajectory
+
 log = logging.getLogger("coda_server.journal")
 
 # synchronous= levels. WAL mode writes every commit to the OS before returning, so each of these
@@ -34,40 +36,37 @@ class StateDirLockedError(RuntimeError):
     """Another server holds the state directory."""
 
 
-class BodyCodec(Protocol):
-    """Turns the transport's trajectory bodies into bytes and back (the server uses protobuf)."""
+class TrajectoryCodec(Protocol):
+    """Writes whole trajectories in the transport's own encoding (the server: the protobuf message,
+    which carries every routing field too), far cheaper than pickling them field by field."""
 
-    def is_body(self, value: Any) -> bool: ...
+    def encode(self, trajectory: Trajectory) -> Optional[bytes]:
+        """The trajectory's bytes, or None to pickle it as it is."""
 
-    def encode(self, body: Any) -> bytes: ...
-
-    def decode(self, data: bytes) -> Any: ...
-
-
-class PlainBodies:
-    """Bodies that pickle as they are (None, bytes, str, plain containers): in-process embedding."""
-
-    def is_body(self, value: Any) -> bool:
-        return False
-
-    def encode(self, body: Any) -> bytes:
-        raise TypeError("plain bodies are pickled inline")
-
-    def decode(self, data: bytes) -> Any:
-        raise TypeError("plain bodies are pickled inline")
+    def decode(self, data: bytes) -> Trajectory: ...
 
 
-def dumps(value: Any, codec: BodyCodec) -> bytes:
+class PickledTrajectories:
+    """In-process embedding: trajectories (and bodies: None, bytes, plain containers) are pickled as they are."""
+
+    def encode(self, trajectory: Trajectory) -> Optional[bytes]:
+        return None
+
+    def decode(self, data: bytes) -> Trajectory:
+        raise TypeError("pickled trajectories carry no encoded form")
+
+
+def dumps(value: Any, codec: TrajectoryCodec) -> bytes:
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=5)
-    pickler.persistent_id = lambda obj: ("body", codec.encode(obj)) if codec.is_body(obj) else None
+    pickler.persistent_id = lambda obj: codec.encode(obj) if type(obj) is Trajectory else None
     pickler.dump(value)
     return buffer.getvalue()
 
 
-def loads(data: bytes, codec: BodyCodec) -> Any:
+def loads(data: bytes, codec: TrajectoryCodec) -> Any:
     unpickler = _RestrictedUnpickler(io.BytesIO(data))
-    unpickler.persistent_load = lambda pid: codec.decode(pid[1])
+    unpickler.persistent_load = codec.decode
     return unpickler.load()
 
 
@@ -86,12 +85,12 @@ class Journal:
     the write has been committed.
     """
 
-    def __init__(self, state_dir: str | Path, *, fsync: str = "normal", codec: Optional[BodyCodec] = None):
+    def __init__(self, state_dir: str | Path, *, fsync: str = "normal", codec: Optional[TrajectoryCodec] = None):
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync policy {fsync!r} is not known; allowed: {', '.join(FSYNC_POLICIES)}")
         self.directory = Path(state_dir)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.codec = codec or PlainBodies()
+        self.codec = codec or PickledTrajectories()
         self._lock_file = self._take_lock()
         self._db = sqlite3.connect(self.directory / "pacer.sqlite3", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")

@@ -43,7 +43,7 @@ from .types import (
 VALID_STATUSES = (TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED)
 ANSWERED_METHODS = ("Dispatch", "Submit", "Collect", "Reset", "Resume", "Ack")
 RESOURCE_RETRY_SECONDS = 1.0
-DATA_ANSWERS_KEPT = 64
+DATA_ANSWERS_KEPT = 16  # each is in every snapshot: enough for retries, small enough to write
 # Request ids (client-made, e.g. UUIDs) and lease ids (server-made) may always be this long, whatever max_id_length.
 OPAQUE_ID_MIN_LIMIT = 128
 SNAPSHOT_FORMAT = 1
