@@ -23,6 +23,8 @@ FSYNC_POLICIES = {
     "normal": "NORMAL",  # fsync at WAL checkpoints: a machine crash may lose the last commits, never corrupts
     "full": "FULL",  # fsync every commit: nothing acknowledged is lost even on power loss
 }
+# WAL size (in 64 KiB pages, so 256 MiB) at which SQLite folds it into the database by itself.
+WAL_PAGES_LIMIT = 4096
 # Classes a journal may contain; anything else is refused on load (the file is data, not code).
 ALLOWED_CLASSES = {
     ("coda_server.core.types", name)
@@ -93,7 +95,12 @@ class Journal:
         self.codec = codec or PickledTrajectories()
         self._lock_file = self._take_lock()
         self._db = sqlite3.connect(self.directory / "pacer.sqlite3", isolation_level=None, check_same_thread=False)
+        # Events are large blobs (a Submit carries its trajectories): 64 KiB pages store them in few
+        # pages. The WAL is folded into the database after each snapshot rather than every 1000 pages,
+        # which would copy every event a second time; WAL_PAGES_LIMIT bounds it if Resets are rare.
+        self._db.execute("PRAGMA page_size=65536")  # takes effect when the file is created
         self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES_LIMIT}")
         self._db.execute(f"PRAGMA synchronous={FSYNC_POLICIES[fsync]}")
         self._db.execute("CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS snapshot (id INTEGER PRIMARY KEY CHECK (id = 1), body BLOB NOT NULL)")
@@ -221,6 +228,8 @@ class Journal:
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        if any(kind == "snapshot" for kind, _ in encoded):
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
         """Write what is queued, then release the database and the directory lock."""
