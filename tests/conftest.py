@@ -60,3 +60,19 @@ def core_pacer(core_config):
     yield make
     for pacer in made:
         pacer.close()
+
+
+@pytest.fixture
+def scratch_registry():
+    """Strategies and filters a test registers are forgotten after it, so later sweeps over every
+    registered strategy (e.g. coda-sim --compare) see only the real ones. The shipped example stays."""
+    from coda_server.core.filters import FILTERS
+    from coda_server.core.plugins import load_custom_modules
+    from coda_server.core.strategy import STRATEGIES
+
+    load_custom_modules([str(EXAMPLE_STRATEGIES)])
+    saved = {registry: dict(registry._classes) for registry in (STRATEGIES, FILTERS)}
+    yield
+    for registry, classes in saved.items():
+        registry._classes.clear()
+        registry._classes.update(classes)

@@ -10,6 +10,9 @@ from coda_server.core import ConfigError, NoWindowStrategy, Pacer, PromptRef, Tr
 from coda_server.core.filters import FILTERS, RewardFilter, StatusFilter, create_filters
 from coda_server.core.strategy import ThreadSafeStrategy
 
+# Strategies and filters registered here must not leak into other tests' registries.
+pytestmark = pytest.mark.usefixtures("scratch_registry")
+
 OK, FAILED, ABORTED = TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED
 
 

@@ -11,6 +11,9 @@ from coda_server.core import ConfigError, Pacer, PromptRef, load_config
 from coda_server.core.plugins import load_custom_modules
 from coda_server.core.strategy import STRATEGIES
 
+# Strategies and filters registered here must not leak into other tests' registries.
+pytestmark = pytest.mark.usefixtures("scratch_registry")
+
 STRATEGY_MODULE = textwrap.dedent("""\
     from coda_server import SlidingWindowStrategy, register_sliding_window_strategy
 

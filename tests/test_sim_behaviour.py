@@ -8,6 +8,9 @@ import pytest
 from coda_sim import (SimulationError, colocate_baseline, load_sim_config, registered_strategies, simulate,
                       summarize, sweep)
 
+# Strategies and filters registered here must not leak into other tests' registries.
+pytestmark = pytest.mark.usefixtures("scratch_registry")
+
 BUILTINS = ["no-window", "window-gated", "windowed-fifo"]
 EXAMPLE_STRATEGIES = Path(__file__).resolve().parents[1] / "examples" / "strategies"
 
