@@ -64,8 +64,9 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
     await server.start()
     listeners = server.listeners  # TCP (address, port) if any, Unix socket and health-only port if set
     window = server.pacer.state().window_size
-    log.info("serving coda.pacer.v1.RolloutPacer on %s (strategy %s, window %d, state in memory)",
-             listeners.describe(), config.fully_async.sliding_window, window,
+    durability = f"state in {server.journal.directory}" if server.journal is not None else "state in memory"
+    log.info("serving coda.pacer.v1.RolloutPacer on %s (strategy %s, window %d, %s)",
+             listeners.describe(), config.fully_async.sliding_window, window, durability,
              extra=fields(event="start", address=listeners.tcp_address, uds=listeners.uds_path,
                           health_port=listeners.health_port, strategy=str(config.fully_async.sliding_window),
                           window=window, metrics_port=server.metrics_port))
@@ -83,7 +84,8 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
              extra=fields(event="shutdown", grace_seconds=grace))
     await server.stop()
     state = server.pacer.state()
-    log.info("stopped: step %d, %d running, %d buffered groups discarded (state in memory)",
-             state.step, state.running, state.buffered,
+    kept = "kept in the state directory" if server.journal is not None else "discarded (state in memory)"
+    log.info("stopped: step %d, %d running, %d buffered groups %s",
+             state.step, state.running, state.buffered, kept,
              extra=fields(event="stopped", step=state.step, running=state.running, buffered=state.buffered))
     return 0
