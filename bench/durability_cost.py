@@ -166,14 +166,7 @@ def print_report(args, runs: dict, request_mb: float) -> bool:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short smoke run (1 repeat, 1 s runs)")
-    parser.add_argument("--repeats", type=int, help="rounds over the four servers per scenario (default 5, quick 1)")
-    parser.add_argument("--duration", type=float, help="measured seconds per run (default 3, quick 1)")
-    parser.add_argument("--warmup", type=float, help="unmeasured seconds of load before each run (default 0.5)")
-    parser.add_argument("--prime", type=float, help="unreported seconds of load per server and scenario first "
-                                                    "(default 1.5, quick 0.5)")
-    parser.add_argument("--inflight", type=int, default=64, help="calls in flight in total (default 64)")
-    parser.add_argument("--clients", type=int, default=2, help="client worker processes (default 2)")
+    rt.add_load_options(parser, repeats_help="rounds over the four servers per scenario")
     parser.add_argument("--scenarios", default="submit,dispatch", help="comma-separated subset of submit,dispatch")
     parser.add_argument("--state-root", help="directory for the journals (default: a temporary directory under "
                                              "$TMPDIR); put it on the disk the state will live on")

@@ -692,16 +692,21 @@ def command_line() -> str:
                        *sys.argv])
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short smoke run (1 repeat, 1 s runs), under 30 s")
-    parser.add_argument("--repeats", type=int, help="interleaved floor/ours pairs per scenario (default 5, quick 1)")
+def add_load_options(parser: argparse.ArgumentParser, *, repeats_help: str) -> None:
+    """The load and timing options every server benchmark here shares."""
+    parser.add_argument("--quick", action="store_true", help="short smoke run (1 repeat, 1 s runs)")
+    parser.add_argument("--repeats", type=int, help=f"{repeats_help} (default 5, quick 1)")
     parser.add_argument("--duration", type=float, help="measured seconds per run (default 3, quick 1)")
     parser.add_argument("--warmup", type=float, help="unmeasured seconds of load before each run (default 0.5)")
     parser.add_argument("--prime", type=float, help="unreported seconds of load per server and scenario before "
                                                     "the repeats (default 1.5, quick 0.5)")
     parser.add_argument("--inflight", type=int, default=64, help="calls in flight in total (default 64)")
     parser.add_argument("--clients", type=int, default=2, help="client worker processes (default 2)")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_load_options(parser, repeats_help="interleaved floor/ours pairs per scenario")
     parser.add_argument("--candidates", type=int, default=4, help="candidates per Dispatch (default 4)")
     parser.add_argument("--scenarios", default="peek,dispatch,submit",
                         help="comma-separated subset of peek,dispatch,submit")
