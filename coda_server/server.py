@@ -64,6 +64,7 @@ class PacerServer:
         self.journal = (Journal(state_dir, fsync=str(config.server.fsync), codec=ProtoTrajectories())
                         if state_dir and pacer is None else None)
         self.pacer = pacer if pacer is not None else Pacer(config, journal=self.journal)
+        self._journal_failure_reported = False
         self.async_pacer = AsyncPacer(
             self.pacer,
             max_wait_seconds=float(config.server.max_wait_seconds),
@@ -120,6 +121,7 @@ class PacerServer:
         if self.health_server is not None:
             await self.health_server.start()
         await self._recover()
+        self.async_pacer.on_journal_failure = self._journal_failed
         for name in ("", "readiness", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.ports
@@ -138,6 +140,16 @@ class PacerServer:
         log.info("recovered state from %s in %.2fs: %d events replayed since the last snapshot; step %d, "
                  "generation %d, %d running, %d buffered groups", self.journal.directory,
                  time.monotonic() - started, replayed, state.step, state.generation, state.running, state.buffered)
+
+    def _journal_failed(self, error: BaseException) -> None:
+        """The state directory can no longer be written: no caller should be sent here any more."""
+        if self._journal_failure_reported:
+            return
+        self._journal_failure_reported = True
+        log.error("state directory %s can no longer be written (%s): readiness NOT_SERVING, changes refused "
+                  "with UNAVAILABLE; restart the server once the disk is fixed", self.journal.directory, error)
+        for name in ("", "readiness", SERVICE_NAME):
+            asyncio.ensure_future(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def drain(self) -> None:
         """Stop taking work: readiness NOT_SERVING, waiting long-polls answered now, watchers told SHUTDOWN."""

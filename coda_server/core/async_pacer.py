@@ -88,6 +88,8 @@ class AsyncPacer:
         self._lease_task: Optional[asyncio.Task] = None
         self.waiting_calls = 0
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
+        # Called (on the loop) when the journal can no longer write: the server stops advertising readiness.
+        self.on_journal_failure: Optional[Callable[[BaseException], None]] = None
         pacer.add_change_listener(self._on_change)
         pacer.add_control_listener(self._on_control)
 
@@ -275,6 +277,8 @@ class AsyncPacer:
                            lambda: loop.call_soon_threadsafe(lambda: committed.done() or committed.set_result(None)))
         await committed
         if journal.error is not None:
+            if self.on_journal_failure is not None:
+                self.on_journal_failure(journal.error)
             raise ShuttingDownError(f"the state directory can no longer be written ({journal.error}); "
                                     f"the change is not acknowledged")
 

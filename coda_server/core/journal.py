@@ -151,8 +151,8 @@ class Journal:
 
     def _enqueue(self, kind: str, value: Any) -> int:
         with self._cond:
-            if self._error is not None:
-                raise RuntimeError(f"the journal failed earlier: {self._error}") from self._error
+            # After a failure nothing more is written: the ticket is never committed, and whoever waits
+            # for it learns of the failure (the change is not acknowledged, as if the server had crashed).
             self._queued += 1
             self._queue.append((self._queued, kind, value))
             self._cond.notify_all()
