@@ -22,11 +22,9 @@ Target: fsync=normal keeps >= 0.5 of the in-memory Submit throughput (exit statu
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -90,26 +88,14 @@ def measure(server: rt.ServerProcess, channel: grpc.Channel, clients: rt.Clients
     time.sleep(max(0.0, end - time.monotonic()))
     cpu1, busy1, disk1 = server.cpu_seconds(), rt.machine_busy_ticks(), disk_write_bytes(server.process.pid)
     results = clients.receive()
-    completed = sum(r["completed"] for r in results)
-    latencies = sorted(x for r in results for x in r["latencies"])
-    errors: collections.Counter = collections.Counter()
-    for r in results:
-        errors.update(r["errors"])
-    return {
-        "throughput": completed / duration,
-        "p50_ms": rt.percentile(latencies, 50) * 1e3,
-        "p99_ms": rt.percentile(latencies, 99) * 1e3,
-        "server_cpu_ms_per_call": (cpu1 - cpu0) * 1e3 / completed if completed else float("nan"),
-        "disk_kb_per_call": (disk1 - disk0) / 1024 / completed if completed else float("nan"),
-        "disk_mb_per_s": (disk1 - disk0) / 2**20 / duration,
-        "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
-        "errors": dict(errors),
-    }
+    summary = rt.summarize_run(results, duration, cpu1 - cpu0, busy0, busy1)
+    completed = summary["completed"]
+    summary["disk_kb_per_call"] = (disk1 - disk0) / 1024 / completed if completed else float("nan")
+    summary["disk_mb_per_s"] = (disk1 - disk0) / 2**20 / duration
+    return summary
 
 
-def median(values: list[float]) -> float:
-    values = [v for v in values if v == v]
-    return statistics.median(values) if values else float("nan")
+median = rt.median
 
 
 def print_report(args, runs: dict, request_mb: float) -> bool:

@@ -505,18 +505,25 @@ def measure(server: ServerProcess, channel: grpc.Channel, clients: Clients, scen
         server.profiling(False)
     cpu1, busy1 = server.cpu_seconds(), machine_busy_ticks()
     results = clients.receive()
+    summary = summarize_run(results, duration, cpu1 - cpu0, busy0, busy1)
+    summary["server_cpu_share"] = (cpu1 - cpu0) / duration
+    summary["client_cpu_share"] = sum(r["cpu"] for r in results) / duration
+    return summary
+
+
+def summarize_run(results: list[dict], duration: float, server_cpu: float, busy0: tuple, busy1: tuple) -> dict:
+    """Throughput, latency percentiles, server CPU per call, machine busy share and errors of one measured run."""
     completed = sum(r["completed"] for r in results)
     latencies = sorted(x for r in results for x in r["latencies"])
     errors: collections.Counter = collections.Counter()
     for r in results:
         errors.update(r["errors"])
     return {
+        "completed": completed,
         "throughput": completed / duration,
         "p50_ms": percentile(latencies, 50) * 1e3,
         "p99_ms": percentile(latencies, 99) * 1e3,
-        "server_cpu_ms_per_call": (cpu1 - cpu0) * 1e3 / completed if completed else float("nan"),
-        "server_cpu_share": (cpu1 - cpu0) / duration,
-        "client_cpu_share": sum(r["cpu"] for r in results) / duration,
+        "server_cpu_ms_per_call": server_cpu * 1e3 / completed if completed else float("nan"),
         "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
         "errors": dict(errors),
     }
