@@ -574,7 +574,6 @@ class Pacer:
             self._lease_serial += 1
             lease = CollectLease(f"lease-{self._lease_serial}", entries, lease_seconds, now + lease_seconds)
             self._leases[lease.lease_id] = lease
-            self._strategy_touched = True  # leased groups no longer count as buffered
             self._notify()
             result = CollectResult([group for _, group in entries], timed_out=timed_out, lease_id=lease.lease_id)
         else:
@@ -670,7 +669,6 @@ class Pacer:
             now = self._clock()
             for callback in self._consume_listeners:
                 callback(groups, self.weight_version, now)
-        self._strategy_touched = True  # Q shrank: dispatch may open
         self._notify()
 
     # ----------------------------------------------------------------- reset / resume
@@ -827,7 +825,6 @@ class Pacer:
             self.weight_version = weight_version
         self.paused = False
         self._pause_started = None
-        self._strategy_touched = True
         self._emit(ControlEventType.RESUME)
 
     # ----------------------------------------------------------------- answers, journal, recovery
