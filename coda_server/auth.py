@@ -87,9 +87,17 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             raise ValueError("an empty token would let everyone in")
         self._expected = hashlib.sha256(token.encode("ascii")).digest()
         self._open_prefixes = open_prefixes
+        self._wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler] = lambda method, handler: handler
+        self._refusals: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
         self.rejected = 0
         self._rejected_since_log = 0
         self._last_log = float("-inf")
+
+    def wrap_refusals(self, wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]) -> None:
+        """Build refusal handlers with `wrap(method, handler)` too (the wrappers every handler gets), so
+        refused calls are counted and logged like the others."""
+        self._wrap = wrap
+        self._refusals.clear()
 
     def check(self, metadata: Any) -> Optional[tuple[str, str]]:
         """None when the metadata carries the right token, else (reason, message)."""
@@ -121,7 +129,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if problem is None or handler is None:
             return handler
         self._note_rejection(method, problem[0])
-        return _refusing(handler, _unauthenticated(*problem))
+        # Built once per method and reason: a flood of refused calls builds nothing.
+        key = (method, problem[0])
+        refusal = self._refusals.get(key)
+        if refusal is None:
+            refusal = self._refusals[key] = self._wrap(method, _refusing(handler, _unauthenticated(*problem)))
+        return refusal
 
     def _note_rejection(self, method: str, reason: str) -> None:
         self.rejected += 1

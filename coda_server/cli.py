@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from .core.config import load_config
 from .core.errors import ConfigError
 from .core.journal import StateDirLockedError
-from .observability import TEXT_FORMAT, configure_logging, fields
+from .logs import TEXT_FORMAT, configure_logging, fields
 from .server import BindError, PacerServer
 
 log = logging.getLogger("coda_server")

@@ -1,9 +1,9 @@
 """Request bytes that are not a valid protobuf message answer INVALID_ARGUMENT, saying why.
 
 Without this, grpc.aio answers a request it cannot decode (corrupt wire format, a string field with
-invalid UTF-8) with UNKNOWN and a Python exception text. This interceptor wraps the deserializer of
-every unary-request method: a request that fails to decode reaches a small handler that answers
-INVALID_ARGUMENT (reason MALFORMED_REQUEST) instead of the servicer.
+invalid UTF-8) with UNKNOWN and a Python exception text. This wrapper (applied at registration, see
+method_wrapping) wraps the deserializer of every unary-request method: a request that fails to decode
+is answered INVALID_ARGUMENT (reason MALFORMED_REQUEST) instead of reaching the servicer.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from .core.errors import InvalidArgumentError
-from .interceptors import HandlerWrappingInterceptor
 from .status import status_for
 
 
@@ -45,7 +44,7 @@ def _safe(deserializer: Callable[[bytes], Any], method: str) -> Callable[[bytes]
     return deserialize
 
 
-class MalformedRequestInterceptor(HandlerWrappingInterceptor):
+class MalformedRequestGuard:
     """Answers INVALID_ARGUMENT for a unary request that does not decode (streaming requests pass as they are)."""
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

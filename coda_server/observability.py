@@ -1,22 +1,20 @@
 """Operations: Prometheus metrics, one structured log line per RPC, and lifecycle log lines.
 
 * `Observability` is what `PacerServer` owns: a per-server `CollectorRegistry` (never the global one),
-  the gRPC interceptor, the pacer collector and histograms, and the `/metrics` HTTP listener on
-  `server.metrics_address`.
-* `ObservabilityInterceptor` (grpc.aio) counts and times every RPC under the standard gRPC server metric
-  names (`grpc_server_started_total`, `grpc_server_handled_total`, `grpc_server_handling_seconds`) and
-  logs one line per RPC on the `coda_server.rpc` logger. It must be the first (outermost) interceptor,
-  so that calls another interceptor refuses (e.g. UNAUTHENTICATED) are counted and logged too.
+  the RPC observer, the access log, the pacer collector and histograms, and the `/metrics` HTTP listener
+  on `server.metrics_address`.
+* `RpcObserver` wraps every method handler at registration (see method_wrapping) and counts and times
+  every RPC under the standard gRPC server metric names (`grpc_server_started_total`,
+  `grpc_server_handled_total`, `grpc_server_handling_seconds`), noting one line per RPC in the access log
+  (logger `coda_server.rpc`, see logs.AccessLog). It is the outermost wrapper, and authentication builds
+  its refusals with the same wrappers, so refused calls (e.g. UNAUTHENTICATED) are counted and logged too.
 * `PacerCollector` reads `PacerState` at scrape time: gauges and counters named `coda_pacer_*`, with the
   latest step report. Consumption histograms are fed by `Pacer.add_consume_listener`.
-* `configure_logging` installs the `server.log_format` formatter (text or json); structured lines pass
-  their figures as `extra=fields(...)`, shown as JSON keys (the text message already says them).
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import time
 from typing import Any, Callable, Iterable, Optional
@@ -30,12 +28,9 @@ from coda_client._proto import pacer_pb2
 from .core.async_pacer import AsyncPacer
 from .core.config import parse_host_port
 from .core.types import ControlEvent, ControlEventType, PacerState, ResetMode, StepReport, TrajectoryGroup
-from .interceptors import HandlerWrappingInterceptor
+from .logs import AccessLog, fields
 
 log = logging.getLogger("coda_server")
-rpc_log = logging.getLogger("coda_server.rpc")
-
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # grpc_server_handling_seconds: the usual Prometheus latency buckets, extended for long-polls (up to
 # server.max_wait_seconds, 600 s by default).
@@ -54,38 +49,6 @@ _GRPC_TYPES = {(False, False): "unary", (False, True): "server_stream",
 
 
 # ------------------------------------------------------------------------------------------ logging
-
-def fields(**values: Any) -> dict[str, Any]:
-    """`extra=` for a structured log line: the figures become keys of the JSON line."""
-    return {"fields": values}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts (UTC, ms), level, logger, msg, then the line's fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str, separators=(",", ":"))
-
-
-def configure_logging(log_format: str, level: str) -> None:
-    """Give every root handler the `server.log_format` formatter and set the level."""
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig()
-    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
-    for handler in root.handlers:
-        handler.setFormatter(formatter)
-    root.setLevel(str(level).upper())
-
 
 def log_control_event(pacer_state: Callable[[], PacerState]) -> Callable[[ControlEvent], None]:
     """A Pacer control listener that logs each pause and resume once, with its figures.
@@ -160,10 +123,12 @@ def _status_code(context: grpc.aio.ServicerContext, error: Optional[BaseExceptio
 class _MethodObserver:
     """Per-method label children, resolved once; `begin`/`end` bracket each call."""
 
-    __slots__ = ("service", "method", "_labels", "_started", "_handling", "_handled", "_handled_by_code", "_log_rpcs")
+    __slots__ = ("service", "method", "_labels", "_started", "_handling", "_handled", "_handled_by_code",
+                 "_access_log")
 
-    def __init__(self, metrics: GrpcServerMetrics, kind: str, full_method: str, log_rpcs: bool = True):
-        self._log_rpcs = log_rpcs
+    def __init__(self, metrics: GrpcServerMetrics, kind: str, full_method: str,
+                 access_log: Optional[AccessLog] = None):
+        self._access_log = access_log
         self.service, self.method = _split_method(full_method)
         self._started = metrics.started.labels(kind, self.service, self.method)
         self._handling = metrics.handling.labels(kind, self.service, self.method)
@@ -175,7 +140,8 @@ class _MethodObserver:
         """Count the start; returns the start time and the peer (read now: once a call is cancelled, its
         context must not be asked for the peer, which reads the finished C call and can crash the process)."""
         self._started.inc()
-        peer = context.peer() if self._log_rpcs and rpc_log.isEnabledFor(logging.INFO) else ""
+        access_log = self._access_log
+        peer = context.peer() if access_log is not None and access_log.enabled() else ""
         return time.perf_counter(), peer
 
     def end(self, begun: tuple[float, str], context: grpc.aio.ServicerContext, request: Any,
@@ -189,35 +155,24 @@ class _MethodObserver:
         counter.inc()
         self._handling.observe(elapsed)
         if peer:
-            self._log(code, elapsed, peer, request)
-
-    def _log(self, code: str, elapsed: float, peer: str, request: Any) -> None:
-        duration_ms = round(elapsed * 1000.0, 3)
-        request_id = getattr(request, "request_id", "") if request is not None else ""
-        values: dict[str, Any] = {"event": "rpc", "service": self.service, "method": self.method, "code": code,
-                                  "duration_ms": duration_ms}
-        text = f"{self.method} {code} {duration_ms:.3f}ms"
-        if request_id:
-            values["request_id"] = request_id
-            text += f" request_id={request_id}"
-        values["peer"] = peer
-        rpc_log.info("%s peer=%s", text, peer, extra={"fields": values})
+            request_id = getattr(request, "request_id", "") if request is not None else ""
+            self._access_log.note(self.service, self.method, code, elapsed, request_id, peer)
 
 
-class ObservabilityInterceptor(HandlerWrappingInterceptor):
+class RpcObserver:
     """Counts, times and logs every RPC; handles all four method kinds, async generators and coroutines.
 
-    Unknown methods are not counted (gRPC answers UNIMPLEMENTED; no label explosion).
+    A method wrapper (see method_wrapping): unknown methods never reach it (gRPC answers UNIMPLEMENTED),
+    so they are not counted (no label explosion).
     """
 
-    def __init__(self, metrics: GrpcServerMetrics, *, log_rpcs: bool = True):
-        super().__init__()
+    def __init__(self, metrics: GrpcServerMetrics, access_log: Optional[AccessLog] = None):
         self._metrics = metrics
-        self._log_rpcs = log_rpcs
+        self._access_log = access_log
 
     def wrap(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         kind = _GRPC_TYPES[(bool(handler.request_streaming), bool(handler.response_streaming))]
-        observer = _MethodObserver(self._metrics, kind, full_method, self._log_rpcs)
+        observer = _MethodObserver(self._metrics, kind, full_method, self._access_log)
         inner, observe, make = {
             "unary": (handler.unary_unary, _observe_response, grpc.unary_unary_rpc_method_handler),
             "server_stream": (handler.unary_stream, _observe_stream, grpc.unary_stream_rpc_method_handler),
@@ -380,7 +335,7 @@ class ConsumptionMetrics:
 # ---------------------------------------------------------------------------------------- wiring
 
 class Observability:
-    """Metrics registry, interceptor, listeners and the /metrics listener of one PacerServer."""
+    """Metrics registry, RPC observer, access log, listeners and the /metrics listener of one PacerServer."""
 
     def __init__(self, config: Any, async_pacer: AsyncPacer):
         self.metrics_address = str(config.server.get("metrics_address") or "")
@@ -391,13 +346,11 @@ class Observability:
         self.consumption = ConsumptionMetrics(self.registry)
         async_pacer.pacer.add_consume_listener(self.consumption.on_consumed)
         async_pacer.pacer.add_control_listener(log_control_event(async_pacer.pacer.state))
-        self._interceptor = ObservabilityInterceptor(self.grpc_metrics,
-                                                     log_rpcs=bool(config.server.get("log_rpcs", True)))
+        # None when server.log_rpcs is off; else the per-RPC lines, written in batches.
+        self.access_log = (AccessLog(str(config.server.get("log_format", "text")))
+                           if bool(config.server.get("log_rpcs", True)) else None)
+        self.rpc_observer = RpcObserver(self.grpc_metrics, self.access_log)
         self._httpd: Any = None  # the /metrics WSGI server; its serving thread is a daemon
-
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """Outermost first: these go at the head of the server's interceptor list."""
-        return [self._interceptor]
 
     def start_metrics(self) -> Optional[int]:
         """Serve /metrics on server.metrics_address; returns the bound port (None when disabled).
@@ -414,7 +367,10 @@ class Observability:
         return bound
 
     async def stop(self) -> None:
-        """Stop the /metrics listener (its shutdown waits for the serving thread, so off the event loop)."""
+        """Write the last access-log lines; stop the /metrics listener (its shutdown waits for the serving
+        thread, so off the event loop)."""
+        if self.access_log is not None:
+            self.access_log.flush()
         httpd, self._httpd = self._httpd, None
         if httpd is None:
             return

@@ -17,7 +17,8 @@ from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
 from .core.journal import Journal
 from .core.pacer import Pacer
-from .guard import MalformedRequestInterceptor
+from .guard import MalformedRequestGuard
+from .method_wrapping import WrappingRegistrar
 from .observability import Observability
 from .service import RolloutPacerServicer
 from .transport import BindError  # re-exported: the CLI and tests import it from here
@@ -84,25 +85,25 @@ class PacerServer:
         """Bind, start serving and turn readiness on; returns the bound port(s)."""
         tune_garbage_collector()
         self.async_pacer.bind_loop()
-        # Observability comes first (outermost): it counts, times and logs every call, refused ones included.
-        interceptors: list[grpc.aio.ServerInterceptor] = [*self.observability.interceptors()]
-        # Then authentication (a refused call is never decoded), then the guard answering INVALID_ARGUMENT
-        # for request bytes that do not decode.
-        if self.auth is not None:
-            interceptors.append(self.auth)
-        interceptors.append(MalformedRequestInterceptor())
+        # Authentication is the one interceptor, so a refused request is never decoded.
         self.server = grpc.aio.server(
-            interceptors=interceptors,
+            interceptors=[self.auth] if self.auth is not None else None,
             options=server_options(self.config),
             maximum_concurrent_rpcs=int(self.config.server.max_concurrent_rpcs),
         )
-        pacer_pb2_grpc.add_RolloutPacerServicer_to_server(RolloutPacerServicer(self.async_pacer), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # Every method handler is wrapped once, at registration: observability outermost (it counts, times
+        # and logs every call, refused ones included), then the guard answering INVALID_ARGUMENT for request
+        # bytes that do not decode.
+        registrar = WrappingRegistrar(self.server, [self.observability.rpc_observer, MalformedRequestGuard()])
+        if self.auth is not None:
+            self.auth.wrap_refusals(registrar.wrap)
+        pacer_pb2_grpc.add_RolloutPacerServicer_to_server(RolloutPacerServicer(self.async_pacer), registrar)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
         services = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         if self.config.server.reflection:
             from grpc_reflection.v1alpha import reflection
 
-            reflection.enable_server_reflection([*services, reflection.SERVICE_NAME], self.server)
+            reflection.enable_server_reflection([*services, reflection.SERVICE_NAME], registrar)
         # TCP (plaintext, TLS or mutual TLS) and/or the Unix socket; then the plaintext health-only port.
         self.listeners = transport.bind(self.server, self.config)
         self.ports = [self.listeners.tcp_port] if self.listeners.tcp_port is not None else []

@@ -163,13 +163,14 @@ def test_metrics_listener_can_be_disabled_and_a_taken_port_stops_start_up(after_
 
 
 def test_calls_refused_by_authentication_are_counted_and_logged(tmp_path):
-    """Observability is the outermost interceptor: an UNAUTHENTICATED answer is counted and logged too."""
+    """Refusals are built with the observing wrapper: an UNAUTHENTICATED answer is counted and logged too."""
     with MetricsServer(tmp_path, env={"CODA_TOKEN": "s3cret-token"}) as server:
         with PacerClient(server.address) as anonymous, pytest.raises(UnauthenticatedError):
             anonymous.state()
         with PacerClient(server.address, token="s3cret-token") as pacer:
             pacer.state()
         scrape = server.scrape()
+        assert server.terminate() == 0  # writes the last batch of the access log
         log = server.log()
     assert (scrape.rpc("GetState", "UNAUTHENTICATED"), scrape.rpc("GetState", "OK")) == (1, 1)
     assert re.search(r"coda_server\.rpc: GetState UNAUTHENTICATED \d+\.\d{3}ms peer=", log), log

@@ -1,0 +1,61 @@
+"""Wrapping of gRPC method handlers at registration: each wrapper is built once per method, not per call.
+
+A grpc.aio server interceptor runs a chain of coroutines on every call before the handler even starts.
+Observability and the malformed-request guard need nothing from the call that the handler itself does
+not see, so they wrap the handlers when the services are registered instead: `WrappingRegistrar` stands
+in for the server in the generated `add_*Servicer_to_server` functions (and in reflection's
+`enable_server_reflection`) and hands the server wrapped handlers. Only authentication stays an
+interceptor, so that a refused request is never decoded; it builds its refusal handlers with `wrap()`,
+so refused calls are observed like every other call.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Sequence
+
+import grpc
+
+
+class MethodWrapper(Protocol):
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """A handler doing what `handler` does plus this wrapper's part; `method` is '/pkg.Service/Method'."""
+
+
+class WrappingRegistrar:
+    """Registers services on `server` with every method handler wrapped by `wrappers` (outermost first)."""
+
+    def __init__(self, server: Any, wrappers: Sequence[MethodWrapper]):
+        self._server = server
+        self._wrappers = tuple(wrappers)
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        for wrapper in reversed(self._wrappers):
+            handler = wrapper.wrap(method, handler)
+        return handler
+
+    # The two registration calls generated code makes on a server.
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self._server.add_registered_method_handlers(
+            service, {name: self.wrap(f"/{service}/{name}", handler) for name, handler in handlers.items()})
+
+    def add_generic_rpc_handlers(self, generic_handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_WrappedGenericHandler(self, g) for g in generic_handlers))
+
+
+class _WrappedGenericHandler(grpc.GenericRpcHandler):
+    """A generic handler (used for methods not registered by name) whose answers are wrapped once per method."""
+
+    def __init__(self, registrar: WrappingRegistrar, inner: grpc.GenericRpcHandler):
+        self._registrar = registrar
+        self._inner = inner
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Optional[grpc.RpcMethodHandler]:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[method] = (handler, self._registrar.wrap(method, handler))
+        return cached[1]
