@@ -6,6 +6,7 @@ from typing import Iterable, Optional, Sequence
 
 from coda_client._proto import pacer_pb2 as pb
 
+from . import wire
 from .core.errors import InvalidArgumentError
 from .core.types import (
     CollectResult,
@@ -29,15 +30,14 @@ class ProtoTrajectories:
 
     def encode(self, trajectory: Trajectory) -> Optional[bytes]:
         body = trajectory.body
-        return body.SerializeToString() if isinstance(body, pb.Trajectory) else None
+        return body.SerializeToString() if isinstance(body, wire.Trajectory) else None
 
     def decode(self, data: bytes) -> Trajectory:
-        return trajectories([pb.Trajectory.FromString(data)])[0]
+        body = wire.Trajectory.FromString(data)
+        return trajectories(wire.ParsedSubmit(wire.SubmitRequest(trajectories=[body]), [body.ByteSize()]))[0]
 
 
 _STATUSES = {int(status): status for status in TrajectoryStatus}
-# Ids, versions, reward and framing: a rough constant per trajectory on top of its arrays and payload.
-FIXED_TRAJECTORY_BYTES = 128
 
 
 def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
@@ -52,22 +52,22 @@ def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     ]
 
 
-def trajectories(messages: Sequence[pb.Trajectory]) -> list[Trajectory]:
-    """Core trajectories whose body is the wire message itself, so the trainer gets it back byte for byte.
-
-    `size_bytes` is an estimate from the array lengths and the payload (exact sizes would cost a
-    walk over every packed element); it feeds the server.max_held_bytes cap.
-    """
+def trajectories(request: wire.ParsedSubmit) -> list[Trajectory]:
+    """Core trajectories whose body is the wire message itself (a pass-through view, see wire.py), so the
+    trainer gets it back byte for byte; `size_bytes`, which the server.max_held_bytes cap counts, is its
+    encoded size."""
     converted = []
     violations = []
-    for i, m in enumerate(messages):
-        tokens, logprobs, mask = len(m.token_ids), len(m.logprobs), len(m.loss_mask)
-        present = {length for length in (tokens, logprobs, mask) if length}
-        if len(present) > 1:
-            violations.append((f"trajectories[{i}]", f"non-empty token_ids, logprobs and loss_mask must have equal "
-                                                     f"lengths; got token_ids={tokens}, logprobs={logprobs}, "
-                                                     f"loss_mask={mask}"))
-            continue
+    for i, (m, size) in enumerate(zip(request.trajectories, request.sizes)):
+        tokens, logprobs, mask = m.token_ids, m.logprobs, m.loss_mask
+        if tokens or logprobs or mask:
+            counts = {"token_ids": wire.varint_count(tokens) if tokens else 0,
+                      "logprobs": wire.fixed32_count(logprobs) if logprobs else 0,
+                      "loss_mask": wire.varint_count(mask) if mask else 0}
+            problem = _array_problem(counts)
+            if problem:
+                violations.append((f"trajectories[{i}]", problem))
+                continue
         converted.append(Trajectory(
             trajectory_id=m.trajectory_id,
             prompt_id=m.prompt_id,
@@ -79,12 +79,23 @@ def trajectories(messages: Sequence[pb.Trajectory]) -> list[Trajectory]:
             end_weight_version=m.end_weight_version,
             num_turns=m.num_turns,
             body=m,
-            size_bytes=4 * (tokens + logprobs + mask) + len(m.payload) + FIXED_TRAJECTORY_BYTES,
+            size_bytes=size,
         ))
     if violations:
         raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
                                    violations=violations)
     return converted
+
+
+def _array_problem(counts: dict[str, int]) -> Optional[str]:
+    broken = [name for name, count in counts.items() if count < 0]
+    if broken:
+        return f"{broken[0]} is not a valid packed array (it ends inside a number)"
+    present = {count for count in counts.values() if count}
+    if len(present) > 1:
+        return ("non-empty token_ids, logprobs and loss_mask must have equal lengths; got "
+                + ", ".join(f"{name}={count}" for name, count in counts.items()))
+    return None
 
 
 def reset_mode(value: int) -> ResetMode:
@@ -95,9 +106,9 @@ def reset_mode(value: int) -> ResetMode:
     return ResetMode(value)
 
 
-def group_message(group: TrajectoryGroup) -> pb.TrajectoryGroup:
-    message = pb.TrajectoryGroup(prompt_id=group.prompt_id, seq=group.seq, ds_index=group.ds_index,
-                                 trajectories=[t.body for t in group.trajectories])
+def group_message(group: TrajectoryGroup) -> wire.TrajectoryGroup:
+    message = wire.TrajectoryGroup(prompt_id=group.prompt_id, seq=group.seq, ds_index=group.ds_index,
+                                   trajectories=[t.body for t in group.trajectories])
     if group.epoch is not None:
         message.epoch = group.epoch
     if group.index is not None:
@@ -119,20 +130,21 @@ def submit_response(result: SubmitResult) -> pb.SubmitResponse:
                              groups_completed=result.groups_completed)
 
 
-def collect_response(result: CollectResult) -> pb.CollectResponse:
-    return pb.CollectResponse(groups=[group_message(g) for g in result.groups], timed_out=result.timed_out,
+def collect_response(result: CollectResult) -> wire.CollectResponse:
+    return wire.CollectResponse(groups=[group_message(g) for g in result.groups], timed_out=result.timed_out,
                               lease_id=result.lease_id)
 
 
-def step_report(report: StepReport) -> pb.StepReport:
-    return pb.StepReport(**dataclasses.asdict(report))
+def step_report(report: StepReport, message_class: type = pb.StepReport) -> pb.StepReport:
+    return message_class(**dataclasses.asdict(report))
 
 
-def reset_response(result: ResetResult) -> pb.ResetResponse:
-    return pb.ResetResponse(
+def reset_response(result: ResetResult) -> wire.ResetResponse:
+    return wire.ResetResponse(
         restored=[group_message(g) for g in result.restored], dropped_prompt_ids=result.dropped_prompt_ids,
         pause_delay_seconds=result.pause_delay_seconds, generation=result.generation, step=result.step,
-        weight_version=result.weight_version, paused=result.paused, report=step_report(result.report),
+        weight_version=result.weight_version, paused=result.paused,
+        report=step_report(result.report, wire.StepReport),
         expired=[group_message(g) for g in result.expired],
     )
 

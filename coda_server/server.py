@@ -21,6 +21,7 @@ from .guard import MalformedRequestGuard
 from .method_wrapping import WrappingRegistrar
 from .observability import Observability
 from .service import RolloutPacerServicer
+from .wire import PassthroughCodec
 from .transport import BindError  # re-exported: the CLI and tests import it from here
 
 log = logging.getLogger("coda_server")
@@ -94,7 +95,9 @@ class PacerServer:
         # Every method handler is wrapped once, at registration: observability outermost (it counts, times
         # and logs every call, refused ones included), then the guard answering INVALID_ARGUMENT for request
         # bytes that do not decode.
-        registrar = WrappingRegistrar(self.server, [self.observability.rpc_observer, MalformedRequestGuard()])
+        # Innermost, the pass-through (de)serializers of the messages carrying trajectories (wire.py).
+        registrar = WrappingRegistrar(self.server, [self.observability.rpc_observer, MalformedRequestGuard(),
+                                                    PassthroughCodec(SERVICE_NAME)])
         if self.auth is not None:
             self.auth.wrap_refusals(registrar.wrap)
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(RolloutPacerServicer(self.async_pacer), registrar)

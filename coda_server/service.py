@@ -1,4 +1,7 @@
-"""The RolloutPacer servicer: converts messages, delegates to the AsyncPacer, maps errors to status codes."""
+"""The RolloutPacer servicer: converts messages, delegates to the AsyncPacer, maps errors to status codes.
+
+Submit requests and Collect and Reset answers are pass-through views (wire.py); server.py registers the
+service with their (de)serializers."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +13,7 @@ import grpc
 from coda_client._proto import pacer_pb2 as pb
 from coda_client._proto import pacer_pb2_grpc
 
-from . import convert
+from . import convert, wire
 from .core.async_pacer import AsyncPacer
 from .core.errors import InvalidArgumentError, PacerError
 from .status import status_for
@@ -54,12 +57,12 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return convert.dispatch_response(result)
 
     @maps_errors
-    async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
-        result = await self._pacer.submit(convert.trajectories(request.trajectories), request.request_id)
+    async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:
+        result = await self._pacer.submit(convert.trajectories(request), request.request_id)
         return convert.submit_response(result)
 
     @maps_errors
-    async def Collect(self, request: pb.CollectRequest, context) -> pb.CollectResponse:
+    async def Collect(self, request: pb.CollectRequest, context) -> wire.CollectResponse:
         result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
                                            request.allow_partial, request.request_id, request.lease_seconds)
         return convert.collect_response(result)
@@ -69,7 +72,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return pb.AckResponse(groups=await self._pacer.ack(request.lease_id, request.request_id))
 
     @maps_errors
-    async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetResponse:
+    async def Reset(self, request: pb.ResetRequest, context) -> wire.ResetResponse:
         result = await self._pacer.reset(convert.reset_mode(request.mode), bounded_wait(request.wait_seconds, context),
                                          request.resume, request.weight_version if request.resume else None,
                                          request.request_id)
