@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 from coda_client._proto import pacer_pb2 as pb
 
@@ -116,18 +116,33 @@ def group_message(group: TrajectoryGroup) -> wire.TrajectoryGroup:
     return message
 
 
+# Responses are filled field by field: upb sets an attribute several times faster than it takes a keyword
+# argument, and adding a repeated element in place spares building and copying a separate message.
+
 def dispatch_response(result: DispatchResult) -> pb.DispatchResponse:
-    return pb.DispatchResponse(
-        admitted=[pb.AdmittedPrompt(prompt_id=a.prompt_id, seq=a.seq) for a in result.admitted],
-        paused=result.paused, step=result.step, weight_version=result.weight_version,
-        generation=result.generation, running=result.running, buffered=result.buffered,
-        capacity=result.capacity, remaining=result.remaining,
-    )
+    message = pb.DispatchResponse()
+    add = message.admitted.add
+    for admitted in result.admitted:
+        entry = add()
+        entry.prompt_id = admitted.prompt_id
+        entry.seq = admitted.seq
+    message.paused = result.paused
+    message.step = result.step
+    message.weight_version = result.weight_version
+    message.generation = result.generation
+    message.running = result.running
+    message.buffered = result.buffered
+    message.capacity = result.capacity
+    message.remaining = result.remaining
+    return message
 
 
 def submit_response(result: SubmitResult) -> pb.SubmitResponse:
-    return pb.SubmitResponse(accepted=result.accepted, duplicates=result.duplicates,
-                             groups_completed=result.groups_completed)
+    message = pb.SubmitResponse()
+    message.accepted = result.accepted
+    message.duplicates = result.duplicates
+    message.groups_completed = result.groups_completed
+    return message
 
 
 def collect_response(result: CollectResult) -> wire.CollectResponse:

@@ -52,8 +52,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:
-        result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
-                                            bounded_wait(request.wait_seconds, context), request.request_id)
+        wait = bounded_wait(request.wait_seconds, context) if request.wait_seconds else 0.0
+        result = await self._pacer.dispatch(convert.prompt_refs(request.candidates), wait, request.request_id)
         return convert.dispatch_response(result)
 
     @maps_errors

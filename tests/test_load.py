@@ -36,7 +36,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-import pytest
 
 from coda_client import PacerClient, Trajectory, TrajectoryStatus
 from coda_client.errors import StaleGenerationError

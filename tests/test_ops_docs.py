@@ -7,7 +7,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 import yaml
 
 from coda_client._proto import pacer_pb2

@@ -175,3 +175,34 @@ def test_calls_refused_by_authentication_are_counted_and_logged(tmp_path):
     assert (scrape.rpc("GetState", "UNAUTHENTICATED"), scrape.rpc("GetState", "OK")) == (1, 1)
     assert re.search(r"coda_server\.rpc: GetState UNAUTHENTICATED \d+\.\d{3}ms peer=", log), log
     assert "s3cret-token" not in log
+
+
+def test_handling_histogram_buckets_are_cumulative_and_counted_per_code():
+    """The standard metrics are plain numbers read at scrape time; the exposition must be what a Histogram gives."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from coda_server.observability import GrpcServerMetrics
+
+    registry = CollectorRegistry()
+    metrics = GrpcServerMetrics(registry)
+    stats = metrics.method("unary", "svc", "M")
+    for code, seconds in (("OK", 0.0004), ("OK", 0.0005), ("OK", 0.003), ("NOT_FOUND", 7.0), ("OK", 1e6)):
+        stats.started += 1
+        stats.observe(code, seconds)
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode())
+               for sample in family.samples}
+
+    def value(name: str, **extra: str) -> float:
+        labels = {"grpc_type": "unary", "grpc_service": "svc", "grpc_method": "M", **extra}
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("grpc_server_started_total") == 5
+    assert value("grpc_server_handled_total", grpc_code="OK") == 4
+    assert value("grpc_server_handled_total", grpc_code="NOT_FOUND") == 1
+    # le is inclusive: 0.0005 falls in the first bucket; 1e6 only in +Inf.
+    assert [value("grpc_server_handling_seconds_bucket", le=le) for le in ("0.0005", "0.001", "0.005", "5.0", "10.0",
+                                                                           "600.0", "+Inf")] == [2, 2, 3, 3, 4, 4, 5]
+    assert value("grpc_server_handling_seconds_count") == 5
+    assert value("grpc_server_handling_seconds_sum") == pytest.approx(0.0004 + 0.0005 + 0.003 + 7.0 + 1e6)

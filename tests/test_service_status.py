@@ -1,7 +1,6 @@
 """Every status code of the architecture's table, provoked over real gRPC against a server subprocess."""
 from __future__ import annotations
 
-import threading
 
 import grpc
 import pytest

@@ -43,7 +43,23 @@ class RequestDeduplicator:
     def __init__(self, answered: Callable[[str], Any], check: Optional[Callable[[str], None]] = None):
         self._answered = answered
         self._check = check  # validates a non-empty request_id before it is used
-        self._running: dict[str, asyncio.Future] = {}
+        self._running: dict[str, Optional[asyncio.Future]] = {}
+
+    def running(self, request_id: str) -> bool:
+        """True while a call with this request_id runs (a retry then shares its outcome)."""
+        return request_id in self._running
+
+    def check(self, request_id: str) -> None:
+        """Refuse (InvalidArgumentError) a request_id that may not be kept."""
+        if self._check is not None:
+            self._check(request_id)
+
+    async def join(self, request_id: str) -> Any:
+        """The outcome of the call with this request_id that is running now."""
+        waiter = self._running[request_id]
+        if waiter is None:
+            waiter = self._running[request_id] = asyncio.get_running_loop().create_future()
+        return await asyncio.shield(waiter)
 
     async def run(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
         if not request_id:
@@ -53,19 +69,21 @@ class RequestDeduplicator:
         answer = self._answered(request_id)
         if answer is not None:
             return answer
-        if request_id in self._running:
-            return await asyncio.shield(self._running[request_id])
-        future = asyncio.get_running_loop().create_future()
-        self._running[request_id] = future
+        running = self._running
+        if request_id in running:  # a retry while the first call runs: share its outcome
+            return await self.join(request_id)
+        running[request_id] = None  # a future only if a retry comes while this call runs (it rarely does)
         try:
             result = await call()
         except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: waiters may not exist
+            waiter = running.pop(request_id)
+            if waiter is not None:
+                waiter.set_exception(exc)
+                waiter.exception()  # mark retrieved: the retry may be gone
             raise
-        finally:
-            del self._running[request_id]
-        future.set_result(result)
+        waiter = running.pop(request_id)
+        if waiter is not None:
+            waiter.set_result(result)
         return result
 
 
@@ -180,6 +198,9 @@ class AsyncPacer:
     # ------------------------------------------------------------- operations
 
     async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
+        if wait <= 0 or not candidates:
+            return await self._dispatch_now(candidates, request_id)
+
         async def call() -> DispatchResult:
             result = self.pacer.dispatch(candidates, request_id=request_id)
             if result.admitted or not candidates or wait <= 0:
@@ -200,6 +221,25 @@ class AsyncPacer:
             return holder[0]
 
         return await self._applied("Dispatch", request_id, call)
+
+    async def _dispatch_now(self, candidates: Sequence[PromptRef], request_id: str) -> DispatchResult:
+        """A Dispatch that does not wait: the common case, answered without the long-poll machinery.
+
+        Nothing here awaits before the pacer has answered, so no other call runs in between; the pacer
+        itself replays the answer of an earlier call with this request_id.
+        """
+        self.check_ready()
+        if request_id:
+            replay = self._replay["Dispatch"]
+            if replay.running(request_id):  # the first call with this id is waiting: share its outcome
+                return await replay.join(request_id)
+            replay.check(request_id)
+        result = self.pacer.dispatch(candidates, request_id=request_id)
+        if request_id:
+            self.pacer.remember_answer("Dispatch", request_id, result)
+        if self.pacer.journal is not None:
+            await self._durable()
+        return result
 
     async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         async def call() -> SubmitResult:
@@ -262,8 +302,10 @@ class AsyncPacer:
         """Run `call` once per request_id, and answer only when what it changed is durable."""
         self.check_ready()
         result = await self._replay[method].run(request_id, call)
-        self.pacer.remember_answer(method, request_id, result)
-        await self._durable()
+        if request_id:
+            self.pacer.remember_answer(method, request_id, result)
+        if self.pacer.journal is not None:
+            await self._durable()
         return result
 
     async def _durable(self) -> None:

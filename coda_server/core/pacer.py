@@ -150,6 +150,7 @@ class Pacer:
 
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        self._blocked_threads = 0  # threads in a blocking call's wait on _changed (embedding without asyncio)
         self._change_listeners: list[Callable[[], None]] = []
         self._control_listeners: list[Callable[[ControlEvent], None]] = []
         self._consume_listeners: list[Callable[[list[TrajectoryGroup], int, float], None]] = []
@@ -214,8 +215,17 @@ class Pacer:
         with self._lock:
             self._consume_listeners.append(callback)
 
+    def _wait_for_change(self, timeout: float) -> None:
+        """Block this thread (holding the lock) until the next change or `timeout` seconds."""
+        self._blocked_threads += 1
+        try:
+            self._changed.wait(timeout)
+        finally:
+            self._blocked_threads -= 1
+
     def _notify(self) -> None:
-        self._changed.notify_all()
+        if self._blocked_threads:  # notify_all is Python code under the hood: skip it when nobody waits
+            self._changed.notify_all()
         for callback in self._change_listeners:
             callback()
 
@@ -250,7 +260,7 @@ class Pacer:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return result
-                self._changed.wait(remaining)
+                self._wait_for_change(remaining)
 
     def _dispatch_locked(self, candidates: Sequence[PromptRef], request_id: str = "") -> DispatchResult:
         self._validate_candidates(candidates)
@@ -543,7 +553,7 @@ class Pacer:
                 remaining = deadline - self._clock()
                 if remaining <= 0 or self.closed:
                     return self.collect_now(num_groups, allow_partial)
-                self._changed.wait(remaining)
+                self._wait_for_change(remaining)
 
     def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
                     lease_seconds: float = 0.0) -> CollectResult:
@@ -683,7 +693,7 @@ class Pacer:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     break
-                self._changed.wait(remaining)
+                self._wait_for_change(remaining)
             return self.finish_reset(resume=resume, weight_version=weight_version)
 
     def begin_reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, *, resume: bool = False,

@@ -1,0 +1,56 @@
+"""AsyncPacer request-id replay: a retry that arrives while the first call still waits shares its outcome."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coda_server.core.async_pacer import AsyncPacer
+from coda_server.core.errors import InvalidArgumentError
+from coda_server.core.types import PromptRef, Trajectory
+
+
+def refs(*prompt_ids: str) -> list[PromptRef]:
+    return [PromptRef(p) for p in prompt_ids]
+
+
+def test_a_retry_of_a_waiting_dispatch_gets_the_first_answer_and_admits_once(core_pacer):
+    pacer = core_pacer("no-window", B=1, stale=0.0, N=1)  # window of one group
+    facade = AsyncPacer(pacer)
+
+    async def run():
+        facade.bind_loop()
+        assert [a.prompt_id for a in (await facade.dispatch(refs("first"))).admitted] == ["first"]
+        waiting = asyncio.ensure_future(facade.dispatch(refs("second"), wait=30, request_id="r-1"))
+        for _ in range(3):
+            await asyncio.sleep(0)  # let it start waiting: the window is full
+        assert not waiting.done()
+        retry = asyncio.ensure_future(facade.dispatch(refs("second"), wait=0, request_id="r-1"))
+        await asyncio.sleep(0)
+        assert not retry.done()  # it joined the first call instead of answering "nothing admitted"
+        await facade.submit([Trajectory("t0", "first")])  # the group completes...
+        assert len((await facade.collect(1)).groups) == 1  # ...and the trainer takes it: a slot frees
+        first, again = await asyncio.wait_for(asyncio.gather(waiting, retry), 10)
+        facade.drain()
+        return first, again
+
+    first, again = asyncio.run(run())
+    assert [a.prompt_id for a in first.admitted] == ["second"] and again == first
+    assert pacer.state().dispatched == 2
+
+
+def test_a_request_id_that_may_not_be_kept_is_refused_without_waiting(core_pacer):
+    facade = AsyncPacer(core_pacer("no-window"))
+
+    async def run():
+        facade.bind_loop()
+        try:
+            with pytest.raises(InvalidArgumentError, match="request_id"):
+                await facade.dispatch(refs("p"), wait=0, request_id="bad\nid")
+            with pytest.raises(InvalidArgumentError, match="request_id"):
+                await facade.dispatch(refs("p"), wait=5, request_id="bad\nid")
+        finally:
+            facade.drain()
+
+    asyncio.run(run())
+    assert facade.pacer.state().dispatched == 0
