@@ -45,7 +45,7 @@ def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
         PromptRef(
             c.prompt_id,
             c.ds_index,
-            c.epoch if c.HasField("epoch") else None,
+            c.epoch if c.HasField("epoch") else None,  # optional on the wire: absent stays None
             c.index if c.HasField("index") else None,
         )
         for c in candidates

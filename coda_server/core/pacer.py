@@ -270,16 +270,21 @@ class Pacer:
         admitted: list[Admitted] = []
         if count:
             now = self._clock()
-            groups = [InflightGroup(ref, self._next_seq + i, self._group_sizes[ref.ds_index], now)
-                      for i, ref in enumerate(candidates[:count])]
+            seq, sizes = self._next_seq, self._group_sizes
+            groups = [InflightGroup(ref, seq + i, sizes[ref.ds_index], now) for i, ref in enumerate(candidates[:count])]
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged.
             self._strategy.on_dispatched(groups)
-            self._next_seq += count
+            self._next_seq = seq + count
+            inflight, prompts = self._inflight, self._generation_prompts
             for group in groups:
-                self._inflight[group.prompt_id] = group
-                self._generation_prompts.add(group.prompt_id)
-                self._extend_lease(group, now)
+                inflight[group.prompt_id] = group
+                prompts.add(group.prompt_id)
                 admitted.append(Admitted(group.prompt_id, group.seq))
+            if self._inflight_lease:
+                deadline = now + self._inflight_lease
+                for group in groups:
+                    group.deadline = deadline
+                    heapq.heappush(self._lease_heap, (deadline, group.seq, group.prompt_id))
             self.totals["dispatched"] += count
             self._strategy_touched = True
             self._release_held()
@@ -305,12 +310,25 @@ class Pacer:
         return max(0, self._strategy.compute_dispatch_count(len(self._buffer)))
 
     def _validate_candidates(self, candidates: Sequence[PromptRef]) -> None:
-        violations: list[tuple[str, str]] = []
         if len(candidates) > self._max_candidates:
             raise InvalidArgumentError(
                 f"{len(candidates)} candidates in one Dispatch; at most {self._max_candidates} are allowed",
                 violations=[("candidates", f"at most {self._max_candidates} candidates per call")])
+        # A quick pass for the usual case, every candidate plainly valid; anything else gets the full pass,
+        # which names every problem.
+        inflight, limit, sources = self._inflight, self._max_id_length, len(self._group_sizes)
         seen: set[str] = set()
+        for ref in candidates:
+            prompt_id, ds_index = ref.prompt_id, ref.ds_index
+            if (type(prompt_id) is not str or not 0 < len(prompt_id) <= limit or prompt_id in seen
+                    or prompt_id in inflight or not prompt_id.isprintable()
+                    or type(ds_index) is not int or not 0 <= ds_index < sources):
+                break
+            seen.add(prompt_id)
+        else:
+            return
+        violations: list[tuple[str, str]] = []
+        seen = set()
         for i, ref in enumerate(candidates):
             field = f"candidates[{i}]"
             problem = self._id_problem(ref.prompt_id)
