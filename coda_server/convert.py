@@ -42,7 +42,7 @@ _STATUSES = {int(status): status for status in TrajectoryStatus}
 
 def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     return [
-        PromptRef(
+        PromptRef.from_fields(
             c.prompt_id,
             c.ds_index,
             c.epoch if c.HasField("epoch") else None,  # optional on the wire: absent stays None

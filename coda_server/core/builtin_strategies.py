@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import heapq
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .strategy import SlidingWindowStrategy, register_sliding_window_strategy, window_size
 
@@ -18,12 +18,14 @@ class InflightSeqs:
         self._seq_of: dict[str, int] = {}
         self._heap: list[tuple[int, str]] = []
 
-    def add(self, prompt_id: str) -> int:
-        seq = self.next_seq
-        self.next_seq += 1
-        self._seq_of[prompt_id] = seq
-        heapq.heappush(self._heap, (seq, prompt_id))
-        return seq
+    def add_all(self, prompt_ids: Iterable[str]) -> None:
+        """Newly dispatched prompts, in dispatch order; each gets the next seq."""
+        seq, seq_of, heap = self.next_seq, self._seq_of, self._heap
+        for prompt_id in prompt_ids:
+            seq_of[prompt_id] = seq
+            heapq.heappush(heap, (seq, prompt_id))
+            seq += 1
+        self.next_seq = seq
 
     def seq_of(self, prompt_id: str) -> int:
         try:
@@ -57,8 +59,7 @@ class _WindowStrategy(SlidingWindowStrategy):
         self._seqs = InflightSeqs()
 
     def on_dispatched(self, groups: Sequence[Any]) -> None:
-        for group in groups:
-            self._seqs.add(group.prompt_id)
+        self._seqs.add_all([group.prompt_id for group in groups])
         super().on_dispatched(groups)
 
     def on_collected(self, prompt_id: str) -> None:
