@@ -139,7 +139,8 @@ class AsyncPacer:
     # ------------------------------------------------------------- wake-ups
 
     def _on_change(self) -> None:
-        self._call_in_loop(self._wake)
+        if self._change is not None:  # somebody waits (only the loop sets it, and it checks after taking it)
+            self._call_in_loop(self._wake)
 
     def _on_control(self, event: ControlEvent) -> None:
         self._call_in_loop(lambda: self._publish(event))
@@ -199,7 +200,20 @@ class AsyncPacer:
 
     async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
         if wait <= 0 or not candidates:
-            return await self._dispatch_now(candidates, request_id)
+            # The common case, answered without the long-poll machinery. Nothing awaits before the pacer has
+            # answered, so no other call runs in between; the pacer replays an earlier call's answer itself.
+            self.check_ready()
+            if request_id:
+                replay = self._replay["Dispatch"]
+                if replay.running(request_id):  # the first call with this id is waiting: share its outcome
+                    return await replay.join(request_id)
+                replay.check(request_id)
+            result = self.pacer.dispatch(candidates, request_id=request_id)
+            if request_id:
+                self.pacer.remember_answer("Dispatch", request_id, result)
+            if self.pacer.journal is not None:
+                await self._durable()
+            return result
 
         async def call() -> DispatchResult:
             result = self.pacer.dispatch(candidates, request_id=request_id)
@@ -221,25 +235,6 @@ class AsyncPacer:
             return holder[0]
 
         return await self._applied("Dispatch", request_id, call)
-
-    async def _dispatch_now(self, candidates: Sequence[PromptRef], request_id: str) -> DispatchResult:
-        """A Dispatch that does not wait: the common case, answered without the long-poll machinery.
-
-        Nothing here awaits before the pacer has answered, so no other call runs in between; the pacer
-        itself replays the answer of an earlier call with this request_id.
-        """
-        self.check_ready()
-        if request_id:
-            replay = self._replay["Dispatch"]
-            if replay.running(request_id):  # the first call with this id is waiting: share its outcome
-                return await replay.join(request_id)
-            replay.check(request_id)
-        result = self.pacer.dispatch(candidates, request_id=request_id)
-        if request_id:
-            self.pacer.remember_answer("Dispatch", request_id, result)
-        if self.pacer.journal is not None:
-            await self._durable()
-        return result
 
     async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         async def call() -> SubmitResult:

@@ -295,7 +295,8 @@ class Pacer:
             capacity=self._window_size, remaining=self._admissible_now(),
         )
         if count:
-            self._record(("dispatch", now, list(candidates[:count]), request_id))
+            if self._journal is not None:  # (the event's list is not worth building for nobody)
+                self._record(("dispatch", now, list(candidates[:count]), request_id))
             self._remember("Dispatch", request_id, result)
         return result
 
@@ -401,7 +402,8 @@ class Pacer:
             if fresh or duplicates:
                 self._notify()
             result = SubmitResult(accepted=len(fresh), duplicates=duplicates, groups_completed=len(completed))
-            self._record(("submit", self._clock(), list(trajectories), request_id))
+            if self._journal is not None:  # (the event's list is not worth building for nobody)
+                self._record(("submit", self._clock(), list(trajectories), request_id))
             self._remember("Submit", request_id, result)
             return result
 
