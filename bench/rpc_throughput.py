@@ -52,6 +52,7 @@ from coda_client._proto import pacer_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILE_ENV = "CODA_BENCH_PROFILE"
+FLOOR_PASSTHROUGH_ENV = "CODA_BENCH_FLOOR_PASSTHROUGH"
 SERVICE = "/coda.pacer.v1.RolloutPacer/"
 CALL_TIMEOUT_SECONDS = 60.0
 START_TIMEOUT_SECONDS = 60.0
@@ -120,7 +121,14 @@ async def serve_floor(port_file: Path, overrides: list[str]) -> int:
     config = load_config(overrides=overrides)
     server = grpc.aio.server(options=server_options(config),
                              maximum_concurrent_rpcs=int(config.server.max_concurrent_rpcs))
-    pacer_pb2_grpc.add_RolloutPacerServicer_to_server(FloorServicer(), server)
+    registrar = server
+    if os.environ.get(FLOOR_PASSTHROUGH_ENV):  # --floor-passthrough: parse Submit as our server does
+        from coda_server.method_wrapping import WrappingRegistrar
+        from coda_server.server import SERVICE_NAME
+        from coda_server.wire import PassthroughCodec
+
+        registrar = WrappingRegistrar(server, [PassthroughCodec(SERVICE_NAME)])
+    pacer_pb2_grpc.add_RolloutPacerServicer_to_server(FloorServicer(), registrar)
     port = server.add_insecure_port(str(config.server.address))
     await server.start()
     temporary = port_file.with_suffix(".tmp")
@@ -724,6 +732,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="extra configuration override for our server (repeatable), e.g. server.log_level=WARNING")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--floor-passthrough", action="store_true",
+                        help="the floor parses Submit into the same pass-through views as our server (coda_server/"
+                             "wire.py) instead of decoding every token: shows how much of the Submit ratio that "
+                             "parse accounts for")
     parser.add_argument("--serve-floor", metavar="PORT_FILE", help=argparse.SUPPRESS)
     parser.add_argument("--profile-serve", choices=("floor", "ours"), help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
@@ -755,6 +767,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.repeats} repeats x {args.duration:g} s measured (+{args.warmup:g} s warm-up) per server and "
           f"scenario, floor/ours interleaved")
     print(f"our server: python -m coda_server {' '.join(OUR_OVERRIDES + args.server_arg)}")
+    if args.floor_passthrough:
+        os.environ[FLOOR_PASSTHROUGH_ENV] = "1"  # read by the floor subprocess only
+        print("floor: parses Submit into pass-through views, as our server does (--floor-passthrough)")
     if profile_dir:
         print(f"PROFILING: both servers run under cProfile ({profile_dir}); the figures below are NOT valid "
               f"measurements of either server")
