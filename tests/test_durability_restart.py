@@ -98,6 +98,22 @@ def test_a_second_server_on_the_same_state_dir_refuses_to_start(durable):
     assert first.client.state().dispatched == 1
 
 
+@pytest.mark.parametrize("make_path", [
+    lambda tmp: tmp / "a-file",  # exists and is a file
+    lambda tmp: tmp / "a-file" / "below",  # cannot be created: its parent is a file
+])
+def test_an_unusable_state_dir_is_one_clear_line_and_exit_1(tmp_path, make_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    state_dir = make_path(tmp_path)
+    command = [sys.executable, "-m", "coda_server", "server.address=127.0.0.1:0", "server.metrics_address=",
+               f"server.state_dir={state_dir}"]
+    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1 and "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"server.state_dir '{state_dir}' cannot be used" in lines[0], output
+
+
 def build_state(pacer: PacerClient) -> list:
     """Step 0 consumed and reset; then prompts of step 1 with scrambled priorities, some complete, one partial,
     one complete but held by the windowed-fifo gate, some running with nothing yet. Returns the Collect answers."""

@@ -34,7 +34,11 @@ ALLOWED_CLASSES = {
     ("collections", "OrderedDict"), ("collections", "deque")}
 
 
-class StateDirLockedError(RuntimeError):
+class StateDirError(RuntimeError):
+    """The state directory cannot be used (not creatable, not writable, not a directory, or held)."""
+
+
+class StateDirLockedError(StateDirError):
     """Another server holds the state directory."""
 
 
@@ -91,19 +95,14 @@ class Journal:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync policy {fsync!r} is not known; allowed: {', '.join(FSYNC_POLICIES)}")
         self.directory = Path(state_dir)
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.codec = codec or PickledTrajectories()
-        self._lock_file = self._take_lock()
-        self._db = sqlite3.connect(self.directory / "pacer.sqlite3", isolation_level=None, check_same_thread=False)
-        # Events are large blobs (a Submit carries its trajectories): 64 KiB pages store them in few
-        # pages. The WAL is folded into the database after each snapshot rather than every 1000 pages,
-        # which would copy every event a second time; WAL_PAGES_LIMIT bounds it if Resets are rare.
-        self._db.execute("PRAGMA page_size=65536")  # takes effect when the file is created
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES_LIMIT}")
-        self._db.execute(f"PRAGMA synchronous={FSYNC_POLICIES[fsync]}")
-        self._db.execute("CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS snapshot (id INTEGER PRIMARY KEY CHECK (id = 1), body BLOB NOT NULL)")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock_file = self._take_lock()
+            self._db = self._open_database(fsync)
+        except (OSError, sqlite3.Error) as exc:
+            raise StateDirError(f"server.state_dir {str(self.directory)!r} cannot be used: {exc}; it must be a "
+                                f"directory (or a path where one can be made) that this user can write") from None
         self._queue: deque[tuple[int, str, Any]] = deque()
         self._cond = threading.Condition()
         self._queued = 0  # tickets handed out
@@ -113,6 +112,19 @@ class Journal:
         self._closing = False
         self._writer = threading.Thread(target=self._write_loop, name="coda-journal", daemon=True)
         self._writer.start()
+
+    def _open_database(self, fsync: str) -> sqlite3.Connection:
+        db = sqlite3.connect(self.directory / "pacer.sqlite3", isolation_level=None, check_same_thread=False)
+        # Events are large blobs (a Submit carries its trajectories): 64 KiB pages store them in few
+        # pages. The WAL is folded into the database after each snapshot rather than every 1000 pages,
+        # which would copy every event a second time; WAL_PAGES_LIMIT bounds it if Resets are rare.
+        db.execute("PRAGMA page_size=65536")  # takes effect when the file is created
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES_LIMIT}")
+        db.execute(f"PRAGMA synchronous={FSYNC_POLICIES[fsync]}")
+        db.execute("CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")
+        db.execute("CREATE TABLE IF NOT EXISTS snapshot (id INTEGER PRIMARY KEY CHECK (id = 1), body BLOB NOT NULL)")
+        return db
 
     def _take_lock(self):
         path = self.directory / "LOCK"
