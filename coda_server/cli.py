@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .core.config import load_config
-from .core.errors import ConfigError
+from .core.errors import ConfigError, RecoveryError
 from .core.journal import StateDirError
 from .logs import TEXT_FORMAT, configure_logging, fields
 from .server import BindError, PacerServer
@@ -49,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging(str(config.server.log_format), str(config.server.log_level))
     try:
         return asyncio.run(serve(config, port_file=args.port_file))
-    except (BindError, StateDirError) as exc:  # port taken; state directory unusable or held by another server
+    except (BindError, StateDirError, RecoveryError) as exc:  # port taken; state directory unusable, held or unreadable
         log.error("%s", exc)
         return 1
     except ConfigError as exc:  # a file the configuration names (token, certificates) is unusable

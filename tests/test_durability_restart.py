@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sqlite3
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 from coda_client import PacerClient, PromptRef, Trajectory, TrajectoryStatus
 from crash_workload import FAST_RECONNECT, fingerprint
 from server_harness import REPO_ROOT, ServerProcess
-from test_durability_crash import N, check_invariant, durable_overrides, free_port
+from test_durability_crash import B, N, check_invariant, durable_overrides, free_port
 
 
 def trajectory(prompt_id: str, j: int, weight_version: int = 0) -> Trajectory:
@@ -112,6 +113,39 @@ def test_an_unusable_state_dir_is_one_clear_line_and_exit_1(tmp_path, make_path)
     assert run.returncode == 1 and "Traceback" not in output, output
     lines = [line for line in output.splitlines() if line.strip()]
     assert len(lines) == 1 and f"server.state_dir '{state_dir}' cannot be used" in lines[0], output
+
+
+def start_with(state_dir, *overrides: str) -> subprocess.CompletedProcess:
+    """Run coda-server on `state_dir` until it exits by itself (these tests expect it to refuse to start)."""
+    command = [sys.executable, "-m", "coda_server", "server.address=127.0.0.1:0", "server.metrics_address=",
+               f"server.state_dir={state_dir}", *overrides]
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["settings recorded", "state from before they were"])
+def test_a_state_made_under_other_pacing_settings_is_refused_in_one_line_and_kept(durable, recorded):
+    first = durable()
+    first.client.dispatch([f"p{i}" for i in range(B)], request_id="d-0")  # fills the window of B * (1 + 1)
+    first.client.dispatch([f"q{i}" for i in range(B)], request_id="d-1")
+    first.client.submit(group("p0"), request_id="s-0")
+    before = comparable(first.client.state())
+    assert first.server.terminate() == 0
+    if not recorded:  # drop the snapshot that records the settings, as a state directory of an older server
+        with sqlite3.connect(first.state_dir / "pacer.sqlite3") as db:
+            db.execute("DELETE FROM snapshot")
+    changed = [o for o in first.overrides if not o.startswith(("data_source.num_prompts_per_step", "server."))]
+    run = start_with(first.state_dir, *changed, f"data_source.num_prompts_per_step={B // 2}")
+    output = run.stdout + run.stderr
+    assert run.returncode == 1 and "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(first.state_dir) in lines[0], output
+    if recorded:
+        assert f"num_prompts_per_step '{B}' -> '{B // 2}'" in lines[0], output
+    else:
+        assert "replaying event" in lines[0] and "pacing configuration changed" in lines[0], output
+    assert "move server.state_dir aside" in lines[0], output
+    first.restart(kill=False)  # with its own settings, the state is all there
+    assert comparable(first.client.state()) == before
 
 
 def build_state(pacer: PacerClient) -> list:

@@ -12,8 +12,10 @@ Asserted:
   Reset), with its payload intact; nothing is dropped, and the server ends with nothing running or buffered;
 - the server's memory returns near its baseline once the buffer is drained.
 
-"Near", and why: the baseline is the server's RSS (VmRSS from /proc/<pid>/status) after a warm-up step
-run at full concurrency and drained. By then the allocators (pymalloc, glibc malloc, gRPC's own) hold
+"Near", and why: the baseline is the server's RSS (VmRSS from /proc/<pid>/status) after WARMUP_STEPS
+warm-up steps run at full concurrency and drained (after one step, the allocators had not always reached
+the working set: the RSS then went on to grow by up to 40 MiB and stay there, with no leak behind it; 40
+cycles of 13 MiB each leave a server's RSS within a few MiB). By then the allocators (pymalloc, glibc malloc, gRPC's own) hold
 the working set this load needs - memory a process frees is mostly kept for reuse, not returned to
 the OS - so RSS before and after the measured steps compare like with like. The live data is bounded
 by the window (C groups of N x PAYLOAD_BYTES, a few MiB), while the measured steps push several times
@@ -42,7 +44,8 @@ from coda_client.errors import StaleGenerationError
 
 B, N, M = 24, 4, 16  # groups per step, group size, trajectories per trainer fetch
 STALE_STEPS = 1.0  # window C = int(B * (1 + STALE_STEPS)) = 48 groups
-STEPS = 10
+STEPS = 20
+WARMUP_STEPS = 3  # before the baseline: the allocators reach the working set this load needs
 THREAD_WORKERS = 47
 PROCESSES, THREADS_PER_PROCESS = 4, 4  # 16 more workers; with the trainer, 64 clients
 PAYLOAD_BYTES = 128 * 1024
@@ -173,14 +176,15 @@ def test_64_clients_full_cycle_exactly_once_and_memory_returns(tmp_path):
                 assert time.monotonic() < deadline, "worker processes did not start"
                 time.sleep(0.05)
 
-            # Warm-up step at full concurrency, then paused and drained: the baseline.
-            trainer.step(0)
+            # Warm-up steps at full concurrency, then paused and drained: the baseline.
+            for number in range(WARMUP_STEPS):
+                trainer.step(number)
             trainer.quiesce()
             baseline = rss_bytes(pid)
             delivered_before = sum(trainer.delivered.values())
-            trainer.client.resume(weight_version=1)
+            trainer.client.resume(weight_version=WARMUP_STEPS)
 
-            for number in range(1, STEPS + 1):
+            for number in range(WARMUP_STEPS, WARMUP_STEPS + STEPS):
                 trainer.step(number)
             measured = sum(trainer.delivered.values()) - delivered_before
         finally:
@@ -214,7 +218,7 @@ def test_64_clients_full_cycle_exactly_once_and_memory_returns(tmp_path):
         assert sum(r["stale"] for r in results) == 0
         assert (state.running, state.buffered, state.queued_trajectories, state.leased) == (0, 0, 0, 0)
         assert state.dispatched == state.collected + state.filtered + state.restored + state.dropped + state.expired
-        assert state.step == STEPS + 2 and state.paused  # warm-up, resume after the baseline, the steps
+        assert state.step == WARMUP_STEPS + STEPS + 1 and state.paused  # warm-up, resume after the baseline, the steps
         # Every client took part.
         assert len({t.rsplit("-", 2)[0] for t in accepted}) == 63
 

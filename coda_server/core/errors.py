@@ -84,3 +84,8 @@ class ShuttingDownError(PacerError):
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the key, the value and what is allowed."""
+
+
+class RecoveryError(RuntimeError):
+    """Start-up cannot rebuild the state kept in server.state_dir (e.g. it was written under another
+    pacing configuration); the server must not serve a state that differs from the one it acknowledged."""

@@ -13,6 +13,7 @@ from .config import config_summary
 from .errors import (
     InvalidArgumentError,
     LeaseExpiredError,
+    RecoveryError,
     ResetInProgressError,
     ResourceExhaustedError,
     ShuttingDownError,
@@ -900,6 +901,7 @@ class Pacer:
                 "leases": [(lease.lease_id, lease.entries, lease.seconds) for lease in self._leases.values()],
                 "lease_serial": self._lease_serial, "lapsed_leases": list(self._lapsed_leases),
                 "held_bytes": self._held_bytes,
+                "config": dict(self._summary),  # the pacing settings the state was made under
             }
 
     def recover(self) -> int:
@@ -911,15 +913,29 @@ class Pacer:
         if self._journal is None:
             return 0
         snapshot, events = self._journal.load()
+        if snapshot is None and not events:  # a new directory: put the configuration on record from the start
+            self.last_ticket = self._journal.snapshot(self.export_state())
+            return 0
+        self._check_recorded_config(snapshot)
         journal, clock = self._journal, self._clock
         self._journal = None  # replaying must not record the events again
         try:
             with self._lock:
                 if snapshot is not None:
-                    self._import_state(snapshot)
-                for event in events:
+                    try:
+                        self._import_state(snapshot)
+                    except (KeyError, ValueError) as exc:
+                        raise RecoveryError(f"cannot read the state snapshot in {journal.directory}: {exc}") from None
+                for number, event in enumerate(events, 1):
                     self._clock = lambda at=event[1]: at  # the replayed call sees the time it first ran at
-                    self._replay(event)
+                    try:
+                        self._replay(event)
+                    except Exception as exc:
+                        raise RecoveryError(
+                            f"cannot rebuild the state in {journal.directory}: replaying event {number} of "
+                            f"{len(events)} ({event[0]}) failed: {exc}. Was the pacing configuration changed since "
+                            f"the state was written? Start with the configuration it was written with, or move "
+                            f"server.state_dir aside to start afresh") from None
         finally:
             self._journal, self._clock = journal, clock
         if self.resetting:  # the last process died during a Reset's wait: end it (recorded); a retried Reset starts afresh
@@ -933,6 +949,18 @@ class Pacer:
             for lease in self._leases.values():
                 lease.deadline = now + lease.seconds
         return len(events)
+
+    def _check_recorded_config(self, snapshot: Optional[dict]) -> None:
+        """Refuse a state made under other pacing settings: replaying it would rebuild a different state."""
+        recorded = (snapshot or {}).get("config")
+        if recorded is None:  # written before the configuration was recorded: nothing to compare
+            return
+        changed = [f"{key} {recorded.get(key)!r} -> {self._summary.get(key)!r}"
+                   for key in sorted(set(recorded) | set(self._summary)) if recorded.get(key) != self._summary.get(key)]
+        if changed:
+            raise RecoveryError(
+                f"the state in {self._journal.directory} was written under other pacing settings ({', '.join(changed)}); "
+                f"start with the settings it was written with, or move server.state_dir aside to start afresh")
 
     def _import_state(self, snapshot: dict) -> None:
         if snapshot.get("format") != SNAPSHOT_FORMAT:
