@@ -148,6 +148,31 @@ def test_a_state_made_under_other_pacing_settings_is_refused_in_one_line_and_kep
     assert comparable(first.client.state()) == before
 
 
+def test_pacing_settings_may_change_at_a_restart_after_a_reset(durable):
+    first = durable()
+    first.client.dispatch(["p0", "p1"], request_id="d-0")
+    first.client.submit(group("p0"), request_id="s-0")
+    first.client.reset("abort", resume=True, weight_version=1)  # the snapshot: nothing left to replay
+    assert first.server.terminate() == 0
+    changed = [o for o in first.overrides if not o.startswith("data_source.num_prompts_per_step")]
+    second = ServerProcess(first.tmp_path, *changed, f"data_source.num_prompts_per_step={B // 2}").start()
+    try:
+        with PacerClient(second.address, timeout=10) as pacer:
+            state = pacer.state()
+            assert (state.window_size, state.buffered, state.step) == (B // 2 * 2, 1, 1)
+            pacer.dispatch(["q0"], request_id="d-1")  # an event under the new settings...
+        second.kill()
+    finally:
+        second.close()
+    # ...replays under the new settings, which were recorded at start-up.
+    restarted = ServerProcess(first.tmp_path, *changed, f"data_source.num_prompts_per_step={B // 2}").start()
+    try:
+        with PacerClient(restarted.address, timeout=10) as pacer:
+            assert pacer.state().running == 1
+    finally:
+        restarted.close()
+
+
 def build_state(pacer: PacerClient) -> list:
     """Step 0 consumed and reset; then prompts of step 1 with scrambled priorities, some complete, one partial,
     one complete but held by the windowed-fifo gate, some running with nothing yet. Returns the Collect answers."""

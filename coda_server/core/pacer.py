@@ -913,10 +913,9 @@ class Pacer:
         if self._journal is None:
             return 0
         snapshot, events = self._journal.load()
-        if snapshot is None and not events:  # a new directory: put the configuration on record from the start
-            self.last_ticket = self._journal.snapshot(self.export_state())
-            return 0
-        self._check_recorded_config(snapshot)
+        recorded = (snapshot or {}).get("config")  # None: a new directory, or a snapshot older than the record
+        if events:
+            self._check_recorded_config(recorded, len(events))
         journal, clock = self._journal, self._clock
         self._journal = None  # replaying must not record the events again
         try:
@@ -938,6 +937,10 @@ class Pacer:
                             f"server.state_dir aside to start afresh") from None
         finally:
             self._journal, self._clock = journal, clock
+        if not events and recorded != self._summary:
+            # Nothing in flight (a new directory, or just after a Reset): put these settings on record now, so a
+            # restart before the next Reset replays its events under the settings they were recorded with.
+            self.last_ticket = self._journal.snapshot(self.export_state())
         if self.resetting:  # the last process died during a Reset's wait: end it (recorded); a retried Reset starts afresh
             self.abandon_reset()
         if self.paused and not self.resetting:
@@ -950,17 +953,18 @@ class Pacer:
                 lease.deadline = now + lease.seconds
         return len(events)
 
-    def _check_recorded_config(self, snapshot: Optional[dict]) -> None:
-        """Refuse a state made under other pacing settings: replaying it would rebuild a different state."""
-        recorded = (snapshot or {}).get("config")
-        if recorded is None:  # written before the configuration was recorded: nothing to compare
+    def _check_recorded_config(self, recorded: Optional[dict], events: int) -> None:
+        """Refuse to replay events recorded under other pacing settings: that would rebuild a different state."""
+        if recorded is None:  # a snapshot older than the record: nothing to compare (replay still checks itself)
             return
         changed = [f"{key} {recorded.get(key)!r} -> {self._summary.get(key)!r}"
                    for key in sorted(set(recorded) | set(self._summary)) if recorded.get(key) != self._summary.get(key)]
         if changed:
             raise RecoveryError(
-                f"the state in {self._journal.directory} was written under other pacing settings ({', '.join(changed)}); "
-                f"start with the settings it was written with, or move server.state_dir aside to start afresh")
+                f"the state in {self._journal.directory} has {events} events since its last snapshot, recorded under "
+                f"other pacing settings ({', '.join(changed)}); start with the settings they were recorded with "
+                f"(to change settings, restart after a Reset, when nothing is replayed), or move server.state_dir "
+                f"aside to start afresh")
 
     def _import_state(self, snapshot: dict) -> None:
         if snapshot.get("format") != SNAPSHOT_FORMAT:
