@@ -42,10 +42,10 @@ _STATUSES = {int(status): status for status in TrajectoryStatus}
 
 def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     return [
-        PromptRef.from_fields(
+        PromptRef(
             c.prompt_id,
             c.ds_index,
-            c.epoch if c.HasField("epoch") else None,  # optional on the wire: absent stays None
+            c.epoch if c.HasField("epoch") else None,
             c.index if c.HasField("index") else None,
         )
         for c in candidates

@@ -4,8 +4,6 @@ Thread safety lives in test_core_threads.py, random sequences in test_core_prope
 """
 from __future__ import annotations
 
-import dataclasses
-import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -417,14 +415,3 @@ def test_window_gated_and_fifo_windows_restart_after_reset(core_pacer):
         finish(pacer, got[-1], 1)
         if strategy == "windowed-fifo" and len(got) > 2:
             assert pacer.state().buffered == st.buffered  # outside the window of the new head
-
-
-def test_a_prompt_ref_built_from_fields_equals_one_built_normally():
-    from coda_server.core.types import PromptRef
-
-    for fields in (("p", 0, None, None), ("q", 2, 5, 7)):
-        fast, normal = PromptRef.from_fields(*fields), PromptRef(*fields)
-        assert fast == normal and hash(fast) == hash(normal) and repr(fast) == repr(normal)
-        assert pickle.loads(pickle.dumps(fast)) == normal
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        PromptRef.from_fields("p", 0, None, None).prompt_id = "other"

@@ -43,23 +43,7 @@ class RequestDeduplicator:
     def __init__(self, answered: Callable[[str], Any], check: Optional[Callable[[str], None]] = None):
         self._answered = answered
         self._check = check  # validates a non-empty request_id before it is used
-        self._running: dict[str, Optional[asyncio.Future]] = {}
-
-    def running(self, request_id: str) -> bool:
-        """True while a call with this request_id runs (a retry then shares its outcome)."""
-        return request_id in self._running
-
-    def check(self, request_id: str) -> None:
-        """Refuse (InvalidArgumentError) a request_id that may not be kept."""
-        if self._check is not None:
-            self._check(request_id)
-
-    async def join(self, request_id: str) -> Any:
-        """The outcome of the call with this request_id that is running now."""
-        waiter = self._running[request_id]
-        if waiter is None:
-            waiter = self._running[request_id] = asyncio.get_running_loop().create_future()
-        return await asyncio.shield(waiter)
+        self._running: dict[str, asyncio.Future] = {}
 
     async def run(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
         if not request_id:
@@ -69,21 +53,19 @@ class RequestDeduplicator:
         answer = self._answered(request_id)
         if answer is not None:
             return answer
-        running = self._running
-        if request_id in running:  # a retry while the first call runs: share its outcome
-            return await self.join(request_id)
-        running[request_id] = None  # a future only if a retry comes while this call runs (it rarely does)
+        if request_id in self._running:
+            return await asyncio.shield(self._running[request_id])
+        future = asyncio.get_running_loop().create_future()
+        self._running[request_id] = future
         try:
             result = await call()
         except BaseException as exc:
-            waiter = running.pop(request_id)
-            if waiter is not None:
-                waiter.set_exception(exc)
-                waiter.exception()  # mark retrieved: the retry may be gone
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: waiters may not exist
             raise
-        waiter = running.pop(request_id)
-        if waiter is not None:
-            waiter.set_result(result)
+        finally:
+            del self._running[request_id]
+        future.set_result(result)
         return result
 
 
@@ -139,8 +121,7 @@ class AsyncPacer:
     # ------------------------------------------------------------- wake-ups
 
     def _on_change(self) -> None:
-        if self._change is not None:  # somebody waits (only the loop sets it, and it checks after taking it)
-            self._call_in_loop(self._wake)
+        self._call_in_loop(self._wake)
 
     def _on_control(self, event: ControlEvent) -> None:
         self._call_in_loop(lambda: self._publish(event))
@@ -199,22 +180,6 @@ class AsyncPacer:
     # ------------------------------------------------------------- operations
 
     async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
-        if wait <= 0 or not candidates:
-            # The common case, answered without the long-poll machinery. Nothing awaits before the pacer has
-            # answered, so no other call runs in between; the pacer replays an earlier call's answer itself.
-            self.check_ready()
-            if request_id:
-                replay = self._replay["Dispatch"]
-                if replay.running(request_id):  # the first call with this id is waiting: share its outcome
-                    return await replay.join(request_id)
-                replay.check(request_id)
-            result = self.pacer.dispatch(candidates, request_id=request_id)
-            if request_id:
-                self.pacer.remember_answer("Dispatch", request_id, result)
-            if self.pacer.journal is not None:
-                await self._durable()
-            return result
-
         async def call() -> DispatchResult:
             result = self.pacer.dispatch(candidates, request_id=request_id)
             if result.admitted or not candidates or wait <= 0:
@@ -297,10 +262,8 @@ class AsyncPacer:
         """Run `call` once per request_id, and answer only when what it changed is durable."""
         self.check_ready()
         result = await self._replay[method].run(request_id, call)
-        if request_id:
-            self.pacer.remember_answer(method, request_id, result)
-        if self.pacer.journal is not None:
-            await self._durable()
+        self.pacer.remember_answer(method, request_id, result)
+        await self._durable()
         return result
 
     async def _durable(self) -> None:

@@ -271,21 +271,16 @@ class Pacer:
         admitted: list[Admitted] = []
         if count:
             now = self._clock()
-            seq, sizes = self._next_seq, self._group_sizes
-            groups = [InflightGroup(ref, seq + i, sizes[ref.ds_index], now) for i, ref in enumerate(candidates[:count])]
+            groups = [InflightGroup(ref, self._next_seq + i, self._group_sizes[ref.ds_index], now)
+                      for i, ref in enumerate(candidates[:count])]
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged.
             self._strategy.on_dispatched(groups)
-            self._next_seq = seq + count
-            inflight, prompts = self._inflight, self._generation_prompts
+            self._next_seq += count
             for group in groups:
-                inflight[group.prompt_id] = group
-                prompts.add(group.prompt_id)
+                self._inflight[group.prompt_id] = group
+                self._generation_prompts.add(group.prompt_id)
+                self._extend_lease(group, now)
                 admitted.append(Admitted(group.prompt_id, group.seq))
-            if self._inflight_lease:
-                deadline = now + self._inflight_lease
-                for group in groups:
-                    group.deadline = deadline
-                    heapq.heappush(self._lease_heap, (deadline, group.seq, group.prompt_id))
             self.totals["dispatched"] += count
             self._strategy_touched = True
             self._release_held()
@@ -296,8 +291,7 @@ class Pacer:
             capacity=self._window_size, remaining=self._admissible_now(),
         )
         if count:
-            if self._journal is not None:  # (the event's list is not worth building for nobody)
-                self._record(("dispatch", now, list(candidates[:count]), request_id))
+            self._record(("dispatch", now, list(candidates[:count]), request_id))
             self._remember("Dispatch", request_id, result)
         return result
 
@@ -312,25 +306,12 @@ class Pacer:
         return max(0, self._strategy.compute_dispatch_count(len(self._buffer)))
 
     def _validate_candidates(self, candidates: Sequence[PromptRef]) -> None:
+        violations: list[tuple[str, str]] = []
         if len(candidates) > self._max_candidates:
             raise InvalidArgumentError(
                 f"{len(candidates)} candidates in one Dispatch; at most {self._max_candidates} are allowed",
                 violations=[("candidates", f"at most {self._max_candidates} candidates per call")])
-        # A quick pass for the usual case, every candidate plainly valid; anything else gets the full pass,
-        # which names every problem.
-        inflight, limit, sources = self._inflight, self._max_id_length, len(self._group_sizes)
         seen: set[str] = set()
-        for ref in candidates:
-            prompt_id, ds_index = ref.prompt_id, ref.ds_index
-            if (type(prompt_id) is not str or not 0 < len(prompt_id) <= limit or prompt_id in seen
-                    or prompt_id in inflight or not prompt_id.isprintable()
-                    or type(ds_index) is not int or not 0 <= ds_index < sources):
-                break
-            seen.add(prompt_id)
-        else:
-            return
-        violations: list[tuple[str, str]] = []
-        seen = set()
         for i, ref in enumerate(candidates):
             field = f"candidates[{i}]"
             problem = self._id_problem(ref.prompt_id)
@@ -403,8 +384,7 @@ class Pacer:
             if fresh or duplicates:
                 self._notify()
             result = SubmitResult(accepted=len(fresh), duplicates=duplicates, groups_completed=len(completed))
-            if self._journal is not None:  # (the event's list is not worth building for nobody)
-                self._record(("submit", self._clock(), list(trajectories), request_id))
+            self._record(("submit", self._clock(), list(trajectories), request_id))
             self._remember("Submit", request_id, result)
             return result
 

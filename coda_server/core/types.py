@@ -32,15 +32,6 @@ class PromptRef:
     epoch: Optional[int] = None
     index: Optional[int] = None
 
-    @classmethod
-    def from_fields(cls, prompt_id: str, ds_index: int, epoch: Optional[int], index: Optional[int]) -> "PromptRef":
-        """The same as `PromptRef(...)`, written straight into the instance: a frozen dataclass's __init__
-        sets each field through object.__setattr__, four times slower, and Dispatch builds one per candidate."""
-        ref = object.__new__(cls)
-        fields = ref.__dict__
-        fields["prompt_id"], fields["ds_index"], fields["epoch"], fields["index"] = prompt_id, ds_index, epoch, index
-        return ref
-
 
 @dataclass
 class Trajectory:
