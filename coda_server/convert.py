@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from coda_client._proto import pacer_pb2 as pb
 
@@ -34,7 +34,7 @@ class ProtoTrajectories:
 
     def decode(self, data: bytes) -> Trajectory:
         body = wire.Trajectory.FromString(data)
-        return trajectories(wire.ParsedSubmit(wire.SubmitRequest(trajectories=[body]), [body.ByteSize()]))[0]
+        return trajectories([body], [body.ByteSize()])[0]
 
 
 _STATUSES = {int(status): status for status in TrajectoryStatus}
@@ -52,13 +52,13 @@ def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     ]
 
 
-def trajectories(request: wire.ParsedSubmit) -> list[Trajectory]:
+def trajectories(messages: Sequence[wire.Trajectory], sizes: Sequence[int]) -> list[Trajectory]:
     """Core trajectories whose body is the wire message itself (a pass-through view, see wire.py), so the
     trainer gets it back byte for byte; `size_bytes`, which the server.max_held_bytes cap counts, is its
-    encoded size."""
+    encoded size (`sizes`, one per message)."""
     converted = []
     violations = []
-    for i, (m, size) in enumerate(zip(request.trajectories, request.sizes)):
+    for i, (m, size) in enumerate(zip(messages, sizes)):
         tokens, logprobs, mask = m.token_ids, m.logprobs, m.loss_mask
         if tokens or logprobs or mask:
             counts = {"token_ids": wire.varint_count(tokens) if tokens else 0,

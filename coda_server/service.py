@@ -37,6 +37,8 @@ def maps_errors(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
 
 def bounded_wait(requested: float, context: grpc.aio.ServicerContext) -> float:
     """The request's wait, no longer than the call's own deadline allows."""
+    if requested == 0:  # the usual call, which does not wait: no deadline to consult
+        return 0.0
     if not math.isfinite(requested) or requested < 0:
         raise InvalidArgumentError(f"wait_seconds {requested!r} must be a finite number >= 0",
                                    violations=[("wait_seconds", "must be a finite number >= 0")])
@@ -52,13 +54,14 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:
-        wait = bounded_wait(request.wait_seconds, context) if request.wait_seconds else 0.0
-        result = await self._pacer.dispatch(convert.prompt_refs(request.candidates), wait, request.request_id)
+        result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
+                                            bounded_wait(request.wait_seconds, context), request.request_id)
         return convert.dispatch_response(result)
 
     @maps_errors
     async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:
-        result = await self._pacer.submit(convert.trajectories(request), request.request_id)
+        result = await self._pacer.submit(convert.trajectories(request.trajectories, request.sizes),
+                                          request.request_id)
         return convert.submit_response(result)
 
     @maps_errors
