@@ -79,9 +79,8 @@ class AccessLog:
         self._max_pending = max_pending
         self._pending: list[tuple] = []
         self._timer: Optional[asyncio.TimerHandle] = None
-        self._second = -1  # the whole second _second_text spells (local time for text, UTC for JSON)
+        self._second = -1  # the whole second _second_text spells (text format)
         self._second_text = ""
-        self._logger_json = json.dumps(logger.name)
 
     def enabled(self) -> bool:
         return self._logger.isEnabledFor(logging.INFO)
@@ -146,24 +145,16 @@ class AccessLog:
         return values
 
     def _line(self, entry: tuple) -> str:
-        """The line `logging` would write with the server's formatter (`json_line` or TEXT_FORMAT), built
-        directly: the timestamp's whole second is spelled once per second, and JSON strings are escaped one
-        by one instead of dumping a dict."""
-        created, service, method, code, elapsed, request_id, peer = entry
+        """The line the server's formatter writes (`json_line`, or TEXT_FORMAT with the timestamp's whole
+        second spelled once per second)."""
+        created = entry[0]
+        if self._json:
+            return json_line(created, "INFO", self._logger.name, self._message(entry), self._values(entry)) + "\n"
         second = int(created)
         if second != self._second:
-            self._second = second
-            self._second_text = (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)) if self._json
-                                 else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second)))
+            self._second, self._second_text = second, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
         millis = int(created * 1000) % 1000
-        if not self._json:
-            return f"{self._second_text},{millis:03d} INFO {self._logger.name}: {self._message(entry)}\n"
-        dumps = json.dumps
-        request = f',"request_id":{dumps(request_id)}' if request_id else ""
-        return (f'{{"ts":"{self._second_text}.{millis:03d}Z","level":"INFO","logger":{self._logger_json},'
-                f'"msg":{dumps(self._message(entry))},"event":"rpc","service":{dumps(service)},'
-                f'"method":{dumps(method)},"code":{dumps(code)},"duration_ms":{round(elapsed * 1000.0, 3)!r}'
-                f'{request},"peer":{dumps(peer)}}}\n')
+        return f"{self._second_text},{millis:03d} INFO {self._logger.name}: {self._message(entry)}\n"
 
     def _record(self, entry: tuple) -> logging.LogRecord:
         record = self._logger.makeRecord(self._logger.name, logging.INFO, __file__, 0, "%s", (self._message(entry),),
