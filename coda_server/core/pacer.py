@@ -312,18 +312,20 @@ class Pacer:
                 f"{len(candidates)} candidates in one Dispatch; at most {self._max_candidates} are allowed",
                 violations=[("candidates", f"at most {self._max_candidates} candidates per call")])
         seen: set[str] = set()
+        inflight, datasets = self._inflight, len(self._group_sizes)
         for i, ref in enumerate(candidates):
-            field = f"candidates[{i}]"
-            problem = self._id_problem(ref.prompt_id)
-            if problem:
-                violations.append((f"{field}.prompt_id", problem))
-            elif ref.prompt_id in seen:
-                violations.append((f"{field}.prompt_id", f"prompt {ref.prompt_id!r} is named twice in this request"))
-            elif ref.prompt_id in self._inflight:
-                violations.append((f"{field}.prompt_id", f"prompt {ref.prompt_id!r} is already in flight"))
-            seen.add(ref.prompt_id)
-            if not (isinstance(ref.ds_index, int) and 0 <= ref.ds_index < len(self._group_sizes)):
-                violations.append((f"{field}.ds_index", self._ds_index_problem(ref.ds_index)))
+            prompt_id, ds_index = ref.prompt_id, ref.ds_index
+            problem = self._id_problem(prompt_id)
+            if problem is None:
+                if prompt_id in seen:
+                    problem = f"prompt {prompt_id!r} is named twice in this request"
+                elif prompt_id in inflight:
+                    problem = f"prompt {prompt_id!r} is already in flight"
+                seen.add(prompt_id)
+            if problem is not None:
+                violations.append((f"candidates[{i}].prompt_id", problem))
+            if not (isinstance(ds_index, int) and 0 <= ds_index < datasets):
+                violations.append((f"candidates[{i}].ds_index", self._ds_index_problem(ds_index)))
         if violations:
             raise InvalidArgumentError(f"Dispatch refused, nothing admitted: {violations[0][1]}", violations=violations)
 
