@@ -1,0 +1,167 @@
+"""Machine instructions our Dispatch handler executes per call, counted by valgrind: noise-free, in process.
+
+`rpc_throughput.py` measures what users see, but on a shared machine its ratios move by about 0.1 from
+run to run, so a change worth a few percent of our own work cannot be told from noise there. This
+script counts instead: it runs the handler chain exactly as the server registers it (observability, the
+malformed-request guard, the servicer, the AsyncPacer, the Pacer, the conversions) in one process,
+without gRPC, under `valgrind --tool=cachegrind`. Each figure is the difference between a run that makes
+`--calls` calls and a run that only prepares them, divided by `--calls`. With PYTHONHASHSEED fixed the
+figures repeat to within a few hundred instructions, so two versions of the code can be compared exactly.
+
+Layers (each includes the ones below it):
+
+* `full`: request bytes -> the registered handler's deserializer, wrappers and servicer -> response bytes;
+* `servicer`: `RolloutPacerServicer.Dispatch` on a decoded request, plus serializing the response;
+* `async`: `AsyncPacer.dispatch` on converted candidates (request-id replay included);
+* `pacer`: `Pacer.dispatch` on converted candidates;
+* `refs`: `convert.prompt_refs` alone;
+* `floor`: the floor's empty handler of rpc_throughput.py with the generated (de)serializers.
+
+    python bench/handler_instructions.py                     # peek and 4 candidates, every layer (~5 min)
+    python bench/handler_instructions.py --layers full --candidates 4
+
+Needs valgrind (`apt install valgrind`). The counts leave out what gRPC itself does per call and say
+nothing about time by themselves; rpc_throughput.py remains the measure of the issue's targets.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+LAYERS = ("full", "servicer", "async", "pacer", "refs", "floor")
+PREPARED_CALLS = 200  # made (and counted in both runs) before the measured calls: caches and dicts warm
+
+
+class _Context:
+    """The parts of a grpc.aio ServicerContext a successful Dispatch touches."""
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
+    def code(self) -> None:
+        return None
+
+    def time_remaining(self) -> Optional[float]:
+        return None
+
+
+def child(layer: str, candidates: int, calls: int, measure: bool) -> None:
+    """Build the server's Dispatch handler, make PREPARED_CALLS calls, then `calls` more if `measure`."""
+    sys.path[:0] = [str(REPO_ROOT), str(BENCH_DIR)]  # this tree's code, whatever is installed
+    import rpc_throughput
+    from coda_client._proto import pacer_pb2 as pb
+    from coda_client._proto import pacer_pb2_grpc
+    from coda_server import convert
+    from coda_server.core.config import load_config
+    from coda_server.guard import MalformedRequestGuard
+    from coda_server.method_wrapping import WrappingRegistrar
+    from coda_server.server import SERVICE_NAME, PacerServer, tune_garbage_collector
+    from coda_server.service import RolloutPacerServicer
+    from coda_server.wire import PassthroughCodec
+
+    class Capture:
+        """Stands in for the grpc server: keeps the handlers a registration hands it."""
+
+        handlers: dict[str, Any] = {}
+
+        def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+            self.handlers = handlers
+
+        def add_generic_rpc_handlers(self, generic_handlers: Any) -> None:
+            pass
+
+    config = load_config(overrides=[*rpc_throughput.OUR_OVERRIDES, "server.metrics_address="])
+    server = PacerServer(config)
+    capture = Capture()
+    if layer == "floor":
+        pacer_pb2_grpc.add_RolloutPacerServicer_to_server(rpc_throughput.FloorServicer(), capture)
+    else:  # the wrappers server.py registers, in its order
+        wrappers = [server.observability.rpc_observer, MalformedRequestGuard(), PassthroughCodec(SERVICE_NAME)]
+        pacer_pb2_grpc.add_RolloutPacerServicer_to_server(RolloutPacerServicer(server.async_pacer),
+                                                          WrappingRegistrar(capture, wrappers))
+    handler = capture.handlers["Dispatch"]
+    servicer = RolloutPacerServicer(server.async_pacer)
+    async_pacer = server.async_pacer
+    context = _Context()
+    total = PREPARED_CALLS + calls
+    wires = [rpc_throughput.dispatch_request([f"p-{i}-{j}" for j in range(candidates)], f"w-{i:08d}")
+             for i in range(total)]
+    requests = [pb.DispatchRequest.FromString(data) for data in wires]
+
+    async def one(i: int) -> None:
+        if layer in ("full", "floor"):
+            handler.response_serializer(await handler.unary_unary(handler.request_deserializer(wires[i]), context))
+        elif layer == "servicer":
+            (await servicer.Dispatch(requests[i], context)).SerializeToString()
+        elif layer == "async":
+            await async_pacer.dispatch(convert.prompt_refs(requests[i].candidates), 0.0, requests[i].request_id)
+        elif layer == "pacer":
+            async_pacer.pacer.dispatch(convert.prompt_refs(requests[i].candidates), request_id=requests[i].request_id)
+        else:
+            convert.prompt_refs(requests[i].candidates)
+
+    async def run() -> None:
+        tune_garbage_collector()
+        async_pacer.bind_loop()
+        for i in range(PREPARED_CALLS):
+            await one(i)
+        if measure:
+            for i in range(PREPARED_CALLS, total):
+                await one(i)
+
+    asyncio.run(run())
+
+
+def count_instructions(layer: str, candidates: int, calls: int, measure: bool) -> int:
+    command = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+               sys.executable, str(Path(__file__).resolve()), "--child", layer, str(candidates), str(calls),
+               "1" if measure else "0"]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}  # same string hashes, same dict layouts: repeatable counts
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"valgrind run failed ({' '.join(command)}):\n{done.stderr[-2000:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated, from {', '.join(LAYERS)}")
+    parser.add_argument("--candidates", default="0,4", help="comma-separated candidate counts per Dispatch")
+    parser.add_argument("--calls", type=int, default=1000, help="measured calls per figure")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        layer, candidates, calls, measure = args.child
+        child(layer, int(candidates), int(calls), measure == "1")
+        return 0
+    layers = [name.strip() for name in args.layers.split(",") if name.strip()]
+    unknown = [name for name in layers if name not in LAYERS]
+    if unknown:
+        parser.error(f"unknown layers {unknown}; choose from {', '.join(LAYERS)}")
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (apt install valgrind); it counts the instructions", file=sys.stderr)
+        return 2
+    print(f"instructions per Dispatch call, {args.calls} calls after {PREPARED_CALLS} unmeasured ones "
+          f"(python {sys.version.split()[0]}, PYTHONHASHSEED=0)")
+    for candidates in [int(c) for c in args.candidates.split(",")]:
+        for layer in layers:
+            if layer == "refs" and candidates == 0:
+                continue
+            prepared = count_instructions(layer, candidates, args.calls, measure=False)
+            measured = count_instructions(layer, candidates, args.calls, measure=True)
+            print(f"  {candidates} candidates  {layer:<9} {(measured - prepared) / args.calls:>10,.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
