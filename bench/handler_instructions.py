@@ -17,7 +17,7 @@ Layers (each includes the ones below it):
 * `refs`: `convert.prompt_refs` alone;
 * `floor`: the floor's empty handler of rpc_throughput.py with the generated (de)serializers.
 
-    python bench/handler_instructions.py                     # peek and 4 candidates, every layer (~5 min)
+    python bench/handler_instructions.py                     # peek and 4 candidates, every layer (~6 min)
     python bench/handler_instructions.py --layers full --candidates 4
 
 Needs valgrind (`apt install valgrind`). The counts leave out what gRPC itself does per call and say
