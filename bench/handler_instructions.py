@@ -10,7 +10,8 @@ figures repeat to within a few hundred instructions, so two versions of the code
 
 Layers (each includes the ones below it):
 
-* `full`: request bytes -> the registered handler's deserializer, wrappers and servicer -> response bytes;
+* `full`: request bytes -> the registered handler's deserializer, wrappers and servicer -> response bytes
+  (logging is not configured here, so the access log stays off: observability_overhead.py measures it);
 * `servicer`: `RolloutPacerServicer.Dispatch` on a decoded request, plus serializing the response;
 * `async`: `AsyncPacer.dispatch` on converted candidates (request-id replay included);
 * `pacer`: `Pacer.dispatch` on converted candidates;
@@ -41,23 +42,11 @@ LAYERS = ("full", "servicer", "async", "pacer", "refs", "floor")
 PREPARED_CALLS = 200  # made (and counted in both runs) before the measured calls: caches and dicts warm
 
 
-class _Context:
-    """The parts of a grpc.aio ServicerContext a successful Dispatch touches."""
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:50000"
-
-    def code(self) -> None:
-        return None
-
-    def time_remaining(self) -> Optional[float]:
-        return None
-
-
 def child(layer: str, candidates: int, calls: int, measure: bool) -> None:
     """Build the server's Dispatch handler, make PREPARED_CALLS calls, then `calls` more if `measure`."""
     sys.path[:0] = [str(REPO_ROOT), str(BENCH_DIR)]  # this tree's code, whatever is installed
     import rpc_throughput
+    from observability_overhead import FakeContext
     from coda_client._proto import pacer_pb2 as pb
     from coda_client._proto import pacer_pb2_grpc
     from coda_server import convert
@@ -91,7 +80,7 @@ def child(layer: str, candidates: int, calls: int, measure: bool) -> None:
     handler = capture.handlers["Dispatch"]
     servicer = RolloutPacerServicer(server.async_pacer)
     async_pacer = server.async_pacer
-    context = _Context()
+    context = FakeContext()
     total = PREPARED_CALLS + calls
     wires = [rpc_throughput.dispatch_request([f"p-{i}-{j}" for j in range(candidates)], f"w-{i:08d}")
              for i in range(total)]

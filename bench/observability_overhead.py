@@ -19,6 +19,7 @@ import asyncio
 import logging
 import tempfile
 import time
+from typing import Optional
 
 from prometheus_client import CollectorRegistry
 
@@ -30,13 +31,17 @@ REPEATS = 7
 
 
 class FakeContext:
-    """The two ServicerContext methods the observer calls."""
+    """The ServicerContext methods a successful unary call touches in process: the observer's code() and
+    peer(), and time_remaining() for a long-poll's bound (handler_instructions.py uses it too)."""
 
-    def code(self):
+    def code(self) -> None:
         return None
 
     def peer(self) -> str:
         return "ipv4:127.0.0.1:40000"
+
+    def time_remaining(self) -> Optional[float]:
+        return None
 
 
 async def per_call_seconds(observer: _MethodObserver, access_log: AccessLog | None, calls: int) -> float:
