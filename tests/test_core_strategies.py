@@ -415,3 +415,36 @@ def test_window_gated_and_fifo_windows_restart_after_reset(core_pacer):
         finish(pacer, got[-1], 1)
         if strategy == "windowed-fifo" and len(got) > 2:
             assert pacer.state().buffered == st.buffered  # outside the window of the new head
+
+
+def test_inflight_seqs_oldest_matches_a_plain_minimum_through_compaction_redispatch_and_clear():
+    import random
+
+    from coda_server.core.builtin_strategies import InflightSeqs
+
+    seqs, expected = InflightSeqs(), {}  # expected: prompt id -> seq, recomputed by hand
+    seqs.COMPACT_AFTER = 16  # cut the front often
+    compacted = False
+    rng = random.Random(7)
+    serial = 0
+    for round_ in range(40):
+        new = [f"p{serial + i}" for i in range(rng.randint(1, 120))]
+        serial += len(new)
+        if expected and rng.random() < 0.3:  # a collected prompt dispatched again gets a later seq
+            gone = [p for p in (f"p{i}" for i in range(serial)) if p not in expected and p not in new]
+            new += gone[:2]
+        for prompt_id in new:
+            expected[prompt_id] = seqs.next_seq + new.index(prompt_id)
+        seqs.add_all(new)
+        for prompt_id in rng.sample(sorted(expected), k=len(expected) * 2 // 3):
+            seqs.remove(prompt_id)
+            del expected[prompt_id]
+            assert seqs.min_seq() == min(expected.values(), default=seqs.next_seq)
+            assert seqs._head < 16 or 2 * seqs._head < len(seqs._order)  # a long skipped front is cut off
+            compacted = compacted or seqs._first_seq > 0
+        if round_ == 30:
+            assert compacted
+            seqs.clear()
+            expected.clear()
+            assert seqs.min_seq() == seqs.next_seq
+    assert {p: seqs.seq_of(p) for p in expected} == expected
