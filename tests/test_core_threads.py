@@ -2,7 +2,8 @@
 
 A checking subclass of each strategy records a violation whenever the Pacer admits more than the
 strategy's last `compute_dispatch_count` granted, admits without a fresh grant (two dispatchers
-interleaving compute and admit), or lets running + buffered exceed the strategy's limit.
+interleaving compute and admit), lets running + buffered exceed the strategy's limit, or calls a hook
+without holding the thread-safe proxy's lock (the contract: hooks run under the strategy lock).
 """
 from __future__ import annotations
 
@@ -39,13 +40,20 @@ def checked(base, limit: int):
             self.last_q = 0
             self.collected: list[str] = []
             self.max_load = 0
+            self.proxy_lock = None  # set by build(): the lock every hook must run under
+
+        def check_locked(self, hook):
+            if not self.proxy_lock._is_owned():
+                self.violations.append(f"{hook} called without the strategy lock")
 
         def compute_dispatch_count(self, buf_qsize):
+            self.check_locked("compute_dispatch_count")
             n = super().compute_dispatch_count(buf_qsize)
             self.grant, self.last_q = max(0, n), buf_qsize
             return n
 
         def on_dispatched(self, groups):
+            self.check_locked("on_dispatched")
             groups = list(groups)
             if self.grant is None:
                 self.violations.append(f"admitted {len(groups)} without a fresh compute_dispatch_count")
@@ -62,8 +70,17 @@ def checked(base, limit: int):
                 self.violations.append(f"seq span {seqs.next_seq - seqs.min_seq()} > {limit}")
 
         def on_collected(self, prompt_id):
+            self.check_locked("on_collected")
             super().on_collected(prompt_id)
             self.collected.append(prompt_id)
+
+        def will_collect(self, group):
+            self.check_locked("will_collect")
+            return super().will_collect(group)
+
+        def on_reset(self):
+            self.check_locked("on_reset")
+            super().on_reset()
 
     return Checked
 
@@ -72,6 +89,7 @@ def build(core_config, name, B=8, stale=1.0, N=4):
     config = core_config(name, B=B, stale=stale, N=N, M=2 * N)
     limit = B if name == "fixed-capacity" else int(B * (1 + stale))
     strategy = ThreadSafeStrategy(checked(STRATEGIES.get(name), limit)(config), name)
+    strategy.wrapped.proxy_lock = strategy.lock
     return Pacer(config, strategy=strategy), strategy.wrapped, limit
 
 

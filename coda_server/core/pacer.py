@@ -6,6 +6,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -136,8 +137,11 @@ class Pacer:
         self._journal = journal
         self.last_ticket = 0  # journal ticket of the latest recorded change
         self._strategy = strategy if strategy is not None else create_strategy(config)
+        # The pacer's lock is the strategy proxy's lock, so holding it is holding both, as every hook requires;
+        # the pacer then calls the strategy itself, without the proxy taking the same lock again on every call.
+        self._hooks = getattr(self._strategy, "wrapped", self._strategy)
         # With an ordered gate, a re-examination pass stops at the first refusal (see SlidingWindowStrategy).
-        self._ordered_gate = gate_is_ordered(getattr(self._strategy, "wrapped", self._strategy))
+        self._ordered_gate = gate_is_ordered(self._hooks)
         self._filters = filters if filters is not None else create_filters(list(config.rollout.filter), config)
         self._group_sizes = [int(s.num_trajectories_per_prompt) for s in config.data_sources]
         self._window_size = window_size(config)
@@ -149,7 +153,7 @@ class Pacer:
         self._default_mode = ResetMode.ABORT if bool(config.rollout.get("partial", True)) else ResetMode.WAIT
         self._summary = config_summary(config)
 
-        self._lock = threading.RLock()
+        self._lock = getattr(self._strategy, "lock", None) or threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._blocked_threads = 0  # threads in a blocking call's wait on _changed (embedding without asyncio)
         self._change_listeners: list[Callable[[], None]] = []
@@ -185,7 +189,9 @@ class Pacer:
         # fewer of them are kept.
         answers_kept = int(server.get("request_id_cache_size", 65536))
         self._inflight_lease = float(server.get("inflight_lease_seconds", 0) or 0)
-        self._lease_heap: list[tuple[float, int, str]] = []  # (deadline, seq, prompt_id); stale entries skipped lazily
+        # (deadline, seq of the first, prompt ids): one entry per call that started or extended leases; an id whose
+        # group has another deadline by now is skipped lazily.
+        self._lease_heap: list[tuple[float, int, list[str]]] = []
         self._expired_groups: list[TrajectoryGroup] = []  # reclaimed this generation; the next Reset returns them
         self._expired_prompts: set[str] = set()
         self._leases: dict[str, CollectLease] = {}  # Collect leases awaiting Ack, by lease id
@@ -266,7 +272,7 @@ class Pacer:
     def _dispatch_locked(self, candidates: Sequence[PromptRef], request_id: str = "") -> DispatchResult:
         self._validate_candidates(candidates)
         buffered = len(self._buffer)
-        count = 0 if self.paused else self._strategy.compute_dispatch_count(buffered)
+        count = 0 if self.paused else int(self._hooks.compute_dispatch_count(buffered))
         count = max(0, min(count, len(candidates)))
         admitted: list[Admitted] = []
         if count:
@@ -274,13 +280,14 @@ class Pacer:
             groups = [InflightGroup(ref, self._next_seq + i, self._group_sizes[ref.ds_index], now)
                       for i, ref in enumerate(candidates[:count])]
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged.
-            self._strategy.on_dispatched(groups)
+            self._hooks.on_dispatched(groups)
             self._next_seq += count
+            inflight, generation_prompts = self._inflight, self._generation_prompts
             for group in groups:
-                self._inflight[group.prompt_id] = group
-                self._generation_prompts.add(group.prompt_id)
-                self._extend_lease(group, now)
+                inflight[group.prompt_id] = group
+                generation_prompts.add(group.prompt_id)
                 admitted.append(Admitted(group.prompt_id, group.seq))
+            self._extend_leases(groups, now)
             self.totals["dispatched"] += count
             self._strategy_touched = True
             self._release_held()
@@ -303,7 +310,7 @@ class Pacer:
     def _admissible_now(self) -> int:
         if self.paused or self.closed:
             return 0
-        return max(0, self._strategy.compute_dispatch_count(len(self._buffer)))
+        return max(0, int(self._hooks.compute_dispatch_count(len(self._buffer))))
 
     def _validate_candidates(self, candidates: Sequence[PromptRef]) -> None:
         violations: list[tuple[str, str]] = []
@@ -368,16 +375,15 @@ class Pacer:
                 self._record(("stale", self._clock(), self.totals["stale_rejected"] - stale_before))
                 raise
             completed: list[InflightGroup] = []
-            now = self._clock()
+            touched: dict[str, InflightGroup] = {}
             for trajectory in fresh:
-                group = self._inflight[trajectory.prompt_id]
+                group = touched[trajectory.prompt_id] = self._inflight[trajectory.prompt_id]
                 group.trajectories[trajectory.trajectory_id] = trajectory
                 self._accepted[trajectory.trajectory_id] = trajectory
                 self._held_bytes += trajectory.size_bytes
                 if group.complete:
                     completed.append(group)
-                else:
-                    self._extend_lease(group, now)
+            self._extend_leases([group for group in touched.values() if not group.complete], self._clock())
             self._queued_trajectories += len(fresh)
             self._complete_inflight += len(completed)
             self.totals["submitted"] += len(fresh)
@@ -487,17 +493,16 @@ class Pacer:
     # ----------------------------------------------------------------- collector
 
     def _collect_ready(self, completed: Iterable[InflightGroup]) -> None:
-        with self._strategy.lock:  # will_collect runs under the queue (pacer) lock and the strategy lock
-            for group in completed:
-                if self._strategy.will_collect(MappingProxyType(group.trajectories)):
-                    self._move_out(group)
-                else:
-                    group.held = True
-                    # An ordered gate never takes an aborted group: it waits for the Reset outside the heap.
-                    if not (self._ordered_gate and any(t.status == TrajectoryStatus.ABORTED
-                                                       for t in group.trajectories.values())):
-                        heapq.heappush(self._held, (group.seq, group.prompt_id))
-            self._release_held()
+        for group in completed:
+            if self._hooks.will_collect(MappingProxyType(group.trajectories)):
+                self._move_out(group)
+            else:
+                group.held = True
+                # An ordered gate never takes an aborted group: it waits for the Reset outside the heap.
+                if not (self._ordered_gate and any(t.status == TrajectoryStatus.ABORTED
+                                                   for t in group.trajectories.values())):
+                    heapq.heappush(self._held, (group.seq, group.prompt_id))
+        self._release_held()
 
     def _release_held(self) -> None:
         """Re-examine gate-refused groups, oldest first, for as long as the strategy state keeps changing.
@@ -513,7 +518,7 @@ class Pacer:
                 group = self._inflight.get(prompt_id)
                 if group is None or group.seq != seq or not group.held:
                     continue
-                if self._strategy.will_collect(MappingProxyType(group.trajectories)):
+                if self._hooks.will_collect(MappingProxyType(group.trajectories)):
                     self._move_out(group)
                 else:
                     still_held.append((seq, prompt_id))
@@ -525,7 +530,7 @@ class Pacer:
 
     def _move_out(self, group: InflightGroup) -> None:
         """The group leaves the trajectory queue: into the buffer, or dropped by a filter."""
-        self._strategy.on_collected(group.prompt_id)
+        self._hooks.on_collected(group.prompt_id)
         self._strategy_touched = True
         del self._inflight[group.prompt_id]
         self._complete_inflight -= 1
@@ -626,11 +631,13 @@ class Pacer:
             now = self._clock()
             groups = []
             while self._lease_heap and self._lease_heap[0][0] <= now:
-                deadline, seq, prompt_id = heapq.heappop(self._lease_heap)
-                group = self._inflight.get(prompt_id)
-                if group is not None and group.seq == seq and group.deadline == deadline and not group.complete:
-                    group.deadline = math.inf  # taken: a duplicate heap entry must not take it twice
-                    groups.append(group)
+                deadline, _seq, prompt_ids = heapq.heappop(self._lease_heap)
+                for prompt_id in prompt_ids:
+                    group = self._inflight.get(prompt_id)
+                    if group is not None and group.deadline == deadline and not group.complete:
+                        group.deadline = math.inf  # taken: a duplicate heap entry must not take it twice
+                        groups.append(group)
+            groups.sort(key=attrgetter("seq"))  # dispatch order
             lapsed = [lease_id for lease_id, lease in self._leases.items() if lease.deadline <= now]
             if groups or lapsed:
                 self._expire([g.prompt_id for g in groups], lapsed)
@@ -640,7 +647,7 @@ class Pacer:
     def _expire(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
         for prompt_id in prompt_ids:
             group = self._inflight.pop(prompt_id)
-            self._strategy.on_collected(prompt_id)  # the slot is reclaimed as if the group had been collected
+            self._hooks.on_collected(prompt_id)  # the slot is reclaimed as if the group had been collected
             self._queued_trajectories -= len(group.trajectories)
             self._expired_groups.append(group.to_group())
             self._expired_prompts.add(prompt_id)
@@ -655,11 +662,18 @@ class Pacer:
         self._release_held()
         self._notify()
 
-    def _extend_lease(self, group: InflightGroup, now: float) -> None:
+    def _extend_leases(self, groups: Sequence[InflightGroup], now: float) -> None:
+        """Give these groups their full in-flight lease from `now`, with one heap entry for all of them."""
+        if not self._inflight_lease or not groups:
+            return
         deadline = now + self._inflight_lease
-        if self._inflight_lease and deadline != group.deadline:
-            group.deadline = deadline
-            heapq.heappush(self._lease_heap, (deadline, group.seq, group.prompt_id))
+        extended = []
+        for group in groups:
+            if group.deadline != deadline:
+                group.deadline = deadline
+                extended.append(group.prompt_id)
+        if extended:
+            heapq.heappush(self._lease_heap, (deadline, groups[0].seq, extended))
 
     def _validate_collect(self, num_groups: int) -> None:
         if not isinstance(num_groups, int) or isinstance(num_groups, bool) or not 1 <= num_groups <= self._max_collect:
@@ -758,7 +772,7 @@ class Pacer:
                 self._held_bytes -= _bytes_of(group.trajectories)
             for prompt_id in dropped:
                 self._held_bytes -= _bytes_of(self._inflight[prompt_id].trajectories.values())
-            self._strategy.on_reset()
+            self._hooks.on_reset()
             self._inflight.clear()
             self._held.clear()
             self._lease_heap.clear()
@@ -928,9 +942,7 @@ class Pacer:
         if self.paused and not self.resetting:
             self._pause_started = self._clock()
         with self._lock:  # deadlines were on the old process's clock: every lease gets its full time again
-            now = self._clock()
-            for group in self._inflight.values():
-                self._extend_lease(group, now)
+            self._extend_leases(list(self._inflight.values()), self._clock())
             for lease in self._leases.values():
                 lease.deadline = now + lease.seconds
         return len(events)
