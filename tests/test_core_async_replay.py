@@ -54,3 +54,37 @@ def test_a_request_id_that_may_not_be_kept_is_refused_without_waiting(core_pacer
 
     asyncio.run(run())
     assert facade.pacer.state().dispatched == 0
+
+
+def test_retries_of_a_running_call_share_its_error_and_a_later_retry_runs_again():
+    from coda_server.core.async_pacer import RequestDeduplicator
+
+    remembered: dict[str, str] = {}
+    dedup = RequestDeduplicator(remembered.get)
+    runs = []
+
+    async def run():
+        release = asyncio.Event()
+
+        async def failing():
+            runs.append("failing")
+            await release.wait()
+            raise InvalidArgumentError("first attempt failed")
+
+        async def succeeding():
+            runs.append("succeeding")
+            return "answer"
+
+        first = asyncio.ensure_future(dedup.run("r-1", failing))
+        await asyncio.sleep(0)
+        retries = [asyncio.ensure_future(dedup.run("r-1", succeeding)) for _ in range(2)]
+        await asyncio.sleep(0)
+        release.set()
+        outcomes = await asyncio.gather(first, *retries, return_exceptions=True)
+        later = await dedup.run("r-1", succeeding)  # nothing was remembered: the call runs again
+        return outcomes, later
+
+    outcomes, later = asyncio.run(run())
+    assert [str(o) for o in outcomes] == ["first attempt failed"] * 3
+    assert all(isinstance(o, InvalidArgumentError) for o in outcomes)
+    assert runs == ["failing", "succeeding"] and later == "answer"

@@ -37,13 +37,15 @@ class RequestDeduplicator:
     """Makes a retried call (same request_id) apply once.
 
     The Pacer remembers the answers of calls that changed its state (that memory is part of the
-    state and survives a restart); a retry arriving while the first call still runs awaits it.
+    state and survives a restart); a retry arriving while the first call still runs awaits it. The future
+    such a retry awaits is made by the first retry, not by every call: most calls finish without a retry
+    arriving, and many (a Dispatch that does not wait) without ever suspending.
     """
 
     def __init__(self, answered: Callable[[str], Any], check: Optional[Callable[[str], None]] = None):
         self._answered = answered
         self._check = check  # validates a non-empty request_id before it is used
-        self._running: dict[str, asyncio.Future] = {}
+        self._running: dict[str, Optional[asyncio.Future]] = {}  # request_id -> what retries await, once one came
 
     async def run(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
         if not request_id:
@@ -54,18 +56,22 @@ class RequestDeduplicator:
         if answer is not None:
             return answer
         if request_id in self._running:
-            return await asyncio.shield(self._running[request_id])
-        future = asyncio.get_running_loop().create_future()
-        self._running[request_id] = future
+            shared = self._running[request_id]
+            if shared is None:
+                shared = self._running[request_id] = asyncio.get_running_loop().create_future()
+            return await asyncio.shield(shared)
+        self._running[request_id] = None
         try:
             result = await call()
         except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: waiters may not exist
+            shared = self._running.pop(request_id)
+            if shared is not None:
+                shared.set_exception(exc)
+                shared.exception()  # mark retrieved: the retries may be gone
             raise
-        finally:
-            del self._running[request_id]
-        future.set_result(result)
+        shared = self._running.pop(request_id)
+        if shared is not None:
+            shared.set_result(result)
         return result
 
 

@@ -147,6 +147,8 @@ class Pacer:
         self._window_size = window_size(config)
         server = config.get("server") or {}
         self._max_id_length = int(server.get("max_id_length", 512))
+        # Request and lease ids: like prompt ids, but never refused below 128 characters (a UUID must fit).
+        self._max_opaque_id_length = max(self._max_id_length, OPAQUE_ID_MIN_LIMIT)
         self._max_candidates = int(server.get("max_dispatch_candidates", 65536))
         self._max_trajectories = int(server.get("max_submit_trajectories", 65536))
         self._max_collect = int(server.get("max_collect_groups", 65536))
@@ -255,7 +257,7 @@ class Pacer:
         """Admit the first k candidates the strategy allows now; with `wait`, wait up to that long for one slot."""
         deadline = self._clock() + max(0.0, wait)
         with self._lock:
-            answered = self.answer("Dispatch", request_id)
+            answered = self._answers["Dispatch"].get(request_id)
             if answered is not None:
                 return answered
             self._check_open()
@@ -341,13 +343,9 @@ class Pacer:
 
     def check_request_id(self, request_id: Any) -> None:
         """A non-empty request_id is kept in the replay cache: bound its length and refuse control characters."""
-        problem = self._opaque_id_problem(request_id)
+        problem = self._id_problem(request_id, self._max_opaque_id_length)
         if problem:
             raise InvalidArgumentError(f"request_id {problem}", violations=[("request_id", problem)])
-
-    def _opaque_id_problem(self, value: Any) -> Optional[str]:
-        """Request and lease ids: like prompt ids, but never refused below 128 characters (a UUID must fit)."""
-        return self._id_problem(value, max(self._max_id_length, OPAQUE_ID_MIN_LIMIT))
 
     def _id_problem(self, value: Any, limit: Optional[int] = None) -> Optional[str]:
         limit = self._max_id_length if limit is None else limit
@@ -364,7 +362,7 @@ class Pacer:
     def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready."""
         with self._lock:
-            answered = self.answer("Submit", request_id)
+            answered = self._answers["Submit"].get(request_id)
             if answered is not None:
                 return answered
             self._check_open()
@@ -575,7 +573,7 @@ class Pacer:
             raise InvalidArgumentError(f"lease_seconds {lease_seconds!r} must be a finite number >= 0 (0: no lease)",
                                        violations=[("lease_seconds", "must be a finite number >= 0")])
         with self._lock:
-            answered = self.answer("Collect", request_id)
+            answered = self._answers["Collect"].get(request_id)
             if answered is not None:
                 return answered
             available = len(self._buffer)
@@ -602,11 +600,11 @@ class Pacer:
 
     def ack(self, lease_id: str, request_id: str = "") -> int:
         """The trainer has the leased groups: they are consumed for good. Returns how many."""
-        problem = self._opaque_id_problem(lease_id)
+        problem = self._id_problem(lease_id, self._max_opaque_id_length)
         if problem:  # before the id is echoed in any message
             raise InvalidArgumentError(f"lease_id {problem}", violations=[("lease_id", problem)])
         with self._lock:
-            answered = self.answer("Ack", request_id)
+            answered = self._answers["Ack"].get(request_id)
             if answered is not None:
                 return answered
             self._check_open()
@@ -824,7 +822,7 @@ class Pacer:
     def resume(self, weight_version: int, request_id: str = "") -> ResumeResult:
         """step += 1, record the weight version, reopen dispatch, tell watchers."""
         with self._lock:
-            answered = self.answer("Resume", request_id)
+            answered = self._answers["Resume"].get(request_id)
             if answered is not None:
                 return answered
             self._check_open()
@@ -870,6 +868,7 @@ class Pacer:
                 self._remember(method, request_id, result)
 
     def _remember(self, method: str, request_id: str, result: Any) -> None:
+        # An empty request_id is never stored, so the operations look answers up with a plain .get() under their lock.
         if request_id:
             answers = self._answers[method]
             answers[request_id] = result
