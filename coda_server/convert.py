@@ -122,10 +122,10 @@ def group_message(group: TrajectoryGroup) -> wire.TrajectoryGroup:
 def dispatch_response(result: DispatchResult) -> pb.DispatchResponse:
     message = pb.DispatchResponse()
     add = message.admitted.add
-    for admitted in result.admitted:
+    for seq, prompt_id in enumerate(result.admitted_ids, result.first_seq):
         entry = add()
-        entry.prompt_id = admitted.prompt_id
-        entry.seq = admitted.seq
+        entry.prompt_id = prompt_id
+        entry.seq = seq
     message.paused = result.paused
     message.step = result.step
     message.weight_version = result.weight_version

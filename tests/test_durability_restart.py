@@ -261,3 +261,27 @@ def test_request_id_answers_survive_a_restart(durable, stop):
     assert comparable(pacer.state()) == comparable(before)
     # A new request_id is a new call.
     assert pacer.dispatch(["p0"], request_id="d-2").admitted == ["p0"]
+
+
+def test_a_snapshot_in_another_format_is_refused_in_one_line_and_kept(durable):
+    from coda_server.convert import ProtoTrajectories
+    from coda_server.core.journal import dumps, loads
+
+    first = durable()
+    first.client.dispatch(["p0", "p1"], request_id="d-0")
+    first.client.reset("abort", resume=True, weight_version=1)  # writes a snapshot
+    first.client.dispatch(["q0"], request_id="d-1")
+    assert first.server.terminate() == 0
+    database = first.state_dir / "pacer.sqlite3"
+    with sqlite3.connect(database) as db:  # as an older version would have written it
+        snapshot = loads(db.execute("SELECT body FROM snapshot").fetchone()[0], ProtoTrajectories())
+        snapshot["format"] = 1
+        db.execute("UPDATE snapshot SET body = ?", (dumps(snapshot, ProtoTrajectories()),))
+    kept = database.read_bytes()
+    run = start_with(first.state_dir, *[o for o in first.overrides if not o.startswith("server.")])
+    output = run.stdout + run.stderr
+    assert run.returncode == 1 and "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(first.state_dir) in lines[0], output
+    assert "format 1, written by another version" in lines[0] and "move server.state_dir aside" in lines[0], output
+    assert database.read_bytes() == kept

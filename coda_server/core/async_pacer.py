@@ -188,7 +188,7 @@ class AsyncPacer:
     async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
         async def call() -> DispatchResult:
             result = self.pacer.dispatch(candidates, request_id=request_id)
-            if result.admitted or not candidates or wait <= 0:
+            if result.admitted_ids or not candidates or wait <= 0:
                 return result
             holder = [result]
 
@@ -198,7 +198,7 @@ class AsyncPacer:
                 if not self.pacer.admissible_now():
                     return False
                 holder[0] = self.pacer.dispatch(candidates, request_id=request_id)
-                return bool(holder[0].admitted)
+                return bool(holder[0].admitted_ids)
 
             await self._wait_until(admitted_some, wait)
             if self._draining:  # answered because the server is going away: nothing will be admitted

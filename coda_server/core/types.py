@@ -95,7 +95,14 @@ class Admitted:
 
 @dataclass
 class DispatchResult:
-    admitted: list[Admitted]
+    """What a Dispatch did and the window after it.
+
+    Admitted groups get consecutive seqs, so they are kept as their prompt ids in admission order plus the
+    first one's seq, with no object per group; `admitted` lists them as `Admitted` records.
+    """
+
+    admitted_ids: list[str]
+    first_seq: int  # the seq of admitted_ids[0]; when nothing was admitted, the seq the next group will get
     paused: bool
     step: int
     weight_version: int
@@ -104,6 +111,11 @@ class DispatchResult:
     buffered: int
     capacity: int  # C = int(B * (1 + stale_steps))
     remaining: int  # what a Dispatch would admit now, after this one
+
+    @property
+    def admitted(self) -> list[Admitted]:
+        """The admitted groups with their seqs (a new list on every access)."""
+        return [Admitted(prompt_id, seq) for seq, prompt_id in enumerate(self.admitted_ids, self.first_seq)]
 
 
 @dataclass
