@@ -127,7 +127,10 @@ class AsyncPacer:
     # ------------------------------------------------------------- wake-ups
 
     def _on_change(self) -> None:
-        self._call_in_loop(self._wake)
+        # Most changes find nobody waiting. A waiter takes its future before it checks the state, so one
+        # that appears after this read sees the change itself.
+        if self._change is not None:
+            self._call_in_loop(self._wake)
 
     def _on_control(self, event: ControlEvent) -> None:
         self._call_in_loop(lambda: self._publish(event))

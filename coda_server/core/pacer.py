@@ -271,10 +271,10 @@ class Pacer:
                 self._wait_for_change(remaining)
 
     def _dispatch_locked(self, candidates: Sequence[PromptRef], request_id: str = "") -> DispatchResult:
-        self._validate_candidates(candidates)
-        buffered = len(self._buffer)
-        count = 0 if self.paused else int(self._hooks.compute_dispatch_count(buffered))
-        count = max(0, min(count, len(candidates)))
+        if candidates:  # none is a peek at the window
+            self._validate_candidates(candidates)
+        allowed = self._admissible_now()
+        count = min(allowed, len(candidates))
         first_seq = self._next_seq
         admitted_ids: list[str] = []
         if count:
@@ -297,7 +297,8 @@ class Pacer:
             self._notify()
         # Positional: a keyword call to a dataclass builds a kwargs dict and costs about twice as much.
         result = DispatchResult(admitted_ids, first_seq, self.paused, self.step, self.weight_version, self.generation,
-                                len(self._inflight), len(self._buffer), self._window_size, self._admissible_now())
+                                len(self._inflight), len(self._buffer), self._window_size,
+                                self._admissible_now() if count else allowed)  # unchanged if nothing was admitted
         if count:
             self._record(("dispatch", now, list(candidates[:count]), request_id))
             self._remember("Dispatch", request_id, result)
