@@ -40,13 +40,18 @@ class ProtoTrajectories:
 _STATUSES = {int(status): status for status in TrajectoryStatus}
 
 
+# Called through the class: upb looks an attribute up among the message's fields before its methods, so
+# `c.HasField` costs more than the call itself.
+_has_field = pb.PromptRef.HasField
+
+
 def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     return [
         PromptRef(
             c.prompt_id,
             c.ds_index,
-            c.epoch if c.HasField("epoch") else None,
-            c.index if c.HasField("index") else None,
+            c.epoch if _has_field(c, "epoch") else None,
+            c.index if _has_field(c, "index") else None,
         )
         for c in candidates
     ]

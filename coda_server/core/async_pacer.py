@@ -272,14 +272,13 @@ class AsyncPacer:
         self.check_ready()
         result = await self._replay[method].run(request_id, call)
         self.pacer.remember_answer(method, request_id, result)
-        await self._durable()
+        journal = self.pacer.journal
+        if journal is not None:  # state in memory: nothing to wait for
+            await self._durable(journal)
         return result
 
-    async def _durable(self) -> None:
+    async def _durable(self, journal: Any) -> None:
         """Wait (without blocking the loop) until the journal has committed every change made so far."""
-        journal = self.pacer.journal
-        if journal is None:
-            return
         loop = asyncio.get_running_loop()
         committed = loop.create_future()
         journal.on_durable(self.pacer.last_ticket,
