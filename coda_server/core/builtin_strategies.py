@@ -119,8 +119,7 @@ class WindowedFifoStrategy(_WindowStrategy):
 
     ordered_gate = True  # refuses aborted groups; otherwise opens oldest-first
 
-    def compute_dispatch_count(self, buf_qsize: int) -> int:
-        return max(0, self._free_slots(buf_qsize))
+    compute_dispatch_count = NoWindowStrategy.compute_dispatch_count  # max(0, C - R - Q), one definition
 
     def will_collect(self, group: Mapping[str, Any]) -> bool:
         if not super().will_collect(group):
