@@ -157,3 +157,32 @@ def test_ack_and_redelivery_over_grpc(tmp_path):
         assert caught.value.reason == "UNKNOWN_LEASE"
         state = pacer.state()
         assert (state.consumed, state.redelivered, state.leased, state.buffered) == (2, 1, 0, 0)
+
+
+def test_recovery_gives_in_flight_and_collect_leases_their_full_time_on_the_new_clock(tmp_path):
+    from coda_server.core.journal import Journal
+
+    def open_pacer(now: float) -> tuple[Pacer, FakeClock]:
+        clock = FakeClock()
+        clock.now = now
+        config = load_config(overrides=["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
+                                        "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
+                                        "server.inflight_lease_seconds=10"])
+        return Pacer(config, clock=clock, journal=Journal(tmp_path / "state", fsync="off")), clock
+
+    first, _ = open_pacer(1000.0)
+    first.dispatch([PromptRef("a"), PromptRef("b"), PromptRef("c")])
+    first.submit(group("a") + group("b"))
+    leased = first.collect_now(1, lease_seconds=30)
+    first.journal.close()
+
+    pacer, clock = open_pacer(5.0)  # another process: its clock reads something else entirely
+    pacer.recover()
+    assert pacer.expire_leases() == ([], [])  # neither kind ran out on the old clock's account
+    clock.now += 11
+    assert pacer.expire_leases() == (["c"], [])  # the in-flight lease: 10 s from recovery
+    clock.now += 20
+    assert pacer.expire_leases() == ([], [leased.lease_id])  # the Collect lease: 30 s from recovery
+    state = pacer.state()
+    assert (state.expired, state.redelivered, state.buffered) == (1, 1, 2) and state.invariant_holds()
+    pacer.journal.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import dataclasses
-import functools
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
@@ -84,7 +83,7 @@ class AsyncPacer:
         self.max_wait_seconds = max_wait_seconds
         self.max_waiting_calls = max_waiting_calls
         check = getattr(pacer, "check_request_id", None)
-        self._replay = {method: RequestDeduplicator(functools.partial(pacer.answer, method), check)
+        self._replay = {method: RequestDeduplicator(pacer.answers_of(method).get, check)
                         for method in ANSWERED_METHODS}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None

@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict, deque
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from .config import config_summary
 from .errors import (
@@ -854,17 +854,17 @@ class Pacer:
 
     # ----------------------------------------------------------------- answers, journal, recovery
 
-    def answer(self, method: str, request_id: str) -> Optional[Any]:
-        """The first answer of an earlier `method` call with this request_id, if still remembered."""
-        if not request_id:
-            return None
-        with self._lock:
-            return self._answers[method].get(request_id)
+    def answers_of(self, method: str) -> Mapping[str, Any]:
+        """The remembered first answers of earlier `method` calls, by request_id: read-only and live. A lookup
+        takes no lock (a single dict read is atomic), so a retry is recognised without a method call."""
+        return MappingProxyType(self._answers[method])
 
     def remember_answer(self, method: str, request_id: str, result: Any) -> None:
         """Keep the final answer of a call that changed nothing (a retry gets it too); changes are kept as made."""
+        if not request_id or request_id in self._answers[method]:  # the usual case: no lock needed to see it
+            return
         with self._lock:
-            if request_id and request_id not in self._answers[method]:
+            if request_id not in self._answers[method]:
                 self._remember(method, request_id, result)
 
     def _remember(self, method: str, request_id: str, result: Any) -> None:
@@ -941,7 +941,8 @@ class Pacer:
         if self.paused and not self.resetting:
             self._pause_started = self._clock()
         with self._lock:  # deadlines were on the old process's clock: every lease gets its full time again
-            self._extend_leases(list(self._inflight.values()), self._clock())
+            now = self._clock()
+            self._extend_leases(list(self._inflight.values()), now)
             for lease in self._leases.values():
                 lease.deadline = now + lease.seconds
         return len(events)
