@@ -138,7 +138,8 @@ class Pacer:
         self._strategy = strategy if strategy is not None else create_strategy(config)
         # The pacer's lock is the strategy proxy's lock, so holding it is holding both, as every hook requires;
         # the pacer then calls the strategy itself, without the proxy taking the same lock again on every call.
-        self._hooks = getattr(self._strategy, "wrapped", self._strategy)
+        proxied = isinstance(self._strategy, ThreadSafeStrategy)
+        self._hooks = self._strategy.wrapped if proxied else self._strategy
         # With an ordered gate, a re-examination pass stops at the first refusal (see SlidingWindowStrategy).
         self._ordered_gate = gate_is_ordered(self._hooks)
         self._filters = filters if filters is not None else create_filters(list(config.rollout.filter), config)
@@ -154,7 +155,7 @@ class Pacer:
         self._default_mode = ResetMode.ABORT if bool(config.rollout.get("partial", True)) else ResetMode.WAIT
         self._summary = config_summary(config)
 
-        self._lock = getattr(self._strategy, "lock", None) or threading.RLock()
+        self._lock = self._strategy.lock if proxied else threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._blocked_threads = 0  # threads in a blocking call's wait on _changed (embedding without asyncio)
         self._change_listeners: list[Callable[[], None]] = []
