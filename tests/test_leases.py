@@ -25,12 +25,12 @@ class FakeClock:
         return self.now
 
 
-def make_pacer(*overrides: str) -> tuple[Pacer, FakeClock]:
+def make_pacer(*overrides: str, journal=None) -> tuple[Pacer, FakeClock]:
     clock = FakeClock()
     config = load_config(overrides=["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
                                     "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
                                     "server.inflight_lease_seconds=10", *overrides])
-    return Pacer(config, clock=clock), clock
+    return Pacer(config, clock=clock, journal=journal), clock
 
 
 def group(prompt_id: str, count: int = 2, size: int = 0) -> list[Trajectory]:
@@ -162,21 +162,14 @@ def test_ack_and_redelivery_over_grpc(tmp_path):
 def test_recovery_gives_in_flight_and_collect_leases_their_full_time_on_the_new_clock(tmp_path):
     from coda_server.core.journal import Journal
 
-    def open_pacer(now: float) -> tuple[Pacer, FakeClock]:
-        clock = FakeClock()
-        clock.now = now
-        config = load_config(overrides=["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
-                                        "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
-                                        "server.inflight_lease_seconds=10"])
-        return Pacer(config, clock=clock, journal=Journal(tmp_path / "state", fsync="off")), clock
-
-    first, _ = open_pacer(1000.0)
+    first, _ = make_pacer(journal=Journal(tmp_path / "state", fsync="off"))
     first.dispatch([PromptRef("a"), PromptRef("b"), PromptRef("c")])
     first.submit(group("a") + group("b"))
     leased = first.collect_now(1, lease_seconds=30)
     first.journal.close()
 
-    pacer, clock = open_pacer(5.0)  # another process: its clock reads something else entirely
+    pacer, clock = make_pacer(journal=Journal(tmp_path / "state", fsync="off"))
+    clock.now = 5.0  # another process: its clock reads something else entirely
     pacer.recover()
     assert pacer.expire_leases() == ([], [])  # neither kind ran out on the old clock's account
     clock.now += 11
