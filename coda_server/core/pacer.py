@@ -280,9 +280,10 @@ class Pacer:
         admitted_ids: list[str] = []
         if count:
             now = self._clock()
+            admitted_refs = list(candidates[:count])  # also the journal's record of this Dispatch
             group_sizes = self._group_sizes
             groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now)
-                      for seq, ref in enumerate(candidates[:count], first_seq)]
+                      for seq, ref in enumerate(admitted_refs, first_seq)]
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged.
             self._hooks.on_dispatched(groups)
             self._next_seq += count
@@ -301,7 +302,7 @@ class Pacer:
                                 len(self._inflight), len(self._buffer), self._window_size,
                                 self._admissible_now() if count else allowed)  # unchanged if nothing was admitted
         if count:
-            self._record(("dispatch", now, list(candidates[:count]), request_id))
+            self._record(("dispatch", now, admitted_refs, request_id))
             self._remember("Dispatch", request_id, result)
         return result
 
