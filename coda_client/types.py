@@ -134,6 +134,9 @@ class Trajectory:
     num_turns: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     payload: bytes = b""
+    # Partial rollouts: response tokens per segment and the weight version each segment was generated with.
+    segment_lengths: list[int] = field(default_factory=list)
+    segment_weight_versions: list[int] = field(default_factory=list)
 
     def to_pb(self) -> pacer_pb2.Trajectory:
         """The wire message."""
@@ -150,6 +153,8 @@ class Trajectory:
             logprobs=list(msg.logprobs),
             loss_mask=list(msg.loss_mask),
             metadata=dict(msg.metadata),
+            segment_lengths=list(msg.segment_lengths),
+            segment_weight_versions=list(msg.segment_weight_versions),
         )
 
 

@@ -40,6 +40,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, Union, runtime_checkable
 
+import grpc
+
 from .client import AsyncPacerClient
 from .engines.base import AsyncEngine, Engine, EngineError, FinishReason, GenerationRequest, SamplingParams
 from .errors import (
@@ -216,7 +218,7 @@ class _Traj:
         traj = cls(t.trajectory_id)
         traj.token_ids = list(t.token_ids)
         traj.logprobs = list(t.logprobs)
-        lengths, versions = list(getattr(t, "segment_lengths", [])), list(getattr(t, "segment_weight_versions", []))
+        lengths, versions = list(t.segment_lengths), list(t.segment_weight_versions)
         if lengths and len(lengths) == len(versions) and sum(lengths) == len(traj.token_ids):
             traj.segments = list(zip(lengths, versions))
         elif traj.token_ids:  # written without segments: one segment, at the version it ended with
@@ -288,6 +290,7 @@ class AsyncRolloutWorker:
     the server's lease, as the server reports it). engine_retries: how often a failed engine call is
     retried before the trajectory is submitted as FAILED. shutdown_grace: seconds Submits keep being
     retried after the server announced SHUTDOWN (a restarting server takes them; then they are dropped).
+    on_submitted: optional callback with the trajectories of each acknowledged Submit (metrics, audit).
     """
 
     def __init__(
@@ -306,6 +309,7 @@ class AsyncRolloutWorker:
         keepalive_seconds: float | None = None,
         engine_retries: int = 1,
         shutdown_grace: float = 10.0,
+        on_submitted: Callable[[list[Trajectory]], Any] | None = None,
     ) -> None:
         if max_groups < 1:
             raise ValueError(f"max_groups {max_groups!r} must be >= 1")
@@ -324,6 +328,7 @@ class AsyncRolloutWorker:
         self.keepalive_seconds = keepalive_seconds
         self.engine_retries = engine_retries
         self.shutdown_grace = shutdown_grace
+        self.on_submitted = on_submitted
         self._give_up_at: float | None = None  # set at SHUTDOWN: Submits stop retrying then
         self.stats = WorkerStats()
         self.weight_version = 0
@@ -580,7 +585,8 @@ class AsyncRolloutWorker:
             trajectory_id=traj.trajectory_id, prompt_id=group.prompt.prompt_id, ds_index=group.prompt.ds_index,
             status=traj.status, reward=await self._reward_of(group, traj), token_ids=traj.token_ids,
             logprobs=traj.logprobs, start_weight_version=start, end_weight_version=end, metadata=metadata,
-            **_segment_fields(traj.segments),
+            segment_lengths=[n for n, _ in traj.segments],
+            segment_weight_versions=[v for _, v in traj.segments],
         )
 
     # ------------------------------------------------------------------ submitting
@@ -600,18 +606,21 @@ class AsyncRolloutWorker:
                 batch = [self._submit_queue.popleft() for _ in range(len(self._submit_queue))]
                 await self._submit_batch(batch)
 
-    async def _submit_batch(self, batch: list[tuple[_Group, _Traj]]) -> None:
-        wire = [await self._to_wire(group, traj) for group, traj in batch]
+    async def _submit_batch(self, batch: list[tuple[_Group, _Traj]], wire: list[Trajectory] | None = None) -> None:
+        if wire is None:
+            wire = [await self._to_wire(group, traj) for group, traj in batch]
         try:
             await self._submit(wire)
         except (FailedPreconditionError, UnknownPromptError, BadRequestError) as exc:
             if len({group.prompt.prompt_id for group, _ in batch}) > 1:
                 # All-or-nothing: one refused group refuses the batch. Submit group by group instead.
-                by_group: dict[str, list[tuple[_Group, _Traj]]] = {}
-                for entry in batch:
-                    by_group.setdefault(entry[0].prompt.prompt_id, []).append(entry)
-                for part in by_group.values():
-                    await self._submit_batch(part)
+                by_group: dict[str, tuple[list[tuple[_Group, _Traj]], list[Trajectory]]] = {}
+                for entry, message in zip(batch, wire):
+                    part = by_group.setdefault(entry[0].prompt.prompt_id, ([], []))
+                    part[0].append(entry)
+                    part[1].append(message)
+                for entries, messages in by_group.values():
+                    await self._submit_batch(entries, messages)
                 return
             self._refused(batch, exc)
             return
@@ -619,6 +628,11 @@ class AsyncRolloutWorker:
             self._refused(batch, exc)
             return
         self._acknowledged(batch)
+        if self.on_submitted is not None:
+            try:
+                self.on_submitted(wire)
+            except Exception:
+                logger.exception("%s: on_submitted failed", self.worker_id, extra=_fields(worker=self.worker_id))
 
     async def _submit(self, trajectories: list[Trajectory]) -> None:
         request_id = str(uuid.uuid4())
@@ -797,7 +811,13 @@ class AsyncRolloutWorker:
         delay = RETRY_INITIAL_SECONDS
         while True:
             try:
-                return await call()
+                if self._give_up_at is None:
+                    return await call()
+                # After SHUTDOWN a call may wait for a server that is not coming back: bound it by the grace.
+                return await asyncio.wait_for(call(), max(0.0, self._give_up_at - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered within the "
+                                       f"{self.shutdown_grace:g} s shutdown grace; the server is gone") from None
             except UnavailableError as exc:
                 if what != "Submit" and (self._stopping or self._shutdown):
                     raise
@@ -809,13 +829,6 @@ class AsyncRolloutWorker:
                                extra=_fields(worker=self.worker_id, call=what, retry_in=delay))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
-
-
-def _segment_fields(segments: Sequence[tuple[int, int]]) -> dict[str, list[int]]:
-    """The Trajectory's segment arrays, when this client's Trajectory has them."""
-    if "segment_lengths" not in {f.name for f in fields(Trajectory)}:
-        return {}
-    return {"segment_lengths": [n for n, _ in segments], "segment_weight_versions": [v for _, v in segments]}
 
 
 class RolloutWorker:

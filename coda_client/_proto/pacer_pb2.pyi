@@ -53,7 +53,7 @@ class PromptRef(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., ds_index: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "prompt_id", "ds_index", "status", "reward", "token_ids", "logprobs", "loss_mask", "start_weight_version", "end_weight_version", "num_turns", "metadata", "payload")
+    __slots__ = ("trajectory_id", "prompt_id", "ds_index", "status", "reward", "token_ids", "logprobs", "loss_mask", "start_weight_version", "end_weight_version", "num_turns", "metadata", "payload", "segment_lengths", "segment_weight_versions")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class Trajectory(_message.Message):
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     prompt_id: str
     ds_index: int
@@ -87,7 +89,9 @@ class Trajectory(_message.Message):
     num_turns: int
     metadata: _containers.ScalarMap[str, str]
     payload: bytes
-    def __init__(self, trajectory_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., ds_index: _Optional[int] = ..., status: _Optional[_Union[TrajectoryStatus, str]] = ..., reward: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., start_weight_version: _Optional[int] = ..., end_weight_version: _Optional[int] = ..., num_turns: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    segment_lengths: _containers.RepeatedScalarFieldContainer[int]
+    segment_weight_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, trajectory_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., ds_index: _Optional[int] = ..., status: _Optional[_Union[TrajectoryStatus, str]] = ..., reward: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., start_weight_version: _Optional[int] = ..., end_weight_version: _Optional[int] = ..., num_turns: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., payload: _Optional[bytes] = ..., segment_lengths: _Optional[_Iterable[int]] = ..., segment_weight_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("prompt_id", "seq", "ds_index", "epoch", "index", "trajectories")

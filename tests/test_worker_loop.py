@@ -1,0 +1,298 @@
+"""The rollout worker against a live coda-server, with an in-process engine of the test's own (no network).
+
+The engine hands out a few tokens per request at once and then holds the request until the test releases
+it or the worker aborts it, so every step is driven by conditions, never by timing.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from coda_client import AsyncPacerClient, PacerClient, TrajectoryStatus
+from coda_client.engines import FinishReason, Generation, GenerationRequest, SamplingParams
+from coda_client.worker import AsyncRolloutWorker, ListPromptSource, Prompt, RolloutWorker, trajectory_id_of
+from conftest import core_overrides
+from server_harness import ServerProcess
+
+REPO = Path(__file__).resolve().parents[1]
+FIRST_TOKENS = 3  # tokens a request produces before it is held
+LATER_TOKENS = 2  # tokens it adds when released
+CONDITION_TIMEOUT = 20.0
+
+
+class HeldEngine:
+    """An AsyncEngine: each request returns FIRST_TOKENS at once when aborted, FIRST + LATER when released.
+
+    Token values are the position in the full sequence (prompt included), so a continued trajectory
+    shows where it continued from.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[GenerationRequest] = []
+        self.held: dict[str, asyncio.Future] = {}
+        self.aborted: list[str] = []
+        self.auto_release = False
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        self.requests.append(request)
+        future = asyncio.get_running_loop().create_future()
+        self.held[request.request_id] = future
+        if self.auto_release:
+            future.set_result("done")
+        outcome = await future
+        self.held.pop(request.request_id, None)
+        count = min(request.max_tokens, FIRST_TOKENS if outcome == "abort" else FIRST_TOKENS + LATER_TOKENS)
+        start = len(request.input_ids)
+        reason = FinishReason.ABORT if outcome == "abort" else FinishReason.STOP
+        return Generation(list(range(start, start + count)), [-0.5] * count, reason)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            future = self.held.get(request_id)
+            if future is not None and not future.done():
+                future.set_result("abort")
+
+    def release_all(self) -> None:
+        for future in list(self.held.values()):
+            if not future.done():
+                future.set_result("done")
+
+
+async def until(condition, what: str, timeout: float = CONDITION_TIMEOUT) -> None:
+    """Waits for a condition (polled); fails naming it when it does not come."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def prompts(count: int, prefix: str = "p") -> ListPromptSource:
+    return ListPromptSource([Prompt(f"{prefix}{i}", [100 + i, 7, 7]) for i in range(count)])
+
+
+@pytest.fixture
+def server(tmp_path):
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4)) as process:
+        yield process
+
+
+def make_worker(pacer, engine, source, **kwargs) -> AsyncRolloutWorker:
+    kwargs.setdefault("max_groups", 2)
+    kwargs.setdefault("dispatch_wait", 0.5)
+    return AsyncRolloutWorker(pacer, engine, source, sampling=SamplingParams(max_tokens=16), **kwargs)
+
+
+def test_worker_generates_groups_and_submits_them_with_segments_and_rewards(server):
+    async def go():
+        engine = HeldEngine()
+        engine.auto_release = True
+        acknowledged = []
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, engine, prompts(4), reward=lambda prompt, tokens: float(len(tokens)),
+                                 on_submitted=acknowledged.extend)
+            stats = await worker.run()  # ends when the source is exhausted and everything is acknowledged
+            groups = await pacer.collect(4, wait=5)
+        return stats, groups, acknowledged
+
+    stats, groups, acknowledged = asyncio.run(go())
+    assert sorted(g.prompt_id for g in groups) == ["p0", "p1", "p2", "p3"]
+    assert stats.groups_done == 4 and stats.trajectories_submitted == 8 and len(acknowledged) == 8
+    for group in groups:
+        assert sorted(t.trajectory_id for t in group.trajectories) == [trajectory_id_of(group.prompt_id, i)
+                                                                       for i in range(2)]
+        for t in group.trajectories:
+            assert t.status == TrajectoryStatus.COMPLETED
+            assert t.token_ids == list(range(3, 3 + FIRST_TOKENS + LATER_TOKENS))
+            assert t.reward == float(FIRST_TOKENS + LATER_TOKENS) and len(t.logprobs) == len(t.token_ids)
+            assert t.metadata["finish_reason"] == "stop"
+    assert stats.tokens_generated == 8 * (FIRST_TOKENS + LATER_TOKENS)
+
+
+def test_pause_with_abort_aborts_the_engine_requests_and_submits_partial_tokens_as_aborted(server):
+    async def go():
+        engine = HeldEngine()
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, engine, prompts(10))
+            task = asyncio.create_task(worker.run())
+            await until(lambda: len(engine.held) == 4, "4 requests held in the engine (2 groups x 2)")
+            reset = await pacer.reset("abort", wait=CONDITION_TIMEOUT)
+            held_after = dict(engine.held)
+            worker.stop()
+            await pacer.resume(1)
+            stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)
+        return engine, reset, held_after, stats
+
+    engine, reset, held_after, stats = asyncio.run(go())
+    assert reset.dropped_prompt_ids == []  # every running group was assembled: nothing lost at the boundary
+    assert len(reset.restored) == 2
+    for group in reset.restored:
+        assert [t.status for t in group.trajectories] == [TrajectoryStatus.ABORTED] * 2
+        for t in group.trajectories:
+            assert t.token_ids == list(range(3, 3 + FIRST_TOKENS))  # the partial tokens, not an empty response
+            assert t.metadata["finish_reason"] == "abort"
+    assert sorted(engine.aborted) == sorted(r.request_id for r in engine.requests[:4])
+    assert held_after == {} and stats.trajectories_aborted == 4
+
+
+def test_pause_with_wait_lets_running_requests_finish_and_aborts_nothing(server):
+    async def go():
+        engine = HeldEngine()
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, engine, prompts(10))
+            task = asyncio.create_task(worker.run())
+            await until(lambda: len(engine.held) == 4, "4 requests held in the engine")
+            reset_task = asyncio.create_task(pacer.reset("wait", wait=CONDITION_TIMEOUT))
+            await until(lambda: worker._paused, "the worker to see the PAUSE")
+            engine.release_all()
+            reset = await reset_task
+            state = await pacer.state()
+            worker.stop()
+            await pacer.resume(1)
+            await asyncio.wait_for(task, CONDITION_TIMEOUT)
+        return engine, reset, state
+
+    engine, reset, state = asyncio.run(go())
+    assert engine.aborted == [] and reset.dropped_prompt_ids == []
+    assert state.buffered == 2 and state.dispatched == 2  # both groups completed; nothing new while paused
+
+
+def test_resume_records_the_weight_version_and_calls_on_resume_before_dispatching_again(server):
+    async def go():
+        engine = HeldEngine()
+        versions_seen = []
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, engine, prompts(10), on_resume=versions_seen.append)
+            task = asyncio.create_task(worker.run())
+            await until(lambda: len(engine.held) == 4, "4 requests held")
+            await pacer.reset("abort", wait=CONDITION_TIMEOUT, resume=True, weight_version=7)
+            await until(lambda: worker.weight_version == 7, "the worker to record weight version 7")
+            engine.auto_release = True
+            engine.release_all()
+            groups = await pacer.collect(2, wait=CONDITION_TIMEOUT)
+            worker.stop()
+            engine.release_all()
+            await asyncio.wait_for(task, CONDITION_TIMEOUT)
+        return versions_seen, groups
+
+    versions_seen, groups = asyncio.run(go())
+    assert versions_seen == [7]
+    for group in groups:
+        for t in group.trajectories:
+            assert (t.start_weight_version, t.end_weight_version) == (7, 7)
+            assert t.segment_lengths == [len(t.token_ids)] and t.segment_weight_versions == [7]
+
+
+def test_shutdown_stops_the_worker_and_aborts_its_requests(tmp_path):
+    server = ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4)).start()
+    try:
+        async def go():
+            engine = HeldEngine()
+            async with AsyncPacerClient(server.address) as pacer:
+                worker = make_worker(pacer, engine, prompts(10), shutdown_grace=1.0)
+                task = asyncio.create_task(worker.run())
+                await until(lambda: len(engine.held) == 4, "4 requests held")
+                server.process.send_signal(signal.SIGTERM)
+                stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)
+            return engine, stats
+
+        engine, stats = asyncio.run(go())
+        assert server.process.wait(CONDITION_TIMEOUT) == 0
+        assert len(engine.aborted) >= 4 and engine.held == {}
+        assert stats.groups_done == 2  # every group settled (submitted, or dropped when the server was gone)
+    finally:
+        server.close()
+
+
+def test_blocking_rollout_worker_runs_a_blocking_engine_on_threads(server):
+    class BlockingEngine:
+        def __init__(self):
+            self.calls = 0
+            self.lock = threading.Lock()
+
+        def generate(self, request):
+            with self.lock:
+                self.calls += 1
+            return Generation([1, 2], [-0.1, -0.2], FinishReason.LENGTH)
+
+        def abort(self, request_ids):
+            pass
+
+    engine = BlockingEngine()
+    worker = RolloutWorker(server.address, engine, prompts(3), sampling=SamplingParams(max_tokens=2),
+                           max_groups=2, dispatch_wait=0.5)
+    stats = worker.start().join(timeout=60)
+    assert stats is not None and stats.groups_done == 3 and engine.calls == 6
+    with PacerClient(server.address) as pacer:
+        groups = pacer.collect(3, wait=5)
+    assert {t.metadata["finish_reason"] for g in groups for t in g.trajectories} == {"length"}
+
+
+KILLED_WORKER = r'''
+import asyncio, json, sys
+from coda_client import AsyncPacerClient
+from coda_client.engines import FinishReason, Generation
+from coda_client.worker import AsyncRolloutWorker, ListPromptSource, Prompt
+from coda_client.engines import SamplingParams
+
+class OneHangs:
+    """Trajectory 1 of every group never ends; trajectory 0 ends at once."""
+    async def generate(self, request):
+        if "#1-" in request.request_id:
+            await asyncio.Event().wait()
+        return Generation([5, 6, 7], [-1.0, -1.0, -1.0], FinishReason.STOP)
+    async def abort(self, ids):
+        pass
+
+log = open(sys.argv[2], "a", buffering=1)
+def acknowledged(trajectories):
+    for t in trajectories:
+        log.write(t.trajectory_id + "\n")
+
+async def main():
+    async with AsyncPacerClient(sys.argv[1]) as pacer:
+        source = ListPromptSource([Prompt(f"k{i}", [1, 2]) for i in range(2)])
+        await AsyncRolloutWorker(pacer, OneHangs(), source, max_groups=2, dispatch_wait=0.5,
+                                 sampling=SamplingParams(max_tokens=8), on_submitted=acknowledged).run()
+asyncio.run(main())
+'''
+
+
+def test_a_killed_worker_loses_no_acknowledged_work(tmp_path):
+    overrides = core_overrides("no-window", B=2, stale=1.0, N=2, M=4)
+    with ServerProcess(tmp_path, *overrides, "server.inflight_lease_seconds=1.0",
+                       f"server.state_dir={tmp_path / 'state'}") as server:
+        script, log = tmp_path / "worker.py", tmp_path / "acknowledged.txt"
+        script.write_text(KILLED_WORKER)
+        worker = subprocess.Popen([sys.executable, str(script), server.address, str(log)], cwd=REPO,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            deadline = time.monotonic() + CONDITION_TIMEOUT
+            while not (log.exists() and len(log.read_text().split()) >= 2):
+                assert worker.poll() is None, "the worker exited early"
+                assert time.monotonic() < deadline, "the worker acknowledged nothing"
+                time.sleep(0.02)
+        finally:
+            worker.kill()
+            worker.wait(10)
+        acknowledged = set(log.read_text().split())
+        with PacerClient(server.address) as pacer:
+            deadline = time.monotonic() + CONDITION_TIMEOUT
+            while pacer.state().expired < 2:  # the dead worker's groups run out of their lease
+                assert time.monotonic() < deadline, "the dead worker's groups were never reclaimed"
+                time.sleep(0.05)
+            reset = pacer.reset("abort", wait=0)
+    returned = {t.trajectory_id for g in reset.expired for t in g.trajectories}
+    assert acknowledged == {"k0#0", "k1#0"} and acknowledged <= returned
+    assert all(t.token_ids == [5, 6, 7] for g in reset.expired for t in g.trajectories)
