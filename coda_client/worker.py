@@ -581,6 +581,8 @@ class AsyncRolloutWorker:
         metadata = {"worker": self.worker_id}
         if traj.finish is not None:
             metadata["finish_reason"] = traj.finish.value
+        if traj.was_aborted:
+            metadata["continued"] = "true"  # aborted at a Reset, then continued under newer weights
         return Trajectory(
             trajectory_id=traj.trajectory_id, prompt_id=group.prompt.prompt_id, ds_index=group.prompt.ds_index,
             status=traj.status, reward=await self._reward_of(group, traj), token_ids=traj.token_ids,

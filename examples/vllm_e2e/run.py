@@ -1,0 +1,356 @@
+"""End to end on CPU: a coda server, a vLLM server and two rollout workers feeding a trainer loop.
+
+    python examples/vllm_e2e/run.py --steps 3
+
+starts `coda-server`, vLLM's OpenAI-compatible server (from its own venv, see setup.sh) serving a tiny
+random Llama, and two worker processes (coda_client.worker.AsyncRolloutWorker over VLLMEngine). The
+trainer collects real mini-batches, runs a stand-in training step over them (group-normalised
+advantages and a policy-gradient loss on the sampled log-probabilities, with tokens of older weight
+versions masked), and between steps does Reset with ABORT and Resume with a new weight version. The
+last line printed is a JSON summary.
+
+`python examples/vllm_e2e/run.py worker ...` is the worker process the example starts (not for direct use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+if str(REPO) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+from coda_client import PacerClient, TrajectoryGroup  # noqa: E402
+
+log = logging.getLogger("coda_example")
+DEFAULT_VENV = Path.home() / ".cache" / "coda-pacer" / "vllm-venv"
+DEFAULT_MODEL = Path.home() / ".cache" / "coda-pacer" / "tiny-llama"
+VLLM_START_TIMEOUT_SECONDS = 900.0  # the first start compiles the model (about 3.5 minutes here)
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+def vllm_setup(args: argparse.Namespace) -> tuple[str, Path]:
+    """The vLLM venv's python and the model directory, creating either with setup.sh when missing."""
+    python = args.vllm_python or os.environ.get("CODA_VLLM_PYTHON")
+    model = Path(args.model or os.environ.get("CODA_VLLM_MODEL") or DEFAULT_MODEL)
+    if python and (model / "config.json").exists():
+        return python, model
+    if python:  # a vLLM venv is given: only the model is missing
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        subprocess.run([python, str(HERE / "make_model.py"), str(model)], check=True, env=env)
+        return python, model
+    subprocess.run(["bash", str(HERE / "setup.sh"), str(DEFAULT_VENV), str(model)], check=True)
+    return str(DEFAULT_VENV / "bin" / "python"), model
+
+
+def start_vllm(python: str, model: Path, port: int, logs: Path) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+               "tiny", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--dtype", "float32"]
+    return subprocess.Popen(command, stdout=open(logs / "vllm.log", "wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def wait_for_vllm(process: subprocess.Popen, base_url: str, logs: Path) -> float:
+    started = time.monotonic()
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {process.returncode}; see {logs / 'vllm.log'}:\n"
+                               + (logs / "vllm.log").read_text(errors="replace")[-3000:])
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return time.monotonic() - started
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() - started > VLLM_START_TIMEOUT_SECONDS:
+            raise RuntimeError(f"vLLM did not become healthy in {VLLM_START_TIMEOUT_SECONDS:.0f} s; "
+                               f"see {logs / 'vllm.log'}")
+        time.sleep(1.0)
+
+
+def start_coda(args: argparse.Namespace, logs: Path) -> tuple[subprocess.Popen, str]:
+    port_file = logs / "coda-port.json"
+    port_file.unlink(missing_ok=True)
+    overrides = [
+        "server.address=127.0.0.1:0", "server.metrics_address=", f"server.state_dir={logs / 'coda-state'}",
+        f"data_source.num_prompts_per_step={args.prompts_per_step}",
+        f"data_source.num_trajectories_per_prompt={args.group_size}",
+        f"trainer.mini_batch_size={args.mini_batch_size}",
+        f"fully_async.stale_steps={args.stale_steps}", "rollout.partial=true",
+        f"rollout.continue_restored={'true' if args.continuation == 'on' else 'false'}",
+    ]
+    process = subprocess.Popen([sys.executable, "-m", "coda_server", "--port-file", str(port_file), *overrides],
+                               stdout=open(logs / "coda-server.log", "wb"), stderr=subprocess.STDOUT, cwd=REPO,
+                               start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("coda-server did not start:\n" + (logs / "coda-server.log").read_text(errors="replace"))
+        time.sleep(0.05)
+    return process, json.loads(port_file.read_text())["address"]
+
+
+def start_worker(args: argparse.Namespace, index: int, pacer: str, engine: str, logs: Path) -> subprocess.Popen:
+    command = [sys.executable, str(Path(__file__).resolve()), "worker", "--pacer", pacer, "--engine", engine,
+               "--index", str(index), "--count", str(args.workers), "--prompts", str(args.prompts),
+               "--max-tokens", str(args.max_tokens), "--max-groups", str(args.max_groups),
+               "--stats", str(logs / f"worker-{index}.json")]
+    return subprocess.Popen(command, stdout=open(logs / f"worker-{index}.log", "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+def example_prompts(count: int) -> list:
+    from coda_client.worker import Prompt
+
+    prompts = []
+    for i in range(count):
+        rng = random.Random(i)
+        prompts.append(Prompt(f"prompt-{i:04d}", [1] + [rng.randrange(3, 512) for _ in range(rng.randrange(8, 24))],
+                              epoch=0, index=i))
+    return prompts
+
+
+def reward_of(prompt, tokens) -> float:
+    """A stand-in verifier: the share of response tokens in the lower half of the vocabulary."""
+    return sum(1 for t in tokens if t < 256) / len(tokens) if tokens else 0.0
+
+
+def worker_main(argv: list[str]) -> int:
+    from coda_client import AsyncPacerClient
+    from coda_client.engines import SamplingParams, VLLMEngine
+    from coda_client.worker import AsyncRolloutWorker, ListPromptSource
+
+    parser = argparse.ArgumentParser(prog="run.py worker")
+    for name in ("--pacer", "--engine", "--stats"):
+        parser.add_argument(name, required=True)
+    for name in ("--index", "--count", "--prompts", "--max-tokens", "--max-groups"):
+        parser.add_argument(name, type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    source = ListPromptSource(example_prompts(args.prompts)).shard(args.index, args.count)
+    acknowledged: dict[str, str] = {}
+
+    def record(trajectories) -> None:
+        for t in trajectories:
+            acknowledged[t.trajectory_id] = int(t.status).__str__()
+
+    async def main() -> dict:
+        async with AsyncPacerClient(args.pacer) as pacer, VLLMEngine(args.engine, model="tiny") as engine:
+            worker = AsyncRolloutWorker(
+                pacer, engine, source, sampling=SamplingParams(max_tokens=args.max_tokens, temperature=1.0),
+                reward=reward_of, max_groups=args.max_groups, worker_id=f"worker-{args.index}",
+                on_resume=engine.update_weight_version, on_submitted=record)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
+            stats = await worker.run()
+            return {**stats.as_dict(), "acknowledged": acknowledged}
+
+    Path(args.stats).write_text(json.dumps(asyncio.run(main())))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+class Trainer:
+    """A stand-in training step over real batches, with the accounting the summary reports."""
+
+    def __init__(self, mask_offpolicy: bool, train_seconds: float) -> None:
+        self.mask_offpolicy = mask_offpolicy
+        self.train_seconds = train_seconds
+        self.trained_ids: set[str] = set()
+        self.trajectories = 0
+        self.tokens = 0
+        self.tokens_unmasked = 0
+        self.continued = 0
+        self.losses: list[float] = []
+
+    def train(self, groups: list[TrajectoryGroup]) -> float:
+        """GRPO-style: advantages normalised within each group; loss = -mean(adv * logprob) over trained tokens."""
+        weighted, counted = 0.0, 0
+        for group in groups:
+            rewards = [t.reward for t in group.trajectories]
+            mean = sum(rewards) / len(rewards)
+            std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+            for t, reward in zip(group.trajectories, rewards):
+                advantage = (reward - mean) / (std + 1e-6)
+                mask = self.offpolicy_mask(t)
+                for logprob, keep in zip(t.logprobs, mask):
+                    if keep and not math.isnan(logprob):
+                        weighted += advantage * logprob
+                        counted += 1
+                self.trained_ids.add(t.trajectory_id)
+                self.trajectories += 1
+                self.tokens += len(t.token_ids)
+                self.tokens_unmasked += sum(mask)
+                self.continued += t.metadata.get("continued") == "true"
+        time.sleep(self.train_seconds)  # the optimizer step would run here
+        loss = -weighted / counted if counted else 0.0
+        self.losses.append(loss)
+        return loss
+
+    def offpolicy_mask(self, t) -> list[int]:
+        """1 for tokens of the trajectory's last weight version; with masking off, 1 for every token
+        (LoongSage's mask_offpolicy_in_partial_rollout masks the tokens a partial rollout kept from before)."""
+        if not self.mask_offpolicy or not t.segment_lengths:
+            return [1] * len(t.token_ids)
+        last = t.segment_weight_versions[-1]
+        mask: list[int] = []
+        for length, version in zip(t.segment_lengths, t.segment_weight_versions):
+            mask.extend([1 if version == last else 0] * length)
+        return mask
+
+
+def trainer_loop(args: argparse.Namespace, address: str, engine_url: str) -> dict:
+    groups_per_batch = args.mini_batch_size // args.group_size
+    batches_per_step = args.prompts_per_step // groups_per_batch
+    trainer = Trainer(args.mask_offpolicy == "on", args.train_seconds)
+    held_at_end: set[str] = set()
+    dropped_ids: set[str] = set()  # restored groups handed back to the trainer (continuation off), dropped here
+    steps_log = []
+    with PacerClient(address) as pacer:
+        for step in range(args.steps):
+            started = time.monotonic()
+            for _ in range(batches_per_step):
+                with pacer.collect_leased(groups_per_batch, lease=120.0, wait=300.0) as groups:
+                    if len(groups) < groups_per_batch:
+                        raise RuntimeError(f"step {step}: no full mini-batch within 300 s")
+                    loss = trainer.train(groups)
+            reset = pacer.reset("abort", wait=120.0)
+            for group in [*reset.restored, *reset.expired]:  # handed back (continuation off): dropped here
+                dropped_ids.update(t.trajectory_id for t in group.trajectories)
+            weight_version = step + 1
+            sync_weights(engine_url, weight_version)  # stand-in for loading the trained weights into vLLM
+            pacer.resume(weight_version)
+            steps_log.append({"step": step, "loss": round(loss, 4), "seconds": round(time.monotonic() - started, 2),
+                              "restored": reset.report.partial_restored_count, "dropped": len(reset.dropped_prompt_ids),
+                              "partial_ratio": round(reset.report.partial_ratio, 3)})
+            log.info("step %d done: %s", step, steps_log[-1])
+        # The last boundary: stop generation, then count what is still held so nothing goes unaccounted.
+        final = pacer.reset("abort", wait=120.0)
+        for group in [*final.restored, *final.expired]:
+            held_at_end.update(t.trajectory_id for t in group.trajectories)
+        while True:
+            leftover = pacer.collect_result(1, wait=0.0)
+            if not leftover.groups:
+                break
+            held_at_end.update(t.trajectory_id for g in leftover.groups for t in g.trajectories)
+        state = pacer.state()
+    return {"trainer": trainer, "held_at_end": held_at_end, "dropped_ids": dropped_ids,
+            "steps_log": steps_log, "state": state, "final_reset": final}
+
+
+def sync_weights(engine_url: str, version: int) -> None:
+    request = urllib.request.Request(f"{engine_url}/update_weight_version", method="POST",
+                                     data=json.dumps({"new_version": str(version)}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        return worker_main(argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--prompts-per-step", type=int, default=4, help="B")
+    parser.add_argument("--group-size", type=int, default=4, help="N")
+    parser.add_argument("--mini-batch-size", type=int, default=8, help="M (trajectories)")
+    parser.add_argument("--stale-steps", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-groups", type=int, default=4, help="groups each worker generates at once")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--train-seconds", type=float, default=1.0, help="the stand-in training step's time")
+    parser.add_argument("--continuation", choices=("on", "off"), default="on",
+                        help="on: the server keeps restored groups and workers continue them; off: Reset hands "
+                             "them to the trainer, which drops them (the old behaviour)")
+    parser.add_argument("--mask-offpolicy", choices=("on", "off"), default="on",
+                        help="mask tokens generated under older weight versions (mask_offpolicy_in_partial_rollout)")
+    parser.add_argument("--vllm-python", help="python of the vLLM venv (default $CODA_VLLM_PYTHON, else setup.sh)")
+    parser.add_argument("--model", help="model directory (default $CODA_VLLM_MODEL or ~/.cache/coda-pacer/tiny-llama)")
+    parser.add_argument("--vllm-port", type=int, default=18123)
+    parser.add_argument("--workdir", help="where logs and the coda state go (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    wall_started = time.monotonic()
+    python, model = vllm_setup(args)
+    logs = Path(args.workdir or tempfile.mkdtemp(prefix="coda-vllm-e2e-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    engine_url = f"http://127.0.0.1:{args.vllm_port}"
+    with ExitStack() as cleanup:
+        vllm = start_vllm(python, model, args.vllm_port, logs)
+        cleanup.callback(stop, vllm)
+        coda, address = start_coda(args, logs)
+        cleanup.callback(stop, coda)
+        vllm_seconds = wait_for_vllm(vllm, engine_url, logs)
+        log.info("vLLM ready in %.0f s; coda-server on %s; logs in %s", vllm_seconds, address, logs)
+        workers = [start_worker(args, i, address, engine_url, logs) for i in range(args.workers)]
+        for worker in workers:
+            cleanup.callback(stop, worker, signal.SIGKILL, 5.0)
+        result = trainer_loop(args, address, engine_url)
+        for worker in workers:
+            stop(worker)
+        stats = [json.loads((logs / f"worker-{i}.json").read_text()) for i in range(args.workers)]
+    trainer: Trainer = result["trainer"]
+    acknowledged = set().union(*(s["acknowledged"] for s in stats))
+    accounted = trainer.trained_ids | result["held_at_end"]
+    tokens_generated = sum(s["tokens_generated"] for s in stats)
+    summary = {
+        "steps": args.steps,
+        "continuation": args.continuation,
+        "mask_offpolicy": args.mask_offpolicy,
+        "trajectories_trained": trainer.trajectories,
+        "tokens_generated": tokens_generated,
+        "tokens_trained": trainer.tokens,
+        "tokens_trained_unmasked": trainer.tokens_unmasked,
+        "unmasked_fraction": round(trainer.tokens_unmasked / tokens_generated, 4) if tokens_generated else 0.0,
+        "aborted_then_continued": trainer.continued,
+        "trajectories_aborted": sum(s["trajectories_aborted"] for s in stats),
+        "restored_trajectories_dropped_by_trainer": len(result["dropped_ids"]),
+        "held_at_end": len(result["held_at_end"]),
+        "lost": len(acknowledged - accounted - result["dropped_ids"]),
+        "vllm_start_seconds": round(vllm_seconds, 1),
+        "wall_seconds": round(time.monotonic() - wall_started, 1),
+        "per_step": result["steps_log"],
+    }
+    print(json.dumps(summary))
+    return 0 if summary["lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
