@@ -12,6 +12,7 @@ from ._proto import pacer_pb2
 from .types import (
     CollectResult,
     DispatchResult,
+    KeepAliveResult,
     PacerState,
     PromptRef,
     ResetMode,
@@ -41,9 +42,11 @@ def request_id_or_new(request_id: str | None) -> str:
 
 
 def dispatch(
-    candidates: Iterable[PromptRef | str], *, wait: float, request_id: str | None, timeout: float
+    candidates: Iterable[PromptRef | str], *, wait: float, request_id: str | None, timeout: float,
+    max_continuations: int = 0,
 ) -> Call[DispatchResult]:
-    """Dispatch: candidates are prompt ids or PromptRefs, in preference order."""
+    """Dispatch: candidates are prompt ids or PromptRefs, in preference order; up to `max_continuations`
+    restored groups kept for continuation come first."""
     if isinstance(candidates, (str, bytes)):
         # A bare string would otherwise be iterated as one candidate per character.
         raise TypeError("candidates must be a list of prompt ids or PromptRefs, not a single string")
@@ -51,8 +54,16 @@ def dispatch(
         candidates=[PromptRef.of(c).to_pb() for c in candidates],
         wait_seconds=wait,
         request_id=request_id_or_new(request_id),
+        max_continuations=max_continuations,
     )
     return Call("Dispatch", request, call_timeout(timeout, wait), DispatchResult.from_pb)
+
+
+def keep_alive(prompt_ids: Sequence[str], *, timeout: float) -> Call[KeepAliveResult]:
+    """KeepAlive: renewing a lease twice is harmless, so no request id."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError("prompt_ids must be a list of prompt ids, not a single string")
+    return Call("KeepAlive", pacer_pb2.KeepAliveRequest(prompt_ids=list(prompt_ids)), timeout, KeepAliveResult.from_pb)
 
 
 def submit(trajectories: Sequence[Trajectory], *, request_id: str | None, timeout: float) -> Call[SubmitResult]:

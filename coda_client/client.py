@@ -31,6 +31,7 @@ from .types import (
     CollectResult,
     ControlEvent,
     DispatchResult,
+    KeepAliveResult,
     PacerState,
     PromptRef,
     ResetMode,
@@ -208,8 +209,13 @@ class _ClientBase:
         return self._stub_for_process().WatchControl(_calls.watch_request(), metadata=self._metadata)
 
     # Call builders shared by both clients; the public methods only add blocking or awaiting.
-    def _dispatch(self, candidates: Iterable[PromptRef | str], wait: float, request_id: str | None) -> Call[Any]:
-        return _calls.dispatch(candidates, wait=wait, request_id=request_id, timeout=self.timeout)
+    def _dispatch(self, candidates: Iterable[PromptRef | str], wait: float, request_id: str | None,
+                  max_continuations: int = 0) -> Call[Any]:
+        return _calls.dispatch(candidates, wait=wait, request_id=request_id, timeout=self.timeout,
+                               max_continuations=max_continuations)
+
+    def _keep_alive(self, prompt_ids: Sequence[str]) -> Call[Any]:
+        return _calls.keep_alive(prompt_ids, timeout=self.timeout)
 
     def _submit(self, trajectories: Sequence[Trajectory], request_id: str | None) -> Call[Any]:
         return _calls.submit(trajectories, request_id=request_id, timeout=self.timeout)
@@ -260,10 +266,17 @@ class PacerClient(_ClientBase):
         return call.convert(response)
 
     def dispatch(
-        self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None
+        self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
+        max_continuations: int = 0,
     ) -> DispatchResult:
-        """Proposes prompt groups (ids or PromptRefs); admits the first k allowed. No candidates: a peek."""
-        return self._run(self._dispatch(candidates, wait, request_id))
+        """Proposes prompt groups (ids or PromptRefs); admits the first k allowed. No candidates: a peek.
+        With max_continuations, up to that many restored groups kept for continuation come first
+        (result.continuations): continue them and submit all their trajectories again."""
+        return self._run(self._dispatch(candidates, wait, request_id, max_continuations))
+
+    def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
+        """Renews the in-flight leases of running groups this worker is still generating."""
+        return self._run(self._keep_alive(prompt_ids))
 
     def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None) -> SubmitResult:
         """Reports trajectories; a request_id is generated when None so retries are de-duplicated."""
@@ -359,10 +372,15 @@ class AsyncPacerClient(_ClientBase):
         return call.convert(response)
 
     async def dispatch(
-        self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None
+        self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
+        max_continuations: int = 0,
     ) -> DispatchResult:
         """Coroutine form of PacerClient.dispatch."""
-        return await self._run(self._dispatch(candidates, wait, request_id))
+        return await self._run(self._dispatch(candidates, wait, request_id, max_continuations))
+
+    async def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
+        """Coroutine form of PacerClient.keep_alive."""
+        return await self._run(self._keep_alive(prompt_ids))
 
     async def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None) -> SubmitResult:
         """Coroutine form of PacerClient.submit."""

@@ -16,6 +16,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "DispatchResult",
+    "KeepAliveResult",
     "SubmitResult",
     "CollectResult",
     "ResetResult",
@@ -211,13 +212,31 @@ class DispatchResult:
     buffered: int
     capacity: int  # C = int(B * (1 + stale_steps))
     remaining: int  # what a Dispatch would admit now, after this one
+    # Restored groups re-offered for continuation (asked for with max_continuations), admitted before the
+    # candidates: each with its new seq and the trajectories it had when it was restored.
+    continuations: list[TrajectoryGroup] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.DispatchResponse) -> DispatchResult:
         """From the wire message."""
         return _from_fields(
-            cls, msg, admitted=[a.prompt_id for a in msg.admitted], seqs=[a.seq for a in msg.admitted]
+            cls, msg, admitted=[a.prompt_id for a in msg.admitted], seqs=[a.seq for a in msg.admitted],
+            continuations=_groups(msg.continuations),
         )
+
+
+@dataclass(frozen=True)
+class KeepAliveResult:
+    """KeepAlive answer: leases renewed, named groups no longer in flight, and the server's lease length."""
+
+    renewed: int
+    unknown_prompt_ids: list[str]
+    lease_seconds: float  # 0: in-flight leases never run out
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.KeepAliveResponse) -> KeepAliveResult:
+        """From the wire message."""
+        return _from_fields(cls, msg, unknown_prompt_ids=list(msg.unknown_prompt_ids))
 
 
 @dataclass(frozen=True)
@@ -280,12 +299,15 @@ class ResetResult:
     paused: bool
     report: StepReport
     expired: list[TrajectoryGroup]  # partial groups whose in-flight lease ran out, for their data source
+    # Restored groups the server keeps and re-offers on Dispatch (rollout.continue_restored): `restored` is empty then.
+    kept_prompt_ids: list[str] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.ResetResponse) -> ResetResult:
         """From the wire message."""
         return _from_fields(cls, msg, restored=_groups(msg.restored), dropped_prompt_ids=list(msg.dropped_prompt_ids),
-                            report=StepReport.from_pb(msg.report), expired=_groups(msg.expired))
+                            report=StepReport.from_pb(msg.report), expired=_groups(msg.expired),
+                            kept_prompt_ids=list(msg.kept_prompt_ids))
 
 
 @dataclass(frozen=True)
@@ -332,6 +354,7 @@ class PacerState:
     redelivered: int  # leased groups returned to the buffer because no Ack came in time
     leased: int  # groups under a Collect lease, not yet acknowledged
     held_bytes: int  # bytes of trajectories queued, buffered or leased
+    restored_kept: int = 0  # restored groups kept for continuation, waiting to be re-offered
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.GetStateResponse) -> PacerState:

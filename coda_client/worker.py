@@ -433,7 +433,9 @@ class AsyncRolloutWorker:
         """One Dispatch; starts what it admitted. None when the call failed and was dealt with."""
         request_id = str(uuid.uuid4())  # one per proposal: a retry that already landed answers the same
         wants = free if self.continue_restored else 0
-        call = lambda: self._dispatch_call([p.ref() for p in candidates], wants, request_id)  # noqa: E731
+        refs = [p.ref() for p in candidates]
+        call = lambda: self.pacer.dispatch(refs, wait=self.dispatch_wait, request_id=request_id,  # noqa: E731
+                                           max_continuations=wants)
         try:
             result = await self._retrying("Dispatch", call)
         except BadRequestError as exc:
@@ -445,7 +447,7 @@ class AsyncRolloutWorker:
         # Whether dispatch is paused is the control stream's to say (PAUSE, RESUME, the STATE on connect): a
         # Dispatch answered just before a RESUME could otherwise pause the worker after it.
         self._observe(result.generation, result.weight_version)
-        continuations = list(getattr(result, "continuations", []) or [])
+        continuations = result.continuations
         for restored in continuations:
             self._start_continuation(restored, result.generation)
         admitted = set(result.admitted)
@@ -464,13 +466,6 @@ class AsyncRolloutWorker:
             logger.info("%s: continuing %d restored groups; %d running here", self.worker_id, len(continuations),
                         len(self._groups), extra=_fields(worker=self.worker_id, continued=len(continuations)))
         return result, continuations
-
-    async def _dispatch_call(self, refs: list[PromptRef], continuations: int, request_id: str) -> Any:
-        dispatch = self.pacer.dispatch
-        if "max_continuations" in inspect.signature(dispatch).parameters:
-            return await dispatch(refs, wait=self.dispatch_wait, request_id=request_id,
-                                  max_continuations=continuations)
-        return await dispatch(refs, wait=self.dispatch_wait, request_id=request_id)
 
     def _drop_refused_candidates(self, candidates: list[Prompt], exc: BadRequestError) -> None:
         """A Dispatch refused as malformed: drop the candidates it names (all when it names none)."""

@@ -12,6 +12,7 @@ from .core.types import (
     CollectResult,
     ControlEvent,
     DispatchResult,
+    KeepAliveResult,
     PacerState,
     PromptRef,
     ResetMode,
@@ -124,8 +125,8 @@ def group_message(group: TrajectoryGroup) -> wire.TrajectoryGroup:
 # Responses are filled field by field: upb sets an attribute several times faster than it takes a keyword
 # argument, and adding a repeated element in place spares building and copying a separate message.
 
-def dispatch_response(result: DispatchResult) -> pb.DispatchResponse:
-    message = pb.DispatchResponse()
+def dispatch_response(result: DispatchResult) -> wire.DispatchResponse:
+    message = wire.DispatchResponse()
     add = message.admitted.add
     for seq, prompt_id in enumerate(result.admitted_ids, result.first_seq):
         entry = add()
@@ -139,7 +140,14 @@ def dispatch_response(result: DispatchResult) -> pb.DispatchResponse:
     message.buffered = result.buffered
     message.capacity = result.capacity
     message.remaining = result.remaining
+    if result.continued:
+        message.continuations.extend(group_message(g) for g in result.continued)
     return message
+
+
+def keep_alive_response(result: KeepAliveResult) -> pb.KeepAliveResponse:
+    return pb.KeepAliveResponse(renewed=result.renewed, unknown_prompt_ids=result.unknown_prompt_ids,
+                                lease_seconds=result.lease_seconds)
 
 
 def submit_response(result: SubmitResult) -> pb.SubmitResponse:
@@ -165,7 +173,7 @@ def reset_response(result: ResetResult) -> wire.ResetResponse:
         pause_delay_seconds=result.pause_delay_seconds, generation=result.generation, step=result.step,
         weight_version=result.weight_version, paused=result.paused,
         report=step_report(result.report, wire.StepReport),
-        expired=[group_message(g) for g in result.expired],
+        expired=[group_message(g) for g in result.expired], kept_prompt_ids=result.kept_prompt_ids,
     )
 
 
@@ -176,7 +184,7 @@ def resume_response(result: ResumeResult) -> pb.ResumeResponse:
 STATE_FIELDS = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version",
                 "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed",
                 "filtered", "restored", "dropped", "stale_rejected", "duplicates", "waiting_calls", "expired",
-                "redelivered", "leased", "held_bytes")
+                "redelivered", "leased", "held_bytes", "restored_kept")
 
 
 def state_response(state: PacerState) -> pb.GetStateResponse:

@@ -1,6 +1,6 @@
 """The RolloutPacer servicer: converts messages, delegates to the AsyncPacer, maps errors to status codes.
 
-Submit requests and Collect and Reset answers are pass-through views (wire.py); server.py registers the
+Submit requests and Dispatch, Collect and Reset answers are pass-through views (wire.py); server.py registers the
 service with their (de)serializers."""
 from __future__ import annotations
 
@@ -53,10 +53,15 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         self._pacer = pacer
 
     @maps_errors
-    async def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:
+    async def Dispatch(self, request: pb.DispatchRequest, context) -> wire.DispatchResponse:
         result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
-                                            bounded_wait(request.wait_seconds, context), request.request_id)
+                                            bounded_wait(request.wait_seconds, context), request.request_id,
+                                            request.max_continuations)
         return convert.dispatch_response(result)
+
+    @maps_errors
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
+        return convert.keep_alive_response(self._pacer.keep_alive(list(request.prompt_ids)))
 
     @maps_errors
     async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:

@@ -58,6 +58,9 @@ class SimConfig:
             items.append(f"fully_async.sliding_window={json.dumps(strategy)}")
         if stale_steps is not None:
             items.append(f"fully_async.stale_steps={float(stale_steps)}")
+        # The simulated data source continues restored groups itself (it re-proposes them with their
+        # partial responses), so the Reset hands them back to it.
+        items.append("rollout.continue_restored=false")
         return items
 
     def pacer_config(self, strategy: Optional[str] = None, stale_steps: Optional[float] = None) -> DictConfig:

@@ -11,9 +11,15 @@ EXAMPLE_STRATEGIES = REPO_ROOT / "examples" / "strategies"
 
 
 def core_overrides(strategy: str = "no-window", *, B: int = 4, stale: float = 1.0, N: int = 2, M: int | None = None,
-                   filters: str = "[status]", extra: tuple[str, ...] = ()) -> list[str]:
-    """Dotted overrides for a small pacing config (single data source unless `extra` adds more)."""
+                   filters: str = "[status]", continue_restored: bool = False,
+                   extra: tuple[str, ...] = ()) -> list[str]:
+    """Dotted overrides for a small pacing config (single data source unless `extra` adds more).
+
+    Restored groups come back to the Reset's caller unless `continue_restored`: most tests follow a
+    group through one step and look at it in the Reset answer; the continuation tests ask for it.
+    """
     overrides = [
+        f"rollout.continue_restored={'true' if continue_restored else 'false'}",
         f"fully_async.sliding_window={strategy}",
         f"fully_async.stale_steps={float(stale)}",
         f"data_source.num_prompts_per_step={B}",

@@ -42,7 +42,9 @@ def durable_overrides(state_dir: Path, port: int, *extra: str) -> list[str]:
     """A small pacing config on a fixed port (restarts keep the address) with durable state."""
     return [f"data_source.num_prompts_per_step={B}", f"data_source.num_trajectories_per_prompt={N}",
             f"trainer.mini_batch_size={M}", "fully_async.stale_steps=1.0", "fully_async.sliding_window=windowed-fifo",
-            f"server.state_dir={state_dir}", f"server.address=127.0.0.1:{port}", "server.metrics_address=", *extra]
+            f"server.state_dir={state_dir}", f"server.address=127.0.0.1:{port}", "server.metrics_address=",
+            # The trainer here takes restored groups back from each Reset (continuation has its own tests).
+            "rollout.continue_restored=false", *extra]
 
 
 def check_invariant(state) -> None:

@@ -49,7 +49,7 @@ data_sources:
   - {{name: a}}
   - {{name: b, num_trajectories_per_prompt: {GROUP_SIZES[1]}}}
 trainer: {{mini_batch_size: 2}}
-rollout: {{filter: [status], partial: true}}
+rollout: {{filter: [status], partial: true, continue_restored: false}}
 server:
   max_id_length: {MAX_ID}
   max_dispatch_candidates: {CAP}

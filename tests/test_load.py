@@ -53,7 +53,7 @@ NEAR_RSS_BYTES = 32 << 20
 TIME_LIMIT_SECONDS = 120.0
 CONFIG = (f"data_source.num_prompts_per_step={B}", f"data_source.num_trajectories_per_prompt={N}",
           f"trainer.mini_batch_size={M}", f"fully_async.stale_steps={STALE_STEPS}",
-          "server.request_id_cache_size=4", "server.log_level=WARNING")
+          "server.request_id_cache_size=4", "server.log_level=WARNING", "rollout.continue_restored=false")
 
 
 def payload(trajectory_id: str) -> bytes:

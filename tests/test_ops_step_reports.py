@@ -41,7 +41,8 @@ def test_first_step_report_matches_the_hand_computed_values(scenario):
     assert scenario["first_taken"] == ["p0", "p1", "p2"]  # oldest seq first; p3 was filtered
     result = scenario["first"]
     report = result.report
-    assert [g.prompt_id for g in result.restored] == ["p6"] and result.dropped_prompt_ids == ["p5"]
+    # The assembled group is restored and, by default, kept by the server for continuation.
+    assert result.restored == [] and result.kept_prompt_ids == ["p6"] and result.dropped_prompt_ids == ["p5"]
     # 6 consumed trajectories, 3 of them span versions (p1 t0: 1->2, p2 t0: 0->2, p2 t1: 1->2).
     assert (report.step, report.pipeline_buf_size, report.filter_drop) == (1, 1, 1)
     assert report.partial_ratio == pytest.approx(3 / 6)

@@ -110,14 +110,16 @@ class TrajectoryGroup(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., seq: _Optional[int] = ..., ds_index: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("candidates", "wait_seconds", "request_id")
+    __slots__ = ("candidates", "wait_seconds", "request_id", "max_continuations")
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     candidates: _containers.RepeatedCompositeFieldContainer[PromptRef]
     wait_seconds: float
     request_id: str
-    def __init__(self, candidates: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    max_continuations: int
+    def __init__(self, candidates: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., max_continuations: _Optional[int] = ...) -> None: ...
 
 class AdmittedPrompt(_message.Message):
     __slots__ = ("prompt_id", "seq")
@@ -128,7 +130,7 @@ class AdmittedPrompt(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class DispatchResponse(_message.Message):
-    __slots__ = ("admitted", "paused", "step", "weight_version", "generation", "running", "buffered", "capacity", "remaining")
+    __slots__ = ("admitted", "paused", "step", "weight_version", "generation", "running", "buffered", "capacity", "remaining", "continuations")
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,7 @@ class DispatchResponse(_message.Message):
     BUFFERED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     REMAINING_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     admitted: _containers.RepeatedCompositeFieldContainer[AdmittedPrompt]
     paused: bool
     step: int
@@ -147,7 +150,8 @@ class DispatchResponse(_message.Message):
     buffered: int
     capacity: int
     remaining: int
-    def __init__(self, admitted: _Optional[_Iterable[_Union[AdmittedPrompt, _Mapping]]] = ..., paused: _Optional[bool] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., running: _Optional[int] = ..., buffered: _Optional[int] = ..., capacity: _Optional[int] = ..., remaining: _Optional[int] = ...) -> None: ...
+    continuations: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
+    def __init__(self, admitted: _Optional[_Iterable[_Union[AdmittedPrompt, _Mapping]]] = ..., paused: _Optional[bool] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., running: _Optional[int] = ..., buffered: _Optional[int] = ..., capacity: _Optional[int] = ..., remaining: _Optional[int] = ..., continuations: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("trajectories", "request_id")
@@ -220,7 +224,7 @@ class ResetRequest(_message.Message):
     def __init__(self, mode: _Optional[_Union[ResetMode, str]] = ..., wait_seconds: _Optional[float] = ..., resume: _Optional[bool] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused", "report", "expired")
+    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused", "report", "expired", "kept_prompt_ids")
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +234,7 @@ class ResetResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     restored: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     dropped_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     pause_delay_seconds: float
@@ -239,7 +244,24 @@ class ResetResponse(_message.Message):
     paused: bool
     report: StepReport
     expired: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
-    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ...) -> None: ...
+    kept_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., kept_prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("prompt_ids",)
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("renewed", "unknown_prompt_ids", "lease_seconds")
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    renewed: int
+    unknown_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_seconds: float
+    def __init__(self, renewed: _Optional[int] = ..., unknown_prompt_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("weight_version", "request_id")
@@ -262,7 +284,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes")
+    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes", "restored_kept")
     class ConfigSummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +319,7 @@ class GetStateResponse(_message.Message):
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_KEPT_FIELD_NUMBER: _ClassVar[int]
     running: int
     buffered: int
     queued_trajectories: int
@@ -324,7 +347,8 @@ class GetStateResponse(_message.Message):
     redelivered: int
     leased: int
     held_bytes: int
-    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    restored_kept: int
+    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., restored_kept: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("step", "pipeline_buf_size", "filter_drop", "partial_ratio", "partial_span_max", "partial_restored_count", "partial_dropped_incomplete_count", "pause_delay")

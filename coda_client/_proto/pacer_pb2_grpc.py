@@ -70,6 +70,11 @@ class RolloutPacerStub:
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.GetStateResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/coda.pacer.v1.RolloutPacer/KeepAlive',
+                request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
         self.WatchControl = channel.unary_stream(
                 '/coda.pacer.v1.RolloutPacer/WatchControl',
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.WatchControlRequest.SerializeToString,
@@ -82,10 +87,11 @@ class RolloutPacerServicer:
     """
 
     def Dispatch(self, request, context):
-        """Proposes prompt groups to start; admits the first k the pacing strategy allows.
+        """Proposes prompt groups to start; admits the first k the pacing strategy allows. Restored groups
+        kept for continuation (rollout.continue_restored) are re-offered first, up to `max_continuations`.
         Empty `candidates` is a cheap peek at the window terms. Paused: admits none, `paused` set.
-        Errors: INVALID_ARGUMENT (empty or repeated prompt_id, prompt already in flight,
-        unconfigured ds_index, negative wait), UNAUTHENTICATED, UNAVAILABLE.
+        Errors: INVALID_ARGUMENT (empty or repeated prompt_id, prompt already in flight or kept for
+        continuation, unconfigured ds_index, negative wait), UNAUTHENTICATED, UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -147,6 +153,15 @@ class RolloutPacerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """Renews the in-flight lease (server.inflight_lease_seconds) of running groups a live worker is still
+        generating, so a slow group is not reclaimed; names the ones no longer in flight. Not journaled.
+        Errors: INVALID_ARGUMENT (no prompt ids, bad id, too many), UNAUTHENTICATED, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchControl(self, request, context):
         """A stream of control events: first the current state, then PAUSE / RESUME as they happen,
         and SHUTDOWN right before the server closes the stream on shutdown.
@@ -193,6 +208,11 @@ def add_RolloutPacerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.GetStateRequest.FromString,
                     response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.GetStateResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.KeepAliveRequest.FromString,
+                    response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.KeepAliveResponse.SerializeToString,
             ),
             'WatchControl': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchControl,
@@ -390,6 +410,33 @@ class RolloutPacer:
             '/coda.pacer.v1.RolloutPacer/GetState',
             coda_dot_pacer_dot_v1_dot_pacer__pb2.GetStateRequest.SerializeToString,
             coda_dot_pacer_dot_v1_dot_pacer__pb2.GetStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coda.pacer.v1.RolloutPacer/KeepAlive',
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.KeepAliveRequest.SerializeToString,
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,7 @@ from .types import (
     ControlEvent,
     ControlEventType,
     DispatchResult,
+    KeepAliveResult,
     PacerState,
     PromptRef,
     ResetMode,
@@ -114,11 +115,17 @@ class AsyncPacer:
 
     # ------------------------------------------------------------- operations
 
-    async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
+    async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
+                       max_continuations: int = 0) -> DispatchResult:
         async def call() -> DispatchResult:
-            return await self.waits.until(self.pacer.dispatch_poll(candidates, request_id), wait)
+            return await self.waits.until(self.pacer.dispatch_poll(candidates, request_id, max_continuations), wait)
 
         return await self._applied("Dispatch", request_id, call)
+
+    def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
+        """Renews in-flight leases at once (nothing to wait for: it is not journaled)."""
+        self.check_ready()
+        return self.pacer.keep_alive(prompt_ids)
 
     async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         async def call() -> SubmitResult:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterable, Mapping, Optional, Sequence
+from typing import Any, Collection, Container, Iterable, Mapping, Optional, Sequence
 
 from .errors import (
     InvalidArgumentError,
@@ -84,8 +84,10 @@ class RequestChecks:
         if problem:  # before the id is echoed in any message
             raise InvalidArgumentError(f"lease_id {problem}", violations=[("lease_id", problem)])
 
-    def check_candidates(self, candidates: Sequence[PromptRef], inflight: Mapping[str, Any]) -> None:
-        """Every candidate well-formed, named once, configured and not already in flight; else nothing is admitted."""
+    def check_candidates(self, candidates: Sequence[PromptRef], inflight: Mapping[str, Any],
+                         kept: Container[str] = ()) -> None:
+        """Every candidate well-formed, named once, configured, not in flight and not kept for continuation;
+        else nothing is admitted."""
         limit = self.limits.max_candidates
         if len(candidates) > limit:
             raise InvalidArgumentError(f"{len(candidates)} candidates in one Dispatch; at most {limit} are allowed",
@@ -101,6 +103,9 @@ class RequestChecks:
                     problem = f"prompt {prompt_id!r} is named twice in this request"
                 elif prompt_id in inflight:
                     problem = f"prompt {prompt_id!r} is already in flight"
+                elif prompt_id in kept:
+                    problem = (f"prompt {prompt_id!r} was restored by a Reset and is kept for continuation; it is "
+                               f"re-offered by Dispatch (max_continuations)")
                 seen.add(prompt_id)
             if problem is not None:
                 violations.append((f"candidates[{i}].prompt_id", problem))
@@ -109,6 +114,24 @@ class RequestChecks:
                                    f"ds_index {ds_index!r} is not configured; allowed: 0..{datasets - 1}"))
         if violations:
             raise InvalidArgumentError(f"Dispatch refused, nothing admitted: {violations[0][1]}", violations=violations)
+
+    def check_max_continuations(self, count: Any) -> None:
+        if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
+            raise InvalidArgumentError(f"max_continuations {count!r} must be an integer >= 0",
+                                       violations=[("max_continuations", "must be an integer >= 0")])
+
+    def check_keep_alive(self, prompt_ids: Sequence[Any]) -> None:
+        """KeepAlive names at least one running group, at most max_dispatch_candidates, each a valid id."""
+        limit = self.limits.max_candidates
+        if not prompt_ids or len(prompt_ids) > limit:
+            raise InvalidArgumentError(
+                f"KeepAlive names {len(prompt_ids)} prompt ids; between 1 and {limit} are allowed",
+                violations=[("prompt_ids", f"between 1 and {limit} prompt ids per call")])
+        violations = [(f"prompt_ids[{i}]", problem) for i, prompt_id in enumerate(prompt_ids)
+                      if (problem := self.id_problem(prompt_id)) is not None]
+        if violations:
+            raise InvalidArgumentError(f"KeepAlive refused: {violations[0][0]} {violations[0][1]}",
+                                       violations=violations)
 
     def check_submit_size(self, trajectories: Sequence[Trajectory]) -> None:
         limit = self.limits.max_trajectories

@@ -13,6 +13,7 @@ from .errors import ConfigError
 from .filters import FILTERS
 from .journal import FSYNC_POLICIES
 from .plugins import load_custom_modules
+from .replay import REPLAY_STRATEGIES
 from .strategy import STRATEGIES
 
 RESET_MODES_BY_PARTIAL = {True: "abort", False: "wait"}
@@ -108,6 +109,13 @@ def validate_config(config: Any) -> None:
         need(name in FILTERS, "rollout.filter", name, f"registered filters: {', '.join(FILTERS.names())}")
     need(isinstance(config.rollout.get("partial"), bool), "rollout.partial", config.rollout.get("partial"),
          "must be true or false")
+    need(isinstance(config.rollout.get("continue_restored", True), bool), "rollout.continue_restored",
+         config.rollout.get("continue_restored"), "must be true or false")
+    for i, source in enumerate(sources):
+        dataset = source.get("dataset") or {}
+        replay = dataset.get("buffer_replay_strategy") if isinstance(dataset, (dict, DictConfig)) else dataset
+        need(replay is None or replay in REPLAY_STRATEGIES, f"data_sources[{i}].dataset.buffer_replay_strategy",
+             replay, f"null (fifo) or a registered buffer replay strategy: {', '.join(REPLAY_STRATEGIES.names())}")
     _validate_server(config.server, need)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
@@ -202,6 +210,7 @@ def config_summary(config: Any) -> dict[str, str]:
         "num_trajectories_per_prompt": ",".join(str(s.num_trajectories_per_prompt) for s in config.data_sources),
         "mini_batch_size": str(config.trainer.mini_batch_size),
         "rollout_partial": str(config.rollout.partial).lower(),
+        "continue_restored": str(config.rollout.get("continue_restored", True)).lower(),
         "filters": ",".join(config.rollout.filter),
     }
 

@@ -49,6 +49,7 @@ class JournalEvent:
 class Dispatched(JournalEvent):
     refs: list[PromptRef]  # the candidates admitted, in order (replay admits exactly these)
     request_id: str
+    continued: list[str] = ()  # prompt ids of kept restored groups re-offered first (journals before: none)
 
 
 @dataclass(slots=True)

@@ -24,12 +24,14 @@ from .journal import Acked, Collected, Dispatched, Expired, Journal, JournalEven
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
 from .limits import Limits
 from .polls import CollectPoll, DispatchPoll, ResetPoll
+from .replay import RestoredGroups, create_replay_strategy
 from .strategy import ThreadSafeStrategy, create_strategy, gate_is_ordered, window_size
 from .types import (
     CollectResult,
     ControlEvent,
     ControlEventType,
     DispatchResult,
+    KeepAliveResult,
     PacerState,
     PromptRef,
     ResetMode,
@@ -81,6 +83,10 @@ class Pacer:
         self.limits = limits = Limits.from_config(config)
         self.checks = RequestChecks(limits, self._group_sizes)
         self._default_mode = ResetMode.ABORT if bool(config.rollout.get("partial", True)) else ResetMode.WAIT
+        # Restored groups: kept and re-offered for continuation, or handed to the Reset's caller (the old way).
+        self.continue_restored = bool(config.rollout.get("continue_restored", True))
+        self._restored = RestoredGroups([create_replay_strategy((s.get("dataset") or {}).get("buffer_replay_strategy"),
+                                                                config) for s in config.data_sources])
         self._summary = config_summary(config)
 
         self._lock = self._strategy.lock if proxied else threading.RLock()
@@ -167,11 +173,13 @@ class Pacer:
 
     # ----------------------------------------------------------------- in-process calls
 
-    def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
-        """Admit the first k candidates the strategy allows now; with `wait`, wait up to that long for one slot."""
+    def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
+                 max_continuations: int = 0) -> DispatchResult:
+        """Admit the first k candidates the strategy allows now, after up to `max_continuations` kept restored
+        groups; with `wait`, wait up to that long for one slot."""
         with self._lock:
-            return self.answers.once("Dispatch", request_id,
-                                     lambda: self.waits.until(self.dispatch_poll(candidates, request_id), wait))
+            poll = self.dispatch_poll(candidates, request_id, max_continuations)
+            return self.answers.once("Dispatch", request_id, lambda: self.waits.until(poll, wait))
 
     def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready."""
@@ -220,42 +228,61 @@ class Pacer:
 
     # ----------------------------------------------------------------- dispatch
 
-    def dispatch_poll(self, candidates: Sequence[PromptRef], request_id: str = "") -> DispatchPoll:
-        return DispatchPoll(self, candidates, request_id)
+    def dispatch_poll(self, candidates: Sequence[PromptRef], request_id: str = "",
+                      max_continuations: int = 0) -> DispatchPoll:
+        self.checks.check_max_continuations(max_continuations)
+        return DispatchPoll(self, candidates, request_id, max_continuations)
 
-    def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "") -> DispatchResult:
-        """Validate the candidates and admit what the strategy allows now (caller holds the lock)."""
+    def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "", max_continuations: int = 0,
+                       continued_ids: Optional[Sequence[str]] = None) -> DispatchResult:
+        """Validate the candidates and admit what the strategy allows now (caller holds the lock): first up to
+        `max_continuations` kept restored groups (replay names them: `continued_ids`), then candidates."""
         if candidates:  # none is a peek at the window
-            self.checks.check_candidates(candidates, self._inflight)
+            self.checks.check_candidates(candidates, self._inflight, self._restored)
         allowed = self._admissible_now()
-        count = min(allowed, len(candidates))
-        first_seq = self._next_seq
+        if continued_ids is not None:
+            continued = self._restored.by_ids(continued_ids)
+        elif max_continuations and allowed and self._restored:
+            continued = self._restored.choose(min(allowed, max_continuations), self.step)
+        else:
+            continued = []
+        count = min(allowed - len(continued), len(candidates))
+        first_seq = self._next_seq + len(continued)
         admitted_ids: list[str] = []
-        if count:
+        if count or continued:
             now = self._clock()
             admitted_refs = list(candidates[:count])  # also the journal's record of this Dispatch
             group_sizes = self._group_sizes
+            refs = [*(PromptRef(g.prompt_id, g.ds_index, g.epoch, g.index) for g in continued), *admitted_refs]
             groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now)
-                      for seq, ref in enumerate(admitted_refs, first_seq)]
+                      for seq, ref in enumerate(refs, self._next_seq)]
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged.
             self._hooks.on_dispatched(groups)
-            self._next_seq += count
+            self._next_seq += len(groups)
             inflight, generation_prompts = self._inflight, self._generation_prompts
             for group in groups:
                 inflight[group.prompt_id] = group
                 generation_prompts.add(group.prompt_id)
-                admitted_ids.append(group.prompt_id)
+            admitted_ids = [ref.prompt_id for ref in admitted_refs]
+            if continued:
+                # Handed out again with the trajectories they had; the worker submits all N anew.
+                self._restored.take(continued)
+                for group in continued:
+                    self._held_bytes -= bytes_of(group.trajectories)
+                continued = [TrajectoryGroup(g.prompt_id, seq, g.ds_index, g.trajectories, g.epoch, g.index, now)
+                             for seq, g in enumerate(continued, self._next_seq - len(groups))]
             self._leases.extend(groups, now)
-            self.totals["dispatched"] += count
+            self.totals["dispatched"] += len(groups)
             self._strategy_touched = True
             self._release_held()
             self._notify()
         # Positional: a keyword call to a dataclass builds a kwargs dict and costs about twice as much.
         result = DispatchResult(admitted_ids, first_seq, self.paused, self.step, self.weight_version, self.generation,
                                 len(self._inflight), len(self._buffer), self._window_size,
-                                self._admissible_now() if count else allowed)  # unchanged if nothing was admitted
-        if count:
-            self._record(Dispatched(now, admitted_refs, request_id))
+                                # unchanged if nothing was admitted
+                                self._admissible_now() if count or continued else allowed, continued)
+        if count or continued:
+            self._record(Dispatched(now, admitted_refs, request_id, [g.prompt_id for g in continued]))
         return result
 
     def admissible_now(self) -> int:
@@ -267,6 +294,22 @@ class Pacer:
         if self.paused or self.closed:
             return 0
         return max(0, int(self._hooks.compute_dispatch_count(len(self._buffer))))
+
+    # ----------------------------------------------------------------- keep-alive
+
+    def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
+        """Renew the in-flight lease of these running groups (their worker is alive and generating).
+
+        Not journaled: a restarted server gives every running group its full lease again anyway.
+        """
+        self.checks.check_keep_alive(prompt_ids)
+        with self._lock:
+            self._check_open()
+            running = [self._inflight[p] for p in prompt_ids if p in self._inflight]
+            self._leases.extend([g for g in running if not g.complete], self._clock())
+            known = {g.prompt_id for g in running}
+            return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
+                                   self._leases.inflight_seconds)
 
     # ----------------------------------------------------------------- submit
 
@@ -492,7 +535,7 @@ class Pacer:
                 window_size=self._window_size, step=self.step, weight_version=self.weight_version,
                 generation=self.generation, paused=self.paused, resetting=self.resetting,
                 strategy=self._strategy.name, config_summary=dict(self._summary),
-                leased=self._leases.leased_groups, held_bytes=self._held_bytes,
+                leased=self._leases.leased_groups, held_bytes=self._held_bytes, restored_kept=len(self._restored),
                 recent_reports=list(self._reports), **self.totals,
             )
 

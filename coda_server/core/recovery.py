@@ -43,6 +43,7 @@ def export_state(pacer: "Pacer") -> dict:
             "answers": pacer.answers.export(),
             **pacer._leases.export(),
             "held_bytes": pacer._held_bytes,
+            "restored_kept": pacer._restored.export(),  # restored groups waiting to be continued
             "config": dict(pacer._summary),  # the pacing settings the state was made under
         }
 
@@ -61,6 +62,7 @@ def import_state(pacer: "Pacer", snapshot: dict) -> None:
     pacer.answers.restore(snapshot["answers"])
     pacer._leases.restore(snapshot, pacer._clock())
     pacer._held_bytes = snapshot["held_bytes"]
+    pacer._restored.restore(snapshot.get("restored_kept"))  # absent in snapshots written before continuation
 
 
 def recover(pacer: "Pacer") -> int:
@@ -117,8 +119,10 @@ def check_recorded_config(pacer: "Pacer", recorded: Optional[dict], events: int)
     if recorded is None:  # a snapshot older than the record: nothing to compare (replay still checks itself)
         return
     summary = pacer._summary
+    # A setting the record does not hold was added after it was written (its default applied then): not compared.
     changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
-               for key in sorted(set(recorded) | set(summary)) if recorded.get(key) != summary.get(key)]
+               for key in sorted(set(recorded) | set(summary))
+               if key in recorded and recorded.get(key) != summary.get(key)]
     if changed:
         raise RecoveryError(
             f"the state in {pacer.journal.directory} has {events} events since its last snapshot, recorded under "
@@ -131,7 +135,7 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
     """Apply one recorded change again, through the step the live call ran, and remember its answer."""
     remember = pacer.answers.remember
     if isinstance(event, Dispatched):
-        result = pacer.apply_dispatch(event.refs, event.request_id)
+        result = pacer.apply_dispatch(event.refs, event.request_id, continued_ids=event.continued)
         if result.admitted_ids != [r.prompt_id for r in event.refs]:
             raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted_ids)} of the "
                                f"{len(event.refs)} groups it admitted before the restart")

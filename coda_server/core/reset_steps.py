@@ -69,6 +69,9 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         pacer.totals["dropped"] += len(dropped)
         expired, pacer._expired_groups = pacer._expired_groups, []
         pacer._expired_prompts = set()
+        kept: list[str] = []
+        if pacer.continue_restored:  # the server keeps them (their bytes stay held) and re-offers them on Dispatch
+            kept, restored = pacer._restored.keep(restored), []
         for group in (*restored, *expired):
             pacer._held_bytes -= bytes_of(group.trajectories)
         for prompt_id in dropped:
@@ -85,7 +88,8 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         pacer.generation += 1
         ready_at = pacer._reset_ready_at if pacer._reset_ready_at is not None else now
         pause_delay = max(0.0, ready_at - (pacer._pause_started or ready_at))
-        report = pacer._tally.report(pacer.step, len(pacer._buffer), len(restored), len(dropped), pause_delay)
+        report = pacer._tally.report(pacer.step, len(pacer._buffer), len(restored) + len(kept), len(dropped),
+                                     pause_delay)
         pacer._reports.append(report)
         pacer._tally = StepTally()
         pacer.resetting = False
@@ -93,7 +97,7 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
             _resume_locked(pacer, weight_version)
         pacer._notify()
         result = ResetResult(restored, dropped, pause_delay, pacer.generation, pacer.step, pacer.weight_version,
-                             pacer.paused, report, expired)
+                             pacer.paused, report, expired, kept)
         pacer._record(ResetFinished(now, ready_at_recorded, resume, weight_version, request_id))
         if pacer.journal is not None:
             # The step boundary is the natural checkpoint: nothing is in flight, so the snapshot is small. It

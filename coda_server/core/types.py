@@ -111,6 +111,8 @@ class DispatchResult:
     buffered: int
     capacity: int  # C = int(B * (1 + stale_steps))
     remaining: int  # what a Dispatch would admit now, after this one
+    # Restored groups re-offered for continuation, admitted before the candidates (seqs from the call's first).
+    continued: list[TrajectoryGroup] = field(default_factory=list)
 
     @property
     def admitted(self) -> list[Admitted]:
@@ -158,6 +160,15 @@ class ResetResult:
     report: StepReport = field(default_factory=StepReport)
     # Partial groups whose in-flight lease ran out this generation, set aside for their data source.
     expired: list[TrajectoryGroup] = field(default_factory=list)
+    # Restored groups kept for continuation (rollout.continue_restored): then `restored` is empty.
+    kept_prompt_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KeepAliveResult:
+    renewed: int
+    unknown_prompt_ids: list[str]
+    lease_seconds: float
 
 
 @dataclass
@@ -217,6 +228,7 @@ class PacerState:
     redelivered: int = 0  # leased groups returned to the buffer because no Ack came in time
     leased: int = 0  # groups handed out under a Collect lease, not yet acknowledged
     held_bytes: int = 0  # bytes of trajectories queued, buffered or leased
+    restored_kept: int = 0  # restored groups kept for continuation, not yet re-offered
 
     def invariant_holds(self) -> bool:
         """dispatched = running + collected + filtered + restored + dropped + expired,

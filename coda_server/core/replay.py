@@ -1,0 +1,122 @@
+"""Partial-rollout continuation: the restored groups the pacer keeps, and the buffer replay strategies that
+choose which of them a Dispatch re-offers, in what order.
+
+A Reset restores the groups that were assembled (their trajectories submitted, aborted ones with their
+partial tokens). With `rollout.continue_restored` on, the pacer keeps them and re-offers them to workers
+before any new prompt; the data source's `dataset.buffer_replay_strategy` (LoongSage's key and meaning;
+null is `fifo`) picks which ones go first. Custom strategies register like sliding-window strategies:
+
+    from coda_server import BufferReplayStrategy, register_buffer_replay_strategy
+
+    @register_buffer_replay_strategy("newest-first")
+    class NewestFirst(BufferReplayStrategy):
+        def select(self, restored, count, step):
+            return list(reversed(restored))[:count]
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence
+
+from .registry import Registry
+from .types import TrajectoryGroup
+
+REPLAY_STRATEGIES: Registry = Registry("buffer replay strategy", "data_sources[].dataset.buffer_replay_strategy")
+DEFAULT_REPLAY_STRATEGY = "fifo"
+
+
+def register_buffer_replay_strategy(name: str):
+    """Class decorator: make a `BufferReplayStrategy` selectable by name in `dataset.buffer_replay_strategy`."""
+    return REPLAY_STRATEGIES.register(name)
+
+
+class BufferReplayStrategy:
+    """Chooses the restored groups of one data source that a Dispatch re-offers.
+
+    `select` gets the groups waiting for continuation in the order they were restored (oldest Reset
+    first, dispatch order within a Reset), how many the Dispatch can take, and the trainer step; it
+    returns at most `count` of them, in the order they are offered. It must not change `restored`, and
+    it runs under the pacer's lock: keep it quick.
+    """
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    def select(self, restored: Sequence[TrajectoryGroup], count: int, step: int) -> list[TrajectoryGroup]:
+        raise NotImplementedError
+
+
+@register_buffer_replay_strategy("fifo")
+class FifoReplay(BufferReplayStrategy):
+    """Oldest restored first (LoongSage's default)."""
+
+    def select(self, restored: Sequence[TrajectoryGroup], count: int, step: int) -> list[TrajectoryGroup]:
+        return list(restored[:count])
+
+
+def create_replay_strategy(name: Any, config: Any = None) -> BufferReplayStrategy:
+    """The named strategy (None or "" is the default, fifo); an unknown name raises ConfigError listing the known."""
+    return REPLAY_STRATEGIES.get(name or DEFAULT_REPLAY_STRATEGY)(config)
+
+
+class RestoredGroups:
+    """Restored groups kept for continuation, per data source in the order they were restored."""
+
+    def __init__(self, strategies: Sequence[BufferReplayStrategy]):
+        self._strategies = list(strategies)  # one per data source
+        self._groups: list[TrajectoryGroup] = []
+        self._ids: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, prompt_id: object) -> bool:
+        return prompt_id in self._ids
+
+    def keep(self, groups: Iterable[TrajectoryGroup]) -> list[str]:
+        """Keep these groups (a Reset restored them); returns their prompt ids."""
+        kept = []
+        for group in groups:
+            self._groups.append(group)
+            self._ids.add(group.prompt_id)
+            kept.append(group.prompt_id)
+        return kept
+
+    def choose(self, count: int, step: int) -> list[TrajectoryGroup]:
+        """Up to `count` groups to re-offer, data source by data source, each in its strategy's order (not taken yet)."""
+        chosen: list[TrajectoryGroup] = []
+        for ds_index, strategy in enumerate(self._strategies):
+            if len(chosen) >= count:
+                break
+            waiting = [g for g in self._groups if g.ds_index == ds_index]
+            if not waiting:
+                continue
+            picked = strategy.select(waiting, count - len(chosen), step)
+            known = {id(g) for g in waiting}
+            if len(picked) > count - len(chosen) or any(id(g) not in known for g in picked) or \
+                    len({id(g) for g in picked}) != len(picked):
+                raise RuntimeError(f"buffer replay strategy {type(strategy).__name__} must return at most "
+                                   f"{count - len(chosen)} distinct groups of those it was given")
+            chosen.extend(picked)
+        return chosen
+
+    def by_ids(self, prompt_ids: Sequence[str]) -> list[TrajectoryGroup]:
+        """The kept groups with these ids, in this order (replaying a recorded Dispatch)."""
+        index = {g.prompt_id: g for g in self._groups}
+        missing = [p for p in prompt_ids if p not in index]
+        if missing:
+            raise RuntimeError(f"recovery diverged: restored group {missing[0]!r} is not kept for continuation")
+        return [index[p] for p in prompt_ids]
+
+    def take(self, groups: Sequence[TrajectoryGroup]) -> None:
+        """These groups are dispatched again: no longer kept."""
+        taken = {g.prompt_id for g in groups}
+        self._groups = [g for g in self._groups if g.prompt_id not in taken]
+        self._ids -= taken
+
+    def export(self) -> list[TrajectoryGroup]:
+        return list(self._groups)
+
+    def restore(self, groups: Optional[Iterable[TrajectoryGroup]]) -> None:
+        self._groups = []
+        self._ids = set()
+        self.keep(groups or ())
