@@ -78,6 +78,16 @@ async def until(condition, what: str, timeout: float = CONDITION_TIMEOUT) -> Non
         await asyncio.sleep(0.01)
 
 
+async def until_state(pacer, condition, what: str, timeout: float = CONDITION_TIMEOUT):
+    """Waits until the server's state meets a condition (polled over GetState)."""
+    deadline = time.monotonic() + timeout
+    while not condition(state := await pacer.state()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; last state {state}")
+        await asyncio.sleep(0.02)
+    return state
+
+
 def prompts(count: int, prefix: str = "p") -> ListPromptSource:
     return ListPromptSource([Prompt(f"{prefix}{i}", [100 + i, 7, 7]) for i in range(count)])
 
@@ -296,3 +306,66 @@ def test_a_killed_worker_loses_no_acknowledged_work(tmp_path):
     returned = {t.trajectory_id for g in reset.expired for t in g.trajectories}
     assert acknowledged == {"k0#0", "k1#0"} and acknowledged <= returned
     assert all(t.token_ids == [5, 6, 7] for g in reset.expired for t in g.trajectories)
+
+
+def test_restored_groups_are_continued_from_their_partial_tokens_under_the_new_weights(tmp_path):
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4, continue_restored=True)) as server:
+        async def go():
+            engine = HeldEngine()
+            async with AsyncPacerClient(server.address) as pacer:
+                worker = make_worker(pacer, engine, prompts(2))
+                task = asyncio.create_task(worker.run())
+                await until(lambda: len(engine.held) == 4, "4 requests held")
+                reset = await pacer.reset("abort", wait=CONDITION_TIMEOUT, resume=True, weight_version=1)
+                engine.auto_release = True
+                groups = await pacer.collect(2, wait=CONDITION_TIMEOUT)
+                stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)  # the source is exhausted: it ends
+            return engine, reset, groups, stats
+
+        engine, reset, groups, stats = asyncio.run(go())
+    assert reset.kept_prompt_ids == ["p0", "p1"] and reset.restored == []
+    assert sorted(g.prompt_id for g in groups) == ["p0", "p1"]
+    for group in groups:
+        for t in group.trajectories:
+            assert t.status == TrajectoryStatus.COMPLETED and t.metadata["continued"] == "true"
+            # 3 tokens before the abort (positions 3..5 after the 3-token prompt), then 5 after it.
+            assert t.token_ids == list(range(3, 3 + FIRST_TOKENS + FIRST_TOKENS + LATER_TOKENS))
+            assert t.segment_lengths == [FIRST_TOKENS, FIRST_TOKENS + LATER_TOKENS]
+            assert t.segment_weight_versions == [0, 1]
+            assert (t.start_weight_version, t.end_weight_version) == (0, 1)
+    continued_requests = engine.requests[4:]
+    assert len(continued_requests) == 4
+    for request in continued_requests:  # prompt + the partial response, with what is left of the budget
+        assert len(request.input_ids) == 3 + FIRST_TOKENS and request.max_tokens == 16 - FIRST_TOKENS
+    assert stats.groups_continued == 2 and stats.trajectories_continued == 4
+
+
+@pytest.mark.parametrize("keepalive", [True, False])
+def test_keep_alive_holds_the_leases_of_groups_still_generating(tmp_path, keepalive):
+    lease = 1.0
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4),
+                       f"server.inflight_lease_seconds={lease}") as server:
+        async def go():
+            engine = HeldEngine()
+            async with AsyncPacerClient(server.address) as pacer:
+                # Without keep-alive (the control case) the first renewal would come long after the lease.
+                worker = make_worker(pacer, engine, prompts(2), keepalive_seconds=None if keepalive else 3600.0)
+                task = asyncio.create_task(worker.run())
+                await until(lambda: len(engine.held) == 4, "4 requests held")
+                if keepalive:
+                    # Three renewals at a third of the lease each: the requests have been held past one lease.
+                    await until(lambda: worker.stats.keepalive_calls >= 4, "four KeepAlive calls")
+                else:
+                    await until_state(pacer, lambda st: st.expired == 2, "the leases to run out")
+                state = await pacer.state()
+                engine.release_all()
+                worker.stop()
+                stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)
+            return state, stats
+
+        state, stats = asyncio.run(go())
+    if keepalive:
+        assert (state.expired, state.running) == (0, 2)
+        assert stats.trajectories_submitted == 4 and stats.trajectories_refused == 0
+    else:
+        assert state.expired == 2 and stats.trajectories_refused == 4  # late Submits refused: LEASE_EXPIRED
