@@ -163,11 +163,11 @@ def worker_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     source = ListPromptSource(example_prompts(args.prompts)).shard(args.index, args.count)
-    acknowledged: dict[str, str] = {}
+    acknowledged: dict[str, str] = {}  # trajectory id -> its prompt id
 
     def record(trajectories) -> None:
         for t in trajectories:
-            acknowledged[t.trajectory_id] = int(t.status).__str__()
+            acknowledged[t.trajectory_id] = t.prompt_id
 
     async def main() -> dict:
         async with AsyncPacerClient(args.pacer) as pacer, VLLMEngine(args.engine, model="tiny") as engine:
@@ -191,7 +191,6 @@ class Trainer:
     def __init__(self, mask_offpolicy: bool, train_seconds: float) -> None:
         self.mask_offpolicy = mask_offpolicy
         self.train_seconds = train_seconds
-        self.trained_ids: set[str] = set()
         self.trajectories = 0
         self.tokens = 0
         self.tokens_unmasked = 0
@@ -212,7 +211,6 @@ class Trainer:
                     if keep and not math.isnan(logprob):
                         weighted += advantage * logprob
                         counted += 1
-                self.trained_ids.add(t.trajectory_id)
                 self.trajectories += 1
                 self.tokens += len(t.token_ids)
                 self.tokens_unmasked += sum(mask)
@@ -238,9 +236,18 @@ def trainer_loop(args: argparse.Namespace, address: str, engine_url: str) -> dic
     groups_per_batch = args.mini_batch_size // args.group_size
     batches_per_step = args.prompts_per_step // groups_per_batch
     trainer = Trainer(args.mask_offpolicy == "on", args.train_seconds)
-    held_at_end: set[str] = set()
-    dropped_ids: set[str] = set()  # restored groups handed back to the trainer (continuation off), dropped here
+    # What became of each prompt group, last event wins: a kept group may be continued and trained later.
+    fate: dict[str, str] = {}
     steps_log = []
+
+    def boundary(reset) -> None:
+        for prompt_id in reset.kept_prompt_ids:
+            fate[prompt_id] = "kept"  # the server keeps it for continuation
+        for group in [*reset.restored, *reset.expired]:  # handed back (continuation off): the trainer drops them
+            fate[group.prompt_id] = "dropped_by_trainer"
+        for prompt_id in reset.dropped_prompt_ids:
+            fate[prompt_id] = "dropped_incomplete"  # the server's choice: not assembled when the Reset ended
+
     with PacerClient(address) as pacer:
         for step in range(args.steps):
             started = time.monotonic()
@@ -249,9 +256,9 @@ def trainer_loop(args: argparse.Namespace, address: str, engine_url: str) -> dic
                     if len(groups) < groups_per_batch:
                         raise RuntimeError(f"step {step}: no full mini-batch within 300 s")
                     loss = trainer.train(groups)
+                fate.update((g.prompt_id, "trained") for g in groups)
             reset = pacer.reset("abort", wait=120.0)
-            for group in [*reset.restored, *reset.expired]:  # handed back (continuation off): dropped here
-                dropped_ids.update(t.trajectory_id for t in group.trajectories)
+            boundary(reset)
             weight_version = step + 1
             sync_weights(engine_url, weight_version)  # stand-in for loading the trained weights into vLLM
             pacer.resume(weight_version)
@@ -259,18 +266,18 @@ def trainer_loop(args: argparse.Namespace, address: str, engine_url: str) -> dic
                               "restored": reset.report.partial_restored_count, "dropped": len(reset.dropped_prompt_ids),
                               "partial_ratio": round(reset.report.partial_ratio, 3)})
             log.info("step %d done: %s", step, steps_log[-1])
-        # The last boundary: stop generation, then count what is still held so nothing goes unaccounted.
+        # The last boundary stops generation; what the server still holds then is counted, not lost.
         final = pacer.reset("abort", wait=120.0)
-        for group in [*final.restored, *final.expired]:
-            held_at_end.update(t.trajectory_id for t in group.trajectories)
+        boundary(final)
+        for group in final.restored:
+            fate[group.prompt_id] = "held_at_end"
         while True:
             leftover = pacer.collect_result(1, wait=0.0)
             if not leftover.groups:
                 break
-            held_at_end.update(t.trajectory_id for g in leftover.groups for t in g.trajectories)
+            fate.update((g.prompt_id, "held_at_end") for g in leftover.groups)
         state = pacer.state()
-    return {"trainer": trainer, "held_at_end": held_at_end, "dropped_ids": dropped_ids,
-            "steps_log": steps_log, "state": state, "final_reset": final}
+    return {"trainer": trainer, "fate": fate, "steps_log": steps_log, "state": state}
 
 
 def sync_weights(engine_url: str, version: int) -> None:
@@ -295,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-groups", type=int, default=4, help="groups each worker generates at once")
     parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--train-seconds", type=float, default=1.0, help="the stand-in training step's time")
+    parser.add_argument("--train-seconds", type=float, default=3.0,
+                        help="the stand-in training step's time per mini-batch")
     parser.add_argument("--continuation", choices=("on", "off"), default="on",
                         help="on: the server keeps restored groups and workers continue them; off: Reset hands "
                              "them to the trainer, which drops them (the old behaviour)")
@@ -327,8 +335,11 @@ def main(argv: list[str] | None = None) -> int:
             stop(worker)
         stats = [json.loads((logs / f"worker-{i}.json").read_text()) for i in range(args.workers)]
     trainer: Trainer = result["trainer"]
-    acknowledged = set().union(*(s["acknowledged"] for s in stats))
-    accounted = trainer.trained_ids | result["held_at_end"]
+    fate: dict[str, str] = result["fate"]
+    acknowledged = {tid: prompt for s in stats for tid, prompt in s["acknowledged"].items()}
+    by_fate: dict[str, int] = {}
+    for prompt_id in acknowledged.values():
+        by_fate[fate.get(prompt_id, "lost")] = by_fate.get(fate.get(prompt_id, "lost"), 0) + 1
     tokens_generated = sum(s["tokens_generated"] for s in stats)
     summary = {
         "steps": args.steps,
@@ -341,9 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         "unmasked_fraction": round(trainer.tokens_unmasked / tokens_generated, 4) if tokens_generated else 0.0,
         "aborted_then_continued": trainer.continued,
         "trajectories_aborted": sum(s["trajectories_aborted"] for s in stats),
-        "restored_trajectories_dropped_by_trainer": len(result["dropped_ids"]),
-        "held_at_end": len(result["held_at_end"]),
-        "lost": len(acknowledged - accounted - result["dropped_ids"]),
+        # Acknowledged trajectories (distinct ids) by what became of their group.
+        "restored_trajectories_dropped_by_trainer": by_fate.get("dropped_by_trainer", 0),
+        "kept_for_continuation_at_end": by_fate.get("kept", 0),
+        "held_at_end": by_fate.get("held_at_end", 0),
+        "dropped_incomplete": by_fate.get("dropped_incomplete", 0),
+        "lost": by_fate.get("lost", 0),
         "vllm_start_seconds": round(vllm_seconds, 1),
         "wall_seconds": round(time.monotonic() - wall_started, 1),
         "per_step": result["steps_log"],
