@@ -6,6 +6,7 @@ it or the worker aborts it, so every step is driven by conditions, never by timi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -104,6 +105,17 @@ def make_worker(pacer, engine, source, **kwargs) -> AsyncRolloutWorker:
     return AsyncRolloutWorker(pacer, engine, source, sampling=SamplingParams(max_tokens=16), **kwargs)
 
 
+@contextlib.asynccontextmanager
+async def running_worker(address: str, source: ListPromptSource | None = None, **kwargs):
+    """A worker running on a HeldEngine, once its first two groups (4 requests) are held in the engine."""
+    engine = HeldEngine()
+    async with AsyncPacerClient(address) as pacer:
+        worker = make_worker(pacer, engine, source if source is not None else prompts(10), **kwargs)
+        task = asyncio.create_task(worker.run())
+        await until(lambda: len(engine.held) == 4, "4 requests held in the engine (2 groups x 2)")
+        yield pacer, engine, worker, task
+
+
 def test_worker_generates_groups_and_submits_them_with_segments_and_rewards(server):
     async def go():
         engine = HeldEngine()
@@ -132,11 +144,7 @@ def test_worker_generates_groups_and_submits_them_with_segments_and_rewards(serv
 
 def test_pause_with_abort_aborts_the_engine_requests_and_submits_partial_tokens_as_aborted(server):
     async def go():
-        engine = HeldEngine()
-        async with AsyncPacerClient(server.address) as pacer:
-            worker = make_worker(pacer, engine, prompts(10))
-            task = asyncio.create_task(worker.run())
-            await until(lambda: len(engine.held) == 4, "4 requests held in the engine (2 groups x 2)")
+        async with running_worker(server.address) as (pacer, engine, worker, task):
             reset = await pacer.reset("abort", wait=CONDITION_TIMEOUT)
             held_after = dict(engine.held)
             worker.stop()
@@ -158,11 +166,7 @@ def test_pause_with_abort_aborts_the_engine_requests_and_submits_partial_tokens_
 
 def test_pause_with_wait_lets_running_requests_finish_and_aborts_nothing(server):
     async def go():
-        engine = HeldEngine()
-        async with AsyncPacerClient(server.address) as pacer:
-            worker = make_worker(pacer, engine, prompts(10))
-            task = asyncio.create_task(worker.run())
-            await until(lambda: len(engine.held) == 4, "4 requests held in the engine")
+        async with running_worker(server.address) as (pacer, engine, worker, task):
             reset_task = asyncio.create_task(pacer.reset("wait", wait=CONDITION_TIMEOUT))
             await until(lambda: worker._paused, "the worker to see the PAUSE")
             engine.release_all()
@@ -180,12 +184,8 @@ def test_pause_with_wait_lets_running_requests_finish_and_aborts_nothing(server)
 
 def test_resume_records_the_weight_version_and_calls_on_resume_before_dispatching_again(server):
     async def go():
-        engine = HeldEngine()
         versions_seen = []
-        async with AsyncPacerClient(server.address) as pacer:
-            worker = make_worker(pacer, engine, prompts(10), on_resume=versions_seen.append)
-            task = asyncio.create_task(worker.run())
-            await until(lambda: len(engine.held) == 4, "4 requests held")
+        async with running_worker(server.address, on_resume=versions_seen.append) as (pacer, engine, worker, task):
             await pacer.reset("abort", wait=CONDITION_TIMEOUT, resume=True, weight_version=7)
             await until(lambda: worker.weight_version == 7, "the worker to record weight version 7")
             engine.auto_release = True
@@ -208,11 +208,7 @@ def test_shutdown_stops_the_worker_and_aborts_its_requests(tmp_path):
     server = ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4)).start()
     try:
         async def go():
-            engine = HeldEngine()
-            async with AsyncPacerClient(server.address) as pacer:
-                worker = make_worker(pacer, engine, prompts(10), shutdown_grace=1.0)
-                task = asyncio.create_task(worker.run())
-                await until(lambda: len(engine.held) == 4, "4 requests held")
+            async with running_worker(server.address, shutdown_grace=1.0) as (pacer, engine, worker, task):
                 server.process.send_signal(signal.SIGTERM)
                 stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)
             return engine, stats
@@ -311,11 +307,7 @@ def test_a_killed_worker_loses_no_acknowledged_work(tmp_path):
 def test_restored_groups_are_continued_from_their_partial_tokens_under_the_new_weights(tmp_path):
     with ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4, continue_restored=True)) as server:
         async def go():
-            engine = HeldEngine()
-            async with AsyncPacerClient(server.address) as pacer:
-                worker = make_worker(pacer, engine, prompts(2))
-                task = asyncio.create_task(worker.run())
-                await until(lambda: len(engine.held) == 4, "4 requests held")
+            async with running_worker(server.address, prompts(2)) as (pacer, engine, worker, task):
                 reset = await pacer.reset("abort", wait=CONDITION_TIMEOUT, resume=True, weight_version=1)
                 engine.auto_release = True
                 groups = await pacer.collect(2, wait=CONDITION_TIMEOUT)
