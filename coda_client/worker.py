@@ -779,7 +779,9 @@ class AsyncRolloutWorker:
                 continue
             self.stats.keepalive_calls += 1
             if interval is None:
-                interval = max(0.05, answer.lease_seconds / 3) if answer.lease_seconds else 60.0
+                if not answer.lease_seconds:  # the server never reclaims running groups: nothing to renew
+                    return
+                interval = max(0.05, answer.lease_seconds / 3)
             lost = [self._groups[p] for p in answer.unknown_prompt_ids if p in self._groups]
             if lost:
                 logger.warning("%s: %d groups are no longer in flight on the server; aborting them", self.worker_id,
