@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from . import _calls
+from . import _calls, _wire, arrays as _arrays
 from ._calls import Call
 from ._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -139,8 +139,10 @@ class _ClientBase:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         options: ChannelOptions = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        arrays: _arrays.ArrayMode = "list",
     ) -> None:
         self.target = target
+        self.arrays: _arrays.ArrayMode = _arrays.check_mode(arrays)
         self.timeout = float(timeout)
         self._metadata = call_metadata(token)
         # Resolved now so a bad certificate path fails at construction, not at the first call.
@@ -172,7 +174,7 @@ class _ClientBase:
                 self._forget_inherited_channel_locked()
             if self._stub is None:
                 self._channel = self._new_channel()
-                self._stub = pacer_pb2_grpc.RolloutPacerStub(self._channel)
+                self._stub = _wire.passthrough_stub(self._channel)
             return self._stub
 
     def _forget_inherited_channel_locked(self) -> None:
@@ -219,7 +221,7 @@ class _ClientBase:
     ) -> Call[Any]:
         return _calls.collect(
             num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id, timeout=self.timeout,
-            lease=lease,
+            lease=lease, arrays=self.arrays,
         )
 
     def _ack(self, lease_id: str, request_id: str | None) -> Call[Any]:
@@ -227,7 +229,8 @@ class _ClientBase:
 
     def _reset(self, mode: Any, wait: float, resume: bool, weight_version: int, request_id: str | None) -> Call[Any]:
         return _calls.reset(
-            mode, wait=wait, resume=resume, weight_version=weight_version, request_id=request_id, timeout=self.timeout
+            mode, wait=wait, resume=resume, weight_version=weight_version, request_id=request_id, timeout=self.timeout,
+            arrays=self.arrays,
         )
 
     def _resume(self, weight_version: int, request_id: str | None) -> Call[Any]:
@@ -243,7 +246,9 @@ class PacerClient(_ClientBase):
     target: "host:port". token: bearer token sent with every call. tls: None (plaintext), True (system
     roots), a TlsConfig or mapping of its fields (root cert, client cert/key for mTLS, server name), or
     grpc.ChannelCredentials. timeout: default deadline in seconds; long-polls get wait + a margin.
-    options: extra gRPC channel arguments, overriding the defaults. Errors raise PacerClientError subclasses.
+    options: extra gRPC channel arguments, overriding the defaults. arrays: how received trajectories hold
+    token_ids, logprobs and loss_mask: "list" (default) or "numpy" (read-only arrays over the received bytes;
+    needs coda-pacer[numpy]). Errors raise PacerClientError subclasses.
     """
 
     def _new_channel(self) -> grpc.Channel:

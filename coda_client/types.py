@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from . import _wire, arrays
 from ._proto import pacer_pb2
 
 __all__ = [
@@ -113,12 +115,20 @@ class PromptRef:
         return cls(msg.prompt_id, msg.ds_index, _optional(msg, "epoch"), _optional(msg, "index"))
 
 
-@dataclass(frozen=True, kw_only=True)
+# Fields of Trajectory that are numeric arrays on the wire, in proto order.
+ARRAY_FIELD_NAMES = tuple(_wire.ARRAY_FIELDS)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Trajectory:
-    """One generated response. Empty lists mean absent; logprobs travel as float32.
+    """One generated response. Empty arrays mean absent; logprobs travel as float32.
 
     `status` is required: the server refuses UNSPECIFIED, so a forgotten status fails loudly.
     Non-empty token_ids, logprobs and loss_mask must have equal lengths (the server checks).
+    The arrays may be lists, tuples, array.array or NumPy arrays (token ids and mask as integers that fit
+    int32, logprobs as numbers stored as float32); what a client returns is lists, or read-only NumPy
+    arrays over the received bytes with `arrays="numpy"`. Two trajectories are equal when every field
+    is, the arrays compared as their encoded bits (NaN equals the same NaN; a list equals an array).
     """
 
     trajectory_id: str
@@ -126,31 +136,65 @@ class Trajectory:
     status: TrajectoryStatus | int
     ds_index: int = 0
     reward: float = 0.0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
+    token_ids: Sequence[int] | Any = field(default_factory=list)
+    logprobs: Sequence[float] | Any = field(default_factory=list)
+    loss_mask: Sequence[int] | Any = field(default_factory=list)
     start_weight_version: int = 0
     end_weight_version: int = 0
     num_turns: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     payload: bytes = b""
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name in _wire.ARRAY_FIELDS:
+                if arrays.comparable(f.name, mine) != arrays.comparable(f.name, theirs):
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # mutable arrays inside
+
+    def _scalars(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _wire.ARRAY_FIELDS}
+
+    def encoded_parts(self) -> list[Any]:
+        """The wire encoding as buffers to join: scalar fields, then each array's own buffer."""
+        return _wire.encode_trajectory(self._scalars(), {name: arrays.encode(name, getattr(self, name))
+                                                         for name in ARRAY_FIELD_NAMES})
+
     def to_pb(self) -> pacer_pb2.Trajectory:
-        """The wire message."""
-        return pacer_pb2.Trajectory(**{f.name: getattr(self, f.name) for f in fields(self)})
+        """The wire message (built from the encoding, so arrays are not copied number by number)."""
+        return pacer_pb2.Trajectory.FromString(b"".join(self.encoded_parts()))
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.Trajectory) -> Trajectory:
-        """From the wire message (repeated fields copied into plain lists, the map into a dict)."""
-        return _from_fields(
-            cls,
-            msg,
-            status=_enum(TrajectoryStatus, msg.status),
-            token_ids=list(msg.token_ids),
-            logprobs=list(msg.logprobs),
-            loss_mask=list(msg.loss_mask),
-            metadata=dict(msg.metadata),
-        )
+    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> Trajectory:
+        """From the wire message or its pass-through view (coda_client._wire): arrays as lists, or as
+        read-only NumPy arrays (`arrays_as="numpy"`; over the received bytes when msg is a view)."""
+        if isinstance(msg, _wire.Trajectory):
+            msg = _wire.normalized(msg)
+            values = {name: arrays.decode(name, getattr(msg, name), arrays_as) for name in ARRAY_FIELD_NAMES}
+            metadata = dict(_decode_map_entries(msg.metadata))
+        else:
+            values = {name: arrays.from_values(name, getattr(msg, name), arrays_as) for name in ARRAY_FIELD_NAMES}
+            metadata = dict(msg.metadata)
+        return _from_fields(cls, msg, status=_enum(TrajectoryStatus, msg.status), metadata=metadata, **values)
+
+
+def _decode_map_entries(entries: Any) -> Any:
+    """The metadata map of a view: its raw entries, decoded through the real message."""
+    if not entries:
+        return {}
+    tag = _wire.length_delimited_tag(_METADATA_NUMBER)
+    data = b"".join(tag + _wire.varint(len(e)) + e for e in entries)
+    return pacer_pb2.Trajectory.FromString(data).metadata
+
+
+_METADATA_NUMBER = pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["metadata"].number
 
 
 @dataclass(frozen=True)
@@ -176,20 +220,20 @@ class TrajectoryGroup:
         )
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.TrajectoryGroup) -> TrajectoryGroup:
-        """From the wire message."""
+    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> TrajectoryGroup:
+        """From the wire message or its view; arrays as in Trajectory.from_pb."""
         return _from_fields(
             cls,
             msg,
             epoch=_optional(msg, "epoch"),
             index=_optional(msg, "index"),
-            trajectories=[Trajectory.from_pb(t) for t in msg.trajectories],
+            trajectories=[Trajectory.from_pb(t, arrays_as) for t in msg.trajectories],
         )
 
 
-def _groups(messages: Any) -> list[TrajectoryGroup]:
+def _groups(messages: Any, arrays_as: arrays.ArrayMode = "list") -> list[TrajectoryGroup]:
     """Converts a repeated TrajectoryGroup field."""
-    return [TrajectoryGroup.from_pb(g) for g in messages]
+    return [TrajectoryGroup.from_pb(g, arrays_as) for g in messages]
 
 
 @dataclass(frozen=True)
@@ -238,9 +282,9 @@ class CollectResult:
     lease_id: str = ""  # set for a leased Collect: Ack it, or the groups are delivered again
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.CollectResponse) -> CollectResult:
-        """From the wire message."""
-        return _from_fields(cls, msg, groups=_groups(msg.groups))
+    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> CollectResult:
+        """From the wire message or its view; arrays as in Trajectory.from_pb."""
+        return _from_fields(cls, msg, groups=_groups(msg.groups, arrays_as))
 
 
 @dataclass(frozen=True)
@@ -277,10 +321,11 @@ class ResetResult:
     expired: list[TrajectoryGroup]  # partial groups whose in-flight lease ran out, for their data source
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.ResetResponse) -> ResetResult:
-        """From the wire message."""
-        return _from_fields(cls, msg, restored=_groups(msg.restored), dropped_prompt_ids=list(msg.dropped_prompt_ids),
-                            report=StepReport.from_pb(msg.report), expired=_groups(msg.expired))
+    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> ResetResult:
+        """From the wire message or its view; arrays as in Trajectory.from_pb."""
+        return _from_fields(cls, msg, restored=_groups(msg.restored, arrays_as),
+                            dropped_prompt_ids=list(msg.dropped_prompt_ids), report=StepReport.from_pb(msg.report),
+                            expired=_groups(msg.expired, arrays_as))
 
 
 @dataclass(frozen=True)

@@ -20,52 +20,19 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from coda_client import _wire
 from coda_client._proto import pacer_pb2
 
-VIEW_PACKAGE = "coda.pacer.v1.passthrough"
-
-
-def _derive_views() -> dict[str, Any]:
-    source = descriptor_pb2.FileDescriptorProto()
-    pacer_pb2.DESCRIPTOR.CopyToProto(source)
-    original_prefix, view_prefix = f".{source.package}.", f".{VIEW_PACKAGE}."
-    view = descriptor_pb2.FileDescriptorProto(name="coda/pacer/v1/passthrough.proto", package=VIEW_PACKAGE,
-                                              syntax=source.syntax, dependency=source.dependency)
-    view.enum_type.extend(source.enum_type)
-    view.message_type.extend(source.message_type)
-    for message in view.message_type:
-        for field in message.field:
-            if field.type_name.startswith(original_prefix):
-                field.type_name = view_prefix + field.type_name[len(original_prefix):]
-        if message.name == "Trajectory":
-            for field in message.field:
-                if field.label != descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED:
-                    continue
-                if field.type == descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE:  # the map: raw entries
-                    field.ClearField("type_name")
-                else:  # a packed array: its one run
-                    field.label = descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
-                    field.ClearField("options")  # `packed` applies to numbers only
-                field.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
-    pool = descriptor_pool.DescriptorPool()
-    for dependency in source.dependency:  # none today; kept so a future import does not break this
-        dependency_proto = descriptor_pb2.FileDescriptorProto()
-        descriptor_pool.Default().FindFileByName(dependency).CopyToProto(dependency_proto)
-        pool.Add(dependency_proto)
-    pool.Add(view)
-    classes = message_factory.GetMessageClassesForFiles([view.name], pool)
-    return {message.name: classes[f"{VIEW_PACKAGE}.{message.name}"] for message in view.message_type}
-
-
-VIEWS = _derive_views()
-Trajectory = VIEWS["Trajectory"]
-TrajectoryGroup = VIEWS["TrajectoryGroup"]
-SubmitRequest = VIEWS["SubmitRequest"]
-CollectResponse = VIEWS["CollectResponse"]
-ResetResponse = VIEWS["ResetResponse"]
-StepReport = VIEWS["StepReport"]
+# The view classes are derived once, in the client package, which reads Collect answers through them too.
+VIEW_PACKAGE = _wire.VIEW_PACKAGE
+VIEWS = _wire.VIEWS
+Trajectory = _wire.Trajectory
+TrajectoryGroup = _wire.TrajectoryGroup
+SubmitRequest = _wire.SubmitRequest
+CollectResponse = _wire.CollectResponse
+ResetResponse = _wire.ResetResponse
+StepReport = _wire.StepReport
 
 # Bytes of a varint other than its last one have the high bit set.
 _CONTINUATION_BYTES = bytes(range(0x80, 0x100))
@@ -111,10 +78,6 @@ def fixed32_count(run: bytes) -> int:
     return -1 if len(run) % 4 else len(run) // 4
 
 
-def _serialize(message: Any) -> bytes:
-    return message.SerializeToString()
-
-
 class PassthroughCodec:
     """A method wrapper (see method_wrapping) giving the RolloutPacer methods that carry trajectories their
     pass-through (de)serializers: Submit requests are parsed with `parse_submit`, and Collect and Reset
@@ -128,5 +91,5 @@ class PassthroughCodec:
         if method == self._submit:
             return handler._replace(request_deserializer=parse_submit)
         if method in self._view_responses:
-            return handler._replace(response_serializer=_serialize)
+            return handler._replace(response_serializer=_wire.serialize)
         return handler
