@@ -44,8 +44,13 @@ def check_mode(mode: str) -> ArrayMode:
 
 
 def dtype_of(name: str) -> str:
-    """Little-endian NumPy dtype string of a fixed-width trajectory array (e.g. '<i4' for token_ids)."""
-    return _wire.FIXED_DTYPES[_wire.ARRAY_FIELDS[name].type]
+    """Little-endian NumPy dtype of a trajectory array's values (e.g. '<i4' for token_ids)."""
+    field_type = _wire.ARRAY_FIELDS[name].type
+    return _wire.FIXED_DTYPES.get(field_type) or _VARINT_DTYPES[field_type]
+
+
+_VARINT_DTYPES = {_wire.FieldDescriptor.TYPE_INT32: "<i4", _wire.FieldDescriptor.TYPE_SINT32: "<i4",
+                  _wire.FieldDescriptor.TYPE_UINT32: "<u4", _wire.FieldDescriptor.TYPE_INT64: "<i8"}
 
 
 def encode(name: str, values: Any) -> Any:
@@ -106,7 +111,7 @@ def decode(name: str, run: bytes, mode: ArrayMode) -> Any:
         values = getattr(_decode_varint_run(field.number, run), name)
         if mode == "list":
             return list(values)
-        result = numpy().array(values, dtype="<i4" if field.type == field.TYPE_INT32 else None)
+        result = numpy().array(values, dtype=dtype_of(name))
         result.flags.writeable = False
         return result
     dtype = dtype_of(name)
@@ -129,7 +134,7 @@ def from_values(name: str, values: Any, mode: ArrayMode) -> Any:
     if mode == "list":
         return list(values)
     np = numpy()
-    result = np.array(values, dtype=dtype_of(name) if _wire.is_fixed_width(name) else None)
+    result = np.array(values, dtype=dtype_of(name))
     result.flags.writeable = False
     return result
 

@@ -26,6 +26,14 @@ from ._channel import (
     resolve_tls,
 )
 from ._proto import pacer_pb2_grpc
+from .batches import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_POLL_SECONDS,
+    AsyncBatchIterator,
+    BatchIterator,
+    _groups_per_batch,
+    group_count,
+)
 from .errors import translate
 from .types import (
     CollectResult,
@@ -303,6 +311,23 @@ class PacerClient(_ClientBase):
         if result.lease_id:
             self.ack(result.lease_id)
 
+    def batches(
+        self, mini_batch_size: int, *, group_size: int | None = None, lease: float = DEFAULT_LEASE_SECONDS,
+        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+    ) -> BatchIterator:
+        """The trainer's iterator (docs/trainer.md): packed mini-batches of `mini_batch_size` trajectories
+        (whole groups; group_size defaults to the server's), each from one leased Collect.
+
+        The next Collect runs in the background while the caller trains on the current batch; asking for the
+        next batch (or `ack()`) acknowledges the current one, so a trainer that dies gets its groups delivered
+        again, in order, after `lease` seconds (which must cover a training step plus the prefetch). Stops
+        after `num_batches` batches without prefetching beyond them (a step boundary), on `close()`, or when
+        the server announces its shutdown. Needs NumPy (coda-pacer[numpy]).
+        """
+        num_groups = (group_count(self.state().config_summary, mini_batch_size) if group_size is None
+                      else _groups_per_batch(mini_batch_size, group_size))
+        return BatchIterator(self, num_groups, lease=lease, poll=poll, num_batches=num_batches)
+
     def reset(
         self,
         mode: ResetMode | str | None = None,
@@ -400,6 +425,14 @@ class AsyncPacerClient(_ClientBase):
         yield result.groups
         if result.lease_id:
             await self.ack(result.lease_id)
+
+    def batches(
+        self, mini_batch_size: int, *, group_size: int | None = None, lease: float = DEFAULT_LEASE_SECONDS,
+        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+    ) -> AsyncBatchIterator:
+        """Async form of PacerClient.batches: `async with client.batches(128) as batches: async for batch in
+        batches: ...` (the group size is asked from the server on the first iteration)."""
+        return AsyncBatchIterator(self, mini_batch_size, group_size, lease=lease, poll=poll, num_batches=num_batches)
 
     async def reset(
         self,
