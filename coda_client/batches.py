@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import grpc
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["MiniBatch", "GroupView", "PaddedBatch", "BatchIterator", "AsyncBatchIterator"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_LEASE_SECONDS = 600.0
 DEFAULT_POLL_SECONDS = 5.0
@@ -274,6 +275,10 @@ class _IteratorBase:
         return event_type == ControlEventType.SHUTDOWN
 
 
+class _Stopped(Exception):
+    """A call was cut short because the iterator closed or the server announced its shutdown."""
+
+
 class BatchIterator(_IteratorBase):
     """Blocking iterator of MiniBatch; see PacerClient.batches."""
 
@@ -281,10 +286,10 @@ class BatchIterator(_IteratorBase):
                  poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None) -> None:
         super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches)
         self._lock = threading.Lock()
-        self._inflight: Any = None  # the Collect call in progress, cancelled by close() or a shutdown
+        self._inflight: set[Any] = set()  # calls in progress, cancelled by close() or a server shutdown
         self._shutdown = threading.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches")
-        self._pending: concurrent.futures.Future[MiniBatch | None] | None = None
+        self._pending: concurrent.futures.Future[MiniBatch] | None = None
         self._watch = client.watch()
         self._watcher = threading.Thread(target=self._watch_events, name="coda-batches-watch", daemon=True)
         self._watcher.start()
@@ -295,40 +300,44 @@ class BatchIterator(_IteratorBase):
         try:
             for event in self._watch:
                 if self._on_event(event.type):
-                    self._server_shutting_down()
+                    self._shutdown.set()
+                    self._cancel_inflight()
                     return
         except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
-            log.warning("batches: control stream ended (%s); a server shutdown will show as a Collect error", exc)
+            log.warning("batches: control stream ended (%s); a server shutdown will show as a call error", exc)
 
-    def _server_shutting_down(self) -> None:
-        self._shutdown.set()
+    def _cancel_inflight(self) -> None:
         with self._lock:
-            inflight = self._inflight
-        if inflight is not None:
-            inflight.cancel()
+            inflight = list(self._inflight)
+        for future in inflight:
+            future.cancel()
 
-    def _prefetch(self) -> MiniBatch | None:
-        """Collects until a full batch arrives; None when closed or the server is shutting down."""
+    def _call(self, call: _calls.Call[_T]) -> _T:
+        """Runs a call that close() or a server shutdown can cut short (raising _Stopped): after the
+        server's SHUTDOWN event a call would otherwise wait for a server that is gone until its deadline."""
         stub = self._client._stub_for_process()
-        while True:
-            call = self._collect_call()
+        with self._lock:
+            if self._closed or self._shutdown.is_set():
+                raise _Stopped
+            future = getattr(stub, call.method).future(call.request, timeout=call.timeout,
+                                                       metadata=self._client._metadata)
+            self._inflight.add(future)
+        try:
+            return call.convert(future.result())
+        except grpc.FutureCancelledError:
+            raise _Stopped from None
+        except grpc.RpcError as exc:
+            if self._closed or self._shutdown.is_set():
+                raise _Stopped from None
+            raise translate(exc) from exc
+        finally:
             with self._lock:
-                if self._closed or self._shutdown.is_set():
-                    return None
-                self._inflight = stub.Collect.future(call.request, timeout=call.timeout,
-                                                     metadata=self._client._metadata)
-            try:
-                response = self._inflight.result()
-            except grpc.FutureCancelledError:
-                return None
-            except grpc.RpcError as exc:
-                if self._shutdown.is_set() or self._closed:
-                    return None
-                raise translate(exc) from exc
-            finally:
-                with self._lock:
-                    self._inflight = None
-            result = call.convert(response)
+                self._inflight.discard(future)
+
+    def _prefetch(self) -> MiniBatch:
+        """Collects until a full batch arrives (raises _Stopped when closed or the server shuts down)."""
+        while True:
+            result = self._call(self._collect_call())
             if result.groups:
                 return MiniBatch.from_collect(result)
 
@@ -337,22 +346,19 @@ class BatchIterator(_IteratorBase):
 
     def __next__(self) -> MiniBatch:
         """Acknowledges the batch handed out last, then hands out the prefetched one and prefetches the next."""
-        if self._current is not None and not self._shutdown.is_set():
-            self.ack()
-        self._current = None
-        if self._pending is None or self._closed:
-            self.close()
-            raise StopIteration
         try:
-            batch = self._pending.result()
+            self.ack()
+            if self._pending is None or self._closed:
+                raise _Stopped
+            pending, self._pending = self._pending, None
+            batch = pending.result()
+        except _Stopped:
+            self.server_shut_down = self._shutdown.is_set()
+            self.close()
+            raise StopIteration from None
         except BaseException:
             self.close()
             raise
-        self._pending = None
-        if batch is None:
-            self.server_shut_down = self._shutdown.is_set()
-            self.close()
-            raise StopIteration
         self.delivered += 1
         self._current = batch
         if self._wants_more():
@@ -360,11 +366,12 @@ class BatchIterator(_IteratorBase):
         return batch
 
     def ack(self) -> int:
-        """Acknowledges the batch handed out last now (otherwise the next __next__ does); returns its groups."""
+        """Acknowledges the batch handed out last now (otherwise the next __next__ does); returns its groups.
+        A LEASE_EXPIRED error means the lease ran out before: the groups will be delivered again."""
         batch, self._current = self._current, None
         if batch is None or not batch.lease_id:
             return 0
-        groups = self._client.ack(batch.lease_id)
+        groups = self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout))
         self.acknowledged += 1
         return groups
 
@@ -373,9 +380,7 @@ class BatchIterator(_IteratorBase):
         already prefetched and not handed out returns to the server's buffer when its lease runs out."""
         with self._lock:
             self._closed = True
-            inflight = self._inflight
-        if inflight is not None:
-            inflight.cancel()
+        self._cancel_inflight()
         self._watch.cancel()
         self._executor.shutdown(wait=False)
 
@@ -386,8 +391,10 @@ class BatchIterator(_IteratorBase):
                  tb: TracebackType | None) -> None:
         """Without an exception the batch in hand is acknowledged (it was trained on); with one it is not."""
         try:
-            if exc_type is None and self._current is not None and not self._shutdown.is_set():
+            if exc_type is None:
                 self.ack()
+        except _Stopped:
+            pass
         finally:
             self.close()
 
@@ -403,7 +410,8 @@ class AsyncBatchIterator(_IteratorBase):
         super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches)
         self.mini_batch_size = mini_batch_size
         self._shutdown = asyncio.Event()
-        self._pending: asyncio.Task[MiniBatch | None] | None = None
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self._pending: asyncio.Task[MiniBatch] | None = None
         self._watch: Any = None
         self._watcher: asyncio.Task[None] | None = None
 
@@ -421,50 +429,56 @@ class AsyncBatchIterator(_IteratorBase):
             async for event in self._watch:
                 if self._on_event(event.type):
                     self._shutdown.set()
-                    if self._pending is not None:
-                        self._pending.cancel()
+                    for task in list(self._inflight):
+                        task.cancel()
                     return
         except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
-            log.warning("batches: control stream ended (%s); a server shutdown will show as a Collect error", exc)
+            log.warning("batches: control stream ended (%s); a server shutdown will show as a call error", exc)
 
-    async def _prefetch(self) -> MiniBatch | None:
-        while not (self._closed or self._shutdown.is_set()):
-            try:
-                result = await self._client._run(self._collect_call())
-            except Exception:
-                if self._shutdown.is_set() or self._closed:
-                    return None
-                raise
+    async def _call(self, call: _calls.Call[_T]) -> _T:
+        """Coroutine form of BatchIterator._call."""
+        if self._closed or self._shutdown.is_set():
+            raise _Stopped
+        task = asyncio.ensure_future(self._client._run(call))
+        self._inflight.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task.cancelled() and (self._closed or self._shutdown.is_set()):
+                raise _Stopped from None
+            raise  # the caller's own task was cancelled
+        except Exception:
+            if self._closed or self._shutdown.is_set():
+                raise _Stopped from None
+            raise
+        finally:
+            self._inflight.discard(task)
+
+    async def _prefetch(self) -> MiniBatch:
+        while True:
+            result = await self._call(self._collect_call())
             if result.groups:
                 return MiniBatch.from_collect(result)
-        return None
 
     def __aiter__(self) -> AsyncBatchIterator:
         return self
 
     async def __anext__(self) -> MiniBatch:
         """Acknowledges the batch handed out last, then hands out the prefetched one and prefetches the next."""
-        await self._start()
-        if self._current is not None and not self._shutdown.is_set():
-            await self.ack()
-        self._current = None
-        if self._pending is None or self._closed:
-            await self.close()
-            raise StopAsyncIteration
         try:
-            batch = await self._pending
-        except asyncio.CancelledError:
-            if not (self._shutdown.is_set() or self._closed):
-                raise  # the caller's task was cancelled
-            batch = None
+            await self._start()
+            await self.ack()
+            if self._pending is None or self._closed:
+                raise _Stopped
+            pending, self._pending = self._pending, None
+            batch = await pending
+        except _Stopped:
+            self.server_shut_down = self._shutdown.is_set()
+            await self.close()
+            raise StopAsyncIteration from None
         except BaseException:
             await self.close()
             raise
-        self._pending = None
-        if batch is None:
-            self.server_shut_down = self._shutdown.is_set()
-            await self.close()
-            raise StopAsyncIteration
         self.delivered += 1
         self._current = batch
         if self._wants_more():
@@ -476,14 +490,14 @@ class AsyncBatchIterator(_IteratorBase):
         batch, self._current = self._current, None
         if batch is None or not batch.lease_id:
             return 0
-        groups = await self._client.ack(batch.lease_id)
+        groups = await self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout))
         self.acknowledged += 1
         return groups
 
     async def close(self) -> None:
         """Coroutine form of BatchIterator.close."""
         self._closed = True
-        for task in (self._pending, self._watcher):
+        for task in (*self._inflight, self._pending, self._watcher):
             if task is not None and not task.done():
                 task.cancel()
         if self._watch is not None:
@@ -497,7 +511,9 @@ class AsyncBatchIterator(_IteratorBase):
                         tb: TracebackType | None) -> None:
         """Coroutine form of BatchIterator.__exit__."""
         try:
-            if exc_type is None and self._current is not None and not self._shutdown.is_set():
+            if exc_type is None:
                 await self.ack()
+        except _Stopped:
+            pass
         finally:
             await self.close()
