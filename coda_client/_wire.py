@@ -11,7 +11,7 @@ the client (coda_client) for Collect/Reset answers, and to write Submit requests
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -85,9 +85,11 @@ FIXED_DTYPES = {FieldDescriptor.TYPE_SFIXED32: "<i4", FieldDescriptor.TYPE_FIXED
                 FieldDescriptor.TYPE_FIXED64: "<u8", FieldDescriptor.TYPE_DOUBLE: "<f8"}
 
 
-def is_fixed_width(name: str) -> bool:
-    """Whether the array travels as fixed-width numbers (viewable in place) rather than varints."""
-    return ARRAY_FIELDS[name].type in FIXED_DTYPES
+# pacer.proto declares every trajectory array fixed-width (see its Trajectory comment); the code that
+# views them relies on it.
+assert all(f.type in FIXED_DTYPES for f in ARRAY_FIELDS.values()), "a trajectory array is not fixed-width"
+DTYPES: dict[str, str] = {name: FIXED_DTYPES[f.type] for name, f in ARRAY_FIELDS.items()}
+ITEM_SIZES: dict[str, int] = {name: int(dtype[2:]) for name, dtype in DTYPES.items()}
 
 
 def varint(value: int) -> bytes:
@@ -105,31 +107,67 @@ def length_delimited_tag(number: int) -> bytes:
     return varint(number << 3 | 2)
 
 
-def parse_view(view_class: Any, real_class: Any) -> Callable[[bytes], Any]:
-    """A deserializer into `view_class` that loses nothing: an array written in several packed runs (legal,
-    unusual) would keep only its last run in a bytes field, which shows as a smaller encoded size; such a
-    message is decoded the ordinary way and re-encoded in the usual form first."""
+LEN, _FIXED32, _FIXED64, _VARINT = 2, 5, 1, 0
 
-    def parse(data: bytes) -> Any:
-        message = view_class.FromString(data)
-        if message.ByteSize() != len(data):
-            message = view_class.FromString(real_class.FromString(data).SerializeToString())
-        return message
 
-    return parse
+def fields(buffer: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """Walks the fields of the message in buffer[start:end]: (number, wire type, field start, value start,
+    value end). Only the framing is read; raises ValueError on bytes that are not a message."""
+    pos = start
+    while pos < end:
+        field_start = pos
+        key = shift = 0
+        while True:  # the key, a varint
+            byte = buffer[pos]
+            pos += 1
+            key |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                break
+            shift += 7
+        wire_type = key & 7
+        if wire_type == LEN:
+            size = shift = 0
+            while True:
+                byte = buffer[pos]
+                pos += 1
+                size |= (byte & 0x7F) << shift
+                if byte < 0x80:
+                    break
+                shift += 7
+            value_start, pos = pos, pos + size
+        elif wire_type == _VARINT:
+            value_start = pos
+            while buffer[pos] >= 0x80:
+                pos += 1
+            pos += 1
+        elif wire_type in (_FIXED32, _FIXED64):
+            value_start = pos
+            pos += 4 if wire_type == _FIXED32 else 8
+        else:
+            raise ValueError(f"unsupported wire type {wire_type} (groups are not used by pacer.proto)")
+        if pos > end:
+            raise ValueError("a field runs past the end of its message")
+        yield key >> 3, wire_type, field_start, value_start, pos
+
+
+def split_message(buffer: memoryview, message_class: Any,
+                  kept: Mapping[int, str]) -> tuple[Any, dict[str, list[memoryview]]]:
+    """Parses `buffer` as `message_class`, except the length-delimited fields numbered in `kept`
+    (number -> name), which come back as slices of `buffer` (no copy), in order, instead of being decoded."""
+    slices: dict[str, list[memoryview]] = {name: [] for name in kept.values()}
+    rest: list[memoryview] = []
+    for number, wire_type, field_start, value_start, value_end in fields(buffer, 0, len(buffer)):
+        name = kept.get(number)
+        if name is not None and wire_type == LEN:
+            slices[name].append(buffer[value_start:value_end])
+        else:
+            rest.append(buffer[field_start:value_end])
+    return message_class.FromString(b"".join(rest)), slices
 
 
 def has_unknown_fields(message: Any) -> bool:
     """True when the message carries fields its class does not declare (e.g. an array sent unpacked)."""
     return len(UnknownFieldSet(message)) > 0
-
-
-def normalized(view: Any) -> Any:
-    """A trajectory view in the usual form: one packed run per array, nothing unknown. An array sent
-    unpacked arrives in a view as an unknown field; re-encoding through the real message packs it."""
-    if not has_unknown_fields(view):
-        return view
-    return Trajectory.FromString(pacer_pb2.Trajectory.FromString(view.SerializeToString()).SerializeToString())
 
 
 class EncodedSubmitRequest:
@@ -162,23 +200,20 @@ class EncodedSubmitRequest:
         return len(self._data)
 
 
+_ARRAY_TAGS = {name: length_delimited_tag(field.number) for name, field in ARRAY_FIELDS.items()}
 _SUBMIT_TRAJECTORY_TAG = length_delimited_tag(pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number)
 _SUBMIT_REQUEST_ID_TAG = length_delimited_tag(pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["request_id"].number)
 
 
 def encode_trajectory(scalars: Mapping[str, Any], arrays: Mapping[str, Any]) -> list[Any]:
     """The parts of one encoded Trajectory: its scalar fields through protobuf, then each non-empty array
-    as a packed field whose run is the array's own buffer (`arrays`: name -> little-endian buffer of a
-    fixed-width field, or a sequence of numbers for a varint field). Field order does not matter on the wire."""
+    as a packed field whose run is the array's own buffer (`arrays`: name -> buffer of little-endian
+    numbers of the field's type). Field order does not matter on the wire."""
     parts: list[Any] = [pacer_pb2.Trajectory(**scalars).SerializeToString()]
     for name, run in arrays.items():
-        field = ARRAY_FIELDS[name]
-        if field.type in FIXED_DTYPES:
-            size = memoryview(run).nbytes
-            if size:
-                parts += [length_delimited_tag(field.number), varint(size), run]
-        elif len(run):
-            parts.append(pacer_pb2.Trajectory(**{name: run}).SerializeToString())
+        size = memoryview(run).nbytes
+        if size:
+            parts += [_ARRAY_TAGS[name], varint(size), run]
     return parts
 
 
@@ -188,8 +223,9 @@ def serialize(message: Any) -> bytes:
 
 
 def passthrough_stub(channel: Any) -> Any:
-    """The generated RolloutPacer stub, with the methods that carry trajectories going through views:
-    Submit sends an encoded request as it is, Collect and Reset answers are parsed as views."""
+    """The generated RolloutPacer stub, with the methods that carry trajectories taking raw bytes: Submit
+    sends an encoded request as it is, Collect and Reset answers arrive undecoded (types.py reads them,
+    viewing the arrays in place)."""
     from ._proto import pacer_pb2_grpc
 
     stub = pacer_pb2_grpc.RolloutPacerStub(channel)
@@ -197,10 +233,7 @@ def passthrough_stub(channel: Any) -> Any:
     stub.Submit = channel.unary_unary(f"/{service}/Submit", request_serializer=serialize,
                                       response_deserializer=pacer_pb2.SubmitResponse.FromString,
                                       _registered_method=True)
-    stub.Collect = channel.unary_unary(f"/{service}/Collect", request_serializer=serialize,
-                                       response_deserializer=parse_view(CollectResponse, pacer_pb2.CollectResponse),
-                                       _registered_method=True)
-    stub.Reset = channel.unary_unary(f"/{service}/Reset", request_serializer=serialize,
-                                     response_deserializer=parse_view(ResetResponse, pacer_pb2.ResetResponse),
-                                     _registered_method=True)
+    for method in ("Collect", "Reset"):
+        setattr(stub, method, channel.unary_unary(f"/{service}/{method}", request_serializer=serialize,
+                                                  response_deserializer=None, _registered_method=True))
     return stub

@@ -44,23 +44,16 @@ def check_mode(mode: str) -> ArrayMode:
 
 
 def dtype_of(name: str) -> str:
-    """Little-endian NumPy dtype of a trajectory array's values (e.g. '<i4' for token_ids)."""
-    field_type = _wire.ARRAY_FIELDS[name].type
-    return _wire.FIXED_DTYPES.get(field_type) or _VARINT_DTYPES[field_type]
-
-
-_VARINT_DTYPES = {_wire.FieldDescriptor.TYPE_INT32: "<i4", _wire.FieldDescriptor.TYPE_SINT32: "<i4",
-                  _wire.FieldDescriptor.TYPE_UINT32: "<u4", _wire.FieldDescriptor.TYPE_INT64: "<i8"}
+    """Little-endian NumPy dtype of a trajectory array (e.g. '<i4' for token_ids)."""
+    return _wire.DTYPES[name]
 
 
 def encode(name: str, values: Any) -> Any:
-    """The wire run of trajectory array `name` as a buffer (fixed-width fields) or a sequence (varint fields).
+    """The wire run of trajectory array `name` as a buffer of little-endian numbers of its wire type.
 
     Raises TypeError for values of the wrong kind (floats as token ids, a string) and ValueError for
     values that do not fit (outside int32, a 2-D array), naming the field.
     """
-    if not _wire.is_fixed_width(name):  # protobuf encodes varints itself
-        return [int(v) for v in values]
     dtype = dtype_of(name)
     if isinstance(values, (list, tuple, range, array.array)):
         return _encode_sequence(name, dtype, values)
@@ -104,46 +97,33 @@ def _encode_ndarray(name: str, dtype: str, values: Any) -> Any:
     return np.ascontiguousarray(values, dtype=target)
 
 
-def decode(name: str, run: bytes, mode: ArrayMode) -> Any:
+def decode(name: str, run: bytes | memoryview, mode: ArrayMode) -> Any:
     """The values of one packed run: a read-only NumPy array over `run` itself, or a list."""
-    if not _wire.is_fixed_width(name):  # varints: decoded by protobuf (a C loop), then wrapped
-        field = _wire.ARRAY_FIELDS[name]
-        values = getattr(_decode_varint_run(field.number, run), name)
-        if mode == "list":
-            return list(values)
-        result = numpy().array(values, dtype=dtype_of(name))
-        result.flags.writeable = False
-        return result
     dtype = dtype_of(name)
     if mode == "numpy":
-        return numpy().frombuffer(run, dtype=dtype)  # bytes are immutable: the view is read-only
-    values = array.array(_ARRAY_CODES[dtype], run)
+        result = numpy().frombuffer(run, dtype=dtype)
+        result.flags.writeable = False  # already so over bytes; also over a writable buffer
+        return result
+    values = array.array(_ARRAY_CODES[dtype])
+    values.frombytes(run)
     if _BIG_ENDIAN:
         values.byteswap()
     return values.tolist()
-
-
-def _decode_varint_run(number: int, run: bytes) -> Any:
-    from ._proto import pacer_pb2
-
-    return pacer_pb2.Trajectory.FromString(_wire.length_delimited_tag(number) + _wire.varint(len(run)) + run)
 
 
 def from_values(name: str, values: Any, mode: ArrayMode) -> Any:
     """Decoded values (a protobuf repeated field, a list) in the shape `mode` asks for."""
     if mode == "list":
         return list(values)
-    np = numpy()
-    result = np.array(values, dtype=dtype_of(name))
+    result = numpy().array(values, dtype=dtype_of(name))
     result.flags.writeable = False
     return result
 
 
-def comparable(name: str, values: Any) -> Any:
-    """What equality of two trajectories compares: the encoded bit patterns of a fixed-width array (so NaN
-    logprobs compare equal to themselves, and a list equals the array of the same numbers)."""
-    run = encode(name, values)
-    return bytes(memoryview(run).cast("B")) if _wire.is_fixed_width(name) else tuple(run)
+def comparable(name: str, values: Any) -> bytes:
+    """What equality of two trajectories compares: the encoded bit patterns of an array (so NaN logprobs
+    compare equal to themselves, and a list equals the array of the same numbers)."""
+    return bytes(memoryview(encode(name, values)).cast("B"))
 
 
 def to_torch(values: Any) -> Any:

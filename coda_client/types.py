@@ -172,29 +172,30 @@ class Trajectory:
         return pacer_pb2.Trajectory.FromString(b"".join(self.encoded_parts()))
 
     @classmethod
-    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> Trajectory:
-        """From the wire message or its pass-through view (coda_client._wire): arrays as lists, or as
-        read-only NumPy arrays (`arrays_as="numpy"`; over the received bytes when msg is a view)."""
-        if isinstance(msg, _wire.Trajectory):
-            msg = _wire.normalized(msg)
-            values = {name: arrays.decode(name, getattr(msg, name), arrays_as) for name in ARRAY_FIELD_NAMES}
-            metadata = dict(_decode_map_entries(msg.metadata))
-        else:
-            values = {name: arrays.from_values(name, getattr(msg, name), arrays_as) for name in ARRAY_FIELD_NAMES}
-            metadata = dict(msg.metadata)
-        return _from_fields(cls, msg, status=_enum(TrajectoryStatus, msg.status), metadata=metadata, **values)
+    def from_pb(cls, msg: pacer_pb2.Trajectory, arrays_as: arrays.ArrayMode = "list") -> Trajectory:
+        """From the wire message: arrays as lists, or as read-only NumPy arrays (`arrays_as="numpy"`)."""
+        values = {name: arrays.from_values(name, getattr(msg, name), arrays_as) for name in ARRAY_FIELD_NAMES}
+        return _from_fields(cls, msg, status=_enum(TrajectoryStatus, msg.status), metadata=dict(msg.metadata),
+                            **values)
+
+    @classmethod
+    def from_encoded(cls, encoded: memoryview, arrays_as: arrays.ArrayMode = "list") -> Trajectory:
+        """From an encoded Trajectory: with `arrays_as="numpy"` each array is a read-only NumPy array over
+        `encoded` itself (no copy); only the other fields are decoded."""
+        msg, runs = _wire.split_message(encoded, pacer_pb2.Trajectory, _ARRAY_NUMBERS)
+        if any(len(r) > 1 for r in runs.values()) or any(len(getattr(msg, name)) for name in runs):
+            # An array in several packed runs, or sent unpacked (legal, unusual): decoded the ordinary way.
+            return cls.from_pb(pacer_pb2.Trajectory.FromString(bytes(encoded)), arrays_as)
+        values = {name: arrays.decode(name, run[0] if run else b"", arrays_as) for name, run in runs.items()}
+        return _from_fields(cls, msg, status=_enum(TrajectoryStatus, msg.status), metadata=dict(msg.metadata),
+                            **values)
 
 
-def _decode_map_entries(entries: Any) -> Any:
-    """The metadata map of a view: its raw entries, decoded through the real message."""
-    if not entries:
-        return {}
-    tag = _wire.length_delimited_tag(_METADATA_NUMBER)
-    data = b"".join(tag + _wire.varint(len(e)) + e for e in entries)
-    return pacer_pb2.Trajectory.FromString(data).metadata
+_ARRAY_NUMBERS = {field.number: name for name, field in _wire.ARRAY_FIELDS.items()}
 
 
-_METADATA_NUMBER = pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["metadata"].number
+def _number(message_class: Any, name: str) -> int:
+    return message_class.DESCRIPTOR.fields_by_name[name].number
 
 
 @dataclass(frozen=True)
@@ -220,20 +221,38 @@ class TrajectoryGroup:
         )
 
     @classmethod
-    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> TrajectoryGroup:
-        """From the wire message or its view; arrays as in Trajectory.from_pb."""
-        return _from_fields(
-            cls,
-            msg,
-            epoch=_optional(msg, "epoch"),
-            index=_optional(msg, "index"),
-            trajectories=[Trajectory.from_pb(t, arrays_as) for t in msg.trajectories],
-        )
+    def from_pb(cls, msg: pacer_pb2.TrajectoryGroup, arrays_as: arrays.ArrayMode = "list") -> TrajectoryGroup:
+        """From the wire message; arrays as in Trajectory.from_pb."""
+        return cls._of(msg, [Trajectory.from_pb(t, arrays_as) for t in msg.trajectories])
+
+    @classmethod
+    def from_encoded(cls, encoded: memoryview, arrays_as: arrays.ArrayMode = "list") -> TrajectoryGroup:
+        """From an encoded TrajectoryGroup; arrays as in Trajectory.from_encoded."""
+        msg, parts = _wire.split_message(encoded, pacer_pb2.TrajectoryGroup, _GROUP_TRAJECTORIES)
+        return cls._of(msg, [Trajectory.from_encoded(t, arrays_as) for t in parts["trajectories"]])
+
+    @classmethod
+    def _of(cls, msg: Any, trajectories: list[Trajectory]) -> TrajectoryGroup:
+        return _from_fields(cls, msg, epoch=_optional(msg, "epoch"), index=_optional(msg, "index"),
+                            trajectories=trajectories)
+
+
+_GROUP_TRAJECTORIES = {_number(pacer_pb2.TrajectoryGroup, "trajectories"): "trajectories"}
 
 
 def _groups(messages: Any, arrays_as: arrays.ArrayMode = "list") -> list[TrajectoryGroup]:
     """Converts a repeated TrajectoryGroup field."""
     return [TrajectoryGroup.from_pb(g, arrays_as) for g in messages]
+
+
+def _split_answer(response: Any, message_class: Any, group_fields: tuple[str, ...],
+                  arrays_as: arrays.ArrayMode) -> tuple[Any, dict[str, list[TrajectoryGroup]]]:
+    """An answer carrying groups, as its message (groups left out when it came as bytes) and its groups."""
+    if not isinstance(response, (bytes, bytearray, memoryview)):  # a decoded message
+        return response, {name: _groups(getattr(response, name), arrays_as) for name in group_fields}
+    msg, parts = _wire.split_message(memoryview(response), message_class,
+                                     {_number(message_class, name): name for name in group_fields})
+    return msg, {name: [TrajectoryGroup.from_encoded(g, arrays_as) for g in encoded] for name, encoded in parts.items()}
 
 
 @dataclass(frozen=True)
@@ -283,8 +302,9 @@ class CollectResult:
 
     @classmethod
     def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> CollectResult:
-        """From the wire message or its view; arrays as in Trajectory.from_pb."""
-        return _from_fields(cls, msg, groups=_groups(msg.groups, arrays_as))
+        """From the wire message or its encoded bytes (arrays then viewed in place, see Trajectory.from_encoded)."""
+        msg, groups = _split_answer(msg, pacer_pb2.CollectResponse, ("groups",), arrays_as)
+        return _from_fields(cls, msg, **groups)
 
 
 @dataclass(frozen=True)
@@ -322,10 +342,10 @@ class ResetResult:
 
     @classmethod
     def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> ResetResult:
-        """From the wire message or its view; arrays as in Trajectory.from_pb."""
-        return _from_fields(cls, msg, restored=_groups(msg.restored, arrays_as),
-                            dropped_prompt_ids=list(msg.dropped_prompt_ids), report=StepReport.from_pb(msg.report),
-                            expired=_groups(msg.expired, arrays_as))
+        """From the wire message or its encoded bytes; arrays as in CollectResult.from_pb."""
+        msg, groups = _split_answer(msg, pacer_pb2.ResetResponse, ("restored", "expired"), arrays_as)
+        return _from_fields(cls, msg, dropped_prompt_ids=list(msg.dropped_prompt_ids),
+                            report=StepReport.from_pb(msg.report), **groups)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,8 @@ def _wire_bytes(values, dtype: str) -> bytes:
 
 
 def _round_trip(trajectory: Trajectory, mode: str = "numpy") -> Trajectory:
-    """Encode as Submit would, parse as the Collect path does (a view), decode."""
-    view = _wire.Trajectory.FromString(b"".join(trajectory.encoded_parts()))
-    return Trajectory.from_pb(view, mode)
+    """Encode as Submit would, decode as the Collect path does (arrays viewed in the encoded bytes)."""
+    return Trajectory.from_encoded(memoryview(b"".join(trajectory.encoded_parts())), mode)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -121,21 +120,23 @@ def test_values_that_do_not_fit_are_refused_naming_the_field(field, values, erro
 
 
 def test_views_share_the_received_bytes_and_cannot_be_written() -> None:
-    view = _wire.Trajectory.FromString(b"".join(_trajectory(np.arange(1000), [], []).encoded_parts()))
-    back = Trajectory.from_pb(view, "numpy")
-    assert not back.token_ids.flags.owndata and isinstance(back.token_ids.base, bytes)
+    received = b"".join(_trajectory(np.arange(1000), [], []).encoded_parts())
+    back = Trajectory.from_encoded(memoryview(received), "numpy")
+    assert np.shares_memory(back.token_ids, np.frombuffer(received, np.uint8))  # a view, not a copy
     with pytest.raises(ValueError, match="read-only"):
         back.token_ids[0] = 7
 
 
-def test_an_unpacked_array_is_decoded_whole() -> None:
-    """A legal but unusual encoding (numbers one by one, not packed) still reads right through a view."""
+@pytest.mark.parametrize("mode", ["numpy", "list"])
+def test_an_unpacked_array_or_one_in_several_runs_is_decoded_whole(mode: str) -> None:
+    """Legal but unusual encodings (numbers one by one, not packed; an array in two runs) still read right."""
     number = pb.Trajectory.DESCRIPTOR.fields_by_name["loss_mask"].number
-    key = _wire.varint(number << 3 | (5 if _wire.is_fixed_width("loss_mask") else 0))
-    one = (1).to_bytes(4, "little") if _wire.is_fixed_width("loss_mask") else b"\x01"
+    key, one = _wire.varint(number << 3 | 5), (1).to_bytes(4, "little")  # wire type 5: one fixed32 number
     data = b"".join(_trajectory([3, 4], [], []).encoded_parts()) + key + one + key + one
-    back = Trajectory.from_pb(_wire.Trajectory.FromString(data), "numpy")
-    assert back.loss_mask.tolist() == [1, 1] and back.token_ids.tolist() == [3, 4]
+    back = Trajectory.from_encoded(memoryview(data), mode)
+    assert list(back.loss_mask) == [1, 1] and list(back.token_ids) == [3, 4]
+    twice = b"".join(_trajectory([3, 4], [], []).encoded_parts() + _trajectory([5], [], []).encoded_parts()[1:])
+    assert list(Trajectory.from_encoded(memoryview(twice), mode).token_ids) == [3, 4, 5]
 
 
 @pytest.fixture(scope="module")
