@@ -299,10 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=4, help="N")
     parser.add_argument("--mini-batch-size", type=int, default=8, help="M (trajectories)")
     parser.add_argument("--stale-steps", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=96)
+    # Responses long enough, and training short enough, that every step boundary cuts generation short.
+    parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--max-groups", type=int, default=4, help="groups each worker generates at once")
     parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--train-seconds", type=float, default=3.0,
+    parser.add_argument("--train-seconds", type=float, default=1.5,
                         help="the stand-in training step's time per mini-batch")
     parser.add_argument("--continuation", choices=("on", "off"), default="on",
                         help="on: the server keeps restored groups and workers continue them; off: Reset hands "
@@ -350,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_trained": trainer.tokens,
         "tokens_trained_unmasked": trainer.tokens_unmasked,
         "unmasked_fraction": round(trainer.tokens_unmasked / tokens_generated, 4) if tokens_generated else 0.0,
-        "aborted_then_continued": trainer.continued,
+        # Acknowledged COMPLETED after an abort at a Reset (by the workers' count), and those of them trained.
+        "aborted_then_continued": sum(s["trajectories_continued"] for s in stats),
+        "aborted_then_continued_trained": trainer.continued,
         "trajectories_aborted": sum(s["trajectories_aborted"] for s in stats),
         # Acknowledged trajectories (distinct ids) by what became of their group.
         "restored_trajectories_dropped_by_trainer": by_fate.get("dropped_by_trainer", 0),
