@@ -102,6 +102,11 @@ class MiniBatch:
     Trajectory b spans tokens cu_seqlens[b]:cu_seqlens[b+1] of token_ids, logprobs and loss_mask. An
     array a trajectory left empty (absent) is filled: logprobs with NaN, loss_mask with 1 (trained on),
     token_ids with 0. Arrays are read-only; `lease_id` is the Collect lease the iterator acknowledges.
+
+    `token_weight_version` is the weight version each token was generated with (from the trajectories'
+    segments; a trajectory without them counts as its end_weight_version throughout). Packed with
+    `mask_offpolicy`, loss_mask is 0 on the tokens of a partial rollout generated before its last weight
+    version (LoongSage's mask_offpolicy_in_partial_rollout); `offpolicy_mask()` gives that mask either way.
     """
 
     token_ids: np.ndarray  # int32 [T]
@@ -117,11 +122,14 @@ class MiniBatch:
     end_weight_version: np.ndarray  # int64 [B]
     trajectories: list[Trajectory]  # [B], as received (metadata, payload)
     source_groups: list[TrajectoryGroup]
+    token_weight_version: np.ndarray  # int64 [T]
     lease_id: str = ""
 
     @classmethod
-    def from_groups(cls, groups: Sequence[TrajectoryGroup], lease_id: str = "") -> MiniBatch:
-        """Packs groups (their arrays lists or NumPy arrays) into one batch; one copy per column."""
+    def from_groups(cls, groups: Sequence[TrajectoryGroup], lease_id: str = "", *,
+                    mask_offpolicy: bool = False) -> MiniBatch:
+        """Packs groups (their arrays lists or NumPy arrays) into one batch; one copy per column. With
+        `mask_offpolicy`, loss_mask is 0 on tokens generated before their trajectory's last weight version."""
         np = numpy()
         trajectories = [t for g in groups for t in g.trajectories]
         lengths = np.fromiter((max(len(t.token_ids), len(t.logprobs), len(t.loss_mask)) for t in trajectories),
@@ -139,16 +147,26 @@ class MiniBatch:
             "end_weight_version": np.fromiter((t.end_weight_version for t in trajectories), np.int64,
                                               len(trajectories)),
         }
-        for value in (cu_seqlens, *columns.values(), *per_trajectory.values()):
+        versions = _token_versions(np, trajectories, lengths, per_trajectory["end_weight_version"])
+        if mask_offpolicy:
+            columns["loss_mask"] = columns["loss_mask"] * _on_last_version(np, versions, lengths,
+                                                                           per_trajectory["end_weight_version"])
+        for value in (cu_seqlens, versions, *columns.values(), *per_trajectory.values()):
             value.flags.writeable = False
         return cls(cu_seqlens=cu_seqlens, prompt_id=tuple(t.prompt_id for t in trajectories),
                    trajectory_id=tuple(t.trajectory_id for t in trajectories), trajectories=trajectories,
-                   source_groups=list(groups), lease_id=lease_id, **columns, **per_trajectory)
+                   source_groups=list(groups), lease_id=lease_id, token_weight_version=versions, **columns,
+                   **per_trajectory)
 
     @classmethod
-    def from_collect(cls, result: CollectResult) -> MiniBatch:
+    def from_collect(cls, result: CollectResult, *, mask_offpolicy: bool = False) -> MiniBatch:
         """Packs a Collect answer (best read with arrays="numpy", so its arrays are views already)."""
-        return cls.from_groups(result.groups, result.lease_id)
+        return cls.from_groups(result.groups, result.lease_id, mask_offpolicy=mask_offpolicy)
+
+    def offpolicy_mask(self) -> np.ndarray:
+        """int32 [T]: 1 on tokens generated with their trajectory's last weight version, 0 on older ones."""
+        np = numpy()
+        return _on_last_version(np, self.token_weight_version, self.seqlens, self.end_weight_version)
 
     def __len__(self) -> int:
         return len(self.trajectories)
@@ -209,8 +227,25 @@ class MiniBatch:
         from .arrays import to_torch
 
         names = ("token_ids", "logprobs", "loss_mask", "cu_seqlens", "reward", "group_index", "status",
-                 "start_weight_version", "end_weight_version")
+                 "start_weight_version", "end_weight_version", "token_weight_version")
         return {name: to_torch(getattr(self, name)) for name in names}
+
+
+def _token_versions(np: Any, trajectories: Sequence[Trajectory], lengths: Any, end_versions: Any) -> Any:
+    """The weight version of every token, from each trajectory's segments (its end version without them,
+    or when they do not cover its tokens)."""
+    parts = []
+    for trajectory, length, end in zip(trajectories, lengths, end_versions):
+        segment_lengths = np.asarray(trajectory.segment_lengths, dtype=np.int64)
+        if len(segment_lengths) and int(segment_lengths.sum()) == length:
+            parts.append(np.repeat(np.asarray(trajectory.segment_weight_versions, dtype=np.int64), segment_lengths))
+        elif length:
+            parts.append(np.full(int(length), end, dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _on_last_version(np: Any, versions: Any, lengths: Any, end_versions: Any) -> Any:
+    return (versions == np.repeat(np.asarray(end_versions, dtype=np.int64), lengths)).astype(np.int32)
 
 
 def _packed(np: Any, name: str, trajectories: Sequence[Trajectory], lengths: Any, fill: Any) -> Any:
@@ -244,7 +279,8 @@ def _groups_per_batch(mini_batch_size: int, group_size: int) -> int:
 class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
-    def __init__(self, client: Any, num_groups: int, *, lease: float, poll: float, num_batches: int | None) -> None:
+    def __init__(self, client: Any, num_groups: int, *, lease: float, poll: float, num_batches: int | None,
+                 mask_offpolicy: bool = False) -> None:
         if lease <= 0:
             raise ValueError(f"lease must be > 0 seconds (the batches are leased until acknowledged), not {lease}")
         if poll <= 0:
@@ -257,6 +293,7 @@ class _IteratorBase:
         self.lease = float(lease)
         self.poll = float(poll)
         self.num_batches = num_batches
+        self.mask_offpolicy = mask_offpolicy
         self.delivered = 0  # batches handed to the caller
         self.acknowledged = 0  # batches acknowledged
         self.server_shut_down = False  # the iterator ended because the server announced its shutdown
@@ -283,8 +320,10 @@ class BatchIterator(_IteratorBase):
     """Blocking iterator of MiniBatch; see PacerClient.batches."""
 
     def __init__(self, client: PacerClient, num_groups: int, *, lease: float = DEFAULT_LEASE_SECONDS,
-                 poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None) -> None:
-        super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches)
+                 poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+                 mask_offpolicy: bool = False) -> None:
+        super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches,
+                         mask_offpolicy=mask_offpolicy)
         self._lock = threading.Lock()
         self._inflight: set[Any] = set()  # calls in progress, cancelled by close() or a server shutdown
         self._shutdown = threading.Event()
@@ -339,7 +378,7 @@ class BatchIterator(_IteratorBase):
         while True:
             result = self._call(self._collect_call())
             if result.groups:
-                return MiniBatch.from_collect(result)
+                return MiniBatch.from_collect(result, mask_offpolicy=self.mask_offpolicy)
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -404,10 +443,11 @@ class AsyncBatchIterator(_IteratorBase):
 
     def __init__(self, client: AsyncPacerClient, mini_batch_size: int, group_size: int | None = None, *,
                  lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
-                 num_batches: int | None = None) -> None:
+                 num_batches: int | None = None, mask_offpolicy: bool = False) -> None:
         # The group size may have to be asked from the server, which needs the event loop: resolved on start.
         num_groups = 0 if group_size is None else _groups_per_batch(mini_batch_size, group_size)
-        super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches)
+        super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches,
+                         mask_offpolicy=mask_offpolicy)
         self.mini_batch_size = mini_batch_size
         self._shutdown = asyncio.Event()
         self._inflight: set[asyncio.Future[Any]] = set()
@@ -458,7 +498,7 @@ class AsyncBatchIterator(_IteratorBase):
         while True:
             result = await self._call(self._collect_call())
             if result.groups:
-                return MiniBatch.from_collect(result)
+                return MiniBatch.from_collect(result, mask_offpolicy=self.mask_offpolicy)
 
     def __aiter__(self) -> AsyncBatchIterator:
         return self

@@ -326,7 +326,7 @@ class PacerClient(_ClientBase):
 
     def batches(
         self, mini_batch_size: int, *, group_size: int | None = None, lease: float = DEFAULT_LEASE_SECONDS,
-        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None, mask_offpolicy: bool = False,
     ) -> BatchIterator:
         """The trainer's iterator (docs/trainer.md): packed mini-batches of `mini_batch_size` trajectories
         (whole groups; group_size defaults to the server's), each from one leased Collect.
@@ -335,11 +335,14 @@ class PacerClient(_ClientBase):
         next batch (or `ack()`) acknowledges the current one, so a trainer that dies gets its groups delivered
         again, in order, after `lease` seconds (which must cover a training step plus the prefetch). Stops
         after `num_batches` batches without prefetching beyond them (a step boundary), on `close()`, or when
-        the server announces its shutdown. Needs NumPy (coda-pacer[numpy]).
+        the server announces its shutdown. With `mask_offpolicy`, each batch's loss_mask is 0 on the tokens a
+        partial rollout generated before its last weight version (docs/partial-rollouts.md). Needs NumPy
+        (coda-pacer[numpy]).
         """
         num_groups = (group_count(self.state().config_summary, mini_batch_size) if group_size is None
                       else _groups_per_batch(mini_batch_size, group_size))
-        return BatchIterator(self, num_groups, lease=lease, poll=poll, num_batches=num_batches)
+        return BatchIterator(self, num_groups, lease=lease, poll=poll, num_batches=num_batches,
+                             mask_offpolicy=mask_offpolicy)
 
     def reset(
         self,
@@ -446,11 +449,12 @@ class AsyncPacerClient(_ClientBase):
 
     def batches(
         self, mini_batch_size: int, *, group_size: int | None = None, lease: float = DEFAULT_LEASE_SECONDS,
-        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None, mask_offpolicy: bool = False,
     ) -> AsyncBatchIterator:
         """Async form of PacerClient.batches: `async with client.batches(128) as batches: async for batch in
         batches: ...` (the group size is asked from the server on the first iteration)."""
-        return AsyncBatchIterator(self, mini_batch_size, group_size, lease=lease, poll=poll, num_batches=num_batches)
+        return AsyncBatchIterator(self, mini_batch_size, group_size, lease=lease, poll=poll, num_batches=num_batches,
+                                  mask_offpolicy=mask_offpolicy)
 
     async def reset(
         self,

@@ -195,3 +195,37 @@ def test_keep_alive_and_continuations_over_grpc(tmp_path):
         assert result.admitted == ["b"] and [g.prompt_id for g in result.continuations] == ["a"]
         assert result.seqs[0] == result.continuations[0].seq + 1
         assert [t.token_ids for t in result.continuations[0].trajectories] == [[7], [7, 7]]
+
+
+def segmented(prompt_id: str, i: int, lengths: list[int], versions: list[int]) -> WireTrajectory:
+    tokens = sum(lengths)
+    return WireTrajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id, status=WireStatus.COMPLETED,
+                          token_ids=list(range(tokens)), logprobs=[-0.5] * tokens, loss_mask=[1] * tokens,
+                          start_weight_version=versions[0] if versions else 0,
+                          end_weight_version=versions[-1] if versions else 0, segment_lengths=lengths,
+                          segment_weight_versions=versions)
+
+
+def test_the_batch_iterator_masks_tokens_of_older_weight_versions(tmp_path):
+    pytest.importorskip("numpy", reason="the batch iterator needs NumPy (the test extra installs it)")
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, N=2, M=4)) as server, \
+            PacerClient(server.address) as pacer:
+        pacer.dispatch(["a", "b"])
+        unsegmented = WireTrajectory(trajectory_id="b#0", prompt_id="b", status=WireStatus.COMPLETED,
+                                     token_ids=[5, 6], start_weight_version=0, end_weight_version=1)
+        pacer.submit([segmented("a", 0, [2, 3], [0, 1]), segmented("a", 1, [4], [1]), unsegmented,
+                      segmented("b", 1, [1, 1, 1], [0, 0, 1])])
+        with pacer.batches(4, mask_offpolicy=True, num_batches=1) as batches:
+            batch = next(iter(batches))
+            # Collect order is seq order: a#0 a#1 b#0 b#1 (b#0 has no segments: one version throughout).
+            assert [t.trajectory_id for t in batch.trajectories] == ["a#0", "a#1", "b#0", "b#1"]
+            assert list(batch.token_weight_version) == [0, 0, 1, 1, 1] + [1] * 4 + [1, 1] + [0, 0, 1]
+            assert list(batch.loss_mask) == [0, 0, 1, 1, 1] + [1] * 4 + [1, 1] + [0, 0, 1]
+            assert list(batch.offpolicy_mask()) == list(batch.loss_mask)
+        assert pacer.dispatch(["c"]).admitted == ["c"]
+        bad = segmented("c", 0, [4], [0])
+        with pytest.raises(BadRequestError, match="segment_lengths add up to 3 tokens but token_ids holds 4"):
+            pacer.submit([WireTrajectory(**{**bad.__dict__, "segment_lengths": [3]})])
+        with pytest.raises(BadRequestError, match="segment_lengths and segment_weight_versions must have equal"):
+            pacer.submit([WireTrajectory(**{**bad.__dict__, "segment_weight_versions": [0, 1]})])
+        assert pacer.state().submitted == 4  # nothing of the refused Submits was taken

@@ -6,7 +6,7 @@ starts `coda-server`, vLLM's OpenAI-compatible server (from its own venv, see se
 random Llama, and two worker processes (coda_client.worker.AsyncRolloutWorker over VLLMEngine). The
 trainer collects real mini-batches, runs a stand-in training step over them (group-normalised
 advantages and a policy-gradient loss on the sampled log-probabilities, with tokens of older weight
-versions masked), and between steps does Reset with ABORT and Resume with a new weight version. The
+versions masked by the batch iterator's off-policy mask), and between steps does Reset with ABORT and Resume with a new weight version. The
 last line printed is a JSON summary.
 
 `python examples/vllm_e2e/run.py worker ...` is the worker process the example starts (not for direct use).
@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import random
 import signal
@@ -36,7 +35,8 @@ REPO = HERE.parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from coda_client import PacerClient, TrajectoryGroup  # noqa: E402
+from coda_client import PacerClient  # noqa: E402
+from coda_client.batches import MiniBatch  # noqa: E402
 
 log = logging.getLogger("coda_example")
 DEFAULT_VENV = Path.home() / ".cache" / "coda-pacer" / "vllm-venv"
@@ -188,8 +188,7 @@ def worker_main(argv: list[str]) -> int:
 class Trainer:
     """A stand-in training step over real batches, with the accounting the summary reports."""
 
-    def __init__(self, mask_offpolicy: bool, train_seconds: float) -> None:
-        self.mask_offpolicy = mask_offpolicy
+    def __init__(self, train_seconds: float) -> None:
         self.train_seconds = train_seconds
         self.trajectories = 0
         self.tokens = 0
@@ -197,45 +196,30 @@ class Trainer:
         self.continued = 0
         self.losses: list[float] = []
 
-    def train(self, groups: list[TrajectoryGroup]) -> float:
-        """GRPO-style: advantages normalised within each group; loss = -mean(adv * logprob) over trained tokens."""
-        weighted, counted = 0.0, 0
-        for group in groups:
-            rewards = [t.reward for t in group.trajectories]
-            mean = sum(rewards) / len(rewards)
-            std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-            for t, reward in zip(group.trajectories, rewards):
-                advantage = (reward - mean) / (std + 1e-6)
-                mask = self.offpolicy_mask(t)
-                for logprob, keep in zip(t.logprobs, mask):
-                    if keep and not math.isnan(logprob):
-                        weighted += advantage * logprob
-                        counted += 1
-                self.trajectories += 1
-                self.tokens += len(t.token_ids)
-                self.tokens_unmasked += sum(mask)
-                self.continued += t.metadata.get("continued") == "true"
+    def train(self, batch: MiniBatch) -> float:
+        """GRPO-style: advantages normalised within each group, loss = -mean(advantage * logprob) over the
+        tokens loss_mask keeps (the iterator zeroes it on off-policy tokens with mask_offpolicy)."""
+        import numpy as np
+
+        advantages = np.zeros(len(batch), dtype=np.float64)
+        for group in batch.groups:
+            rewards = group.reward
+            advantages[group.start:group.stop] = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        per_token = np.repeat(advantages, batch.seqlens)
+        kept = (batch.loss_mask == 1) & ~np.isnan(batch.logprobs)
+        loss = float(-(per_token[kept] * batch.logprobs[kept]).mean()) if kept.any() else 0.0
         time.sleep(self.train_seconds)  # the optimizer step would run here
-        loss = -weighted / counted if counted else 0.0
+        self.trajectories += len(batch)
+        self.tokens += batch.num_tokens
+        self.tokens_unmasked += int(kept.sum())
+        self.continued += sum(t.metadata.get("continued") == "true" for t in batch.trajectories)
         self.losses.append(loss)
         return loss
 
-    def offpolicy_mask(self, t) -> list[int]:
-        """1 for tokens of the trajectory's last weight version; with masking off, 1 for every token
-        (LoongSage's mask_offpolicy_in_partial_rollout masks the tokens a partial rollout kept from before)."""
-        if not self.mask_offpolicy or not t.segment_lengths:
-            return [1] * len(t.token_ids)
-        last = t.segment_weight_versions[-1]
-        mask: list[int] = []
-        for length, version in zip(t.segment_lengths, t.segment_weight_versions):
-            mask.extend([1 if version == last else 0] * length)
-        return mask
-
 
 def trainer_loop(args: argparse.Namespace, address: str, engine_url: str) -> dict:
-    groups_per_batch = args.mini_batch_size // args.group_size
-    batches_per_step = args.prompts_per_step // groups_per_batch
-    trainer = Trainer(args.mask_offpolicy == "on", args.train_seconds)
+    batches_per_step = args.prompts_per_step * args.group_size // args.mini_batch_size
+    trainer = Trainer(args.train_seconds)
     # What became of each prompt group, last event wins: a kept group may be continued and trained later.
     fate: dict[str, str] = {}
     steps_log = []
@@ -251,12 +235,14 @@ def trainer_loop(args: argparse.Namespace, address: str, engine_url: str) -> dic
     with PacerClient(address) as pacer:
         for step in range(args.steps):
             started = time.monotonic()
-            for _ in range(batches_per_step):
-                with pacer.collect_leased(groups_per_batch, lease=120.0, wait=300.0) as groups:
-                    if len(groups) < groups_per_batch:
-                        raise RuntimeError(f"step {step}: no full mini-batch within 300 s")
-                    loss = trainer.train(groups)
-                fate.update((g.prompt_id, "trained") for g in groups)
+            # One step: leased mini-batches, the next one prefetched while this one trains, none past the step.
+            with pacer.batches(args.mini_batch_size, num_batches=batches_per_step, lease=300.0,
+                               mask_offpolicy=args.mask_offpolicy == "on") as batches:
+                for batch in batches:
+                    loss = trainer.train(batch)
+                    fate.update((prompt_id, "trained") for prompt_id in batch.prompt_id)
+            if batches.delivered < batches_per_step:
+                raise RuntimeError(f"step {step}: the batch iterator stopped after {batches.delivered} batches")
             reset = pacer.reset("abort", wait=120.0)
             boundary(reset)
             weight_version = step + 1
