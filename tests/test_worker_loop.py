@@ -361,3 +361,19 @@ def test_keep_alive_holds_the_leases_of_groups_still_generating(tmp_path, keepal
         assert stats.trajectories_submitted == 4 and stats.trajectories_refused == 0
     else:
         assert state.expired == 2 and stats.trajectories_refused == 4  # late Submits refused: LEASE_EXPIRED
+
+
+def test_prompt_source_shards_hand_out_each_prompt_once_and_find_every_prompt():
+    source = prompts(5)
+    shards = [source.shard(i, 2) for i in range(2)]
+    taken = [[p.prompt_id for p in shard.take(10)] for shard in shards]
+    assert taken == [["p0", "p2", "p4"], ["p1", "p3"]]
+    assert shards[1].get("p4").input_ids == [104, 7, 7]  # a restored group may come from the other shard
+    shards[0].give_back([Prompt("p2", [1]), Prompt("p4", [1])])
+    assert [p.prompt_id for p in shards[0].take(1)] == ["p2"]
+    with pytest.raises(KeyError, match="'nope' is not in this source"):
+        source.get("nope")
+    with pytest.raises(ValueError, match="appears twice"):
+        ListPromptSource([Prompt("a", [1]), Prompt("a", [2])])
+    with pytest.raises(ValueError, match="max_groups 0 must be >= 1"):
+        AsyncRolloutWorker(None, HeldEngine(), source, max_groups=0)
