@@ -139,10 +139,12 @@ class _ClientBase:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         options: ChannelOptions = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        client_id: str | None = None,
     ) -> None:
         self.target = target
         self.timeout = float(timeout)
-        self._metadata = call_metadata(token)
+        self.client_id = client_id
+        self._metadata = call_metadata(token, client_id)
         # Resolved now so a bad certificate path fails at construction, not at the first call.
         self._credentials, tls_options = resolve_tls(tls)
         user_options = dict(options.items() if isinstance(options, Mapping) else options or ())
@@ -243,7 +245,10 @@ class PacerClient(_ClientBase):
     target: "host:port". token: bearer token sent with every call. tls: None (plaintext), True (system
     roots), a TlsConfig or mapping of its fields (root cert, client cert/key for mTLS, server name), or
     grpc.ChannelCredentials. timeout: default deadline in seconds; long-polls get wait + a margin.
-    options: extra gRPC channel arguments, overriding the defaults. Errors raise PacerClientError subclasses.
+    options: extra gRPC channel arguments, overriding the defaults. client_id: who is calling (a worker or
+    trainer name), sent with every call as `x-coda-client-id` (letters, digits and -_.:@/, at most 128);
+    the server logs it, shows it in its in-flight records and counts per client. Errors raise
+    PacerClientError subclasses.
     """
 
     def _new_channel(self) -> grpc.Channel:

@@ -10,7 +10,8 @@ so refused calls are observed like every other call.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence
+import inspect
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import grpc
 
@@ -59,3 +60,66 @@ class _WrappedGenericHandler(grpc.GenericRpcHandler):
         if cached is None or cached[0] is not handler:
             cached = self._wrapped[method] = (handler, self._registrar.wrap(method, handler))
         return cached[1]
+
+
+# An admission check: (refusal, token). A refusal status ends the call before the handler runs; otherwise
+# the token is handed to the release function once the call has ended, however it ended.
+Admit = Callable[[Any, grpc.aio.ServicerContext], tuple[Optional[grpc.Status], Any]]
+
+
+def admitting(handler: grpc.RpcMethodHandler, admit: Admit, release: Optional[Callable[[Any], None]] = None,
+              request_deserializer: Optional[Callable[[bytes], Any]] = None) -> grpc.RpcMethodHandler:
+    """`handler` with `admit(request, context)` run before it (unary-request methods: the request is decoded
+    first), and `release(token)` after it. Request-streaming and synchronous handlers are left as they are.
+
+    `request_deserializer` replaces the handler's own, e.g. with one that never raises.
+    """
+    if handler.request_streaming:
+        return handler
+    deserialize = request_deserializer or handler.request_deserializer
+    serializer = handler.response_serializer
+    if not handler.response_streaming:
+        inner = handler.unary_unary
+        if not inspect.iscoroutinefunction(inner):
+            return handler
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            refusal, token = admit(request, context)
+            if refusal is not None:
+                await context.abort_with_status(refusal)
+            try:
+                return await inner(request, context)
+            finally:
+                if release is not None:
+                    release(token)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serializer)
+    inner_stream = handler.unary_stream
+    if inspect.isasyncgenfunction(inner_stream):  # yields its responses (WatchControl)
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            refusal, token = admit(request, context)
+            if refusal is not None:
+                await context.abort_with_status(refusal)
+            try:
+                async for response in inner_stream(request, context):
+                    yield response
+            finally:
+                if release is not None:
+                    release(token)
+
+    elif inspect.iscoroutinefunction(inner_stream):  # writes with context.write (health Watch)
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            refusal, token = admit(request, context)
+            if refusal is not None:
+                await context.abort_with_status(refusal)
+            try:
+                return await inner_stream(request, context)
+            finally:
+                if release is not None:
+                    release(token)
+
+    else:  # a synchronous handler: left as it is
+        return handler
+    return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, serializer)
