@@ -128,23 +128,24 @@ async def _worker(index: int, target: str, connections: int, per_connection: int
 
     async def watch(client: AsyncPacerClient) -> None:
         nonlocal opened
-        seen = 0
+        seen, is_open, outcome = 0, False, "ENDED"
         try:
             async for event in client.watch():
-                if event.type == ControlEventType.STATE:
-                    opened += 1
+                if event.type == ControlEventType.STATE and not is_open:
+                    opened, is_open = opened + 1, True
                 elif event.type == ControlEventType.PAUSE:
                     pauses.append((seen, time.time()))
                     seen += 1
                 elif event.type == ControlEventType.SHUTDOWN:
                     break
-            ended["ENDED"] += 1
         except PacerClientError as exc:
-            ended[exc.code.name if exc.code is not None else type(exc).__name__] += 1
+            outcome = exc.code.name if exc.code is not None else type(exc).__name__
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - counted and shown, the run goes on
-            ended[type(exc).__name__] += 1
+            outcome = type(exc).__name__
+        # "open" streams that ended count apart from those refused (or cancelled) before their first event.
+        ended[("after open " if is_open else "") + outcome] += 1
 
     async def long_poll(client: AsyncPacerClient, number: int) -> None:
         serial = 0
@@ -211,6 +212,9 @@ class Swarm:
     def total_opened(self) -> int:
         return sum(self.opened)
 
+    def open_now(self) -> int:
+        return self.total_opened() - sum(n for k, n in self.total("ended").items() if k.startswith("after open"))
+
     def total(self, what: str) -> dict[str, int]:
         merged: collections.Counter = collections.Counter()
         for entry in getattr(self, what):
@@ -270,7 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["open_seconds"] = round(time.monotonic() - started, 2)
         time.sleep(2.0)
         swarm.drain(reports, 0.5)
-        results["streams_open"] = swarm.total_opened() - sum(swarm.total("ended").values())
+        results["streams_open"] = swarm.open_now()
         results["streams_ended_while_opening"] = swarm.total("ended")
         rss_after = server.rss_bytes()
         cpu_before, clock_before = server.cpu_seconds(), time.monotonic()
@@ -284,7 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.resets):
             trainer_call(refused, "Collect", lambda: trainer.collect(16))
             trainer_call(refused, "GetState", trainer.state)
-            expected = swarm.total_opened() - sum(swarm.total("ended").values())
+            expected = swarm.open_now()
             began = time.time()
             done = trainer_call(refused, "Reset", lambda: trainer.reset("abort", resume=True, weight_version=r + 1))
             reset_seconds = time.time() - began

@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
     parser.add_argument("--token-file", default=os.environ.get("CODA_TOKEN_FILE"),
                         help="file holding the bearer token (default: $CODA_TOKEN_FILE; $CODA_TOKEN also works)")
+    parser.add_argument("--client-id", default=os.environ.get("CODA_CLIENT_ID"),
+                        help="who is calling, shown in the server's logs and metrics (default: $CODA_CLIENT_ID)")
     tls = parser.add_argument_group("TLS (the address may also be unix:/path/to/socket, always plaintext)")
     tls.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server against the system "
                                                         "roots (or --ca-file); implied by --ca-file and --cert-file")
@@ -83,11 +85,13 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
             tls.credentials()  # an unreadable certificate file fails here, with a message
         if args.command == "health":
             return probe_health(args.address, args.service, args.timeout, out, tls=tls)
-    except (OSError, ValueError) as error:  # unreadable certificate file, key without certificate
+        client = PacerClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout,
+                             client_id=args.client_id or None)
+    except (OSError, ValueError) as error:  # unreadable certificate file, key without certificate, bad client id
         print(f"coda-client: {error}", file=sys.stderr)
         return 2
     try:
-        with PacerClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout) as client:
+        with client:
             if args.command == "state":
                 state = client.state()
                 out.write((json.dumps(as_json(state), sort_keys=True) if args.json else render_state(state)) + "\n")

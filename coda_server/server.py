@@ -104,6 +104,8 @@ class PacerServer:
     async def start(self) -> list[int]:
         """Bind, start serving and turn readiness on; returns the bound port(s)."""
         tune_garbage_collector()
+        # A descriptor per connection: at most one per worker (its stream, long-poll and Submits share it).
+        transport.raise_open_file_limit(int(self.config.server.max_watch_streams) + CONTROL_CALL_ROOM)
         self.async_pacer.bind_loop()
         # Authentication is the one interceptor, so a refused request is never decoded. No
         # maximum_concurrent_rpcs: it counts every call alike, so watchers could starve the trainer's Reset;

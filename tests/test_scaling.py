@@ -2,6 +2,7 @@
 the metrics listener's token, each against a real server with small limits (times are in bench/swarm.py)."""
 from __future__ import annotations
 
+import io
 import time
 import urllib.error
 import urllib.request
@@ -12,6 +13,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from coda_client import PacerClient
+from coda_client import cli as client_cli
 from coda_client._proto import pacer_pb2 as pb
 from coda_client._proto import pacer_pb2_grpc
 from coda_client.errors import BadRequestError, ResourceExhaustedError
@@ -137,12 +139,14 @@ def test_client_ids_reach_the_log_line_and_per_client_metrics_with_a_cap(tmp_pat
             with PacerClient(server.address, client_id=name) as client:
                 client.state()
         server.stub().GetState(pb.GetStateRequest())  # no client id
+        assert client_cli.main(["--address", server.address, "--client-id", "bad id", "state"], out=io.StringIO()) == 2
+        assert client_cli.main(["--address", server.address, "--client-id", "worker-1", "state"], out=io.StringIO()) == 0
         scrape = server.scrape_until(lambda s: s.value("coda_client_calls_total", client="(none)",
                                                        grpc_method="GetState") >= 1)
         calls = {(s.labels["client"], s.labels["grpc_method"]): s.value for s in scrape.samples
                  if s.name == "coda_client_calls_total" and s.labels["grpc_code"] == "OK"}
         # The first two ids by name; the third beyond metrics_max_clients = 2 is counted as "(other)".
-        assert calls == {("worker-1", "GetState"): 1, ("worker-2", "GetState"): 1, ("(other)", "GetState"): 2,
+        assert calls == {("worker-1", "GetState"): 2, ("worker-2", "GetState"): 1, ("(other)", "GetState"): 2,
                          ("(none)", "GetState"): 1}
         assert scrape.value("coda_client_ids") == 2
         wait_until(lambda: "GetState OK" in server.log() and "client=worker-3" in server.log())
