@@ -18,6 +18,7 @@ the Resets; server RSS per stream; server CPU while idle with every stream open.
     python bench/swarm.py                         # 4,096 streams, 512 long-polls, 5 Resets
     python bench/swarm.py --streams 10000 --processes 8
     python bench/swarm.py --streams 2000 --per-connection 50 --server-arg server.max_watch_streams=10000
+    CODA_BENCH_PROFILE=/tmp/swarm.prof python bench/swarm.py --resets 3    # where the server's time goes
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ from coda_client.errors import PacerClientError  # noqa: E402
 from coda_client.types import ControlEventType  # noqa: E402
 
 START_TIMEOUT_SECONDS = 60.0
+# CODA_BENCH_PROFILE=/tmp/swarm.prof runs the server under cProfile (its figures are then not measurements).
+PROFILE_ENV = "CODA_BENCH_PROFILE"
 REPORT_INTERVAL_SECONDS = 0.2
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -72,7 +75,9 @@ class Server:
         self.address = ""
 
     def start(self) -> "Server":
-        command = [sys.executable, "-m", "coda_server", "--port-file", str(self.port_file),
+        profile = os.environ.get(PROFILE_ENV)
+        runner = ["-m", "cProfile", "-o", profile] if profile else []
+        command = [sys.executable, *runner, "-m", "coda_server", "--port-file", str(self.port_file),
                    "server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0", *self.overrides]
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
