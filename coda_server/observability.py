@@ -377,6 +377,9 @@ class PacerCollector:
             yield GaugeMetricFamily(name, help_text, value=float(getattr(state, attribute)))
         yield GaugeMetricFamily("coda_pacer_watchers", "WatchControl streams open now.",
                                 value=self._pacer.watcher_count)
+        yield CounterMetricFamily("coda_pacer_watchers_dropped", "WatchControl streams dropped because they fell "
+                                  "server.watch_queue_events control events behind (their client stopped reading).",
+                                  value=self._pacer.watchers.dropped)
         for attribute, name, help_text in PACER_COUNTERS:
             yield CounterMetricFamily(name, help_text, value=getattr(state, attribute))
         for attribute, name, help_text, is_counter in LEASE_METRICS:

@@ -85,9 +85,7 @@ class PacerServer:
         self.async_pacer = AsyncPacer(
             self.pacer,
             max_wait_seconds=float(config.server.max_wait_seconds),
-            # Admission limits waiting Dispatches and Collects each (admission.py): the core's own cap on
-            # both together is set where it never refuses first.
-            max_waiting_calls=int(config.server.max_waiting_calls) + int(config.server.max_waiting_collects),
+            watch_queue_limit=int(config.server.watch_queue_events),
         )
         # None when no token is configured; reads server.auth_token_file or $CODA_TOKEN (ConfigError if unusable).
         self.auth = auth.token_interceptor(config.server)

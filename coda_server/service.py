@@ -1,12 +1,13 @@
 """The RolloutPacer servicer: converts messages, delegates to the AsyncPacer, maps errors to status codes.
 
-Submit requests and Collect and Reset answers are pass-through views (wire.py); server.py registers the
-service with their (de)serializers."""
+Submit requests and Collect and Reset answers are pass-through views (wire.py), WatchControl events are
+written as bytes encoded once per event; server.py registers the service with their (de)serializers."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Awaitable, Callable, Optional
 
 import grpc
 
@@ -16,6 +17,7 @@ from coda_client._proto import pacer_pb2_grpc
 from . import convert, wire
 from .core.async_pacer import AsyncPacer
 from .core.errors import InvalidArgumentError, PacerError
+from .core.types import ControlEvent
 from .status import status_for
 
 # Answer a long-poll this long before the caller's deadline, so the answer arrives in time.
@@ -51,6 +53,8 @@ def bounded_wait(requested: float, context: grpc.aio.ServicerContext) -> float:
 class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     def __init__(self, pacer: AsyncPacer):
         self._pacer = pacer
+        self._last_event: Optional[ControlEvent] = None
+        self._last_encoded = b""
 
     @maps_errors
     async def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:
@@ -90,6 +94,29 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
         return convert.state_response(self._pacer.state())
 
-    async def WatchControl(self, request: pb.WatchControlRequest, context) -> AsyncIterator[pb.ControlEvent]:
-        async for event in self._pacer.watch():
-            yield convert.control_event(event)
+    @maps_errors
+    async def WatchControl(self, request: pb.WatchControlRequest, context) -> None:
+        # Written with context.write (not yielded), so that a watcher the fan-out drops while its write is
+        # stuck (the client stopped reading) can still be ended with a status: its task is cancelled.
+        watcher = self._pacer.open_watch()
+        try:
+            async for event in watcher:
+                await context.write(self._encoded(event))
+        except asyncio.CancelledError:
+            if not watcher.dropped:  # the client went away
+                raise
+            # Not abort(): it awaits the status being sent, which queues behind the write the client does not
+            # take. Set it and return: the stream's resources (and its admission slot) are released now, and
+            # gRPC sends the status once the client reads or goes away.
+            status = status_for(watcher.too_slow())
+            context.set_code(status.code)
+            context.set_details(status.details)
+            context.set_trailing_metadata(status.trailing_metadata)
+        finally:
+            watcher.close()
+
+    def _encoded(self, event: ControlEvent) -> bytes:
+        """The event's wire bytes; every watcher is handed the same event object, so it is encoded once."""
+        if event is not self._last_event:
+            self._last_event, self._last_encoded = event, convert.control_event(event).SerializeToString()
+        return self._last_encoded

@@ -111,6 +111,10 @@ def fixed32_count(run: bytes) -> int:
     return -1 if len(run) % 4 else len(run) // 4
 
 
+def _as_encoded(message: bytes) -> bytes:
+    return message
+
+
 def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
 
@@ -118,15 +122,19 @@ def _serialize(message: Any) -> bytes:
 class PassthroughCodec:
     """A method wrapper (see method_wrapping) giving the RolloutPacer methods that carry trajectories their
     pass-through (de)serializers: Submit requests are parsed with `parse_submit`, and Collect and Reset
-    answers, built as views by convert.py, are serialized as what they are."""
+    answers, built as views by convert.py, are serialized as what they are. WatchControl events come
+    already encoded (the servicer encodes each event once for all watchers) and are sent as they are."""
 
     def __init__(self, service: str):
         self._submit = f"/{service}/Submit"
         self._view_responses = (f"/{service}/Collect", f"/{service}/Reset")
+        self._encoded_responses = (f"/{service}/WatchControl",)  # written as bytes, encoded once per event
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if method == self._submit:
             return handler._replace(request_deserializer=parse_submit)
         if method in self._view_responses:
             return handler._replace(response_serializer=_serialize)
+        if method in self._encoded_responses:
+            return handler._replace(response_serializer=_as_encoded)
         return handler

@@ -16,7 +16,7 @@ from coda_client import PacerClient
 from coda_client import cli as client_cli
 from coda_client._proto import pacer_pb2 as pb
 from coda_client._proto import pacer_pb2_grpc
-from coda_client.errors import BadRequestError, ResourceExhaustedError
+from coda_client.errors import ResourceExhaustedError
 from ops_harness import MetricsServer, Scrape
 from server_harness import ServerProcess
 
@@ -228,3 +228,42 @@ def test_metrics_token_without_a_configured_token_stops_start_up(tmp_path):
     with pytest.raises(RuntimeError, match="metrics_require_token = true needs the bearer token"):
         server.start()
     server.close()
+
+
+def test_a_watcher_that_does_not_read_is_dropped_and_counted_without_holding_up_the_others(tmp_path):
+    with MetricsServer(tmp_path, *SMALL, "server.watch_queue_events=8") as server:
+        # A client that reads its first event and then nothing: a small HTTP/2 window (no BDP growth), so
+        # the server's writes to it stop completing after a few dozen events.
+        slow_channel = grpc.insecure_channel(server.address, options=[("grpc.http2.lookahead_bytes", 1024),
+                                                                     ("grpc.http2.bdp_probe", 0)])
+        slow = pacer_pb2_grpc.RolloutPacerStub(slow_channel).WatchControl(pb.WatchControlRequest())
+        assert next(slow).type == pb.CONTROL_EVENT_TYPE_STATE
+        with PacerClient(server.address, client_id="reader") as reader, reader.watch() as stream:
+            events = [next(stream)]
+            stub = server.stub()
+            resets = 0
+            while server.scrape().value("coda_pacer_watchers_dropped_total") == 0:
+                for _ in range(10):
+                    resets += 1
+                    stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_ABORT, resume=True, weight_version=resets),
+                               timeout=30)
+                assert resets < 2000, "the watcher that does not read was never dropped"
+            # The reader saw every PAUSE and RESUME of every Reset, and is still watching.
+            while len(events) < 1 + 2 * resets:
+                events.append(next(stream))
+            assert [e.type.name for e in events[1:]] == ["PAUSE", "RESUME"] * resets
+            assert [e.weight_version for e in events[2::2]] == list(range(1, resets + 1))
+            scrape = server.scrape()
+            assert scrape.value("coda_pacer_watchers_dropped_total") == 1
+            assert scrape.value("coda_pacer_watchers") == 1
+            assert scrape.value("coda_admission_in_progress", limit="server.max_watch_streams") == 1
+        # The dropped client, reading again, gets what was sent before the drop, then the reason.
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in slow:
+                pass
+        assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        info, delay = error_info(ended.value)
+        assert info.reason == "WATCHER_TOO_SLOW" and info.metadata["limit"] == "server.watch_queue_events"
+        assert delay is not None and "fell 8 control events behind" in ended.value.details()
+        wait_until(lambda: "dropped 1 watch stream(s) that fell 8 control events behind" in server.log())
+        slow_channel.close()

@@ -13,7 +13,6 @@ from .pacer import Pacer
 from .types import (
     CollectResult,
     ControlEvent,
-    ControlEventType,
     DispatchResult,
     PacerState,
     PromptRef,
@@ -23,11 +22,11 @@ from .types import (
     SubmitResult,
     Trajectory,
 )
-from .waiting import WAITERS_RETRY_AFTER_SECONDS, LoopWaits  # noqa: F401  (imported from here before)
+from .waiting import LoopWaits
+from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
 
 log = logging.getLogger("coda_server.leases")
 
-WATCH_QUEUE_LIMIT = 1024
 # How often lease deadlines are checked; leases are meant in seconds to minutes, so this is plenty.
 LEASE_TICK_SECONDS = 0.25
 
@@ -39,12 +38,12 @@ class AsyncPacer:
     request-id answers (`AnswerBook.once_awaited`) and answered once what it changed is durable.
     """
 
-    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0, max_waiting_calls: int = 512):
+    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0, watch_queue_limit: int = DEFAULT_QUEUE_LIMIT):
         self.pacer = pacer
-        self.waits = LoopWaits(lambda: pacer.closed, max_wait_seconds, max_waiting_calls)
+        self.waits = LoopWaits(lambda: pacer.closed, max_wait_seconds)
+        self.watchers = WatcherFanout(watch_queue_limit)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
-        self._watchers: set[asyncio.Queue] = set()
         self._draining = False
         self._lease_task: Optional[asyncio.Task] = None
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
@@ -56,10 +55,6 @@ class AsyncPacer:
     @property
     def max_wait_seconds(self) -> float:
         return self.waits.max_wait_seconds
-
-    @property
-    def max_waiting_calls(self) -> int:
-        return self.waits.max_waiting_calls
 
     @property
     def waiting_calls(self) -> int:
@@ -143,7 +138,7 @@ class AsyncPacer:
         async def call() -> ResetResult:
             self.pacer.begin_reset(mode, resume=resume, weight_version=weight_version)
             try:
-                await self.waits.until(self.pacer.reset_poll(), wait, capped=False)
+                await self.waits.until(self.pacer.reset_poll(), wait)
             except BaseException:
                 self.pacer.abandon_reset()
                 raise
@@ -199,37 +194,28 @@ class AsyncPacer:
 
     # ------------------------------------------------------------- watchers
 
-    async def watch(self) -> AsyncIterator[ControlEvent]:
-        """The current state first, then every control event until SHUTDOWN (or the watcher lags too far)."""
+    def open_watch(self) -> Watcher:
+        """A watcher for the calling task: the current state first, then every control event until SHUTDOWN;
+        dropped (and counted in `watchers.dropped`) if it falls `watch_queue_limit` events behind. Close it
+        when the stream ends."""
         self.check_ready()
-        queue: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE_LIMIT)
-        self._watchers.add(queue)
+        return self.watchers.open(self.pacer.current_state_event(), self.pacer.closed)
+
+    async def watch(self) -> AsyncIterator[ControlEvent]:
+        """`open_watch()` as an async generator that closes the watcher when it ends."""
+        watcher = self.open_watch()
         try:
-            yield self.pacer.current_state_event()
-            if self.pacer.closed:
-                yield ControlEvent(ControlEventType.SHUTDOWN)
-                return
-            while True:
-                event = await queue.get()
-                if event is None:  # overflowed: end the stream; the client reconnects and gets STATE first
-                    return
+            async for event in watcher:
                 yield event
-                if event.type == ControlEventType.SHUTDOWN:
-                    return
         finally:
-            self._watchers.discard(queue)
+            watcher.close()
 
     def _publish(self, event: ControlEvent) -> None:
-        for queue in list(self._watchers):
-            if queue.qsize() >= WATCH_QUEUE_LIMIT - 1:
-                self._watchers.discard(queue)
-                queue.put_nowait(None)
-            else:
-                queue.put_nowait(event)
+        self.watchers.publish(event)
 
     @property
     def watcher_count(self) -> int:
-        return len(self._watchers)
+        return len(self.watchers)
 
     # ------------------------------------------------------------- shutdown
 

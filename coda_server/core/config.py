@@ -123,7 +123,7 @@ def _validate_server(server: Any, need) -> None:
     for key in ("max_message_bytes", "request_id_cache_size", "remembered_generations", "max_collect_groups",
                 "max_dispatch_candidates", "max_submit_trajectories", "max_id_length", "step_reports_kept",
                 "max_concurrent_rpcs", "max_waiting_calls", "max_waiting_collects", "max_watch_streams",
-                "metrics_max_clients"):
+                "metrics_max_clients", "watch_queue_events"):
         value = server.get(key)
         need(_is_int(value) and value >= 1, f"server.{key}", value, "must be an integer >= 1")
     _validate_transport(server, need)
