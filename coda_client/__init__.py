@@ -20,6 +20,7 @@ from .types import (
     ControlEvent,
     ControlEventType,
     DispatchResult,
+    HeldGroup,
     PacerState,
     PromptRef,
     ResetMode,
@@ -30,6 +31,7 @@ from .types import (
     Trajectory,
     TrajectoryGroup,
     TrajectoryStatus,
+    WorkerHoldings,
 )
 
 __all__ = [
@@ -43,6 +45,8 @@ __all__ = [
     "TrajectoryStatus",
     "TrajectoryGroup",
     "PromptRef",
+    "HeldGroup",
+    "WorkerHoldings",
     "DispatchResult",
     "SubmitResult",
     "CollectResult",

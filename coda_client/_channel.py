@@ -15,7 +15,7 @@ import grpc
 SERVICE = "coda.pacer.v1.RolloutPacer"
 # Calls that may long-poll: their deadline grows with the requested wait (see call_timeout).
 LONG_POLL_METHODS = ("Dispatch", "Collect", "Reset")
-SHORT_METHODS = ("Submit", "Resume", "GetState", "Ack")
+SHORT_METHODS = ("Submit", "Resume", "GetState", "Ack", "ListWorkers")
 STREAM_METHODS = ("WatchControl",)
 
 DEFAULT_TIMEOUT_SECONDS = 30.0

@@ -39,6 +39,7 @@ from .types import (
     SubmitResult,
     Trajectory,
     TrajectoryGroup,
+    WorkerHoldings,
 )
 
 __all__ = ["PacerClient", "AsyncPacerClient", "ControlStream", "AsyncControlStream"]
@@ -238,6 +239,9 @@ class _ClientBase:
     def _get_state(self) -> Call[Any]:
         return _calls.get_state(timeout=self.timeout)
 
+    def _list_workers(self, client_id: str | None, max_groups_per_worker: int) -> Call[Any]:
+        return _calls.list_workers(client_id, max_groups_per_worker, timeout=self.timeout)
+
 
 class PacerClient(_ClientBase):
     """Blocking client of the RolloutPacer service; thread-safe, one channel per process.
@@ -322,6 +326,10 @@ class PacerClient(_ClientBase):
     def state(self) -> PacerState:
         """Every counter of the pacer (GetState)."""
         return self._run(self._get_state())
+
+    def list_workers(self, client_id: str | None = None, *, max_groups_per_worker: int = 0) -> list[WorkerHoldings]:
+        """Which worker (client id) holds which running groups and since when; one worker's with `client_id`."""
+        return self._run(self._list_workers(client_id, max_groups_per_worker))
 
     def watch(self) -> ControlStream:
         """Control events, first the current state; iterate it, cancel() it, or close the client to end it."""
@@ -420,6 +428,11 @@ class AsyncPacerClient(_ClientBase):
     async def state(self) -> PacerState:
         """Coroutine form of PacerClient.state."""
         return await self._run(self._get_state())
+
+    async def list_workers(self, client_id: str | None = None, *,
+                           max_groups_per_worker: int = 0) -> list[WorkerHoldings]:
+        """Coroutine form of PacerClient.list_workers."""
+        return await self._run(self._list_workers(client_id, max_groups_per_worker))
 
     def watch(self) -> AsyncControlStream:
         """Async iterator of control events (`async for event in client.watch()`); cancel() or close() ends it."""

@@ -12,9 +12,11 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from coda_client._proto import pacer_pb2 as pb
+from coda_client._channel import CLIENT_ID_PATTERN, CLIENT_ID_RULE
 from coda_client._proto import pacer_pb2_grpc
 
 from . import convert, wire
+from .admission import client_id
 from .core.async_pacer import AsyncPacer
 from .core.errors import InvalidArgumentError, PacerError
 from .core.types import ControlEvent
@@ -59,7 +61,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     @maps_errors
     async def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:
         result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
-                                            bounded_wait(request.wait_seconds, context), request.request_id)
+                                            bounded_wait(request.wait_seconds, context), request.request_id,
+                                            client_id(context))
         return convert.dispatch_response(result)
 
     @maps_errors
@@ -93,6 +96,14 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     @maps_errors
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
         return convert.state_response(self._pacer.state())
+
+    @maps_errors
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
+        wanted = request.client_id
+        if wanted and not CLIENT_ID_PATTERN.fullmatch(wanted):
+            raise InvalidArgumentError(f"client_id {wanted[:140]!r} is not a valid client id: {CLIENT_ID_RULE}",
+                                       violations=[("client_id", CLIENT_ID_RULE)])
+        return convert.list_workers_response(self._pacer.held_groups(wanted or None), request.max_groups_per_worker)
 
     @maps_errors
     async def WatchControl(self, request: pb.WatchControlRequest, context) -> None:

@@ -267,3 +267,39 @@ def test_a_watcher_that_does_not_read_is_dropped_and_counted_without_holding_up_
         assert delay is not None and "fell 8 control events behind" in ended.value.details()
         wait_until(lambda: "dropped 1 watch stream(s) that fell 8 control events behind" in server.log())
         slow_channel.close()
+
+
+def test_list_workers_shows_who_holds_which_groups_and_survives_a_restart(tmp_path):
+    from coda_client import Trajectory, TrajectoryStatus
+    from coda_client.errors import BadRequestError
+
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    overrides = (*SMALL, f"server.state_dir={state_dir}")
+    with ServerProcess(tmp_path, *overrides) as server:
+        with PacerClient(server.address, client_id="w-1") as w1, PacerClient(server.address, client_id="w-2") as w2, \
+                PacerClient(server.address) as anonymous:
+            assert len(w1.dispatch(["p1", "p2"]).admitted) == 2
+            assert len(w2.dispatch(["p3"]).admitted) == 1
+            assert len(anonymous.dispatch(["p4"]).admitted) == 1
+            w1.submit([Trajectory(trajectory_id="p1-t0", prompt_id="p1", status=TrajectoryStatus.COMPLETED)])
+            holdings = anonymous.list_workers()
+            assert [(w.client_id, w.running, [g.prompt_id for g in w.groups]) for w in holdings] == [
+                ("", 1, ["p4"]), ("w-1", 2, ["p1", "p2"]), ("w-2", 1, ["p3"])]
+            p1 = holdings[1].groups[0]
+            assert (p1.trajectories, p1.group_size) == (1, 2)
+            assert p1.held_seconds >= 0 and 0 < p1.lease_remaining_seconds <= 1800
+            assert holdings[1].oldest_held_seconds >= holdings[1].groups[1].held_seconds
+            only = w2.list_workers("w-1", max_groups_per_worker=1)
+            assert [(w.client_id, w.running, [g.prompt_id for g in w.groups]) for w in only] == [("w-1", 2, ["p1"])]
+            with pytest.raises(BadRequestError):
+                w1.list_workers("not valid")
+            out = io.StringIO()
+            assert client_cli.main(["--address", server.address, "workers"], out=out) == 0
+            assert "w-1: 2 running" in out.getvalue() and "p1 seq 0: 1/2 trajectories" in out.getvalue()
+        assert server.terminate() == 0
+    with ServerProcess(tmp_path, *overrides) as server:  # the in-flight records come back with their holders
+        with PacerClient(server.address) as client:
+            assert [(w.client_id, w.running) for w in client.list_workers()] == [("", 1), ("w-1", 2), ("w-2", 1)]
+            client.reset("abort")
+            assert client.list_workers() == []

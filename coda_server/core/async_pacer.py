@@ -14,6 +14,7 @@ from .types import (
     CollectResult,
     ControlEvent,
     DispatchResult,
+    HeldGroup,
     PacerState,
     PromptRef,
     ResetMode,
@@ -109,9 +110,10 @@ class AsyncPacer:
 
     # ------------------------------------------------------------- operations
 
-    async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
+    async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
+                       client_id: str = "") -> DispatchResult:
         async def call() -> DispatchResult:
-            return await self.waits.until(self.pacer.dispatch_poll(candidates, request_id), wait)
+            return await self.waits.until(self.pacer.dispatch_poll(candidates, request_id, client_id), wait)
 
         return await self._applied("Dispatch", request_id, call)
 
@@ -187,6 +189,10 @@ class AsyncPacer:
     def check_ready(self) -> None:
         if self.recovering:
             raise NotReadyError("the server is still recovering its state from server.state_dir; retry shortly")
+
+    def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
+        self.check_ready()
+        return self.pacer.held_groups(client_id)
 
     def state(self) -> PacerState:
         self.check_ready()
