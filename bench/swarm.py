@@ -64,21 +64,85 @@ def raise_fd_limit(needed: int) -> None:
 
 # ----------------------------------------------------------------------------------------- server
 
-class Server:
-    """python -m coda_server in a subprocess, on free ports."""
+async def serve_floor(port_file: Path) -> None:
+    """The floor: a bare grpc.aio server with the same server options and the same fan-out shape, nothing else.
 
-    def __init__(self, workdir: Path, overrides: list[str]):
-        self.port_file = workdir / "server.port.json"
-        self.log_path = workdir / "server.log"
+    WatchControl sends STATE, then whatever Reset publishes to every stream's queue (PAUSE, RESUME); Reset
+    publishes and answers at once; a waiting Dispatch sleeps its wait and admits nothing; GetState and Collect
+    answer empty. It is what Python gRPC costs for this workload on this machine.
+    """
+    import grpc
+
+    from coda_client._proto import pacer_pb2 as pb
+    from coda_client._proto import pacer_pb2_grpc
+    from coda_server.core import load_config
+    from coda_server.server import server_options
+
+    queues: set[asyncio.Queue] = set()
+    generation = 0
+
+    class Floor(pacer_pb2_grpc.RolloutPacerServicer):
+        async def WatchControl(self, request, context):
+            queue: asyncio.Queue = asyncio.Queue()
+            queues.add(queue)
+            try:
+                await context.write(pb.ControlEvent(type=pb.CONTROL_EVENT_TYPE_STATE))
+                while True:
+                    await context.write(await queue.get())
+            finally:
+                queues.discard(queue)
+
+        async def Reset(self, request, context):
+            nonlocal generation
+            generation += 1
+            pause = pb.ControlEvent(type=pb.CONTROL_EVENT_TYPE_PAUSE, generation=generation, paused=True)
+            resume = pb.ControlEvent(type=pb.CONTROL_EVENT_TYPE_RESUME, generation=generation)
+            for queue in queues:
+                queue.put_nowait(pause)
+            for queue in queues:
+                queue.put_nowait(resume)
+            return pb.ResetResponse(generation=generation)
+
+        async def Dispatch(self, request, context):
+            await asyncio.sleep(min(request.wait_seconds, 600))
+            return pb.DispatchResponse()
+
+        async def Collect(self, request, context):
+            return pb.CollectResponse(timed_out=True)
+
+        async def GetState(self, request, context):
+            return pb.GetStateResponse()
+
+    server = grpc.aio.server(options=server_options(load_config()))
+    pacer_pb2_grpc.add_RolloutPacerServicer_to_server(Floor(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    temporary = port_file.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"address": f"127.0.0.1:{port}"}))
+    temporary.replace(port_file)
+    await server.wait_for_termination()
+
+
+class Server:
+    """python -m coda_server (or the floor) in a subprocess, on free ports."""
+
+    def __init__(self, workdir: Path, overrides: list[str], floor: bool = False):
+        self.port_file = workdir / ("floor" if floor else "server") / "port.json"
+        self.port_file.parent.mkdir()
+        self.log_path = self.port_file.parent / "server.log"
         self.overrides = overrides
+        self.floor = floor
         self.process: Optional[subprocess.Popen] = None
         self.address = ""
 
     def start(self) -> "Server":
         profile = os.environ.get(PROFILE_ENV)
         runner = ["-m", "cProfile", "-o", profile] if profile else []
-        command = [sys.executable, *runner, "-m", "coda_server", "--port-file", str(self.port_file),
-                   "server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0", *self.overrides]
+        if self.floor:
+            command = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", str(self.port_file)]
+        else:
+            command = [sys.executable, *runner, "-m", "coda_server", "--port-file", str(self.port_file),
+                       "server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0", *self.overrides]
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
@@ -240,16 +304,15 @@ def trainer_call(refused: collections.Counter, name: str, call: Any) -> Any:
         return None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, workdir: Path, floor: bool = False) -> dict[str, Any]:
     connections_total = -(-args.streams // args.per_connection)
     raise_fd_limit(connections_total * 2 + 1024)
-    workdir = Path(tempfile.mkdtemp(prefix="coda-swarm-"))
-    server = Server(workdir, args.server_arg).start()
+    server = Server(workdir, args.server_arg, floor=floor).start()
     ctx = multiprocessing.get_context("spawn")
     reports, stop = ctx.Queue(), ctx.Event()
     swarm = Swarm(args.processes)
     workers = []
-    results: dict[str, Any] = {"streams": args.streams, "per_connection": args.per_connection,
+    results: dict[str, Any] = {"server": "floor (bare grpc.aio)" if floor else "coda-server", "streams": args.streams, "per_connection": args.per_connection,
                                "connections": connections_total, "processes": args.processes,
                                "long_polls": args.long_polls, "server_args": args.server_arg}
     try:
@@ -334,6 +397,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_results(results: dict[str, Any]) -> None:
+    print(f"== {results['server']}")
     print(f"streams wanted {results['streams']} over {results['connections']} connections "
           f"({results['per_connection']} per connection) from {results['processes']} processes; "
           f"{results['long_polls']} long-polling Dispatch; server args {results['server_args'] or 'none (defaults)'}")
@@ -368,15 +432,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--open-timeout", type=float, default=180.0)
     parser.add_argument("--delivery-timeout", type=float, default=20.0)
     parser.add_argument("--server-arg", action="append", default=[], help="key=value for the server (repeatable)")
+    parser.add_argument("--floor", action="store_true",
+                        help="then run the same workload against a bare grpc.aio server (what gRPC itself costs)")
     parser.add_argument("--json", help="also write every figure to this file")
+    parser.add_argument("--serve-floor", help=argparse.SUPPRESS)  # internal: the floor server's subprocess
     args = parser.parse_args(argv)
-    load = os.getloadavg()
-    print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
-    results = run(args)
-    results["load_before"] = load
-    print_results(results)
+    if args.serve_floor:
+        asyncio.run(serve_floor(Path(args.serve_floor)))
+        return 0
+    workdir = Path(tempfile.mkdtemp(prefix="coda-swarm-"))
+    runs = []
+    for floor in (False, True) if args.floor else (False,):
+        load = os.getloadavg()
+        print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+        results = run(args, workdir, floor)
+        results["load_before"] = load
+        print_results(results)
+        runs.append(results)
+    if len(runs) == 2 and runs[0]["median_max_ms"] and runs[1]["median_max_ms"]:
+        print(f"PAUSE delivery, ours / floor: p50 {runs[0]['median_p50_ms'] / runs[1]['median_p50_ms']:.2f}, "
+              f"max {runs[0]['median_max_ms'] / runs[1]['median_max_ms']:.2f}; RSS per stream "
+              f"{runs[0]['server_rss_per_stream_kb']} / {runs[1]['server_rss_per_stream_kb']} KB")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps(runs, indent=2))
     return 0
 
 

@@ -98,7 +98,14 @@ class AsyncPacer:
             self._call_in_loop(self.waits.wake_all)
 
     def _on_control(self, event: ControlEvent) -> None:
-        self._call_in_loop(lambda: self._publish(event))
+        # On the loop's next turn, even from its own thread: the call that caused the event (the trainer's
+        # Reset or Resume) then gets its answer out before the fan-out queues a write per watcher.
+        if self._loop is None:
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._loop.call_soon(self._publish, event)
+        else:
+            self._loop.call_soon_threadsafe(self._publish, event)
 
     def _call_in_loop(self, fn: Callable[[], None]) -> None:
         if self._loop is None:
