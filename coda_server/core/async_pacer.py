@@ -28,6 +28,8 @@ from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
 
 log = logging.getLogger("coda_server.leases")
 
+# Control events reach the watchers this long after they happen (see _queue_control).
+CONTROL_FANOUT_DELAY_SECONDS = 0.002
 # How often lease deadlines are checked; leases are meant in seconds to minutes, so this is plenty.
 LEASE_TICK_SECONDS = 0.25
 
@@ -43,6 +45,7 @@ class AsyncPacer:
         self.pacer = pacer
         self.waits = LoopWaits(lambda: pacer.closed, max_wait_seconds)
         self.watchers = WatcherFanout(watch_queue_limit)
+        self._pending_control: list[ControlEvent] = []  # control events not yet handed to the watchers
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
         self._draining = False
@@ -98,14 +101,23 @@ class AsyncPacer:
             self._call_in_loop(self.waits.wake_all)
 
     def _on_control(self, event: ControlEvent) -> None:
-        # On the loop's next turn, even from its own thread: the call that caused the event (the trainer's
-        # Reset or Resume) then gets its answer out before the fan-out queues a write per watcher.
-        if self._loop is None:
-            return
-        if threading.get_ident() == self._loop_thread:
-            self._loop.call_soon(self._publish, event)
-        else:
-            self._loop.call_soon_threadsafe(self._publish, event)
+        self._call_in_loop(lambda: self._queue_control(event))
+
+    def _queue_control(self, event: ControlEvent) -> None:
+        """Hand `event` to the watchers CONTROL_FANOUT_DELAY_SECONDS from now, after those queued before it.
+
+        The call that caused it (the trainer's Reset or Resume) takes a few turns of the loop to send its
+        answer; woken at once, thousands of watchers' writes would all run first and the trainer would wait
+        for the whole fan-out.
+        """
+        self._pending_control.append(event)
+        if len(self._pending_control) == 1:
+            self._loop.call_later(CONTROL_FANOUT_DELAY_SECONDS, self._publish_pending)
+
+    def _publish_pending(self) -> None:
+        pending, self._pending_control = self._pending_control, []
+        for event in pending:
+            self.watchers.publish(event)
 
     def _call_in_loop(self, fn: Callable[[], None]) -> None:
         if self._loop is None:
@@ -222,9 +234,6 @@ class AsyncPacer:
                 yield event
         finally:
             watcher.close()
-
-    def _publish(self, event: ControlEvent) -> None:
-        self.watchers.publish(event)
 
     @property
     def watcher_count(self) -> int:
