@@ -78,12 +78,12 @@ def admitting(handler: grpc.RpcMethodHandler, admit: Admit, release: Optional[Ca
         return handler
     deserialize = request_deserializer or handler.request_deserializer
     serializer = handler.response_serializer
-    if not handler.response_streaming:
-        inner = handler.unary_unary
-        if not inspect.iscoroutinefunction(inner):
-            return handler
+    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
 
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    if inspect.iscoroutinefunction(inner):  # returns its response, or writes with context.write (a stream)
+
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
             refusal, token = admit(request, context)
             if refusal is not None:
                 await context.abort_with_status(refusal)
@@ -93,33 +93,19 @@ def admitting(handler: grpc.RpcMethodHandler, admit: Admit, release: Optional[Ca
                 if release is not None:
                     release(token)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serializer)
-    inner_stream = handler.unary_stream
-    if inspect.isasyncgenfunction(inner_stream):  # yields its responses (WatchControl)
+    elif handler.response_streaming and inspect.isasyncgenfunction(inner):  # yields its responses
 
-        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
             refusal, token = admit(request, context)
             if refusal is not None:
                 await context.abort_with_status(refusal)
             try:
-                async for response in inner_stream(request, context):
+                async for response in inner(request, context):
                     yield response
-            finally:
-                if release is not None:
-                    release(token)
-
-    elif inspect.iscoroutinefunction(inner_stream):  # writes with context.write (health Watch)
-
-        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            refusal, token = admit(request, context)
-            if refusal is not None:
-                await context.abort_with_status(refusal)
-            try:
-                return await inner_stream(request, context)
             finally:
                 if release is not None:
                     release(token)
 
     else:  # a synchronous handler: left as it is
         return handler
-    return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, serializer)
+    return make(behavior, deserialize, serializer)
