@@ -612,6 +612,7 @@ class _Colocate:
             self._fresh = 0
             accepted: list[GroupRun] = []
             running: dict[str, GroupRun] = {}
+            refills = 0
             self._dispatch(math.ceil(B * workload.colocate_oversample - 1e-9), running)
             while len(accepted) < B:
                 while self.completed and len(accepted) < B:
@@ -622,10 +623,17 @@ class _Colocate:
                     else:
                         result.regenerated_groups += 1
                         workload.forget(g.spec.number)
-                        self._dispatch(max(0, B - len(accepted) - len(running)), running)
+                        need = B - len(accepted) - len(running)
+                        if need > 0:
+                            refill = math.ceil(need * workload.colocate_refill_ratio - 1e-9)
+                            if workload.colocate_max_refill:
+                                refill = min(refill, workload.colocate_max_refill - refills)
+                            if refill > 0:
+                                refills += refill
+                                self._dispatch(refill, running)
                 if len(accepted) >= B:
                     break
-                if self._fresh > 100 * B:
+                if self._fresh > 100 * B or not running:
                     raise SimulationError(f"colocate baseline: {self._fresh} fresh prompts in one step and only "
                                           f"{len(accepted)} of {B} groups passed the filters {self.filter_names}")
                 item = events.pop()

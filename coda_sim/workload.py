@@ -132,6 +132,13 @@ class Workload:
         self.colocate_oversample = _number(colocate, "oversample", "sim.colocate.")
         if self.colocate_oversample < 1.0:
             raise WorkloadError(f"sim.colocate.oversample = {self.colocate_oversample}: must be >= 1.0")
+        self.colocate_refill_ratio = _number(colocate, "refill_ratio", "sim.colocate.")
+        if self.colocate_refill_ratio < 1.0:
+            raise WorkloadError(f"sim.colocate.refill_ratio = {self.colocate_refill_ratio}: must be >= 1.0")
+        max_refill = colocate["max_refill"]
+        if isinstance(max_refill, bool) or not isinstance(max_refill, int) or max_refill < 0:
+            raise WorkloadError(f"sim.colocate.max_refill = {max_refill!r}: must be an integer >= 0 (0 = no limit)")
+        self.colocate_max_refill = max_refill
 
         # Per-request decode step time with n requests decoding: a + b * n seconds per token.
         k = self.slots_per_replica
