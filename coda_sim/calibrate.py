@@ -103,11 +103,14 @@ LOONGSAGE_PREDICTIONS = [
 ]
 # What the LoongSage fit may move, and how far (everything else in the preset is published or estimated).
 LOONGSAGE_PARAMETERS = [
-    Parameter("sim.generation.decode.tokens_per_s_single", 40.0, 300.0),
     Parameter("sim.generation.decode.tokens_per_s_full", 3.0, 40.0),
-    Parameter("sim.generation.length.median", 1500.0, 8000.0),
-    Parameter("sim.trainer.per_token_s", 2.0e-5, 4.0e-4),
+    Parameter("sim.generation.prefill_tokens_per_s", 5000.0, 100000.0),
+    Parameter("sim.generation.length.median", 1500.0, 10000.0),
+    Parameter("sim.trainer.per_token_s", 1.0e-5, 4.0e-4),
     Parameter("sim.reward.filtered_group_prob", 0.05, 0.6),
+    Parameter("sim.colocate.oversample", 1.0, 2.0),
+    Parameter("sim.colocate.partial_oversample", 1.0, 3.0),
+    Parameter("sim.generation.decode.tokens_per_s_single", 60.0, 400.0),
 ]
 
 

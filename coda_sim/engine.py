@@ -133,7 +133,9 @@ class GenerationPool:
         self.tokens_generated = 0.0
         self._serial_prefill = workload.prefill_tokens_per_s > 0
         self._kv_cap = workload.kv_cache_tokens
-        self._kv_admit = workload.kv_admit_watermark * workload.kv_cache_tokens
+        # Admission (and preemption) keep a replica's cache at or below this: the watermark, and strictly
+        # below full, or a request admitted into a full cache would be preempted at once, for ever.
+        self._kv_room = min(workload.kv_admit_watermark, 1.0 - 1e-6) * workload.kv_cache_tokens
         # What the cost model adds up (reported by the simulation).
         self.prefill_tokens = 0.0  # context tokens prefilled (serial prefill only)
         self.reprefill_tokens = 0.0  # of those, response tokens prefilled again (resumed / preempted)
@@ -284,7 +286,7 @@ class GenerationPool:
     def _fits(self, rep: Replica, context: float) -> bool:
         if self._kv_cap <= 0 or rep.occupied == 0:  # an empty replica takes any request
             return True
-        return self.kv_used(rep) + context <= self._kv_admit
+        return self.kv_used(rep) + context <= self._kv_room
 
     def _fill(self) -> None:
         slots = self.slots
@@ -393,7 +395,7 @@ class GenerationPool:
         if top is not None:
             delay = max(0.0, (top[0] - rep.v) / rate)
             rep.due_finish = top[0]
-        if self._kv_cap > 0 and rep.inv_s > 0:
+        if self._kv_cap > 0 and rep.decoding > 1:  # a lone request may overflow: nothing to preempt
             full_in = max(0.0, (self._kv_cap - self.kv_used(rep)) / (rate * rep.inv_s))
             if delay is None or full_in < delay:
                 delay, rep.due_finish = full_in, None
@@ -425,7 +427,7 @@ class GenerationPool:
 
     def _preempt(self, rep: Replica) -> None:
         """KV cache full: preempt the newest decoding requests until it is below the admission watermark."""
-        while rep.decoding > 1 and self.kv_used(rep) > self._kv_admit:
+        while rep.decoding > 1 and self.kv_used(rep) > self._kv_room:
             victim = next(r for r in reversed(rep.members) if r.phase == DECODE)
             self._stop(victim)
             victim.phase = QUEUED

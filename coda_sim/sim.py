@@ -613,7 +613,8 @@ class _Colocate:
             accepted: list[GroupRun] = []
             running: dict[str, GroupRun] = {}
             refills = 0
-            self._dispatch(math.ceil(B * workload.colocate_oversample - 1e-9), running)
+            oversample = workload.colocate_partial_oversample if self.partial else workload.colocate_oversample
+            self._dispatch(math.ceil(B * oversample - 1e-9), running)
             while len(accepted) < B:
                 while self.completed and len(accepted) < B:
                     g = self.completed.popleft()

@@ -132,6 +132,13 @@ class Workload:
         self.colocate_oversample = _number(colocate, "oversample", "sim.colocate.")
         if self.colocate_oversample < 1.0:
             raise WorkloadError(f"sim.colocate.oversample = {self.colocate_oversample}: must be >= 1.0")
+        if colocate.get("partial_oversample") is None:
+            self.colocate_partial_oversample = self.colocate_oversample
+        else:
+            self.colocate_partial_oversample = _number(colocate, "partial_oversample", "sim.colocate.")
+            if self.colocate_partial_oversample < 1.0:
+                raise WorkloadError(f"sim.colocate.partial_oversample = {self.colocate_partial_oversample}: "
+                                    f"must be >= 1.0 (or null: the same as oversample)")
         self.colocate_refill_ratio = _number(colocate, "refill_ratio", "sim.colocate.")
         if self.colocate_refill_ratio < 1.0:
             raise WorkloadError(f"sim.colocate.refill_ratio = {self.colocate_refill_ratio}: must be >= 1.0")
@@ -163,7 +170,7 @@ class Workload:
 
     def prefill_seconds(self, context_tokens: float) -> float:
         """Seconds a replica spends prefilling one request of `context_tokens` (serial prefill only)."""
-        return self.prefill_s + context_tokens / self.prefill_tokens_per_s
+        return context_tokens / self.prefill_tokens_per_s
 
     # ------------------------------------------------------------------ prompts
 
