@@ -15,7 +15,7 @@ from coda_client._proto import pacer_pb2, pacer_pb2_grpc
 from . import auth, transport
 from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
-from .core.journal import Journal
+from .core.sqlite_journal import SqliteJournal
 from .core.pacer import Pacer
 from .guard import MalformedRequestGuard
 from .method_wrapping import WrappingRegistrar
@@ -63,7 +63,7 @@ class PacerServer:
         self.config = config
         state_dir = str(config.server.state_dir or "")
         # The journal takes the state directory's lock now: a second server on it fails before binding.
-        self.journal = (Journal(state_dir, fsync=str(config.server.fsync), codec=ProtoTrajectories())
+        self.journal = (SqliteJournal(state_dir, fsync=str(config.server.fsync), codec=ProtoTrajectories())
                         if state_dir and pacer is None else None)
         self.pacer = pacer if pacer is not None else Pacer(config, journal=self.journal)
         self._journal_failure_reported = False
@@ -126,9 +126,15 @@ class PacerServer:
             await self.health_server.start()
         await self._recover()
         self.async_pacer.on_journal_failure = self._journal_failed
-        for name in ("", "readiness", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_readiness(True)
         return self.ports
+
+    async def _set_readiness(self, serving: bool) -> None:
+        """Readiness as every probe sees it: the health service (all but liveness) and the metrics."""
+        self.observability.ready = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", "readiness", SERVICE_NAME):
+            await self.health.set(name, status)
 
     async def _recover(self) -> None:
         """Rebuild the state from server.state_dir, off the event loop; until then pacer calls get UNAVAILABLE."""
@@ -152,13 +158,11 @@ class PacerServer:
         self._journal_failure_reported = True
         log.error("state directory %s can no longer be written (%s): readiness NOT_SERVING, changes refused "
                   "with UNAVAILABLE; restart the server once the disk is fixed", self.journal.directory, error)
-        for name in ("", "readiness", SERVICE_NAME):
-            asyncio.ensure_future(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        asyncio.ensure_future(self._set_readiness(False))
 
     async def drain(self) -> None:
         """Stop taking work: readiness NOT_SERVING, waiting long-polls answered now, watchers told SHUTDOWN."""
-        for name in ("", "readiness", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_readiness(False)
         self.async_pacer.drain()
 
     async def stop(self, grace: Optional[float] = None) -> None:

@@ -5,8 +5,9 @@ service with their (de)serializers."""
 from __future__ import annotations
 
 import functools
+import inspect
 import math
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
@@ -22,8 +23,22 @@ from .status import status_for
 DEADLINE_MARGIN_SECONDS = 0.05
 
 
-def maps_errors(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
-    """Turn a core PacerError into the status code of the architecture's table, with rich details."""
+def maps_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a core PacerError into the status code of the architecture's table, with rich details.
+
+    Wraps unary handlers (coroutines) and streaming ones (async generators) alike; every RPC method of
+    the servicer must carry it (tests/test_service_status.py checks)."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for response in method(self, request, context):
+                    yield response
+            except PacerError as error:
+                await context.abort_with_status(status_for(error))
+
+        stream.maps_errors = True  # type: ignore[attr-defined]
+        return stream
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
@@ -32,6 +47,7 @@ def maps_errors(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
         except PacerError as error:
             await context.abort_with_status(status_for(error))
 
+    wrapper.maps_errors = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -60,12 +76,12 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:
-        result = await self._pacer.submit(convert.trajectories(request.trajectories, request.sizes),
+        result = await self._pacer.submit(convert.trajectories(request.trajectories, request.encoded),
                                           request.request_id)
         return convert.submit_response(result)
 
     @maps_errors
-    async def Collect(self, request: pb.CollectRequest, context) -> wire.CollectResponse:
+    async def Collect(self, request: pb.CollectRequest, context) -> wire.EncodedAnswer:
         result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
                                            request.allow_partial, request.request_id, request.lease_seconds)
         return convert.collect_response(result)
@@ -75,7 +91,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return pb.AckResponse(groups=await self._pacer.ack(request.lease_id, request.request_id))
 
     @maps_errors
-    async def Reset(self, request: pb.ResetRequest, context) -> wire.ResetResponse:
+    async def Reset(self, request: pb.ResetRequest, context) -> wire.EncodedAnswer:
         result = await self._pacer.reset(convert.reset_mode(request.mode), bounded_wait(request.wait_seconds, context),
                                          request.resume, request.weight_version if request.resume else None,
                                          request.request_id)
@@ -90,6 +106,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
         return convert.state_response(self._pacer.state())
 
+    @maps_errors
     async def WatchControl(self, request: pb.WatchControlRequest, context) -> AsyncIterator[pb.ControlEvent]:
         async for event in self._pacer.watch():
             yield convert.control_event(event)
