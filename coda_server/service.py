@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import math
-from typing import Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import grpc
 
@@ -26,8 +27,22 @@ from .status import status_for
 DEADLINE_MARGIN_SECONDS = 0.05
 
 
-def maps_errors(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
-    """Turn a core PacerError into the status code of the architecture's table, with rich details."""
+def maps_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a core PacerError into the status code of the architecture's table, with rich details.
+
+    Wraps unary handlers (coroutines) and streaming ones (async generators) alike; every RPC method of
+    the servicer must carry it (tests/test_service_status.py checks)."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for response in method(self, request, context):
+                    yield response
+            except PacerError as error:
+                await context.abort_with_status(status_for(error))
+
+        stream.maps_errors = True  # type: ignore[attr-defined]
+        return stream
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
@@ -36,6 +51,7 @@ def maps_errors(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
         except PacerError as error:
             await context.abort_with_status(status_for(error))
 
+    wrapper.maps_errors = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -67,12 +83,12 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:
-        result = await self._pacer.submit(convert.trajectories(request.trajectories, request.sizes),
+        result = await self._pacer.submit(convert.trajectories(request.trajectories, request.encoded),
                                           request.request_id)
         return convert.submit_response(result)
 
     @maps_errors
-    async def Collect(self, request: pb.CollectRequest, context) -> wire.CollectResponse:
+    async def Collect(self, request: pb.CollectRequest, context) -> wire.EncodedAnswer:
         result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
                                            request.allow_partial, request.request_id, request.lease_seconds)
         return convert.collect_response(result)
@@ -82,7 +98,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return pb.AckResponse(groups=await self._pacer.ack(request.lease_id, request.request_id))
 
     @maps_errors
-    async def Reset(self, request: pb.ResetRequest, context) -> wire.ResetResponse:
+    async def Reset(self, request: pb.ResetRequest, context) -> wire.EncodedAnswer:
         result = await self._pacer.reset(convert.reset_mode(request.mode), bounded_wait(request.wait_seconds, context),
                                          request.resume, request.weight_version if request.resume else None,
                                          request.request_id)
