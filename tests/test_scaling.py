@@ -303,3 +303,67 @@ def test_list_workers_shows_who_holds_which_groups_and_survives_a_restart(tmp_pa
             assert [(w.client_id, w.running) for w in client.list_workers()] == [("", 1), ("w-1", 2), ("w-2", 1)]
             client.reset("abort")
             assert client.list_workers() == []
+
+
+def test_rate_limit_bucket_refills_with_time_and_forgets_idle_clients():
+    from coda_server import admission
+
+    now = [0.0]
+    limit = admission.RateLimit("server.client_rate_limits.submit_per_second", rate=2.0, burst=3.0,
+                                clock=lambda: now[0])
+    assert [limit.take("a") for _ in range(3)] == [0.0, 0.0, 0.0]  # the burst
+    assert limit.take("a") == pytest.approx(0.5)  # one token comes back every 1 / rate seconds
+    assert limit.take("b") == 0.0  # another client has its own bucket
+    now[0] = 0.25
+    assert limit.take("a") == pytest.approx(0.25)
+    now[0] = 0.5
+    assert limit.take("a") == 0.0 and limit.refused == 2
+    now[0] = 100.0  # every bucket has refilled: forgetting them changes nothing a client can see
+    limit._forget_idle(now[0])
+    assert limit._buckets == {}
+    assert [limit.take("a") for _ in range(4)][-1] > 0
+
+
+def test_fanout_drops_only_the_watcher_that_falls_behind_and_keeps_the_order():
+    import asyncio
+
+    from coda_server.core.types import ControlEvent, ControlEventType
+    from coda_server.core.watchers import WatcherFanout
+
+    async def run():
+        fanout = WatcherFanout(limit=3)
+        state = ControlEvent(ControlEventType.STATE)
+        received = []
+
+        async def reader():
+            watcher = fanout.open(state, closed=False)
+            try:
+                async for event in watcher:
+                    received.append(event.type)
+                    if event.type == ControlEventType.SHUTDOWN:
+                        return
+            finally:
+                watcher.close()
+
+        async def stuck():  # takes its first event, then hangs as a stream whose client stopped reading does
+            watcher = fanout.open(state, closed=False)
+            await watcher.__anext__()
+            await asyncio.Event().wait()
+
+        reading = asyncio.ensure_future(reader())
+        hanging = asyncio.ensure_future(stuck())
+        await asyncio.sleep(0)
+        for _ in range(5):  # the reader keeps up: it takes each event before the next is published
+            fanout.publish(ControlEvent(ControlEventType.PAUSE))
+            fanout.publish(ControlEvent(ControlEventType.RESUME))
+            await asyncio.sleep(0)
+        fanout.publish(ControlEvent(ControlEventType.SHUTDOWN))
+        await reading
+        with pytest.raises(asyncio.CancelledError):
+            await hanging  # dropped: its task was cancelled, wherever it waited
+        return fanout, received
+
+    fanout, received = asyncio.run(run())
+    assert received == [ControlEventType.STATE] + [ControlEventType.PAUSE, ControlEventType.RESUME] * 5 + [
+        ControlEventType.SHUTDOWN]
+    assert fanout.dropped == 1 and len(fanout) == 0
