@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from . import _wire, arrays
 from ._proto import pacer_pb2
 
 __all__ = [
@@ -113,12 +115,20 @@ class PromptRef:
         return cls(msg.prompt_id, msg.ds_index, _optional(msg, "epoch"), _optional(msg, "index"))
 
 
-@dataclass(frozen=True, kw_only=True)
+# Fields of Trajectory that are numeric arrays on the wire, in proto order.
+ARRAY_FIELD_NAMES = tuple(_wire.ARRAY_FIELDS)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Trajectory:
-    """One generated response. Empty lists mean absent; logprobs travel as float32.
+    """One generated response. Empty arrays mean absent; logprobs travel as float32.
 
     `status` is required: the server refuses UNSPECIFIED, so a forgotten status fails loudly.
     Non-empty token_ids, logprobs and loss_mask must have equal lengths (the server checks).
+    The arrays may be lists, tuples, array.array or NumPy arrays (token ids and mask as integers that fit
+    int32, logprobs as numbers stored as float32); what a client returns is lists, or read-only NumPy
+    arrays over the received bytes with `arrays="numpy"`. Two trajectories are equal when every field
+    is, the arrays compared as their encoded bits (NaN equals the same NaN; a list equals an array).
     """
 
     trajectory_id: str
@@ -126,31 +136,66 @@ class Trajectory:
     status: TrajectoryStatus | int
     ds_index: int = 0
     reward: float = 0.0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
+    token_ids: Sequence[int] | Any = field(default_factory=list)
+    logprobs: Sequence[float] | Any = field(default_factory=list)
+    loss_mask: Sequence[int] | Any = field(default_factory=list)
     start_weight_version: int = 0
     end_weight_version: int = 0
     num_turns: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     payload: bytes = b""
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name in _wire.ARRAY_FIELDS:
+                if arrays.comparable(f.name, mine) != arrays.comparable(f.name, theirs):
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # mutable arrays inside
+
+    def _scalars(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _wire.ARRAY_FIELDS}
+
+    def encoded_parts(self) -> list[Any]:
+        """The wire encoding as buffers to join: scalar fields, then each array's own buffer."""
+        return _wire.encode_trajectory(self._scalars(), {name: arrays.encode(name, getattr(self, name))
+                                                         for name in ARRAY_FIELD_NAMES})
+
     def to_pb(self) -> pacer_pb2.Trajectory:
-        """The wire message."""
-        return pacer_pb2.Trajectory(**{f.name: getattr(self, f.name) for f in fields(self)})
+        """The wire message (built from the encoding, so arrays are not copied number by number)."""
+        return pacer_pb2.Trajectory.FromString(b"".join(self.encoded_parts()))
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.Trajectory) -> Trajectory:
-        """From the wire message (repeated fields copied into plain lists, the map into a dict)."""
-        return _from_fields(
-            cls,
-            msg,
-            status=_enum(TrajectoryStatus, msg.status),
-            token_ids=list(msg.token_ids),
-            logprobs=list(msg.logprobs),
-            loss_mask=list(msg.loss_mask),
-            metadata=dict(msg.metadata),
-        )
+    def from_pb(cls, msg: pacer_pb2.Trajectory, arrays_as: arrays.ArrayMode = "list") -> Trajectory:
+        """From the wire message: arrays as lists, or as read-only NumPy arrays (`arrays_as="numpy"`)."""
+        values = {name: arrays.from_values(name, getattr(msg, name), arrays_as) for name in ARRAY_FIELD_NAMES}
+        return _from_fields(cls, msg, status=_enum(TrajectoryStatus, msg.status), metadata=dict(msg.metadata),
+                            **values)
+
+    @classmethod
+    def from_encoded(cls, encoded: memoryview, arrays_as: arrays.ArrayMode = "list") -> Trajectory:
+        """From an encoded Trajectory: with `arrays_as="numpy"` each array is a read-only NumPy array over
+        `encoded` itself (no copy); only the other fields are decoded."""
+        msg, runs = _wire.split_message(encoded, pacer_pb2.Trajectory, _ARRAY_NUMBERS)
+        if any(len(r) > 1 for r in runs.values()) or any(len(getattr(msg, name)) for name in runs):
+            # An array in several packed runs, or sent unpacked (legal, unusual): decoded the ordinary way.
+            return cls.from_pb(pacer_pb2.Trajectory.FromString(bytes(encoded)), arrays_as)
+        values = {name: arrays.decode(name, run[0] if run else b"", arrays_as) for name, run in runs.items()}
+        return _from_fields(cls, msg, status=_enum(TrajectoryStatus, msg.status), metadata=dict(msg.metadata),
+                            **values)
+
+
+_ARRAY_NUMBERS = {field.number: name for name, field in _wire.ARRAY_FIELDS.items()}
+
+
+def _number(message_class: Any, name: str) -> int:
+    return message_class.DESCRIPTOR.fields_by_name[name].number
 
 
 @dataclass(frozen=True)
@@ -176,20 +221,38 @@ class TrajectoryGroup:
         )
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.TrajectoryGroup) -> TrajectoryGroup:
-        """From the wire message."""
-        return _from_fields(
-            cls,
-            msg,
-            epoch=_optional(msg, "epoch"),
-            index=_optional(msg, "index"),
-            trajectories=[Trajectory.from_pb(t) for t in msg.trajectories],
-        )
+    def from_pb(cls, msg: pacer_pb2.TrajectoryGroup, arrays_as: arrays.ArrayMode = "list") -> TrajectoryGroup:
+        """From the wire message; arrays as in Trajectory.from_pb."""
+        return cls._of(msg, [Trajectory.from_pb(t, arrays_as) for t in msg.trajectories])
+
+    @classmethod
+    def from_encoded(cls, encoded: memoryview, arrays_as: arrays.ArrayMode = "list") -> TrajectoryGroup:
+        """From an encoded TrajectoryGroup; arrays as in Trajectory.from_encoded."""
+        msg, parts = _wire.split_message(encoded, pacer_pb2.TrajectoryGroup, _GROUP_TRAJECTORIES)
+        return cls._of(msg, [Trajectory.from_encoded(t, arrays_as) for t in parts["trajectories"]])
+
+    @classmethod
+    def _of(cls, msg: Any, trajectories: list[Trajectory]) -> TrajectoryGroup:
+        return _from_fields(cls, msg, epoch=_optional(msg, "epoch"), index=_optional(msg, "index"),
+                            trajectories=trajectories)
 
 
-def _groups(messages: Any) -> list[TrajectoryGroup]:
+_GROUP_TRAJECTORIES = {_number(pacer_pb2.TrajectoryGroup, "trajectories"): "trajectories"}
+
+
+def _groups(messages: Any, arrays_as: arrays.ArrayMode = "list") -> list[TrajectoryGroup]:
     """Converts a repeated TrajectoryGroup field."""
-    return [TrajectoryGroup.from_pb(g) for g in messages]
+    return [TrajectoryGroup.from_pb(g, arrays_as) for g in messages]
+
+
+def _split_answer(response: Any, message_class: Any, group_fields: tuple[str, ...],
+                  arrays_as: arrays.ArrayMode) -> tuple[Any, dict[str, list[TrajectoryGroup]]]:
+    """An answer carrying groups, as its message (groups left out when it came as bytes) and its groups."""
+    if not isinstance(response, (bytes, bytearray, memoryview)):  # a decoded message
+        return response, {name: _groups(getattr(response, name), arrays_as) for name in group_fields}
+    msg, parts = _wire.split_message(memoryview(response), message_class,
+                                     {_number(message_class, name): name for name in group_fields})
+    return msg, {name: [TrajectoryGroup.from_encoded(g, arrays_as) for g in encoded] for name, encoded in parts.items()}
 
 
 @dataclass(frozen=True)
@@ -238,9 +301,10 @@ class CollectResult:
     lease_id: str = ""  # set for a leased Collect: Ack it, or the groups are delivered again
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.CollectResponse) -> CollectResult:
-        """From the wire message."""
-        return _from_fields(cls, msg, groups=_groups(msg.groups))
+    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> CollectResult:
+        """From the wire message or its encoded bytes (arrays then viewed in place, see Trajectory.from_encoded)."""
+        msg, groups = _split_answer(msg, pacer_pb2.CollectResponse, ("groups",), arrays_as)
+        return _from_fields(cls, msg, **groups)
 
 
 @dataclass(frozen=True)
@@ -277,10 +341,11 @@ class ResetResult:
     expired: list[TrajectoryGroup]  # partial groups whose in-flight lease ran out, for their data source
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.ResetResponse) -> ResetResult:
-        """From the wire message."""
-        return _from_fields(cls, msg, restored=_groups(msg.restored), dropped_prompt_ids=list(msg.dropped_prompt_ids),
-                            report=StepReport.from_pb(msg.report), expired=_groups(msg.expired))
+    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> ResetResult:
+        """From the wire message or its encoded bytes; arrays as in CollectResult.from_pb."""
+        msg, groups = _split_answer(msg, pacer_pb2.ResetResponse, ("restored", "expired"), arrays_as)
+        return _from_fields(cls, msg, dropped_prompt_ids=list(msg.dropped_prompt_ids),
+                            report=StepReport.from_pb(msg.report), **groups)
 
 
 @dataclass(frozen=True)

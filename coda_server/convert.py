@@ -31,11 +31,10 @@ class ProtoTrajectories:
 
     def encode(self, trajectory: Trajectory) -> Optional[bytes]:
         body = trajectory.body
-        return body.SerializeToString() if isinstance(body, wire.Trajectory) else None
+        return body.SerializeToString() if isinstance(body, wire.EncodedTrajectory) else None
 
     def decode(self, data: bytes) -> Trajectory:
-        body = wire.Trajectory.FromString(data)
-        return trajectories([body], [body.ByteSize()])[0]
+        return trajectories([wire.Trajectory.FromString(data)], [memoryview(data)])[0]
 
 
 _STATUSES = {int(status): status for status in TrajectoryStatus}
@@ -58,22 +57,17 @@ def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     ]
 
 
-def trajectories(messages: Sequence[wire.Trajectory], sizes: Sequence[int]) -> list[Trajectory]:
-    """Core trajectories whose body is the wire message itself (a pass-through view, see wire.py), so the
-    trainer gets it back byte for byte; `size_bytes`, which the server.max_held_bytes cap counts, is its
-    encoded size (`sizes`, one per message)."""
+def trajectories(messages: Sequence[wire.Trajectory], encoded: Sequence[memoryview]) -> list[Trajectory]:
+    """Core trajectories read from their views, whose body is their encoded bytes (wire.EncodedTrajectory,
+    `encoded`: one per message), so the trainer gets them back byte for byte; `size_bytes`, which the
+    server.max_held_bytes cap counts, is the encoded size."""
     converted = []
     violations = []
-    for i, (m, size) in enumerate(zip(messages, sizes)):
-        tokens, logprobs, mask = m.token_ids, m.logprobs, m.loss_mask
-        if tokens or logprobs or mask:
-            counts = {"token_ids": wire.varint_count(tokens) if tokens else 0,
-                      "logprobs": wire.fixed32_count(logprobs) if logprobs else 0,
-                      "loss_mask": wire.varint_count(mask) if mask else 0}
-            problem = _array_problem(counts)
-            if problem:
-                violations.append((f"trajectories[{i}]", problem))
-                continue
+    for i, (m, data) in enumerate(zip(messages, encoded)):
+        problem = wire.array_problem(m)
+        if problem:
+            violations.append((f"trajectories[{i}]", problem))
+            continue
         converted.append(Trajectory(
             trajectory_id=m.trajectory_id,
             prompt_id=m.prompt_id,
@@ -84,24 +78,13 @@ def trajectories(messages: Sequence[wire.Trajectory], sizes: Sequence[int]) -> l
             start_weight_version=m.start_weight_version,
             end_weight_version=m.end_weight_version,
             num_turns=m.num_turns,
-            body=m,
-            size_bytes=size,
+            body=wire.EncodedTrajectory(data),
+            size_bytes=len(data),
         ))
     if violations:
         raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
                                    violations=violations)
     return converted
-
-
-def _array_problem(counts: dict[str, int]) -> Optional[str]:
-    broken = [name for name, count in counts.items() if count < 0]
-    if broken:
-        return f"{broken[0]} is not a valid packed array (it ends inside a number)"
-    present = {count for count in counts.values() if count}
-    if len(present) > 1:
-        return ("non-empty token_ids, logprobs and loss_mask must have equal lengths; got "
-                + ", ".join(f"{name}={count}" for name, count in counts.items()))
-    return None
 
 
 def reset_mode(value: int) -> ResetMode:
@@ -112,14 +95,9 @@ def reset_mode(value: int) -> ResetMode:
     return ResetMode(value)
 
 
-def group_message(group: TrajectoryGroup) -> wire.TrajectoryGroup:
-    message = wire.TrajectoryGroup(prompt_id=group.prompt_id, seq=group.seq, ds_index=group.ds_index,
-                                   trajectories=[t.body for t in group.trajectories])
-    if group.epoch is not None:
-        message.epoch = group.epoch
-    if group.index is not None:
-        message.index = group.index
-    return message
+def group_parts(group: TrajectoryGroup) -> list:
+    return wire.group_parts(group.prompt_id, group.seq, group.ds_index, group.epoch, group.index,
+                            [t.body for t in group.trajectories])
 
 
 # Responses are filled field by field: upb sets an attribute several times faster than it takes a keyword
@@ -151,23 +129,23 @@ def submit_response(result: SubmitResult) -> pb.SubmitResponse:
     return message
 
 
-def collect_response(result: CollectResult) -> wire.CollectResponse:
-    return wire.CollectResponse(groups=[group_message(g) for g in result.groups], timed_out=result.timed_out,
-                              lease_id=result.lease_id)
+def collect_response(result: CollectResult) -> wire.EncodedAnswer:
+    return wire.EncodedAnswer(pb.CollectResponse(timed_out=result.timed_out, lease_id=result.lease_id),
+                              {"groups": [group_parts(g) for g in result.groups]})
 
 
 def step_report(report: StepReport, message_class: type = pb.StepReport) -> pb.StepReport:
     return message_class(**dataclasses.asdict(report))
 
 
-def reset_response(result: ResetResult) -> wire.ResetResponse:
-    return wire.ResetResponse(
-        restored=[group_message(g) for g in result.restored], dropped_prompt_ids=result.dropped_prompt_ids,
-        pause_delay_seconds=result.pause_delay_seconds, generation=result.generation, step=result.step,
-        weight_version=result.weight_version, paused=result.paused,
-        report=step_report(result.report, wire.StepReport),
-        expired=[group_message(g) for g in result.expired],
+def reset_response(result: ResetResult) -> wire.EncodedAnswer:
+    message = pb.ResetResponse(
+        dropped_prompt_ids=result.dropped_prompt_ids, pause_delay_seconds=result.pause_delay_seconds,
+        generation=result.generation, step=result.step, weight_version=result.weight_version, paused=result.paused,
+        report=step_report(result.report),
     )
+    return wire.EncodedAnswer(message, {"restored": [group_parts(g) for g in result.restored],
+                                        "expired": [group_parts(g) for g in result.expired]})
 
 
 def resume_response(result: ResumeResult) -> pb.ResumeResponse:

@@ -42,8 +42,10 @@ class Trajectory:
     """One generated trajectory as the pacer sees it.
 
     The routing fields are what pacing needs; `body` is everything else (token ids, logprobs,
-    payload ...), opaque to the core, compared with == for duplicate detection and handed back
-    to the trainer as it came. `size_bytes` feeds the byte cap.
+    payload ...), opaque to the core and handed back to the trainer as it came. `size_bytes` feeds
+    the byte cap. Duplicate detection compares `content_key()`s: a body that offers `fingerprint()`
+    (a hashable digest of its content, e.g. coda_server.wire.EncodedTrajectory) is represented by it, so
+    the pacer can forget the body once the trajectory has left; any other body is compared with ==.
     """
 
     trajectory_id: str
@@ -57,19 +59,17 @@ class Trajectory:
     body: Any = None
     size_bytes: int = 0
 
-    def same_content(self, other: "Trajectory") -> bool:
-        """True when `other` is a harmless re-send of this trajectory."""
-        return (
-            self.trajectory_id == other.trajectory_id
-            and self.prompt_id == other.prompt_id
-            and self.ds_index == other.ds_index
-            and self.status == other.status
-            and (self.reward == other.reward or (self.reward != self.reward and other.reward != other.reward))
-            and self.start_weight_version == other.start_weight_version
-            and self.end_weight_version == other.end_weight_version
-            and self.num_turns == other.num_turns
-            and self.body == other.body
-        )
+    def same_content(self, other: "Trajectory | tuple") -> bool:
+        """True when `other` (a trajectory, or the content_key() kept of one) is a harmless re-send of this one."""
+        return self.content_key() == (other if isinstance(other, tuple) else other.content_key())
+
+    def content_key(self) -> tuple:
+        """Everything a re-send must repeat to be a duplicate, without the body where it has a fingerprint:
+        what the pacer keeps of an accepted trajectory once the trainer has it."""
+        fingerprint = getattr(self.body, "fingerprint", None)
+        return (self.trajectory_id, self.prompt_id, self.ds_index, int(self.status),
+                "nan" if self.reward != self.reward else self.reward, self.start_weight_version,
+                self.end_weight_version, self.num_turns, fingerprint() if callable(fingerprint) else self.body)
 
 
 @dataclass
