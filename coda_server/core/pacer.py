@@ -173,9 +173,8 @@ class Pacer:
                  client_id: str = "") -> DispatchResult:
         """Admit the first k candidates the strategy allows now; with `wait`, wait up to that long for one slot.
         `client_id` names who holds the admitted groups (`held_groups`)."""
-        with self._lock:
-            return self.answers.once("Dispatch", request_id, lambda: self.waits.until(
-                self.dispatch_poll(candidates, request_id, client_id), wait))
+        return self.answers.once("Dispatch", request_id, lambda: self.waits.until(
+            self.dispatch_poll(candidates, request_id, client_id), wait))
 
     def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready."""
@@ -190,10 +189,9 @@ class Pacer:
         order, unless `ack(lease_id)` comes within that time (at-least-once delivery).
         """
         self.checks.check_collect(num_groups, lease_seconds)
-        with self._lock:
-            self._check_open()  # once: a waiter woken by close() answers with what is there
-            poll = self.collect_poll(num_groups, allow_partial, request_id, lease_seconds)
-            return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
+        self._check_open()  # once: a waiter woken by close() answers with what is there
+        poll = CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds)
+        return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
 
     def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
                     lease_seconds: float = 0.0) -> CollectResult:
@@ -212,8 +210,8 @@ class Pacer:
         """Pause, wait up to `wait` for running groups to assemble, restore/drop them, optionally resume."""
         def call() -> ResetResult:
             self.begin_reset(mode, resume=resume, weight_version=weight_version)
-            with self._lock:
-                self.waits.until(self.reset_poll(), wait)
+            with self._lock:  # ready, then finished, with no change in between
+                self.waits.until(ResetPoll(self), wait)
                 return self.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
 
         return self.answers.once("Reset", request_id, call)

@@ -28,7 +28,7 @@ class Poll(Protocol[R_co]):
 
 
 class ThreadWaits:
-    """Blocking waits for in-process callers, who hold the pacer's lock: the wait releases it."""
+    """Blocking waits for in-process callers: a condition of the pacer's lock, which a wait releases."""
 
     def __init__(self, lock: threading.RLock, clock: Callable[[], float], closed: Callable[[], bool]):
         self._changed = threading.Condition(lock)
@@ -45,22 +45,25 @@ class ThreadWaits:
         result = poll.attempt()
         if result is not None:
             return result
-        deadline = self._clock() + max(0.0, wait)
-        while not self._closed():
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                break
-            self.blocked += 1
-            try:
-                if self.on_block is not None:
-                    self.on_block()
-                self._changed.wait(remaining)
-            finally:
-                self.blocked -= 1
-            result = poll.attempt()
-            if result is not None:
-                return result
-        return poll.give_up()
+        if wait <= 0:
+            return poll.give_up()
+        deadline = self._clock() + wait
+        with self._changed:
+            while not self._closed():
+                result = poll.attempt()  # again under the lock: a change since the first attempt is seen
+                if result is not None:
+                    return result
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    break
+                self.blocked += 1
+                try:
+                    if self.on_block is not None:
+                        self.on_block()
+                    self._changed.wait(remaining)
+                finally:
+                    self.blocked -= 1
+            return poll.give_up()
 
 
 class LoopWaits:
