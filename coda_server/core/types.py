@@ -14,6 +14,18 @@ class TrajectoryStatus(enum.IntEnum):
     FAILED = 2
     ABORTED = 3
 
+    @classmethod
+    def _missing_(cls, value: object) -> "TrajectoryStatus":
+        """LoongSage's values ("completed", "failed", "aborted") and member names, any case, name a status too."""
+        if isinstance(value, str):
+            member = cls.__members__.get(value.strip().upper())
+            if member is not None and member is not cls.UNSPECIFIED:
+                return member
+            if value.strip().lower() in ("pending", "generating"):
+                raise ValueError(f"trajectory status {value!r} is not a final status: the pacer takes "
+                                 f"completed, failed or aborted trajectories")
+        return None  # type: ignore[return-value]  # Enum then raises its usual ValueError
+
 
 class ResetMode(enum.IntEnum):
     """What workers are asked to do with running requests when a Reset pauses dispatch."""
@@ -43,7 +55,9 @@ class Trajectory:
 
     The routing fields are what pacing needs; `body` is everything else (token ids, logprobs,
     payload ...), opaque to the core, compared with == for duplicate detection and handed back
-    to the trainer as it came. `size_bytes` feeds the byte cap.
+    to the trainer as it came. `size_bytes` feeds the byte cap. `metadata` (the worker's string map)
+    and `num_tokens` (length of its token ids) are there for strategies and filters to read; so are
+    LoongSage's names `start_rollout_weight_version` / `end_rollout_weight_version`.
     """
 
     trajectory_id: str
@@ -56,6 +70,18 @@ class Trajectory:
     num_turns: int = 0
     body: Any = None
     size_bytes: int = 0
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    num_tokens: int = 0
+
+    @property
+    def start_rollout_weight_version(self) -> int:
+        """LoongSage's name for `start_weight_version`."""
+        return self.start_weight_version
+
+    @property
+    def end_rollout_weight_version(self) -> int:
+        """LoongSage's name for `end_weight_version`."""
+        return self.end_weight_version
 
     def same_content(self, other: "Trajectory") -> bool:
         """True when `other` is a harmless re-send of this trajectory."""
@@ -69,17 +95,22 @@ class Trajectory:
             and self.end_weight_version == other.end_weight_version
             and self.num_turns == other.num_turns
             and self.body == other.body
+            and self.num_tokens == other.num_tokens
+            and self.metadata == other.metadata
         )
 
 
 @dataclass
 class TrajectoryGroup:
-    """A prompt's complete set of trajectories, as the trainer (or a restoring Reset) receives it."""
+    """A prompt's complete set of trajectories, as the trainer (or a restoring Reset) receives it.
+
+    Built as LoongSage builds one too: `TrajectoryGroup(prompt_id="p0", trajectories=[...])`.
+    """
 
     prompt_id: str
-    seq: int
-    ds_index: int
-    trajectories: list[Trajectory]
+    seq: int = 0
+    ds_index: int = 0
+    trajectories: list[Trajectory] = field(default_factory=list)
     epoch: Optional[int] = None
     index: Optional[int] = None
     dispatched_at: float = 0.0
