@@ -79,9 +79,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 async def serve(config, *, port_file: Optional[Path] = None) -> int:
     server = PacerServer(config)
-    if not config.fully_async.enable:
-        log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
     await server.start()
+    if not config.fully_async.enable:  # after start: a start-up that fails says so in one line
+        log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
     listeners = server.listeners  # TCP (address, port) if any, Unix socket and health-only port if set
     window = server.pacer.state().window_size
     durability = f"state in {server.journal.directory}" if server.journal is not None else "state in memory"
