@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     reset = commands.add_parser("reset", help="step boundary: pause, restore/drop running groups")
     reset.add_argument("--mode", choices=["abort", "wait"], default=None, help="default: the server's rollout.partial")
-    reset.add_argument("--wait", type=float, default=0.0, help="seconds to wait for running groups to assemble")
+    reset.add_argument("--wait", type=float, default=None,
+                       help="seconds to wait for running groups to assemble; 0: drop the incomplete now; default: "
+                            "the server decides (WAIT mode: until all are assembled, within server.max_wait_seconds)")
     reset.add_argument("--resume", action="store_true", help="resume at once with --weight-version")
     reset.add_argument("--weight-version", type=int, default=0)
 

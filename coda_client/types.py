@@ -252,9 +252,11 @@ class StepReport:
     filter_drop: int
     partial_ratio: float
     partial_span_max: int
-    partial_restored_count: int
-    partial_dropped_incomplete_count: int
+    partial_restored_count: int  # trajectories of the restored groups (LoongSage's unit)
+    partial_dropped_incomplete_count: int  # trajectories of the dropped incomplete groups
     pause_delay: float
+    partial_restored_group_count: int
+    partial_dropped_incomplete_group_count: int
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.StepReport) -> StepReport:
@@ -275,12 +277,14 @@ class ResetResult:
     paused: bool
     report: StepReport
     expired: list[TrajectoryGroup]  # partial groups whose in-flight lease ran out, for their data source
+    quarantined: list[TrajectoryGroup]  # complete groups never buffered (a raising hook, dirty data)
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.ResetResponse) -> ResetResult:
         """From the wire message."""
         return _from_fields(cls, msg, restored=_groups(msg.restored), dropped_prompt_ids=list(msg.dropped_prompt_ids),
-                            report=StepReport.from_pb(msg.report), expired=_groups(msg.expired))
+                            report=StepReport.from_pb(msg.report), expired=_groups(msg.expired),
+                            quarantined=_groups(msg.quarantined))
 
 
 @dataclass(frozen=True)
@@ -327,12 +331,34 @@ class PacerState:
     redelivered: int  # leased groups returned to the buffer because no Ack came in time
     leased: int  # groups under a Collect lease, not yet acknowledged
     held_bytes: int  # bytes of trajectories queued, buffered or leased
+    quarantined: int  # complete groups never buffered (a raising hook, dirty data); see recent_incidents
+    recent_incidents: list[Incident]  # oldest first
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.GetStateResponse) -> PacerState:
         """From the wire message."""
         return _from_fields(cls, msg, config_summary=dict(msg.config_summary),
-                            recent_reports=[StepReport.from_pb(r) for r in msg.recent_reports])
+                            recent_reports=[StepReport.from_pb(r) for r in msg.recent_reports],
+                            recent_incidents=[Incident.from_pb(i) for i in msg.recent_incidents])
+
+
+@dataclass(frozen=True)
+class Incident:
+    """A raising strategy hook or a refused dirty group, as GetState reports it."""
+
+    kind: str  # "hook_failed" or "dirty_group"
+    prompt_id: str
+    strategy: str
+    hook: str
+    message: str
+    step: int
+    generation: int
+    action: str  # "quarantined" or "refused"
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.Incident) -> Incident:
+        """From the wire message."""
+        return _from_fields(cls, msg)
 
 
 @dataclass(frozen=True)

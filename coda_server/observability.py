@@ -297,6 +297,9 @@ LEASE_METRICS = (
      "Leased groups returned to the buffer because no Ack came in time.", True),
     ("leased", "coda_pacer_leased_groups", "Groups handed out under a Collect lease, not yet acknowledged.", False),
     ("held_bytes", "coda_pacer_held_bytes", "Bytes of trajectories queued, buffered or leased.", False),
+    ("quarantined", "coda_pacer_quarantined_groups",
+     "Complete groups quarantined instead of buffered: a strategy hook raised on them, or they held a FAILED "
+     "trajectory with no status filter (GetState's recent_incidents says which).", True),
 )
 # The latest step report (0 before the first Reset): (StepReport field, metric name, help).
 STEP_REPORT_GAUGES = (
@@ -309,8 +312,14 @@ STEP_REPORT_GAUGES = (
     ("partial_span_max", "coda_pacer_step_report_partial_span_max",
      "Latest step report: largest end - start weight version among consumed trajectories."),
     ("partial_restored_count", "coda_pacer_step_report_partial_restored_count",
-     "Latest step report: assembled groups the Reset restored."),
+     "Latest step report: trajectories of the assembled groups the Reset restored (LoongSage's "
+     "rollout/partial_restored_count; divide by N for groups)."),
     ("partial_dropped_incomplete_count", "coda_pacer_step_report_partial_dropped_incomplete_count",
+     "Latest step report: trajectories of the incomplete groups the Reset dropped (LoongSage's "
+     "rollout/partial_dropped_incomplete_count)."),
+    ("partial_restored_group_count", "coda_pacer_step_report_partial_restored_groups",
+     "Latest step report: assembled groups the Reset restored."),
+    ("partial_dropped_incomplete_group_count", "coda_pacer_step_report_partial_dropped_incomplete_groups",
      "Latest step report: incomplete groups the Reset dropped."),
     ("pause_delay", "coda_pacer_step_report_pause_delay_seconds",
      "Latest step report: seconds from the pause until every running group was assembled (or the wait ended)."),

@@ -278,6 +278,9 @@ def validate_config(config: Any) -> None:
     stale = config.fully_async.get("stale_steps")
     need(_is_number(stale) and stale >= 0 and math.isfinite(stale), "fully_async.stale_steps", stale,
          "must be a finite number >= 0")
+    recheck = config.fully_async.get("gate_recheck_seconds", 1.0)
+    need(_is_number(recheck) and recheck >= 0 and math.isfinite(recheck), "fully_async.gate_recheck_seconds",
+         recheck, "must be a finite number >= 0 (0: re-examine refused groups on state changes only)")
     sources = config.get("data_sources") or []
     need(len(sources) >= 1, "data_sources", list(sources), "must hold at least one data source")
     for i, source in enumerate(sources):
@@ -295,8 +298,9 @@ def validate_config(config: Any) -> None:
     name = config.fully_async.get("sliding_window")
     need(name in STRATEGIES, "fully_async.sliding_window", name, f"registered strategies: {', '.join(STRATEGIES.names())}")
     problems.extend(filter_problems(config.rollout.get("filter"), config))
-    need(isinstance(config.rollout.get("partial"), bool), "rollout.partial", config.rollout.get("partial"),
-         "must be true or false")
+    for key in ("partial", "train_on_failed"):
+        need(isinstance(config.rollout.get(key, False), bool), f"rollout.{key}", config.rollout.get(key),
+             "must be true or false")
     _validate_server(config.server, need)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
@@ -311,6 +315,7 @@ def _validate_server(server: Any, need) -> None:
     need(isinstance(dirs, (list, ListConfig)), "server.custom_strategy_dirs", dirs, "must be a list of directories")
     for key in ("max_message_bytes", "request_id_cache_size", "remembered_generations", "max_collect_groups",
                 "max_dispatch_candidates", "max_submit_trajectories", "max_id_length", "step_reports_kept",
+                "incidents_kept",
                 "max_concurrent_rpcs", "max_waiting_calls"):
         value = server.get(key)
         need(_is_int(value) and value >= 1, f"server.{key}", value, "must be an integer >= 1")

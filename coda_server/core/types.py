@@ -172,9 +172,11 @@ class StepReport:
     filter_drop: int = 0
     partial_ratio: float = 0.0
     partial_span_max: int = 0
-    partial_restored_count: int = 0
-    partial_dropped_incomplete_count: int = 0
+    partial_restored_count: int = 0  # trajectories, as LoongSage counts them (divide by N for groups)
+    partial_dropped_incomplete_count: int = 0  # trajectories
     pause_delay: float = 0.0
+    partial_restored_group_count: int = 0
+    partial_dropped_incomplete_group_count: int = 0
 
 
 @dataclass
@@ -189,6 +191,8 @@ class ResetResult:
     report: StepReport = field(default_factory=StepReport)
     # Partial groups whose in-flight lease ran out this generation, set aside for their data source.
     expired: list[TrajectoryGroup] = field(default_factory=list)
+    # Complete groups quarantined this generation (a hook raised on them, or dirty data), never buffered.
+    quarantined: list[TrajectoryGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -248,11 +252,28 @@ class PacerState:
     redelivered: int = 0  # leased groups returned to the buffer because no Ack came in time
     leased: int = 0  # groups handed out under a Collect lease, not yet acknowledged
     held_bytes: int = 0  # bytes of trajectories queued, buffered or leased
+    quarantined: int = 0  # complete groups taken out instead of buffered (a raising hook, dirty data)
+    recent_incidents: list["Incident"] = field(default_factory=list)
 
     def invariant_holds(self) -> bool:
-        """dispatched = running + collected + filtered + restored + dropped + expired,
+        """dispatched = running + collected + filtered + restored + dropped + expired + quarantined,
         and buffered = collected - consumed - leased."""
         return (
-            self.dispatched == self.running + self.collected + self.filtered + self.restored + self.dropped + self.expired
+            self.dispatched == (self.running + self.collected + self.filtered + self.restored + self.dropped
+                                + self.expired + self.quarantined)
             and self.buffered == self.collected - self.consumed - self.leased
         )
+
+
+@dataclass(frozen=True)
+class Incident:
+    """Something that went wrong with a group outside a caller's request (GetState, the next Collect)."""
+
+    kind: str  # "hook_failed" or "dirty_group"
+    prompt_id: str
+    strategy: str  # the strategy or filter name
+    hook: str  # the hook that raised; "" for a dirty group
+    message: str
+    step: int = 0
+    generation: int = 0
+    action: str = "quarantined"  # or "refused": the call failed and changed nothing
