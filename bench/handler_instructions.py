@@ -1,4 +1,4 @@
-"""Machine instructions our Dispatch handler executes per call, counted by valgrind: noise-free, in process.
+"""Machine instructions our Dispatch and Submit handlers execute per call, counted by valgrind: noise-free, in process.
 
 `rpc_throughput.py` measures what users see, but on a shared machine its ratios move by about 0.1 from
 run to run, so a change worth a few percent of our own work cannot be told from noise there. This
@@ -12,14 +12,18 @@ Layers (each includes the ones below it):
 
 * `full`: request bytes -> the registered handler's deserializer, wrappers and servicer -> response bytes
   (logging is not configured here, so the access log stays off: observability_overhead.py measures it);
-* `servicer`: `RolloutPacerServicer.Dispatch` on a decoded request, plus serializing the response;
-* `async`: `AsyncPacer.dispatch` on converted candidates (request-id replay included);
-* `pacer`: `Pacer.dispatch` on converted candidates;
-* `refs`: `convert.prompt_refs` alone;
+* `servicer`: `RolloutPacerServicer.Dispatch` (or `.Submit`) on a decoded request, plus serializing the response;
+* `async`: `AsyncPacer.dispatch` (`.submit`) on converted candidates (trajectories), request-id answers included;
+* `pacer`: `Pacer.dispatch` (`.submit`) on converted candidates (trajectories);
+* `refs`: `convert.prompt_refs` alone (Dispatch only);
 * `floor`: the floor's empty handler of rpc_throughput.py with the generated (de)serializers.
 
-    python bench/handler_instructions.py                     # peek and 4 candidates, every layer (~6 min)
-    python bench/handler_instructions.py --layers full --candidates 4
+A Submit carries one group of 64 trajectories of 1,000 tokens (rpc_throughput.py's Submit scenario) for a
+prompt dispatched beforehand (in both runs, so the dispatches cancel out); its group completes and the
+`reward` filter drops it. The requests are built one by one in both runs, so building them cancels out too.
+
+    python bench/handler_instructions.py                     # Dispatch (peek, 4 candidates) and Submit (~10 min)
+    python bench/handler_instructions.py --rpcs dispatch --layers full --candidates 4
 
 Needs valgrind (`apt install valgrind`). The counts leave out what gRPC itself does per call and say
 nothing about time by themselves; rpc_throughput.py remains the measure of the issue's targets.
@@ -39,11 +43,12 @@ from typing import Any, Optional
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 LAYERS = ("full", "servicer", "async", "pacer", "refs", "floor")
+RPCS = ("dispatch", "submit")
 PREPARED_CALLS = 200  # made (and counted in both runs) before the measured calls: caches and dicts warm
 
 
-def child(layer: str, candidates: int, calls: int, measure: bool) -> None:
-    """Build the server's Dispatch handler, make PREPARED_CALLS calls, then `calls` more if `measure`."""
+def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> None:
+    """Build the server's handler of `rpc`, make PREPARED_CALLS calls, then `calls` more if `measure`."""
     sys.path[:0] = [str(REPO_ROOT), str(BENCH_DIR)]  # this tree's code, whatever is installed
     import rpc_throughput
     from observability_overhead import FakeContext
@@ -77,6 +82,9 @@ def child(layer: str, candidates: int, calls: int, measure: bool) -> None:
         wrappers = [server.observability.rpc_observer, MalformedRequestGuard(), PassthroughCodec(SERVICE_NAME)]
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(RolloutPacerServicer(server.async_pacer),
                                                           WrappingRegistrar(capture, wrappers))
+    if rpc == "submit":
+        submit_child(server, capture.handlers["Submit"], layer, calls, measure)
+        return
     handler = capture.handlers["Dispatch"]
     servicer = RolloutPacerServicer(server.async_pacer)
     async_pacer = server.async_pacer
@@ -110,9 +118,55 @@ def child(layer: str, candidates: int, calls: int, measure: bool) -> None:
     asyncio.run(run())
 
 
-def count_instructions(layer: str, candidates: int, calls: int, measure: bool) -> int:
+def submit_child(server: Any, handler: Any, layer: str, calls: int, measure: bool) -> None:
+    """Submit calls of one complete group each, for prompts dispatched first (both runs make every dispatch)."""
+    import rpc_throughput
+    from observability_overhead import FakeContext
+    from coda_server import convert
+    from coda_server.core.types import PromptRef
+    from coda_server.server import tune_garbage_collector
+    from coda_server.service import RolloutPacerServicer
+
+    servicer = RolloutPacerServicer(server.async_pacer)
+    async_pacer = server.async_pacer
+    context = FakeContext()
+    builder = rpc_throughput.SubmitBuilder(seed=1)
+    total = PREPARED_CALLS + calls
+
+    async def one(i: int, call: bool) -> None:
+        wire = builder.build(f"p-{i}", f"s-{i:08d}")  # built in both runs: its cost cancels out
+        if not call:
+            return
+        if layer in ("full", "floor"):
+            handler.response_serializer(await handler.unary_unary(handler.request_deserializer(wire), context))
+            return
+        request = handler.request_deserializer(wire)
+        if layer == "servicer":
+            (await servicer.Submit(request, context)).SerializeToString()
+        elif layer == "async":
+            await async_pacer.submit(convert.trajectories(request.trajectories, request.sizes), request.request_id)
+        else:
+            async_pacer.pacer.submit(convert.trajectories(request.trajectories, request.sizes),
+                                     request_id=request.request_id)
+
+    async def run() -> None:
+        tune_garbage_collector()
+        async_pacer.bind_loop()
+        async_pacer.pacer.dispatch([PromptRef(f"p-{i}") for i in range(total)])
+        for i in range(PREPARED_CALLS):
+            await one(i, True)
+        for i in range(PREPARED_CALLS, total):
+            await one(i, measure)
+        made = PREPARED_CALLS + (calls if measure else 0)
+        submitted = async_pacer.pacer.state().submitted
+        assert submitted == made * rpc_throughput.GROUP_SIZE, f"{submitted} trajectories accepted of {made} Submits"
+
+    asyncio.run(run())
+
+
+def count_instructions(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> int:
     command = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-               sys.executable, str(Path(__file__).resolve()), "--child", layer, str(candidates), str(calls),
+               sys.executable, str(Path(__file__).resolve()), "--child", rpc, layer, str(candidates), str(calls),
                "1" if measure else "0"]
     env = {**os.environ, "PYTHONHASHSEED": "0"}  # same string hashes, same dict layouts: repeatable counts
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -124,15 +178,19 @@ def count_instructions(layer: str, candidates: int, calls: int, measure: bool) -
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rpcs", default=",".join(RPCS), help=f"comma-separated, from {', '.join(RPCS)}")
     parser.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated, from {', '.join(LAYERS)}")
     parser.add_argument("--candidates", default="0,4", help="comma-separated candidate counts per Dispatch")
     parser.add_argument("--calls", type=int, default=1000, help="measured calls per figure")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        layer, candidates, calls, measure = args.child
-        child(layer, int(candidates), int(calls), measure == "1")
+        rpc, layer, candidates, calls, measure = args.child
+        child(rpc, layer, int(candidates), int(calls), measure == "1")
         return 0
+    rpcs = [name.strip() for name in args.rpcs.split(",") if name.strip()]
+    if any(name not in RPCS for name in rpcs):
+        parser.error(f"unknown rpcs {rpcs}; choose from {', '.join(RPCS)}")
     layers = [name.strip() for name in args.layers.split(",") if name.strip()]
     unknown = [name for name in layers if name not in LAYERS]
     if unknown:
@@ -140,15 +198,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt install valgrind); it counts the instructions", file=sys.stderr)
         return 2
-    print(f"instructions per Dispatch call, {args.calls} calls after {PREPARED_CALLS} unmeasured ones "
+    print(f"instructions per call, {args.calls} calls after {PREPARED_CALLS} unmeasured ones "
           f"(python {sys.version.split()[0]}, PYTHONHASHSEED=0)")
-    for candidates in [int(c) for c in args.candidates.split(",")]:
+    figures = [("dispatch", int(c), f"Dispatch, {int(c)} candidates") for c in args.candidates.split(",")]
+    figures.append(("submit", 0, "Submit, 64 trajectories"))
+    for rpc, candidates, title in figures:
+        if rpc not in rpcs:
+            continue
         for layer in layers:
-            if layer == "refs" and candidates == 0:
+            if layer == "refs" and (candidates == 0 or rpc == "submit"):
                 continue
-            prepared = count_instructions(layer, candidates, args.calls, measure=False)
-            measured = count_instructions(layer, candidates, args.calls, measure=True)
-            print(f"  {candidates} candidates  {layer:<9} {(measured - prepared) / args.calls:>10,.0f}", flush=True)
+            prepared = count_instructions(rpc, layer, candidates, args.calls, measure=False)
+            measured = count_instructions(rpc, layer, candidates, args.calls, measure=True)
+            print(f"  {title:<24} {layer:<9} {(measured - prepared) / args.calls:>10,.0f}", flush=True)
     return 0
 
 

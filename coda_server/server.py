@@ -15,7 +15,7 @@ from coda_client._proto import pacer_pb2, pacer_pb2_grpc
 from . import auth, transport
 from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
-from .core.journal import Journal
+from .core.sqlite_journal import SqliteJournal
 from .core.pacer import Pacer
 from .guard import MalformedRequestGuard
 from .method_wrapping import WrappingRegistrar
@@ -63,7 +63,7 @@ class PacerServer:
         self.config = config
         state_dir = str(config.server.state_dir or "")
         # The journal takes the state directory's lock now: a second server on it fails before binding.
-        self.journal = (Journal(state_dir, fsync=str(config.server.fsync), codec=ProtoTrajectories())
+        self.journal = (SqliteJournal(state_dir, fsync=str(config.server.fsync), codec=ProtoTrajectories())
                         if state_dir and pacer is None else None)
         self.pacer = pacer if pacer is not None else Pacer(config, journal=self.journal)
         self._journal_failure_reported = False

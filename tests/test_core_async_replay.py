@@ -57,10 +57,12 @@ def test_a_request_id_that_may_not_be_kept_is_refused_without_waiting(core_pacer
 
 
 def test_retries_of_a_running_call_share_its_error_and_a_later_retry_runs_again():
-    from coda_server.core.async_pacer import RequestDeduplicator
+    import threading
 
-    remembered: dict[str, str] = {}
-    dedup = RequestDeduplicator(remembered.get)
+    from coda_server.core.answers import AnswerBook
+    from coda_server.core.limits import Limits
+
+    answers = AnswerBook(Limits(), threading.RLock(), check_request_id=lambda request_id: None)
     runs = []
 
     async def run():
@@ -75,13 +77,13 @@ def test_retries_of_a_running_call_share_its_error_and_a_later_retry_runs_again(
             runs.append("succeeding")
             return "answer"
 
-        first = asyncio.ensure_future(dedup.run("r-1", failing))
+        first = asyncio.ensure_future(answers.once_awaited("Submit", "r-1", failing))
         await asyncio.sleep(0)
-        retries = [asyncio.ensure_future(dedup.run("r-1", succeeding)) for _ in range(2)]
+        retries = [asyncio.ensure_future(answers.once_awaited("Submit", "r-1", succeeding)) for _ in range(2)]
         await asyncio.sleep(0)
         release.set()
         outcomes = await asyncio.gather(first, *retries, return_exceptions=True)
-        later = await dedup.run("r-1", succeeding)  # nothing was remembered: the call runs again
+        later = await answers.once_awaited("Submit", "r-1", succeeding)  # nothing was remembered: the call runs again
         return outcomes, later
 
     outcomes, later = asyncio.run(run())

@@ -265,25 +265,14 @@ def test_many_threads_dispatch_submit_collect(core_config, name):
     assert strategy.max_load <= limit
 
 
-class SignallingCondition(threading.Condition):
-    """The pacer's condition, telling the test each time a caller starts waiting on it."""
-
-    def __init__(self, lock):
-        super().__init__(lock)
-        self.waiting = threading.Semaphore(0)
-
-    def wait(self, timeout=None):
-        self.waiting.release()
-        return super().wait(timeout)
-
-
 def test_close_answers_waiting_calls_at_once_without_admitting(core_pacer):
     from coda_server.core import ShuttingDownError
 
     pacer = core_pacer("no-window", B=2, stale=1.0, N=1)  # C = 4
     pacer.dispatch([PromptRef(f"p{i}") for i in range(4)])
     pacer.submit([Trajectory("p0/t0", "p0")])  # one group in the buffer
-    pacer._changed = SignallingCondition(pacer._lock)
+    waiting = threading.Semaphore(0)
+    pacer.waits.on_block = waiting.release  # the public hook: told each time a caller starts waiting
     answers: dict = {}
     errors: list = []
 
@@ -302,7 +291,7 @@ def test_close_answers_waiting_calls_at_once_without_admitting(core_pacer):
     for t in threads:
         t.start()
     for _ in threads:
-        assert pacer._changed.waiting.acquire(timeout=JOIN_BOUND)
+        assert waiting.acquire(timeout=JOIN_BOUND)
     pacer.close()
     for t in threads:
         t.join(JOIN_BOUND)

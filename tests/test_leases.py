@@ -160,15 +160,15 @@ def test_ack_and_redelivery_over_grpc(tmp_path):
 
 
 def test_recovery_gives_in_flight_and_collect_leases_their_full_time_on_the_new_clock(tmp_path):
-    from coda_server.core.journal import Journal
+    from coda_server.core.sqlite_journal import SqliteJournal
 
-    first, _ = make_pacer(journal=Journal(tmp_path / "state", fsync="off"))
+    first, _ = make_pacer(journal=SqliteJournal(tmp_path / "state", fsync="off"))
     first.dispatch([PromptRef("a"), PromptRef("b"), PromptRef("c")])
     first.submit(group("a") + group("b"))
     leased = first.collect_now(1, lease_seconds=30)
     first.journal.close()
 
-    pacer, clock = make_pacer(journal=Journal(tmp_path / "state", fsync="off"))
+    pacer, clock = make_pacer(journal=SqliteJournal(tmp_path / "state", fsync="off"))
     clock.now = 5.0  # another process: its clock reads something else entirely
     pacer.recover()
     assert pacer.expire_leases() == ([], [])  # neither kind ran out on the old clock's account

@@ -1,14 +1,15 @@
-"""Asyncio face of the Pacer: bounded long-polls without a thread per waiter, request-id replay, watchers."""
+"""Asyncio face of the Pacer: long-polls awaited without a thread per waiter, durable answers, watchers, lease expiry."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import dataclasses
+import logging
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
-from .errors import NotReadyError, ResourceExhaustedError, ShuttingDownError
-from .pacer import ANSWERED_METHODS, Pacer
+from .errors import NotReadyError, ShuttingDownError
+from .journal import Journal
+from .pacer import Pacer
 from .types import (
     CollectResult,
     ControlEvent,
@@ -22,81 +23,50 @@ from .types import (
     SubmitResult,
     Trajectory,
 )
+from .waiting import WAITERS_RETRY_AFTER_SECONDS, LoopWaits  # noqa: F401  (imported from here before)
 
 log = logging.getLogger("coda_server.leases")
 
 WATCH_QUEUE_LIMIT = 1024
 # How often lease deadlines are checked; leases are meant in seconds to minutes, so this is plenty.
 LEASE_TICK_SECONDS = 0.25
-# Retry delay suggested to a long-poll refused because server.max_waiting_calls callers already wait.
-WAITERS_RETRY_AFTER_SECONDS = 1.0
-
-
-class RequestDeduplicator:
-    """Makes a retried call (same request_id) apply once.
-
-    The Pacer remembers the answers of calls that changed its state (that memory is part of the
-    state and survives a restart); a retry arriving while the first call still runs awaits it. The future
-    such a retry awaits is made by the first retry, not by every call: most calls finish without a retry
-    arriving, and many (a Dispatch that does not wait) without ever suspending.
-    """
-
-    def __init__(self, answered: Callable[[str], Any], check: Optional[Callable[[str], None]] = None):
-        self._answered = answered
-        self._check = check  # validates a non-empty request_id before it is used
-        self._running: dict[str, Optional[asyncio.Future]] = {}  # request_id -> what retries await, once one came
-
-    async def run(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
-        if not request_id:
-            return await call()
-        if self._check is not None:
-            self._check(request_id)
-        answer = self._answered(request_id)
-        if answer is not None:
-            return answer
-        if request_id in self._running:
-            shared = self._running[request_id]
-            if shared is None:
-                shared = self._running[request_id] = asyncio.get_running_loop().create_future()
-            return await asyncio.shield(shared)
-        self._running[request_id] = None
-        try:
-            result = await call()
-        except BaseException as exc:
-            shared = self._running.pop(request_id)
-            if shared is not None:
-                shared.set_exception(exc)
-                shared.exception()  # mark retrieved: the retries may be gone
-            raise
-        shared = self._running.pop(request_id)
-        if shared is not None:
-            shared.set_result(result)
-        return result
 
 
 class AsyncPacer:
-    """Wraps a `Pacer` for one asyncio event loop; waits are awaited conditions, each with a bound."""
+    """Wraps a `Pacer` for one asyncio event loop; waits are awaited conditions, each with a bound.
 
-    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0,
-                 max_waiting_calls: int = 512):
+    Every call is the Pacer's own parts (its `apply_*` changes and `*_poll` waits) run through the same
+    request-id answers (`AnswerBook.once_awaited`) and answered once what it changed is durable.
+    """
+
+    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0, max_waiting_calls: int = 512):
         self.pacer = pacer
-        self.max_wait_seconds = max_wait_seconds
-        self.max_waiting_calls = max_waiting_calls
-        check = getattr(pacer, "check_request_id", None)
-        self._replay = {method: RequestDeduplicator(pacer.answers_of(method).get, check)
-                        for method in ANSWERED_METHODS}
+        self.waits = LoopWaits(lambda: pacer.closed, max_wait_seconds, max_waiting_calls)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
-        self._change: Optional[asyncio.Future] = None
         self._watchers: set[asyncio.Queue] = set()
         self._draining = False
         self._lease_task: Optional[asyncio.Task] = None
-        self.waiting_calls = 0
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
         # Called (on the loop) when the journal can no longer write: the server stops advertising readiness.
         self.on_journal_failure: Optional[Callable[[BaseException], None]] = None
         pacer.add_change_listener(self._on_change)
         pacer.add_control_listener(self._on_control)
+
+    @property
+    def max_wait_seconds(self) -> float:
+        return self.waits.max_wait_seconds
+
+    @property
+    def max_waiting_calls(self) -> int:
+        return self.waits.max_waiting_calls
+
+    @property
+    def waiting_calls(self) -> int:
+        return self.waits.waiting_calls
+
+    def clamp_wait(self, wait: float) -> float:
+        return self.waits.clamp(wait)
 
     def bind_loop(self) -> None:
         """Attach to the running loop; call once from it before serving."""
@@ -126,10 +96,10 @@ class AsyncPacer:
     # ------------------------------------------------------------- wake-ups
 
     def _on_change(self) -> None:
-        # Most changes find nobody waiting. A waiter takes its future before it checks the state, so one
-        # that appears after this read sees the change itself.
-        if self._change is not None:
-            self._call_in_loop(self._wake)
+        # Most changes find nobody waiting. A waiter takes its future before it attempts, so one that
+        # appears after this read sees the change itself.
+        if self.waits.anyone_waiting:
+            self._call_in_loop(self.waits.wake_all)
 
     def _on_control(self, event: ControlEvent) -> None:
         self._call_in_loop(lambda: self._publish(event))
@@ -142,95 +112,29 @@ class AsyncPacer:
         else:  # a change made by another thread (embedding, tests) still wakes our waiters
             self._loop.call_soon_threadsafe(fn)
 
-    def _wake(self) -> None:
-        change, self._change = self._change, None
-        if change is not None and not change.done():
-            change.set_result(None)
-
-    def _next_change(self) -> asyncio.Future:
-        if self._change is None:
-            self._change = asyncio.get_running_loop().create_future()
-        return self._change
-
-    async def _wait_until(self, ready: Callable[[], bool], wait: float, capped: bool = True) -> bool:
-        """Await `ready()` for at most `wait` seconds (clamped); False on timeout or shutdown.
-
-        `capped`: refuse with ResourceExhaustedError, before waiting at all, when max_waiting_calls callers
-        already wait (Reset is not capped: only one runs at a time, and it must finish).
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.clamp_wait(wait)
-        first = True
-        while True:
-            change = self._next_change()  # taken before the check, so no wake-up is lost
-            if self._draining or self.pacer.closed:
-                return False
-            if ready():
-                return True
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            if first and capped and self.waiting_calls >= self.max_waiting_calls:
-                raise ResourceExhaustedError(
-                    f"{self.waiting_calls} long-polls are already waiting (server.max_waiting_calls = "
-                    f"{self.max_waiting_calls}); retry in {WAITERS_RETRY_AFTER_SECONDS:g}s or poll with wait_seconds = 0",
-                    retry_after=WAITERS_RETRY_AFTER_SECONDS, reason="TOO_MANY_WAITERS")
-            first = False
-            self.waiting_calls += 1
-            try:
-                await asyncio.wait((change,), timeout=remaining)
-            finally:
-                self.waiting_calls -= 1
-
-    def clamp_wait(self, wait: float) -> float:
-        return min(max(0.0, float(wait)), self.max_wait_seconds)
-
     # ------------------------------------------------------------- operations
 
     async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
         async def call() -> DispatchResult:
-            result = self.pacer.dispatch(candidates, request_id=request_id)
-            if result.admitted_ids or not candidates or wait <= 0:
-                return result
-            holder = [result]
-
-            def admitted_some() -> bool:
-                # Re-validating a large candidate list on every change would let one caller stall the loop:
-                # only try again when the window has room.
-                if not self.pacer.admissible_now():
-                    return False
-                holder[0] = self.pacer.dispatch(candidates, request_id=request_id)
-                return bool(holder[0].admitted_ids)
-
-            await self._wait_until(admitted_some, wait)
-            if self._draining:  # answered because the server is going away: nothing will be admitted
-                return dataclasses.replace(holder[0], paused=True, remaining=0)
-            return holder[0]
+            return await self.waits.until(self.pacer.dispatch_poll(candidates, request_id), wait)
 
         return await self._applied("Dispatch", request_id, call)
 
     async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         async def call() -> SubmitResult:
-            return self.pacer.submit(trajectories, request_id=request_id)
+            return self.pacer.apply_submit(trajectories, request_id)
 
         return await self._applied("Submit", request_id, call)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "", lease_seconds: float = 0.0) -> CollectResult:
         async def call() -> CollectResult:
-            if self.pacer.closed:  # like every other call; a Collect already waiting is answered timed_out instead
+            pacer = self.pacer
+            if pacer.closed:  # like every other call; a Collect already waiting is answered timed_out instead
                 raise ShuttingDownError("the pacer is shutting down and takes no new calls")
-            holder: list[CollectResult] = []
-
-            def got_all() -> bool:
-                result = self.pacer.collect_now(num_groups, request_id=request_id, lease_seconds=lease_seconds)
-                if result.groups:
-                    holder.append(result)
-                return bool(result.groups)
-
-            if await self._wait_until(got_all, wait):
-                return holder[0]
-            return self.pacer.collect_now(num_groups, allow_partial, request_id=request_id, lease_seconds=lease_seconds)
+            pacer.checks.check_collect(num_groups, lease_seconds)
+            return await self.waits.until(pacer.collect_poll(num_groups, allow_partial, request_id, lease_seconds),
+                                          wait)
 
         return await self._applied("Collect", request_id, call)
 
@@ -238,45 +142,41 @@ class AsyncPacer:
                     weight_version: Optional[int] = None, request_id: str = "") -> ResetResult:
         async def call() -> ResetResult:
             self.pacer.begin_reset(mode, resume=resume, weight_version=weight_version)
-            # The reset runs to its end even if the caller goes away: a half-done reset would
-            # leave dispatch paused forever. A retry with the same request_id gets the answer.
-            task = asyncio.ensure_future(self._finish_reset(wait, resume, weight_version, request_id))
-            return await asyncio.shield(task)
+            try:
+                await self.waits.until(self.pacer.reset_poll(), wait, capped=False)
+            except BaseException:
+                self.pacer.abandon_reset()
+                raise
+            return self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
 
-        return await self._applied("Reset", request_id, call)
-
-    async def _finish_reset(self, wait: float, resume: bool, weight_version: Optional[int],
-                            request_id: str) -> ResetResult:
-        try:
-            await self._wait_until(self.pacer.reset_ready, wait, capped=False)
-        except BaseException:
-            self.pacer.abandon_reset()
-            raise
-        return self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
+        # The reset runs to its end even if the caller goes away: a half-done reset would leave dispatch
+        # paused forever. A retry with the same request_id gets the answer.
+        return await self._applied("Reset", request_id, call, outlives_caller=True)
 
     async def ack(self, lease_id: str, request_id: str = "") -> int:
         async def call() -> int:
-            return self.pacer.ack(lease_id, request_id=request_id)
+            self.pacer.checks.check_lease_id(lease_id)
+            return self.pacer.apply_ack(lease_id, request_id)
 
         return await self._applied("Ack", request_id, call)
 
     async def resume(self, weight_version: int, request_id: str = "") -> ResumeResult:
         async def call() -> ResumeResult:
-            return self.pacer.resume(weight_version, request_id=request_id)
+            return self.pacer.apply_resume(weight_version, request_id)
 
         return await self._applied("Resume", request_id, call)
 
-    async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
+    async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]],
+                       outlives_caller: bool = False) -> Any:
         """Run `call` once per request_id, and answer only when what it changed is durable."""
         self.check_ready()
-        result = await self._replay[method].run(request_id, call)
-        self.pacer.remember_answer(method, request_id, result)
+        result = await self.pacer.answers.once_awaited(method, request_id, call, outlives_caller=outlives_caller)
         journal = self.pacer.journal
         if journal is not None:  # state in memory: nothing to wait for
             await self._durable(journal)
         return result
 
-    async def _durable(self, journal: Any) -> None:
+    async def _durable(self, journal: Journal) -> None:
         """Wait (without blocking the loop) until the journal has committed every change made so far."""
         loop = asyncio.get_running_loop()
         committed = loop.create_future()
@@ -295,7 +195,7 @@ class AsyncPacer:
 
     def state(self) -> PacerState:
         self.check_ready()
-        return dataclasses.replace(self.pacer.state(), waiting_calls=self.waiting_calls)
+        return dataclasses.replace(self.pacer.state(), waiting_calls=self.waits.waiting_calls)
 
     # ------------------------------------------------------------- watchers
 
@@ -337,6 +237,6 @@ class AsyncPacer:
         """Answer every waiting long-poll now (with its timed_out / paused flag) and end watch streams."""
         self._draining = True
         self.pacer.close()
-        self._wake()
+        self.waits.wake_all()
         if self._lease_task is not None:
             self._lease_task.cancel()

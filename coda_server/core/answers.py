@@ -1,0 +1,128 @@
+"""Request-id answers: the one retry mechanism ("answered already: here is that answer" / "remember this answer").
+
+Every mutating operation (Dispatch, Submit, Collect, Reset, Resume, Ack) runs through `AnswerBook.once`
+(in-process callers) or `AnswerBook.once_awaited` (the asyncio face), never through code of its own:
+
+* a call whose request_id was answered gets that first answer back, and nothing runs;
+* a retry arriving while the first call still runs (asyncio) awaits the first call's answer;
+* the final answer of a call is remembered, whether or not it changed anything (a peek, a Collect that
+  timed out empty, a Submit of duplicates): a retry always sees what the first call saw. Answers of
+  calls that changed nothing are kept in memory and in the next snapshot, but are not journaled (a
+  journal event is written only for a change), so after a restart such a retry runs again, harmlessly;
+* a call that fails (raises) is not remembered: its retry runs again;
+* remembering is idempotent (the first answer stays). The one change that ends in a snapshot, the end of
+  a Reset, remembers its answer just before taking it, since the snapshot replaces the Reset's event.
+
+The answers are part of the pacer's state: they are in every snapshot and rebuilt by replay.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from types import MappingProxyType
+from typing import Any, Awaitable, Callable, Mapping, Optional, TypeVar
+
+from .limits import Limits
+
+R = TypeVar("R")
+ANSWERED_METHODS = ("Dispatch", "Submit", "Collect", "Reset", "Resume", "Ack")
+DATA_METHODS = ("Collect", "Reset")  # their answers carry trajectories: fewer are kept
+
+
+class AnswerBook:
+    """The remembered answers of recent mutating calls, by method and request_id, oldest dropped first."""
+
+    def __init__(self, limits: Limits, lock: threading.RLock, check_request_id: Callable[[str], None]):
+        self._lock = lock  # the pacer's lock: answers change together with the state they answer for
+        self._check_request_id = check_request_id
+        self._answers: dict[str, OrderedDict] = {method: OrderedDict() for method in ANSWERED_METHODS}
+        self._kept = {method: limits.data_answers_kept if method in DATA_METHODS else limits.answers_kept
+                      for method in ANSWERED_METHODS}
+        self._running: dict[tuple[str, str], Optional[asyncio.Future]] = {}  # calls under way, see once_awaited
+
+    def of(self, method: str) -> Mapping[str, Any]:
+        """The remembered answers of `method`, by request_id: read-only and live."""
+        return MappingProxyType(self._answers[method])
+
+    def once(self, method: str, request_id: str, call: Callable[[], R]) -> R:
+        """In-process callers: the remembered answer of `request_id`, else `call()`'s, remembered."""
+        if not request_id:
+            return call()
+        self._check_request_id(request_id)
+        with self._lock:
+            answer = self._answers[method].get(request_id)
+            if answer is not None:
+                return answer
+            result = call()
+            self.remember(method, request_id, result)
+            return result
+
+    async def once_awaited(self, method: str, request_id: str, call: Callable[[], Awaitable[R]], *,
+                           outlives_caller: bool = False) -> R:
+        """The asyncio face: as `once`, and a retry arriving while the first call runs awaits its answer.
+
+        The future such a retry awaits is made by the first retry, not by every call: most calls finish
+        without a retry arriving, and many (a Dispatch that does not wait) without ever suspending.
+        `outlives_caller`: the call runs to its end even if its caller goes away (a Reset: half done, it would
+        leave dispatch paused for good), and its answer is remembered when it ends, for the caller's retry.
+        """
+        if not request_id:
+            return await (self._detached(method, request_id, call) if outlives_caller else call())
+        self._check_request_id(request_id)
+        answer = self._answers[method].get(request_id)  # a single dict read is atomic: no lock to see it
+        if answer is not None:
+            return answer
+        key = (method, request_id)
+        running = self._running
+        if key in running:
+            shared = running[key]
+            if shared is None:
+                shared = running[key] = asyncio.get_running_loop().create_future()
+            return await asyncio.shield(shared)
+        running[key] = None
+        try:
+            result = await (self._detached(method, request_id, call) if outlives_caller else call())
+        except BaseException as exc:
+            shared = running.pop(key)
+            if shared is not None:
+                shared.set_exception(exc)
+                shared.exception()  # mark retrieved: the retries may be gone
+            raise
+        self.remember(method, request_id, result)
+        shared = running.pop(key)
+        if shared is not None:
+            shared.set_result(result)
+        return result
+
+    def _detached(self, method: str, request_id: str, call: Callable[[], Awaitable[R]]) -> Awaitable[R]:
+        """`call()` as a task of its own, awaited through a shield; its answer is remembered when it ends."""
+        task = asyncio.ensure_future(call())
+        if request_id:
+            task.add_done_callback(lambda done: self._remember_outcome(method, request_id, done))
+        return asyncio.shield(task)
+
+    def _remember_outcome(self, method: str, request_id: str, done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.remember(method, request_id, done.result())
+
+    def remember(self, method: str, request_id: str, result: Any) -> None:
+        """Keep `result` as the answer to `request_id` (an empty one is never kept); the first answer stays."""
+        if not request_id:
+            return
+        with self._lock:
+            answers = self._answers[method]
+            if request_id in answers:
+                return
+            answers[request_id] = result
+            if len(answers) > self._kept[method]:
+                answers.popitem(last=False)
+
+    def export(self) -> dict[str, list]:
+        with self._lock:
+            return {method: list(answers.items()) for method, answers in self._answers.items()}
+
+    def restore(self, exported: Mapping[str, list]) -> None:
+        with self._lock:
+            for method, items in exported.items():
+                self._answers[method].update(items)

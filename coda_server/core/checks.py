@@ -1,0 +1,213 @@
+"""Request checks: what a call may carry (ids, sizes, statuses, numbers), against the `Limits`; they change nothing."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Collection, Iterable, Mapping, Optional, Sequence
+
+from .errors import (
+    InvalidArgumentError,
+    LeaseExpiredError,
+    ResourceExhaustedError,
+    StaleGenerationError,
+    UnknownPromptError,
+)
+from .limits import Limits
+from .types import PromptRef, ResetMode, Trajectory, TrajectoryStatus
+
+VALID_STATUSES = (TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED)
+RESOURCE_RETRY_SECONDS = 1.0
+
+
+@dataclass
+class SubmitSorting:
+    """A Submit's trajectories sorted against the trajectory queue, before anything is accepted."""
+
+    fresh: list[Trajectory] = field(default_factory=list)  # new, to be accepted
+    duplicates: int = 0  # identical to one accepted before
+    added_per_group: dict[str, int] = field(default_factory=dict)
+    violations: list[tuple[str, str]] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)  # prompt ids never dispatched
+    stale: list[str] = field(default_factory=list)  # prompt ids of an earlier generation
+    expired: list[str] = field(default_factory=list)  # prompt ids whose in-flight lease ran out
+
+    @property
+    def refused_as_stale(self) -> bool:
+        """Refused for stale trajectories (which are counted), not for an earlier reason."""
+        return bool(self.stale) and not self.violations and not self.unknown
+
+    def refuse(self, generation: int, remembered_generations: Optional[int], inflight_lease_seconds: float) -> None:
+        """Raise for the first kind of problem found, in this order: malformed, unknown, stale, expired."""
+        if self.violations:
+            first = self.violations[0]
+            raise InvalidArgumentError(f"Submit refused, nothing accepted: {first[0]} {first[1]}",
+                                       violations=self.violations)
+        if self.unknown:
+            raise UnknownPromptError(f"Submit refused, nothing accepted: prompt {self.unknown[0]!r} was never "
+                                     f"dispatched (or was dispatched more than {remembered_generations} resets ago)")
+        if self.stale:
+            raise StaleGenerationError(f"Submit refused, nothing accepted: prompt {self.stale[0]!r} was dispatched "
+                                       f"before the last Reset (current generation {generation})")
+        if self.expired:
+            raise LeaseExpiredError(f"Submit refused, nothing accepted: the in-flight lease of prompt "
+                                    f"{self.expired[0]!r} ran out (server.inflight_lease_seconds = "
+                                    f"{inflight_lease_seconds:g}); its slot was reclaimed and its partial "
+                                    f"trajectories are returned by the next Reset")
+
+
+class RequestChecks:
+    """Refuses malformed requests with InvalidArgumentError naming every violation; holds no pacing state."""
+
+    def __init__(self, limits: Limits, group_sizes: Sequence[int]):
+        self.limits = limits
+        self._datasets = len(group_sizes)
+
+    def id_problem(self, value: Any, limit: Optional[int] = None) -> Optional[str]:
+        """What is wrong with an id (None: nothing); `limit` defaults to server.max_id_length."""
+        limit = self.limits.max_id_length if limit is None else limit
+        if not isinstance(value, str) or not value:
+            return "must be a non-empty string"
+        if len(value) > limit:
+            return f"is {len(value)} characters long; at most {limit} are allowed"
+        if not value.isprintable():
+            return "must not contain control or non-printable characters"
+        return None
+
+    def check_request_id(self, request_id: Any) -> None:
+        """A non-empty request_id is kept in the replay cache: bound its length and refuse control characters."""
+        problem = self.id_problem(request_id, self.limits.max_opaque_id_length)
+        if problem:
+            raise InvalidArgumentError(f"request_id {problem}", violations=[("request_id", problem)])
+
+    def check_lease_id(self, lease_id: Any) -> None:
+        problem = self.id_problem(lease_id, self.limits.max_opaque_id_length)
+        if problem:  # before the id is echoed in any message
+            raise InvalidArgumentError(f"lease_id {problem}", violations=[("lease_id", problem)])
+
+    def check_candidates(self, candidates: Sequence[PromptRef], inflight: Mapping[str, Any]) -> None:
+        """Every candidate well-formed, named once, configured and not already in flight; else nothing is admitted."""
+        limit = self.limits.max_candidates
+        if len(candidates) > limit:
+            raise InvalidArgumentError(f"{len(candidates)} candidates in one Dispatch; at most {limit} are allowed",
+                                       violations=[("candidates", f"at most {limit} candidates per call")])
+        violations: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        datasets = self._datasets
+        for i, ref in enumerate(candidates):
+            prompt_id, ds_index = ref.prompt_id, ref.ds_index
+            problem = self.id_problem(prompt_id)
+            if problem is None:
+                if prompt_id in seen:
+                    problem = f"prompt {prompt_id!r} is named twice in this request"
+                elif prompt_id in inflight:
+                    problem = f"prompt {prompt_id!r} is already in flight"
+                seen.add(prompt_id)
+            if problem is not None:
+                violations.append((f"candidates[{i}].prompt_id", problem))
+            if not (isinstance(ds_index, int) and 0 <= ds_index < datasets):
+                violations.append((f"candidates[{i}].ds_index",
+                                   f"ds_index {ds_index!r} is not configured; allowed: 0..{datasets - 1}"))
+        if violations:
+            raise InvalidArgumentError(f"Dispatch refused, nothing admitted: {violations[0][1]}", violations=violations)
+
+    def check_submit_size(self, trajectories: Sequence[Trajectory]) -> None:
+        limit = self.limits.max_trajectories
+        if len(trajectories) > limit:
+            raise InvalidArgumentError(f"{len(trajectories)} trajectories in one Submit; at most {limit} are allowed",
+                                       violations=[("trajectories", f"at most {limit} per call")])
+
+    def sort_submit(self, trajectories: Sequence[Trajectory], accepted: Mapping[str, Trajectory],
+                    inflight: Mapping[str, Any], expired_prompts: Collection[str],
+                    generation_prompts: Collection[str], past_generations: Iterable[Collection[str]]) -> SubmitSorting:
+        """Sort a Submit's trajectories: new, duplicate, or refused (and why); reads the queue, changes nothing."""
+        self.check_submit_size(trajectories)
+        sorting = SubmitSorting()
+        violations, fresh, added_per_group = sorting.violations, sorting.fresh, sorting.added_per_group
+        in_batch: dict[str, Trajectory] = {}
+        for i, t in enumerate(trajectories):
+            field_name = f"trajectories[{i}]"
+            before = len(violations)
+            for name in ("trajectory_id", "prompt_id"):
+                problem = self.id_problem(getattr(t, name))
+                if problem:
+                    violations.append((f"{field_name}.{name}", problem))
+            if t.status not in VALID_STATUSES:
+                violations.append((f"{field_name}.status",
+                                   f"status {t.status!r} is not allowed; use COMPLETED, FAILED or ABORTED"))
+            if not isinstance(t.reward, (int, float)) or not math.isfinite(t.reward):
+                violations.append((f"{field_name}.reward", f"reward {t.reward!r} must be a finite number"))
+            if len(violations) > before:
+                continue
+            earlier = accepted.get(t.trajectory_id) or in_batch.get(t.trajectory_id)
+            if earlier is not None:
+                if earlier.same_content(t):
+                    sorting.duplicates += 1
+                else:
+                    violations.append((f"{field_name}.trajectory_id",
+                                       f"trajectory {t.trajectory_id!r} was already accepted with different content"))
+                continue
+            group = inflight.get(t.prompt_id)
+            if group is None:
+                if t.prompt_id in expired_prompts:
+                    sorting.expired.append(t.prompt_id)
+                elif t.prompt_id in generation_prompts:
+                    violations.append((f"{field_name}.prompt_id", f"the group of prompt {t.prompt_id!r} is already "
+                                       f"complete and collected; it takes no more trajectories"))
+                elif any(t.prompt_id in past for past in past_generations):
+                    sorting.stale.append(t.prompt_id)
+                else:
+                    sorting.unknown.append(t.prompt_id)
+                continue
+            if t.ds_index != group.ds_index:
+                violations.append((f"{field_name}.ds_index", f"ds_index {t.ds_index!r} differs from the prompt's "
+                                   f"ds_index {group.ds_index}"))
+                continue
+            added = added_per_group.get(t.prompt_id, 0) + 1
+            if len(group.trajectories) + added > group.group_size:
+                violations.append((f"{field_name}.prompt_id", f"group {t.prompt_id!r} would hold more than its "
+                                   f"{group.group_size} trajectories"))
+                continue
+            added_per_group[t.prompt_id] = added
+            in_batch[t.trajectory_id] = t
+            fresh.append(t)
+        return sorting
+
+    def check_room(self, held_bytes: int, incoming_bytes: int, buffered: int, completing: int) -> None:
+        """Refuse a Submit that would overfill the byte budget or the pipeline buffer (retryable)."""
+        max_bytes, max_buffered = self.limits.max_held_bytes, self.limits.max_buffered_groups
+        if max_bytes and held_bytes + incoming_bytes > max_bytes:
+            raise ResourceExhaustedError(
+                f"Submit refused, nothing accepted: {held_bytes} bytes are held and this Submit brings "
+                f"{incoming_bytes} more, over server.max_held_bytes = {max_bytes}; retry after the trainer "
+                f"collects", retry_after=RESOURCE_RETRY_SECONDS, reason="BYTES_FULL")
+        if max_buffered and completing and buffered + completing > max_buffered:
+            raise ResourceExhaustedError(
+                f"Submit refused, nothing accepted: the pipeline buffer holds {buffered} groups and this "
+                f"Submit completes {completing} more, over server.max_buffered_groups = {max_buffered}; "
+                f"retry after the trainer collects", retry_after=RESOURCE_RETRY_SECONDS, reason="BUFFER_FULL")
+
+    def check_collect(self, num_groups: Any, lease_seconds: Any = 0.0) -> None:
+        limit = self.limits.max_collect
+        if not isinstance(num_groups, int) or isinstance(num_groups, bool) or not 1 <= num_groups <= limit:
+            raise InvalidArgumentError(f"num_groups {num_groups!r} is out of range; allowed: 1..{limit}",
+                                       violations=[("num_groups", f"must be an integer in 1..{limit}")])
+        if not (isinstance(lease_seconds, (int, float)) and math.isfinite(lease_seconds) and lease_seconds >= 0):
+            raise InvalidArgumentError(f"lease_seconds {lease_seconds!r} must be a finite number >= 0 (0: no lease)",
+                                       violations=[("lease_seconds", "must be a finite number >= 0")])
+
+    @staticmethod
+    def check_weight_version(weight_version: Any, current: int) -> None:
+        """A new weight version: an integer, never below the current one (None: the current one, kept)."""
+        if weight_version is None:
+            return
+        if not isinstance(weight_version, int) or isinstance(weight_version, bool) or weight_version < current:
+            raise InvalidArgumentError(f"weight_version {weight_version!r} must be an integer >= the current {current}",
+                                       violations=[("weight_version", f"must be >= {current}")])
+
+    @staticmethod
+    def reset_mode(mode: Any) -> ResetMode:
+        mode = ResetMode(mode) if mode in ResetMode._value2member_map_ else mode
+        if mode not in (ResetMode.UNSPECIFIED, ResetMode.ABORT, ResetMode.WAIT):
+            raise InvalidArgumentError(f"reset mode {mode!r} is not allowed; use ABORT or WAIT",
+                                       violations=[("mode", "must be ABORT, WAIT or unspecified (server default)")])
+        return mode

@@ -1,0 +1,77 @@
+"""The in-flight group (a dispatched prompt assembling its trajectories) and the step tally of what the trainer took."""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from .types import PromptRef, StepReport, Trajectory, TrajectoryGroup
+
+_NO_PRIORITY = float("inf")
+
+
+class InflightGroup:
+    """A dispatched group that has not left the trajectory queue; handed to strategy hooks."""
+
+    __slots__ = ("prompt_id", "ds_index", "epoch", "index", "seq", "group_size", "trajectories", "deadline",
+                 "dispatched_at", "held")
+
+    def __init__(self, ref: PromptRef, seq: int, group_size: int, now: float):
+        self.prompt_id = ref.prompt_id
+        self.ds_index = ref.ds_index
+        self.epoch = ref.epoch
+        self.index = ref.index
+        self.seq = seq
+        self.group_size = group_size
+        self.trajectories: dict[str, Trajectory] = {}
+        self.dispatched_at = now
+        self.held = False  # complete, but the strategy's will_collect refused it so far
+        self.deadline = math.inf  # when its in-flight lease runs out (extended by every Submit for it)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.trajectories) >= self.group_size
+
+    def priority(self) -> tuple:
+        """Buffer order: the prompt's (epoch, index) when the dispatcher gave both, else dispatch seq."""
+        if self.epoch is not None and self.index is not None:
+            return (self.epoch, self.index, self.seq)
+        return (_NO_PRIORITY, _NO_PRIORITY, self.seq)
+
+    def to_group(self) -> TrajectoryGroup:
+        return TrajectoryGroup(self.prompt_id, self.seq, self.ds_index, list(self.trajectories.values()),
+                               self.epoch, self.index, self.dispatched_at)
+
+
+class StepTally:
+    """What the trainer took since the last Reset, for the step report."""
+
+    def __init__(self) -> None:
+        self.trajectories = 0
+        self.partial = 0
+        self.span_max = 0
+        self.filtered = 0
+
+    def count_consumed(self, group: TrajectoryGroup) -> None:
+        for t in group.trajectories:
+            span = t.end_weight_version - t.start_weight_version
+            self.trajectories += 1
+            if span != 0:
+                self.partial += 1
+            self.span_max = max(self.span_max, span)
+
+    def report(self, step: int, buffered: int, restored: int, dropped: int, pause_delay: float) -> StepReport:
+        """The step report a Reset closes the step with."""
+        return StepReport(
+            step=step,
+            pipeline_buf_size=buffered,
+            filter_drop=self.filtered,
+            partial_ratio=(self.partial / self.trajectories) if self.trajectories else 0.0,
+            partial_span_max=self.span_max,
+            partial_restored_count=restored,
+            partial_dropped_incomplete_count=dropped,
+            pause_delay=pause_delay,
+        )
+
+
+def bytes_of(trajectories: Iterable[Trajectory]) -> int:
+    return sum(t.size_bytes for t in trajectories)

@@ -1,0 +1,121 @@
+"""Leases: the in-flight lease of each running group, and Collect leases awaiting their Ack (at-least-once delivery)."""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from operator import attrgetter
+from typing import Iterable, Mapping, Sequence
+
+from .errors import LeaseExpiredError, UnknownLeaseError
+from .inflight import InflightGroup
+
+LAPSED_LEASES_KEPT = 4096  # recently expired lease ids, for a clear Ack error
+
+
+class CollectLease:
+    """Groups handed to the trainer that go back to the buffer unless acknowledged before `deadline`."""
+
+    __slots__ = ("lease_id", "entries", "seconds", "deadline")
+
+    def __init__(self, lease_id: str, entries: list, seconds: float, deadline: float):
+        self.lease_id = lease_id
+        self.entries = entries  # (priority, group) as they were in the buffer, so redelivery keeps the order
+        self.seconds = seconds
+        self.deadline = deadline
+
+
+class Leases:
+    """Deadlines only: which running groups and which Collect leases ran out. The Pacer decides what that means."""
+
+    def __init__(self, inflight_lease_seconds: float):
+        self.inflight_seconds = inflight_lease_seconds  # 0: running groups never expire
+        # (deadline, seq of the first, prompt ids): one entry per call that started or extended leases; an id whose
+        # group has another deadline by now is skipped lazily.
+        self._heap: list[tuple[float, int, list[str]]] = []
+        self.collect: dict[str, CollectLease] = {}  # Collect leases awaiting Ack, by lease id
+        self.serial = 0
+        self.lapsed: deque[str] = deque(maxlen=LAPSED_LEASES_KEPT)
+
+    # ----------------------------------------------------------------- in-flight leases
+
+    def extend(self, groups: Sequence[InflightGroup], now: float) -> None:
+        """Give these groups their full in-flight lease from `now`, with one heap entry for all of them."""
+        if not self.inflight_seconds or not groups:
+            return
+        deadline = now + self.inflight_seconds
+        extended = []
+        for group in groups:
+            if group.deadline != deadline:
+                group.deadline = deadline
+                extended.append(group.prompt_id)
+        if extended:
+            heapq.heappush(self._heap, (deadline, groups[0].seq, extended))
+
+    def running_out(self, now: float, inflight: Mapping[str, InflightGroup]) -> list[InflightGroup]:
+        """The incomplete running groups whose lease ran out by `now`, in dispatch order (taken: not again)."""
+        groups = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            deadline, _seq, prompt_ids = heapq.heappop(heap)
+            for prompt_id in prompt_ids:
+                group = inflight.get(prompt_id)
+                if group is not None and group.deadline == deadline and not group.complete:
+                    group.deadline = math.inf  # taken: a duplicate heap entry must not take it twice
+                    groups.append(group)
+        groups.sort(key=attrgetter("seq"))
+        return groups
+
+    def forget_running(self) -> None:
+        """A Reset ended every running group."""
+        self._heap.clear()
+
+    # ----------------------------------------------------------------- Collect leases
+
+    def grant(self, entries: list, seconds: float, now: float) -> CollectLease:
+        self.serial += 1
+        lease = CollectLease(f"lease-{self.serial}", entries, seconds, now + seconds)
+        self.collect[lease.lease_id] = lease
+        return lease
+
+    def acknowledge(self, lease_id: str) -> CollectLease:
+        """The lease, ended by its Ack; LeaseExpiredError / UnknownLeaseError when there is none to end."""
+        lease = self.collect.pop(lease_id, None)
+        if lease is None:
+            if lease_id in self.lapsed:
+                raise LeaseExpiredError(f"lease {lease_id!r} ran out before this Ack; its groups went back to "
+                                        f"the buffer and will be delivered again")
+            raise UnknownLeaseError(f"lease {lease_id!r} is not known (never granted, or already acknowledged)")
+        return lease
+
+    def lapsing(self, now: float) -> list[str]:
+        """The ids of the Collect leases whose time ran out by `now`."""
+        return [lease_id for lease_id, lease in self.collect.items() if lease.deadline <= now]
+
+    def lapse(self, lease_id: str) -> CollectLease:
+        lease = self.collect.pop(lease_id)
+        self.lapsed.append(lease_id)
+        return lease
+
+    @property
+    def leased_groups(self) -> int:
+        return sum(len(lease.entries) for lease in self.collect.values())
+
+    # ----------------------------------------------------------------- restart
+
+    def restart_clocks(self, now: float, running: Iterable[InflightGroup]) -> None:
+        """Deadlines were on the old process's clock: every lease gets its full time again from `now`."""
+        self.extend(list(running), now)
+        for lease in self.collect.values():
+            lease.deadline = now + lease.seconds
+
+    def export(self) -> dict:
+        return {"leases": [(lease.lease_id, lease.entries, lease.seconds) for lease in self.collect.values()],
+                "lease_serial": self.serial, "lapsed_leases": list(self.lapsed)}
+
+    def restore(self, snapshot: Mapping, now: float) -> None:
+        for lease_id, entries, seconds in snapshot["leases"]:
+            # The old deadline was on the old process's clock: a recovered lease gets its full time again.
+            self.collect[lease_id] = CollectLease(lease_id, entries, seconds, now + seconds)
+        self.serial = snapshot["lease_serial"]
+        self.lapsed.extend(snapshot["lapsed_leases"])

@@ -1,0 +1,85 @@
+"""When each waiting call (Dispatch, Collect, Reset) can be answered, and what it answers when the wait ends: its `Poll`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from .types import CollectResult, DispatchResult, PromptRef
+
+if TYPE_CHECKING:
+    from .pacer import Pacer
+
+
+class DispatchPoll:
+    """Answered once something is admitted (or at once for a peek); each attempt admits what the window allows."""
+
+    __slots__ = ("_pacer", "_candidates", "_request_id", "_last")
+
+    def __init__(self, pacer: "Pacer", candidates: Sequence[PromptRef], request_id: str):
+        self._pacer = pacer
+        self._candidates = candidates
+        self._request_id = request_id
+        self._last: Optional[DispatchResult] = None
+
+    def attempt(self) -> Optional[DispatchResult]:
+        pacer = self._pacer
+        with pacer._lock:
+            if self._last is None:  # the first attempt checks the call; a closed pacer refuses it
+                pacer._check_open()
+                candidates = self._candidates
+            else:  # re-validating a large candidate list on every change would stall the loop: only with room
+                candidates = self._candidates if pacer._admissible_now() else ()
+            result = self._last = pacer.apply_dispatch(candidates, self._request_id)
+            return result if result.admitted_ids or not self._candidates else None
+
+    def give_up(self) -> DispatchResult:
+        pacer = self._pacer
+        with pacer._lock:
+            if pacer.closed:  # answered because the pacer is going away: nothing will be admitted
+                return dataclasses.replace(pacer.apply_dispatch((), self._request_id), paused=True, remaining=0)
+            return self._last
+
+
+class CollectPoll:
+    """Answered once the buffer holds `num_groups`; at the deadline, whatever is there with `allow_partial`."""
+
+    __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds")
+
+    def __init__(self, pacer: "Pacer", num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float):
+        self._pacer = pacer
+        self._num_groups = num_groups
+        self._allow_partial = allow_partial
+        self._request_id = request_id
+        self._lease_seconds = lease_seconds
+
+    def attempt(self) -> Optional[CollectResult]:
+        pacer = self._pacer
+        with pacer._lock:
+            if len(pacer._buffer) >= self._num_groups:
+                return pacer.apply_take(self._num_groups, False, self._request_id, self._lease_seconds)
+            return None
+
+    def give_up(self) -> CollectResult:
+        pacer = self._pacer
+        with pacer._lock:
+            available = len(pacer._buffer)
+            if available >= self._num_groups:
+                return pacer.apply_take(self._num_groups, False, self._request_id, self._lease_seconds)
+            if self._allow_partial and available:
+                return pacer.apply_take(available, True, self._request_id, self._lease_seconds)
+            return CollectResult([], timed_out=True)
+
+
+class ResetPoll:
+    """Answered (True) once every running group holds all its trajectories; False when the wait ends first."""
+
+    __slots__ = ("_pacer",)
+
+    def __init__(self, pacer: "Pacer"):
+        self._pacer = pacer
+
+    def attempt(self) -> Optional[bool]:
+        return True if self._pacer.reset_ready() else None
+
+    def give_up(self) -> bool:
+        return False

@@ -1,0 +1,162 @@
+"""Recovery: the snapshot a Pacer exports and imports, the recorded-config check, and the replay of journal events.
+
+These functions work on one Pacer's state, as its own methods would; they live here so that the
+pacing rule (pacer.py) reads without them. Replay re-runs each recorded change through the same
+steps the live call ran, at the time it first ran, and remembers its answer as the live call did.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING, Optional
+
+from .errors import RecoveryError
+from .journal import (
+    Acked,
+    Collected,
+    Dispatched,
+    Expired,
+    JournalEvent,
+    ResetAbandoned,
+    ResetBegun,
+    ResetFinished,
+    Resumed,
+    StaleRejected,
+    Submitted,
+    as_event,
+)
+
+if TYPE_CHECKING:
+    from .pacer import Pacer
+
+SNAPSHOT_FORMAT = 2  # 2: DispatchResult keeps admitted prompt ids and the first seq
+
+
+def export_state(pacer: "Pacer") -> dict:
+    """A consistent copy of everything a Reset leaves behind (nothing is in flight then), for a snapshot."""
+    with pacer._lock:
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "step": pacer.step, "weight_version": pacer.weight_version, "generation": pacer.generation,
+            "paused": pacer.paused, "next_seq": pacer._next_seq, "totals": dict(pacer.totals),
+            "buffer": list(pacer._buffer), "past_generation_prompts": list(pacer._past_generation_prompts),
+            "reports": list(pacer._reports),
+            "answers": pacer.answers.export(),
+            **pacer._leases.export(),
+            "held_bytes": pacer._held_bytes,
+            "config": dict(pacer._summary),  # the pacing settings the state was made under
+        }
+
+
+def import_state(pacer: "Pacer", snapshot: dict) -> None:
+    if snapshot.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"it is in format {snapshot.get('format')!r}, written by another version of coda-server; "
+                         f"this version reads format {SNAPSHOT_FORMAT} (move server.state_dir aside to start afresh)")
+    pacer.step, pacer.weight_version = snapshot["step"], snapshot["weight_version"]
+    pacer.generation, pacer.paused, pacer._next_seq = snapshot["generation"], snapshot["paused"], snapshot["next_seq"]
+    pacer.totals.update(snapshot["totals"])
+    pacer._buffer = list(snapshot["buffer"])
+    heapq.heapify(pacer._buffer)
+    pacer._past_generation_prompts.extend(snapshot["past_generation_prompts"])
+    pacer._reports.extend(snapshot["reports"])
+    pacer.answers.restore(snapshot["answers"])
+    pacer._leases.restore(snapshot, pacer._clock())
+    pacer._held_bytes = snapshot["held_bytes"]
+
+
+def recover(pacer: "Pacer") -> int:
+    """Rebuild the pacer's state from its journal: the snapshot, then the events replayed in order.
+
+    The strategy is a fresh instance that hears every dispatch and collection since the last Reset
+    again, custom strategies included. Returns the number of events replayed.
+    """
+    journal = pacer.journal
+    if journal is None:
+        return 0
+    snapshot, recorded_events = journal.load()
+    recorded = (snapshot or {}).get("config")  # None: a new directory, or a snapshot older than the record
+    if recorded_events:
+        check_recorded_config(pacer, recorded, len(recorded_events))
+    clock = pacer._clock
+    pacer._journal = None  # replaying must not record the events again
+    try:
+        with pacer._lock:
+            if snapshot is not None:
+                try:
+                    import_state(pacer, snapshot)
+                except (KeyError, ValueError) as exc:
+                    raise RecoveryError(f"cannot read the state snapshot in {journal.directory}: {exc}") from None
+            for number, recorded_event in enumerate(recorded_events, 1):
+                try:
+                    event = as_event(recorded_event)
+                    pacer._clock = lambda at=event.at: at  # the replayed call sees the time it first ran at
+                    replay(pacer, event)
+                except Exception as exc:
+                    kind = type(recorded_event).__name__ if not isinstance(recorded_event, tuple) else recorded_event[0]
+                    raise RecoveryError(
+                        f"cannot rebuild the state in {journal.directory}: replaying event {number} of "
+                        f"{len(recorded_events)} ({kind}) failed: {exc}. Was the pacing configuration changed since "
+                        f"the state was written? Start with the configuration it was written with, or move "
+                        f"server.state_dir aside to start afresh") from None
+    finally:
+        pacer._journal, pacer._clock = journal, clock
+    if not recorded_events and recorded != pacer._summary:
+        # Nothing in flight (a new directory, or just after a Reset): put these settings on record now, so a
+        # restart before the next Reset replays its events under the settings they were recorded with.
+        pacer.last_ticket = journal.snapshot(export_state(pacer))
+    if pacer.resetting:  # the last process died during a Reset's wait: end it (recorded); a retried Reset starts afresh
+        pacer.abandon_reset()
+    with pacer._lock:
+        if pacer.paused and not pacer.resetting:
+            pacer._pause_started = pacer._clock()
+        pacer._leases.restart_clocks(pacer._clock(), pacer._inflight.values())
+    return len(recorded_events)
+
+
+def check_recorded_config(pacer: "Pacer", recorded: Optional[dict], events: int) -> None:
+    """Refuse to replay events recorded under other pacing settings: that would rebuild a different state."""
+    if recorded is None:  # a snapshot older than the record: nothing to compare (replay still checks itself)
+        return
+    summary = pacer._summary
+    changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
+               for key in sorted(set(recorded) | set(summary)) if recorded.get(key) != summary.get(key)]
+    if changed:
+        raise RecoveryError(
+            f"the state in {pacer.journal.directory} has {events} events since its last snapshot, recorded under "
+            f"other pacing settings ({', '.join(changed)}); start with the settings they were recorded with "
+            f"(to change settings, restart after a Reset, when nothing is replayed), or move server.state_dir "
+            f"aside to start afresh")
+
+
+def replay(pacer: "Pacer", event: JournalEvent) -> None:
+    """Apply one recorded change again, through the step the live call ran, and remember its answer."""
+    remember = pacer.answers.remember
+    if isinstance(event, Dispatched):
+        result = pacer.apply_dispatch(event.refs, event.request_id)
+        if result.admitted_ids != [r.prompt_id for r in event.refs]:
+            raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted_ids)} of the "
+                               f"{len(event.refs)} groups it admitted before the restart")
+        remember("Dispatch", event.request_id, result)
+    elif isinstance(event, Submitted):
+        remember("Submit", event.request_id, pacer.apply_submit(event.trajectories, event.request_id))
+    elif isinstance(event, StaleRejected):
+        pacer.totals["stale_rejected"] += event.count
+    elif isinstance(event, Collected):
+        remember("Collect", event.request_id,
+                 pacer.apply_take(event.count, event.timed_out, event.request_id, event.lease_seconds))
+    elif isinstance(event, Acked):
+        remember("Ack", event.request_id, pacer.apply_ack(event.lease_id, event.request_id))
+    elif isinstance(event, Expired):
+        pacer.apply_expiry(event.prompt_ids, event.lease_ids)
+    elif isinstance(event, ResetBegun):
+        pacer.begin_reset(event.mode, resume=event.resume, weight_version=event.weight_version)
+    elif isinstance(event, ResetFinished):
+        pacer._reset_ready_at = event.ready_at
+        remember("Reset", event.request_id,
+                 pacer.finish_reset(resume=event.resume, weight_version=event.weight_version,
+                                    request_id=event.request_id))
+    elif isinstance(event, ResetAbandoned):
+        pacer.abandon_reset()
+    elif isinstance(event, Resumed):
+        remember("Resume", event.request_id, pacer.apply_resume(event.weight_version, event.request_id))
+    else:
+        raise ValueError(f"unknown journal event {event!r:.80}")

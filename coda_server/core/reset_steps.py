@@ -1,0 +1,134 @@
+"""The Reset and Resume steps of the Pacer: pause, restore complete groups, drop incomplete ones, close the step, resume.
+
+Written as functions over one Pacer's state, as its own methods would be (the Pacer's `begin_reset`,
+`reset_ready`, `finish_reset`, `abandon_reset` and `apply_resume` call them), so that pacer.py reads as
+the dispatch-submit-collect cycle and this module as the step boundary.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from .errors import ResetInProgressError
+from .inflight import StepTally, bytes_of
+from .journal import ResetAbandoned, ResetBegun, ResetFinished, Resumed
+from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from .pacer import Pacer
+
+
+def begin(pacer: "Pacer", mode: ResetMode, resume: bool, weight_version: Optional[int]) -> ResetMode:
+    """Step 1: pause dispatch and tell watchers. Returns the effective mode."""
+    mode = pacer.checks.reset_mode(mode)
+    with pacer._lock:
+        pacer._check_open()
+        if pacer.resetting:
+            raise ResetInProgressError("a Reset is already running; wait for it to finish")
+        if resume:
+            pacer.checks.check_weight_version(weight_version, pacer.weight_version)
+        mode = pacer._default_mode if mode == ResetMode.UNSPECIFIED else mode
+        now = pacer._clock()
+        pacer.resetting = True
+        if not pacer.paused:
+            pacer.paused = True
+            pacer._pause_started = now
+        elif pacer._pause_started is None:
+            pacer._pause_started = now
+        pacer._reset_ready_at = None
+        pacer._emit(ControlEventType.PAUSE, mode)
+        pacer._notify()
+        pacer._record(ResetBegun(now, mode, resume, weight_version))
+        return mode
+
+
+def ready(pacer: "Pacer") -> bool:
+    """Step 2's condition: every running group holds all its trajectories (any status)."""
+    with pacer._lock:
+        is_ready = pacer._complete_inflight == len(pacer._inflight)
+        if is_ready and pacer._reset_ready_at is None and pacer.resetting:
+            pacer._reset_ready_at = pacer._clock()
+        return is_ready
+
+
+def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_id: str) -> ResetResult:
+    """Steps 3-6: restore complete groups, drop incomplete ones, clear, close the step, optionally resume."""
+    with pacer._lock:
+        if not pacer.resetting:
+            raise ResetInProgressError("finish_reset without begin_reset")
+        now = pacer._clock()
+        ready(pacer)
+        ready_at_recorded = pacer._reset_ready_at
+        restored: list[TrajectoryGroup] = []
+        dropped: list[str] = []
+        for group in sorted(pacer._inflight.values(), key=lambda g: g.seq):
+            if group.complete:
+                restored.append(group.to_group())
+            else:
+                dropped.append(group.prompt_id)
+        pacer.totals["restored"] += len(restored)
+        pacer.totals["dropped"] += len(dropped)
+        expired, pacer._expired_groups = pacer._expired_groups, []
+        pacer._expired_prompts = set()
+        for group in (*restored, *expired):
+            pacer._held_bytes -= bytes_of(group.trajectories)
+        for prompt_id in dropped:
+            pacer._held_bytes -= bytes_of(pacer._inflight[prompt_id].trajectories.values())
+        pacer._hooks.on_reset()
+        pacer._inflight.clear()
+        pacer._held.clear()
+        pacer._leases.forget_running()
+        pacer._complete_inflight = 0
+        pacer._queued_trajectories = 0
+        pacer._accepted.clear()
+        pacer._past_generation_prompts.append(pacer._generation_prompts)
+        pacer._generation_prompts = set()
+        pacer.generation += 1
+        ready_at = pacer._reset_ready_at if pacer._reset_ready_at is not None else now
+        pause_delay = max(0.0, ready_at - (pacer._pause_started or ready_at))
+        report = pacer._tally.report(pacer.step, len(pacer._buffer), len(restored), len(dropped), pause_delay)
+        pacer._reports.append(report)
+        pacer._tally = StepTally()
+        pacer.resetting = False
+        if resume:
+            _resume_locked(pacer, weight_version)
+        pacer._notify()
+        result = ResetResult(restored, dropped, pause_delay, pacer.generation, pacer.step, pacer.weight_version,
+                             pacer.paused, report, expired)
+        pacer._record(ResetFinished(now, ready_at_recorded, resume, weight_version, request_id))
+        if pacer.journal is not None:
+            # The step boundary is the natural checkpoint: nothing is in flight, so the snapshot is small. It
+            # replaces this Reset's event, so it must hold the answer a retry of this Reset gets (remembered
+            # again by the caller's wrapper, which keeps the first).
+            pacer.answers.remember("Reset", request_id, result)
+            pacer.last_ticket = pacer.journal.snapshot(pacer.export_state())
+        return result
+
+
+def abandon(pacer: "Pacer") -> None:
+    """A Reset that cannot finish (shutdown): leave the pause on, allow a later Reset."""
+    with pacer._lock:
+        pacer.resetting = False
+        pacer._notify()
+        pacer._record(ResetAbandoned(pacer._clock()))
+
+
+def resume(pacer: "Pacer", weight_version: int, request_id: str) -> ResumeResult:
+    """step += 1, record the weight version, reopen dispatch, tell watchers."""
+    with pacer._lock:
+        pacer._check_open()
+        if pacer.resetting:
+            raise ResetInProgressError("a Reset is running; it resumes when it finishes (Reset with resume=true)")
+        pacer.checks.check_weight_version(weight_version, pacer.weight_version)
+        _resume_locked(pacer, weight_version)
+        pacer._notify()
+        pacer._record(Resumed(pacer._clock(), weight_version, request_id))
+        return ResumeResult(pacer.step, pacer.weight_version)
+
+
+def _resume_locked(pacer: "Pacer", weight_version: Optional[int]) -> None:
+    pacer.step += 1
+    if weight_version is not None:
+        pacer.weight_version = weight_version
+    pacer.paused = False
+    pacer._pause_started = None
+    pacer._emit(ControlEventType.RESUME)

@@ -1,0 +1,127 @@
+"""Waiting, kept apart from the pacing rule: a long-poll is a `Poll` (the rule's side), run by a waiter (this side).
+
+The Pacer says once, per operation, when a call can be answered (`Poll.attempt`) and what it answers
+when the wait ends unanswered (`Poll.give_up`). How a caller waits is the waiter's business: a thread
+blocks on a condition of the pacer's lock (`ThreadWaits`, for in-process callers: tests, the simulator,
+embedding without a network), a coroutine awaits a future (`LoopWaits`, for the asyncio server). Both run
+every poll the same way: attempt now; then, until the deadline or the pacer closes, attempt again after
+every change; then give up.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Callable, Optional, Protocol, TypeVar
+
+from .errors import ResourceExhaustedError
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+# Retry delay suggested to a long-poll refused because server.max_waiting_calls callers already wait.
+WAITERS_RETRY_AFTER_SECONDS = 1.0
+
+
+class Poll(Protocol[R_co]):
+    """One waiting call, as the rule sees it."""
+
+    def attempt(self) -> Optional[R_co]:
+        """The answer if the call can be answered now, else None (not yet). Takes the pacer lock itself."""
+
+    def give_up(self) -> R_co:
+        """The answer when the wait ends unanswered: the deadline passed or the pacer closed."""
+
+
+class ThreadWaits:
+    """Blocking waits for in-process callers, who hold the pacer's lock: the wait releases it."""
+
+    def __init__(self, lock: threading.RLock, clock: Callable[[], float], closed: Callable[[], bool]):
+        self._changed = threading.Condition(lock)
+        self._clock = clock
+        self._closed = closed
+        self.blocked = 0  # threads waiting now: the pacer skips the wake-up when there are none
+        # Called (holding the lock) each time a thread starts waiting; a public hook for tests and tracing.
+        self.on_block: Optional[Callable[[], None]] = None
+
+    def wake_all(self) -> None:
+        self._changed.notify_all()
+
+    def until(self, poll: Poll[R], wait: float) -> R:
+        result = poll.attempt()
+        if result is not None:
+            return result
+        deadline = self._clock() + max(0.0, wait)
+        while not self._closed():
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                break
+            self.blocked += 1
+            try:
+                if self.on_block is not None:
+                    self.on_block()
+                self._changed.wait(remaining)
+            finally:
+                self.blocked -= 1
+            result = poll.attempt()
+            if result is not None:
+                return result
+        return poll.give_up()
+
+
+class LoopWaits:
+    """Waits for coroutines on one event loop: each awaits the next change, with a bound and a cap on waiters."""
+
+    def __init__(self, closed: Callable[[], bool], max_wait_seconds: float, max_waiting_calls: int):
+        self._closed = closed
+        self.max_wait_seconds = max_wait_seconds
+        self.max_waiting_calls = max_waiting_calls
+        self._change: Optional[asyncio.Future] = None
+        self.waiting_calls = 0
+
+    @property
+    def anyone_waiting(self) -> bool:
+        return self._change is not None
+
+    def wake_all(self) -> None:
+        """Every waiter attempts again; call on the loop's thread."""
+        change, self._change = self._change, None
+        if change is not None and not change.done():
+            change.set_result(None)
+
+    def clamp(self, wait: float) -> float:
+        return min(max(0.0, float(wait)), self.max_wait_seconds)
+
+    async def until(self, poll: Poll[R], wait: float, capped: bool = True) -> R:
+        """As ThreadWaits.until, for at most max_wait_seconds.
+
+        `capped`: refuse with ResourceExhaustedError, before waiting at all, when max_waiting_calls callers
+        already wait (Reset is not capped: only one runs at a time, and it must finish).
+        """
+        result = poll.attempt()
+        if result is not None or wait <= 0:
+            return result if result is not None else poll.give_up()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.clamp(wait)
+        first = True
+        while True:
+            if self._change is None:  # taken before the attempt, so no wake-up is lost
+                self._change = loop.create_future()
+            change = self._change
+            if self._closed():
+                return poll.give_up()
+            result = poll.attempt()
+            if result is not None:
+                return result
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return poll.give_up()
+            if first and capped and self.waiting_calls >= self.max_waiting_calls:
+                raise ResourceExhaustedError(
+                    f"{self.waiting_calls} long-polls are already waiting (server.max_waiting_calls = "
+                    f"{self.max_waiting_calls}); retry in {WAITERS_RETRY_AFTER_SECONDS:g}s or poll with "
+                    f"wait_seconds = 0", retry_after=WAITERS_RETRY_AFTER_SECONDS, reason="TOO_MANY_WAITERS")
+            first = False
+            self.waiting_calls += 1
+            try:
+                await asyncio.wait((change,), timeout=remaining)
+            finally:
+                self.waiting_calls -= 1

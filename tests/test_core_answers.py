@@ -1,0 +1,55 @@
+"""The one retry mechanism: a request_id answered once gets that answer again, whether the call changed anything."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coda_server.core import InvalidArgumentError, PromptRef, Trajectory
+from coda_server.core.async_pacer import AsyncPacer
+
+
+def test_in_process_a_retry_gets_the_first_answer_even_of_a_call_that_changed_nothing(core_pacer):
+    pacer = core_pacer("no-window", B=1, stale=0.0, N=1)  # window of one group
+    peek = pacer.dispatch([], request_id="peek-1")
+    assert peek.remaining == 1
+    pacer.dispatch([PromptRef("a")])  # the window is full now
+    # The peek changed nothing, yet its retry answers what the first call saw, not the state now.
+    assert pacer.dispatch([], request_id="peek-1") == peek
+    assert pacer.dispatch([], request_id="peek-2").remaining == 0
+    empty = pacer.collect_now(1, request_id="c-1")
+    assert empty.groups == [] and empty.timed_out
+    pacer.submit([Trajectory("a/t0", "a")])
+    assert pacer.collect_now(1, request_id="c-1") == empty  # remembered: the retry does not take the new group
+    assert [g.prompt_id for g in pacer.collect_now(1, request_id="c-2").groups] == ["a"]
+
+
+def test_in_process_a_failed_call_is_not_remembered_and_its_retry_runs_again(core_pacer):
+    pacer = core_pacer("no-window", B=1, stale=0.0, N=1)
+    with pytest.raises(InvalidArgumentError):
+        pacer.dispatch([PromptRef("a", ds_index=7)], request_id="d-1")
+    assert [a.prompt_id for a in pacer.dispatch([PromptRef("a")], request_id="d-1").admitted] == ["a"]
+    assert pacer.state().dispatched == 1
+
+
+def test_the_asyncio_face_remembers_every_answer_a_submit_and_a_peek_included(core_pacer):
+    pacer = core_pacer("no-window", B=1, stale=0.0, N=2)
+    facade = AsyncPacer(pacer)
+
+    async def run():
+        facade.bind_loop()
+        try:
+            peek = await facade.dispatch([], request_id="peek")
+            await facade.dispatch([PromptRef("a")], request_id="d")
+            batch = [Trajectory("a/t0", "a"), Trajectory("a/t1", "a")]
+            first = await facade.submit(batch, request_id="s")
+            again = await facade.submit(batch, request_id="s")
+            return peek, await facade.dispatch([], request_id="peek"), first, again
+        finally:
+            facade.drain()
+
+    peek, peek_again, first, again = asyncio.run(run())
+    assert peek_again == peek and peek.remaining == 1
+    # The retry gets the first answer (2 accepted), not the answer a second call would get (2 duplicates).
+    assert (first.accepted, first.duplicates) == (2, 0) and again == first
+    assert pacer.state().duplicates == 0 and pacer.state().submitted == 2
