@@ -168,7 +168,9 @@ def render_report(report: StepReport) -> str:
     """One line for the latest step report (the seed framework's step-boundary metrics)."""
     return (f"step {report.step} report: pipeline_buf_size {report.pipeline_buf_size}  filter_drop {report.filter_drop}  "
             f"partial_ratio {report.partial_ratio:.3f}  partial_span_max {report.partial_span_max}  "
-            f"restored {report.partial_restored_count}  dropped_incomplete {report.partial_dropped_incomplete_count}  "
+            f"restored {report.partial_restored_group_count} ({report.partial_restored_count} traj)  "
+            f"dropped_incomplete {report.partial_dropped_incomplete_group_count} "
+            f"({report.partial_dropped_incomplete_count} traj)  "
             f"pause_delay {report.pause_delay:.3f}s")
 
 

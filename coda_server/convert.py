@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Iterable, Optional, Sequence
 
 from coda_client._proto import pacer_pb2 as pb
@@ -38,6 +40,44 @@ class ProtoTrajectories:
 
 
 _STATUSES = {int(status): status for status in TrajectoryStatus}
+_NO_METADATA: Mapping[str, str] = MappingProxyType({})
+_MetadataEntry = pb.Trajectory.MetadataEntry
+
+
+class WireMetadata(Mapping):
+    """A trajectory's metadata map for strategies and filters to read, decoded from the pass-through view's raw
+    entries only when first read (the server itself never reads it)."""
+
+    __slots__ = ("_entries", "_decoded")
+
+    def __init__(self, entries: Sequence[bytes]):
+        self._entries = entries
+        self._decoded: Optional[dict[str, str]] = None
+
+    def _map(self) -> dict[str, str]:
+        if self._decoded is None:
+            decoded = {}
+            for raw in self._entries:  # a later entry for the same key wins, as protobuf's map parsing does
+                entry = _MetadataEntry.FromString(raw)
+                decoded[entry.key] = entry.value
+            self._decoded = decoded
+        return self._decoded
+
+    def __getitem__(self, key: str) -> str:
+        return self._map()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map())
+
+    def __len__(self) -> int:
+        return len(self._map())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WireMetadata):
+            return list(self._entries) == list(other._entries) or self._map() == other._map()
+        return Mapping.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # a mapping
 
 
 # Called through the class: upb looks an attribute up among the message's fields before its methods, so
@@ -65,6 +105,7 @@ def trajectories(messages: Sequence[wire.Trajectory], sizes: Sequence[int]) -> l
     violations = []
     for i, (m, size) in enumerate(zip(messages, sizes)):
         tokens, logprobs, mask = m.token_ids, m.logprobs, m.loss_mask
+        num_tokens = 0
         if tokens or logprobs or mask:
             counts = {"token_ids": wire.varint_count(tokens) if tokens else 0,
                       "logprobs": wire.fixed32_count(logprobs) if logprobs else 0,
@@ -73,6 +114,7 @@ def trajectories(messages: Sequence[wire.Trajectory], sizes: Sequence[int]) -> l
             if problem:
                 violations.append((f"trajectories[{i}]", problem))
                 continue
+            num_tokens = counts["token_ids"]
         converted.append(Trajectory(
             trajectory_id=m.trajectory_id,
             prompt_id=m.prompt_id,
@@ -85,6 +127,8 @@ def trajectories(messages: Sequence[wire.Trajectory], sizes: Sequence[int]) -> l
             num_turns=m.num_turns,
             body=m,
             size_bytes=size,
+            metadata=WireMetadata(m.metadata) if m.metadata else _NO_METADATA,
+            num_tokens=num_tokens,
         ))
     if violations:
         raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
@@ -166,6 +210,7 @@ def reset_response(result: ResetResult) -> wire.ResetResponse:
         weight_version=result.weight_version, paused=result.paused,
         report=step_report(result.report, wire.StepReport),
         expired=[group_message(g) for g in result.expired],
+        quarantined=[group_message(g) for g in result.quarantined],
     )
 
 
@@ -176,12 +221,13 @@ def resume_response(result: ResumeResult) -> pb.ResumeResponse:
 STATE_FIELDS = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version",
                 "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed",
                 "filtered", "restored", "dropped", "stale_rejected", "duplicates", "waiting_calls", "expired",
-                "redelivered", "leased", "held_bytes")
+                "redelivered", "leased", "held_bytes", "quarantined")
 
 
 def state_response(state: PacerState) -> pb.GetStateResponse:
     return pb.GetStateResponse(config_summary=state.config_summary,
                                recent_reports=[step_report(r) for r in state.recent_reports],
+                               recent_incidents=[pb.Incident(**dataclasses.asdict(i)) for i in state.recent_incidents],
                                **{name: getattr(state, name) for name in STATE_FIELDS})
 
 

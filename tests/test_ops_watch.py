@@ -85,4 +85,6 @@ def test_state_json_is_one_object_for_scripts(server):
     state = json.loads(text)
     assert state["window_size"] == 6 and state["strategy"] == "no-window"
     assert {"running", "buffered", "capacity", "step", "weight_version", "paused", "waiting_calls"} <= state.keys()
-    assert state["recent_reports"][0]["partial_dropped_incomplete_count"] == 1
+    # a1 was dropped before any of its trajectories came: one group, no trajectories (LoongSage's unit).
+    assert state["recent_reports"][0]["partial_dropped_incomplete_group_count"] == 1
+    assert state["recent_reports"][0]["partial_dropped_incomplete_count"] == 0

@@ -21,6 +21,7 @@ class Limits:
     max_collect: int = 65536  # groups per Collect
     remembered_generations: int = 16  # Reset generations whose prompt ids are told apart from unknown ones
     step_reports_kept: int = 32
+    incidents_kept: int = 32  # for GetState's recent_incidents
     answers_kept: int = 65536  # request-id answers kept per method (request_id_cache_size)
     data_answers_kept: int = DATA_ANSWERS_KEPT  # the same for Collect and Reset, whose answers carry trajectories
     inflight_lease_seconds: float = 0.0  # 0: running groups never expire
@@ -42,6 +43,7 @@ class Limits:
             max_collect=int(server.get("max_collect_groups", defaults.max_collect)),
             remembered_generations=int(server.get("remembered_generations", defaults.remembered_generations)),
             step_reports_kept=int(server.get("step_reports_kept", defaults.step_reports_kept)),
+            incidents_kept=int(server.get("incidents_kept", defaults.incidents_kept)),
             answers_kept=answers_kept,
             data_answers_kept=min(answers_kept, DATA_ANSWERS_KEPT),
             inflight_lease_seconds=float(server.get("inflight_lease_seconds", 0) or 0),
