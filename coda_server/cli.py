@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .core.config import RESET_MODES_BY_PARTIAL, config_summary, load_config
+from .core.config import config_summary, load_config
 from .core.errors import ConfigError, RecoveryError
 from .core.journal import StateDirError
 from .logs import TEXT_FORMAT, configure_logging, fields
@@ -122,6 +122,6 @@ def pacing_summary(config, window: int) -> dict[str, str]:
         "M": summary["mini_batch_size"],
         "stale_steps": summary["stale_steps"],
         "C": str(window),
-        "reset mode": RESET_MODES_BY_PARTIAL[bool(config.rollout.partial)],
+        "reset mode": summary["reset_mode"],
         "filters": summary["filters"] or "none",
     }

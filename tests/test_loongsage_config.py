@@ -94,7 +94,8 @@ def test_cli_composes_a_loongsage_layout_with_hydra_and_getstate_shows_the_compo
     assert summary["stale_steps"] == "2.0"
     assert summary["num_prompts_per_step"] == "8" and summary["num_trajectories_per_prompt"] == "2"
     assert summary["mini_batch_size"] == "4"
-    assert summary["rollout_partial"] == "true"
+    assert summary["rollout_partial"] == "true" and summary["reset_mode"] == "abort"
+    assert summary["window_size"] == "24"  # C = int(B * (1 + stale_steps)) = int(8 * 3.0)
     # default.yaml's `status` came in through the defaults list, the run config added `reward`, the override
     # turned `status` off again (LoongSage's merge rule for filter mappings).
     assert summary["filters"] == "reward"

@@ -15,7 +15,7 @@ from .errors import ConfigError
 from .filters import FILTERS, filter_problems, filter_specs, normalize_filters
 from .journal import FSYNC_POLICIES
 from .plugins import load_custom_modules
-from .strategy import STRATEGIES
+from .strategy import STRATEGIES, window_size
 
 RESET_MODES_BY_PARTIAL = {True: "abort", False: "wait"}
 _ABSENT = object()
@@ -387,7 +387,8 @@ def parse_host_port(value: Any) -> Optional[tuple[str, int]]:
 
 
 def config_summary(config: Any) -> dict[str, str]:
-    """The few settings that explain the window, as strings for GetState."""
+    """The effective pacing settings (strategy, B, N, M, stale_steps, C, reset mode, filters), as strings for
+    GetState and the start-up line."""
     source = config.data_sources[0]
     return {
         "sliding_window": str(config.fully_async.sliding_window),
@@ -395,8 +396,11 @@ def config_summary(config: Any) -> dict[str, str]:
         "num_prompts_per_step": str(source.num_prompts_per_step),
         "num_trajectories_per_prompt": ",".join(str(s.num_trajectories_per_prompt) for s in config.data_sources),
         "mini_batch_size": str(config.trainer.mini_batch_size),
+        "window_size": str(window_size(config)),
         "rollout_partial": str(config.rollout.partial).lower(),
+        "reset_mode": RESET_MODES_BY_PARTIAL[bool(config.rollout.partial)],
         "filters": ",".join(name for name, _ in filter_specs(config.rollout.filter)),
+        "train_on_failed": str(bool(config.rollout.get("train_on_failed", False))).lower(),
     }
 
 

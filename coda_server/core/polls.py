@@ -63,6 +63,7 @@ class CollectPoll:
     def give_up(self) -> CollectResult:
         pacer = self._pacer
         with pacer._lock:
+            pacer.report_incidents()
             available = len(pacer._buffer)
             if available >= self._num_groups:
                 return pacer.apply_take(self._num_groups, False, self._request_id, self._lease_seconds)
