@@ -362,10 +362,8 @@ class Pacer:
 
     def _collect_ready(self, completed: Iterable[InflightGroup]) -> None:
         for group in completed:
-            try:
-                collectable = self._hooks.will_collect(MappingProxyType(group.trajectories))
-            except Exception as exc:
-                self._quarantine_after_hook(group, "will_collect", exc)
+            collectable = self._ask_gate(group)
+            if collectable is None:  # the gate raised: quarantined
                 continue
             if collectable:
                 self._move_out(group)
@@ -393,10 +391,8 @@ class Pacer:
                 group = self._inflight.get(prompt_id)
                 if group is None or group.seq != seq or not group.held:
                     continue
-                try:
-                    collectable = self._hooks.will_collect(MappingProxyType(group.trajectories))
-                except Exception as exc:
-                    self._quarantine_after_hook(group, "will_collect", exc)
+                collectable = self._ask_gate(group)
+                if collectable is None:  # the gate raised: quarantined
                     continue
                 if collectable:
                     self._move_out(group)
@@ -407,6 +403,14 @@ class Pacer:
             for entry in still_held:
                 heapq.heappush(self._held, entry)
         self._strategy_touched = False
+
+    def _ask_gate(self, group: InflightGroup) -> Optional[bool]:
+        """The strategy's will_collect for a complete group; None when it raised (the group is quarantined)."""
+        try:
+            return bool(self._hooks.will_collect(MappingProxyType(group.trajectories)))
+        except Exception as exc:
+            self._quarantine_after_hook(group, "will_collect", exc)
+            return None
 
     def _move_out(self, group: InflightGroup) -> None:
         """The group leaves the trajectory queue: into the buffer, dropped by a filter, or quarantined."""
