@@ -30,6 +30,7 @@ from coda_client._proto import pacer_pb2
 
 from .core.async_pacer import AsyncPacer
 from .core.config import parse_host_port
+from .core.errors import NotReadyError
 from .core.types import ControlEvent, ControlEventType, PacerState, ResetMode, StepReport, TrajectoryGroup
 from .logs import AccessLog, fields
 
@@ -327,13 +328,26 @@ STEP_REPORT_GAUGES = (
 
 
 class PacerCollector:
-    """`coda_pacer_*` gauges and counters, read from the pacer's state at each scrape."""
+    """`coda_server_ready` / `coda_server_recovering`, then the `coda_pacer_*` gauges and counters, read from the
+    pacer's state at each scrape. While the state is rebuilt there is no state to read: only the first two."""
 
-    def __init__(self, async_pacer: AsyncPacer):
+    def __init__(self, async_pacer: AsyncPacer, ready: Callable[[], bool]):
         self._pacer = async_pacer
+        self._ready = ready
 
     def collect(self) -> Iterable[Any]:
-        state = self._pacer.state()  # takes the pacer lock once; the scrape runs in the HTTP thread
+        recovering = self._pacer.recovering
+        yield GaugeMetricFamily("coda_server_ready", "1 while the server takes pacer calls (readiness SERVING), "
+                                "else 0 (starting, recovering, draining, or the state directory failed).",
+                                value=float(self._ready() and not recovering))
+        yield GaugeMetricFamily("coda_server_recovering", "1 while the state is rebuilt from server.state_dir "
+                                "(pacer calls answer UNAVAILABLE, reason RECOVERING), else 0.", value=float(recovering))
+        if recovering:
+            return
+        try:
+            state = self._pacer.state()  # takes the pacer lock once; the scrape runs in the HTTP thread
+        except NotReadyError:  # recovery started after the check above
+            return
         info = GaugeMetricFamily("coda_pacer_info", "The pacing strategy; always 1.", labels=["strategy"])
         info.add_metric([state.strategy], 1)
         yield info
@@ -385,7 +399,8 @@ class Observability:
         self.registry = CollectorRegistry()
         self.grpc_metrics = GrpcServerMetrics(self.registry)
         self.grpc_metrics.initialize(pacer_pb2.DESCRIPTOR.services_by_name["RolloutPacer"])
-        self.registry.register(PacerCollector(async_pacer))
+        self.ready = False  # readiness as the health service reports it; PacerServer sets it
+        self.registry.register(PacerCollector(async_pacer, lambda: self.ready))
         self.consumption = ConsumptionMetrics(self.registry)
         async_pacer.pacer.add_consume_listener(self.consumption.on_consumed)
         async_pacer.pacer.add_control_listener(log_control_event(async_pacer.pacer.state))

@@ -126,9 +126,15 @@ class PacerServer:
             await self.health_server.start()
         await self._recover()
         self.async_pacer.on_journal_failure = self._journal_failed
-        for name in ("", "readiness", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_readiness(True)
         return self.ports
+
+    async def _set_readiness(self, serving: bool) -> None:
+        """Readiness as every probe sees it: the health service (all but liveness) and the metrics."""
+        self.observability.ready = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", "readiness", SERVICE_NAME):
+            await self.health.set(name, status)
 
     async def _recover(self) -> None:
         """Rebuild the state from server.state_dir, off the event loop; until then pacer calls get UNAVAILABLE."""
@@ -152,13 +158,11 @@ class PacerServer:
         self._journal_failure_reported = True
         log.error("state directory %s can no longer be written (%s): readiness NOT_SERVING, changes refused "
                   "with UNAVAILABLE; restart the server once the disk is fixed", self.journal.directory, error)
-        for name in ("", "readiness", SERVICE_NAME):
-            asyncio.ensure_future(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        asyncio.ensure_future(self._set_readiness(False))
 
     async def drain(self) -> None:
         """Stop taking work: readiness NOT_SERVING, waiting long-polls answered now, watchers told SHUTDOWN."""
-        for name in ("", "readiness", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_readiness(False)
         self.async_pacer.drain()
 
     async def stop(self, grace: Optional[float] = None) -> None:

@@ -5,8 +5,9 @@ service with their (de)serializers."""
 from __future__ import annotations
 
 import functools
+import inspect
 import math
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
@@ -22,8 +23,22 @@ from .status import status_for
 DEADLINE_MARGIN_SECONDS = 0.05
 
 
-def maps_errors(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
-    """Turn a core PacerError into the status code of the architecture's table, with rich details."""
+def maps_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a core PacerError into the status code of the architecture's table, with rich details.
+
+    Wraps unary handlers (coroutines) and streaming ones (async generators) alike; every RPC method of
+    the servicer must carry it (tests/test_service_status.py checks)."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for response in method(self, request, context):
+                    yield response
+            except PacerError as error:
+                await context.abort_with_status(status_for(error))
+
+        stream.maps_errors = True  # type: ignore[attr-defined]
+        return stream
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
@@ -32,6 +47,7 @@ def maps_errors(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
         except PacerError as error:
             await context.abort_with_status(status_for(error))
 
+    wrapper.maps_errors = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -93,6 +109,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
         return convert.state_response(self._pacer.state())
 
+    @maps_errors
     async def WatchControl(self, request: pb.WatchControlRequest, context) -> AsyncIterator[pb.ControlEvent]:
         async for event in self._pacer.watch():
             yield convert.control_event(event)

@@ -71,8 +71,7 @@ def scratch_registry():
     from coda_server.core.strategy import STRATEGIES
 
     load_custom_modules([str(EXAMPLE_STRATEGIES)])
-    saved = {registry: dict(registry._classes) for registry in (STRATEGIES, FILTERS)}
+    saved = {registry: registry.saved() for registry in (STRATEGIES, FILTERS)}
     yield
     for registry, classes in saved.items():
-        registry._classes.clear()
-        registry._classes.update(classes)
+        registry.restore(classes)

@@ -62,7 +62,7 @@ def test_retries_of_a_running_call_share_its_error_and_a_later_retry_runs_again(
     from coda_server.core.answers import AnswerBook
     from coda_server.core.limits import Limits
 
-    answers = AnswerBook(Limits(), threading.RLock(), check_request_id=lambda request_id: None)
+    answers = AnswerBook(Limits.shipped(), threading.RLock(), check_request_id=lambda request_id: None)
     runs = []
 
     async def run():

@@ -26,22 +26,17 @@ def traj(pid, i, status=OK, reward=None, ds=0, body=None):
 
 
 def snapshot(pacer):
-    """Everything observable plus the internal queues, deep-copied."""
-    with pacer._lock:
-        return copy.deepcopy({
-            "state": pacer.state(),
-            "buffer": [(prio, g.prompt_id, g.seq, [(t.trajectory_id, t.status, t.reward, t.body) for t in g.trajectories])
-                       for prio, g in pacer._buffer],
-            "inflight": {pid: (g.seq, g.ds_index, g.held, dict(g.trajectories)) for pid, g in pacer._inflight.items()},
-            "held": list(pacer._held),
-            "accepted": dict(pacer._accepted),
-            "generation_prompts": set(pacer._generation_prompts),
-            "past": [set(s) for s in pacer._past_generation_prompts],
-            "next_seq": pacer._next_seq,
-            "complete_inflight": pacer._complete_inflight,
-            "strategy_running": pacer._strategy.running_count,
-            "flags": (pacer.paused, pacer.resetting, pacer.step, pacer.weight_version, pacer.generation),
-        })
+    """Everything observable, deep-copied: the state, the running groups, and what a snapshot would keep."""
+    exported = pacer.export_state()
+    del exported["totals"]  # the state's counters
+    return copy.deepcopy({
+        "state": pacer.state(),
+        "running": [(g.prompt_id, g.seq, g.ds_index, [(t.trajectory_id, t.status, t.reward, t.body)
+                                                     for t in g.trajectories]) for g in pacer.running_groups()],
+        "exported": exported,
+        "strategy_running": pacer.strategy.running_count,
+        "flags": (pacer.paused, pacer.resetting, pacer.step, pacer.weight_version, pacer.generation),
+    })
 
 
 @pytest.fixture(params=["no-window", "window-gated", "windowed-fifo"])

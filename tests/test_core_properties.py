@@ -136,7 +136,7 @@ def check(pacer: Pacer, model: Model) -> None:
         generation=model.generation, weight_version=model.weight_version, **model.totals)
     actual = {key: getattr(s, key) for key in expected}
     assert actual == expected
-    assert pacer._strategy.running_count == len(model.inflight)
+    assert pacer.strategy.running_count == len(model.inflight)
 
 
 STATUSES = st.sampled_from([OK, OK, OK, FAILED, ABORTED])

@@ -372,7 +372,7 @@ def test_reset_restores_complete_drops_incomplete_keeps_buffer(core_pacer, strat
     assert (st.running, st.buffered, st.queued_trajectories, st.generation) == (0, 1, 0, before.generation + 1)
     assert st.restored == len(restored) and st.dropped == len(expected_dropped)
     assert st.invariant_holds()
-    assert pacer._strategy.running_count == 0
+    assert pacer.strategy.running_count == 0
     # The window is back to C - Q (Q = the kept p0).
     assert st.capacity == c - 1
 

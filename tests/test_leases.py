@@ -11,6 +11,7 @@ from coda_server.core import (
     PromptRef,
     ResourceExhaustedError,
     Trajectory,
+    default_config_path,
     load_config,
 )
 from coda_server.core.errors import LeaseExpiredError, UnknownLeaseError
@@ -137,6 +138,18 @@ def test_byte_cap_counts_queued_and_buffered_bytes_and_frees_them_on_consumption
     assert pacer.state().held_bytes == 200
 
 
+def test_a_group_a_filter_drops_frees_its_bytes_at_once():
+    # group() gives every trajectory reward 0: the reward filter drops each group as it completes.
+    pacer, _ = make_pacer("server.max_held_bytes=300", "server.inflight_lease_seconds=0", "rollout.filter=[reward]")
+    pacer.dispatch([PromptRef("a"), PromptRef("b")])
+    pacer.submit(group("a", size=100))
+    state = pacer.state()
+    assert (state.filtered, state.buffered, state.held_bytes) == (1, 0, 0)
+    # Were a's 200 bytes still counted, b's 200 would be refused as over the 300-byte cap.
+    assert pacer.submit(group("b", size=100)).accepted == 2
+    assert pacer.state().held_bytes == 0 and pacer.state().filtered == 2
+
+
 def test_ack_and_redelivery_over_grpc(tmp_path):
     with ServerProcess(tmp_path, "data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=1",
                        "trainer.mini_batch_size=1") as server, PacerClient(server.address) as pacer:
@@ -179,3 +192,22 @@ def test_recovery_gives_in_flight_and_collect_leases_their_full_time_on_the_new_
     state = pacer.state()
     assert (state.expired, state.redelivered, state.buffered) == (1, 1, 2) and state.invariant_holds()
     pacer.journal.close()
+
+
+def test_a_configuration_without_the_lease_key_gets_the_shipped_default_lease():
+    """One default for server.inflight_lease_seconds, the shipped file's: a Pacer built from a configuration
+    that lacks the key (an embedding's own OmegaConf) reclaims silent groups after it too."""
+    from omegaconf import OmegaConf
+
+    shipped = float(OmegaConf.load(default_config_path()).server.inflight_lease_seconds)
+    assert shipped > 0
+    config = load_config(overrides=["fully_async.sliding_window=no-window"])
+    OmegaConf.set_struct(config, False)
+    del config.server["inflight_lease_seconds"]
+    clock = FakeClock()
+    pacer = Pacer(config, clock=clock)
+    pacer.dispatch([PromptRef("a")])
+    clock.now += shipped - 1
+    assert pacer.expire_leases() == ([], [])
+    clock.now += 2
+    assert pacer.expire_leases() == (["a"], [])

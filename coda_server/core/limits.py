@@ -1,8 +1,14 @@
 """The server's bounds on requests and held state (`Limits`), read from the `server.*` configuration once."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from omegaconf import OmegaConf
+
+from .config import default_config_path
 
 # Request ids (client-made, e.g. UUIDs) and lease ids (server-made) may always be this long, whatever max_id_length.
 OPAQUE_ID_MIN_LIMIT = 128
@@ -10,43 +16,59 @@ OPAQUE_ID_MIN_LIMIT = 128
 DATA_ANSWERS_KEPT = 16
 
 
+# Limits field -> its server.* key. Every default is the shipped conf/default.yaml's, nowhere else.
+SERVER_KEYS = {
+    "max_id_length": "max_id_length",
+    "max_candidates": "max_dispatch_candidates",
+    "max_trajectories": "max_submit_trajectories",
+    "max_collect": "max_collect_groups",
+    "remembered_generations": "remembered_generations",
+    "step_reports_kept": "step_reports_kept",
+    "incidents_kept": "incidents_kept",
+    "answers_kept": "request_id_cache_size",
+    "inflight_lease_seconds": "inflight_lease_seconds",
+    "max_buffered_groups": "max_buffered_groups",
+    "max_held_bytes": "max_held_bytes",
+}
+
+
 @dataclass(frozen=True)
 class Limits:
     """Every `server.*` bound the pacing core enforces; built once per Pacer by `Limits.from_config`."""
 
-    max_id_length: int = 512  # prompt and trajectory ids
-    max_opaque_id_length: int = 512  # request and lease ids: never below OPAQUE_ID_MIN_LIMIT (a UUID must fit)
-    max_candidates: int = 65536  # per Dispatch
-    max_trajectories: int = 65536  # per Submit
-    max_collect: int = 65536  # groups per Collect
-    remembered_generations: int = 16  # Reset generations whose prompt ids are told apart from unknown ones
-    step_reports_kept: int = 32
-    incidents_kept: int = 32  # for GetState's recent_incidents
-    answers_kept: int = 65536  # request-id answers kept per method (request_id_cache_size)
-    data_answers_kept: int = DATA_ANSWERS_KEPT  # the same for Collect and Reset, whose answers carry trajectories
-    inflight_lease_seconds: float = 0.0  # 0: running groups never expire
-    max_buffered_groups: int = 0  # 0: unbounded
-    max_held_bytes: int = 0  # 0: unbounded
+    max_id_length: int  # prompt and trajectory ids
+    max_opaque_id_length: int  # request and lease ids: never below OPAQUE_ID_MIN_LIMIT (a UUID must fit)
+    max_candidates: int  # per Dispatch
+    max_trajectories: int  # per Submit
+    max_collect: int  # groups per Collect
+    remembered_generations: int  # Reset generations whose prompt ids are told apart from unknown ones
+    step_reports_kept: int
+    incidents_kept: int  # for GetState's recent_incidents
+    answers_kept: int  # request-id answers kept per method (request_id_cache_size)
+    data_answers_kept: int  # the same for Collect and Reset, whose answers carry trajectories
+    inflight_lease_seconds: float  # 0: running groups never expire
+    max_buffered_groups: int  # 0: unbounded
+    max_held_bytes: int  # 0: unbounded
 
     @classmethod
     def from_config(cls, config: Any) -> "Limits":
-        """The limits of a (validated) configuration; a configuration without `server` gets the defaults."""
+        """The limits of a configuration; a key it lacks (or a configuration without `server`) gets the
+        shipped default of conf/default.yaml."""
         server = config.get("server") or {}
-        defaults = cls()
-        max_id_length = int(server.get("max_id_length", defaults.max_id_length))
-        answers_kept = int(server.get("request_id_cache_size", defaults.answers_kept))
-        return cls(
-            max_id_length=max_id_length,
-            max_opaque_id_length=max(max_id_length, OPAQUE_ID_MIN_LIMIT),
-            max_candidates=int(server.get("max_dispatch_candidates", defaults.max_candidates)),
-            max_trajectories=int(server.get("max_submit_trajectories", defaults.max_trajectories)),
-            max_collect=int(server.get("max_collect_groups", defaults.max_collect)),
-            remembered_generations=int(server.get("remembered_generations", defaults.remembered_generations)),
-            step_reports_kept=int(server.get("step_reports_kept", defaults.step_reports_kept)),
-            incidents_kept=int(server.get("incidents_kept", defaults.incidents_kept)),
-            answers_kept=answers_kept,
-            data_answers_kept=min(answers_kept, DATA_ANSWERS_KEPT),
-            inflight_lease_seconds=float(server.get("inflight_lease_seconds", 0) or 0),
-            max_buffered_groups=int(server.get("max_buffered_groups", 0) or 0),
-            max_held_bytes=int(server.get("max_held_bytes", 0) or 0),
-        )
+        defaults = shipped_server_defaults()
+        values = {name: server.get(key, defaults[key]) for name, key in SERVER_KEYS.items()}
+        numbers: dict[str, Any] = {name: int(value) for name, value in values.items()}
+        numbers["inflight_lease_seconds"] = float(values["inflight_lease_seconds"])
+        return cls(max_opaque_id_length=max(numbers["max_id_length"], OPAQUE_ID_MIN_LIMIT),
+                   data_answers_kept=min(numbers["answers_kept"], DATA_ANSWERS_KEPT), **numbers)
+
+    @classmethod
+    def shipped(cls) -> "Limits":
+        """The limits of the shipped defaults."""
+        return cls.from_config({})
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_server_defaults() -> Mapping[str, Any]:
+    """The `server` section of conf/default.yaml, read once."""
+    return MappingProxyType(dict(OmegaConf.to_container(OmegaConf.load(default_config_path()).server)))

@@ -642,6 +642,16 @@ class Pacer:
         """Rebuild the state from the journal (see recovery.py); returns the number of events replayed."""
         return recovery.recover(self)
 
+    @property
+    def strategy(self) -> Any:
+        """The pacing strategy as configured (a `ThreadSafeStrategy` proxy unless one was passed in)."""
+        return self._strategy
+
+    def running_groups(self) -> list[TrajectoryGroup]:
+        """Copies of the groups in flight (dispatched, not yet out of the trajectory queue), in dispatch order."""
+        with self._lock:
+            return [group.to_group() for group in sorted(self._inflight.values(), key=lambda g: g.seq)]
+
     def state(self) -> PacerState:
         with self._lock:
             return PacerState(

@@ -54,6 +54,15 @@ class Registry(Generic[T]):
     def __contains__(self, name: object) -> bool:
         return name in self._classes
 
+    def saved(self) -> dict[str, T]:
+        """What is registered now, for `restore` (tests that register plugins of their own)."""
+        return dict(self._classes)
+
+    def restore(self, saved: dict[str, T]) -> None:
+        """Forget every registration made since `saved()`."""
+        self._classes.clear()
+        self._classes.update(saved)
+
 
 def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
