@@ -25,7 +25,7 @@ from .inflight import InflightGroup, StepTally, bytes_of
 from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, StaleRejected,
                       Submitted)
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
-from .limits import Limits
+from .limits import Limits, shipped_server_defaults
 from .polls import CollectPoll, DispatchPoll, ResetPoll
 from .strategy import ThreadSafeStrategy, create_strategy, gate_is_ordered, window_size
 from .types import (
@@ -88,7 +88,8 @@ class Pacer:
         # A group still holding a FAILED trajectory after the filters is quarantined, not trained on, unless asked.
         self._train_on_failed = bool(config.rollout.get("train_on_failed", False))
         self._summary = config_summary(config)
-        self.max_wait_seconds = float((config.get("server") or {}).get("max_wait_seconds", 600.0))
+        self.max_wait_seconds = float((config.get("server") or {}).get(
+            "max_wait_seconds", shipped_server_defaults()["max_wait_seconds"]))
         # How often held groups are re-examined with nothing changed (the server's timer; 0: never).
         self.gate_recheck_seconds = float(config.fully_async.get("gate_recheck_seconds", 1.0))
 
