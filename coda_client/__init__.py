@@ -1,6 +1,7 @@
 """Thin Python client of the coda-pacer rollout pacing service (depends only on grpcio and protobuf)."""
 
 from ._channel import TlsConfig
+from .batches import AsyncBatchIterator, BatchIterator, GroupView, MiniBatch, PaddedBatch
 from .client import AsyncControlStream, AsyncPacerClient, ControlStream, PacerClient
 from .errors import (
     BadRequestError,
@@ -39,6 +40,11 @@ __all__ = [
     "ControlStream",
     "AsyncControlStream",
     "TlsConfig",
+    "BatchIterator",
+    "AsyncBatchIterator",
+    "MiniBatch",
+    "GroupView",
+    "PaddedBatch",
     "Trajectory",
     "StepReport",
     "Incident",

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from . import _wire
 from ._channel import LONG_POLL_CAP_SECONDS, call_timeout
 from ._proto import pacer_pb2
+from .arrays import ArrayMode
 from .types import (
     CollectResult,
     DispatchResult,
@@ -56,15 +59,24 @@ def dispatch(
 
 
 def submit(trajectories: Sequence[Trajectory], *, request_id: str | None, timeout: float) -> Call[SubmitResult]:
-    """Submit: all-or-nothing on the server side."""
-    request = pacer_pb2.SubmitRequest(
-        trajectories=[t.to_pb() for t in trajectories], request_id=request_id_or_new(request_id)
-    )
+    """Submit: all-or-nothing on the server side. The request is encoded here, arrays straight from their
+    buffers (see _wire.EncodedSubmitRequest), so an encoding error surfaces before anything is sent."""
+    if isinstance(trajectories, Trajectory):
+        raise TypeError("trajectories must be a list of Trajectory, not a single Trajectory")
+    request = _wire.EncodedSubmitRequest((_trajectory(t).encoded_parts() for t in trajectories),
+                                         request_id_or_new(request_id))
     return Call("Submit", request, timeout, SubmitResult.from_pb)
 
 
+def _trajectory(value: Any) -> Trajectory:
+    if not isinstance(value, Trajectory):
+        raise TypeError(f"Submit takes Trajectory values, not {type(value).__name__}")
+    return value
+
+
 def collect(
-    num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0
+    num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0,
+    arrays: ArrayMode = "list",
 ) -> Call[CollectResult]:
     """Collect: a retried Collect must not take a second batch, hence the request id here too."""
     request = pacer_pb2.CollectRequest(
@@ -74,7 +86,7 @@ def collect(
         request_id=request_id_or_new(request_id),
         lease_seconds=lease,
     )
-    return Call("Collect", request, call_timeout(timeout, wait), CollectResult.from_pb)
+    return Call("Collect", request, call_timeout(timeout, wait), functools.partial(CollectResult.from_pb, arrays_as=arrays))
 
 
 def ack(lease_id: str, *, request_id: str | None, timeout: float) -> Call[int]:
@@ -91,6 +103,7 @@ def reset(
     weight_version: int,
     request_id: str | None,
     timeout: float,
+    arrays: ArrayMode = "list",
 ) -> Call[ResetResult]:
     """Reset: mode "abort", "wait" or None (the server default); wait None leaves wait_seconds absent."""
     request = pacer_pb2.ResetRequest(
@@ -104,7 +117,7 @@ def reset(
     # Absent, a WAIT-mode Reset waits until every running group is assembled, as long as the server allows
     # (server.max_wait_seconds): the deadline must not cut that short.
     deadline = call_timeout(timeout, wait) if wait is not None else max(timeout, LONG_POLL_CAP_SECONDS)
-    return Call("Reset", request, deadline, ResetResult.from_pb)
+    return Call("Reset", request, deadline, functools.partial(ResetResult.from_pb, arrays_as=arrays))
 
 
 def resume(weight_version: int, *, request_id: str | None, timeout: float) -> Call[ResumeResult]:

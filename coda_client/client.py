@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from . import _calls
+from . import _calls, _wire, arrays as _arrays
 from ._calls import Call
 from ._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -26,6 +26,14 @@ from ._channel import (
     resolve_tls,
 )
 from ._proto import pacer_pb2_grpc
+from .batches import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_POLL_SECONDS,
+    AsyncBatchIterator,
+    BatchIterator,
+    _groups_per_batch,
+    group_count,
+)
 from .errors import translate
 from .types import (
     CollectResult,
@@ -139,8 +147,10 @@ class _ClientBase:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         options: ChannelOptions = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        arrays: _arrays.ArrayMode = "list",
     ) -> None:
         self.target = target
+        self.arrays: _arrays.ArrayMode = _arrays.check_mode(arrays)
         self.timeout = float(timeout)
         self._metadata = call_metadata(token)
         # Resolved now so a bad certificate path fails at construction, not at the first call.
@@ -172,7 +182,7 @@ class _ClientBase:
                 self._forget_inherited_channel_locked()
             if self._stub is None:
                 self._channel = self._new_channel()
-                self._stub = pacer_pb2_grpc.RolloutPacerStub(self._channel)
+                self._stub = _wire.passthrough_stub(self._channel)
             return self._stub
 
     def _forget_inherited_channel_locked(self) -> None:
@@ -219,7 +229,7 @@ class _ClientBase:
     ) -> Call[Any]:
         return _calls.collect(
             num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id, timeout=self.timeout,
-            lease=lease,
+            lease=lease, arrays=self.arrays,
         )
 
     def _ack(self, lease_id: str, request_id: str | None) -> Call[Any]:
@@ -228,7 +238,8 @@ class _ClientBase:
     def _reset(self, mode: Any, wait: float | None, resume: bool, weight_version: int,
                request_id: str | None) -> Call[Any]:
         return _calls.reset(
-            mode, wait=wait, resume=resume, weight_version=weight_version, request_id=request_id, timeout=self.timeout
+            mode, wait=wait, resume=resume, weight_version=weight_version, request_id=request_id, timeout=self.timeout,
+            arrays=self.arrays,
         )
 
     def _resume(self, weight_version: int, request_id: str | None) -> Call[Any]:
@@ -244,7 +255,9 @@ class PacerClient(_ClientBase):
     target: "host:port". token: bearer token sent with every call. tls: None (plaintext), True (system
     roots), a TlsConfig or mapping of its fields (root cert, client cert/key for mTLS, server name), or
     grpc.ChannelCredentials. timeout: default deadline in seconds; long-polls get wait + a margin.
-    options: extra gRPC channel arguments, overriding the defaults. Errors raise PacerClientError subclasses.
+    options: extra gRPC channel arguments, overriding the defaults. arrays: how received trajectories hold
+    token_ids, logprobs and loss_mask: "list" (default) or "numpy" (read-only arrays over the received bytes;
+    needs coda-pacer[numpy]). Errors raise PacerClientError subclasses.
     """
 
     def _new_channel(self) -> grpc.Channel:
@@ -298,6 +311,23 @@ class PacerClient(_ClientBase):
         yield result.groups
         if result.lease_id:
             self.ack(result.lease_id)
+
+    def batches(
+        self, mini_batch_size: int, *, group_size: int | None = None, lease: float = DEFAULT_LEASE_SECONDS,
+        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+    ) -> BatchIterator:
+        """The trainer's iterator (docs/trainer.md): packed mini-batches of `mini_batch_size` trajectories
+        (whole groups; group_size defaults to the server's), each from one leased Collect.
+
+        The next Collect runs in the background while the caller trains on the current batch; asking for the
+        next batch (or `ack()`) acknowledges the current one, so a trainer that dies gets its groups delivered
+        again, in order, after `lease` seconds (which must cover a training step plus the prefetch). Stops
+        after `num_batches` batches without prefetching beyond them (a step boundary), on `close()`, or when
+        the server announces its shutdown. Needs NumPy (coda-pacer[numpy]).
+        """
+        num_groups = (group_count(self.state().config_summary, mini_batch_size) if group_size is None
+                      else _groups_per_batch(mini_batch_size, group_size))
+        return BatchIterator(self, num_groups, lease=lease, poll=poll, num_batches=num_batches)
 
     def reset(
         self,
@@ -401,6 +431,14 @@ class AsyncPacerClient(_ClientBase):
         yield result.groups
         if result.lease_id:
             await self.ack(result.lease_id)
+
+    def batches(
+        self, mini_batch_size: int, *, group_size: int | None = None, lease: float = DEFAULT_LEASE_SECONDS,
+        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+    ) -> AsyncBatchIterator:
+        """Async form of PacerClient.batches: `async with client.batches(128) as batches: async for batch in
+        batches: ...` (the group size is asked from the server on the first iteration)."""
+        return AsyncBatchIterator(self, mini_batch_size, group_size, lease=lease, poll=poll, num_batches=num_batches)
 
     async def reset(
         self,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from . import _wire, arrays
 from ._proto import pacer_pb2
 
 __all__ = [
@@ -113,12 +115,20 @@ class PromptRef:
         return cls(msg.prompt_id, msg.ds_index, _optional(msg, "epoch"), _optional(msg, "index"))
 
 
-@dataclass(frozen=True, kw_only=True)
+# Fields of Trajectory that are numeric arrays on the wire, in proto order.
+ARRAY_FIELD_NAMES = tuple(_wire.ARRAY_FIELDS)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Trajectory:
-    """One generated response. Empty lists mean absent; logprobs travel as float32.
+    """One generated response. Empty arrays mean absent; logprobs travel as float32.
 
     `status` is required: the server refuses UNSPECIFIED, so a forgotten status fails loudly.
     Non-empty token_ids, logprobs and loss_mask must have equal lengths (the server checks).
+    The arrays may be lists, tuples, array.array or NumPy arrays (token ids and mask as integers that fit
+    int32, logprobs as numbers stored as float32); what a client returns is lists, or read-only NumPy
+    arrays over the received bytes with `arrays="numpy"`. Two trajectories are equal when every field
+    is, the arrays compared as their encoded bits (NaN equals the same NaN; a list equals an array).
     """
 
     trajectory_id: str
@@ -126,31 +136,66 @@ class Trajectory:
     status: TrajectoryStatus | int
     ds_index: int = 0
     reward: float = 0.0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
+    token_ids: Sequence[int] | Any = field(default_factory=list)
+    logprobs: Sequence[float] | Any = field(default_factory=list)
+    loss_mask: Sequence[int] | Any = field(default_factory=list)
     start_weight_version: int = 0
     end_weight_version: int = 0
     num_turns: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     payload: bytes = b""
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name in _wire.ARRAY_FIELDS:
+                if arrays.comparable(f.name, mine) != arrays.comparable(f.name, theirs):
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # mutable arrays inside
+
+    def _scalars(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _wire.ARRAY_FIELDS}
+
+    def encoded_parts(self) -> list[Any]:
+        """The wire encoding as buffers to join: scalar fields, then each array's own buffer."""
+        return _wire.encode_trajectory(self._scalars(), {name: arrays.encode(name, getattr(self, name))
+                                                         for name in ARRAY_FIELD_NAMES})
+
     def to_pb(self) -> pacer_pb2.Trajectory:
-        """The wire message."""
-        return pacer_pb2.Trajectory(**{f.name: getattr(self, f.name) for f in fields(self)})
+        """The wire message (built from the encoding, so arrays are not copied number by number)."""
+        return pacer_pb2.Trajectory.FromString(b"".join(self.encoded_parts()))
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.Trajectory) -> Trajectory:
-        """From the wire message (repeated fields copied into plain lists, the map into a dict)."""
-        return _from_fields(
-            cls,
-            msg,
-            status=_enum(TrajectoryStatus, msg.status),
-            token_ids=list(msg.token_ids),
-            logprobs=list(msg.logprobs),
-            loss_mask=list(msg.loss_mask),
-            metadata=dict(msg.metadata),
-        )
+    def from_pb(cls, msg: pacer_pb2.Trajectory, arrays_as: arrays.ArrayMode = "list") -> Trajectory:
+        """From the wire message: arrays as lists, or as read-only NumPy arrays (`arrays_as="numpy"`)."""
+        values = {name: arrays.from_values(name, getattr(msg, name), arrays_as) for name in ARRAY_FIELD_NAMES}
+        return _from_fields(cls, msg, status=_enum(TrajectoryStatus, msg.status), metadata=dict(msg.metadata),
+                            **values)
+
+    @classmethod
+    def from_encoded(cls, encoded: memoryview, arrays_as: arrays.ArrayMode = "list") -> Trajectory:
+        """From an encoded Trajectory: with `arrays_as="numpy"` each array is a read-only NumPy array over
+        `encoded` itself (no copy); only the other fields are decoded."""
+        msg, runs = _wire.split_message(encoded, pacer_pb2.Trajectory, _ARRAY_NUMBERS)
+        if any(len(r) > 1 for r in runs.values()) or any(len(getattr(msg, name)) for name in runs):
+            # An array in several packed runs, or sent unpacked (legal, unusual): decoded the ordinary way.
+            return cls.from_pb(pacer_pb2.Trajectory.FromString(bytes(encoded)), arrays_as)
+        values = {name: arrays.decode(name, run[0] if run else b"", arrays_as) for name, run in runs.items()}
+        return _from_fields(cls, msg, status=_enum(TrajectoryStatus, msg.status), metadata=dict(msg.metadata),
+                            **values)
+
+
+_ARRAY_NUMBERS = {field.number: name for name, field in _wire.ARRAY_FIELDS.items()}
+
+
+def _number(message_class: Any, name: str) -> int:
+    return message_class.DESCRIPTOR.fields_by_name[name].number
 
 
 @dataclass(frozen=True)
@@ -176,20 +221,38 @@ class TrajectoryGroup:
         )
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.TrajectoryGroup) -> TrajectoryGroup:
-        """From the wire message."""
-        return _from_fields(
-            cls,
-            msg,
-            epoch=_optional(msg, "epoch"),
-            index=_optional(msg, "index"),
-            trajectories=[Trajectory.from_pb(t) for t in msg.trajectories],
-        )
+    def from_pb(cls, msg: pacer_pb2.TrajectoryGroup, arrays_as: arrays.ArrayMode = "list") -> TrajectoryGroup:
+        """From the wire message; arrays as in Trajectory.from_pb."""
+        return cls._of(msg, [Trajectory.from_pb(t, arrays_as) for t in msg.trajectories])
+
+    @classmethod
+    def from_encoded(cls, encoded: memoryview, arrays_as: arrays.ArrayMode = "list") -> TrajectoryGroup:
+        """From an encoded TrajectoryGroup; arrays as in Trajectory.from_encoded."""
+        msg, parts = _wire.split_message(encoded, pacer_pb2.TrajectoryGroup, _GROUP_TRAJECTORIES)
+        return cls._of(msg, [Trajectory.from_encoded(t, arrays_as) for t in parts["trajectories"]])
+
+    @classmethod
+    def _of(cls, msg: Any, trajectories: list[Trajectory]) -> TrajectoryGroup:
+        return _from_fields(cls, msg, epoch=_optional(msg, "epoch"), index=_optional(msg, "index"),
+                            trajectories=trajectories)
 
 
-def _groups(messages: Any) -> list[TrajectoryGroup]:
+_GROUP_TRAJECTORIES = {_number(pacer_pb2.TrajectoryGroup, "trajectories"): "trajectories"}
+
+
+def _groups(messages: Any, arrays_as: arrays.ArrayMode = "list") -> list[TrajectoryGroup]:
     """Converts a repeated TrajectoryGroup field."""
-    return [TrajectoryGroup.from_pb(g) for g in messages]
+    return [TrajectoryGroup.from_pb(g, arrays_as) for g in messages]
+
+
+def _split_answer(response: Any, message_class: Any, group_fields: tuple[str, ...],
+                  arrays_as: arrays.ArrayMode) -> tuple[Any, dict[str, list[TrajectoryGroup]]]:
+    """An answer carrying groups, as its message (groups left out when it came as bytes) and its groups."""
+    if not isinstance(response, (bytes, bytearray, memoryview)):  # a decoded message
+        return response, {name: _groups(getattr(response, name), arrays_as) for name in group_fields}
+    msg, parts = _wire.split_message(memoryview(response), message_class,
+                                     {_number(message_class, name): name for name in group_fields})
+    return msg, {name: [TrajectoryGroup.from_encoded(g, arrays_as) for g in encoded] for name, encoded in parts.items()}
 
 
 @dataclass(frozen=True)
@@ -238,9 +301,10 @@ class CollectResult:
     lease_id: str = ""  # set for a leased Collect: Ack it, or the groups are delivered again
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.CollectResponse) -> CollectResult:
-        """From the wire message."""
-        return _from_fields(cls, msg, groups=_groups(msg.groups))
+    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> CollectResult:
+        """From the wire message or its encoded bytes (arrays then viewed in place, see Trajectory.from_encoded)."""
+        msg, groups = _split_answer(msg, pacer_pb2.CollectResponse, ("groups",), arrays_as)
+        return _from_fields(cls, msg, **groups)
 
 
 @dataclass(frozen=True)
@@ -280,11 +344,11 @@ class ResetResult:
     quarantined: list[TrajectoryGroup]  # complete groups never buffered (a raising hook, dirty data)
 
     @classmethod
-    def from_pb(cls, msg: pacer_pb2.ResetResponse) -> ResetResult:
-        """From the wire message."""
-        return _from_fields(cls, msg, restored=_groups(msg.restored), dropped_prompt_ids=list(msg.dropped_prompt_ids),
-                            report=StepReport.from_pb(msg.report), expired=_groups(msg.expired),
-                            quarantined=_groups(msg.quarantined))
+    def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> ResetResult:
+        """From the wire message or its encoded bytes; arrays as in CollectResult.from_pb."""
+        msg, groups = _split_answer(msg, pacer_pb2.ResetResponse, ("restored", "expired", "quarantined"), arrays_as)
+        return _from_fields(cls, msg, dropped_prompt_ids=list(msg.dropped_prompt_ids),
+                            report=StepReport.from_pb(msg.report), **groups)
 
 
 @dataclass(frozen=True)
@@ -304,35 +368,72 @@ class ResumeResult:
 class PacerState:
     """GetState answer: every counter of the pacer, flat, as on the wire."""
 
+    # BEGIN PacerState fields: generated by scripts/gen_proto.py from coda_server/core/state.py; do not edit
+    #: R: groups dispatched and not yet collected out of the trajectory queue (GetState running). Metric:
+    #: coda_pacer_running_groups.
     running: int
+    #: Q: complete groups in the pipeline buffer, not yet taken by the trainer (GetState buffered). Metric:
+    #: coda_pacer_buffered_groups.
     buffered: int
+    #: Trajectories waiting in the trajectory queue. Metric: coda_pacer_queued_trajectories.
     queued_trajectories: int
-    capacity: int  # what a Dispatch would admit now; 0 while paused
-    window_size: int  # C
+    #: Groups a Dispatch would admit now (0 while paused). Metric: coda_pacer_capacity_groups.
+    capacity: int
+    #: C = int(B * (1 + stale_steps)), the window size in groups. Metric: coda_pacer_window_size_groups.
+    window_size: int
+    #: Trainer step (Resume increments it). Metric: coda_pacer_step.
     step: int
+    #: Weight version generation runs with (set at Resume). Metric: coda_pacer_weight_version.
     weight_version: int
+    #: Reset generation (increments at every Reset). Metric: coda_pacer_generation.
     generation: int
+    #: 1 while dispatch is paused by a Reset, else 0. Metric: coda_pacer_paused.
     paused: bool
+    #: 1 while a Reset is running, else 0. Metric: coda_pacer_resetting.
     resetting: bool
+    #: The pacing strategy (fully_async.sliding_window).
     strategy: str
+    #: Groups admitted by Dispatch. Metric: coda_pacer_dispatched_groups_total.
     dispatched: int
+    #: Trajectories accepted by Submit (duplicates excluded). Metric: coda_pacer_submitted_trajectories_total.
     submitted: int
-    collected: int  # into the pipeline buffer
-    consumed: int  # taken by the trainer
+    #: Groups collected into the pipeline buffer. Metric: coda_pacer_collected_groups_total.
+    collected: int
+    #: Groups taken by the trainer through Collect. Metric: coda_pacer_consumed_groups_total.
+    consumed: int
+    #: Groups dropped by a filter (rollout.filter). Metric: coda_pacer_filtered_groups_total.
     filtered: int
+    #: Assembled groups returned by a Reset for continuation. Metric: coda_pacer_restored_groups_total.
     restored: int
+    #: Incomplete groups dropped by a Reset. Metric: coda_pacer_dropped_groups_total.
     dropped: int
+    #: Trajectories refused by Submit with reason STALE_GENERATION (prompt dispatched before the last Reset). Metric:
+    #: coda_pacer_stale_rejected_trajectories_total.
     stale_rejected: int
+    #: Re-submitted identical trajectories acknowledged as duplicates. Metric:
+    #: coda_pacer_duplicate_trajectories_total.
     duplicates: int
+    #: The pacing settings the state is made under.
     config_summary: dict[str, str]
-    waiting_calls: int  # long-polls waiting in the server now
-    recent_reports: list[StepReport]  # oldest first
-    expired: int  # running groups reclaimed because their in-flight lease ran out
-    redelivered: int  # leased groups returned to the buffer because no Ack came in time
-    leased: int  # groups under a Collect lease, not yet acknowledged
-    held_bytes: int  # bytes of trajectories queued, buffered or leased
-    quarantined: int  # complete groups never buffered (a raising hook, dirty data); see recent_incidents
-    recent_incidents: list[Incident]  # oldest first
+    #: Long-polls (Dispatch, Collect, Reset) waiting in the server now. Metric: coda_pacer_waiting_calls.
+    waiting_calls: int
+    #: The last server.step_reports_kept step reports, oldest first.
+    recent_reports: list[StepReport]
+    #: Running groups reclaimed because their in-flight lease ran out. Metric: coda_pacer_expired_groups_total.
+    expired: int
+    #: Leased groups returned to the buffer because no Ack came in time. Metric: coda_pacer_redelivered_groups_total.
+    redelivered: int
+    #: Groups handed out under a Collect lease, not yet acknowledged. Metric: coda_pacer_leased_groups.
+    leased: int
+    #: Bytes of trajectories queued, buffered or leased. Metric: coda_pacer_held_bytes.
+    held_bytes: int
+    #: Complete groups quarantined instead of buffered: a strategy hook raised on them, or they held a FAILED
+    #: trajectory no filter dropped (recent_incidents says which; the next Reset returns them). Metric:
+    #: coda_pacer_quarantined_groups_total.
+    quarantined: int
+    #: The last server.incidents_kept incidents (a raising strategy hook, a refused dirty group), oldest first.
+    recent_incidents: list[Incident]
+    # END PacerState fields
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.GetStateResponse) -> PacerState:

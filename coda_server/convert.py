@@ -10,6 +10,7 @@ from coda_client._proto import pacer_pb2 as pb
 
 from . import wire
 from .core.errors import InvalidArgumentError
+from .core.state import STATE_FIELD_NAMES
 from .core.types import (
     CollectResult,
     ControlEvent,
@@ -32,11 +33,10 @@ class ProtoTrajectories:
 
     def encode(self, trajectory: Trajectory) -> Optional[bytes]:
         body = trajectory.body
-        return body.SerializeToString() if isinstance(body, wire.Trajectory) else None
+        return body.SerializeToString() if isinstance(body, wire.EncodedTrajectory) else None
 
     def decode(self, data: bytes) -> Trajectory:
-        body = wire.Trajectory.FromString(data)
-        return trajectories([body], [body.ByteSize()])[0]
+        return trajectories([wire.Trajectory.FromString(data)], [memoryview(data)])[0]
 
 
 _STATUSES = {int(status): status for status in TrajectoryStatus}
@@ -97,24 +97,17 @@ def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     ]
 
 
-def trajectories(messages: Sequence[wire.Trajectory], sizes: Sequence[int]) -> list[Trajectory]:
-    """Core trajectories whose body is the wire message itself (a pass-through view, see wire.py), so the
-    trainer gets it back byte for byte; `size_bytes`, which the server.max_held_bytes cap counts, is its
-    encoded size (`sizes`, one per message)."""
+def trajectories(messages: Sequence[wire.Trajectory], encoded: Sequence[memoryview]) -> list[Trajectory]:
+    """Core trajectories read from their views, whose body is their encoded bytes (wire.EncodedTrajectory,
+    `encoded`: one per message), so the trainer gets them back byte for byte; `size_bytes`, which the
+    server.max_held_bytes cap counts, is the encoded size."""
     converted = []
     violations = []
-    for i, (m, size) in enumerate(zip(messages, sizes)):
-        tokens, logprobs, mask = m.token_ids, m.logprobs, m.loss_mask
-        num_tokens = 0
-        if tokens or logprobs or mask:
-            counts = {"token_ids": wire.varint_count(tokens) if tokens else 0,
-                      "logprobs": wire.fixed32_count(logprobs) if logprobs else 0,
-                      "loss_mask": wire.varint_count(mask) if mask else 0}
-            problem = _array_problem(counts)
-            if problem:
-                violations.append((f"trajectories[{i}]", problem))
-                continue
-            num_tokens = counts["token_ids"]
+    for i, (m, data) in enumerate(zip(messages, encoded)):
+        problem = wire.array_problem(m)
+        if problem:
+            violations.append((f"trajectories[{i}]", problem))
+            continue
         converted.append(Trajectory(
             trajectory_id=m.trajectory_id,
             prompt_id=m.prompt_id,
@@ -125,26 +118,15 @@ def trajectories(messages: Sequence[wire.Trajectory], sizes: Sequence[int]) -> l
             start_weight_version=m.start_weight_version,
             end_weight_version=m.end_weight_version,
             num_turns=m.num_turns,
-            body=m,
-            size_bytes=size,
+            body=wire.EncodedTrajectory(data),
+            size_bytes=len(data),
             metadata=WireMetadata(m.metadata) if m.metadata else _NO_METADATA,
-            num_tokens=num_tokens,
+            num_tokens=wire.array_count("token_ids", m.token_ids) if m.token_ids else 0,
         ))
     if violations:
         raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
                                    violations=violations)
     return converted
-
-
-def _array_problem(counts: dict[str, int]) -> Optional[str]:
-    broken = [name for name, count in counts.items() if count < 0]
-    if broken:
-        return f"{broken[0]} is not a valid packed array (it ends inside a number)"
-    present = {count for count in counts.values() if count}
-    if len(present) > 1:
-        return ("non-empty token_ids, logprobs and loss_mask must have equal lengths; got "
-                + ", ".join(f"{name}={count}" for name, count in counts.items()))
-    return None
 
 
 def reset_mode(value: int) -> ResetMode:
@@ -155,14 +137,9 @@ def reset_mode(value: int) -> ResetMode:
     return ResetMode(value)
 
 
-def group_message(group: TrajectoryGroup) -> wire.TrajectoryGroup:
-    message = wire.TrajectoryGroup(prompt_id=group.prompt_id, seq=group.seq, ds_index=group.ds_index,
-                                   trajectories=[t.body for t in group.trajectories])
-    if group.epoch is not None:
-        message.epoch = group.epoch
-    if group.index is not None:
-        message.index = group.index
-    return message
+def group_parts(group: TrajectoryGroup) -> list:
+    return wire.group_parts(group.prompt_id, group.seq, group.ds_index, group.epoch, group.index,
+                            [t.body for t in group.trajectories])
 
 
 # Responses are filled field by field: upb sets an attribute several times faster than it takes a keyword
@@ -194,34 +171,33 @@ def submit_response(result: SubmitResult) -> pb.SubmitResponse:
     return message
 
 
-def collect_response(result: CollectResult) -> wire.CollectResponse:
-    return wire.CollectResponse(groups=[group_message(g) for g in result.groups], timed_out=result.timed_out,
-                              lease_id=result.lease_id)
+def collect_response(result: CollectResult) -> wire.EncodedAnswer:
+    return wire.EncodedAnswer(pb.CollectResponse(timed_out=result.timed_out, lease_id=result.lease_id),
+                              {"groups": [group_parts(g) for g in result.groups]})
 
 
 def step_report(report: StepReport, message_class: type = pb.StepReport) -> pb.StepReport:
     return message_class(**dataclasses.asdict(report))
 
 
-def reset_response(result: ResetResult) -> wire.ResetResponse:
-    return wire.ResetResponse(
-        restored=[group_message(g) for g in result.restored], dropped_prompt_ids=result.dropped_prompt_ids,
-        pause_delay_seconds=result.pause_delay_seconds, generation=result.generation, step=result.step,
-        weight_version=result.weight_version, paused=result.paused,
-        report=step_report(result.report, wire.StepReport),
-        expired=[group_message(g) for g in result.expired],
-        quarantined=[group_message(g) for g in result.quarantined],
+def reset_response(result: ResetResult) -> wire.EncodedAnswer:
+    message = pb.ResetResponse(
+        dropped_prompt_ids=result.dropped_prompt_ids, pause_delay_seconds=result.pause_delay_seconds,
+        generation=result.generation, step=result.step, weight_version=result.weight_version, paused=result.paused,
+        report=step_report(result.report),
     )
+    return wire.EncodedAnswer(message, {"restored": [group_parts(g) for g in result.restored],
+                                        "expired": [group_parts(g) for g in result.expired],
+                                        "quarantined": [group_parts(g) for g in result.quarantined]})
 
 
 def resume_response(result: ResumeResult) -> pb.ResumeResponse:
     return pb.ResumeResponse(step=result.step, weight_version=result.weight_version)
 
 
-STATE_FIELDS = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version",
-                "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed",
-                "filtered", "restored", "dropped", "stale_rejected", "duplicates", "waiting_calls", "expired",
-                "redelivered", "leased", "held_bytes", "quarantined")
+# Every PacerState field but those that are not plain values: the declaration (core/state.py) is the list.
+STATE_FIELDS = tuple(name for name in STATE_FIELD_NAMES
+                     if name not in ("config_summary", "recent_reports", "recent_incidents"))
 
 
 def state_response(state: PacerState) -> pb.GetStateResponse:

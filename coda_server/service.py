@@ -76,12 +76,12 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:
-        result = await self._pacer.submit(convert.trajectories(request.trajectories, request.sizes),
+        result = await self._pacer.submit(convert.trajectories(request.trajectories, request.encoded),
                                           request.request_id)
         return convert.submit_response(result)
 
     @maps_errors
-    async def Collect(self, request: pb.CollectRequest, context) -> wire.CollectResponse:
+    async def Collect(self, request: pb.CollectRequest, context) -> wire.EncodedAnswer:
         result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
                                            request.allow_partial, request.request_id, request.lease_seconds)
         return convert.collect_response(result)
@@ -91,7 +91,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return pb.AckResponse(groups=await self._pacer.ack(request.lease_id, request.request_id))
 
     @maps_errors
-    async def Reset(self, request: pb.ResetRequest, context) -> wire.ResetResponse:
+    async def Reset(self, request: pb.ResetRequest, context) -> wire.EncodedAnswer:
         # wait_seconds absent is not 0: a WAIT-mode Reset then waits until every running group is assembled.
         wait = bounded_wait(request.wait_seconds, context) if request.HasField("wait_seconds") else None
         result = await self._pacer.reset(convert.reset_mode(request.mode), wait,

@@ -17,102 +17,172 @@ back too.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.unknown_fields import UnknownFieldSet
 
+from coda_client import _wire
 from coda_client._proto import pacer_pb2
 
-VIEW_PACKAGE = "coda.pacer.v1.passthrough"
+# The view classes are derived once, in the client package, which reads Collect answers through them too.
+VIEW_PACKAGE = _wire.VIEW_PACKAGE
+VIEWS = _wire.VIEWS
+Trajectory = _wire.Trajectory
+TrajectoryGroup = _wire.TrajectoryGroup
+SubmitRequest = _wire.SubmitRequest
+CollectResponse = _wire.CollectResponse
+ResetResponse = _wire.ResetResponse
+StepReport = _wire.StepReport
+
+class EncodedTrajectory:
+    """A trajectory's body as the server holds it: its encoded bytes, a slice of the Submit request that
+    brought it (no copy; the request's bytes stay alive while one of its trajectories is held). Collect and
+    Reset answers, and the journal, write these bytes as they are."""
+
+    __slots__ = ("encoded", "_fingerprint")
+
+    def __init__(self, encoded: memoryview):
+        self.encoded = encoded
+        self._fingerprint: Optional[int] = None
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EncodedTrajectory) and self.fingerprint() == other.fingerprint()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (what the message classes call it)
+        return bytes(self.encoded)
+
+    def fingerprint(self) -> int:
+        """A digest of the trajectory's content (64-bit, this process only; what duplicate detection keeps
+        once the trajectory has left the server). Field order and the order of the metadata entries do not
+        change it; every value does."""
+        if self._fingerprint is None:
+            scalars, runs = _wire.split_message(self.encoded, pacer_pb2.Trajectory, _FINGERPRINTED_RUNS)
+            self._fingerprint = hash((scalars.trajectory_id, scalars.prompt_id, scalars.ds_index, scalars.status,
+                                      scalars.reward, scalars.start_weight_version, scalars.end_weight_version,
+                                      scalars.num_turns, tuple(sorted(scalars.metadata.items())),
+                                      *(tuple(runs[name]) for name in _FINGERPRINTED_RUNS.values())))
+        return self._fingerprint
 
 
-def _derive_views() -> dict[str, Any]:
-    source = descriptor_pb2.FileDescriptorProto()
-    pacer_pb2.DESCRIPTOR.CopyToProto(source)
-    original_prefix, view_prefix = f".{source.package}.", f".{VIEW_PACKAGE}."
-    view = descriptor_pb2.FileDescriptorProto(name="coda/pacer/v1/passthrough.proto", package=VIEW_PACKAGE,
-                                              syntax=source.syntax, dependency=source.dependency)
-    view.enum_type.extend(source.enum_type)
-    view.message_type.extend(source.message_type)
-    for message in view.message_type:
-        for field in message.field:
-            if field.type_name.startswith(original_prefix):
-                field.type_name = view_prefix + field.type_name[len(original_prefix):]
-        if message.name == "Trajectory":
-            for field in message.field:
-                if field.label != descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED:
-                    continue
-                if field.type == descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE:  # the map: raw entries
-                    field.ClearField("type_name")
-                else:  # a packed array: its one run
-                    field.label = descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
-                    field.ClearField("options")  # `packed` applies to numbers only
-                field.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
-    pool = descriptor_pool.DescriptorPool()
-    for dependency in source.dependency:  # none today; kept so a future import does not break this
-        dependency_proto = descriptor_pb2.FileDescriptorProto()
-        descriptor_pool.Default().FindFileByName(dependency).CopyToProto(dependency_proto)
-        pool.Add(dependency_proto)
-    pool.Add(view)
-    classes = message_factory.GetMessageClassesForFiles([view.name], pool)
-    return {message.name: classes[f"{VIEW_PACKAGE}.{message.name}"] for message in view.message_type}
-
-
-VIEWS = _derive_views()
-Trajectory = VIEWS["Trajectory"]
-TrajectoryGroup = VIEWS["TrajectoryGroup"]
-SubmitRequest = VIEWS["SubmitRequest"]
-CollectResponse = VIEWS["CollectResponse"]
-ResetResponse = VIEWS["ResetResponse"]
-StepReport = VIEWS["StepReport"]
-
-# Bytes of a varint other than its last one have the high bit set.
-_CONTINUATION_BYTES = bytes(range(0x80, 0x100))
+# Runs hashed in place (no copy): the arrays, and the payload; everything else is decoded and hashed.
+_FINGERPRINTED_RUNS = {**{field.number: name for name, field in _wire.ARRAY_FIELDS.items()},
+                       pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["payload"].number: "payload"}
 
 
 class ParsedSubmit:
-    """A SubmitRequest view with the encoded size of each trajectory (what the byte cap counts)."""
+    """A SubmitRequest parsed for the servicer: its trajectories as views (for the fields the server
+    reads) and as encoded slices (what it holds), with their sizes (what the byte cap counts)."""
 
-    __slots__ = ("request_id", "trajectories", "sizes")
+    __slots__ = ("request_id", "trajectories", "sizes", "encoded")
 
-    def __init__(self, request: Any, sizes: list[int]):
+    def __init__(self, request: Any, encoded: list[memoryview]):
         self.request_id: str = request.request_id
         self.trajectories = request.trajectories
-        self.sizes = sizes
+        self.encoded = encoded
+        self.sizes = [len(e) for e in encoded]
 
 
-def _varint_length(value: int) -> int:
-    return max(1, (value.bit_length() + 6) // 7)
+_SUBMIT_TRAJECTORIES = pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number
+_ARRAY_NUMBERS = frozenset(field.number for field in _wire.ARRAY_FIELDS.values())
 
 
 def parse_submit(data: bytes) -> ParsedSubmit:
     """Parse a SubmitRequest as views; raises DecodeError like the ordinary parser."""
     request = SubmitRequest.FromString(data)
-    sizes = [t.ByteSize() for t in request.trajectories]
-    request_id = len(request.request_id.encode()) if request.request_id else -1
-    encoded = (sum(1 + _varint_length(size) + size for size in sizes)
-               + (1 + _varint_length(request_id) + request_id if request_id >= 0 else 0))
-    if encoded != len(data):  # not in the usual form (see above): decode and re-encode it first
-        request = SubmitRequest.FromString(pacer_pb2.SubmitRequest.FromString(data).SerializeToString())
-        sizes = [t.ByteSize() for t in request.trajectories]
-    return ParsedSubmit(request, sizes)
+    encoded = _trajectory_slices(memoryview(data))
+    if not all(map(_in_usual_form, encoded)):  # see above: decode and re-encode it first
+        data = pacer_pb2.SubmitRequest.FromString(data).SerializeToString()
+        request = SubmitRequest.FromString(data)
+        encoded = _trajectory_slices(memoryview(data))
+    return ParsedSubmit(request, encoded)
 
 
-def varint_count(run: bytes) -> int:
-    """Numbers in a packed varint run (an int32 array); -1 when it ends inside a number."""
-    if run and run[-1] & 0x80:
-        return -1
-    return len(run) if run.isascii() else len(run.translate(None, _CONTINUATION_BYTES))
+def _trajectory_slices(data: memoryview) -> list[memoryview]:
+    return [data[start:end] for number, wire_type, _, start, end in _wire.fields(data, 0, len(data))
+            if number == _SUBMIT_TRAJECTORIES and wire_type == _wire.LEN]
 
 
-def fixed32_count(run: bytes) -> int:
-    """Numbers in a packed 4-byte run (a float array); -1 when it is not a whole number of them."""
-    return -1 if len(run) % 4 else len(run) // 4
+def _in_usual_form(encoded: memoryview) -> bool:
+    """Every array in one packed run: what a view (a bytes field per array) holds without loss."""
+    seen = set()
+    for number, wire_type, *_ in _wire.fields(encoded, 0, len(encoded)):
+        if number in _ARRAY_NUMBERS:
+            if wire_type != _wire.LEN or number in seen:
+                return False
+            seen.add(number)
+    return True
 
 
-def _serialize(message: Any) -> bytes:
-    return message.SerializeToString()
+def group_parts(prompt_id: str, seq: int, ds_index: int, epoch: Optional[int], index: Optional[int],
+                bodies: list[EncodedTrajectory]) -> list[Any]:
+    """The encoded fields of one TrajectoryGroup: its header through protobuf, then each trajectory's
+    held bytes as they are."""
+    header = pacer_pb2.TrajectoryGroup(prompt_id=prompt_id, seq=seq, ds_index=ds_index, epoch=epoch, index=index)
+    parts: list[Any] = [header.SerializeToString()]
+    for body in bodies:
+        parts += [_GROUP_TRAJECTORY_TAG, _wire.varint(len(body.encoded)), body.encoded]
+    return parts
+
+
+_GROUP_TRAJECTORY_TAG = _wire.length_delimited_tag(
+    pacer_pb2.TrajectoryGroup.DESCRIPTOR.fields_by_name["trajectories"].number)
+
+
+class EncodedAnswer:
+    """A Collect or Reset answer: the message without its groups, and the groups as encoded parts,
+    joined once when gRPC serializes it (one copy of the trajectories' bytes, no message holding them)."""
+
+    __slots__ = ("message", "groups")
+
+    def __init__(self, message: Any, groups: dict[str, list[list[Any]]]):
+        self.message = message
+        self.groups = groups
+
+    def SerializeToString(self) -> bytes:  # noqa: N802
+        parts: list[Any] = [self.message.SerializeToString()]
+        fields = self.message.DESCRIPTOR.fields_by_name
+        for name, groups in self.groups.items():
+            tag = _wire.length_delimited_tag(fields[name].number)
+            for group in groups:
+                parts += [tag, _wire.varint(sum(len(p) if isinstance(p, bytes) else p.nbytes for p in group)), *group]
+        return b"".join(parts)
+
+
+_RETIRED_NUMBERS = {Trajectory.DESCRIPTOR.fields_by_name[name].number: name for name in _wire.RETIRED_FIELDS}
+_ARRAYS_NOW = ", ".join(f"{name}={field.number}" for name, field in _wire.ARRAY_FIELDS.items())
+
+
+def array_problem(trajectory: Any) -> Optional[str]:
+    """What is wrong with a trajectory view's arrays, or None: a retired field number (a sender built from
+    an older pacer.proto), a run that is not a whole number of values, or non-empty arrays of different
+    lengths."""
+    retired = [number for number, name in _RETIRED_NUMBERS.items() if getattr(trajectory, name)]
+    if not retired and _wire.has_unknown_fields(trajectory):  # a retired array sent unpacked
+        retired = sorted({f.field_number for f in UnknownFieldSet(trajectory)} & _RETIRED_NUMBERS.keys())
+    if retired:
+        return (f"uses field number {retired[0]}, which pacer.proto has retired (token_ids and loss_mask "
+                f"were varint int32 fields 6 and 8; they are packed sfixed32 now): build the client from the "
+                f"current pacer.proto, whose arrays are fields {_ARRAYS_NOW}")
+    counts = {name: array_count(name, getattr(trajectory, name)) for name in _wire.ARRAY_FIELDS}
+    broken = [name for name, count in counts.items() if count < 0]
+    if broken:
+        return f"{broken[0]} is not a valid packed array (it ends inside a number)"
+    if len({count for count in counts.values() if count}) > 1:
+        return ("non-empty token_ids, logprobs and loss_mask must have equal lengths; got "
+                + ", ".join(f"{name}={count}" for name, count in counts.items()))
+    return None
+
+
+def array_count(name: str, run: bytes) -> int:
+    """Numbers in the packed run of trajectory array `name`; -1 when the run ends inside a number."""
+    width = _wire.ITEM_SIZES[name]
+    return -1 if len(run) % width else len(run) // width
 
 
 class PassthroughCodec:
@@ -128,5 +198,5 @@ class PassthroughCodec:
         if method == self._submit:
             return handler._replace(request_deserializer=parse_submit)
         if method in self._view_responses:
-            return handler._replace(response_serializer=_serialize)
+            return handler._replace(response_serializer=_wire.serialize)
         return handler

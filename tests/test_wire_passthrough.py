@@ -41,9 +41,8 @@ def test_a_view_serializes_to_the_bytes_of_the_real_message(messages, request_id
     for message, view in zip(messages, parsed.trajectories):
         # (Compared decoded: a map's entries may be written in another order by each serialization.)
         assert pb.Trajectory.FromString(view.SerializeToString()) == message
-        assert wire.varint_count(view.token_ids) == len(message.token_ids)
-        assert wire.fixed32_count(view.logprobs) == len(message.logprobs)
-        assert wire.varint_count(view.loss_mask) == len(message.loss_mask)
+        for name in ("token_ids", "logprobs", "loss_mask"):
+            assert wire.array_count(name, getattr(view, name)) == len(getattr(message, name))
         group = wire.TrajectoryGroup(prompt_id="p", trajectories=[view]).SerializeToString()
         assert pb.TrajectoryGroup.FromString(group).trajectories[0] == message
 
@@ -66,19 +65,39 @@ def _submit(trajectory_bytes: bytes) -> bytes:
     return _field(1, 2, trajectory_bytes) + _field(2, 2, b"r-1")
 
 
+TOKENS = pb.Trajectory.DESCRIPTOR.fields_by_name["token_ids"].number
+MASK = pb.Trajectory.DESCRIPTOR.fields_by_name["loss_mask"].number
+
+
+def _int32s(*values: int) -> bytes:
+    return b"".join(v.to_bytes(4, "little", signed=True) for v in values)
+
+
+def test_the_arrays_are_fixed_width_under_new_numbers_and_the_old_ones_are_reserved():
+    fields = pb.Trajectory.DESCRIPTOR.fields_by_name
+    assert {name: (fields[name].number, fields[name].type) for name in ("token_ids", "logprobs", "loss_mask")} == {
+        "token_ids": (14, fields["token_ids"].TYPE_SFIXED32), "logprobs": (7, fields["logprobs"].TYPE_FLOAT),
+        "loss_mask": (15, fields["loss_mask"].TYPE_SFIXED32)}
+    assert {f.number for f in pb.Trajectory.DESCRIPTOR.fields}.isdisjoint({6, 8})  # never reused
+
+
 def test_an_array_in_several_packed_runs_is_read_whole():
     # token_ids = [1, 2] then [300] in a second run: legal, and a plain bytes field would keep only [300].
-    trajectory = _field(1, 2, b"t0") + _field(2, 2, b"p") + _field(6, 2, b"\x01\x02") + _field(6, 2, _varint(300))
+    trajectory = (_field(1, 2, b"t0") + _field(2, 2, b"p") + _field(TOKENS, 2, _int32s(1, 2))
+                  + _field(TOKENS, 2, _int32s(300)))
     parsed = wire.parse_submit(_submit(trajectory))
     assert list(pb.Trajectory.FromString(parsed.trajectories[0].SerializeToString()).token_ids) == [1, 2, 300]
-    assert wire.varint_count(parsed.trajectories[0].token_ids) == 3 and parsed.request_id == "r-1"
+    assert wire.array_count("token_ids", parsed.trajectories[0].token_ids) == 3 and parsed.request_id == "r-1"
 
 
-def test_an_array_sent_unpacked_is_kept():
-    trajectory = _field(1, 2, b"t0") + _field(6, 0, _varint(5)) + _field(6, 0, _varint(7)) + _field(13, 2, b"xy")
+def test_an_array_sent_unpacked_is_packed_and_counted():
+    trajectory = (_field(1, 2, b"t0") + _field(TOKENS, 5, _int32s(5)) + _field(TOKENS, 5, _int32s(-7))
+                  + _field(13, 2, b"xy"))
     parsed = wire.parse_submit(_submit(trajectory))
-    decoded = pb.Trajectory.FromString(parsed.trajectories[0].SerializeToString())
-    assert (list(decoded.token_ids), decoded.payload) == ([5, 7], b"xy")
+    view = parsed.trajectories[0]
+    assert view.token_ids == _int32s(5, -7) and wire.array_count("token_ids", view.token_ids) == 2
+    decoded = pb.Trajectory.FromString(view.SerializeToString())
+    assert (list(decoded.token_ids), decoded.payload) == ([5, -7], b"xy")
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +109,13 @@ def server(tmp_path_factory):
 
 
 @pytest.mark.parametrize("array, says", [
-    (_field(6, 2, b"\x01\x81"), "token_ids is not a valid packed array"),  # ends inside a varint
+    (_field(TOKENS, 2, b"\x01\x00\x00"), "token_ids is not a valid packed array"),  # 3 bytes of an int32
     (_field(7, 2, b"\x00\x00\x80\x3f\x00"), "logprobs is not a valid packed array"),  # 5 bytes of float32
-    (_field(8, 2, b"\xff"), "loss_mask is not a valid packed array"),
+    (_field(MASK, 2, b"\xff"), "loss_mask is not a valid packed array"),
+    (_field(TOKENS, 2, _int32s(1, 2)) + _field(MASK, 2, _int32s(1)), "must have equal lengths"),
+    # A sender built from the proto before the arrays moved: varint token_ids / loss_mask as fields 6 and 8.
+    (_field(6, 2, b"\x01\x02"), "uses field number 6, which pacer.proto has retired"),
+    (_field(8, 0, b"\x01"), "uses field number 8, which pacer.proto has retired"),  # unpacked
 ])
 def test_a_malformed_packed_array_is_invalid_argument_and_changes_nothing(server, array, says):
     with PacerClient(server.address) as pacer:
@@ -111,8 +134,9 @@ def test_unusual_encodings_reach_the_trainer_intact(server):
     with PacerClient(server.address) as pacer:
         pacer.dispatch(["odd"])
         trajectory = (_field(1, 2, b"t0") + _field(2, 2, b"odd") + _field(4, 0, b"\x01")
-                      + _field(6, 2, b"\x01\x02") + _field(6, 2, _varint(300))  # token_ids in two runs
-                      + _field(8, 0, b"\x01") + _field(8, 0, b"\x00") + _field(8, 0, b"\x01"))  # loss_mask unpacked
+                      + _field(TOKENS, 2, _int32s(1, 2)) + _field(TOKENS, 2, _int32s(300))  # token_ids in two runs
+                      + _field(MASK, 5, _int32s(1)) + _field(MASK, 5, _int32s(0))
+                      + _field(MASK, 5, _int32s(1)))  # loss_mask unpacked
         with grpc.insecure_channel(server.address) as channel:
             answer = pb.SubmitResponse.FromString(
                 channel.unary_unary("/coda.pacer.v1.RolloutPacer/Submit")(_submit(trajectory), timeout=10))

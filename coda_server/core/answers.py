@@ -118,6 +118,13 @@ class AnswerBook:
             if len(answers) > self._kept[method]:
                 answers.popitem(last=False)
 
+    def forget(self, method: str, matches: Callable[[Any], bool]) -> None:
+        """Drop the remembered answers of `method` that `matches` (a retry of them then runs again)."""
+        with self._lock:
+            answers = self._answers[method]
+            for request_id in [r for r, answer in answers.items() if matches(answer)]:
+                del answers[request_id]
+
     def export(self) -> dict[str, list]:
         with self._lock:
             return {method: list(answers.items()) for method, answers in self._answers.items()}

@@ -116,7 +116,7 @@ class RequestChecks:
             raise InvalidArgumentError(f"{len(trajectories)} trajectories in one Submit; at most {limit} are allowed",
                                        violations=[("trajectories", f"at most {limit} per call")])
 
-    def sort_submit(self, trajectories: Sequence[Trajectory], accepted: Mapping[str, Trajectory],
+    def sort_submit(self, trajectories: Sequence[Trajectory], accepted: Mapping[str, Trajectory | tuple],
                     inflight: Mapping[str, Any], expired_prompts: Collection[str],
                     generation_prompts: Collection[str], past_generations: Iterable[Collection[str]]) -> SubmitSorting:
         """Sort a Submit's trajectories: new, duplicate, or refused (and why); reads the queue, changes nothing."""
@@ -140,7 +140,7 @@ class RequestChecks:
                 continue
             earlier = accepted.get(t.trajectory_id) or in_batch.get(t.trajectory_id)
             if earlier is not None:
-                if earlier.same_content(t):
+                if t.same_content(earlier):
                     sorting.duplicates += 1
                 else:
                     violations.append((f"{field_name}.trajectory_id",

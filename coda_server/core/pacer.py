@@ -27,6 +27,7 @@ from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Jou
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
 from .limits import Limits, shipped_server_defaults
 from .polls import CollectPoll, DispatchPoll, ResetPoll
+from .state import COUNTER_NAMES
 from .strategy import ThreadSafeStrategy, create_strategy, gate_is_ordered, window_size
 from .types import (
     CollectResult,
@@ -106,7 +107,9 @@ class Pacer:
         self._complete_inflight = 0
         self._queued_trajectories = 0
         self._buffer: list[tuple[tuple, TrajectoryGroup]] = []  # heap by priority
-        self._accepted: dict[str, Trajectory] = {}  # this generation's accepted trajectories, by id
+        # This generation's accepted trajectories, by id, for duplicate detection: the trajectory while the
+        # server holds it, then only its content_key() (the body, e.g. its token arrays, is let go).
+        self._accepted: dict[str, Trajectory | tuple] = {}
         self._generation_prompts: set[str] = set()
         self._past_generation_prompts: deque[set[str]] = deque(maxlen=limits.remembered_generations)
         self._expired_groups: list[TrajectoryGroup] = []  # reclaimed this generation; the next Reset returns them
@@ -130,9 +133,7 @@ class Pacer:
         self._reset_ready_at: Optional[float] = None
         self._tally = StepTally()
         self._reports: deque[StepReport] = deque(maxlen=limits.step_reports_kept)
-        self.totals = dict.fromkeys(
-            ("dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped",
-             "stale_rejected", "duplicates", "expired", "redelivered", "quarantined"), 0)
+        self.totals = dict.fromkeys(COUNTER_NAMES, 0)  # one per counter of PacerState
 
     # ----------------------------------------------------------------- listeners
 
@@ -520,15 +521,23 @@ class Pacer:
             self._check_open()
             lease = self._leases.acknowledge(lease_id)
             self._consume([group for _, group in lease.entries])
+            # The caller has the answer it acknowledges: a retry of that Collect cannot come any more, and a
+            # remembered answer would keep the consumed trajectories alive.
+            self.answers.forget("Collect", lambda answer: answer.lease_id == lease_id)
             self._record(Acked(self._clock(), lease_id, request_id))
             return len(lease.entries)
 
     def _consume(self, groups: list[TrajectoryGroup]) -> None:
-        """The trainer has these groups for good: count them, free their bytes, tell listeners."""
+        """The trainer has these groups for good: count them, free their bytes (the pacer keeps only each
+        trajectory's content key, for duplicate detection), tell listeners."""
         self.totals["consumed"] += len(groups)
+        accepted = self._accepted
         for group in groups:
             self._tally.count_consumed(group)
             self._held_bytes -= bytes_of(group.trajectories)
+            for trajectory in group.trajectories:
+                if trajectory.trajectory_id in accepted:
+                    accepted[trajectory.trajectory_id] = trajectory.content_key()
         if self._consume_listeners:
             now = self._clock()
             for callback in self._consume_listeners:

@@ -54,10 +54,13 @@ class Trajectory:
     """One generated trajectory as the pacer sees it.
 
     The routing fields are what pacing needs; `body` is everything else (token ids, logprobs,
-    payload ...), opaque to the core, compared with == for duplicate detection and handed back
-    to the trainer as it came. `size_bytes` feeds the byte cap. `metadata` (the worker's string map)
-    and `num_tokens` (length of its token ids) are there for strategies and filters to read; so are
-    LoongSage's names `start_rollout_weight_version` / `end_rollout_weight_version`.
+    payload ...), opaque to the core and handed back to the trainer as it came. `size_bytes` feeds
+    the byte cap. Duplicate detection compares `content_key()`s: a body that offers `fingerprint()`
+    (a hashable digest of its content, e.g. coda_server.wire.EncodedTrajectory) is represented by it, so
+    the pacer can forget the body once the trajectory has left; any other body is compared with ==.
+    `metadata` (the worker's string map) and `num_tokens` (length of its token ids) are there for
+    strategies and filters to read; so are LoongSage's names `start_rollout_weight_version` /
+    `end_rollout_weight_version`.
     """
 
     trajectory_id: str
@@ -83,21 +86,20 @@ class Trajectory:
         """LoongSage's name for `end_weight_version`."""
         return self.end_weight_version
 
-    def same_content(self, other: "Trajectory") -> bool:
-        """True when `other` is a harmless re-send of this trajectory."""
-        return (
-            self.trajectory_id == other.trajectory_id
-            and self.prompt_id == other.prompt_id
-            and self.ds_index == other.ds_index
-            and self.status == other.status
-            and (self.reward == other.reward or (self.reward != self.reward and other.reward != other.reward))
-            and self.start_weight_version == other.start_weight_version
-            and self.end_weight_version == other.end_weight_version
-            and self.num_turns == other.num_turns
-            and self.body == other.body
-            and self.num_tokens == other.num_tokens
-            and self.metadata == other.metadata
-        )
+    def same_content(self, other: "Trajectory | tuple") -> bool:
+        """True when `other` (a trajectory, or the content_key() kept of one) is a harmless re-send of this one."""
+        return self.content_key() == (other if isinstance(other, tuple) else other.content_key())
+
+    def content_key(self) -> tuple:
+        """Everything a re-send must repeat to be a duplicate, without the body where it has a fingerprint:
+        what the pacer keeps of an accepted trajectory once the trainer has it. A fingerprint covers the
+        metadata and the arrays; without one they are compared as they are."""
+        fingerprint = getattr(self.body, "fingerprint", None)
+        content = (fingerprint() if callable(fingerprint)
+                   else (self.body, self.num_tokens, tuple(sorted(self.metadata.items())) if self.metadata else ()))
+        return (self.trajectory_id, self.prompt_id, self.ds_index, int(self.status),
+                "nan" if self.reward != self.reward else self.reward, self.start_weight_version,
+                self.end_weight_version, self.num_turns, content)
 
 
 @dataclass
@@ -221,50 +223,6 @@ class ControlEvent:
     paused: bool = False
 
 
-@dataclass
-class PacerState:
-    """Every counter of the semantics doc, flat, as GetState reports it."""
-
-    running: int
-    buffered: int
-    queued_trajectories: int
-    capacity: int  # what a Dispatch would admit now (0 while paused)
-    window_size: int  # C
-    step: int
-    weight_version: int
-    generation: int
-    paused: bool
-    resetting: bool
-    strategy: str
-    dispatched: int
-    submitted: int
-    collected: int
-    consumed: int
-    filtered: int
-    restored: int
-    dropped: int
-    stale_rejected: int
-    duplicates: int
-    config_summary: Mapping[str, str] = field(default_factory=dict)
-    recent_reports: list[StepReport] = field(default_factory=list)
-    waiting_calls: int = 0  # long-polls waiting now (filled in by the asyncio face)
-    expired: int = 0  # running groups reclaimed because their in-flight lease ran out
-    redelivered: int = 0  # leased groups returned to the buffer because no Ack came in time
-    leased: int = 0  # groups handed out under a Collect lease, not yet acknowledged
-    held_bytes: int = 0  # bytes of trajectories queued, buffered or leased
-    quarantined: int = 0  # complete groups taken out instead of buffered (a raising hook, dirty data)
-    recent_incidents: list["Incident"] = field(default_factory=list)
-
-    def invariant_holds(self) -> bool:
-        """dispatched = running + collected + filtered + restored + dropped + expired + quarantined,
-        and buffered = collected - consumed - leased."""
-        return (
-            self.dispatched == (self.running + self.collected + self.filtered + self.restored + self.dropped
-                                + self.expired + self.quarantined)
-            and self.buffered == self.collected - self.consumed - self.leased
-        )
-
-
 @dataclass(frozen=True)
 class Incident:
     """Something that went wrong with a group outside a caller's request (GetState, the next Collect)."""
@@ -277,3 +235,7 @@ class Incident:
     step: int = 0
     generation: int = 0
     action: str = "quarantined"  # or "refused": the call failed and changed nothing
+
+
+# PacerState, the GetState record, is declared with how each field is reported in state.py.
+from .state import PacerState  # noqa: E402,F401

@@ -1,0 +1,239 @@
+"""Pass-through ("view") forms of the messages that carry trajectories, derived from pacer.proto's descriptors.
+
+A view differs from the real message in one respect: in `Trajectory` each packed numeric array is one
+`bytes` field holding its packed run, and the metadata map is `repeated bytes` (one raw entry each), under
+the same field numbers. Parsing a view copies the arrays' bytes instead of decoding every number; a client
+then exposes a fixed-width array as a NumPy array over those bytes, and the server passes them through
+without reading them. A view serializes to the bytes the real message would.
+
+Both sides use these classes: the server (coda_server/wire.py) for Submit requests and Collect/Reset answers,
+the client (coda_client) for Collect/Reset answers, and to write Submit requests straight from array buffers.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from ._proto import pacer_pb2
+
+VIEW_PACKAGE = "coda.pacer.v1.passthrough"
+_TRAJECTORY = pacer_pb2.Trajectory.DESCRIPTOR
+
+
+def _derive_views() -> dict[str, Any]:
+    source = descriptor_pb2.FileDescriptorProto()
+    pacer_pb2.DESCRIPTOR.CopyToProto(source)
+    original_prefix, view_prefix = f".{source.package}.", f".{VIEW_PACKAGE}."
+    view = descriptor_pb2.FileDescriptorProto(name="coda/pacer/v1/passthrough.proto", package=VIEW_PACKAGE,
+                                              syntax=source.syntax, dependency=source.dependency)
+    view.enum_type.extend(source.enum_type)
+    view.message_type.extend(source.message_type)
+    for message in view.message_type:
+        for field in message.field:
+            if field.type_name.startswith(original_prefix):
+                field.type_name = view_prefix + field.type_name[len(original_prefix):]
+        if message.name == "Trajectory":
+            for field in message.field:
+                if field.label != descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED:
+                    continue
+                if field.type == descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE:  # the map: raw entries
+                    field.ClearField("type_name")
+                else:  # a packed array: its one run
+                    field.label = descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
+                    field.ClearField("options")  # `packed` applies to numbers only
+                field.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+            # A retired field number still present in a message (a sender built from an older proto) is
+            # caught as a run of its own, so the server can refuse it by name instead of passing it on.
+            for start, end in [(r.start, r.end) for r in message.reserved_range]:
+                for number in range(start, end):
+                    message.field.add(name=f"retired_{number}", number=number,
+                                      type=descriptor_pb2.FieldDescriptorProto.TYPE_BYTES,
+                                      label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+            message.ClearField("reserved_range")
+    pool = descriptor_pool.DescriptorPool()
+    for dependency in source.dependency:  # none today; kept so a future import does not break this
+        dependency_proto = descriptor_pb2.FileDescriptorProto()
+        descriptor_pool.Default().FindFileByName(dependency).CopyToProto(dependency_proto)
+        pool.Add(dependency_proto)
+    pool.Add(view)
+    classes = message_factory.GetMessageClassesForFiles([view.name], pool)
+    return {message.name: classes[f"{VIEW_PACKAGE}.{message.name}"] for message in view.message_type}
+
+
+VIEWS = _derive_views()
+Trajectory = VIEWS["Trajectory"]
+TrajectoryGroup = VIEWS["TrajectoryGroup"]
+SubmitRequest = VIEWS["SubmitRequest"]
+CollectResponse = VIEWS["CollectResponse"]
+ResetResponse = VIEWS["ResetResponse"]
+StepReport = VIEWS["StepReport"]
+
+# The trajectory's numeric arrays, as the proto declares them: name -> field descriptor.
+ARRAY_FIELDS: dict[str, FieldDescriptor] = {
+    f.name: f for f in _TRAJECTORY.fields
+    if f.is_repeated and f.type != FieldDescriptor.TYPE_MESSAGE
+}
+RETIRED_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in Trajectory.DESCRIPTOR.fields if f.name.startswith("retired_"))
+# Little-endian NumPy dtype of each fixed-width field type (protobuf writes fixed-width numbers little-endian).
+FIXED_DTYPES = {FieldDescriptor.TYPE_SFIXED32: "<i4", FieldDescriptor.TYPE_FIXED32: "<u4",
+                FieldDescriptor.TYPE_FLOAT: "<f4", FieldDescriptor.TYPE_SFIXED64: "<i8",
+                FieldDescriptor.TYPE_FIXED64: "<u8", FieldDescriptor.TYPE_DOUBLE: "<f8"}
+
+
+# pacer.proto declares every trajectory array fixed-width (see its Trajectory comment); the code that
+# views them relies on it.
+assert all(f.type in FIXED_DTYPES for f in ARRAY_FIELDS.values()), "a trajectory array is not fixed-width"
+DTYPES: dict[str, str] = {name: FIXED_DTYPES[f.type] for name, f in ARRAY_FIELDS.items()}
+ITEM_SIZES: dict[str, int] = {name: int(dtype[2:]) for name, dtype in DTYPES.items()}
+
+
+def varint(value: int) -> bytes:
+    """The base-128 varint encoding of a non-negative integer."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def length_delimited_tag(number: int) -> bytes:
+    """The key of a length-delimited field (wire type 2): a message, bytes, string or packed array."""
+    return varint(number << 3 | 2)
+
+
+LEN, _FIXED32, _FIXED64, _VARINT = 2, 5, 1, 0
+
+
+def fields(buffer: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """Walks the fields of the message in buffer[start:end]: (number, wire type, field start, value start,
+    value end). Only the framing is read; raises ValueError on bytes that are not a message."""
+    pos = start
+    while pos < end:
+        field_start = pos
+        key = shift = 0
+        while True:  # the key, a varint
+            byte = buffer[pos]
+            pos += 1
+            key |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                break
+            shift += 7
+        wire_type = key & 7
+        if wire_type == LEN:
+            size = shift = 0
+            while True:
+                byte = buffer[pos]
+                pos += 1
+                size |= (byte & 0x7F) << shift
+                if byte < 0x80:
+                    break
+                shift += 7
+            value_start, pos = pos, pos + size
+        elif wire_type == _VARINT:
+            value_start = pos
+            while buffer[pos] >= 0x80:
+                pos += 1
+            pos += 1
+        elif wire_type in (_FIXED32, _FIXED64):
+            value_start = pos
+            pos += 4 if wire_type == _FIXED32 else 8
+        else:
+            raise ValueError(f"unsupported wire type {wire_type} (groups are not used by pacer.proto)")
+        if pos > end:
+            raise ValueError("a field runs past the end of its message")
+        yield key >> 3, wire_type, field_start, value_start, pos
+
+
+def split_message(buffer: memoryview, message_class: Any,
+                  kept: Mapping[int, str]) -> tuple[Any, dict[str, list[memoryview]]]:
+    """Parses `buffer` as `message_class`, except the length-delimited fields numbered in `kept`
+    (number -> name), which come back as slices of `buffer` (no copy), in order, instead of being decoded."""
+    slices: dict[str, list[memoryview]] = {name: [] for name in kept.values()}
+    rest: list[memoryview] = []
+    for number, wire_type, field_start, value_start, value_end in fields(buffer, 0, len(buffer)):
+        name = kept.get(number)
+        if name is not None and wire_type == LEN:
+            slices[name].append(buffer[value_start:value_end])
+        else:
+            rest.append(buffer[field_start:value_end])
+    return message_class.FromString(b"".join(rest)), slices
+
+
+def has_unknown_fields(message: Any) -> bool:
+    """True when the message carries fields its class does not declare (e.g. an array sent unpacked)."""
+    return len(UnknownFieldSet(message)) > 0
+
+
+class EncodedSubmitRequest:
+    """A SubmitRequest already encoded from its trajectories' buffers; behaves as a message to the stub.
+
+    The arrays are joined into the request's bytes once, straight from their buffers (NumPy arrays,
+    array.array, bytes): no per-number encoding and no intermediate message holding a copy of them.
+    """
+
+    __slots__ = ("request_id", "trajectory_count", "_data")
+
+    def __init__(self, encoded_trajectories: Iterable[list[Any]], request_id: str) -> None:
+        parts: list[Any] = []
+        count = 0
+        for trajectory_parts in encoded_trajectories:
+            size = sum(len(p) if isinstance(p, bytes) else memoryview(p).nbytes for p in trajectory_parts)
+            parts += [_SUBMIT_TRAJECTORY_TAG, varint(size), *trajectory_parts]
+            count += 1
+        if request_id:
+            encoded_id = request_id.encode()
+            parts += [_SUBMIT_REQUEST_ID_TAG, varint(len(encoded_id)), encoded_id]
+        self.request_id = request_id
+        self.trajectory_count = count
+        self._data = b"".join(parts)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (the protobuf message method name)
+        return self._data
+
+    def ByteSize(self) -> int:  # noqa: N802
+        return len(self._data)
+
+
+_ARRAY_TAGS = {name: length_delimited_tag(field.number) for name, field in ARRAY_FIELDS.items()}
+_SUBMIT_TRAJECTORY_TAG = length_delimited_tag(pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number)
+_SUBMIT_REQUEST_ID_TAG = length_delimited_tag(pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["request_id"].number)
+
+
+def encode_trajectory(scalars: Mapping[str, Any], arrays: Mapping[str, Any]) -> list[Any]:
+    """The parts of one encoded Trajectory: its scalar fields through protobuf, then each non-empty array
+    as a packed field whose run is the array's own buffer (`arrays`: name -> buffer of little-endian
+    numbers of the field's type). Field order does not matter on the wire."""
+    parts: list[Any] = [pacer_pb2.Trajectory(**scalars).SerializeToString()]
+    for name, run in arrays.items():
+        size = memoryview(run).nbytes
+        if size:
+            parts += [_ARRAY_TAGS[name], varint(size), run]
+    return parts
+
+
+def serialize(message: Any) -> bytes:
+    """Request serializer for messages of any class (real, view or EncodedSubmitRequest)."""
+    return message.SerializeToString()
+
+
+def passthrough_stub(channel: Any) -> Any:
+    """The generated RolloutPacer stub, with the methods that carry trajectories taking raw bytes: Submit
+    sends an encoded request as it is, Collect and Reset answers arrive undecoded (types.py reads them,
+    viewing the arrays in place)."""
+    from ._proto import pacer_pb2_grpc
+
+    stub = pacer_pb2_grpc.RolloutPacerStub(channel)
+    service = pacer_pb2.DESCRIPTOR.services_by_name["RolloutPacer"].full_name
+    stub.Submit = channel.unary_unary(f"/{service}/Submit", request_serializer=serialize,
+                                      response_deserializer=pacer_pb2.SubmitResponse.FromString,
+                                      _registered_method=True)
+    for method in ("Collect", "Reset"):
+        setattr(stub, method, channel.unary_unary(f"/{service}/{method}", request_serializer=serialize,
+                                                  response_deserializer=None, _registered_method=True))
+    return stub

@@ -1,0 +1,519 @@
+"""The trainer's data path: packed columnar mini-batches from leased Collects, the next one prefetched.
+
+`PacerClient.batches()` and `AsyncPacerClient.batches()` return the iterators defined here (see
+docs/trainer.md). Needs NumPy (`pip install 'coda-pacer[numpy]'`).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import grpc
+
+from . import _calls
+from .arrays import dtype_of, numpy
+from .errors import translate
+from .types import CollectResult, ControlEventType, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+
+    from .client import AsyncPacerClient, PacerClient
+
+__all__ = ["MiniBatch", "GroupView", "PaddedBatch", "BatchIterator", "AsyncBatchIterator"]
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+DEFAULT_LEASE_SECONDS = 600.0
+DEFAULT_POLL_SECONDS = 5.0
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedBatch:
+    """A mini-batch as [B, L] matrices; `attention_mask` is True on real tokens, False on padding."""
+
+    token_ids: np.ndarray  # int32 [B, L], pad_token_id on padding
+    logprobs: np.ndarray  # float32 [B, L], 0.0 on padding
+    loss_mask: np.ndarray  # int32 [B, L], 0 on padding
+    attention_mask: np.ndarray  # bool [B, L]
+    side: str  # "right": tokens first, padding after; "left": padding first
+
+
+@dataclass(frozen=True, eq=False)
+class GroupView:
+    """One prompt group of a mini-batch: rows [start, stop) of the batch, and views of its slices."""
+
+    batch: MiniBatch
+    position: int  # index of the group in the batch (the value of batch.group_index for its rows)
+    prompt_id: str
+    seq: int
+    ds_index: int
+    epoch: int | None
+    index: int | None
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def reward(self) -> np.ndarray:
+        """Rewards of the group's trajectories (a view of batch.reward)."""
+        return self.batch.reward[self.start:self.stop]
+
+    @property
+    def cu_seqlens(self) -> np.ndarray:
+        """Offsets of the group's trajectories in its token slice (starts at 0)."""
+        offsets = self.batch.cu_seqlens[self.start:self.stop + 1]
+        return offsets - offsets[0]
+
+    def _tokens(self, flat: np.ndarray) -> np.ndarray:
+        return flat[self.batch.cu_seqlens[self.start]:self.batch.cu_seqlens[self.stop]]
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self._tokens(self.batch.token_ids)
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return self._tokens(self.batch.logprobs)
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        return self._tokens(self.batch.loss_mask)
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        """The group's trajectories as received (metadata, payload, ids)."""
+        return self.batch.trajectories[self.start:self.stop]
+
+
+@dataclass(frozen=True, eq=False)
+class MiniBatch:
+    """Complete prompt groups packed into flat columns, trajectories in Collect order.
+
+    Trajectory b spans tokens cu_seqlens[b]:cu_seqlens[b+1] of token_ids, logprobs and loss_mask. An
+    array a trajectory left empty (absent) is filled: logprobs with NaN, loss_mask with 1 (trained on),
+    token_ids with 0. Arrays are read-only; `lease_id` is the Collect lease the iterator acknowledges.
+    """
+
+    token_ids: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T]
+    loss_mask: np.ndarray  # int32 [T]
+    cu_seqlens: np.ndarray  # int64 [B + 1], cu_seqlens[0] == 0, cu_seqlens[-1] == T
+    reward: np.ndarray  # float64 [B]
+    group_index: np.ndarray  # int64 [B]: position of the trajectory's group in `groups`
+    prompt_id: tuple[str, ...]  # [B]
+    trajectory_id: tuple[str, ...]  # [B]
+    status: np.ndarray  # int32 [B] (TrajectoryStatus numbers)
+    start_weight_version: np.ndarray  # int64 [B]
+    end_weight_version: np.ndarray  # int64 [B]
+    trajectories: list[Trajectory]  # [B], as received (metadata, payload)
+    source_groups: list[TrajectoryGroup]
+    lease_id: str = ""
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[TrajectoryGroup], lease_id: str = "") -> MiniBatch:
+        """Packs groups (their arrays lists or NumPy arrays) into one batch; one copy per column."""
+        np = numpy()
+        trajectories = [t for g in groups for t in g.trajectories]
+        lengths = np.fromiter((max(len(t.token_ids), len(t.logprobs), len(t.loss_mask)) for t in trajectories),
+                              dtype=np.int64, count=len(trajectories))
+        cu_seqlens = np.zeros(len(trajectories) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu_seqlens[1:])
+        columns = {name: _packed(np, name, trajectories, lengths, fill)
+                   for name, fill in (("token_ids", 0), ("logprobs", np.nan), ("loss_mask", 1))}
+        per_trajectory = {
+            "reward": np.fromiter((t.reward for t in trajectories), np.float64, len(trajectories)),
+            "group_index": np.repeat(np.arange(len(groups), dtype=np.int64), [len(g.trajectories) for g in groups]),
+            "status": np.fromiter((int(t.status) for t in trajectories), np.int32, len(trajectories)),
+            "start_weight_version": np.fromiter((t.start_weight_version for t in trajectories), np.int64,
+                                                len(trajectories)),
+            "end_weight_version": np.fromiter((t.end_weight_version for t in trajectories), np.int64,
+                                              len(trajectories)),
+        }
+        for value in (cu_seqlens, *columns.values(), *per_trajectory.values()):
+            value.flags.writeable = False
+        return cls(cu_seqlens=cu_seqlens, prompt_id=tuple(t.prompt_id for t in trajectories),
+                   trajectory_id=tuple(t.trajectory_id for t in trajectories), trajectories=trajectories,
+                   source_groups=list(groups), lease_id=lease_id, **columns, **per_trajectory)
+
+    @classmethod
+    def from_collect(cls, result: CollectResult) -> MiniBatch:
+        """Packs a Collect answer (best read with arrays="numpy", so its arrays are views already)."""
+        return cls.from_groups(result.groups, result.lease_id)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def seqlens(self) -> np.ndarray:
+        """Tokens of each trajectory [B]."""
+        return numpy().diff(self.cu_seqlens)
+
+    @property
+    def groups(self) -> list[GroupView]:
+        """One view per prompt group, in batch order."""
+        views, start = [], 0
+        for position, group in enumerate(self.source_groups):
+            stop = start + len(group.trajectories)
+            views.append(GroupView(self, position, group.prompt_id, group.seq, group.ds_index, group.epoch,
+                                   group.index, start, stop))
+            start = stop
+        return views
+
+    def to_padded(self, side: Literal["right", "left"] = "right", *, pad_token_id: int = 0,
+                  length: int | None = None) -> PaddedBatch:
+        """[B, L] matrices, L = the longest trajectory (or `length`, which must not be shorter).
+
+        side="right" puts each trajectory's tokens first (training); side="left" puts them last (so
+        generation continues at the same column for every row). One scatter per column, no per-row loop.
+        """
+        if side not in ("right", "left"):
+            raise ValueError(f"side must be 'right' or 'left', not {side!r}")
+        np = numpy()
+        seqlens = self.seqlens
+        longest = int(seqlens.max()) if len(seqlens) else 0
+        width = longest if length is None else int(length)
+        if width < longest:
+            raise ValueError(f"length {width} is shorter than the longest trajectory ({longest} tokens)")
+        rows = np.repeat(np.arange(len(seqlens)), seqlens)
+        columns = np.arange(self.num_tokens) - np.repeat(self.cu_seqlens[:-1], seqlens)
+        if side == "left":
+            columns += (width - seqlens)[rows]
+        shape = (len(seqlens), width)
+
+        def scatter(flat: np.ndarray, pad: Any) -> np.ndarray:
+            out = np.full(shape, pad, dtype=flat.dtype)
+            out[rows, columns] = flat
+            return out
+
+        attention = np.zeros(shape, dtype=bool)
+        attention[rows, columns] = True
+        return PaddedBatch(scatter(self.token_ids, pad_token_id), scatter(self.logprobs, 0.0),
+                           scatter(self.loss_mask, 0), attention, side)
+
+    def to_torch(self) -> dict[str, Any]:
+        """The flat columns and per-trajectory arrays as torch tensors (needs torch; see arrays.to_torch)."""
+        from .arrays import to_torch
+
+        names = ("token_ids", "logprobs", "loss_mask", "cu_seqlens", "reward", "group_index", "status",
+                 "start_weight_version", "end_weight_version")
+        return {name: to_torch(getattr(self, name)) for name in names}
+
+
+def _packed(np: Any, name: str, trajectories: Sequence[Trajectory], lengths: Any, fill: Any) -> Any:
+    dtype = np.dtype(dtype_of(name))
+    parts = []
+    for trajectory, length in zip(trajectories, lengths):
+        values = getattr(trajectory, name)
+        if len(values) == length:
+            parts.append(np.asarray(values, dtype=dtype))
+        elif length:  # absent in this trajectory: filled so the columns stay aligned
+            parts.append(np.full(int(length), fill, dtype=dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def group_count(state_summary: dict[str, str], mini_batch_size: int) -> int:
+    """Groups per mini-batch: mini_batch_size over the server's group size (one size across data sources)."""
+    sizes = {int(s) for s in state_summary.get("num_trajectories_per_prompt", "").split(",") if s}
+    if len(sizes) != 1:
+        raise ValueError("the server's data sources have different group sizes "
+                         f"({state_summary.get('num_trajectories_per_prompt')!r}): pass group_size")
+    return _groups_per_batch(mini_batch_size, sizes.pop())
+
+
+def _groups_per_batch(mini_batch_size: int, group_size: int) -> int:
+    if group_size <= 0 or mini_batch_size <= 0 or mini_batch_size % group_size:
+        raise ValueError(f"mini_batch_size ({mini_batch_size}) must be a positive multiple of the group size "
+                         f"({group_size}): a mini-batch holds whole prompt groups")
+    return mini_batch_size // group_size
+
+
+class _IteratorBase:
+    """Configuration and bookkeeping shared by the blocking and the async iterator."""
+
+    def __init__(self, client: Any, num_groups: int, *, lease: float, poll: float, num_batches: int | None) -> None:
+        if lease <= 0:
+            raise ValueError(f"lease must be > 0 seconds (the batches are leased until acknowledged), not {lease}")
+        if poll <= 0:
+            raise ValueError(f"poll must be > 0 seconds, not {poll}")
+        if num_batches is not None and num_batches < 0:
+            raise ValueError(f"num_batches must be >= 0 or None, not {num_batches}")
+        numpy()
+        self._client = client
+        self.num_groups = num_groups
+        self.lease = float(lease)
+        self.poll = float(poll)
+        self.num_batches = num_batches
+        self.delivered = 0  # batches handed to the caller
+        self.acknowledged = 0  # batches acknowledged
+        self.server_shut_down = False  # the iterator ended because the server announced its shutdown
+        self._current: MiniBatch | None = None
+        self._closed = False
+
+    def _collect_call(self) -> _calls.Call[CollectResult]:
+        return _calls.collect(self.num_groups, wait=self.poll, allow_partial=False, request_id=None,
+                              timeout=self._client.timeout, lease=self.lease, arrays="numpy")
+
+    def _wants_more(self) -> bool:
+        return not self._closed and (self.num_batches is None or self.delivered < self.num_batches)
+
+    def _on_event(self, event_type: int) -> bool:
+        """True when the event is the server's shutdown."""
+        return event_type == ControlEventType.SHUTDOWN
+
+
+class _Stopped(Exception):
+    """A call was cut short because the iterator closed or the server announced its shutdown."""
+
+
+class BatchIterator(_IteratorBase):
+    """Blocking iterator of MiniBatch; see PacerClient.batches."""
+
+    def __init__(self, client: PacerClient, num_groups: int, *, lease: float = DEFAULT_LEASE_SECONDS,
+                 poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None) -> None:
+        super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches)
+        self._lock = threading.Lock()
+        self._inflight: set[Any] = set()  # calls in progress, cancelled by close() or a server shutdown
+        self._shutdown = threading.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches")
+        self._pending: concurrent.futures.Future[MiniBatch] | None = None
+        self._watch = client.watch()
+        self._watcher = threading.Thread(target=self._watch_events, name="coda-batches-watch", daemon=True)
+        self._watcher.start()
+        if self._wants_more():
+            self._pending = self._executor.submit(self._prefetch)
+
+    def _watch_events(self) -> None:
+        try:
+            for event in self._watch:
+                if self._on_event(event.type):
+                    self._shutdown.set()
+                    self._cancel_inflight()
+                    return
+        except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
+            log.warning("batches: control stream ended (%s); a server shutdown will show as a call error", exc)
+
+    def _cancel_inflight(self) -> None:
+        with self._lock:
+            inflight = list(self._inflight)
+        for future in inflight:
+            future.cancel()
+
+    def _call(self, call: _calls.Call[_T]) -> _T:
+        """Runs a call that close() or a server shutdown can cut short (raising _Stopped): after the
+        server's SHUTDOWN event a call would otherwise wait for a server that is gone until its deadline."""
+        stub = self._client._stub_for_process()
+        with self._lock:
+            if self._closed or self._shutdown.is_set():
+                raise _Stopped
+            future = getattr(stub, call.method).future(call.request, timeout=call.timeout,
+                                                       metadata=self._client._metadata)
+            self._inflight.add(future)
+        try:
+            return call.convert(future.result())
+        except grpc.FutureCancelledError:
+            raise _Stopped from None
+        except grpc.RpcError as exc:
+            if self._closed or self._shutdown.is_set():
+                raise _Stopped from None
+            raise translate(exc) from exc
+        finally:
+            with self._lock:
+                self._inflight.discard(future)
+
+    def _prefetch(self) -> MiniBatch:
+        """Collects until a full batch arrives (raises _Stopped when closed or the server shuts down)."""
+        while True:
+            result = self._call(self._collect_call())
+            if result.groups:
+                return MiniBatch.from_collect(result)
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> MiniBatch:
+        """Acknowledges the batch handed out last, then hands out the prefetched one and prefetches the next."""
+        try:
+            self.ack()
+            if self._pending is None or self._closed:
+                raise _Stopped
+            pending, self._pending = self._pending, None
+            batch = pending.result()
+        except _Stopped:
+            self.server_shut_down = self._shutdown.is_set()
+            self.close()
+            raise StopIteration from None
+        except BaseException:
+            self.close()
+            raise
+        self.delivered += 1
+        self._current = batch
+        if self._wants_more():
+            self._pending = self._executor.submit(self._prefetch)
+        return batch
+
+    def ack(self) -> int:
+        """Acknowledges the batch handed out last now (otherwise the next __next__ does); returns its groups.
+        A LEASE_EXPIRED error means the lease ran out before: the groups will be delivered again."""
+        batch, self._current = self._current, None
+        if batch is None or not batch.lease_id:
+            return 0
+        groups = self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout))
+        self.acknowledged += 1
+        return groups
+
+    def close(self) -> None:
+        """Stops prefetching and the control stream; does not acknowledge the current batch. A batch
+        already prefetched and not handed out returns to the server's buffer when its lease runs out."""
+        with self._lock:
+            self._closed = True
+        self._cancel_inflight()
+        self._watch.cancel()
+        self._executor.shutdown(wait=False)
+
+    def __enter__(self) -> BatchIterator:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Without an exception the batch in hand is acknowledged (it was trained on); with one it is not."""
+        try:
+            if exc_type is None:
+                self.ack()
+        except _Stopped:
+            pass
+        finally:
+            self.close()
+
+
+class AsyncBatchIterator(_IteratorBase):
+    """Async iterator of MiniBatch; see AsyncPacerClient.batches. Use it from the client's event loop."""
+
+    def __init__(self, client: AsyncPacerClient, mini_batch_size: int, group_size: int | None = None, *,
+                 lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
+                 num_batches: int | None = None) -> None:
+        # The group size may have to be asked from the server, which needs the event loop: resolved on start.
+        num_groups = 0 if group_size is None else _groups_per_batch(mini_batch_size, group_size)
+        super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches)
+        self.mini_batch_size = mini_batch_size
+        self._shutdown = asyncio.Event()
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self._pending: asyncio.Task[MiniBatch] | None = None
+        self._watch: Any = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def _start(self) -> None:
+        if not self.num_groups:
+            self.num_groups = group_count((await self._client.state()).config_summary, self.mini_batch_size)
+        if self._watcher is None:
+            self._watch = self._client.watch()
+            self._watcher = asyncio.ensure_future(self._watch_events())
+            if self._wants_more():
+                self._pending = asyncio.ensure_future(self._prefetch())
+
+    async def _watch_events(self) -> None:
+        try:
+            async for event in self._watch:
+                if self._on_event(event.type):
+                    self._shutdown.set()
+                    for task in list(self._inflight):
+                        task.cancel()
+                    return
+        except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
+            log.warning("batches: control stream ended (%s); a server shutdown will show as a call error", exc)
+
+    async def _call(self, call: _calls.Call[_T]) -> _T:
+        """Coroutine form of BatchIterator._call."""
+        if self._closed or self._shutdown.is_set():
+            raise _Stopped
+        task = asyncio.ensure_future(self._client._run(call))
+        self._inflight.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task.cancelled() and (self._closed or self._shutdown.is_set()):
+                raise _Stopped from None
+            raise  # the caller's own task was cancelled
+        except Exception:
+            if self._closed or self._shutdown.is_set():
+                raise _Stopped from None
+            raise
+        finally:
+            self._inflight.discard(task)
+
+    async def _prefetch(self) -> MiniBatch:
+        while True:
+            result = await self._call(self._collect_call())
+            if result.groups:
+                return MiniBatch.from_collect(result)
+
+    def __aiter__(self) -> AsyncBatchIterator:
+        return self
+
+    async def __anext__(self) -> MiniBatch:
+        """Acknowledges the batch handed out last, then hands out the prefetched one and prefetches the next."""
+        try:
+            await self._start()
+            await self.ack()
+            if self._pending is None or self._closed:
+                raise _Stopped
+            pending, self._pending = self._pending, None
+            batch = await pending
+        except _Stopped:
+            self.server_shut_down = self._shutdown.is_set()
+            await self.close()
+            raise StopAsyncIteration from None
+        except BaseException:
+            await self.close()
+            raise
+        self.delivered += 1
+        self._current = batch
+        if self._wants_more():
+            self._pending = asyncio.ensure_future(self._prefetch())
+        return batch
+
+    async def ack(self) -> int:
+        """Coroutine form of BatchIterator.ack."""
+        batch, self._current = self._current, None
+        if batch is None or not batch.lease_id:
+            return 0
+        groups = await self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout))
+        self.acknowledged += 1
+        return groups
+
+    async def close(self) -> None:
+        """Coroutine form of BatchIterator.close."""
+        self._closed = True
+        for task in (*self._inflight, self._pending, self._watcher):
+            if task is not None and not task.done():
+                task.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def __aenter__(self) -> AsyncBatchIterator:
+        await self._start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        """Coroutine form of BatchIterator.__exit__."""
+        try:
+            if exc_type is None:
+                await self.ack()
+        except _Stopped:
+            pass
+        finally:
+            await self.close()

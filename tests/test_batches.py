@@ -1,0 +1,241 @@
+"""The trainer iterator (coda_client.batches): packing, padding, group views, leases, prefetch, shutdown.
+
+Packing is checked in process against hand-computed offsets and matrices. Everything else runs against
+real servers: acknowledgement on the next request, redelivery in order after a trainer process is killed
+mid-batch, a prefetch that spans a Reset, the step boundary (num_batches), a server shutdown, the async twin.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from coda_client import AsyncPacerClient, MiniBatch, PacerClient, Trajectory, TrajectoryGroup, TrajectoryStatus
+from conftest import REPO_ROOT
+from server_harness import ServerProcess
+
+N = 2  # trajectories per group in these tests
+
+
+def _trajectory(prompt_id: str, i: int, length: int, *, logprobs: bool = True, mask: bool = True) -> Trajectory:
+    tokens = np.arange(length, dtype=np.int32) + 100 * i
+    return Trajectory(trajectory_id=f"{prompt_id}/{i}", prompt_id=prompt_id, status=TrajectoryStatus.COMPLETED,
+                      reward=float(i), token_ids=tokens,
+                      logprobs=-np.arange(length, dtype=np.float32) if logprobs else [],
+                      loss_mask=(np.arange(length) % 2) if mask else [], start_weight_version=i,
+                      end_weight_version=i + 1)
+
+
+# --- packing, in process ------------------------------------------------------------------------------
+
+
+def _batch() -> MiniBatch:
+    groups = [TrajectoryGroup("a", seq=1, trajectories=[_trajectory("a", 0, 3), _trajectory("a", 1, 1)]),
+              TrajectoryGroup("b", seq=2, epoch=0, index=5,
+                              trajectories=[_trajectory("b", 0, 2, logprobs=False), _trajectory("b", 1, 0)])]
+    return MiniBatch.from_groups(groups, "lease-1")
+
+
+def test_packing_gives_flat_columns_and_offsets() -> None:
+    batch = _batch()
+    assert batch.cu_seqlens.tolist() == [0, 3, 4, 6, 6] and batch.num_tokens == 6 and len(batch) == 4
+    assert batch.token_ids.tolist() == [0, 1, 2, 100, 0, 1]
+    assert batch.token_ids.dtype == np.int32 and batch.logprobs.dtype == np.float32
+    assert batch.group_index.tolist() == [0, 0, 1, 1] and batch.prompt_id == ("a", "a", "b", "b")
+    assert batch.reward.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert batch.start_weight_version.tolist() == [0, 1, 0, 1] and batch.end_weight_version.tolist() == [1, 2, 1, 2]
+    # b/0 sent no logprobs: NaN keeps the column aligned; a missing mask would be ones.
+    assert np.isnan(batch.logprobs[4:6]).all() and batch.logprobs[:4].tolist() == [0.0, -1.0, -2.0, 0.0]
+    assert batch.loss_mask.tolist() == [0, 1, 0, 0, 0, 1]
+    for column in (batch.token_ids, batch.cu_seqlens, batch.reward, batch.group_index):
+        assert not column.flags.writeable
+
+
+def test_absent_loss_mask_is_ones() -> None:
+    batch = MiniBatch.from_groups([TrajectoryGroup("m", trajectories=[_trajectory("m", 0, 3, mask=False)])])
+    assert batch.loss_mask.tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("side, expected_tokens, expected_attention", [
+    ("right", [[0, 1, 2], [100, 9, 9], [0, 1, 9], [9, 9, 9]],
+     [[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]]),
+    ("left", [[0, 1, 2], [9, 9, 100], [9, 0, 1], [9, 9, 9]],
+     [[1, 1, 1], [0, 0, 1], [0, 1, 1], [0, 0, 0]]),
+])
+def test_to_padded_on_either_side(side, expected_tokens, expected_attention) -> None:
+    padded = _batch().to_padded(side, pad_token_id=9)
+    assert padded.token_ids.tolist() == expected_tokens
+    assert padded.attention_mask.astype(int).tolist() == expected_attention
+    assert (padded.loss_mask[~padded.attention_mask] == 0).all() and (padded.logprobs[~padded.attention_mask] == 0).all()
+    flat = _batch()
+    assert padded.loss_mask[padded.attention_mask].tolist() == flat.loss_mask.tolist()  # row-major = packed order
+    wide = _batch().to_padded(side, length=5)
+    assert wide.token_ids.shape == (4, 5) and wide.attention_mask.sum() == 6
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        _batch().to_padded(side, length=2)
+
+
+def test_to_padded_refuses_an_unknown_side() -> None:
+    with pytest.raises(ValueError, match="'right' or 'left'"):
+        _batch().to_padded("middle")  # type: ignore[arg-type]
+
+
+def test_group_views_slice_the_batch() -> None:
+    batch = _batch()
+    a, b = batch.groups
+    assert (a.prompt_id, a.seq, len(a), a.position) == ("a", 1, 2, 0)
+    assert (b.prompt_id, b.epoch, b.index, b.start, b.stop) == ("b", 0, 5, 2, 4)
+    assert a.token_ids.tolist() == [0, 1, 2, 100] and a.cu_seqlens.tolist() == [0, 3, 4]
+    assert b.token_ids.tolist() == [0, 1] and b.cu_seqlens.tolist() == [0, 2, 2] and b.reward.tolist() == [0.0, 1.0]
+    assert [t.trajectory_id for t in b.trajectories] == ["b/0", "b/1"]
+    assert np.shares_memory(a.token_ids, batch.token_ids)
+
+
+# --- against a server ---------------------------------------------------------------------------------
+
+
+def _server(tmp_path, *extra: str) -> ServerProcess:
+    return ServerProcess(tmp_path, "fully_async.sliding_window=no-window", "data_source.num_prompts_per_step=64",
+                         f"data_source.num_trajectories_per_prompt={N}", f"trainer.mini_batch_size={2 * N}",
+                         "rollout.filter=[status]", *extra)
+
+
+def _fill(pacer: PacerClient, prompt_ids: list[str], length: int = 4) -> None:
+    pacer.dispatch(prompt_ids)
+    for prompt_id in prompt_ids:
+        pacer.submit([_trajectory(prompt_id, i, length) for i in range(N)])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with _server(tmp_path_factory.mktemp("batches")) as running:
+        yield running
+
+
+def _drain(pacer: PacerClient) -> None:
+    while pacer.collect(64, allow_partial=True, wait=0.01):
+        pass
+
+
+def test_asking_for_the_next_batch_acknowledges_the_last(server) -> None:
+    with PacerClient(server.address) as pacer:
+        _drain(pacer)
+        consumed = pacer.state().consumed
+        _fill(pacer, ["n0", "n1", "n2", "n3", "n4", "n5"])
+        with pacer.batches(2 * N, lease=60, poll=1) as batches:
+            first = next(batches)
+            assert [g.prompt_id for g in first.groups] == ["n0", "n1"] and first.lease_id
+            assert pacer.state().consumed == consumed  # in hand, leased: not consumed yet
+            second = next(batches)
+            assert [g.prompt_id for g in second.groups] == ["n2", "n3"]
+            assert pacer.state().consumed == consumed + 2  # the first was acknowledged by asking for the second
+            assert batches.ack() == 2 and pacer.state().consumed == consumed + 4  # explicit ack
+            third = next(batches)  # nothing left to acknowledge for the second: no error
+            assert [g.prompt_id for g in third.groups] == ["n4", "n5"]
+        assert pacer.state().consumed == consumed + 6  # leaving the block without an error acknowledged the third
+        assert pacer.state().leased == 0
+
+
+def test_num_batches_stops_at_the_step_boundary_without_leasing_more(server) -> None:
+    with PacerClient(server.address) as pacer:
+        _drain(pacer)
+        _fill(pacer, [f"s{i}" for i in range(6)])
+        seen = [[g.prompt_id for g in batch.groups] for batch in pacer.batches(2 * N, num_batches=2, poll=1)]
+        assert seen == [["s0", "s1"], ["s2", "s3"]]
+        state = pacer.state()
+        assert (state.leased, state.buffered) == (0, 2)  # the next step's groups were never taken
+
+
+def test_a_prefetch_spans_a_reset(server) -> None:
+    """The iterator waits in a Collect while the trainer ends a step; groups of the new step arrive in it."""
+    with PacerClient(server.address) as pacer:
+        _drain(pacer)
+        with pacer.batches(2 * N, lease=60, poll=0.5) as batches:
+            _fill(pacer, ["r0", "r1"])
+            first = next(batches)
+            _fill(pacer, ["r-pending"])  # one of the next batch's groups before the Reset
+            state = pacer.state()
+            reset = pacer.reset("abort", resume=True, weight_version=state.weight_version + 1)
+            assert reset.generation == state.generation + 1
+            _fill(pacer, ["r2"])
+            second = next(batches)  # acknowledges the first (leased across the Reset) and takes the next
+            assert [g.prompt_id for g in first.groups] == ["r0", "r1"]
+            assert [g.prompt_id for g in second.groups] == ["r-pending", "r2"]
+        assert pacer.state().leased == 0
+
+
+def test_a_trainer_killed_mid_batch_gets_its_groups_again_in_order(tmp_path) -> None:
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, [f"k{i}" for i in range(4)])
+        trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from coda_client import PacerClient
+            pacer = PacerClient({running.address!r})
+            batches = pacer.batches({2 * N}, lease=1.0, poll=1)
+            batch = next(batches)
+            while pacer.state().leased < 4:  # the prefetch took the second batch too
+                time.sleep(0.01)
+            print(",".join(g.prompt_id for g in batch.groups), flush=True)
+            time.sleep(60)  # "training": killed here
+        """)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        try:
+            assert trainer.stdout.readline().strip() == "k0,k1"
+        finally:
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(10)
+        with pacer.batches(4 * N, lease=30, poll=5, num_batches=1) as batches:
+            [again] = list(batches)  # waits until both leases ran out and the groups came back
+        assert [g.prompt_id for g in again.groups] == ["k0", "k1", "k2", "k3"]
+        state = pacer.state()
+        assert (state.redelivered, state.consumed, state.leased) == (4, 4, 0)
+
+
+def test_the_iterator_stops_cleanly_when_the_server_shuts_down(tmp_path) -> None:
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, ["d0", "d1"])
+        batches = pacer.batches(2 * N, lease=60, poll=30)
+        first = next(batches)  # the prefetch now waits in a 30 s long-poll for groups that never come
+        assert [g.prompt_id for g in first.groups] == ["d0", "d1"]
+        os.kill(running.process.pid, signal.SIGTERM)
+        started = time.monotonic()
+        with pytest.raises(StopIteration):
+            next(batches)
+        assert time.monotonic() - started < 20  # not the long-poll's 30 s nor a call deadline
+        assert batches.server_shut_down and batches.delivered == 1
+        assert running.process.wait(30) == 0
+
+
+def test_bad_arguments_are_refused(server) -> None:
+    with PacerClient(server.address) as pacer:
+        with pytest.raises(ValueError, match="multiple of the group size"):
+            pacer.batches(3)
+        with pytest.raises(ValueError, match="lease must be > 0"):
+            pacer.batches(2 * N, lease=0)
+
+
+def test_the_async_iterator_acknowledges_and_stops_like_the_blocking_one(server) -> None:
+    async def scenario() -> tuple[list[list[str]], int, int]:
+        async with AsyncPacerClient(server.address) as pacer:
+            while await pacer.collect(64, allow_partial=True, wait=0.01):
+                pass
+            consumed = (await pacer.state()).consumed
+            await pacer.dispatch([f"a{i}" for i in range(4)])
+            for i in range(4):
+                await pacer.submit([_trajectory(f"a{i}", j, 3) for j in range(N)])
+            seen = []
+            async with pacer.batches(2 * N, poll=1, num_batches=2) as batches:
+                async for batch in batches:
+                    seen.append([g.prompt_id for g in batch.groups])
+                    assert batch.token_ids.tolist()[:3] == [0, 1, 2]
+            state = await pacer.state()
+            return seen, state.consumed - consumed, state.leased
+
+    seen, consumed, leased = asyncio.run(scenario())
+    assert seen == [["a0", "a1"], ["a2", "a3"]] and (consumed, leased) == (4, 0)

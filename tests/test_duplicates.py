@@ -1,0 +1,119 @@
+"""Duplicate detection by content fingerprint: today's semantics, without keeping what the trainer has.
+
+An identical re-submit is a duplicate and a different one with a known id is INVALID_ARGUMENT, before and
+after the trainer took the group; once it took it (Collect without lease, or Ack), the pacer keeps only a
+content key: the body is let go, also by the remembered answer of the acknowledged Collect.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectoryStatus as WireStatus
+from coda_client.errors import BadRequestError
+from coda_server import wire
+from coda_server.core import InvalidArgumentError, Pacer, PromptRef, Trajectory, load_config
+from server_harness import ServerProcess
+
+
+class Body:
+    """A body with a fingerprint, as the servicer's EncodedTrajectory; weakly referable to watch it go."""
+
+    def __init__(self, content: str):
+        self.content = content
+
+    def fingerprint(self) -> int:
+        return hash(self.content)
+
+
+def _pacer() -> Pacer:
+    return Pacer(load_config(overrides=["data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=2",
+                                        "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window"]))
+
+
+def _group(prompt_id: str, content: str = "x") -> list[Trajectory]:
+    return [Trajectory(f"{prompt_id}/{i}", prompt_id, body=Body(f"{content}{i}"), size_bytes=10) for i in range(2)]
+
+
+@pytest.mark.parametrize("leased, request_id", [(False, ""), (True, ""), (True, "collect-1")])
+def test_after_the_trainer_took_a_group_only_its_key_is_kept(leased: bool, request_id: str) -> None:
+    pacer = _pacer()
+    pacer.dispatch([PromptRef("a")])
+    sent = _group("a")
+    pacer.submit(sent)
+    bodies = [weakref.ref(t.body) for t in sent]
+    result = pacer.collect(1, lease_seconds=30 if leased else 0, request_id=request_id)
+    if leased:
+        pacer.ack(result.lease_id)
+    del sent, result
+    gc.collect()
+    assert [ref() for ref in bodies] == [None, None]  # nothing in the pacer holds the bodies any more
+    before = pacer.state()
+    assert pacer.submit(_group("a")).duplicates == 2  # identical content (equal fingerprints): duplicates
+    with pytest.raises(InvalidArgumentError, match="already accepted with different content"):
+        pacer.submit(_group("a", content="y"))
+    changed = _group("a")
+    changed[1].reward = 0.5
+    with pytest.raises(InvalidArgumentError, match="already accepted with different content"):
+        pacer.submit(changed)
+    after = pacer.state()
+    assert (after.submitted, after.buffered, after.held_bytes) == (before.submitted, before.buffered, before.held_bytes)
+    assert after.duplicates == before.duplicates + 2
+
+
+def test_while_the_group_is_held_the_same_rules_apply() -> None:
+    pacer = _pacer()
+    pacer.dispatch([PromptRef("h")])
+    pacer.submit(_group("h")[:1])
+    assert pacer.submit(_group("h")[:1]).duplicates == 1
+    with pytest.raises(InvalidArgumentError, match="different content"):
+        pacer.submit(_group("h", content="z")[:1])
+
+
+def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content() -> None:
+    def encoded(**fields) -> wire.EncodedTrajectory:
+        values = dict(trajectory_id="t", prompt_id="p", status=1, token_ids=[1, 2], logprobs=[-0.5, -1.0],
+                      metadata={"a": "1", "b": "2"}, payload=b"\x00")
+        values.update(fields)
+        return wire.EncodedTrajectory(memoryview(b"".join(WireTrajectory(**values).encoded_parts())))
+
+    reference = encoded()
+    reordered = wire.EncodedTrajectory(memoryview(  # same fields, written in the reverse order
+        b"".join(reversed(_fields_of(bytes(reference.encoded))))))
+    assert bytes(reordered.encoded) != bytes(reference.encoded) and reordered == reference
+    assert encoded(metadata={"b": "2", "a": "1"}) == reference
+    for different in (encoded(token_ids=[1, 3]), encoded(logprobs=[-0.5, float("nan")]), encoded(payload=b"\x01"),
+                      encoded(metadata={"a": "1"}), encoded(loss_mask=[1, 1]), encoded(num_turns=2)):
+        assert different != reference
+
+
+def _fields_of(data: bytes) -> list[bytes]:
+    from coda_client import _wire
+
+    view = memoryview(data)
+    return [bytes(view[start:end]) for _, _, start, _, end in _wire.fields(view, 0, len(view))]
+
+
+def test_over_grpc_a_resubmit_after_collect_is_a_duplicate_and_a_changed_one_is_refused(tmp_path) -> None:
+    with ServerProcess(tmp_path, "fully_async.sliding_window=no-window", "data_source.num_prompts_per_step=4",
+                       "data_source.num_trajectories_per_prompt=1", "trainer.mini_batch_size=1") as server, \
+            PacerClient(server.address) as pacer:
+        def trajectory(tokens) -> WireTrajectory:
+            return WireTrajectory(trajectory_id="g/0", prompt_id="g", status=WireStatus.COMPLETED,
+                                  token_ids=np.asarray(tokens), metadata={"k": "v", "j": "w"})
+
+        pacer.dispatch(["g"])
+        pacer.submit([trajectory([1, 2, 3])])
+        with pacer.collect_leased(1, lease=30) as groups:
+            assert len(groups) == 1
+        before = pacer.state()
+        assert before.held_bytes == 0 and before.consumed == 1
+        again = pacer.submit([trajectory([1, 2, 3])])
+        assert (again.accepted, again.duplicates) == (0, 1)
+        with pytest.raises(BadRequestError, match="already accepted with different content"):
+            pacer.submit([trajectory([1, 2, 4])])
+        after = pacer.state()
+        assert (after.submitted, after.held_bytes, after.buffered) == (before.submitted, 0, 0)
