@@ -21,6 +21,7 @@ from .types import (
     ControlEvent,
     ControlEventType,
     DispatchResult,
+    HeldGroup,
     Incident,
     PacerState,
     PromptRef,
@@ -32,6 +33,7 @@ from .types import (
     Trajectory,
     TrajectoryGroup,
     TrajectoryStatus,
+    WorkerHoldings,
 )
 
 __all__ = [
@@ -51,6 +53,8 @@ __all__ = [
     "TrajectoryStatus",
     "TrajectoryGroup",
     "PromptRef",
+    "HeldGroup",
+    "WorkerHoldings",
     "DispatchResult",
     "SubmitResult",
     "CollectResult",

@@ -224,6 +224,20 @@ class ControlEvent:
 
 
 @dataclass(frozen=True)
+class HeldGroup:
+    """A running group as the in-flight records hold it: who dispatched it, since when, how far it got."""
+
+    prompt_id: str
+    seq: int
+    ds_index: int
+    client_id: str  # "" when the Dispatch carried no client id
+    held_seconds: float  # since Dispatch admitted it
+    trajectories: int  # received so far
+    group_size: int
+    lease_remaining_seconds: float  # until its in-flight lease runs out; inf with leases off
+
+
+@dataclass(frozen=True)
 class Incident:
     """Something that went wrong with a group outside a caller's request (GetState, the next Collect)."""
 
