@@ -21,6 +21,8 @@ from .types import (
     ControlEvent,
     ControlEventType,
     DispatchResult,
+    HeldGroup,
+    Incident,
     KeepAliveResult,
     PacerState,
     PromptRef,
@@ -32,6 +34,7 @@ from .types import (
     Trajectory,
     TrajectoryGroup,
     TrajectoryStatus,
+    WorkerHoldings,
 )
 
 __all__ = [
@@ -47,9 +50,12 @@ __all__ = [
     "PaddedBatch",
     "Trajectory",
     "StepReport",
+    "Incident",
     "TrajectoryStatus",
     "TrajectoryGroup",
     "PromptRef",
+    "HeldGroup",
+    "WorkerHoldings",
     "DispatchResult",
     "KeepAliveResult",
     "SubmitResult",

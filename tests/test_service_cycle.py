@@ -37,7 +37,7 @@ def make_trajectory(prompt_id: str, i: int, weight_version: int) -> Trajectory:
 def server(tmp_path):
     with ServerProcess(tmp_path, f"data_source.num_prompts_per_step={B}", f"data_source.num_trajectories_per_prompt={N}",
                        f"trainer.mini_batch_size={M}", "fully_async.stale_steps=1.0",
-                       "rollout.continue_restored=false") as process:
+                       "fully_async.sliding_window=windowed-fifo", "rollout.continue_restored=false") as process:
         yield process
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Optional
 
-from .errors import RecoveryError
+from .errors import RecoveryError, StrategyHookError
 from .journal import (
     Acked,
     Collected,
     Dispatched,
     Expired,
+    GatesRechecked,
     JournalEvent,
     ResetAbandoned,
     ResetBegun,
@@ -44,6 +45,7 @@ def export_state(pacer: "Pacer") -> dict:
             **pacer._leases.export(),
             "held_bytes": pacer._held_bytes,
             "restored_kept": pacer._restored.export(),  # restored groups waiting to be continued
+            "incidents": pacer.incidents.export(),
             "config": dict(pacer._summary),  # the pacing settings the state was made under
         }
 
@@ -63,6 +65,7 @@ def import_state(pacer: "Pacer", snapshot: dict) -> None:
     pacer._leases.restore(snapshot, pacer._clock())
     pacer._held_bytes = snapshot["held_bytes"]
     pacer._restored.restore(snapshot.get("restored_kept"))  # absent in snapshots written before continuation
+    pacer.incidents.restore(snapshot.get("incidents"))  # absent from snapshots written before incidents existed
 
 
 def recover(pacer: "Pacer") -> int:
@@ -119,10 +122,10 @@ def check_recorded_config(pacer: "Pacer", recorded: Optional[dict], events: int)
     if recorded is None:  # a snapshot older than the record: nothing to compare (replay still checks itself)
         return
     summary = pacer._summary
-    # A setting the record does not hold was added after it was written (its default applied then): not compared.
+    # Keys on one side only were added to (or removed from) the summary by another version; they restate the
+    # others (e.g. window_size), so only the keys both record are compared.
     changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
-               for key in sorted(set(recorded) | set(summary))
-               if key in recorded and recorded.get(key) != summary.get(key)]
+               for key in sorted(set(recorded) & set(summary)) if recorded.get(key) != summary.get(key)]
     if changed:
         raise RecoveryError(
             f"the state in {pacer.journal.directory} has {events} events since its last snapshot, recorded under "
@@ -135,13 +138,16 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
     """Apply one recorded change again, through the step the live call ran, and remember its answer."""
     remember = pacer.answers.remember
     if isinstance(event, Dispatched):
-        result = pacer.apply_dispatch(event.refs, event.request_id, continued_ids=event.continued)
+        result = pacer.apply_dispatch(event.refs, event.request_id, event.client_id, continued_ids=event.continued)
         if result.admitted_ids != [r.prompt_id for r in event.refs]:
             raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted_ids)} of the "
                                f"{len(event.refs)} groups it admitted before the restart")
         remember("Dispatch", event.request_id, result)
     elif isinstance(event, Submitted):
-        remember("Submit", event.request_id, pacer.apply_submit(event.trajectories, event.request_id))
+        try:
+            remember("Submit", event.request_id, pacer.apply_submit(event.trajectories, event.request_id))
+        except StrategyHookError:  # the live call raised it too, after its change: the change is replayed
+            pass
     elif isinstance(event, StaleRejected):
         pacer.totals["stale_rejected"] += event.count
     elif isinstance(event, Collected):
@@ -160,6 +166,8 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
                                     request_id=event.request_id))
     elif isinstance(event, ResetAbandoned):
         pacer.abandon_reset()
+    elif isinstance(event, GatesRechecked):
+        pacer.apply_gate_recheck()
     elif isinstance(event, Resumed):
         remember("Resume", event.request_id, pacer.apply_resume(event.weight_version, event.request_id))
     else:
