@@ -198,6 +198,7 @@ def one_repeat(repeat: int, arrays: list, workdir: Path, flip: bool) -> dict:
             if not flip:
                 floor_collect = collect_floor(response, batches)
             assert collected == payload, (collected, payload)
+            rss_consumed = rss_bytes(server.process.pid)  # everything acknowledged: nothing is held any more
             del response
             submit_ours(pacer, groups, 1)
             packed_seconds, _ = collect_ours(pacer, batches, packed=True)
@@ -217,6 +218,8 @@ def one_repeat(repeat: int, arrays: list, workdir: Path, flip: bool) -> dict:
         "rss_growth_bytes": rss_held - rss_before,
         "rss_per_held_byte": (rss_held - rss_before) / state.held_bytes,
         "server_rss_mb": rss_held / 1e6,
+        "rss_after_consumed_mb": rss_consumed / 1e6,
+        "rss_before_mb": rss_before / 1e6,
         "gaps_ms": [g * 1000 for g in gaps],
         "gap_median_ms": statistics.median(gaps) * 1000,
     }
@@ -244,6 +247,8 @@ def report(runs: list[dict], busy: float) -> bool:
     print(f"\nserver RSS per held byte: {med['rss_per_held_byte']:.2f}  (RSS growth "
           f"{med['rss_growth_bytes'] / 1e6:.0f} MB for held_bytes {med['held_bytes'] / 1e6:.0f} MB; server RSS "
           f"{med['server_rss_mb']:.0f} MB)  target <= {TARGETS['rss_per_held_byte']} {'PASS' if rss_ok else 'FAIL'}")
+    print(f"server RSS before the Submits {med['rss_before_mb']:.0f} MB, with everything held "
+          f"{med['server_rss_mb']:.0f} MB, after the trainer took and acknowledged all {med['rss_after_consumed_mb']:.0f} MB")
     gap_ok = gap_fraction < TARGETS["prefetch_gap_fraction"]
     print(f"prefetch gap: {med['gap_median_ms']:.1f} ms after a {STEP_SECONDS:.0f} s step = {100 * gap_fraction:.2f}% "
           f"(every gap, ms: {[round(g, 1) for r in runs for g in r['gaps_ms']]})  target < 5% "

@@ -135,6 +135,7 @@ def test_asking_for_the_next_batch_acknowledges_the_last(server) -> None:
             assert pacer.state().consumed == consumed  # in hand, leased: not consumed yet
             second = next(batches)
             assert [g.prompt_id for g in second.groups] == ["n2", "n3"]
+            batches.wait_for_ack()  # the acknowledgement goes out with the request, and completes in the background
             assert pacer.state().consumed == consumed + 2  # the first was acknowledged by asking for the second
             assert batches.ack() == 2 and pacer.state().consumed == consumed + 4  # explicit ack
             third = next(batches)  # nothing left to acknowledge for the second: no error
