@@ -8,6 +8,7 @@ from coda_client._proto import pacer_pb2 as pb
 
 from . import wire
 from .core.errors import InvalidArgumentError
+from .core.state import STATE_FIELD_NAMES
 from .core.types import (
     CollectResult,
     ControlEvent,
@@ -151,10 +152,8 @@ def resume_response(result: ResumeResult) -> pb.ResumeResponse:
     return pb.ResumeResponse(step=result.step, weight_version=result.weight_version)
 
 
-STATE_FIELDS = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version",
-                "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed",
-                "filtered", "restored", "dropped", "stale_rejected", "duplicates", "waiting_calls", "expired",
-                "redelivered", "leased", "held_bytes")
+# Every PacerState field but the two that are not plain values: the declaration (core/state.py) is the list.
+STATE_FIELDS = tuple(name for name in STATE_FIELD_NAMES if name not in ("config_summary", "recent_reports"))
 
 
 def state_response(state: PacerState) -> pb.GetStateResponse:

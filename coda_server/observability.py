@@ -31,6 +31,7 @@ from coda_client._proto import pacer_pb2
 from .core.async_pacer import AsyncPacer
 from .core.config import parse_host_port
 from .core.errors import NotReadyError
+from .core.state import COUNTER, GAUGE, reported_fields
 from .core.types import ControlEvent, ControlEventType, PacerState, ResetMode, StepReport, TrajectoryGroup
 from .logs import AccessLog, fields
 
@@ -261,44 +262,10 @@ def _observe_stream(inner: Callable, observer: _MethodObserver, *, unary_request
 
 # ------------------------------------------------------------------------------------ pacer metrics
 
-# (PacerState field, metric name, help). Gauges are read at scrape time.
-PACER_GAUGES = (
-    ("running", "coda_pacer_running_groups", "R: groups dispatched and not yet collected out of the trajectory "
-     "queue (GetState running)."),
-    ("buffered", "coda_pacer_buffered_groups", "Q: complete groups in the pipeline buffer, not yet taken by the "
-     "trainer (GetState buffered)."),
-    ("queued_trajectories", "coda_pacer_queued_trajectories", "Trajectories waiting in the trajectory queue."),
-    ("capacity", "coda_pacer_capacity_groups", "Groups a Dispatch would admit now (0 while paused)."),
-    ("window_size", "coda_pacer_window_size_groups", "C = int(B * (1 + stale_steps)), the window size in groups."),
-    ("paused", "coda_pacer_paused", "1 while dispatch is paused by a Reset, else 0."),
-    ("resetting", "coda_pacer_resetting", "1 while a Reset is running, else 0."),
-    ("step", "coda_pacer_step", "Trainer step (Resume increments it)."),
-    ("weight_version", "coda_pacer_weight_version", "Weight version generation runs with (set at Resume)."),
-    ("generation", "coda_pacer_generation", "Reset generation (increments at every Reset)."),
-    ("waiting_calls", "coda_pacer_waiting_calls", "Long-polls (Dispatch, Collect, Reset) waiting in the server now."),
-)
-# Counters, exported with the `_total` suffix.
-PACER_COUNTERS = (
-    ("dispatched", "coda_pacer_dispatched_groups", "Groups admitted by Dispatch."),
-    ("submitted", "coda_pacer_submitted_trajectories", "Trajectories accepted by Submit (duplicates excluded)."),
-    ("collected", "coda_pacer_collected_groups", "Groups collected into the pipeline buffer."),
-    ("consumed", "coda_pacer_consumed_groups", "Groups taken by the trainer through Collect."),
-    ("filtered", "coda_pacer_filtered_groups", "Groups dropped by a filter (rollout.filter)."),
-    ("restored", "coda_pacer_restored_groups", "Assembled groups returned by a Reset for continuation."),
-    ("dropped", "coda_pacer_dropped_groups", "Incomplete groups dropped by a Reset."),
-    ("stale_rejected", "coda_pacer_stale_rejected_trajectories",
-     "Trajectories refused by Submit with reason STALE_GENERATION (prompt dispatched before the last Reset)."),
-    ("duplicates", "coda_pacer_duplicate_trajectories", "Re-submitted identical trajectories acknowledged as duplicates."),
-)
-# Leases and caps (the durable-state work): exported only when PacerState carries the field, so this module
-# works with a core that has none of them. (PacerState field, metric name, help, is_counter.)
-LEASE_METRICS = (
-    ("expired", "coda_pacer_expired_groups", "Running groups reclaimed because their in-flight lease ran out.", True),
-    ("redelivered", "coda_pacer_redelivered_groups",
-     "Leased groups returned to the buffer because no Ack came in time.", True),
-    ("leased", "coda_pacer_leased_groups", "Groups handed out under a Collect lease, not yet acknowledged.", False),
-    ("held_bytes", "coda_pacer_held_bytes", "Bytes of trajectories queued, buffered or leased.", False),
-)
+# (PacerState field, metric name, help, is_counter), from the declaration of PacerState (core/state.py).
+# Read at scrape time; counters are exported with the `_total` suffix.
+PACER_METRICS = tuple((f.name, how.metric, how.help, how.kind == COUNTER) for f, how in reported_fields()
+                      if how.kind in (GAUGE, COUNTER))
 # The latest step report (0 before the first Reset): (StepReport field, metric name, help).
 STEP_REPORT_GAUGES = (
     ("step", "coda_pacer_step_report_step", "The step the latest step report is about."),
@@ -342,16 +309,14 @@ class PacerCollector:
         info = GaugeMetricFamily("coda_pacer_info", "The pacing strategy; always 1.", labels=["strategy"])
         info.add_metric([state.strategy], 1)
         yield info
-        for attribute, name, help_text in PACER_GAUGES:
-            yield GaugeMetricFamily(name, help_text, value=float(getattr(state, attribute)))
+        for attribute, name, help_text, is_counter in PACER_METRICS:
+            value = getattr(state, attribute)
+            if is_counter:
+                yield CounterMetricFamily(name, help_text, value=value)
+            else:
+                yield GaugeMetricFamily(name, help_text, value=float(value))
         yield GaugeMetricFamily("coda_pacer_watchers", "WatchControl streams open now.",
                                 value=self._pacer.watcher_count)
-        for attribute, name, help_text in PACER_COUNTERS:
-            yield CounterMetricFamily(name, help_text, value=getattr(state, attribute))
-        for attribute, name, help_text, is_counter in LEASE_METRICS:
-            if hasattr(state, attribute):
-                family = CounterMetricFamily if is_counter else GaugeMetricFamily
-                yield family(name, help_text, value=getattr(state, attribute))
         report = state.recent_reports[-1] if state.recent_reports else StepReport()
         for attribute, name, help_text in STEP_REPORT_GAUGES:
             yield GaugeMetricFamily(name, help_text, value=float(getattr(report, attribute)))

@@ -4,7 +4,8 @@
     coda-sim --compare --stale-steps 1.0,2.0   # every registered strategy x those stale_steps
     coda-sim --config my.yaml sim.cluster.rollout_replicas=12 --steps 100 --seed 3
     coda-sim --compare --json > runs.json      # JSON only on stdout; progress on stderr
-    coda-sim --compare --plot figures/         # timeline.png, staleness.png, comparison.png
+    coda-sim --compare --plot figures/         # timeline.png, staleness.png, comparison.png, pareto.png
+    coda-sim --compare --seeds 0,1,2,3,4 --baseline windowed-fifo   # means, 95 % CIs, paired differences
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from typing import Optional, Sequence
 from coda_server.core.errors import ConfigError
 
 from . import config as sim_config
-from .plot import PlotUnavailable, require_matplotlib, write_plots
+from .plot import PlotUnavailable, require_matplotlib, write_pareto, write_plots
 from .report import format_table, summarize
+from .stats import aggregate, format_seed_table
 from .runner import registered_strategies, sweep
 from .sim import SimulationError
 from .workload import WorkloadError
@@ -45,8 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stale-steps", metavar="X,Y", help="comma-separated fully_async.stale_steps values to sweep")
     parser.add_argument("--steps", type=int, metavar="N", help="training steps per run (sim.steps)")
     parser.add_argument("--seed", type=int, metavar="S", help="random seed (sim.seed); same seed, same result")
-    parser.add_argument("--json", action="store_true", help="write only JSON to stdout: a list, one object per run")
-    parser.add_argument("--plot", metavar="DIR", help="write timeline.png, staleness.png and comparison.png to DIR")
+    parser.add_argument("--seeds", metavar="S1,S2", help="run every strategy on each of these seeds and report each "
+                        "figure as mean and 95%% confidence interval, plus the paired difference to --baseline")
+    parser.add_argument("--baseline", metavar="NAME", help="with --seeds: the strategy the others are compared to, "
+                        "seed by seed at the same stale_steps (default: windowed-fifo when it runs, else the first)")
+    parser.add_argument("--json", action="store_true", help="write only JSON to stdout: a list, one object per run "
+                        "(with --seeds: per strategy and stale_steps, the aggregated figures)")
+    parser.add_argument("--plot", metavar="DIR", help="write timeline.png, staleness.png, comparison.png and pareto.png "
+                        "to DIR (with --seeds: pareto.png)")
     parser.add_argument("--check-invariants", action="store_true",
                         help="check the pacer invariant and the workers' bookkeeping after every event (slower)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -81,6 +89,16 @@ class Progress:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: must be comma-separated integers, e.g. 0,1,2,3,4") from None
+    if not values or len(set(values)) != len(values):
+        raise ConfigError(f"--seeds {text!r}: needs at least one seed, each once")
+    return values
 
 
 def _floats(text: str, option: str) -> list[float]:
@@ -144,10 +162,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stale_values = _floats(args.stale_steps, "--stale-steps") if args.stale_steps else [
             float(pacer.fully_async.stale_steps)]
         runs_total = len(strategies) * len(stale_values)
+        seeds = _seeds(args.seeds) if args.seeds else None
+        baseline = None
+        if seeds is not None:
+            if args.seed is not None:
+                raise ConfigError("--seed and --seeds exclude each other: give the seeds to run in --seeds")
+            baseline = args.baseline or ("windowed-fifo" if "windowed-fifo" in strategies else strategies[0])
+            if baseline not in strategies:
+                raise ConfigError(f"--baseline {baseline!r} is not among the strategies run: {', '.join(strategies)}")
+        elif args.baseline:
+            raise ConfigError("--baseline needs --seeds (differences are paired seed by seed)")
         progress = Progress(not args.no_progress)
         try:
-            runs = sweep(cfg, strategies, stale_values, check_invariants=args.check_invariants,
-                         record_timeline=bool(args.plot), progress=progress)
+            if seeds is None:
+                runs = sweep(cfg, strategies, stale_values, check_invariants=args.check_invariants,
+                             record_timeline=bool(args.plot), progress=progress)
+            else:
+                per_seed = []
+                for k, seed in enumerate(seeds):
+                    seed_cfg = sim_config.load_sim_config(args.config, [*overrides, f"sim.seed={seed}"],
+                                                          preset=args.preset)
+                    def seed_progress(run, runs, label, step, steps, _k=k):
+                        progress(_k * runs + run, runs * len(seeds), f"{label} seed {seed}", step, steps)
+                    per_seed.append([summarize(r) for r in sweep(seed_cfg, strategies, stale_values,
+                                                                 check_invariants=args.check_invariants,
+                                                                 progress=seed_progress)])
         finally:
             progress.close()
     except PlotUnavailable as exc:
@@ -159,6 +198,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SimulationError as exc:
         print(f"coda-sim: {exc}", file=sys.stderr)
         return 1
+    if seeds is not None:
+        entries = aggregate(per_seed, seeds, baseline)
+        if args.plot:
+            paths = [write_pareto(args.plot, entries)]
+            print("coda-sim: wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+        try:
+            if args.json:
+                json.dump(entries, sys.stdout, indent=2)
+                sys.stdout.write("\n")
+            else:
+                print(f"coda-sim: {workload_line(cfg, pacer)}; {cfg.steps} steps, seeds {','.join(map(str, seeds))}, "
+                      f"{runs_total} run(s) per seed")
+                print(format_seed_table(entries))
+                print(f"mean ± 95% confidence interval over {len(seeds)} seeds (Student's t); differences are run "
+                      f"minus {baseline} on the same seed and stale_steps")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            sys.stderr.close()
+        return 0
     summaries = [summarize(run) for run in runs]
     if args.plot:
         paths = write_plots(args.plot, runs, summaries)

@@ -1,9 +1,15 @@
-"""Discrete-event engine: a time-ordered event queue and the generation pool (replicas x slots).
+"""Discrete-event engine: a time-ordered event queue and the generation pool (replicas x slots x KV cache).
 
 Each replica decodes its requests with processor sharing: with n requests decoding, every one of them
 advances at `workload.decode_rate(n)` tokens/s. A replica keeps a "virtual progress" clock V (tokens
 per request since it started); a request that needs w units of work finishes when V reaches
 V_at_start + w, so only the replica's next finisher needs an event, re-planned whenever n changes.
+
+With a KV-cache capacity, the cache a replica holds (every slot's prompt + generated tokens) grows
+linearly in V between events, so the moment it fills is computed like a finish time; then the most
+recently admitted requests are preempted. With a prefill throughput, a replica prefills one request
+at a time (its whole context: a resumed or preempted request re-prefills what it generated) and its
+decoding stands still meanwhile, as an engine that runs prefill batches ahead of decode steps.
 """
 from __future__ import annotations
 
@@ -44,16 +50,20 @@ class EventQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def clear(self) -> None:
+        """Forget every pending event (the caller knows they are all superseded)."""
+        self._heap.clear()
+
 
 # Phases of a request (one trajectory's generation).
 IDLE, QUEUED, PREFILL, DECODE, TOOL, DONE = range(6)
 
 
 class Request:
-    """One trajectory's generation across turns, aborts and continuations."""
+    """One trajectory's generation across turns, aborts, preemptions and continuations."""
 
     __slots__ = ("owner", "j", "spec", "slowdown", "turn", "done_in_turn", "tokens_done", "phase", "ticket",
-                 "replica", "v_start", "start_version", "tool_next", "busy_tokens_lost")
+                 "replica", "v_start", "start_version", "tool_next", "kv_entry", "masked_tokens")
 
     def __init__(self, owner: Any, j: int, spec: TrajSpec, slowdown: float):
         self.owner = owner
@@ -69,6 +79,8 @@ class Request:
         self.v_start = 0.0
         self.start_version: Optional[int] = None  # weight version of its first token
         self.tool_next = False  # the next thing to do is the tool call after turn `turn - 1`
+        self.kv_entry = 0.0  # context tokens in the KV cache when it took its slot
+        self.masked_tokens = 0.0  # response tokens generated before its last abort (older weights)
 
     @property
     def finished(self) -> bool:
@@ -76,7 +88,8 @@ class Request:
 
 
 class Replica:
-    __slots__ = ("index", "occupied", "decoding", "v", "last_t", "heap", "ver")
+    __slots__ = ("index", "occupied", "decoding", "v", "last_t", "heap", "ver", "members", "kv_fixed", "inv_s",
+                 "vs", "prefill_queue", "prefilling", "due_finish")
 
     def __init__(self, index: int):
         self.index = index
@@ -86,6 +99,15 @@ class Replica:
         self.last_t = 0.0
         self.heap: list[tuple[float, int, Request]] = []
         self.ver = 0
+        self.members: dict[Request, None] = {}  # requests holding a slot, in admission order
+        # KV cache = kv_fixed + v * inv_s - vs: entry contexts plus what each decoding request has added
+        # since it started decoding, (v - v_start) / slowdown.
+        self.kv_fixed = 0.0
+        self.inv_s = 0.0
+        self.vs = 0.0
+        self.prefill_queue: deque[Request] = deque()  # serial prefill: waiting behind `prefilling`
+        self.prefilling: Optional[Request] = None  # while set, decoding on this replica stands still
+        self.due_finish: Optional[float] = None  # the V of the finisher the planned event is for
 
 
 class GenerationPool:
@@ -109,6 +131,16 @@ class GenerationPool:
         self.busy_slot_seconds = 0.0
         self._busy_since = 0.0
         self.tokens_generated = 0.0
+        self._serial_prefill = workload.prefill_tokens_per_s > 0
+        self._kv_cap = workload.kv_cache_tokens
+        # Admission (and preemption) keep a replica's cache at or below this: the watermark, and strictly
+        # below full, or a request admitted into a full cache would be preempted at once, for ever.
+        self._kv_room = min(workload.kv_admit_watermark, 1.0 - 1e-6) * workload.kv_cache_tokens
+        # What the cost model adds up (reported by the simulation).
+        self.prefill_tokens = 0.0  # context tokens prefilled (serial prefill only)
+        self.reprefill_tokens = 0.0  # of those, response tokens prefilled again (resumed / preempted)
+        self.prefill_seconds = 0.0  # replica-seconds spent prefilling (serial prefill only)
+        self.preemptions = 0  # requests preempted because their replica's KV cache was full
 
     # ------------------------------------------------------------------ public
 
@@ -121,19 +153,27 @@ class GenerationPool:
             self._enqueue(req)
 
     def abort_all(self) -> list[Request]:
-        """Stop every live request now, keeping its progress; they go IDLE, in start order."""
+        """Stop every live request now, keeping its progress; they go IDLE, in start order.
+
+        The tokens each had generated are marked as generated under old weights (`masked_tokens`).
+        """
         now = self.events.now
         for rep in self.replicas:
             self._advance(rep, now)
         aborted = list(self.live.values())
         for req in aborted:
             self._stop(req)
+            req.masked_tokens = req.tokens_done
         self.pending.clear()
         self.live.clear()
         self._ids.clear()
         for rep in self.replicas:
             rep.heap.clear()
             rep.ver += 1
+            rep.prefill_queue.clear()
+            rep.prefilling = None
+            rep.members.clear()
+            rep.kv_fixed = rep.inv_s = rep.vs = 0.0
         return aborted
 
     def cancel(self, req: Request) -> None:
@@ -148,7 +188,7 @@ class GenerationPool:
         self._stop(req)
         self._unregister(req)
         if rep is not None:
-            self._plan(rep)
+            self._replica_changed(rep)
         self._fill()
 
     @property
@@ -158,6 +198,11 @@ class GenerationPool:
     def utilisation_until(self, now: float) -> float:
         """Slot-seconds busy (prefill or decode) up to `now`."""
         return self.busy_slot_seconds + self.occupied * (now - self._busy_since)
+
+    def kv_used(self, rep: Replica) -> float:
+        """Tokens in `rep`'s KV cache now (its V advanced to now first)."""
+        self._advance(rep, self.events.now)
+        return rep.kv_fixed + rep.v * rep.inv_s - rep.vs
 
     # ------------------------------------------------------------------ internals
 
@@ -183,6 +228,23 @@ class GenerationPool:
         self._busy_since = now
         self.occupied += delta
 
+    def _leave_slot(self, req: Request) -> None:
+        """`req` gives its slot and its KV cache back (replica already advanced)."""
+        rep = req.replica
+        if req.phase == DECODE:
+            rep.decoding -= 1
+            rep.inv_s -= 1.0 / req.slowdown
+            rep.vs -= req.v_start / req.slowdown
+        rep.occupied -= 1
+        rep.kv_fixed -= req.kv_entry
+        rep.members.pop(req, None)
+        if not rep.decoding:  # no rounding left-overs in the KV sums
+            rep.inv_s = rep.vs = 0.0
+        if not rep.occupied:
+            rep.kv_fixed = 0.0
+        self._occupy(-1)
+        req.replica = None
+
     def _stop(self, req: Request) -> None:
         """Leave the current phase keeping progress (replica already advanced)."""
         rep = req.replica
@@ -192,15 +254,25 @@ class GenerationPool:
             req.done_in_turn += progress
             req.tokens_done += progress
             self.tokens_generated += progress
-            rep.decoding -= 1
+        if req.phase == PREFILL and self._serial_prefill:
+            if rep.prefilling is req:
+                rep.prefilling = None  # the next prefill (or decoding) starts in _replica_changed
+            else:
+                rep.prefill_queue.remove(req)
         if req.phase in (DECODE, PREFILL):
-            rep.occupied -= 1
-            self._occupy(-1)
+            self._leave_slot(req)
         if req.phase == TOOL:
             req.tool_next = True  # the tool call is redone on continuation
         req.phase = IDLE
         req.replica = None
         self._new_ticket(req)
+
+    def _replica_changed(self, rep: Replica) -> None:
+        """After a request left `rep` outside an event of its own: go on prefilling, or re-plan decoding."""
+        if rep.prefilling is None and rep.prefill_queue:
+            self._next_prefill(rep)
+        else:
+            self._plan(rep)
 
     def _enqueue(self, req: Request) -> None:
         req.phase = QUEUED
@@ -208,31 +280,77 @@ class GenerationPool:
         self.pending.append(req)
         self._fill()
 
+    def _context(self, req: Request) -> float:
+        return self.workload.prompt_tokens + req.tokens_done
+
+    def _fits(self, rep: Replica, context: float) -> bool:
+        if self._kv_cap <= 0 or rep.occupied == 0:  # an empty replica takes any request
+            return True
+        return self.kv_used(rep) + context <= self._kv_room
+
     def _fill(self) -> None:
         slots = self.slots
         while self.pending:
+            context = self._context(self.pending[0])
             best = None
             for rep in self.replicas:
-                if rep.occupied < slots and (best is None or rep.occupied < best.occupied):
+                if rep.occupied < slots and (best is None or rep.occupied < best.occupied) and self._fits(rep, context):
                     best = rep
                     if rep.occupied == 0:
                         break
             if best is None:
                 return
             req = self.pending.popleft()
-            best.occupied += 1
-            self._occupy(+1)
-            req.replica = best
-            if self.workload.prefill_s > 0:
-                req.phase = PREFILL
-                self.events.after(self.workload.prefill_s, self._prefill_done, req, self._new_ticket(req))
-            else:
-                self._begin_decode(req)
+            self._admit(best, req, context)
+
+    def _admit(self, rep: Replica, req: Request, context: float) -> None:
+        rep.occupied += 1
+        self._occupy(+1)
+        req.replica = rep
+        req.kv_entry = context
+        rep.kv_fixed += context
+        rep.members[req] = None
+        if self._serial_prefill:
+            req.phase = PREFILL
+            self._new_ticket(req)
+            rep.prefill_queue.append(req)
+            if rep.prefilling is None:
+                self._next_prefill(rep)
+        elif self.workload.prefill_s > 0:
+            req.phase = PREFILL
+            self.events.after(self.workload.prefill_s, self._prefill_done, req, self._new_ticket(req))
+        else:
+            self._begin_decode(req)
 
     def _prefill_done(self, req: Request, ticket: int) -> bool:
         if req.ticket != ticket:
             return False
         self._begin_decode(req)
+        return True
+
+    def _next_prefill(self, rep: Replica) -> None:
+        """Serial prefill: start the next request of `rep`'s prefill queue, or let decoding go on."""
+        if not rep.prefill_queue:
+            rep.prefilling = None
+            self._plan(rep)
+            return
+        self._advance(rep, self.events.now)  # decoding progress up to now counts; it stands still from here
+        req = rep.prefill_queue.popleft()
+        rep.prefilling = req
+        rep.ver += 1  # no decode event while prefilling
+        seconds = self.workload.prefill_seconds(req.kv_entry)
+        self.prefill_tokens += req.kv_entry
+        self.reprefill_tokens += req.tokens_done
+        self.prefill_seconds += seconds
+        self.events.after(seconds, self._serial_prefill_done, rep, req, req.ticket)
+
+    def _serial_prefill_done(self, rep: Replica, req: Request, ticket: int) -> bool:
+        if rep.prefilling is not req or req.ticket != ticket:
+            return False
+        self._begin_decode(req)  # still frozen: V does not move, no event is planned
+        rep.prefilling = None
+        self._next_prefill(rep)
+        self._fill()
         return True
 
     def _begin_decode(self, req: Request) -> None:
@@ -247,10 +365,12 @@ class GenerationPool:
         work = (req.spec.turns[req.turn] - req.done_in_turn) * req.slowdown
         heapq.heappush(rep.heap, (rep.v + work, ticket, req))
         rep.decoding += 1
+        rep.inv_s += 1.0 / req.slowdown
+        rep.vs += req.v_start / req.slowdown
         self._plan(rep)
 
     def _advance(self, rep: Replica, now: float) -> None:
-        if rep.decoding:
+        if rep.decoding and rep.prefilling is None:
             rep.v += self.workload.decode_rate(rep.decoding) * (now - rep.last_t)
         rep.last_t = now
 
@@ -264,10 +384,22 @@ class GenerationPool:
         return None
 
     def _plan(self, rep: Replica) -> None:
+        """One event for `rep`: its next finisher, or the moment its KV cache fills, whichever is first."""
         rep.ver += 1
+        rep.due_finish = None
+        if rep.prefilling is not None or not rep.decoding:
+            return
+        rate = self.workload.decode_rate(rep.decoding)
+        delay = None
         top = self._top(rep)
         if top is not None:
-            delay = max(0.0, (top[0] - rep.v) / self.workload.decode_rate(rep.decoding))
+            delay = max(0.0, (top[0] - rep.v) / rate)
+            rep.due_finish = top[0]
+        if self._kv_cap > 0 and rep.decoding > 1:  # a lone request may overflow: nothing to preempt
+            full_in = max(0.0, (self._kv_cap - self.kv_used(rep)) / (rate * rep.inv_s))
+            if delay is None or full_in < delay:
+                delay, rep.due_finish = full_in, None
+        if delay is not None:
             self.events.after(delay, self._replica_due, rep, rep.ver)
 
     def _replica_due(self, rep: Replica, ver: int) -> bool:
@@ -275,9 +407,8 @@ class GenerationPool:
             return False
         self._advance(rep, self.events.now)
         top = self._top(rep)
-        if top is None:
-            return False
-        rep.v = max(rep.v, top[0])  # the event was planned for this finisher: no rounding left-over
+        if top is not None and rep.due_finish is not None and top[0] == rep.due_finish:
+            rep.v = max(rep.v, top[0])  # the event was planned for this finisher: no rounding left-over
         limit = rep.v + _EPS * max(1.0, abs(rep.v))
         finished = []
         while True:
@@ -288,21 +419,29 @@ class GenerationPool:
             finished.append(top[2])
         for req in finished:
             self._turn_done(req)
+        if self._kv_cap > 0 and self.kv_used(rep) >= self._kv_cap * (1.0 - 1e-9):
+            self._preempt(rep)
         self._plan(rep)
         self._fill()
         return True
 
+    def _preempt(self, rep: Replica) -> None:
+        """KV cache full: preempt the newest decoding requests until it is below the admission watermark."""
+        while rep.decoding > 1 and self.kv_used(rep) > self._kv_room:
+            victim = next(r for r in reversed(rep.members) if r.phase == DECODE)
+            self._stop(victim)
+            victim.phase = QUEUED
+            self._new_ticket(victim)
+            self.pending.appendleft(victim)  # first in line again; it re-prefills its whole context
+            self.preemptions += 1
+
     def _turn_done(self, req: Request) -> None:
-        rep = req.replica
         rest = req.spec.turns[req.turn] - req.done_in_turn
         req.tokens_done += rest
         self.tokens_generated += rest
         req.done_in_turn = 0.0
         req.turn += 1
-        rep.decoding -= 1
-        rep.occupied -= 1
-        self._occupy(-1)
-        req.replica = None
+        self._leave_slot(req)
         if req.turn < len(req.spec.turns):
             req.tool_next = True
             self._begin_tool(req)

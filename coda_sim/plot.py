@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .sim import RunResult
+from .stats import pareto_front
 
 INSTALL_HINT = "--plot needs matplotlib, the optional 'plot' extra: pip install 'coda-pacer[plot]'"
 
@@ -36,8 +37,62 @@ def write_plots(directory: str | Path, runs: Sequence[RunResult], summaries: Seq
     out.mkdir(parents=True, exist_ok=True)
     paths = [_timeline(plt, out / "timeline.png", runs, summaries),
              _staleness(plt, out / "staleness.png", runs, summaries),
-             _comparison(plt, out / "comparison.png", summaries)]
+             _comparison(plt, out / "comparison.png", summaries),
+             _pareto(plt, out / "pareto.png", [_point(s) for s in summaries], "seed " + str(summaries[0]["seed"]))]
     return paths
+
+
+def write_pareto(directory: str | Path, entries: Sequence[dict[str, Any]]) -> Path:
+    """pareto.png in `directory` from seed-aggregated entries (`coda_sim.stats.aggregate`), with 95 % CIs."""
+    plt = require_matplotlib()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    points = []
+    for e in entries:
+        m = e["metrics"]
+        points.append({"strategy": e["strategy"], "stale_steps": e["stale_steps"],
+                       **{k: (m[k]["mean"], m[k]["ci95"]) for k in ("staleness_mean", "avg_step_time_excl_step0",
+                                                                     "useful_throughput")}})
+    return _pareto(plt, out / "pareto.png", points, f"mean and 95% CI over {len(entries[0]['seeds'])} seeds")
+
+
+def _point(summary: dict[str, Any]) -> dict[str, Any]:
+    return {"strategy": summary["strategy"], "stale_steps": summary["stale_steps"],
+            **{k: (summary[k], None) for k in ("staleness_mean", "avg_step_time_excl_step0", "useful_throughput")}}
+
+
+def _pareto(plt, path: Path, points: Sequence[dict[str, Any]], note: str) -> Path:
+    """Step time and useful throughput against staleness; every strategy a colour, every stale_steps a marker."""
+    strategies = list(dict.fromkeys(p["strategy"] for p in points))
+    stales = sorted({p["stale_steps"] for p in points})
+    markers = "osD^vP*X"
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    panels = [("avg_step_time_excl_step0", "step time, excl. step 0 (s)", False),
+              ("useful_throughput", "useful throughput (unmasked tokens trained / s)", True)]
+    for ax, (key, title, higher_better) in zip(axes, panels):
+        xy = [(p["staleness_mean"][0], -p[key][0] if higher_better else p[key][0]) for p in points]
+        front = set(pareto_front(xy))
+        for i, p in enumerate(points):
+            x, xerr = p["staleness_mean"]
+            y, yerr = p[key]
+            colour = f"C{strategies.index(p['strategy'])}"
+            ax.errorbar(x, y, xerr=xerr, yerr=yerr, fmt=markers[stales.index(p["stale_steps"]) % len(markers)],
+                        color=colour, ms=9 if i in front else 6, mfc=colour if i in front else "white", capsize=3)
+        line = sorted((points[i]["staleness_mean"][0], points[i][key][0]) for i in front)
+        ax.plot([a for a, _ in line], [b for _, b in line], color="0.6", ls="--", lw=0.8, zorder=0)
+        ax.set_xlabel("mean staleness of consumed trajectories (versions)")
+        ax.set_ylabel(title)
+        ax.set_title(("higher" if higher_better else "lower") + " and to the left is better; filled: Pareto front",
+                     fontsize=9)
+    handles = [plt.Line2D([], [], color=f"C{i}", marker="o", ls="", label=name) for i, name in enumerate(strategies)]
+    handles += [plt.Line2D([], [], color="0.3", marker=markers[i % len(markers)], ls="", mfc="white",
+                           label=f"stale_steps {v:g}") for i, v in enumerate(stales)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8)
+    fig.suptitle(f"strategies x stale_steps ({note})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _timeline(plt, path: Path, runs: Sequence[RunResult], summaries) -> Path:

@@ -37,6 +37,13 @@ def summarize(run: RunResult) -> dict[str, Any]:
                       if run.population_trajectories else 0.0)
     colocate = run.colocate
     colocate_avg = colocate.avg_step_time if colocate else 0.0
+    colocate_partial = run.colocate_partial
+    colocate_partial_avg = colocate_partial.avg_step_time if colocate_partial else 0.0
+    steady_steps = steps[1:] or steps
+    steady_time = sum(s.duration for s in steady_steps)
+    consumed_tokens = sum(s.consumed_tokens for s in steps)
+    masked_tokens = sum(s.masked_tokens for s in steps)
+    useful = (sum(s.consumed_tokens - s.masked_tokens for s in steady_steps) / steady_time) if steady_time > 0 else 0.0
     out: dict[str, Any] = {
         "strategy": run.strategy,
         "stale_steps": run.stale_steps,
@@ -49,6 +56,20 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "colocate_step_time": colocate_avg,
         "speedup_vs_colocate": (colocate_avg / avg_steady) if colocate and avg_steady > 0 else None,
         "speedup_vs_colocate_all_steps": (colocate_avg / avg) if colocate and avg > 0 else None,
+        "colocate_partial_step_time": colocate_partial_avg,
+        "speedup_vs_colocate_partial": (colocate_partial_avg / avg_steady) if colocate_partial and avg_steady > 0 else None,
+        "colocate_speedup_partial": (colocate_avg / colocate_partial_avg) if colocate and colocate_partial_avg else None,
+        "useful_throughput": useful,
+        "colocate_useful_throughput": colocate.useful_throughput if colocate else None,
+        "colocate_partial_useful_throughput": colocate_partial.useful_throughput if colocate_partial else None,
+        "useful_throughput_vs_colocate": (useful / colocate.useful_throughput
+                                          if colocate and colocate.useful_throughput > 0 else None),
+        "consumed_tokens": consumed_tokens,
+        "masked_tokens": masked_tokens,
+        "masked_token_ratio": masked_tokens / consumed_tokens if consumed_tokens else 0.0,
+        "preemptions": run.preemptions,
+        "reprefill_tokens": run.reprefill_tokens,
+        "prefill_share": run.prefill_seconds / (run.replicas * run.sim_time) if run.sim_time > 0 else 0.0,
         "trainer_wait_ratio": run.trainer_wait / T,
         "trainer_pause_ratio": run.pause_wait / T,
         "trainer_busy_ratio": run.trainer_busy / T,
@@ -94,6 +115,13 @@ TABLE_ROWS: list[tuple[str, str, str]] = [
     ("avg step time, excl. step 0", "avg_step_time_excl_step0", "s"),
     ("colocate step time", "colocate_step_time", "s"),
     ("speedup vs colocate", "speedup_vs_colocate", "x"),
+    ("colocate + partial step time", "colocate_partial_step_time", "s"),
+    ("speedup vs colocate + partial", "speedup_vs_colocate_partial", "x"),
+    ("useful throughput (tok/s)", "useful_throughput", "tok"),
+    ("useful throughput vs colocate", "useful_throughput_vs_colocate", "x"),
+    ("masked token ratio", "masked_token_ratio", "%"),
+    ("KV preemptions", "preemptions", "d"),
+    ("replica time prefilling", "prefill_share", "%"),
     ("trainer wait ratio", "trainer_wait_ratio", "%"),
     ("trainer pause ratio (boundary)", "trainer_pause_ratio", "%"),
     ("generation utilisation", "generation_utilisation", "%"),

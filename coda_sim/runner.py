@@ -1,7 +1,7 @@
 """Running simulations: one run, or a sweep over strategies x stale_steps sharing one colocate baseline."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from coda_server.core.strategy import STRATEGIES
 
@@ -10,30 +10,42 @@ from .sim import AsyncSimulation, ColocateResult, RunResult, run_colocate
 from .workload import Workload
 
 
-def make_workload(config: SimConfig, group_size: int) -> Workload:
-    return Workload(config.sim, group_size, config.base_dir)
+def make_workload(config: SimConfig, pacer_config: Any) -> Workload:
+    source = pacer_config.data_sources[0]
+    return Workload(config.sim, int(source.num_trajectories_per_prompt), config.base_dir,
+                    batch_groups=int(source.num_prompts_per_step))
 
 
-def colocate_baseline(config: SimConfig, steps: Optional[int] = None) -> ColocateResult:
+def colocate_baseline(config: SimConfig, steps: Optional[int] = None, *, partial: bool = False) -> ColocateResult:
+    """The synchronous baseline on all GPUs; `partial` continues the groups cut off at B (colocate + partial)."""
     pacer_config = config.pacer_config()
-    workload = make_workload(config, int(pacer_config.data_sources[0].num_trajectories_per_prompt))
-    return run_colocate(pacer_config, workload, steps or config.steps)
+    return run_colocate(pacer_config, make_workload(config, pacer_config), steps or config.steps, partial)
+
+
+def colocate_baselines(config: SimConfig, steps: Optional[int] = None) -> tuple[ColocateResult, ColocateResult]:
+    """(colocate, colocate + partial) on the same prompts."""
+    return colocate_baseline(config, steps), colocate_baseline(config, steps, partial=True)
 
 
 def simulate(config: SimConfig, strategy: Optional[str] = None, stale_steps: Optional[float] = None, *,
-             steps: Optional[int] = None, colocate: Optional[ColocateResult] = None, with_colocate: bool = True,
+             steps: Optional[int] = None, colocate: Optional[tuple[ColocateResult, ColocateResult]] = None,
+             with_colocate: bool = True,
              check_invariants: bool = False, record_timeline: bool = False,
              on_step: Optional[Callable[[int, int], None]] = None) -> RunResult:
-    """One fully-async run of the real Pacer (strategy / stale_steps default to the configuration's)."""
+    """One fully-async run of the real Pacer (strategy / stale_steps default to the configuration's).
+
+    `colocate` is the (colocate, colocate + partial) pair from `colocate_baselines`, computed here when
+    not given (unless `with_colocate` is false).
+    """
     steps = steps or config.steps
     pacer_config = config.pacer_config(strategy, stale_steps)
-    workload = make_workload(config, int(pacer_config.data_sources[0].num_trajectories_per_prompt))
-    sim = AsyncSimulation(pacer_config, workload, steps, check_invariants=check_invariants,
+    sim = AsyncSimulation(pacer_config, make_workload(config, pacer_config), steps, check_invariants=check_invariants,
                           record_timeline=record_timeline, on_step=on_step)
     result = sim.run()
     if colocate is None and with_colocate:
-        colocate = colocate_baseline(config, steps)
-    result.colocate = colocate
+        colocate = colocate_baselines(config, steps)
+    if colocate is not None:
+        result.colocate, result.colocate_partial = colocate
     return result
 
 
@@ -48,7 +60,7 @@ def sweep(config: SimConfig, strategies: Sequence[str], stale_values: Sequence[O
           progress: Optional[Callable[[int, int, str, int, int], None]] = None) -> list[RunResult]:
     """strategies x stale_values runs; `progress(run_index, runs, label, step, steps)` after every step."""
     steps = steps or config.steps
-    colocate = colocate_baseline(config, steps)
+    colocate = colocate_baselines(config, steps)
     combos = [(s, v) for s in strategies for v in stale_values]
     results = []
     for i, (strategy, stale) in enumerate(combos):

@@ -72,6 +72,8 @@ class StepRecord:
     paused_at: float = 0.0  # every running group assembled (reset ready, or wait timeout)
     trainer_wait: float = 0.0
     dispatched_before_boundary: int = 0  # pacer total `dispatched` when the Reset began
+    consumed_tokens: float = 0.0  # response tokens of the trajectories the trainer took this step
+    masked_tokens: float = 0.0  # of those, generated before the trajectory's last abort (masked out)
     report: StepReport = field(default_factory=StepReport)
 
     @property
@@ -116,8 +118,14 @@ class RunResult:
     fates: Counter  # consumed / filtered / dropped, per unique prompt
     events: int
     wall_seconds: float
+    replicas: int = 1
+    preemptions: int = 0
+    prefill_tokens: float = 0.0
+    reprefill_tokens: float = 0.0
+    prefill_seconds: float = 0.0
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, running, buffered, admissible)
     colocate: Optional["ColocateResult"] = None
+    colocate_partial: Optional["ColocateResult"] = None
 
 
 @dataclass
@@ -125,13 +133,29 @@ class ColocateResult:
     step_times: list[float]
     gen_times: list[float]
     train_times: list[float]
-    regenerated_groups: int
+    regenerated_groups: int  # groups the filters dropped, generated again
     slot_seconds_busy: float
     total_slots: int
+    partial: bool = False  # partial rollout: the groups still running when B are accepted are continued
+    consumed_tokens: list[float] = field(default_factory=list)  # response tokens trained on, per step
+    masked_tokens: list[float] = field(default_factory=list)  # of those, generated before a last abort
+    restored_groups: int = 0  # groups carried into the next step (partial)
+    discarded_groups: int = 0  # groups cancelled and thrown away when B were accepted (not partial)
+    tokens_wasted: float = 0.0
 
     @property
     def avg_step_time(self) -> float:
-        return sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
+        """Mean step time excluding step 0 (as the async figures; the partial baseline starts with no carry-over)."""
+        steady = self.step_times[1:] or self.step_times
+        return sum(steady) / len(steady) if steady else 0.0
+
+    @property
+    def useful_throughput(self) -> float:
+        """Unmasked response tokens trained per second, excluding step 0."""
+        time = sum(self.step_times[1:] or self.step_times)
+        tokens = self.consumed_tokens[1:] or self.consumed_tokens
+        masked = self.masked_tokens[1:] or self.masked_tokens
+        return (sum(tokens) - sum(masked)) / time if time > 0 else 0.0
 
 
 # Trainer phases.
@@ -357,11 +381,17 @@ class AsyncSimulation:
         self.trainer_wait += waited
         self.steps[-1].trainer_wait += waited
         tokens = trajectories = 0
+        record = self.steps[-1]
+        mask = self.workload.mask_partial_tokens
         for group in result.groups:
             g = self.waiting_fate.pop(group.prompt_id, None)
             if g is None:
                 raise SimulationError(f"the trainer got group {group.prompt_id!r}, which no worker generated")
             self.fates["consumed"] += 1
+            for req in g.reqs:
+                record.consumed_tokens += req.spec.tokens
+                if mask:
+                    record.masked_tokens += req.masked_tokens
             for t in group.trajectories:
                 self.staleness[self.version - t.start_weight_version] += 1
                 if t.start_weight_version != t.end_weight_version:
@@ -507,67 +537,149 @@ class AsyncSimulation:
                                                    "restored", "dropped", "stale_rejected", "duplicates")},
             final_running=state.running, final_buffered=state.buffered, final_candidates=len(self.candidates),
             prompts_created=self.next_number, fates=self.fates, events=self.events_handled, wall_seconds=wall,
+            replicas=len(self.pool.replicas), preemptions=self.pool.preemptions, prefill_tokens=self.pool.prefill_tokens,
+            reprefill_tokens=self.pool.reprefill_tokens, prefill_seconds=self.pool.prefill_seconds,
             timeline=self.timeline,
         )
 
 
-def run_colocate(pacer_config: Any, workload: Workload, steps: int) -> ColocateResult:
-    """The synchronous baseline on all GPUs: generate B groups (again for those the filters drop), train, switch.
+def run_colocate(pacer_config: Any, workload: Workload, steps: int, partial: bool = False) -> ColocateResult:
+    """The synchronous baseline on all GPUs: generate until B groups pass the filters, train, switch.
 
-    Uses the same prompts (same numbers, same draws) as the fully-async runs and the core's own filters.
+    As a synchronous dynamic sampler does: dispatch `ceil(B x colocate.oversample)` groups, dispatch
+    one more for every group the filters drop, and stop generating as soon as B groups are accepted.
+    What still runs then is thrown away, or with `partial` aborted and continued first in the next
+    step (its tokens so far masked when `sim.trainer.mask_partial_tokens`), like the groups accepted
+    beyond B. Uses the same prompts (same numbers, same draws) as the fully-async runs and the core's
+    own filters.
     """
-    source = pacer_config.data_sources[0]
-    B, N = int(source.num_prompts_per_step), int(source.num_trajectories_per_prompt)
-    M = int(pacer_config.trainer.mini_batch_size)
-    fetch_groups = max(1, M // N)
-    filters = create_filters(list(pacer_config.rollout.filter), pacer_config)
-    events = EventQueue()
-    pool = GenerationPool(events, workload, workload.colocate_replicas, lambda req: None,
-                          lambda req: setattr(req, "start_version", 0))
-    number = 0
-    regenerated = 0
-    step_times, gen_times, train_times = [], [], []
-    for _ in range(steps):
-        started = events.now
-        kept: list[GroupRun] = []
-        rounds = 0
-        while len(kept) < B:
-            rounds += 1
-            if rounds > 100:
-                raise SimulationError(f"colocate baseline: after 100 generation rounds only {len(kept)} of {B} groups "
-                                      f"passed the filters {list(pacer_config.rollout.filter)}")
-            count = math.ceil((B - len(kept)) * workload.colocate_oversample - 1e-9)
-            batch = [GroupRun(workload.prompt(number + i)) for i in range(count)]
-            number += len(batch)
-            for g in batch:
-                for req in g.reqs:
-                    pool.start(req)
-            while not pool.idle:
+    return _Colocate(pacer_config, workload, partial).run(steps)
+
+
+class _Colocate:
+    """The colocate baseline's state across steps (one generation pool on every GPU)."""
+
+    def __init__(self, pacer_config: Any, workload: Workload, partial: bool):
+        source = pacer_config.data_sources[0]
+        self.B, self.N = int(source.num_prompts_per_step), int(source.num_trajectories_per_prompt)
+        self.fetch_groups = max(1, int(pacer_config.trainer.mini_batch_size) // self.N)
+        self.filter_names = list(pacer_config.rollout.filter)
+        self.filters = create_filters(self.filter_names, pacer_config)
+        self.workload = workload
+        self.partial = partial
+        self.events = EventQueue()
+        self.pool = GenerationPool(self.events, workload, workload.colocate_replicas, self._request_done,
+                                   self._first_token)
+        self.version = 0
+        self.number = 0
+        self.carried: deque[GroupRun] = deque()  # restored by the last step (partial), continued first
+        self.completed: deque[GroupRun] = deque()  # every trajectory ended, not yet judged by the filters
+        self.result = ColocateResult([], [], [], 0, 0.0, self.pool.total_slots, partial)
+
+    def _first_token(self, req: Request) -> None:
+        req.start_version = self.version
+
+    def _request_done(self, req: Request) -> None:
+        g: GroupRun = req.owner
+        g.final[req.j] = None  # only the count matters here
+        if len(g.final) == len(g.reqs):
+            self.completed.append(g)
+
+    def _dispatch(self, count: int, running: dict[str, GroupRun]) -> None:
+        for _ in range(count):
+            if self.carried:
+                g = self.carried.popleft()
+            else:
+                g = GroupRun(self.workload.prompt(self.number))
+                self.number += 1
+                self._fresh += 1
+            running[g.spec.prompt_id] = g
+            if len(g.final) == len(g.reqs):
+                self.completed.append(g)
+            for req in g.reqs:
+                if req.j not in g.final:
+                    self.pool.start(req)
+
+    def _keeps(self, g: GroupRun) -> bool:
+        view = {g.trajectory_id(j): Trajectory(g.trajectory_id(j), g.spec.prompt_id, 0, t.status, t.reward)
+                for j, t in enumerate(g.spec.trajs)}
+        return all(f.keep(view) for f in self.filters)
+
+    def run(self, steps: int) -> ColocateResult:
+        B, workload, events, result = self.B, self.workload, self.events, self.result
+        for _ in range(steps):
+            started = events.now
+            self._fresh = 0
+            accepted: list[GroupRun] = []
+            running: dict[str, GroupRun] = {}
+            refills = 0
+            oversample = workload.colocate_partial_oversample if self.partial else workload.colocate_oversample
+            self._dispatch(math.ceil(B * oversample - 1e-9), running)
+            while len(accepted) < B:
+                while self.completed and len(accepted) < B:
+                    g = self.completed.popleft()
+                    del running[g.spec.prompt_id]
+                    if self._keeps(g):
+                        accepted.append(g)
+                    else:
+                        result.regenerated_groups += 1
+                        workload.forget(g.spec.number)
+                        need = B - len(accepted) - len(running)
+                        if need > 0:
+                            refill = math.ceil(need * workload.colocate_refill_ratio - 1e-9)
+                            if workload.colocate_max_refill:
+                                refill = min(refill, workload.colocate_max_refill - refills)
+                            if refill > 0:
+                                refills += refill
+                                self._dispatch(refill, running)
+                if len(accepted) >= B:
+                    break
+                if self._fresh > 100 * B or not running:
+                    raise SimulationError(f"colocate baseline: {self._fresh} fresh prompts in one step and only "
+                                          f"{len(accepted)} of {B} groups passed the filters {self.filter_names}")
                 item = events.pop()
                 if item is None:
-                    raise SimulationError("colocate baseline stalled: requests left and no event pending")
+                    raise SimulationError("colocate baseline stalled: groups missing and no event pending")
                 fn, args = item
                 fn(*args)
-            for g in batch:
-                view = {g.trajectory_id(j): Trajectory(g.trajectory_id(j), g.spec.prompt_id, 0, t.status, t.reward)
-                        for j, t in enumerate(g.spec.trajs)}
-                if all(f.keep(view) for f in filters):
-                    kept.append(g)
-                else:
-                    regenerated += 1
-            for g in batch:
+            self._end_generation(running)
+            generated = events.now - started
+            train = tokens = masked = 0.0
+            for i in range(0, len(accepted), self.fetch_groups):
+                chunk = accepted[i:i + self.fetch_groups]
+                chunk_tokens = sum(t.tokens for g in chunk for t in g.spec.trajs)
+                train += workload.train_seconds(workload.trainer_tokens(chunk_tokens, self.N * len(chunk)))
+                tokens += chunk_tokens
+                if workload.mask_partial_tokens:
+                    masked += sum(req.masked_tokens for g in chunk for req in g.reqs)
+            for g in accepted:
                 workload.forget(g.spec.number)
-        kept = kept[:B]
-        generated = events.now - started
-        train = 0.0
-        for i in range(0, len(kept), fetch_groups):
-            chunk = kept[i:i + fetch_groups]
-            tokens = sum(t.tokens for g in chunk for t in g.spec.trajs)
-            train += workload.train_seconds(workload.trainer_tokens(tokens, N * len(chunk)))
-        train /= workload.colocate_trainer_speedup
-        events.now += train + workload.colocate_switch_s
-        gen_times.append(generated)
-        train_times.append(train)
-        step_times.append(events.now - started)
-    return ColocateResult(step_times, gen_times, train_times, regenerated,
-                          pool.utilisation_until(events.now), pool.total_slots)
+            train /= workload.colocate_trainer_speedup
+            events.now += train + workload.colocate_switch_s
+            self.version += 1
+            result.gen_times.append(generated)
+            result.train_times.append(train)
+            result.step_times.append(events.now - started)
+            result.consumed_tokens.append(tokens)
+            result.masked_tokens.append(masked)
+        result.slot_seconds_busy = self.pool.utilisation_until(events.now)
+        return result
+
+    def _end_generation(self, running: dict[str, GroupRun]) -> None:
+        """B groups accepted: abort what runs and carry it over (partial), or throw it away."""
+        leftovers = list(running.values())  # in dispatch order: unfinished groups, and complete ones not yet judged
+        self.completed.clear()
+        if self.partial:
+            self.pool.abort_all()
+            self.carried.extend(leftovers)
+            self.result.restored_groups += len(leftovers)
+        else:
+            for g in leftovers:
+                for req in g.reqs:
+                    self.pool.cancel(req)
+                    self.result.tokens_wasted += req.tokens_done
+                self.workload.forget(g.spec.number)
+            self.result.discarded_groups += len(leftovers)
+        if not self.pool.idle:
+            raise SimulationError("colocate baseline: requests still live after the generation phase")
+        self.events.clear()  # every pending event belongs to a stopped request

@@ -54,16 +54,22 @@ class PromptSpec:
 class Workload:
     """Draws prompt groups and answers the timing questions of the simulator."""
 
-    def __init__(self, sim: Any, group_size: int, base_dir: Optional[Path] = None):
+    def __init__(self, sim: Any, group_size: int, base_dir: Optional[Path] = None, batch_groups: int = 1):
         self.seed = int(sim["seed"])
         self.group_size = int(group_size)
+        self.batch_groups = max(1, int(batch_groups))  # B: prompt k belongs to step k // B (length drift)
         self.dataset_size = _positive_int(sim, "dataset_size")
         gen, length = sim["generation"], sim["generation"]["length"]
         cluster = sim["cluster"]
         self.replicas = _positive_int(cluster, "rollout_replicas", "sim.cluster.")
         self.slots_per_replica = _positive_int(cluster, "slots_per_replica", "sim.cluster.")
+        self.kv_cache_tokens = _non_negative(cluster, "kv_cache_tokens", "sim.cluster.")
+        self.kv_admit_watermark = _number(cluster, "kv_admit_watermark", "sim.cluster.")
+        if not 0.0 < self.kv_admit_watermark <= 1.0:
+            raise WorkloadError(f"sim.cluster.kv_admit_watermark = {self.kv_admit_watermark}: must be in (0, 1]")
         self.prompt_tokens = _non_negative(gen, "prompt_tokens", "sim.generation.")
         self.prefill_s = _non_negative(gen, "prefill_s", "sim.generation.")
+        self.prefill_tokens_per_s = _non_negative(gen, "prefill_tokens_per_s", "sim.generation.")
         decode = gen["decode"]
         single = _positive(decode, "tokens_per_s_single", "sim.generation.decode.")
         full = _positive(decode, "tokens_per_s_full", "sim.generation.decode.")
@@ -86,6 +92,12 @@ class Workload:
         self.cap = _positive_int(length, "cap", "sim.generation.length.")
         if self.cap < self.min_len:
             raise WorkloadError(f"sim.generation.length.cap = {self.cap}: must be >= min ({self.min_len})")
+        self.tail_prob = _probability(length, "tail_prob", "sim.generation.length.")
+        self.tail_factor = _positive(length, "tail_factor", "sim.generation.length.")
+        self.tail_sigma = _non_negative(length, "tail_sigma", "sim.generation.length.")
+        self.drift_per_step = _number(length, "drift_per_step", "sim.generation.length.")
+        if self.drift_per_step <= -1.0:
+            raise WorkloadError(f"sim.generation.length.drift_per_step = {self.drift_per_step}: must be > -1")
         self.empirical: Optional[list[int]] = None
         if self.distribution == "empirical":
             self.empirical = load_lengths(length.get("file"), base_dir)
@@ -107,6 +119,9 @@ class Workload:
         self.minibatch_fixed_s = _non_negative(trainer, "minibatch_fixed_s", "sim.trainer.")
         self.per_token_s = _non_negative(trainer, "per_token_s", "sim.trainer.")
         self.weight_sync_s = _non_negative(trainer, "weight_sync_s", "sim.trainer.")
+        self.mask_partial_tokens = trainer["mask_partial_tokens"]
+        if not isinstance(self.mask_partial_tokens, bool):
+            raise WorkloadError(f"sim.trainer.mask_partial_tokens = {self.mask_partial_tokens!r}: must be true or false")
         reset = sim["reset"]
         self.abort_latency_s = _non_negative(reset, "abort_latency_s", "sim.reset.")
         self.wait_timeout_s = _non_negative(reset, "wait_timeout_s", "sim.reset.")
@@ -117,6 +132,20 @@ class Workload:
         self.colocate_oversample = _number(colocate, "oversample", "sim.colocate.")
         if self.colocate_oversample < 1.0:
             raise WorkloadError(f"sim.colocate.oversample = {self.colocate_oversample}: must be >= 1.0")
+        if colocate.get("partial_oversample") is None:
+            self.colocate_partial_oversample = self.colocate_oversample
+        else:
+            self.colocate_partial_oversample = _number(colocate, "partial_oversample", "sim.colocate.")
+            if self.colocate_partial_oversample < 1.0:
+                raise WorkloadError(f"sim.colocate.partial_oversample = {self.colocate_partial_oversample}: "
+                                    f"must be >= 1.0 (or null: the same as oversample)")
+        self.colocate_refill_ratio = _number(colocate, "refill_ratio", "sim.colocate.")
+        if self.colocate_refill_ratio < 1.0:
+            raise WorkloadError(f"sim.colocate.refill_ratio = {self.colocate_refill_ratio}: must be >= 1.0")
+        max_refill = colocate["max_refill"]
+        if isinstance(max_refill, bool) or not isinstance(max_refill, int) or max_refill < 0:
+            raise WorkloadError(f"sim.colocate.max_refill = {max_refill!r}: must be an integer >= 0 (0 = no limit)")
+        self.colocate_max_refill = max_refill
 
         # Per-request decode step time with n requests decoding: a + b * n seconds per token.
         k = self.slots_per_replica
@@ -139,6 +168,10 @@ class Workload:
     def trainer_tokens(self, response_tokens: int, trajectories: int) -> int:
         return int(response_tokens + self.prompt_tokens * trajectories)
 
+    def prefill_seconds(self, context_tokens: float) -> float:
+        """Seconds a replica spends prefilling one request of `context_tokens` (serial prefill only)."""
+        return context_tokens / self.prefill_tokens_per_s
+
     # ------------------------------------------------------------------ prompts
 
     def prompt(self, number: int) -> PromptSpec:
@@ -160,23 +193,27 @@ class Workload:
         all_equal = self.filtered_group_prob > 0 and rng.random() < self.filtered_group_prob
         rewards = self._rewards(rng, n, all_equal)
         prompt_z = rng.gauss(0.0, 1.0)
+        stretch = (1.0 + self.drift_per_step) ** (number // self.batch_groups) if self.drift_per_step else 1.0
         trajs = []
         for j in range(n):
-            length = self._length(rng, prompt_z)
+            length = self._length(rng, prompt_z, stretch)
             trajs.append(self._trajectory(rng, length, rewards[j]))
         epoch, index = divmod(number, self.dataset_size)
         return PromptSpec(number, f"e{epoch}_p{index}", epoch, index, tuple(trajs),
                           self.straggler_slowdown if straggler else 1.0, all_equal)
 
-    def _length(self, rng: random.Random, prompt_z: float) -> int:
+    def _length(self, rng: random.Random, prompt_z: float, stretch: float = 1.0) -> int:
         if self.distribution == "constant":
-            return max(self.min_len, min(self.cap, int(round(self.median))))
+            return max(self.min_len, min(self.cap, int(round(self.median * stretch))))
         if self.distribution == "empirical":
-            value = self.empirical[rng.randrange(len(self.empirical))]
+            value = self.empirical[rng.randrange(len(self.empirical))] * stretch
         else:
             z = math.sqrt(self.prompt_corr) * prompt_z + math.sqrt(1.0 - self.prompt_corr) * rng.gauss(0.0, 1.0)
-            value = int(round(math.exp(self._mu + self.sigma * z)))
-        return max(self.min_len, min(self.cap, value))
+            mu, sigma = self._mu, self.sigma
+            if self.tail_prob > 0 and rng.random() < self.tail_prob:  # the long component
+                mu, sigma = mu + math.log(self.tail_factor), self.tail_sigma
+            value = math.exp(mu + sigma * z) * stretch
+        return max(self.min_len, min(self.cap, int(round(value))))
 
     @staticmethod
     def _rewards(rng: random.Random, n: int, all_equal: bool) -> list[float]:

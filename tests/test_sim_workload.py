@@ -132,10 +132,11 @@ def test_failures_and_stragglers():
 # ------------------------------------------------------------------ generation pool
 
 
-def _pool(single: float, full: float, slots: int, replicas: int = 1):
+def _pool(single: float, full: float, slots: int, replicas: int = 1, *extra: str):
     w = workload(f"sim.generation.decode.tokens_per_s_single={single}",
                  f"sim.generation.decode.tokens_per_s_full={full}", f"sim.cluster.slots_per_replica={slots}",
-                 "sim.generation.prefill_s=0.0")
+                 "sim.generation.prefill_s=0.0", "sim.generation.prefill_tokens_per_s=0.0",
+                 "sim.cluster.kv_cache_tokens=0", *extra)
     events = EventQueue()
     done: list[tuple[float, int]] = []
     pool = GenerationPool(events, w, replicas, lambda req: done.append((events.now, req.j)))
@@ -200,3 +201,94 @@ def test_multi_turn_request_leaves_its_slot_during_the_tool_call():
     _run(events)
     # turn 1: 0-5 s; the tool call frees the slot, request 1 runs 5-8 s; turn 2: 12-17 s.
     assert done == [(pytest.approx(8.0), 1), (pytest.approx(17.0), 0)]
+
+
+def test_abort_marks_the_tokens_generated_so_far_as_masked():
+    w, events, pool, done = _pool(10.0, 10.0, 4)
+    a = _request(0, 100)
+    pool.start(a)
+    _run(events, until=3.0)
+    events.now = 3.0
+    pool.abort_all()
+    assert a.masked_tokens == pytest.approx(30)
+    pool.start(a)
+    _run(events, until=5.0)
+    events.now = 5.0
+    pool.abort_all()
+    assert a.masked_tokens == pytest.approx(50)  # everything before the last abort
+    pool.start(a)
+    _run(events)
+    assert a.phase == DONE and a.masked_tokens == pytest.approx(50) and a.tokens_done == pytest.approx(100)
+
+
+def test_serial_prefill_stops_decoding_and_re_prefills_what_was_generated():
+    # 10 tok/s decode, prefill 100 tok/s on the replica, prompts of 100 tokens.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.generation.prefill_tokens_per_s=100.0",
+                                  "sim.generation.prompt_tokens=100")
+    a, b = _request(0, 50), _request(1, 50)
+    pool.start(a)
+    _run(events, until=2.0)  # a: prefill 0-1 s, then decodes
+    events.now = 2.0
+    pool.start(b)  # b prefills 2-3 s; a stands still meanwhile
+    _run(events)
+    # a decodes 1-2 s (10 tokens), stops 2-3 s, then 40 more tokens: 3-7 s; b decodes 3-8 s.
+    assert done == [(pytest.approx(7.0), 0), (pytest.approx(8.0), 1)]
+    assert pool.prefill_tokens == pytest.approx(200) and pool.reprefill_tokens == 0
+    # A request continued after an abort re-prefills its prompt and the 20 tokens it had.
+    c = _request(2, 100)
+    pool.start(c)
+    _run(events, until=events.now + 3.0)  # prefill 1 s, 2 s of decoding: 20 tokens
+    events.now = 11.0
+    pool.abort_all()
+    assert c.tokens_done == pytest.approx(20)
+    pool.start(c)
+    _run(events)
+    assert pool.reprefill_tokens == pytest.approx(20)
+    assert done[-1] == (pytest.approx(11.0 + 1.2 + 8.0), 2)  # 120 tokens at 100 tok/s, then 80 tokens at 10 tok/s
+
+
+def test_kv_cache_full_preempts_the_newest_request_which_re_prefills_later():
+    # KV cache of 300 tokens, prompts of 50: a (first) and b both grow 10 tok/s; at 100 tokens each the
+    # cache is full (2 x 150), b (admitted last) is preempted and waits until a has finished.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.cluster.kv_cache_tokens=300",
+                                  "sim.cluster.kv_admit_watermark=1.0", "sim.generation.prompt_tokens=50")
+    a, b = _request(0, 150), _request(1, 150)
+    pool.start(a)
+    pool.start(b)
+    _run(events)
+    assert pool.preemptions == 1
+    # a: 0-15 s alone after the preemption at 10 s; b: resumes at 15 s with 100 tokens done, 50 to go.
+    assert done == [(pytest.approx(15.0), 0), (pytest.approx(20.0), 1)]
+    assert pool.kv_used(pool.replicas[0]) == pytest.approx(0.0)
+
+
+def test_kv_admission_waits_for_room():
+    # 200 tokens of KV, prompts of 150: the second request fits only once the first is gone.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.cluster.kv_cache_tokens=200",
+                                  "sim.cluster.kv_admit_watermark=1.0", "sim.generation.prompt_tokens=150")
+    pool.start(_request(0, 20))
+    pool.start(_request(1, 20))
+    _run(events)
+    assert done == [(pytest.approx(2.0), 0), (pytest.approx(4.0), 1)] and pool.preemptions == 0
+
+
+def test_length_drift_stretches_later_steps():
+    w = workload("sim.generation.length.distribution=constant", "sim.generation.length.median=1000",
+                 "sim.generation.length.drift_per_step=0.1", n=2)
+    w.batch_groups = 4  # prompts 0-3 are step 0, 4-7 step 1 ...
+    assert {t.tokens for t in w.prompt(3).trajs} == {1000}
+    assert {t.tokens for t in w.prompt(4).trajs} == {1100}
+    assert {t.tokens for t in w.prompt(8).trajs} == {1210}
+    with pytest.raises(WorkloadError, match="drift_per_step"):
+        workload("sim.generation.length.drift_per_step=-1.0")
+
+
+def test_long_tail_preset_has_the_published_tail_shape():
+    # p99 / median about 10 and the longest 5 % of responses holding 30 - 50 % of the tokens.
+    w = workload(preset="long_tail")
+    lengths = sorted(t.nominal_tokens for k in range(2500) for t in w.prompt(k).trajs)
+    n = len(lengths)
+    median, p99 = lengths[n // 2], lengths[int(0.99 * n)]
+    top5 = sum(lengths[int(0.95 * n):]) / sum(lengths)
+    assert 8.0 <= p99 / median <= 14.0
+    assert 0.30 <= top5 <= 0.50

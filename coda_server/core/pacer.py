@@ -24,6 +24,7 @@ from .journal import Acked, Collected, Dispatched, Expired, Journal, JournalEven
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
 from .limits import Limits
 from .polls import CollectPoll, DispatchPoll, ResetPoll
+from .state import COUNTER_NAMES
 from .strategy import ThreadSafeStrategy, create_strategy, gate_is_ordered, window_size
 from .types import (
     CollectResult,
@@ -117,9 +118,7 @@ class Pacer:
         self._reset_ready_at: Optional[float] = None
         self._tally = StepTally()
         self._reports: deque[StepReport] = deque(maxlen=limits.step_reports_kept)
-        self.totals = dict.fromkeys(
-            ("dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped",
-             "stale_rejected", "duplicates", "expired", "redelivered"), 0)
+        self.totals = dict.fromkeys(COUNTER_NAMES, 0)  # one per counter of PacerState
 
     # ----------------------------------------------------------------- listeners
 

@@ -186,42 +186,5 @@ class ControlEvent:
     paused: bool = False
 
 
-@dataclass
-class PacerState:
-    """Every counter of the semantics doc, flat, as GetState reports it."""
-
-    running: int
-    buffered: int
-    queued_trajectories: int
-    capacity: int  # what a Dispatch would admit now (0 while paused)
-    window_size: int  # C
-    step: int
-    weight_version: int
-    generation: int
-    paused: bool
-    resetting: bool
-    strategy: str
-    dispatched: int
-    submitted: int
-    collected: int
-    consumed: int
-    filtered: int
-    restored: int
-    dropped: int
-    stale_rejected: int
-    duplicates: int
-    config_summary: Mapping[str, str] = field(default_factory=dict)
-    recent_reports: list[StepReport] = field(default_factory=list)
-    waiting_calls: int = 0  # long-polls waiting now (filled in by the asyncio face)
-    expired: int = 0  # running groups reclaimed because their in-flight lease ran out
-    redelivered: int = 0  # leased groups returned to the buffer because no Ack came in time
-    leased: int = 0  # groups handed out under a Collect lease, not yet acknowledged
-    held_bytes: int = 0  # bytes of trajectories queued, buffered or leased
-
-    def invariant_holds(self) -> bool:
-        """dispatched = running + collected + filtered + restored + dropped + expired,
-        and buffered = collected - consumed - leased."""
-        return (
-            self.dispatched == self.running + self.collected + self.filtered + self.restored + self.dropped + self.expired
-            and self.buffered == self.collected - self.consumed - self.leased
-        )
+# PacerState, the GetState record, is declared with how each field is reported in state.py.
+from .state import PacerState  # noqa: E402,F401
