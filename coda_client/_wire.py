@@ -1,13 +1,13 @@
-"""Pass-through ("view") forms of the messages that carry trajectories, derived from pacer.proto's descriptors.
+"""The wire forms of trajectories that skip per-number work, shared by the client and the server.
 
-A view differs from the real message in one respect: in `Trajectory` each packed numeric array is one
-`bytes` field holding its packed run, and the metadata map is `repeated bytes` (one raw entry each), under
-the same field numbers. Parsing a view copies the arrays' bytes instead of decoding every number; a client
-then exposes a fixed-width array as a NumPy array over those bytes, and the server passes them through
-without reading them. A view serializes to the bytes the real message would.
-
-Both sides use these classes: the server (coda_server/wire.py) for Submit requests and Collect/Reset answers,
-the client (coda_client) for Collect/Reset answers, and to write Submit requests straight from array buffers.
+- Views: the messages that carry trajectories, derived from pacer.proto's descriptors, differing in one
+  respect: in `Trajectory` each packed numeric array is one `bytes` field holding its packed run, and the
+  metadata map is `repeated bytes`, under the same field numbers; a view serializes to the bytes the real
+  message would. The server parses Submit requests into them (coda_server/wire.py).
+- Framing: `fields` and `split_message` read a message's framing only, so the client takes the arrays of a
+  Collect or Reset answer as slices of the received bytes (NumPy views over them) and decodes the rest.
+- Writing: `encode_trajectory` and `EncodedSubmitRequest` join a Submit request straight from the arrays'
+  buffers.
 """
 from __future__ import annotations
 
