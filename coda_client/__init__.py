@@ -21,6 +21,8 @@ from .types import (
     ControlEvent,
     ControlEventType,
     DispatchResult,
+    HeldGroup,
+    Incident,
     PacerState,
     PromptRef,
     ResetMode,
@@ -31,6 +33,7 @@ from .types import (
     Trajectory,
     TrajectoryGroup,
     TrajectoryStatus,
+    WorkerHoldings,
 )
 
 __all__ = [
@@ -46,9 +49,12 @@ __all__ = [
     "PaddedBatch",
     "Trajectory",
     "StepReport",
+    "Incident",
     "TrajectoryStatus",
     "TrajectoryGroup",
     "PromptRef",
+    "HeldGroup",
+    "WorkerHoldings",
     "DispatchResult",
     "SubmitResult",
     "CollectResult",

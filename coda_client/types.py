@@ -24,6 +24,8 @@ __all__ = [
     "ResumeResult",
     "PacerState",
     "ControlEvent",
+    "HeldGroup",
+    "WorkerHoldings",
 ]
 
 _E = TypeVar("_E", bound=enum.IntEnum)
@@ -316,9 +318,11 @@ class StepReport:
     filter_drop: int
     partial_ratio: float
     partial_span_max: int
-    partial_restored_count: int
-    partial_dropped_incomplete_count: int
+    partial_restored_count: int  # trajectories of the restored groups (LoongSage's unit)
+    partial_dropped_incomplete_count: int  # trajectories of the dropped incomplete groups
     pause_delay: float
+    partial_restored_group_count: int
+    partial_dropped_incomplete_group_count: int
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.StepReport) -> StepReport:
@@ -339,11 +343,12 @@ class ResetResult:
     paused: bool
     report: StepReport
     expired: list[TrajectoryGroup]  # partial groups whose in-flight lease ran out, for their data source
+    quarantined: list[TrajectoryGroup]  # complete groups never buffered (a raising hook, dirty data)
 
     @classmethod
     def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> ResetResult:
         """From the wire message or its encoded bytes; arrays as in CollectResult.from_pb."""
-        msg, groups = _split_answer(msg, pacer_pb2.ResetResponse, ("restored", "expired"), arrays_as)
+        msg, groups = _split_answer(msg, pacer_pb2.ResetResponse, ("restored", "expired", "quarantined"), arrays_as)
         return _from_fields(cls, msg, dropped_prompt_ids=list(msg.dropped_prompt_ids),
                             report=StepReport.from_pb(msg.report), **groups)
 
@@ -424,13 +429,39 @@ class PacerState:
     leased: int
     #: Bytes of trajectories queued, buffered or leased. Metric: coda_pacer_held_bytes.
     held_bytes: int
+    #: Complete groups quarantined instead of buffered: a strategy hook raised on them, or they held a FAILED
+    #: trajectory no filter dropped (recent_incidents says which; the next Reset returns them). Metric:
+    #: coda_pacer_quarantined_groups_total.
+    quarantined: int
+    #: The last server.incidents_kept incidents (a raising strategy hook, a refused dirty group), oldest first.
+    recent_incidents: list[Incident]
     # END PacerState fields
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.GetStateResponse) -> PacerState:
         """From the wire message."""
         return _from_fields(cls, msg, config_summary=dict(msg.config_summary),
-                            recent_reports=[StepReport.from_pb(r) for r in msg.recent_reports])
+                            recent_reports=[StepReport.from_pb(r) for r in msg.recent_reports],
+                            recent_incidents=[Incident.from_pb(i) for i in msg.recent_incidents])
+
+
+@dataclass(frozen=True)
+class Incident:
+    """A raising strategy hook or a refused dirty group, as GetState reports it."""
+
+    kind: str  # "hook_failed" or "dirty_group"
+    prompt_id: str
+    strategy: str
+    hook: str
+    message: str
+    step: int
+    generation: int
+    action: str  # "quarantined" or "refused"
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.Incident) -> Incident:
+        """From the wire message."""
+        return _from_fields(cls, msg)
 
 
 @dataclass(frozen=True)
@@ -448,3 +479,36 @@ class ControlEvent:
     def from_pb(cls, msg: pacer_pb2.ControlEvent) -> ControlEvent:
         """From the wire message."""
         return _from_fields(cls, msg, type=_enum(ControlEventType, msg.type), mode=_enum(ResetMode, msg.mode))
+
+
+@dataclass(frozen=True)
+class HeldGroup:
+    """One running group a worker holds (ListWorkers)."""
+
+    prompt_id: str
+    seq: int
+    ds_index: int
+    held_seconds: float  # since Dispatch admitted it
+    trajectories: int  # received so far
+    group_size: int
+    lease_remaining_seconds: float | None  # until its in-flight lease runs out; None with leases off
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.HeldGroup) -> HeldGroup:
+        """From the wire message."""
+        return _from_fields(cls, msg, lease_remaining_seconds=_optional(msg, "lease_remaining_seconds"))
+
+
+@dataclass(frozen=True)
+class WorkerHoldings:
+    """The running groups of one client id ("" for groups dispatched without one), oldest first."""
+
+    client_id: str
+    running: int
+    oldest_held_seconds: float
+    groups: list[HeldGroup]
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.WorkerHoldings) -> WorkerHoldings:
+        """From the wire message."""
+        return _from_fields(cls, msg, groups=[HeldGroup.from_pb(g) for g in msg.groups])

@@ -13,8 +13,8 @@ from .pacer import Pacer
 from .types import (
     CollectResult,
     ControlEvent,
-    ControlEventType,
     DispatchResult,
+    HeldGroup,
     PacerState,
     PromptRef,
     ResetMode,
@@ -23,11 +23,13 @@ from .types import (
     SubmitResult,
     Trajectory,
 )
-from .waiting import WAITERS_RETRY_AFTER_SECONDS, LoopWaits  # noqa: F401  (imported from here before)
+from .waiting import LoopWaits
+from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
 
 log = logging.getLogger("coda_server.leases")
 
-WATCH_QUEUE_LIMIT = 1024
+# Control events reach the watchers this long after they happen (see _queue_control).
+CONTROL_FANOUT_DELAY_SECONDS = 0.002
 # How often lease deadlines are checked; leases are meant in seconds to minutes, so this is plenty.
 LEASE_TICK_SECONDS = 0.25
 
@@ -39,14 +41,16 @@ class AsyncPacer:
     request-id answers (`AnswerBook.once_awaited`) and answered once what it changed is durable.
     """
 
-    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0, max_waiting_calls: int = 512):
+    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0, watch_queue_limit: int = DEFAULT_QUEUE_LIMIT):
         self.pacer = pacer
-        self.waits = LoopWaits(lambda: pacer.closed, max_wait_seconds, max_waiting_calls)
+        self.waits = LoopWaits(lambda: pacer.closed, max_wait_seconds)
+        self.watchers = WatcherFanout(watch_queue_limit)
+        self._pending_control: list[ControlEvent] = []  # control events not yet handed to the watchers
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
-        self._watchers: set[asyncio.Queue] = set()
         self._draining = False
         self._lease_task: Optional[asyncio.Task] = None
+        self._recheck_task: Optional[asyncio.Task] = None
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
         # Called (on the loop) when the journal can no longer write: the server stops advertising readiness.
         self.on_journal_failure: Optional[Callable[[BaseException], None]] = None
@@ -56,10 +60,6 @@ class AsyncPacer:
     @property
     def max_wait_seconds(self) -> float:
         return self.waits.max_wait_seconds
-
-    @property
-    def max_waiting_calls(self) -> int:
-        return self.waits.max_waiting_calls
 
     @property
     def waiting_calls(self) -> int:
@@ -73,6 +73,8 @@ class AsyncPacer:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._lease_task = self._loop.create_task(self._expire_leases_periodically())
+        if self.pacer.gate_recheck_seconds > 0:
+            self._recheck_task = self._loop.create_task(self._recheck_gates_periodically())
 
     async def _expire_leases_periodically(self) -> None:
         """Reclaim in-flight groups and Collect leases whose time ran out (checked every LEASE_TICK_SECONDS)."""
@@ -93,6 +95,20 @@ class AsyncPacer:
                 log.warning("Collect lease(s) %s ran out without Ack: their groups are back in the buffer",
                             ", ".join(leases))
 
+    async def _recheck_gates_periodically(self) -> None:
+        """Re-examine held groups every fully_async.gate_recheck_seconds (unless a change just did), so a gate
+        that opens with time or on an outside flag releases them; a pass costs one will_collect per held group
+        at most (one in all for an ordered gate), see bench/gate_recheck.py."""
+        interval = self.pacer.gate_recheck_seconds
+        while not self._draining:
+            await asyncio.sleep(interval)
+            if self.recovering or self.pacer.closed:
+                continue
+            try:
+                self.pacer.recheck_gates(min_age=interval)
+            except Exception:  # hook failures are incidents already; nothing else may stop the re-checks
+                log.exception("re-examining held groups failed")
+
     # ------------------------------------------------------------- wake-ups
 
     def _on_change(self) -> None:
@@ -102,7 +118,23 @@ class AsyncPacer:
             self._call_in_loop(self.waits.wake_all)
 
     def _on_control(self, event: ControlEvent) -> None:
-        self._call_in_loop(lambda: self._publish(event))
+        self._call_in_loop(lambda: self._queue_control(event))
+
+    def _queue_control(self, event: ControlEvent) -> None:
+        """Hand `event` to the watchers CONTROL_FANOUT_DELAY_SECONDS from now, after those queued before it.
+
+        The call that caused it (the trainer's Reset or Resume) takes a few turns of the loop to send its
+        answer; woken at once, thousands of watchers' writes would all run first and the trainer would wait
+        for the whole fan-out.
+        """
+        self._pending_control.append(event)
+        if len(self._pending_control) == 1:
+            self._loop.call_later(CONTROL_FANOUT_DELAY_SECONDS, self._publish_pending)
+
+    def _publish_pending(self) -> None:
+        pending, self._pending_control = self._pending_control, []
+        for event in pending:
+            self.watchers.publish(event)
 
     def _call_in_loop(self, fn: Callable[[], None]) -> None:
         if self._loop is None:
@@ -114,9 +146,10 @@ class AsyncPacer:
 
     # ------------------------------------------------------------- operations
 
-    async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
+    async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
+                       client_id: str = "") -> DispatchResult:
         async def call() -> DispatchResult:
-            return await self.waits.until(self.pacer.dispatch_poll(candidates, request_id), wait)
+            return await self.waits.until(self.pacer.dispatch_poll(candidates, request_id, client_id), wait)
 
         return await self._applied("Dispatch", request_id, call)
 
@@ -138,12 +171,17 @@ class AsyncPacer:
 
         return await self._applied("Collect", request_id, call)
 
-    async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: float = 0.0, resume: bool = False,
-                    weight_version: Optional[int] = None, request_id: str = "") -> ResetResult:
+    async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,
+                    weight_version: Optional[int] = None, request_id: str = "",
+                    until_assembled: Optional[float] = None) -> ResetResult:
+        """`wait=None`: in WAIT mode wait until every running group is assembled, for at most `until_assembled`
+        seconds (default max_wait_seconds; the server passes what the call's deadline allows), else no wait."""
+        bound = self.max_wait_seconds if until_assembled is None else min(until_assembled, self.max_wait_seconds)
+
         async def call() -> ResetResult:
-            self.pacer.begin_reset(mode, resume=resume, weight_version=weight_version)
+            effective = self.pacer.begin_reset(mode, resume=resume, weight_version=weight_version)
             try:
-                await self.waits.until(self.pacer.reset_poll(), wait, capped=False)
+                await self.waits.until(self.pacer.reset_poll(), self.pacer.reset_wait(effective, wait, bound))
             except BaseException:
                 self.pacer.abandon_reset()
                 raise
@@ -193,43 +231,35 @@ class AsyncPacer:
         if self.recovering:
             raise NotReadyError("the server is still recovering its state from server.state_dir; retry shortly")
 
+    def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
+        self.check_ready()
+        return self.pacer.held_groups(client_id)
+
     def state(self) -> PacerState:
         self.check_ready()
         return dataclasses.replace(self.pacer.state(), waiting_calls=self.waits.waiting_calls)
 
     # ------------------------------------------------------------- watchers
 
-    async def watch(self) -> AsyncIterator[ControlEvent]:
-        """The current state first, then every control event until SHUTDOWN (or the watcher lags too far)."""
+    def open_watch(self) -> Watcher:
+        """A watcher for the calling task: the current state first, then every control event until SHUTDOWN;
+        dropped (and counted in `watchers.dropped`) if it falls `watch_queue_limit` events behind. Close it
+        when the stream ends."""
         self.check_ready()
-        queue: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE_LIMIT)
-        self._watchers.add(queue)
-        try:
-            yield self.pacer.current_state_event()
-            if self.pacer.closed:
-                yield ControlEvent(ControlEventType.SHUTDOWN)
-                return
-            while True:
-                event = await queue.get()
-                if event is None:  # overflowed: end the stream; the client reconnects and gets STATE first
-                    return
-                yield event
-                if event.type == ControlEventType.SHUTDOWN:
-                    return
-        finally:
-            self._watchers.discard(queue)
+        return self.watchers.open(self.pacer.current_state_event(), self.pacer.closed)
 
-    def _publish(self, event: ControlEvent) -> None:
-        for queue in list(self._watchers):
-            if queue.qsize() >= WATCH_QUEUE_LIMIT - 1:
-                self._watchers.discard(queue)
-                queue.put_nowait(None)
-            else:
-                queue.put_nowait(event)
+    async def watch(self) -> AsyncIterator[ControlEvent]:
+        """`open_watch()` as an async generator that closes the watcher when it ends."""
+        watcher = self.open_watch()
+        try:
+            async for event in watcher:
+                yield event
+        finally:
+            watcher.close()
 
     @property
     def watcher_count(self) -> int:
-        return len(self._watchers)
+        return len(self.watchers)
 
     # ------------------------------------------------------------- shutdown
 
@@ -238,5 +268,6 @@ class AsyncPacer:
         self._draining = True
         self.pacer.close()
         self.waits.wake_all()
-        if self._lease_task is not None:
-            self._lease_task.cancel()
+        for task in (self._lease_task, self._recheck_task):
+            if task is not None:
+                task.cancel()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from .prompt_ids import loongsage_order
 from .types import PromptRef, StepReport, Trajectory, TrajectoryGroup
 
 _NO_PRIORITY = float("inf")
@@ -13,9 +14,9 @@ class InflightGroup:
     """A dispatched group that has not left the trajectory queue; handed to strategy hooks."""
 
     __slots__ = ("prompt_id", "ds_index", "epoch", "index", "seq", "group_size", "trajectories", "deadline",
-                 "dispatched_at", "held")
+                 "dispatched_at", "held", "client_id")
 
-    def __init__(self, ref: PromptRef, seq: int, group_size: int, now: float):
+    def __init__(self, ref: PromptRef, seq: int, group_size: int, now: float, client_id: str = ""):
         self.prompt_id = ref.prompt_id
         self.ds_index = ref.ds_index
         self.epoch = ref.epoch
@@ -26,15 +27,20 @@ class InflightGroup:
         self.dispatched_at = now
         self.held = False  # complete, but the strategy's will_collect refused it so far
         self.deadline = math.inf  # when its in-flight lease runs out (extended by every Submit for it)
+        self.client_id = client_id  # who dispatched it (x-coda-client-id; "" when the caller sent none)
 
     @property
     def complete(self) -> bool:
         return len(self.trajectories) >= self.group_size
 
     def priority(self) -> tuple:
-        """Buffer order: the prompt's (epoch, index) when the dispatcher gave both, else dispatch seq."""
+        """Buffer order: the prompt's (epoch, index) when the dispatcher gave both; else (E, N) read from a
+        LoongSage-form prompt id `epoch{E}_..._prompt{N}`, as LoongSage's buffer orders; else dispatch seq."""
         if self.epoch is not None and self.index is not None:
             return (self.epoch, self.index, self.seq)
+        order = loongsage_order(self.prompt_id)
+        if order is not None:
+            return (order[0], order[1], self.seq)
         return (_NO_PRIORITY, _NO_PRIORITY, self.seq)
 
     def to_group(self) -> TrajectoryGroup:
@@ -59,17 +65,21 @@ class StepTally:
                 self.partial += 1
             self.span_max = max(self.span_max, span)
 
-    def report(self, step: int, buffered: int, restored: int, dropped: int, pause_delay: float) -> StepReport:
-        """The step report a Reset closes the step with."""
+    def report(self, step: int, buffered: int, restored: list[TrajectoryGroup], dropped: list[InflightGroup],
+               pause_delay: float) -> StepReport:
+        """The step report a Reset closes the step with; restored and dropped are counted in trajectories, as
+        LoongSage's partial_restored_count / partial_dropped_incomplete_count are, and in groups."""
         return StepReport(
             step=step,
             pipeline_buf_size=buffered,
             filter_drop=self.filtered,
             partial_ratio=(self.partial / self.trajectories) if self.trajectories else 0.0,
             partial_span_max=self.span_max,
-            partial_restored_count=restored,
-            partial_dropped_incomplete_count=dropped,
+            partial_restored_count=sum(len(group.trajectories) for group in restored),
+            partial_dropped_incomplete_count=sum(len(group.trajectories) for group in dropped),
             pause_delay=pause_delay,
+            partial_restored_group_count=len(restored),
+            partial_dropped_incomplete_group_count=len(dropped),
         )
 
 
