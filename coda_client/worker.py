@@ -867,7 +867,10 @@ class RolloutWorker:
         if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
             engine = threaded = _ThreadedEngine(engine, self.engine_threads)
         try:
-            async with AsyncPacerClient(self.target, **self.client_options) as pacer:
+            options = dict(self.client_options)
+            if self.worker_options.get("worker_id"):  # the server's ListWorkers and logs name the worker so
+                options.setdefault("client_id", self.worker_options["worker_id"])
+            async with AsyncPacerClient(self.target, **options) as pacer:
                 self._worker = AsyncRolloutWorker(pacer, engine, self.source, **self.worker_options)
                 if self._stop_requested:
                     self._worker.stop()

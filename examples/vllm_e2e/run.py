@@ -170,7 +170,8 @@ def worker_main(argv: list[str]) -> int:
             acknowledged[t.trajectory_id] = t.prompt_id
 
     async def main() -> dict:
-        async with AsyncPacerClient(args.pacer) as pacer, VLLMEngine(args.engine, model="tiny") as engine:
+        async with AsyncPacerClient(args.pacer, client_id=f"worker-{args.index}") as pacer, \
+                VLLMEngine(args.engine, model="tiny") as engine:
             worker = AsyncRolloutWorker(
                 pacer, engine, source, sampling=SamplingParams(max_tokens=args.max_tokens, temperature=1.0),
                 reward=reward_of, max_groups=args.max_groups, worker_id=f"worker-{args.index}",
