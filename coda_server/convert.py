@@ -80,6 +80,7 @@ def trajectories(messages: Sequence[wire.Trajectory], encoded: Sequence[memoryvi
             num_turns=m.num_turns,
             body=wire.EncodedTrajectory(data),
             size_bytes=len(data),
+            num_tokens=max(0, wire.array_count("token_ids", m.token_ids)),
         ))
     if violations:
         raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",

@@ -131,4 +131,6 @@ def _resume_locked(pacer: "Pacer", weight_version: Optional[int]) -> None:
         pacer.weight_version = weight_version
     pacer.paused = False
     pacer._pause_started = None
+    if pacer._on_resume is not None:
+        pacer._on_resume(pacer.weight_version)
     pacer._emit(ControlEventType.RESUME)
