@@ -25,8 +25,14 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        options = config.fully_async.get("latency_aware", None) if hasattr(config, "fully_async") else None
-        share = float(options.get("quiet_after", 1.0)) if options is not None else 1.0
+        fully_async = getattr(config, "fully_async", None)
+        options = (fully_async.get("latency_aware", None) if hasattr(fully_async, "get")
+                   else getattr(fully_async, "latency_aware", None))
+        if options is None:
+            share = 1.0
+        else:
+            share = float(options.get("quiet_after", 1.0) if hasattr(options, "get")
+                          else getattr(options, "quiet_after", 1.0))
         if not 0.0 < share <= 1.0:
             raise ValueError(f"fully_async.latency_aware.quiet_after = {share}: must be in (0, 1]")
         self._quiet_at = max(1, int(round(share * self._batch_size)))
