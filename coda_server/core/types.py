@@ -43,7 +43,8 @@ class Trajectory:
 
     The routing fields are what pacing needs; `body` is everything else (token ids, logprobs,
     payload ...), opaque to the core and handed back to the trainer as it came. `size_bytes` feeds
-    the byte cap; `num_tokens` (response tokens, 0 when unknown) is for strategies that pace by progress. Duplicate detection compares `content_key()`s: a body that offers `fingerprint()`
+    the byte cap; `num_tokens` (response tokens, 0 when unknown) is for strategies that pace by
+    progress. Duplicate detection compares `content_key()`s: a body that offers `fingerprint()`
     (a hashable digest of its content, e.g. coda_server.wire.EncodedTrajectory) is represented by it, so
     the pacer can forget the body once the trajectory has left; any other body is compared with ==.
     """
