@@ -20,7 +20,9 @@ Layers (each includes the ones below it):
 
 A Submit carries one group of 64 trajectories of 1,000 tokens (rpc_throughput.py's Submit scenario) for a
 prompt dispatched beforehand (in both runs, so the dispatches cancel out); its group completes and the
-`reward` filter drops it. The requests are built one by one in both runs, so building them cancels out too.
+`reward` filter drops it. The requests are built one by one in both runs, so building them cancels out too;
+holding 1,200 of them decoded would take hundreds of MB, so for Submit every layer includes decoding the
+request into its pass-through views (`full` adds the wrappers and the servicer).
 
     python bench/handler_instructions.py                     # Dispatch (peek, 4 candidates) and Submit (~10 min)
     python bench/handler_instructions.py --rpcs dispatch --layers full --candidates 4

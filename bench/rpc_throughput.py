@@ -4,7 +4,7 @@ Runs, in one process tree and one run:
 
 * a *floor* server: a grpc.aio server for the same `coda.pacer.v1.RolloutPacer` service, the same
   generated registration (so requests are parsed the same way) and the same server options
-  (`coda_server.server.server_options`, `server.max_concurrent_rpcs`), whose handlers return an empty
+  (`coda_server.server.server_options`), whose handlers return an empty
   response at once;
 * *our* server: `python -m coda_server` on its shipped defaults except what makes every call real work
   that succeeds (a huge window so Dispatch admits, group size 64 so one Submit completes one group);
@@ -119,8 +119,7 @@ async def serve_floor(port_file: Path, overrides: list[str]) -> int:
     from coda_server.server import server_options
 
     config = load_config(overrides=overrides)
-    server = grpc.aio.server(options=server_options(config),
-                             maximum_concurrent_rpcs=int(config.server.max_concurrent_rpcs))
+    server = grpc.aio.server(options=server_options(config))
     registrar = server
     if os.environ.get(FLOOR_PASSTHROUGH_ENV):  # --floor-passthrough: parse Submit as our server does
         from coda_server.method_wrapping import WrappingRegistrar

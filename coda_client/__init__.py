@@ -21,6 +21,7 @@ from .types import (
     ControlEvent,
     ControlEventType,
     DispatchResult,
+    HeldGroup,
     PacerState,
     PromptRef,
     ResetMode,
@@ -31,6 +32,7 @@ from .types import (
     Trajectory,
     TrajectoryGroup,
     TrajectoryStatus,
+    WorkerHoldings,
 )
 
 __all__ = [
@@ -49,6 +51,8 @@ __all__ = [
     "TrajectoryStatus",
     "TrajectoryGroup",
     "PromptRef",
+    "HeldGroup",
+    "WorkerHoldings",
     "DispatchResult",
     "SubmitResult",
     "CollectResult",

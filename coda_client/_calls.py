@@ -22,6 +22,7 @@ from .types import (
     ResumeResult,
     SubmitResult,
     Trajectory,
+    WorkerHoldings,
 )
 
 _T = TypeVar("_T")
@@ -125,6 +126,12 @@ def resume(weight_version: int, *, request_id: str | None, timeout: float) -> Ca
 def get_state(*, timeout: float) -> Call[PacerState]:
     """GetState: read-only, no request id."""
     return Call("GetState", pacer_pb2.GetStateRequest(), timeout, PacerState.from_pb)
+
+
+def list_workers(client_id: str | None, max_groups_per_worker: int, *, timeout: float) -> Call[list[WorkerHoldings]]:
+    """ListWorkers: read-only, no request id."""
+    request = pacer_pb2.ListWorkersRequest(client_id=client_id or "", max_groups_per_worker=max_groups_per_worker)
+    return Call("ListWorkers", request, timeout, lambda msg: [WorkerHoldings.from_pb(w) for w in msg.workers])
 
 
 WATCH_METHOD = "WatchControl"

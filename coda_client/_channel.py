@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ import grpc
 SERVICE = "coda.pacer.v1.RolloutPacer"
 # Calls that may long-poll: their deadline grows with the requested wait (see call_timeout).
 LONG_POLL_METHODS = ("Dispatch", "Collect", "Reset")
-SHORT_METHODS = ("Submit", "Resume", "GetState", "Ack")
+SHORT_METHODS = ("Submit", "Resume", "GetState", "Ack", "ListWorkers")
 STREAM_METHODS = ("WatchControl",)
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
@@ -25,6 +26,15 @@ WAIT_MARGIN_SECONDS = 5.0
 # so long-poll methods get a generous one; the server bounds its waits far below it.
 LONG_POLL_CAP_SECONDS = 3600.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Who is calling (a worker or trainer name), sent with every call when the client is given one; the server
+# shows it in its per-RPC log line, in the in-flight records and in per-client metrics, and may rate-limit
+# by it. Letters, digits and -_.:@/ only, so it is safe in a log line and a Prometheus label.
+CLIENT_ID_METADATA_KEY = "x-coda-client-id"
+MAX_CLIENT_ID_LENGTH = 128
+CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:@/-]{1,%d}" % MAX_CLIENT_ID_LENGTH)
+CLIENT_ID_RULE = (f"1 to {MAX_CLIENT_ID_LENGTH} characters, each a letter, a digit or one of - _ . : @ / "
+                  "(e.g. rollout-worker-17 or trainer@node-3)")
 
 ChannelOptions = Union[Sequence[tuple[str, Any]], Mapping[str, Any], None]
 PemSource = Union[bytes, str, os.PathLike, None]
@@ -170,10 +180,22 @@ def resolve_tls(tls: TlsSpec) -> tuple[grpc.ChannelCredentials | None, list[tupl
     return config.credentials(), extra
 
 
-def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Metadata sent with every call: the bearer token, when one is configured.
+def check_client_id(client_id: str) -> str:
+    """`client_id` if it is a valid client id, else ValueError saying what is allowed (the server's rule too)."""
+    if not isinstance(client_id, str) or not CLIENT_ID_PATTERN.fullmatch(client_id):
+        shown = client_id if not isinstance(client_id, str) or len(client_id) <= MAX_CLIENT_ID_LENGTH else (
+            client_id[:MAX_CLIENT_ID_LENGTH] + "...")
+        raise ValueError(f"client id {shown!r} is not allowed: {CLIENT_ID_RULE}")
+    return client_id
+
+
+def call_metadata(token: str | None, client_id: str | None = None) -> tuple[tuple[str, str], ...]:
+    """Metadata sent with every call: the bearer token and the client id, when configured.
 
     Sent as plain call metadata rather than call credentials, which gRPC refuses on plaintext
     channels (a sidecar on localhost often runs without TLS).
     """
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+    if client_id is not None:
+        metadata += ((CLIENT_ID_METADATA_KEY, check_client_id(client_id)),)
+    return metadata

@@ -1,4 +1,4 @@
-"""`coda-client`: state, health, watch, reset and resume against a running server, for humans and probes."""
+"""`coda-client`: state, health, watch, workers, reset and resume against a running server, for humans and probes."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,7 @@ import grpc
 from ._channel import TlsConfig, resolve_tls
 from .client import PacerClient
 from .errors import PacerClientError
-from .types import ControlEvent, ControlEventType, PacerState, StepReport
+from .types import ControlEvent, ControlEventType, PacerState, StepReport, WorkerHoldings
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
     parser.add_argument("--token-file", default=os.environ.get("CODA_TOKEN_FILE"),
                         help="file holding the bearer token (default: $CODA_TOKEN_FILE; $CODA_TOKEN also works)")
+    parser.add_argument("--client-id", default=os.environ.get("CODA_CLIENT_ID"),
+                        help="who is calling, shown in the server's logs and metrics (default: $CODA_CLIENT_ID)")
     tls = parser.add_argument_group("TLS (the address may also be unix:/path/to/socket, always plaintext)")
     tls.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server against the system "
                                                         "roots (or --ca-file); implied by --ca-file and --cert-file")
@@ -54,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--wait", type=float, default=0.0, help="seconds to wait for running groups to assemble")
     reset.add_argument("--resume", action="store_true", help="resume at once with --weight-version")
     reset.add_argument("--weight-version", type=int, default=0)
+
+    workers = commands.add_parser("workers", help="which worker (client id) holds which running groups, since when")
+    workers.add_argument("--client", default=None, help="only this client id's groups")
+    workers.add_argument("--groups", type=int, default=5, help="groups listed per worker, oldest first (0: all)")
+    workers.add_argument("--json", action="store_true", help="one JSON object per worker, for scripts")
 
     resume = commands.add_parser("resume", help="step += 1, set the weight version, reopen dispatch")
     resume.add_argument("--weight-version", type=int, required=True)
@@ -83,11 +90,13 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
             tls.credentials()  # an unreadable certificate file fails here, with a message
         if args.command == "health":
             return probe_health(args.address, args.service, args.timeout, out, tls=tls)
-    except (OSError, ValueError) as error:  # unreadable certificate file, key without certificate
+        client = PacerClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout,
+                             client_id=args.client_id or None)
+    except (OSError, ValueError) as error:  # unreadable certificate file, key without certificate, bad client id
         print(f"coda-client: {error}", file=sys.stderr)
         return 2
     try:
-        with PacerClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout) as client:
+        with client:
             if args.command == "state":
                 state = client.state()
                 out.write((json.dumps(as_json(state), sort_keys=True) if args.json else render_state(state)) + "\n")
@@ -99,6 +108,10 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
                 out.write(json.dumps(as_json(result), sort_keys=True) + "\n")
             elif args.command == "resume":
                 out.write(json.dumps(as_json(client.resume(args.weight_version)), sort_keys=True) + "\n")
+            elif args.command == "workers":
+                holdings = client.list_workers(args.client, max_groups_per_worker=max(0, args.groups))
+                out.write("".join(json.dumps(as_json(w), sort_keys=True) + "\n" for w in holdings) if args.json
+                          else render_workers(holdings))
     except PacerClientError as error:
         print(f"coda-client: {error}", file=sys.stderr)
         return 1
@@ -126,6 +139,21 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     out.write(f"{service or '(server)'}: {status}\n")
     return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def render_workers(holdings: Sequence[WorkerHoldings]) -> str:
+    """One line per worker (running groups, oldest held), then its listed groups indented."""
+    if not holdings:
+        return "no running groups\n"
+    lines = []
+    for worker in holdings:
+        lines.append(f"{worker.client_id or '(no client id)'}: {worker.running} running, oldest held "
+                     f"{worker.oldest_held_seconds:.1f}s")
+        for g in worker.groups:
+            lease = f", lease {g.lease_remaining_seconds:.0f}s left" if g.lease_remaining_seconds is not None else ""
+            lines.append(f"  {g.prompt_id} seq {g.seq}: {g.trajectories}/{g.group_size} trajectories, held "
+                         f"{g.held_seconds:.1f}s{lease}")
+    return "\n".join(lines) + "\n"
 
 
 def as_json(value: Any) -> Any:

@@ -47,6 +47,7 @@ from .types import (
     SubmitResult,
     Trajectory,
     TrajectoryGroup,
+    WorkerHoldings,
 )
 
 __all__ = ["PacerClient", "AsyncPacerClient", "ControlStream", "AsyncControlStream"]
@@ -148,11 +149,13 @@ class _ClientBase:
         options: ChannelOptions = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         arrays: _arrays.ArrayMode = "list",
+        client_id: str | None = None,
     ) -> None:
         self.target = target
         self.arrays: _arrays.ArrayMode = _arrays.check_mode(arrays)
         self.timeout = float(timeout)
-        self._metadata = call_metadata(token)
+        self.client_id = client_id
+        self._metadata = call_metadata(token, client_id)
         # Resolved now so a bad certificate path fails at construction, not at the first call.
         self._credentials, tls_options = resolve_tls(tls)
         user_options = dict(options.items() if isinstance(options, Mapping) else options or ())
@@ -247,6 +250,9 @@ class _ClientBase:
     def _get_state(self) -> Call[Any]:
         return _calls.get_state(timeout=self.timeout)
 
+    def _list_workers(self, client_id: str | None, max_groups_per_worker: int) -> Call[Any]:
+        return _calls.list_workers(client_id, max_groups_per_worker, timeout=self.timeout)
+
 
 class PacerClient(_ClientBase):
     """Blocking client of the RolloutPacer service; thread-safe, one channel per process.
@@ -256,7 +262,9 @@ class PacerClient(_ClientBase):
     grpc.ChannelCredentials. timeout: default deadline in seconds; long-polls get wait + a margin.
     options: extra gRPC channel arguments, overriding the defaults. arrays: how received trajectories hold
     token_ids, logprobs and loss_mask: "list" (default) or "numpy" (read-only arrays over the received bytes;
-    needs coda-pacer[numpy]). Errors raise PacerClientError subclasses.
+    needs coda-pacer[numpy]). client_id: who is calling (a worker or trainer name), sent with every call as
+    `x-coda-client-id` (letters, digits and -_.:@/, at most 128); the server logs it, shows it in its
+    in-flight records and counts per client. Errors raise PacerClientError subclasses.
     """
 
     def _new_channel(self) -> grpc.Channel:
@@ -347,6 +355,10 @@ class PacerClient(_ClientBase):
     def state(self) -> PacerState:
         """Every counter of the pacer (GetState)."""
         return self._run(self._get_state())
+
+    def list_workers(self, client_id: str | None = None, *, max_groups_per_worker: int = 0) -> list[WorkerHoldings]:
+        """Which worker (client id) holds which running groups and since when; one worker's with `client_id`."""
+        return self._run(self._list_workers(client_id, max_groups_per_worker))
 
     def watch(self) -> ControlStream:
         """Control events, first the current state; iterate it, cancel() it, or close the client to end it."""
@@ -453,6 +465,11 @@ class AsyncPacerClient(_ClientBase):
     async def state(self) -> PacerState:
         """Coroutine form of PacerClient.state."""
         return await self._run(self._get_state())
+
+    async def list_workers(self, client_id: str | None = None, *,
+                           max_groups_per_worker: int = 0) -> list[WorkerHoldings]:
+        """Coroutine form of PacerClient.list_workers."""
+        return await self._run(self._list_workers(client_id, max_groups_per_worker))
 
     def watch(self) -> AsyncControlStream:
         """Async iterator of control events (`async for event in client.watch()`); cancel() or close() ends it."""

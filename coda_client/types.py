@@ -24,6 +24,8 @@ __all__ = [
     "ResumeResult",
     "PacerState",
     "ControlEvent",
+    "HeldGroup",
+    "WorkerHoldings",
 ]
 
 _E = TypeVar("_E", bound=enum.IntEnum)
@@ -448,3 +450,36 @@ class ControlEvent:
     def from_pb(cls, msg: pacer_pb2.ControlEvent) -> ControlEvent:
         """From the wire message."""
         return _from_fields(cls, msg, type=_enum(ControlEventType, msg.type), mode=_enum(ResetMode, msg.mode))
+
+
+@dataclass(frozen=True)
+class HeldGroup:
+    """One running group a worker holds (ListWorkers)."""
+
+    prompt_id: str
+    seq: int
+    ds_index: int
+    held_seconds: float  # since Dispatch admitted it
+    trajectories: int  # received so far
+    group_size: int
+    lease_remaining_seconds: float | None  # until its in-flight lease runs out; None with leases off
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.HeldGroup) -> HeldGroup:
+        """From the wire message."""
+        return _from_fields(cls, msg, lease_remaining_seconds=_optional(msg, "lease_remaining_seconds"))
+
+
+@dataclass(frozen=True)
+class WorkerHoldings:
+    """The running groups of one client id ("" for groups dispatched without one), oldest first."""
+
+    client_id: str
+    running: int
+    oldest_held_seconds: float
+    groups: list[HeldGroup]
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.WorkerHoldings) -> WorkerHoldings:
+        """From the wire message."""
+        return _from_fields(cls, msg, groups=[HeldGroup.from_pb(g) for g in msg.groups])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Optional, Sequence
 
 from coda_client._proto import pacer_pb2 as pb
@@ -13,6 +14,7 @@ from .core.types import (
     CollectResult,
     ControlEvent,
     DispatchResult,
+    HeldGroup,
     PacerState,
     PromptRef,
     ResetMode,
@@ -166,3 +168,21 @@ def state_response(state: PacerState) -> pb.GetStateResponse:
 def control_event(event: ControlEvent) -> pb.ControlEvent:
     return pb.ControlEvent(type=int(event.type), mode=int(event.mode), weight_version=event.weight_version,
                            step=event.step, generation=event.generation, paused=event.paused)
+
+
+def list_workers_response(held: list[HeldGroup], max_groups_per_worker: int = 0) -> pb.ListWorkersResponse:
+    """The held groups (oldest first) grouped by client id, ordered by client id."""
+    by_client: dict[str, list[HeldGroup]] = {}
+    for group in held:
+        by_client.setdefault(group.client_id, []).append(group)
+    response = pb.ListWorkersResponse()
+    for client, groups in sorted(by_client.items()):
+        worker = response.workers.add(client_id=client, running=len(groups),
+                                      oldest_held_seconds=max(g.held_seconds for g in groups))
+        for g in groups[:max_groups_per_worker or None]:
+            entry = worker.groups.add(prompt_id=g.prompt_id, seq=g.seq, ds_index=g.ds_index,
+                                      held_seconds=g.held_seconds, trajectories=g.trajectories,
+                                      group_size=g.group_size)
+            if math.isfinite(g.lease_remaining_seconds):
+                entry.lease_remaining_seconds = g.lease_remaining_seconds
+    return response

@@ -7,13 +7,13 @@ is answered INVALID_ARGUMENT (reason MALFORMED_REQUEST) instead of reaching the 
 """
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from .core.errors import InvalidArgumentError
+from .method_wrapping import admitting
 from .status import status_for
 
 
@@ -44,40 +44,14 @@ def _safe(deserializer: Callable[[bytes], Any], method: str) -> Callable[[bytes]
     return deserialize
 
 
+def _refuse_malformed(request: Any, context: grpc.aio.ServicerContext) -> tuple[Optional[grpc.Status], None]:
+    return (status_for(request.error) if isinstance(request, _Malformed) else None), None
+
+
 class MalformedRequestGuard:
     """Answers INVALID_ARGUMENT for a unary request that does not decode (streaming requests pass as they are)."""
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if handler.request_streaming or handler.request_deserializer is None:
             return handler
-        deserialize = _safe(handler.request_deserializer, method)
-        if handler.response_streaming:
-            inner_stream = handler.unary_stream
-            if inspect.isasyncgenfunction(inner_stream):  # yields its responses (WatchControl)
-
-                async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                    if isinstance(request, _Malformed):
-                        await context.abort_with_status(status_for(request.error))
-                    async for response in inner_stream(request, context):
-                        yield response
-
-            elif inspect.iscoroutinefunction(inner_stream):  # writes with context.write (health Watch)
-
-                async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                    if isinstance(request, _Malformed):
-                        await context.abort_with_status(status_for(request.error))
-                    return await inner_stream(request, context)
-
-            else:  # a synchronous handler: left as it is
-                return handler
-            return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, handler.response_serializer)
-        inner = handler.unary_unary
-        if not inspect.iscoroutinefunction(inner):
-            return handler
-
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if isinstance(request, _Malformed):
-                await context.abort_with_status(status_for(request.error))
-            return await inner(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, handler.response_serializer)
+        return admitting(handler, _refuse_malformed, request_deserializer=_safe(handler.request_deserializer, method))

@@ -85,9 +85,10 @@ class AccessLog:
     def enabled(self) -> bool:
         return self._logger.isEnabledFor(logging.INFO)
 
-    def note(self, service: str, method: str, code: str, elapsed: float, request_id: str, peer: str) -> None:
+    def note(self, service: str, method: str, code: str, elapsed: float, request_id: str, peer: str,
+             client_id: str = "") -> None:
         """One finished call; written within ACCESS_LOG_FLUSH_SECONDS. Call on the event loop."""
-        self._pending.append((self._clock(), service, method, code, elapsed, request_id, peer))
+        self._pending.append((self._clock(), service, method, code, elapsed, request_id, peer, client_id))
         if len(self._pending) >= self._max_pending:
             self.flush()
         elif self._timer is None:
@@ -129,18 +130,23 @@ class AccessLog:
 
     @staticmethod
     def _message(entry: tuple) -> str:
-        _, _, method, code, elapsed, request_id, peer = entry
+        _, _, method, code, elapsed, request_id, peer, client_id = entry
+        text = f"{method} {code} {elapsed * 1000.0:.3f}ms"
         if request_id:
-            return f"{method} {code} {elapsed * 1000.0:.3f}ms request_id={request_id} peer={peer}"
-        return f"{method} {code} {elapsed * 1000.0:.3f}ms peer={peer}"
+            text += f" request_id={request_id}"
+        if client_id:
+            text += f" client={client_id}"
+        return f"{text} peer={peer}"
 
     @staticmethod
     def _values(entry: tuple) -> dict[str, Any]:
-        _, service, method, code, elapsed, request_id, peer = entry
+        _, service, method, code, elapsed, request_id, peer, client_id = entry
         values: dict[str, Any] = {"event": "rpc", "service": service, "method": method, "code": code,
                                   "duration_ms": round(elapsed * 1000.0, 3)}
         if request_id:
             values["request_id"] = request_id
+        if client_id:
+            values["client_id"] = client_id
         values["peer"] = peer
         return values
 

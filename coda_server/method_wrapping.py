@@ -10,7 +10,8 @@ so refused calls are observed like every other call.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence
+import inspect
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import grpc
 
@@ -59,3 +60,52 @@ class _WrappedGenericHandler(grpc.GenericRpcHandler):
         if cached is None or cached[0] is not handler:
             cached = self._wrapped[method] = (handler, self._registrar.wrap(method, handler))
         return cached[1]
+
+
+# An admission check: (refusal, token). A refusal status ends the call before the handler runs; otherwise
+# the token is handed to the release function once the call has ended, however it ended.
+Admit = Callable[[Any, grpc.aio.ServicerContext], tuple[Optional[grpc.Status], Any]]
+
+
+def admitting(handler: grpc.RpcMethodHandler, admit: Admit, release: Optional[Callable[[Any], None]] = None,
+              request_deserializer: Optional[Callable[[bytes], Any]] = None) -> grpc.RpcMethodHandler:
+    """`handler` with `admit(request, context)` run before it (unary-request methods: the request is decoded
+    first), and `release(token)` after it. Request-streaming and synchronous handlers are left as they are.
+
+    `request_deserializer` replaces the handler's own, e.g. with one that never raises.
+    """
+    if handler.request_streaming:
+        return handler
+    deserialize = request_deserializer or handler.request_deserializer
+    serializer = handler.response_serializer
+    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+
+    if inspect.iscoroutinefunction(inner):  # returns its response, or writes with context.write (a stream)
+
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            refusal, token = admit(request, context)
+            if refusal is not None:
+                await context.abort_with_status(refusal)
+            try:
+                return await inner(request, context)
+            finally:
+                if release is not None:
+                    release(token)
+
+    elif handler.response_streaming and inspect.isasyncgenfunction(inner):  # yields its responses
+
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            refusal, token = admit(request, context)
+            if refusal is not None:
+                await context.abort_with_status(refusal)
+            try:
+                async for response in inner(request, context):
+                    yield response
+            finally:
+                if release is not None:
+                    release(token)
+
+    else:  # a synchronous handler: left as it is
+        return handler
+    return make(behavior, deserialize, serializer)

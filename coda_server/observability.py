@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -33,7 +33,9 @@ from .core.config import parse_host_port
 from .core.errors import NotReadyError
 from .core.state import COUNTER, GAUGE, reported_fields
 from .core.types import ControlEvent, ControlEventType, PacerState, ResetMode, StepReport, TrajectoryGroup
+from .admission import Admission, client_id
 from .logs import AccessLog, fields
+from .metrics_listener import start_metrics_listener
 
 log = logging.getLogger("coda_server")
 
@@ -165,34 +167,75 @@ def _status_code(context: grpc.aio.ServicerContext, error: Optional[BaseExceptio
     return "UNKNOWN"
 
 
+class ClientCallMetrics:
+    """Calls per client id, method and status code, with bounded cardinality: the first `max_clients`
+    distinct ids are counted under their own name, later ones as "(other)", calls without an id as "(none)"
+    (neither can be a client id: parentheses are not allowed in one)."""
+
+    OTHER = "(other)"
+    NONE = "(none)"
+
+    def __init__(self, registry: CollectorRegistry, max_clients: int):
+        self._max_clients = max_clients
+        self._labels: dict[str, str] = {"": self.NONE}
+        self._calls: dict[tuple[str, str, str], int] = {}
+        registry.register(self)
+
+    def label(self, client_id: str) -> str:
+        label = self._labels.get(client_id)
+        if label is None:
+            named = len(self._labels) - 1
+            label = client_id if named < self._max_clients else self.OTHER
+            if label is not self.OTHER:
+                self._labels[client_id] = label
+        return label
+
+    def count(self, client_id: str, method: str, code: str) -> None:
+        key = (self.label(client_id), method, code)
+        self._calls[key] = self._calls.get(key, 0) + 1
+
+    def collect(self) -> Iterable[Any]:
+        calls = CounterMetricFamily("coda_client_calls", "RPCs finished, by the caller's client id (x-coda-client-id), "
+                                    "method and status code.", labels=("client", "grpc_method", "grpc_code"))
+        for labels, count in list(self._calls.items()):
+            calls.add_metric(labels, count)
+        yield calls
+        yield GaugeMetricFamily("coda_client_ids", "Distinct client ids counted under their own name (at most "
+                                "server.metrics_max_clients).", value=len(self._labels) - 1)
+
+
 class _MethodObserver:
     """One method's metrics and access log; `begin`/`end` bracket each call."""
 
-    __slots__ = ("service", "method", "_stats", "_access_log")
+    __slots__ = ("service", "method", "_stats", "_access_log", "_clients")
 
     def __init__(self, metrics: GrpcServerMetrics, kind: str, full_method: str,
-                 access_log: Optional[AccessLog] = None):
+                 access_log: Optional[AccessLog] = None, clients: Optional[ClientCallMetrics] = None):
         self._access_log = access_log
+        self._clients = clients
         self.service, self.method = _split_method(full_method)
         self._stats = metrics.method(kind, self.service, self.method)
 
-    def begin(self, context: grpc.aio.ServicerContext) -> tuple[float, str]:
-        """Count the start; returns the start time and the peer (read now: once a call is cancelled, its
-        context must not be asked for the peer, which reads the finished C call and can crash the process)."""
+    def begin(self, context: grpc.aio.ServicerContext) -> tuple[float, str, str]:
+        """Count the start; returns the start time, the peer and the client id (read now: once a call is
+        cancelled, its context must not be asked for the peer, which reads the finished C call and can
+        crash the process)."""
         self._stats.started += 1
         access_log = self._access_log
         peer = context.peer() if access_log is not None and access_log.enabled() else ""
-        return time.perf_counter(), peer
+        return time.perf_counter(), peer, client_id(context)
 
-    def end(self, begun: tuple[float, str], context: grpc.aio.ServicerContext, request: Any,
+    def end(self, begun: tuple[float, str, str], context: grpc.aio.ServicerContext, request: Any,
             error: Optional[BaseException]) -> None:
-        started, peer = begun
+        started, peer, caller = begun
         elapsed = time.perf_counter() - started
         code = _status_code(context, error)
         self._stats.observe(code, elapsed)
+        if self._clients is not None:
+            self._clients.count(caller, self.method, code)
         if peer:
             request_id = getattr(request, "request_id", "") if request is not None else ""
-            self._access_log.note(self.service, self.method, code, elapsed, request_id, peer)
+            self._access_log.note(self.service, self.method, code, elapsed, request_id, peer, caller)
 
 
 class RpcObserver:
@@ -202,13 +245,15 @@ class RpcObserver:
     so they are not counted (no label explosion).
     """
 
-    def __init__(self, metrics: GrpcServerMetrics, access_log: Optional[AccessLog] = None):
+    def __init__(self, metrics: GrpcServerMetrics, access_log: Optional[AccessLog] = None,
+                 clients: Optional[ClientCallMetrics] = None):
         self._metrics = metrics
         self._access_log = access_log
+        self._clients = clients
 
     def wrap(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         kind = _GRPC_TYPES[(bool(handler.request_streaming), bool(handler.response_streaming))]
-        observer = _MethodObserver(self._metrics, kind, full_method, self._access_log)
+        observer = _MethodObserver(self._metrics, kind, full_method, self._access_log, self._clients)
         inner, observe, make = {
             "unary": (handler.unary_unary, _observe_response, grpc.unary_unary_rpc_method_handler),
             "server_stream": (handler.unary_stream, _observe_stream, grpc.unary_stream_rpc_method_handler),
@@ -317,12 +362,38 @@ class PacerCollector:
                 yield GaugeMetricFamily(name, help_text, value=float(value))
         yield GaugeMetricFamily("coda_pacer_watchers", "WatchControl streams open now.",
                                 value=self._pacer.watcher_count)
+        yield CounterMetricFamily("coda_pacer_watchers_dropped", "WatchControl streams dropped because they fell "
+                                  "server.watch_queue_events control events behind (their client stopped reading).",
+                                  value=self._pacer.watchers.dropped)
         report = state.recent_reports[-1] if state.recent_reports else StepReport()
         for attribute, name, help_text in STEP_REPORT_GAUGES:
             yield GaugeMetricFamily(name, help_text, value=float(getattr(report, attribute)))
         # One step report per finished Reset, and every finished Reset increments the generation.
         yield CounterMetricFamily("coda_pacer_step_reports", "Step reports computed (one per finished Reset).",
                                   value=state.generation)
+
+
+class AdmissionCollector:
+    """Each admission limit's calls in progress, its value and its refusals; per-client rate-limit refusals."""
+
+    def __init__(self, admission: Admission):
+        self._admission = admission
+
+    def collect(self) -> Iterable[Any]:
+        in_progress = GaugeMetricFamily("coda_admission_in_progress", "Calls in progress counted against each "
+                                        "admission limit.", labels=["limit"])
+        limit = GaugeMetricFamily("coda_admission_limit", "The value of each admission limit.", labels=["limit"])
+        refused = CounterMetricFamily("coda_admission_refused", "Calls refused RESOURCE_EXHAUSTED because an "
+                                      "admission limit or a per-client rate limit was reached.", labels=["limit"])
+        for entry in self._admission.limits.values():
+            in_progress.add_metric([entry.key], entry.in_progress)
+            limit.add_metric([entry.key], entry.limit)
+            refused.add_metric([entry.key], entry.refused)
+        for rate in self._admission.rate_limits.values():
+            refused.add_metric([rate.key], rate.refused)
+        yield in_progress
+        yield limit
+        yield refused
 
 
 class ConsumptionMetrics:
@@ -350,9 +421,13 @@ class ConsumptionMetrics:
 class Observability:
     """Metrics registry, RPC observer, access log, listeners and the /metrics listener of one PacerServer."""
 
-    def __init__(self, config: Any, async_pacer: AsyncPacer):
+    def __init__(self, config: Any, async_pacer: AsyncPacer, admission: Optional[Admission] = None):
+        self.config = config
         self.metrics_address = str(config.server.get("metrics_address") or "")
         self.registry = CollectorRegistry()
+        if admission is not None:
+            self.registry.register(AdmissionCollector(admission))
+        self.clients = ClientCallMetrics(self.registry, int(config.server.get("metrics_max_clients", 100)))
         self.grpc_metrics = GrpcServerMetrics(self.registry)
         self.grpc_metrics.initialize(pacer_pb2.DESCRIPTOR.services_by_name["RolloutPacer"])
         self.ready = False  # readiness as the health service reports it; PacerServer sets it
@@ -363,21 +438,23 @@ class Observability:
         # None when server.log_rpcs is off; else the per-RPC lines, written in batches.
         self.access_log = (AccessLog(str(config.server.get("log_format", "text")))
                            if bool(config.server.get("log_rpcs", True)) else None)
-        self.rpc_observer = RpcObserver(self.grpc_metrics, self.access_log)
+        self.rpc_observer = RpcObserver(self.grpc_metrics, self.access_log, self.clients)
         self._httpd: Any = None  # the /metrics WSGI server; its serving thread is a daemon
 
-    def start_metrics(self) -> Optional[int]:
+    def start_metrics(self, token_check: Optional[Callable] = None) -> Optional[int]:
         """Serve /metrics on server.metrics_address; returns the bound port (None when disabled).
 
+        `token_check`: the gRPC port's bearer-token check, for server.metrics_require_token.
         Raises OSError when the address cannot be bound.
         """
         if not self.metrics_address:
             return None
         host, port = parse_host_port(self.metrics_address)  # validated with the configuration
-        self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._httpd, scheme, guarded = start_metrics_listener(host, port, self.registry, self.config.server,
+                                                                token_check)
         bound = int(self._httpd.server_port)
-        log.info("serving Prometheus metrics on http://%s:%d/metrics", host, bound,
-                 extra=fields(event="metrics", host=host, port=bound))
+        log.info("serving Prometheus metrics on %s://%s:%d/metrics%s", scheme, host, bound, guarded,
+                 extra=fields(event="metrics", host=host, port=bound, scheme=scheme))
         return bound
 
     async def stop(self) -> None:

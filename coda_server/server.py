@@ -13,12 +13,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coda_client._proto import pacer_pb2, pacer_pb2_grpc
 
 from . import auth, transport
+from .admission import Admission, call_limits
 from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
 from .core.sqlite_journal import SqliteJournal
 from .core.pacer import Pacer
 from .guard import MalformedRequestGuard
 from .method_wrapping import WrappingRegistrar
+from .metrics_listener import check_metrics_security
 from .observability import Observability
 from .service import RolloutPacerServicer
 from .wire import PassthroughCodec
@@ -28,6 +30,8 @@ log = logging.getLogger("coda_server")
 
 SERVICE_NAME = pacer_pb2.DESCRIPTOR.services_by_name["RolloutPacer"].full_name
 HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME)
+# Control calls (trainer, probes) the pending-call queue holds on top of everything the limits admit.
+CONTROL_CALL_ROOM = 1024
 # Allocations between young-generation collections (CPython's default is 700).
 GC_YOUNG_THRESHOLD = 50_000
 
@@ -46,7 +50,18 @@ def server_options(config: Any) -> list[tuple[str, Any]]:
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Calls that arrived but that the event loop has not picked up yet: beyond 1,000 of them gRPC drops
+        # new ones at random, beyond 3,000 all of them, with CANCELLED (a burst of a few thousand watchers
+        # opening at once lost some that way). Admission (admission.py) is what limits calls, with our own
+        # answer: let the queue hold every call its limits could admit, plus the control calls.
+        ("grpc.server.max_pending_requests", admitted_calls(config)),
+        ("grpc.server.max_pending_requests_hard_limit", admitted_calls(config)),
     ]
+
+
+def admitted_calls(config: Any) -> int:
+    """The most calls the admission limits let run at once, plus room for control calls."""
+    return sum(limit.limit for limit in call_limits(config.server).values()) + CONTROL_CALL_ROOM
 
 
 def tune_garbage_collector() -> None:
@@ -70,14 +85,16 @@ class PacerServer:
         self.async_pacer = AsyncPacer(
             self.pacer,
             max_wait_seconds=float(config.server.max_wait_seconds),
-            max_waiting_calls=int(config.server.max_waiting_calls),
+            watch_queue_limit=int(config.server.watch_queue_events),
         )
         # None when no token is configured; reads server.auth_token_file or $CODA_TOKEN (ConfigError if unusable).
         self.auth = auth.token_interceptor(config.server)
+        check_metrics_security(config.server, self.auth.check if self.auth is not None else None)
         self.listeners = transport.Listeners()  # what start() bound: TCP, Unix socket, health-only port
         self.health_server: Optional[grpc.aio.Server] = None  # the plaintext health-only server, if configured
         self.health = health.aio.HealthServicer()
-        self.observability = Observability(config, self.async_pacer)
+        self.admission = Admission(config.server)
+        self.observability = Observability(config, self.async_pacer, self.admission)
         self.server: Optional[grpc.aio.Server] = None
         self.ports: list[int] = []
         self.metrics_port: Optional[int] = None  # bound port of the /metrics listener; None when disabled
@@ -85,19 +102,22 @@ class PacerServer:
     async def start(self) -> list[int]:
         """Bind, start serving and turn readiness on; returns the bound port(s)."""
         tune_garbage_collector()
+        # A descriptor per connection: at most one per worker (its stream, long-poll and Submits share it).
+        transport.raise_open_file_limit(int(self.config.server.max_watch_streams) + CONTROL_CALL_ROOM)
         self.async_pacer.bind_loop()
-        # Authentication is the one interceptor, so a refused request is never decoded.
+        # Authentication is the one interceptor, so a refused request is never decoded. No
+        # maximum_concurrent_rpcs: it counts every call alike, so watchers could starve the trainer's Reset;
+        # admission limits calls by kind instead.
         self.server = grpc.aio.server(
             interceptors=[self.auth] if self.auth is not None else None,
             options=server_options(self.config),
-            maximum_concurrent_rpcs=int(self.config.server.max_concurrent_rpcs),
         )
         # Every method handler is wrapped once, at registration: observability outermost (it counts, times
-        # and logs every call, refused ones included), then the guard answering INVALID_ARGUMENT for request
-        # bytes that do not decode.
+        # and logs every call, refused ones included), then admission (client id, rate limits, room by kind
+        # of call), then the guard answering INVALID_ARGUMENT for request bytes that do not decode.
         # Innermost, the pass-through (de)serializers of the messages carrying trajectories (wire.py).
-        registrar = WrappingRegistrar(self.server, [self.observability.rpc_observer, MalformedRequestGuard(),
-                                                    PassthroughCodec(SERVICE_NAME)])
+        registrar = WrappingRegistrar(self.server, [self.observability.rpc_observer, self.admission,
+                                                    MalformedRequestGuard(), PassthroughCodec(SERVICE_NAME)])
         if self.auth is not None:
             self.auth.wrap_refusals(registrar.wrap)
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(RolloutPacerServicer(self.async_pacer), registrar)
@@ -113,7 +133,7 @@ class PacerServer:
         self.health_server, self.listeners.health_host, self.listeners.health_port = \
             transport.health_only_server(self.config, self.health)
         try:
-            self.metrics_port = self.observability.start_metrics()
+            self.metrics_port = self.observability.start_metrics(self.auth.check if self.auth is not None else None)
         except OSError as exc:
             raise BindError(f"cannot serve metrics on {self.config.server.metrics_address}: {exc} "
                             f"(set server.metrics_address, \"\" disables metrics)") from None

@@ -1,22 +1,26 @@
 """The RolloutPacer servicer: converts messages, delegates to the AsyncPacer, maps errors to status codes.
 
-Submit requests and Collect and Reset answers are pass-through views (wire.py); server.py registers the
-service with their (de)serializers."""
+Submit requests and Collect and Reset answers are pass-through views (wire.py), WatchControl events are
+written as bytes encoded once per event; server.py registers the service with their (de)serializers."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import math
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Optional
 
 import grpc
 
 from coda_client._proto import pacer_pb2 as pb
+from coda_client._channel import CLIENT_ID_PATTERN, CLIENT_ID_RULE
 from coda_client._proto import pacer_pb2_grpc
 
 from . import convert, wire
+from .admission import client_id
 from .core.async_pacer import AsyncPacer
 from .core.errors import InvalidArgumentError, PacerError
+from .core.types import ControlEvent
 from .status import status_for
 
 # Answer a long-poll this long before the caller's deadline, so the answer arrives in time.
@@ -67,11 +71,14 @@ def bounded_wait(requested: float, context: grpc.aio.ServicerContext) -> float:
 class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     def __init__(self, pacer: AsyncPacer):
         self._pacer = pacer
+        self._last_event: Optional[ControlEvent] = None
+        self._last_encoded = b""
 
     @maps_errors
     async def Dispatch(self, request: pb.DispatchRequest, context) -> pb.DispatchResponse:
         result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
-                                            bounded_wait(request.wait_seconds, context), request.request_id)
+                                            bounded_wait(request.wait_seconds, context), request.request_id,
+                                            client_id(context))
         return convert.dispatch_response(result)
 
     @maps_errors
@@ -107,6 +114,36 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return convert.state_response(self._pacer.state())
 
     @maps_errors
-    async def WatchControl(self, request: pb.WatchControlRequest, context) -> AsyncIterator[pb.ControlEvent]:
-        async for event in self._pacer.watch():
-            yield convert.control_event(event)
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
+        wanted = request.client_id
+        if wanted and not CLIENT_ID_PATTERN.fullmatch(wanted):
+            raise InvalidArgumentError(f"client_id {wanted[:140]!r} is not a valid client id: {CLIENT_ID_RULE}",
+                                       violations=[("client_id", CLIENT_ID_RULE)])
+        return convert.list_workers_response(self._pacer.held_groups(wanted or None), request.max_groups_per_worker)
+
+    @maps_errors
+    async def WatchControl(self, request: pb.WatchControlRequest, context) -> None:
+        # Written with context.write (not yielded), so that a watcher the fan-out drops while its write is
+        # stuck (the client stopped reading) can still be ended with a status: its task is cancelled.
+        watcher = self._pacer.open_watch()
+        try:
+            async for event in watcher:
+                await context.write(self._encoded(event))
+        except asyncio.CancelledError:
+            if not watcher.dropped:  # the client went away
+                raise
+            # Not abort(): it awaits the status being sent, which queues behind the write the client does not
+            # take. Set it and return: the stream's resources (and its admission slot) are released now, and
+            # gRPC sends the status once the client reads or goes away.
+            status = status_for(watcher.too_slow())
+            context.set_code(status.code)
+            context.set_details(status.details)
+            context.set_trailing_metadata(status.trailing_metadata)
+        finally:
+            watcher.close()
+
+    def _encoded(self, event: ControlEvent) -> bytes:
+        """The event's wire bytes; every watcher is handed the same event object, so it is encoded once."""
+        if event is not self._last_event:
+            self._last_event, self._last_encoded = event, convert.control_event(event).SerializeToString()
+        return self._last_encoded

@@ -38,7 +38,7 @@ def status_for(error: errors.PacerError) -> grpc.Status:
     """A grpc.Status carrying the message, ErrorInfo(reason), BadRequest field violations and RetryInfo."""
     code = code_for(error)
     details = status_pb2.Status(code=getattr(code_pb2, code.name), message=_clip(error.message, MAX_MESSAGE_CHARS))
-    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN)
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata=getattr(error, "metadata", None))
     details.details.add().Pack(info)
     if error.violations:
         shown = list(error.violations[:MAX_VIOLATIONS])

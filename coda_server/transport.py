@@ -10,6 +10,7 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import socket
 import stat
 from dataclasses import dataclass
@@ -171,6 +172,29 @@ def _check_socket_path(path: str) -> None:
         raise BindError(f"cannot listen on unix:{path}: another server is listening on it")
     finally:
         probe.close()
+
+
+def raise_open_file_limit(wanted: int) -> tuple[int, int]:
+    """Raise the soft limit on open files towards `wanted` (never above the hard limit); returns (soft, hard).
+
+    Every client connection is a file descriptor, and the usual soft limit (1,024) is far below what
+    thousands of workers, each with its own connection, need: past it, accept() fails and clients see
+    UNAVAILABLE. The hard limit is the operator's (ulimit -Hn, systemd LimitNOFILE, the container runtime).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.info("raised the open-file limit from %d to %d for client connections", soft, target)
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+    if soft < wanted:
+        log.warning("the open-file limit is %d, fewer than the %d connections server.max_watch_streams "
+                    "workers may open; clients beyond it get UNAVAILABLE: raise the hard limit (ulimit -Hn, "
+                    "LimitNOFILE, docker --ulimit nofile=...)", soft, wanted)
+    return soft, hard
 
 
 def health_only_server(config: Any, health_servicer: Any) -> tuple[Optional[grpc.aio.Server], Optional[str], Optional[int]]:

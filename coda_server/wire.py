@@ -119,6 +119,10 @@ def _in_usual_form(encoded: memoryview) -> bool:
     return True
 
 
+def _as_encoded(message: bytes) -> bytes:
+    return message
+
+
 def group_parts(prompt_id: str, seq: int, ds_index: int, epoch: Optional[int], index: Optional[int],
                 bodies: list[EncodedTrajectory]) -> list[Any]:
     """The encoded fields of one TrajectoryGroup: its header through protobuf, then each trajectory's
@@ -188,15 +192,19 @@ def array_count(name: str, run: bytes) -> int:
 class PassthroughCodec:
     """A method wrapper (see method_wrapping) giving the RolloutPacer methods that carry trajectories their
     pass-through (de)serializers: Submit requests are parsed with `parse_submit`, and Collect and Reset
-    answers, built as views by convert.py, are serialized as what they are."""
+    answers, built as views by convert.py, are serialized as what they are. WatchControl events come
+    already encoded (the servicer encodes each event once for all watchers) and are sent as they are."""
 
     def __init__(self, service: str):
         self._submit = f"/{service}/Submit"
         self._view_responses = (f"/{service}/Collect", f"/{service}/Reset")
+        self._encoded_responses = (f"/{service}/WatchControl",)  # written as bytes, encoded once per event
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if method == self._submit:
             return handler._replace(request_deserializer=parse_submit)
         if method in self._view_responses:
             return handler._replace(response_serializer=_wire.serialize)
+        if method in self._encoded_responses:
+            return handler._replace(response_serializer=_as_encoded)
         return handler

@@ -247,11 +247,12 @@ def test_reset_and_resume_during_a_reset_are_failed_precondition(tmp_path):
 # ----------------------------------------------------------------------------------------------- overload
 
 
-def test_default_caps_leave_room_for_256_callers():
+def test_default_limits_fit_10000_workers():
     from coda_server.core.config import load_config
 
     server = load_config().server
-    assert server.max_concurrent_rpcs >= 256 and 256 <= server.max_waiting_calls < server.max_concurrent_rpcs
+    assert min(server.max_concurrent_rpcs, server.max_waiting_calls, server.max_watch_streams) >= 10_000
+    assert server.max_waiting_collects >= 64
 
 
 def test_300_simultaneous_long_polls_are_all_answered(server):
@@ -277,23 +278,25 @@ def test_300_simultaneous_long_polls_are_all_answered(server):
 
 
 def test_waiter_cap_answers_resource_exhausted_at_once_with_a_retry_delay(tmp_path):
-    with ServerProcess(tmp_path, *CONFIG, "server.max_waiting_calls=4") as server:
+    with ServerProcess(tmp_path, *CONFIG, "server.max_waiting_calls=4", "server.max_waiting_collects=4") as server:
         stub = server.stub()
+        stub.Dispatch(pb.DispatchRequest(candidates=[ref(f"fill{i}") for i in range(16)]))  # the window (8 x 2) full
         waiting = [stub.Collect.future(pb.CollectRequest(num_groups=1, wait_seconds=60)) for _ in range(4)]
+        waiting += [stub.Dispatch.future(pb.DispatchRequest(candidates=[ref(f"w{i}")], wait_seconds=60))
+                    for i in range(4)]
         deadline = time.monotonic() + 10
-        while stub.GetState(pb.GetStateRequest()).waiting_calls < 4:
+        while stub.GetState(pb.GetStateRequest()).waiting_calls < 8:
             assert time.monotonic() < deadline
         started = time.monotonic()
-        for method, request in (("Collect", pb.CollectRequest(num_groups=1, wait_seconds=60)),
-                                ("Dispatch", pb.DispatchRequest(candidates=[ref(f"d{i}") for i in range(40)],
-                                                                wait_seconds=60))):
-            if method == "Dispatch":  # fill the window (8 x 2 = 16) so the Dispatch would have to wait
-                stub.Dispatch(pb.DispatchRequest(candidates=[ref(f"fill{i}") for i in range(16)]))
+        for method, request, limit in (
+                ("Collect", pb.CollectRequest(num_groups=1, wait_seconds=60), "max_waiting_collects"),
+                ("Dispatch", pb.DispatchRequest(candidates=[ref(f"d{i}") for i in range(40)], wait_seconds=60),
+                 "max_waiting_calls")):
             with pytest.raises(grpc.RpcError) as caught:
                 getattr(stub, method)(request, timeout=30)
             error = caught.value
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "4 long-polls are already waiting (server.max_waiting_calls = 4)" in error.details()
+            assert f"4 {method} long-polls are waiting (server.{limit} = 4)" in error.details()
             status = rpc_status.from_call(error)
             delays = []
             for detail in status.details:
@@ -301,7 +304,7 @@ def test_waiter_cap_answers_resource_exhausted_at_once_with_a_retry_delay(tmp_pa
                     info = error_details_pb2.RetryInfo()
                     detail.Unpack(info)
                     delays.append(info.retry_delay.ToTimedelta().total_seconds())
-            assert delays == [1.0]
+            assert len(delays) == 1 and 1.0 <= delays[0] <= 1.5  # 1 s, jittered by up to half of it
         assert time.monotonic() - started < 5  # refused at once, not after waiting
         # Short calls and a Reset (never capped) still run; the Reset wakes nobody's deadline early.
         assert stub.GetState(pb.GetStateRequest()).dispatched == 16

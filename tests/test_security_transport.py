@@ -256,3 +256,23 @@ def test_unusable_listener_settings_stop_start_up_with_a_message(tmp_path, overr
         server.start()
     server.close()
     assert f"server exited with {exit_code}" in str(caught.value) and message in str(caught.value)
+
+
+def test_metrics_listener_over_tls_with_client_certificates(tmp_path, certs):
+    """server.metrics_tls: /metrics over HTTPS with the gRPC port's certificate; mutual TLS asks scrapers
+    for a certificate from the configured CA."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    with ServerProcess(tmp_path, *SMALL, *tls_overrides(certs, mutual=True), "server.metrics_tls=true") as server:
+        url = f"https://127.0.0.1:{server.info['metrics_port']}/metrics"
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext HTTP to the TLS port: no answer
+            urllib.request.urlopen(url.replace("https", "http"), timeout=10)
+        no_cert = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            urllib.request.urlopen(url, timeout=10, context=no_cert).read()
+        with_cert = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        with_cert.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+        with urllib.request.urlopen(url, timeout=10, context=with_cert) as response:
+            assert response.status == 200 and "coda_pacer_window_size_groups" in response.read().decode()

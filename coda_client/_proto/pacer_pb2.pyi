@@ -361,3 +361,47 @@ class ControlEvent(_message.Message):
     generation: int
     paused: bool
     def __init__(self, type: _Optional[_Union[ControlEventType, str]] = ..., mode: _Optional[_Union[ResetMode, str]] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ("client_id", "max_groups_per_worker")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUPS_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    max_groups_per_worker: int
+    def __init__(self, client_id: _Optional[str] = ..., max_groups_per_worker: _Optional[int] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerHoldings]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerHoldings, _Mapping]]] = ...) -> None: ...
+
+class WorkerHoldings(_message.Message):
+    __slots__ = ("client_id", "running", "oldest_held_seconds", "groups")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    running: int
+    oldest_held_seconds: float
+    groups: _containers.RepeatedCompositeFieldContainer[HeldGroup]
+    def __init__(self, client_id: _Optional[str] = ..., running: _Optional[int] = ..., oldest_held_seconds: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[HeldGroup, _Mapping]]] = ...) -> None: ...
+
+class HeldGroup(_message.Message):
+    __slots__ = ("prompt_id", "seq", "ds_index", "held_seconds", "trajectories", "group_size", "lease_remaining_seconds")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    seq: int
+    ds_index: int
+    held_seconds: float
+    trajectories: int
+    group_size: int
+    lease_remaining_seconds: float
+    def __init__(self, prompt_id: _Optional[str] = ..., seq: _Optional[int] = ..., ds_index: _Optional[int] = ..., held_seconds: _Optional[float] = ..., trajectories: _Optional[int] = ..., group_size: _Optional[int] = ..., lease_remaining_seconds: _Optional[float] = ...) -> None: ...

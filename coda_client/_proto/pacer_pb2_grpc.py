@@ -75,6 +75,11 @@ class RolloutPacerStub:
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.WatchControlRequest.SerializeToString,
                 response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ControlEvent.FromString,
                 _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/coda.pacer.v1.RolloutPacer/ListWorkers',
+                request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutPacerServicer:
@@ -156,6 +161,15 @@ class RolloutPacerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWorkers(self, request, context):
+        """Which worker holds which running groups, and since when: the in-flight records grouped by the
+        client id (metadata x-coda-client-id) of the Dispatch that admitted them. Read-only.
+        Errors: INVALID_ARGUMENT (client_id not a valid client id), UNAUTHENTICATED, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutPacerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +212,11 @@ def add_RolloutPacerServicer_to_server(servicer, server):
                     servicer.WatchControl,
                     request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.WatchControlRequest.FromString,
                     response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ControlEvent.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersRequest.FromString,
+                    response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -417,6 +436,33 @@ class RolloutPacer:
             '/coda.pacer.v1.RolloutPacer/WatchControl',
             coda_dot_pacer_dot_v1_dot_pacer__pb2.WatchControlRequest.SerializeToString,
             coda_dot_pacer_dot_v1_dot_pacer__pb2.ControlEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coda.pacer.v1.RolloutPacer/ListWorkers',
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersRequest.SerializeToString,
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,8 +13,8 @@ from .pacer import Pacer
 from .types import (
     CollectResult,
     ControlEvent,
-    ControlEventType,
     DispatchResult,
+    HeldGroup,
     PacerState,
     PromptRef,
     ResetMode,
@@ -23,11 +23,13 @@ from .types import (
     SubmitResult,
     Trajectory,
 )
-from .waiting import WAITERS_RETRY_AFTER_SECONDS, LoopWaits  # noqa: F401  (imported from here before)
+from .waiting import LoopWaits
+from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
 
 log = logging.getLogger("coda_server.leases")
 
-WATCH_QUEUE_LIMIT = 1024
+# Control events reach the watchers this long after they happen (see _queue_control).
+CONTROL_FANOUT_DELAY_SECONDS = 0.002
 # How often lease deadlines are checked; leases are meant in seconds to minutes, so this is plenty.
 LEASE_TICK_SECONDS = 0.25
 
@@ -39,12 +41,13 @@ class AsyncPacer:
     request-id answers (`AnswerBook.once_awaited`) and answered once what it changed is durable.
     """
 
-    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0, max_waiting_calls: int = 512):
+    def __init__(self, pacer: Pacer, *, max_wait_seconds: float = 600.0, watch_queue_limit: int = DEFAULT_QUEUE_LIMIT):
         self.pacer = pacer
-        self.waits = LoopWaits(lambda: pacer.closed, max_wait_seconds, max_waiting_calls)
+        self.waits = LoopWaits(lambda: pacer.closed, max_wait_seconds)
+        self.watchers = WatcherFanout(watch_queue_limit)
+        self._pending_control: list[ControlEvent] = []  # control events not yet handed to the watchers
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
-        self._watchers: set[asyncio.Queue] = set()
         self._draining = False
         self._lease_task: Optional[asyncio.Task] = None
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
@@ -56,10 +59,6 @@ class AsyncPacer:
     @property
     def max_wait_seconds(self) -> float:
         return self.waits.max_wait_seconds
-
-    @property
-    def max_waiting_calls(self) -> int:
-        return self.waits.max_waiting_calls
 
     @property
     def waiting_calls(self) -> int:
@@ -102,7 +101,23 @@ class AsyncPacer:
             self._call_in_loop(self.waits.wake_all)
 
     def _on_control(self, event: ControlEvent) -> None:
-        self._call_in_loop(lambda: self._publish(event))
+        self._call_in_loop(lambda: self._queue_control(event))
+
+    def _queue_control(self, event: ControlEvent) -> None:
+        """Hand `event` to the watchers CONTROL_FANOUT_DELAY_SECONDS from now, after those queued before it.
+
+        The call that caused it (the trainer's Reset or Resume) takes a few turns of the loop to send its
+        answer; woken at once, thousands of watchers' writes would all run first and the trainer would wait
+        for the whole fan-out.
+        """
+        self._pending_control.append(event)
+        if len(self._pending_control) == 1:
+            self._loop.call_later(CONTROL_FANOUT_DELAY_SECONDS, self._publish_pending)
+
+    def _publish_pending(self) -> None:
+        pending, self._pending_control = self._pending_control, []
+        for event in pending:
+            self.watchers.publish(event)
 
     def _call_in_loop(self, fn: Callable[[], None]) -> None:
         if self._loop is None:
@@ -114,9 +129,10 @@ class AsyncPacer:
 
     # ------------------------------------------------------------- operations
 
-    async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
+    async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
+                       client_id: str = "") -> DispatchResult:
         async def call() -> DispatchResult:
-            return await self.waits.until(self.pacer.dispatch_poll(candidates, request_id), wait)
+            return await self.waits.until(self.pacer.dispatch_poll(candidates, request_id, client_id), wait)
 
         return await self._applied("Dispatch", request_id, call)
 
@@ -143,7 +159,7 @@ class AsyncPacer:
         async def call() -> ResetResult:
             self.pacer.begin_reset(mode, resume=resume, weight_version=weight_version)
             try:
-                await self.waits.until(self.pacer.reset_poll(), wait, capped=False)
+                await self.waits.until(self.pacer.reset_poll(), wait)
             except BaseException:
                 self.pacer.abandon_reset()
                 raise
@@ -193,43 +209,35 @@ class AsyncPacer:
         if self.recovering:
             raise NotReadyError("the server is still recovering its state from server.state_dir; retry shortly")
 
+    def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
+        self.check_ready()
+        return self.pacer.held_groups(client_id)
+
     def state(self) -> PacerState:
         self.check_ready()
         return dataclasses.replace(self.pacer.state(), waiting_calls=self.waits.waiting_calls)
 
     # ------------------------------------------------------------- watchers
 
-    async def watch(self) -> AsyncIterator[ControlEvent]:
-        """The current state first, then every control event until SHUTDOWN (or the watcher lags too far)."""
+    def open_watch(self) -> Watcher:
+        """A watcher for the calling task: the current state first, then every control event until SHUTDOWN;
+        dropped (and counted in `watchers.dropped`) if it falls `watch_queue_limit` events behind. Close it
+        when the stream ends."""
         self.check_ready()
-        queue: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE_LIMIT)
-        self._watchers.add(queue)
-        try:
-            yield self.pacer.current_state_event()
-            if self.pacer.closed:
-                yield ControlEvent(ControlEventType.SHUTDOWN)
-                return
-            while True:
-                event = await queue.get()
-                if event is None:  # overflowed: end the stream; the client reconnects and gets STATE first
-                    return
-                yield event
-                if event.type == ControlEventType.SHUTDOWN:
-                    return
-        finally:
-            self._watchers.discard(queue)
+        return self.watchers.open(self.pacer.current_state_event(), self.pacer.closed)
 
-    def _publish(self, event: ControlEvent) -> None:
-        for queue in list(self._watchers):
-            if queue.qsize() >= WATCH_QUEUE_LIMIT - 1:
-                self._watchers.discard(queue)
-                queue.put_nowait(None)
-            else:
-                queue.put_nowait(event)
+    async def watch(self) -> AsyncIterator[ControlEvent]:
+        """`open_watch()` as an async generator that closes the watcher when it ends."""
+        watcher = self.open_watch()
+        try:
+            async for event in watcher:
+                yield event
+        finally:
+            watcher.close()
 
     @property
     def watcher_count(self) -> int:
-        return len(self._watchers)
+        return len(self.watchers)
 
     # ------------------------------------------------------------- shutdown
 

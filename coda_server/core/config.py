@@ -122,7 +122,8 @@ def _validate_server(server: Any, need) -> None:
     need(isinstance(dirs, (list, ListConfig)), "server.custom_strategy_dirs", dirs, "must be a list of directories")
     for key in ("max_message_bytes", "request_id_cache_size", "remembered_generations", "max_collect_groups",
                 "max_dispatch_candidates", "max_submit_trajectories", "max_id_length", "step_reports_kept",
-                "max_concurrent_rpcs", "max_waiting_calls"):
+                "max_concurrent_rpcs", "max_waiting_calls", "max_waiting_collects", "max_watch_streams",
+                "metrics_max_clients", "watch_queue_events"):
         value = server.get(key)
         need(_is_int(value) and value >= 1, f"server.{key}", value, "must be an integer >= 1")
     _validate_transport(server, need)
@@ -146,6 +147,13 @@ def _validate_server(server: Any, need) -> None:
         value = server.get(key)
         need(_is_number(value) and value >= 0 and math.isfinite(value), f"server.{key}", value,
              "must be a finite number >= 0")
+    for key in ("metrics_require_token", "metrics_tls"):
+        need(isinstance(server.get(key, False), bool), f"server.{key}", server.get(key), "must be true or false")
+    rates = server.get("client_rate_limits") or {}
+    for key in ("dispatch_per_second", "submit_per_second", "burst"):
+        value = rates.get(key, 0)
+        need(_is_number(value) and value >= 0 and math.isfinite(value), f"server.client_rate_limits.{key}", value,
+             "must be a finite number >= 0 (a rate of 0: no limit)")
 
 
 def _validate_transport(server: Any, need) -> None:

@@ -1,7 +1,7 @@
 """Typed errors of the pacing core; the transport maps each class to one status code."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 
 class PacerError(Exception):
@@ -61,13 +61,15 @@ class ResetInProgressError(FailedPreconditionError):
 
 
 class ResourceExhaustedError(PacerError):
-    """A cap is full; retry after `retry_after` seconds."""
+    """A cap is full; retry after `retry_after` seconds. `metadata` names the cap (ErrorInfo metadata)."""
 
     reason = "RESOURCE_EXHAUSTED"
 
-    def __init__(self, message: str, *, retry_after: float = 1.0, reason: Optional[str] = None):
+    def __init__(self, message: str, *, retry_after: float = 1.0, reason: Optional[str] = None,
+                 metadata: Optional[Mapping[str, str]] = None):
         super().__init__(message, reason=reason)
         self.retry_after = retry_after
+        self.metadata: dict[str, str] = dict(metadata or {})
 
 
 class NotReadyError(PacerError):

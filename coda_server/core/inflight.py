@@ -13,9 +13,9 @@ class InflightGroup:
     """A dispatched group that has not left the trajectory queue; handed to strategy hooks."""
 
     __slots__ = ("prompt_id", "ds_index", "epoch", "index", "seq", "group_size", "trajectories", "deadline",
-                 "dispatched_at", "held")
+                 "dispatched_at", "held", "client_id")
 
-    def __init__(self, ref: PromptRef, seq: int, group_size: int, now: float):
+    def __init__(self, ref: PromptRef, seq: int, group_size: int, now: float, client_id: str = ""):
         self.prompt_id = ref.prompt_id
         self.ds_index = ref.ds_index
         self.epoch = ref.epoch
@@ -26,6 +26,7 @@ class InflightGroup:
         self.dispatched_at = now
         self.held = False  # complete, but the strategy's will_collect refused it so far
         self.deadline = math.inf  # when its in-flight lease runs out (extended by every Submit for it)
+        self.client_id = client_id  # who dispatched it (x-coda-client-id; "" when the caller sent none)
 
     @property
     def complete(self) -> bool:

@@ -49,6 +49,7 @@ class JournalEvent:
 class Dispatched(JournalEvent):
     refs: list[PromptRef]  # the candidates admitted, in order (replay admits exactly these)
     request_id: str
+    client_id: str = ""  # who dispatched them (records written before client ids have none)
 
 
 @dataclass(slots=True)

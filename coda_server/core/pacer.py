@@ -31,6 +31,7 @@ from .types import (
     ControlEvent,
     ControlEventType,
     DispatchResult,
+    HeldGroup,
     PacerState,
     PromptRef,
     ResetMode,
@@ -177,11 +178,12 @@ class Pacer:
 
     # ----------------------------------------------------------------- in-process calls
 
-    def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "") -> DispatchResult:
-        """Admit the first k candidates the strategy allows now; with `wait`, wait up to that long for one slot."""
-        with self._lock:
-            return self.answers.once("Dispatch", request_id,
-                                     lambda: self.waits.until(self.dispatch_poll(candidates, request_id), wait))
+    def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
+                 client_id: str = "") -> DispatchResult:
+        """Admit the first k candidates the strategy allows now; with `wait`, wait up to that long for one slot.
+        `client_id` names who holds the admitted groups (`held_groups`)."""
+        return self.answers.once("Dispatch", request_id, lambda: self.waits.until(
+            self.dispatch_poll(candidates, request_id, client_id), wait))
 
     def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready."""
@@ -196,10 +198,9 @@ class Pacer:
         order, unless `ack(lease_id)` comes within that time (at-least-once delivery).
         """
         self.checks.check_collect(num_groups, lease_seconds)
-        with self._lock:
-            self._check_open()  # once: a waiter woken by close() answers with what is there
-            poll = self.collect_poll(num_groups, allow_partial, request_id, lease_seconds)
-            return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
+        self._check_open()  # once: a waiter woken by close() answers with what is there
+        poll = CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds)
+        return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
 
     def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
                     lease_seconds: float = 0.0) -> CollectResult:
@@ -218,8 +219,8 @@ class Pacer:
         """Pause, wait up to `wait` for running groups to assemble, restore/drop them, optionally resume."""
         def call() -> ResetResult:
             self.begin_reset(mode, resume=resume, weight_version=weight_version)
-            with self._lock:
-                self.waits.until(self.reset_poll(), wait)
+            with self._lock:  # ready, then finished, with no change in between
+                self.waits.until(ResetPoll(self), wait)
                 return self.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
 
         return self.answers.once("Reset", request_id, call)
@@ -230,10 +231,10 @@ class Pacer:
 
     # ----------------------------------------------------------------- dispatch
 
-    def dispatch_poll(self, candidates: Sequence[PromptRef], request_id: str = "") -> DispatchPoll:
-        return DispatchPoll(self, candidates, request_id)
+    def dispatch_poll(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "") -> DispatchPoll:
+        return DispatchPoll(self, candidates, request_id, client_id)
 
-    def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "") -> DispatchResult:
+    def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "") -> DispatchResult:
         """Validate the candidates and admit what the strategy allows now (caller holds the lock)."""
         if candidates:  # none is a peek at the window
             self.checks.check_candidates(candidates, self._inflight)
@@ -245,7 +246,7 @@ class Pacer:
             now = self._clock()
             admitted_refs = list(candidates[:count])  # also the journal's record of this Dispatch
             group_sizes = self._group_sizes
-            groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now)
+            groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now, client_id)
                       for seq, ref in enumerate(admitted_refs, first_seq)]
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged.
             self._hooks.on_dispatched(groups)
@@ -265,7 +266,7 @@ class Pacer:
                                 len(self._inflight), len(self._buffer), self._window_size,
                                 self._admissible_now() if count else allowed)  # unchanged if nothing was admitted
         if count:
-            self._record(Dispatched(now, admitted_refs, request_id))
+            self._record(Dispatched(now, admitted_refs, request_id, client_id))
         return result
 
     def admissible_now(self) -> int:
@@ -516,6 +517,15 @@ class Pacer:
         """Copies of the groups in flight (dispatched, not yet out of the trajectory queue), in dispatch order."""
         with self._lock:
             return [group.to_group() for group in sorted(self._inflight.values(), key=lambda g: g.seq)]
+
+    def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
+        """The running groups (all, or those `client_id` dispatched), oldest first: which worker holds what."""
+        with self._lock:
+            now = self._clock()
+            return [HeldGroup(g.prompt_id, g.seq, g.ds_index, g.client_id, max(0.0, now - g.dispatched_at),
+                              len(g.trajectories), g.group_size, max(0.0, g.deadline - now))
+                    for g in sorted(self._inflight.values(), key=lambda g: g.seq)
+                    if client_id is None or g.client_id == client_id]
 
     def state(self) -> PacerState:
         with self._lock:

@@ -13,12 +13,13 @@ if TYPE_CHECKING:
 class DispatchPoll:
     """Answered once something is admitted (or at once for a peek); each attempt admits what the window allows."""
 
-    __slots__ = ("_pacer", "_candidates", "_request_id", "_last")
+    __slots__ = ("_pacer", "_candidates", "_request_id", "_client_id", "_last")
 
-    def __init__(self, pacer: "Pacer", candidates: Sequence[PromptRef], request_id: str):
+    def __init__(self, pacer: "Pacer", candidates: Sequence[PromptRef], request_id: str, client_id: str = ""):
         self._pacer = pacer
         self._candidates = candidates
         self._request_id = request_id
+        self._client_id = client_id
         self._last: Optional[DispatchResult] = None
 
     def attempt(self) -> Optional[DispatchResult]:
@@ -29,7 +30,7 @@ class DispatchPoll:
                 candidates = self._candidates
             else:  # re-validating a large candidate list on every change would stall the loop: only with room
                 candidates = self._candidates if pacer._admissible_now() else ()
-            result = self._last = pacer.apply_dispatch(candidates, self._request_id)
+            result = self._last = pacer.apply_dispatch(candidates, self._request_id, self._client_id)
             return result if result.admitted_ids or not self._candidates else None
 
     def give_up(self) -> DispatchResult:

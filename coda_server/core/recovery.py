@@ -131,7 +131,7 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
     """Apply one recorded change again, through the step the live call ran, and remember its answer."""
     remember = pacer.answers.remember
     if isinstance(event, Dispatched):
-        result = pacer.apply_dispatch(event.refs, event.request_id)
+        result = pacer.apply_dispatch(event.refs, event.request_id, event.client_id)
         if result.admitted_ids != [r.prompt_id for r in event.refs]:
             raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted_ids)} of the "
                                f"{len(event.refs)} groups it admitted before the restart")

@@ -188,5 +188,19 @@ class ControlEvent:
     paused: bool = False
 
 
+@dataclass(frozen=True)
+class HeldGroup:
+    """A running group as the in-flight records hold it: who dispatched it, since when, how far it got."""
+
+    prompt_id: str
+    seq: int
+    ds_index: int
+    client_id: str  # "" when the Dispatch carried no client id
+    held_seconds: float  # since Dispatch admitted it
+    trajectories: int  # received so far
+    group_size: int
+    lease_remaining_seconds: float  # until its in-flight lease runs out; inf with leases off
+
+
 # PacerState, the GetState record, is declared with how each field is reported in state.py.
 from .state import PacerState  # noqa: E402,F401

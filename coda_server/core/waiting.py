@@ -13,12 +13,8 @@ import asyncio
 import threading
 from typing import Callable, Optional, Protocol, TypeVar
 
-from .errors import ResourceExhaustedError
-
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
-# Retry delay suggested to a long-poll refused because server.max_waiting_calls callers already wait.
-WAITERS_RETRY_AFTER_SECONDS = 1.0
 
 
 class Poll(Protocol[R_co]):
@@ -32,7 +28,7 @@ class Poll(Protocol[R_co]):
 
 
 class ThreadWaits:
-    """Blocking waits for in-process callers, who hold the pacer's lock: the wait releases it."""
+    """Blocking waits for in-process callers: a condition of the pacer's lock, which a wait releases."""
 
     def __init__(self, lock: threading.RLock, clock: Callable[[], float], closed: Callable[[], bool]):
         self._changed = threading.Condition(lock)
@@ -49,31 +45,37 @@ class ThreadWaits:
         result = poll.attempt()
         if result is not None:
             return result
-        deadline = self._clock() + max(0.0, wait)
-        while not self._closed():
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                break
-            self.blocked += 1
-            try:
-                if self.on_block is not None:
-                    self.on_block()
-                self._changed.wait(remaining)
-            finally:
-                self.blocked -= 1
-            result = poll.attempt()
-            if result is not None:
-                return result
-        return poll.give_up()
+        if wait <= 0:
+            return poll.give_up()
+        deadline = self._clock() + wait
+        with self._changed:
+            while not self._closed():
+                result = poll.attempt()  # again under the lock: a change since the first attempt is seen
+                if result is not None:
+                    return result
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    break
+                self.blocked += 1
+                try:
+                    if self.on_block is not None:
+                        self.on_block()
+                    self._changed.wait(remaining)
+                finally:
+                    self.blocked -= 1
+            return poll.give_up()
 
 
 class LoopWaits:
-    """Waits for coroutines on one event loop: each awaits the next change, with a bound and a cap on waiters."""
+    """Waits for coroutines on one event loop: each awaits the next change, for at most max_wait_seconds.
 
-    def __init__(self, closed: Callable[[], bool], max_wait_seconds: float, max_waiting_calls: int):
+    How many may wait at once is admission's business (coda_server/admission.py limits waiting Dispatches
+    and Collects apart), not the core's: this only counts them (`waiting_calls`, for GetState).
+    """
+
+    def __init__(self, closed: Callable[[], bool], max_wait_seconds: float):
         self._closed = closed
         self.max_wait_seconds = max_wait_seconds
-        self.max_waiting_calls = max_waiting_calls
         self._change: Optional[asyncio.Future] = None
         self.waiting_calls = 0
 
@@ -90,18 +92,13 @@ class LoopWaits:
     def clamp(self, wait: float) -> float:
         return min(max(0.0, float(wait)), self.max_wait_seconds)
 
-    async def until(self, poll: Poll[R], wait: float, capped: bool = True) -> R:
-        """As ThreadWaits.until, for at most max_wait_seconds.
-
-        `capped`: refuse with ResourceExhaustedError, before waiting at all, when max_waiting_calls callers
-        already wait (Reset is not capped: only one runs at a time, and it must finish).
-        """
+    async def until(self, poll: Poll[R], wait: float) -> R:
+        """As ThreadWaits.until, for at most max_wait_seconds."""
         result = poll.attempt()
         if result is not None or wait <= 0:
             return result if result is not None else poll.give_up()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.clamp(wait)
-        first = True
         while True:
             if self._change is None:  # taken before the attempt, so no wake-up is lost
                 self._change = loop.create_future()
@@ -114,12 +111,6 @@ class LoopWaits:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return poll.give_up()
-            if first and capped and self.waiting_calls >= self.max_waiting_calls:
-                raise ResourceExhaustedError(
-                    f"{self.waiting_calls} long-polls are already waiting (server.max_waiting_calls = "
-                    f"{self.max_waiting_calls}); retry in {WAITERS_RETRY_AFTER_SECONDS:g}s or poll with "
-                    f"wait_seconds = 0", retry_after=WAITERS_RETRY_AFTER_SECONDS, reason="TOO_MANY_WAITERS")
-            first = False
             self.waiting_calls += 1
             try:
                 await asyncio.wait((change,), timeout=remaining)
