@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from . import _wire
-from ._channel import call_timeout
+from ._channel import LONG_POLL_CAP_SECONDS, call_timeout
 from ._proto import pacer_pb2
 from .arrays import ArrayMode
 from .types import (
@@ -99,22 +99,26 @@ def ack(lease_id: str, *, request_id: str | None, timeout: float) -> Call[int]:
 def reset(
     mode: ResetMode | str | None,
     *,
-    wait: float,
+    wait: float | None,
     resume: bool,
     weight_version: int,
     request_id: str | None,
     timeout: float,
     arrays: ArrayMode = "list",
 ) -> Call[ResetResult]:
-    """Reset: mode "abort", "wait" or None (the server default)."""
+    """Reset: mode "abort", "wait" or None (the server default); wait None leaves wait_seconds absent."""
     request = pacer_pb2.ResetRequest(
         mode=ResetMode.parse(mode),
-        wait_seconds=wait,
         resume=resume,
         weight_version=weight_version,
         request_id=request_id_or_new(request_id),
     )
-    return Call("Reset", request, call_timeout(timeout, wait), functools.partial(ResetResult.from_pb, arrays_as=arrays))
+    if wait is not None:
+        request.wait_seconds = wait
+    # Absent, a WAIT-mode Reset waits until every running group is assembled, as long as the server allows
+    # (server.max_wait_seconds): the deadline must not cut that short.
+    deadline = call_timeout(timeout, wait) if wait is not None else max(timeout, LONG_POLL_CAP_SECONDS)
+    return Call("Reset", request, deadline, functools.partial(ResetResult.from_pb, arrays_as=arrays))
 
 
 def resume(weight_version: int, *, request_id: str | None, timeout: float) -> Call[ResumeResult]:

@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     reset = commands.add_parser("reset", help="step boundary: pause, restore/drop running groups")
     reset.add_argument("--mode", choices=["abort", "wait"], default=None, help="default: the server's rollout.partial")
-    reset.add_argument("--wait", type=float, default=0.0, help="seconds to wait for running groups to assemble")
+    reset.add_argument("--wait", type=float, default=None,
+                       help="seconds to wait for running groups to assemble; 0: drop the incomplete now; default: "
+                            "the server decides (WAIT mode: until all are assembled, within server.max_wait_seconds)")
     reset.add_argument("--resume", action="store_true", help="resume at once with --weight-version")
     reset.add_argument("--weight-version", type=int, default=0)
 
@@ -194,7 +196,9 @@ def render_report(report: StepReport) -> str:
     """One line for the latest step report (the seed framework's step-boundary metrics)."""
     return (f"step {report.step} report: pipeline_buf_size {report.pipeline_buf_size}  filter_drop {report.filter_drop}  "
             f"partial_ratio {report.partial_ratio:.3f}  partial_span_max {report.partial_span_max}  "
-            f"restored {report.partial_restored_count}  dropped_incomplete {report.partial_dropped_incomplete_count}  "
+            f"restored {report.partial_restored_group_count} ({report.partial_restored_count} traj)  "
+            f"dropped_incomplete {report.partial_dropped_incomplete_group_count} "
+            f"({report.partial_dropped_incomplete_count} traj)  "
             f"pause_delay {report.pause_delay:.3f}s")
 
 

@@ -238,7 +238,8 @@ class _ClientBase:
     def _ack(self, lease_id: str, request_id: str | None) -> Call[Any]:
         return _calls.ack(lease_id, request_id=request_id, timeout=self.timeout)
 
-    def _reset(self, mode: Any, wait: float, resume: bool, weight_version: int, request_id: str | None) -> Call[Any]:
+    def _reset(self, mode: Any, wait: float | None, resume: bool, weight_version: int,
+               request_id: str | None) -> Call[Any]:
         return _calls.reset(
             mode, wait=wait, resume=resume, weight_version=weight_version, request_id=request_id, timeout=self.timeout,
             arrays=self.arrays,
@@ -340,12 +341,17 @@ class PacerClient(_ClientBase):
         self,
         mode: ResetMode | str | None = None,
         *,
-        wait: float = 0.0,
+        wait: float | None = None,
         resume: bool = False,
         weight_version: int = 0,
         request_id: str | None = None,
     ) -> ResetResult:
-        """Step boundary: mode "abort", "wait" or None (server default); optionally resumes at once."""
+        """Step boundary: mode "abort", "wait" or None (server default); optionally resumes at once.
+
+        `wait`: seconds to wait for running groups to be assembled; 0 drops the incomplete ones at once;
+        None (the default) lets the server decide: in WAIT mode it waits until every running group is
+        assembled (bounded by server.max_wait_seconds), in ABORT mode it does not wait.
+        """
         return self._run(self._reset(mode, wait, resume, weight_version, request_id))
 
     def resume(self, weight_version: int, *, request_id: str | None = None) -> ResumeResult:
@@ -450,7 +456,7 @@ class AsyncPacerClient(_ClientBase):
         self,
         mode: ResetMode | str | None = None,
         *,
-        wait: float = 0.0,
+        wait: float | None = None,
         resume: bool = False,
         weight_version: int = 0,
         request_id: str | None = None,

@@ -318,9 +318,11 @@ class StepReport:
     filter_drop: int
     partial_ratio: float
     partial_span_max: int
-    partial_restored_count: int
-    partial_dropped_incomplete_count: int
+    partial_restored_count: int  # trajectories of the restored groups (LoongSage's unit)
+    partial_dropped_incomplete_count: int  # trajectories of the dropped incomplete groups
     pause_delay: float
+    partial_restored_group_count: int
+    partial_dropped_incomplete_group_count: int
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.StepReport) -> StepReport:
@@ -341,11 +343,12 @@ class ResetResult:
     paused: bool
     report: StepReport
     expired: list[TrajectoryGroup]  # partial groups whose in-flight lease ran out, for their data source
+    quarantined: list[TrajectoryGroup]  # complete groups never buffered (a raising hook, dirty data)
 
     @classmethod
     def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> ResetResult:
         """From the wire message or its encoded bytes; arrays as in CollectResult.from_pb."""
-        msg, groups = _split_answer(msg, pacer_pb2.ResetResponse, ("restored", "expired"), arrays_as)
+        msg, groups = _split_answer(msg, pacer_pb2.ResetResponse, ("restored", "expired", "quarantined"), arrays_as)
         return _from_fields(cls, msg, dropped_prompt_ids=list(msg.dropped_prompt_ids),
                             report=StepReport.from_pb(msg.report), **groups)
 
@@ -426,13 +429,39 @@ class PacerState:
     leased: int
     #: Bytes of trajectories queued, buffered or leased. Metric: coda_pacer_held_bytes.
     held_bytes: int
+    #: Complete groups quarantined instead of buffered: a strategy hook raised on them, or they held a FAILED
+    #: trajectory no filter dropped (recent_incidents says which; the next Reset returns them). Metric:
+    #: coda_pacer_quarantined_groups_total.
+    quarantined: int
+    #: The last server.incidents_kept incidents (a raising strategy hook, a refused dirty group), oldest first.
+    recent_incidents: list[Incident]
     # END PacerState fields
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.GetStateResponse) -> PacerState:
         """From the wire message."""
         return _from_fields(cls, msg, config_summary=dict(msg.config_summary),
-                            recent_reports=[StepReport.from_pb(r) for r in msg.recent_reports])
+                            recent_reports=[StepReport.from_pb(r) for r in msg.recent_reports],
+                            recent_incidents=[Incident.from_pb(i) for i in msg.recent_incidents])
+
+
+@dataclass(frozen=True)
+class Incident:
+    """A raising strategy hook or a refused dirty group, as GetState reports it."""
+
+    kind: str  # "hook_failed" or "dirty_group"
+    prompt_id: str
+    strategy: str
+    hook: str
+    message: str
+    step: int
+    generation: int
+    action: str  # "quarantined" or "refused"
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.Incident) -> Incident:
+        """From the wire message."""
+        return _from_fields(cls, msg)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`coda-server [--config FILE] [key=value ...]`: load the configuration, serve until SIGTERM, drain, exit 0."""
+"""`coda-server [--config FILE | --config-path DIR --config-name NAME] [overrides]`: load, serve until SIGTERM, drain."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .core.config import load_config
+from .core.config import config_summary, load_config
 from .core.errors import ConfigError, RecoveryError
 from .core.journal import StateDirError
 from .logs import TEXT_FORMAT, configure_logging, fields
@@ -26,25 +26,45 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="coda-server",
         description="Serve the coda rollout pacer over gRPC. Starts on the built-in conf/default.yaml.",
-        epilog="Example: coda-server --config run.yaml server.address=0.0.0.0:50051 fully_async.stale_steps=2.0",
+        epilog="Examples: coda-server --config run.yaml server.address=0.0.0.0:50051 fully_async.stale_steps=2.0; "
+               "a LoongSage run config, composed as its trainer composes it: coda-server --config-path conf "
+               "--config-name qwen3_30b_a3b/dapo_h20_1node fully_async.enable=true server.address=0.0.0.0:50051",
     )
-    parser.add_argument("--config", default=os.environ.get(CONFIG_ENV) or None,
-                        help=f"YAML file merged over the defaults (default: ${CONFIG_ENV}, else none)")
+    parser.add_argument("--config", default=None,
+                        help=f"YAML file merged over the defaults (default: ${CONFIG_ENV}, else none); a Hydra "
+                             f"defaults list in it is composed from the file's own directory, or refused")
+    parser.add_argument("--config-path", "-cp", default=None, metavar="DIR",
+                        help="Hydra config directory (e.g. LoongSage's conf/); relative to the working directory")
+    parser.add_argument("--config-name", "-cn", default=None, metavar="NAME",
+                        help="config to compose from --config-path with Hydra, e.g. qwen3_30b_a3b/dapo_h20_1node; "
+                             "overrides then use Hydra's syntax (key=value, +key=value, ~key)")
     parser.add_argument("--port-file", type=Path,
                         help="once serving, write {\"address\", \"port\", \"metrics_port\"} as JSON here (for scripts and tests), "
                              "plus \"uds\" and \"health_port\" when those listeners are set; address and port "
                              "are null without a TCP listener")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied last")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    hydra = args.config_path is not None or args.config_name is not None
+    if hydra and args.config is not None:
+        parser.error("--config FILE and --config-path/--config-name are two ways to name the run config; give one")
+    if hydra and (args.config_path is None or args.config_name is None):
+        parser.error("--config-path DIR and --config-name NAME go together, e.g. --config-path conf "
+                     "--config-name qwen3_30b_a3b/dapo_h20_1node")
+    if not hydra and args.config is None:
+        args.config = os.environ.get(CONFIG_ENV) or None
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=TEXT_FORMAT)
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, config_dir=args.config_path, config_name=args.config_name)
     except ConfigError as exc:
         print(f"coda-server: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a config shape no check foresaw: still a message naming the problem, no traceback
+        print(f"coda-server: configuration could not be loaded: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     configure_logging(str(config.server.log_format), str(config.server.log_level))
     try:
@@ -59,17 +79,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 async def serve(config, *, port_file: Optional[Path] = None) -> int:
     server = PacerServer(config)
-    if not config.fully_async.enable:
-        log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
     await server.start()
+    if not config.fully_async.enable:  # after start: a start-up that fails says so in one line
+        log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
     listeners = server.listeners  # TCP (address, port) if any, Unix socket and health-only port if set
     window = server.pacer.state().window_size
     durability = f"state in {server.journal.directory}" if server.journal is not None else "state in memory"
-    log.info("serving coda.pacer.v1.RolloutPacer on %s (strategy %s, window %d, %s)",
-             listeners.describe(), config.fully_async.sliding_window, window, durability,
+    pacing = pacing_summary(config, window)
+    log.info("serving coda.pacer.v1.RolloutPacer on %s (%s; %s)",
+             listeners.describe(), ", ".join(f"{key} {value}" for key, value in pacing.items()), durability,
              extra=fields(event="start", address=listeners.tcp_address, uds=listeners.uds_path,
                           health_port=listeners.health_port, strategy=str(config.fully_async.sliding_window),
-                          window=window, metrics_port=server.metrics_port))
+                          window=window, metrics_port=server.metrics_port, pacing=pacing))
     if port_file is not None:
         temporary = port_file.with_suffix(port_file.suffix + ".tmp")
         temporary.write_text(json.dumps({**listeners.port_file(), "metrics_port": server.metrics_port}))
@@ -89,3 +110,18 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
              state.step, state.running, state.buffered, kept,
              extra=fields(event="stopped", step=state.step, running=state.running, buffered=state.buffered))
     return 0
+
+
+def pacing_summary(config, window: int) -> dict[str, str]:
+    """The effective pacing values, in the symbols of the docs (B, N, M, C), for the start-up line."""
+    summary = config_summary(config)
+    return {
+        "strategy": summary["sliding_window"],
+        "B": summary["num_prompts_per_step"],
+        "N": summary["num_trajectories_per_prompt"],
+        "M": summary["mini_batch_size"],
+        "stale_steps": summary["stale_steps"],
+        "C": str(window),
+        "reset mode": summary["reset_mode"],
+        "filters": summary["filters"] or "none",
+    }

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Iterable, Optional, Sequence
 
 from coda_client._proto import pacer_pb2 as pb
@@ -40,6 +42,44 @@ class ProtoTrajectories:
 
 
 _STATUSES = {int(status): status for status in TrajectoryStatus}
+_NO_METADATA: Mapping[str, str] = MappingProxyType({})
+_MetadataEntry = pb.Trajectory.MetadataEntry
+
+
+class WireMetadata(Mapping):
+    """A trajectory's metadata map for strategies and filters to read, decoded from the pass-through view's raw
+    entries only when first read (the server itself never reads it)."""
+
+    __slots__ = ("_entries", "_decoded")
+
+    def __init__(self, entries: Sequence[bytes]):
+        self._entries = entries
+        self._decoded: Optional[dict[str, str]] = None
+
+    def _map(self) -> dict[str, str]:
+        if self._decoded is None:
+            decoded = {}
+            for raw in self._entries:  # a later entry for the same key wins, as protobuf's map parsing does
+                entry = _MetadataEntry.FromString(raw)
+                decoded[entry.key] = entry.value
+            self._decoded = decoded
+        return self._decoded
+
+    def __getitem__(self, key: str) -> str:
+        return self._map()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map())
+
+    def __len__(self) -> int:
+        return len(self._map())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WireMetadata):
+            return list(self._entries) == list(other._entries) or self._map() == other._map()
+        return Mapping.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # a mapping
 
 
 # Called through the class: upb looks an attribute up among the message's fields before its methods, so
@@ -82,7 +122,8 @@ def trajectories(messages: Sequence[wire.Trajectory], encoded: Sequence[memoryvi
             num_turns=m.num_turns,
             body=wire.EncodedTrajectory(data),
             size_bytes=len(data),
-            num_tokens=max(0, wire.array_count("token_ids", m.token_ids)),
+            metadata=WireMetadata(m.metadata) if m.metadata else _NO_METADATA,
+            num_tokens=wire.array_count("token_ids", m.token_ids) if m.token_ids else 0,
         ))
     if violations:
         raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
@@ -148,20 +189,23 @@ def reset_response(result: ResetResult) -> wire.EncodedAnswer:
         report=step_report(result.report),
     )
     return wire.EncodedAnswer(message, {"restored": [group_parts(g) for g in result.restored],
-                                        "expired": [group_parts(g) for g in result.expired]})
+                                        "expired": [group_parts(g) for g in result.expired],
+                                        "quarantined": [group_parts(g) for g in result.quarantined]})
 
 
 def resume_response(result: ResumeResult) -> pb.ResumeResponse:
     return pb.ResumeResponse(step=result.step, weight_version=result.weight_version)
 
 
-# Every PacerState field but the two that are not plain values: the declaration (core/state.py) is the list.
-STATE_FIELDS = tuple(name for name in STATE_FIELD_NAMES if name not in ("config_summary", "recent_reports"))
+# Every PacerState field but those that are not plain values: the declaration (core/state.py) is the list.
+STATE_FIELDS = tuple(name for name in STATE_FIELD_NAMES
+                     if name not in ("config_summary", "recent_reports", "recent_incidents"))
 
 
 def state_response(state: PacerState) -> pb.GetStateResponse:
     return pb.GetStateResponse(config_summary=state.config_summary,
                                recent_reports=[step_report(r) for r in state.recent_reports],
+                               recent_incidents=[pb.Incident(**dataclasses.asdict(i)) for i in state.recent_incidents],
                                **{name: getattr(state, name) for name in STATE_FIELDS})
 
 

@@ -322,8 +322,14 @@ STEP_REPORT_GAUGES = (
     ("partial_span_max", "coda_pacer_step_report_partial_span_max",
      "Latest step report: largest end - start weight version among consumed trajectories."),
     ("partial_restored_count", "coda_pacer_step_report_partial_restored_count",
-     "Latest step report: assembled groups the Reset restored."),
+     "Latest step report: trajectories of the assembled groups the Reset restored (LoongSage's "
+     "rollout/partial_restored_count; divide by N for groups)."),
     ("partial_dropped_incomplete_count", "coda_pacer_step_report_partial_dropped_incomplete_count",
+     "Latest step report: trajectories of the incomplete groups the Reset dropped (LoongSage's "
+     "rollout/partial_dropped_incomplete_count)."),
+    ("partial_restored_group_count", "coda_pacer_step_report_partial_restored_groups",
+     "Latest step report: assembled groups the Reset restored."),
+    ("partial_dropped_incomplete_group_count", "coda_pacer_step_report_partial_dropped_incomplete_groups",
      "Latest step report: incomplete groups the Reset dropped."),
     ("pause_delay", "coda_pacer_step_report_pause_delay_seconds",
      "Latest step report: seconds from the pause until every running group was assembled (or the wait ended)."),

@@ -99,9 +99,12 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Reset(self, request: pb.ResetRequest, context) -> wire.EncodedAnswer:
-        result = await self._pacer.reset(convert.reset_mode(request.mode), bounded_wait(request.wait_seconds, context),
+        # wait_seconds absent is not 0: a WAIT-mode Reset then waits until every running group is assembled.
+        wait = bounded_wait(request.wait_seconds, context) if request.HasField("wait_seconds") else None
+        result = await self._pacer.reset(convert.reset_mode(request.mode), wait,
                                          request.resume, request.weight_version if request.resume else None,
-                                         request.request_id)
+                                         request.request_id,
+                                         until_assembled=bounded_wait(self._pacer.max_wait_seconds, context))
         return convert.reset_response(result)
 
     @maps_errors

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import grpc
 
@@ -21,10 +21,12 @@ START_TIMEOUT_SECONDS = 30.0
 class ServerProcess:
     """A coda-server subprocess; `address` is host:port once `start()` returned."""
 
-    def __init__(self, tmp_path: Path, *overrides: str, config_file: Optional[Path] = None, env: Optional[dict] = None):
+    def __init__(self, tmp_path: Path, *overrides: str, config_file: Optional[Path] = None, env: Optional[dict] = None,
+                 config_args: Sequence[str] = ()):
         self.tmp_path = Path(tmp_path)
         self.overrides = overrides
         self.config_file = config_file
+        self.config_args = list(config_args)  # e.g. ["--config-path", DIR, "--config-name", NAME]
         self.env = env
         self.process: Optional[subprocess.Popen] = None
         self.address: Optional[str] = None
@@ -35,6 +37,7 @@ class ServerProcess:
         command = [sys.executable, "-m", "coda_server", "--port-file", str(port_file)]
         if self.config_file is not None:
             command += ["--config", str(self.config_file)]
+        command += self.config_args
         # Metrics on a free port too: servers of parallel tests must not fight over the default 9464.
         return command + ["server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0", *self.overrides]
 

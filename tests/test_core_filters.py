@@ -70,19 +70,22 @@ def test_reward_filter_drops_groups_whose_rewards_are_all_equal(core_config):
     assert st.invariant_holds()
 
 
-def test_without_filters_failed_and_flat_groups_are_kept(core_config):
-    pacer, rec = make(core_config, "[]")
-    pacer.dispatch([PromptRef("a")])
+def test_without_filters_flat_groups_are_kept_and_failed_ones_trained_on_only_when_asked(core_config):
+    pacer, rec = make(core_config, "[]", extra=("rollout.train_on_failed=true",))
+    pacer.dispatch([PromptRef("a"), PromptRef("b")])
     pacer.submit([traj("a", 0, FAILED, reward=0.0), traj("a", 1, reward=0.0)])
+    pacer.submit([traj("b", 0, reward=0.0), traj("b", 1, reward=0.0)])
     st = pacer.state()
-    assert (st.buffered, st.filtered) == (1, 0)
+    assert (st.buffered, st.filtered, st.quarantined) == (2, 0, 0)
 
 
-def test_reward_filter_alone_keeps_failed_groups_with_varied_rewards(core_config):
+def test_reward_filter_alone_lets_failed_groups_through_to_the_dirty_data_check(core_config):
     pacer, _ = make(core_config, "[reward]")
     pacer.dispatch([PromptRef("a")])
     pacer.submit([traj("a", 0, FAILED, reward=0.0), traj("a", 1, reward=1.0)])
-    assert pacer.state().buffered == 1
+    st = pacer.state()
+    assert (st.buffered, st.quarantined) == (0, 1)  # not trained on: see test_loongsage_runtime.py
+    assert st.invariant_holds()
 
 
 def test_aborted_group_never_reaches_the_filters(core_config):

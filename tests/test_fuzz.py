@@ -513,8 +513,11 @@ class PacerFuzz(RuleBasedStateMachine):
         dropped = [g for g in by_seq if len(g.trajectories) < g.size]
         self.check_groups(response.restored, restored, "restored")
         assert list(response.dropped_prompt_ids) == [g.prompt_id for g in dropped]
-        assert (response.report.partial_restored_count, response.report.partial_dropped_incomplete_count) == (
+        report = response.report
+        assert (report.partial_restored_group_count, report.partial_dropped_incomplete_group_count) == (
             len(restored), len(dropped))
+        assert (report.partial_restored_count, report.partial_dropped_incomplete_count) == (  # trajectories
+            sum(len(g.trajectories) for g in restored), sum(len(g.trajectories) for g in dropped))
         for group in dropped:
             self.settle(group, "dropped")
         self.counts["restored"] += len(restored)

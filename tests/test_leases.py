@@ -29,7 +29,7 @@ class FakeClock:
 def make_pacer(*overrides: str, journal=None) -> tuple[Pacer, FakeClock]:
     clock = FakeClock()
     config = load_config(overrides=["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
-                                    "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
+                                    "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window", "fully_async.stale_steps=1.0",
                                     "server.inflight_lease_seconds=10", *overrides])
     return Pacer(config, clock=clock, journal=journal), clock
 

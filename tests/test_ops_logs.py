@@ -15,7 +15,7 @@ from coda_server.core.errors import ConfigError
 from ops_harness import trajectory
 from server_harness import ServerProcess
 
-CONFIG = ("fully_async.sliding_window=no-window", "data_source.num_prompts_per_step=2",
+CONFIG = ("fully_async.sliding_window=no-window", "fully_async.stale_steps=1.0", "data_source.num_prompts_per_step=2",
           "data_source.num_trajectories_per_prompt=1", "trainer.mini_batch_size=1")
 PEER = re.compile(r"^ipv[46]:.+:\d+$")
 

@@ -46,7 +46,10 @@ def test_first_step_report_matches_the_hand_computed_values(scenario):
     assert (report.step, report.pipeline_buf_size, report.filter_drop) == (1, 1, 1)
     assert report.partial_ratio == pytest.approx(3 / 6)
     assert report.partial_span_max == 2
-    assert (report.partial_restored_count, report.partial_dropped_incomplete_count) == (1, 1)
+    # LoongSage's units: trajectories (p6 restored with its 2, p5 dropped with the 1 it had) ...
+    assert (report.partial_restored_count, report.partial_dropped_incomplete_count) == (2, 1)
+    # ... and the groups under names of their own.
+    assert (report.partial_restored_group_count, report.partial_dropped_incomplete_group_count) == (1, 1)
     assert 0 <= report.pause_delay < 5 and report.pause_delay == result.pause_delay_seconds
 
 
@@ -79,10 +82,12 @@ def test_metrics_export_the_latest_report_and_count_the_reports(scenario):
         "partial_restored_count": scrape.value("coda_pacer_step_report_partial_restored_count"),
         "partial_dropped_incomplete_count": scrape.value("coda_pacer_step_report_partial_dropped_incomplete_count"),
         "pause_delay": scrape.value("coda_pacer_step_report_pause_delay_seconds"),
+        "restored_groups": scrape.value("coda_pacer_step_report_partial_restored_groups"),
+        "dropped_groups": scrape.value("coda_pacer_step_report_partial_dropped_incomplete_groups"),
     }
     assert exported == {"step": 2, "pipeline_buf_size": 0, "filter_drop": 0, "partial_ratio": 0.25,
                         "partial_span_max": 2, "partial_restored_count": 0, "partial_dropped_incomplete_count": 0,
-                        "pause_delay": pytest.approx(report.pause_delay)}
+                        "pause_delay": pytest.approx(report.pause_delay), "restored_groups": 0, "dropped_groups": 0}
 
 
 def test_staleness_histogram_over_both_steps(scenario):

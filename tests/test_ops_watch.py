@@ -50,7 +50,7 @@ def test_watch_draws_the_window_step_version_and_latest_report(server):
     assert first[3] == "queued trajectories 1   waiting long-polls 0"
     # Step 0 took a0 (t0 spanned 0 -> 1): partial_ratio 1/2, span 1; the Reset dropped a1.
     assert first[4].startswith("step 0 report: pipeline_buf_size 0  filter_drop 0  partial_ratio 0.500  "
-                               "partial_span_max 1  restored 0  dropped_incomplete 1  pause_delay ")
+                               "partial_span_max 1  restored 0 (0 traj)  dropped_incomplete 1 (0 traj)  pause_delay ")
 
 
 def test_watch_redraws_on_pause_and_resume(tmp_path):
@@ -85,4 +85,6 @@ def test_state_json_is_one_object_for_scripts(server):
     state = json.loads(text)
     assert state["window_size"] == 6 and state["strategy"] == "no-window"
     assert {"running", "buffered", "capacity", "step", "weight_version", "paused", "waiting_calls"} <= state.keys()
-    assert state["recent_reports"][0]["partial_dropped_incomplete_count"] == 1
+    # a1 was dropped before any of its trajectories came: one group, no trajectories (LoongSage's unit).
+    assert state["recent_reports"][0]["partial_dropped_incomplete_group_count"] == 1
+    assert state["recent_reports"][0]["partial_dropped_incomplete_count"] == 0

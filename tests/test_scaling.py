@@ -367,3 +367,21 @@ def test_fanout_drops_only_the_watcher_that_falls_behind_and_keeps_the_order():
     assert received == [ControlEventType.STATE] + [ControlEventType.PAUSE, ControlEventType.RESUME] * 5 + [
         ControlEventType.SHUTDOWN]
     assert fanout.dropped == 1 and len(fanout) == 0
+
+
+def test_the_server_raises_its_open_file_limit_up_to_the_hard_limit_and_warns_below_it():
+    import subprocess
+    import sys
+
+    script = """
+import logging, resource, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+from coda_server.transport import raise_open_file_limit
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048))
+print("limits", raise_open_file_limit(1000))
+print("limits", raise_open_file_limit(4000))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "limits (1000, 2048)" in out and "raised the open-file limit from 256 to 1000" in out
+    assert "limits (2048, 2048)" in out
+    assert "WARNING the open-file limit is 2048, fewer than the 4000 connections" in out and "ulimit -Hn" in out

@@ -22,7 +22,7 @@ MAX_ID = 64
 CAP = 1000
 MAX_MESSAGE = 1 << 20
 CONFIG = ("data_source.num_prompts_per_step=8", "data_source.num_trajectories_per_prompt=2",
-          "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
+          "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window", "fully_async.stale_steps=1.0",
           f"server.max_id_length={MAX_ID}", f"server.max_dispatch_candidates={CAP}",
           f"server.max_submit_trajectories={CAP}", f"server.max_collect_groups={CAP}",
           f"server.max_message_bytes={MAX_MESSAGE}")

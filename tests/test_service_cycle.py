@@ -36,7 +36,7 @@ def make_trajectory(prompt_id: str, i: int, weight_version: int) -> Trajectory:
 @pytest.fixture
 def server(tmp_path):
     with ServerProcess(tmp_path, f"data_source.num_prompts_per_step={B}", f"data_source.num_trajectories_per_prompt={N}",
-                       f"trainer.mini_batch_size={M}", "fully_async.stale_steps=1.0") as process:
+                       f"trainer.mini_batch_size={M}", "fully_async.stale_steps=1.0", "fully_async.sliding_window=windowed-fifo") as process:
         yield process
 
 

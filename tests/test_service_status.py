@@ -11,7 +11,7 @@ from coda_client._proto import pacer_pb2 as pb
 from server_harness import ServerProcess
 
 SMALL = ("data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
-         "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window")
+         "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window", "fully_async.stale_steps=1.0")
 
 
 @pytest.fixture

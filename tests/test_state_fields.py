@@ -54,5 +54,5 @@ def test_every_gauge_and_counter_has_a_metric_and_the_getstate_conversion_sends_
     metrics = {name for name, _, _, _ in PACER_METRICS}
     assert metrics == {f.name for f, how in reported_fields() if how.kind in (GAUGE, COUNTER)}
     assert all(metric.startswith("coda_pacer_") for _, metric, _, _ in PACER_METRICS)
-    sent = set(convert.STATE_FIELDS) | {"config_summary", "recent_reports"}
+    sent = set(convert.STATE_FIELDS) | {"config_summary", "recent_reports", "recent_incidents"}
     assert sent == set(STATE_FIELD_NAMES)

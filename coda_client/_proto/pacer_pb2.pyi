@@ -216,7 +216,7 @@ class ResetRequest(_message.Message):
     def __init__(self, mode: _Optional[_Union[ResetMode, str]] = ..., wait_seconds: _Optional[float] = ..., resume: _Optional[bool] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused", "report", "expired")
+    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused", "report", "expired", "quarantined")
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class ResetResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     restored: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     dropped_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     pause_delay_seconds: float
@@ -235,7 +236,8 @@ class ResetResponse(_message.Message):
     paused: bool
     report: StepReport
     expired: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
-    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ...) -> None: ...
+    quarantined: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
+    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., quarantined: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("weight_version", "request_id")
@@ -258,7 +260,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes")
+    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes", "quarantined", "recent_incidents")
     class ConfigSummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +295,8 @@ class GetStateResponse(_message.Message):
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    RECENT_INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     running: int
     buffered: int
     queued_trajectories: int
@@ -320,10 +324,32 @@ class GetStateResponse(_message.Message):
     redelivered: int
     leased: int
     held_bytes: int
-    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    quarantined: int
+    recent_incidents: _containers.RepeatedCompositeFieldContainer[Incident]
+    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ...) -> None: ...
+
+class Incident(_message.Message):
+    __slots__ = ("kind", "prompt_id", "strategy", "hook", "message", "step", "generation", "action")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    HOOK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    prompt_id: str
+    strategy: str
+    hook: str
+    message: str
+    step: int
+    generation: int
+    action: str
+    def __init__(self, kind: _Optional[str] = ..., prompt_id: _Optional[str] = ..., strategy: _Optional[str] = ..., hook: _Optional[str] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., action: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "pipeline_buf_size", "filter_drop", "partial_ratio", "partial_span_max", "partial_restored_count", "partial_dropped_incomplete_count", "pause_delay")
+    __slots__ = ("step", "pipeline_buf_size", "filter_drop", "partial_ratio", "partial_span_max", "partial_restored_count", "partial_dropped_incomplete_count", "pause_delay", "partial_restored_group_count", "partial_dropped_incomplete_group_count")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_BUF_SIZE_FIELD_NUMBER: _ClassVar[int]
     FILTER_DROP_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +358,8 @@ class StepReport(_message.Message):
     PARTIAL_RESTORED_COUNT_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_DROPPED_INCOMPLETE_COUNT_FIELD_NUMBER: _ClassVar[int]
     PAUSE_DELAY_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_RESTORED_GROUP_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_DROPPED_INCOMPLETE_GROUP_COUNT_FIELD_NUMBER: _ClassVar[int]
     step: int
     pipeline_buf_size: int
     filter_drop: int
@@ -340,7 +368,9 @@ class StepReport(_message.Message):
     partial_restored_count: int
     partial_dropped_incomplete_count: int
     pause_delay: float
-    def __init__(self, step: _Optional[int] = ..., pipeline_buf_size: _Optional[int] = ..., filter_drop: _Optional[int] = ..., partial_ratio: _Optional[float] = ..., partial_span_max: _Optional[int] = ..., partial_restored_count: _Optional[int] = ..., partial_dropped_incomplete_count: _Optional[int] = ..., pause_delay: _Optional[float] = ...) -> None: ...
+    partial_restored_group_count: int
+    partial_dropped_incomplete_group_count: int
+    def __init__(self, step: _Optional[int] = ..., pipeline_buf_size: _Optional[int] = ..., filter_drop: _Optional[int] = ..., partial_ratio: _Optional[float] = ..., partial_span_max: _Optional[int] = ..., partial_restored_count: _Optional[int] = ..., partial_dropped_incomplete_count: _Optional[int] = ..., pause_delay: _Optional[float] = ..., partial_restored_group_count: _Optional[int] = ..., partial_dropped_incomplete_group_count: _Optional[int] = ...) -> None: ...
 
 class WatchControlRequest(_message.Message):
     __slots__ = ()

@@ -111,7 +111,10 @@ class RolloutPacerServicer:
         """Takes complete groups from the pipeline buffer for training, oldest priority first.
         A timeout is OK with `timed_out` set. With `lease_seconds`, the groups come back to the buffer
         unless acknowledged (Ack) in time. Errors: INVALID_ARGUMENT (num_groups 0, negative wait or
-        lease), UNAUTHENTICATED, UNAVAILABLE.
+        lease), UNAUTHENTICATED, UNAVAILABLE; and, once for each incident since the previous Collect
+        (the groups stay buffered for the next one): FAILED_PRECONDITION reason DIRTY_GROUP (a group
+        holding a FAILED trajectory was refused: rollout.filter has no `status`), INTERNAL reason
+        STRATEGY_HOOK_FAILED (a strategy hook raised and a group was quarantined).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -50,6 +50,7 @@ class AsyncPacer:
         self._loop_thread: Optional[int] = None
         self._draining = False
         self._lease_task: Optional[asyncio.Task] = None
+        self._recheck_task: Optional[asyncio.Task] = None
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
         # Called (on the loop) when the journal can no longer write: the server stops advertising readiness.
         self.on_journal_failure: Optional[Callable[[BaseException], None]] = None
@@ -72,6 +73,8 @@ class AsyncPacer:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._lease_task = self._loop.create_task(self._expire_leases_periodically())
+        if self.pacer.gate_recheck_seconds > 0:
+            self._recheck_task = self._loop.create_task(self._recheck_gates_periodically())
 
     async def _expire_leases_periodically(self) -> None:
         """Reclaim in-flight groups and Collect leases whose time ran out (checked every LEASE_TICK_SECONDS)."""
@@ -91,6 +94,20 @@ class AsyncPacer:
             if leases:
                 log.warning("Collect lease(s) %s ran out without Ack: their groups are back in the buffer",
                             ", ".join(leases))
+
+    async def _recheck_gates_periodically(self) -> None:
+        """Re-examine held groups every fully_async.gate_recheck_seconds (unless a change just did), so a gate
+        that opens with time or on an outside flag releases them; a pass costs one will_collect per held group
+        at most (one in all for an ordered gate), see bench/gate_recheck.py."""
+        interval = self.pacer.gate_recheck_seconds
+        while not self._draining:
+            await asyncio.sleep(interval)
+            if self.recovering or self.pacer.closed:
+                continue
+            try:
+                self.pacer.recheck_gates(min_age=interval)
+            except Exception:  # hook failures are incidents already; nothing else may stop the re-checks
+                log.exception("re-examining held groups failed")
 
     # ------------------------------------------------------------- wake-ups
 
@@ -154,12 +171,17 @@ class AsyncPacer:
 
         return await self._applied("Collect", request_id, call)
 
-    async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: float = 0.0, resume: bool = False,
-                    weight_version: Optional[int] = None, request_id: str = "") -> ResetResult:
+    async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,
+                    weight_version: Optional[int] = None, request_id: str = "",
+                    until_assembled: Optional[float] = None) -> ResetResult:
+        """`wait=None`: in WAIT mode wait until every running group is assembled, for at most `until_assembled`
+        seconds (default max_wait_seconds; the server passes what the call's deadline allows), else no wait."""
+        bound = self.max_wait_seconds if until_assembled is None else min(until_assembled, self.max_wait_seconds)
+
         async def call() -> ResetResult:
-            self.pacer.begin_reset(mode, resume=resume, weight_version=weight_version)
+            effective = self.pacer.begin_reset(mode, resume=resume, weight_version=weight_version)
             try:
-                await self.waits.until(self.pacer.reset_poll(), wait)
+                await self.waits.until(self.pacer.reset_poll(), self.pacer.reset_wait(effective, wait, bound))
             except BaseException:
                 self.pacer.abandon_reset()
                 raise
@@ -246,5 +268,6 @@ class AsyncPacer:
         self._draining = True
         self.pacer.close()
         self.waits.wake_all()
-        if self._lease_task is not None:
-            self._lease_task.cancel()
+        for task in (self._lease_task, self._recheck_task):
+            if task is not None:
+                task.cancel()

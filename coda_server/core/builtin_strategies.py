@@ -6,6 +6,13 @@ from typing import Any, Iterable, Mapping, Sequence
 from .strategy import SlidingWindowStrategy, register_sliding_window_strategy, window_size
 
 
+class NotInWindowError(RuntimeError, KeyError):
+    """A hook named a prompt the strategy does not have in flight: a RuntimeError, as LoongSage raises it, and
+    a KeyError, as this server raised it before (so either `except` keeps working)."""
+
+    __str__ = RuntimeError.__str__  # the message as written, not quoted like a KeyError's
+
+
 class InflightSeqs:
     """Dispatch sequence numbers of in-flight prompts, with the oldest found in amortized O(1).
 
@@ -38,7 +45,8 @@ class InflightSeqs:
         try:
             return self._seq_of[prompt_id]
         except KeyError:
-            raise KeyError(f"unknown prompt {prompt_id!r}: it is not in flight for this strategy") from None
+            raise NotInWindowError(f"group: {prompt_id!r} is not in window mapping: it is not in flight for "
+                                   f"this strategy (check the order of hook calls)") from None
 
     def remove(self, prompt_id: str) -> None:
         self.seq_of(prompt_id)  # unknown prompt is an error, before anything changes

@@ -2,20 +2,25 @@
 from __future__ import annotations
 
 import importlib.resources
+import logging
 import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
-from .filters import FILTERS
+from .filters import FILTERS, filter_problems, filter_specs, normalize_filters
 from .journal import FSYNC_POLICIES
 from .plugins import load_custom_modules
-from .strategy import STRATEGIES
+from .strategy import STRATEGIES, window_size
 
 RESET_MODES_BY_PARTIAL = {True: "abort", False: "wait"}
+_ABSENT = object()
+
+log = logging.getLogger("coda_server.config")
 
 
 def default_config_path() -> Path:
@@ -27,33 +32,221 @@ def load_config(
     path: Optional[str | Path] = None,
     overrides: Iterable[str] = (),
     *,
+    config_dir: Optional[str | Path] = None,
+    config_name: Optional[str] = None,
     load_plugins: bool = True,
 ) -> DictConfig:
-    """Defaults, then the file at `path` merged over them, then `key=value` overrides; validated.
+    """The built-in defaults, the run configuration over them, then the overrides; validated.
 
-    With `load_plugins`, custom strategy modules are imported first so their names validate.
+    The run configuration is either the YAML file at `path` (merged as it is; a Hydra defaults list in it is
+    composed with Hydra from the file's own directory, or refused) or, with `config_dir` and `config_name`,
+    composed by Hydra exactly as a Hydra application (LoongSage's trainer) composes it; then the overrides use
+    Hydra's syntax. With `load_plugins`, custom strategy modules are imported first so their names validate.
     """
+    overrides = [str(item) for item in overrides]
     try:
         config = OmegaConf.load(default_config_path())
-        if path is not None:
-            config = OmegaConf.merge(config, OmegaConf.load(path))
-        overrides = list(overrides)
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} must look like key=value, e.g. fully_async.stale_steps=2.0")
-        if overrides:
-            config = OmegaConf.merge(config, OmegaConf.from_dotlist(overrides))
+        if config_name is not None or config_dir is not None:
+            config = _merge_layer(config, *compose_hydra(config_dir, config_name, overrides, config))
+            log.info("run config %s composed with Hydra from %s", config_name, Path(config_dir).resolve())
+        else:
+            if path is not None:
+                config = _merge_layer(config, read_config_file(path))
+            for item in overrides:
+                if "=" not in item:
+                    raise ConfigError(f"override {item!r} must look like key=value, e.g. fully_async.stale_steps=2.0")
+            if overrides:
+                config = _merge_layer(config, OmegaConf.from_dotlist(overrides))
+        _check_sections(config)
         config = inherit_data_source_defaults(config)
         if isinstance(config.get("server"), DictConfig) and config.server.get("fsync") is False:
             config.server.fsync = "off"  # YAML reads a bare `off` (fsync: off, server.fsync=off) as false
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"configuration could not be loaded: {exc}") from None
+        raise ConfigError(_omegaconf_problem(exc)) from None
     except OSError as exc:
         raise ConfigError(f"configuration file could not be read: {exc}") from None
-    if load_plugins:
-        load_custom_modules(config.server.get("custom_strategy_dirs") or [])
-    validate_config(config)
+    try:
+        if load_plugins:
+            load_custom_modules(config.server.get("custom_strategy_dirs") or [])
+        validate_config(config)
+        config.rollout.filter = normalize_filters(config.rollout.filter)
+    except OmegaConfBaseException as exc:  # e.g. an interpolation to a key that does not exist
+        raise ConfigError(_omegaconf_problem(exc)) from None
     return config
+
+
+def read_config_file(path: str | Path) -> DictConfig:
+    """The YAML file at `path`; a Hydra defaults list in it is composed by Hydra or refused, never ignored."""
+    path = Path(path)
+    try:
+        raw = OmegaConf.load(path)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"--config {path}: {_omegaconf_problem(exc)}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"--config {path} must hold a mapping of configuration keys, not a {type(raw).__name__}")
+    defaults = raw.get("defaults")
+    if defaults is None:
+        return raw
+    entries = OmegaConf.to_container(defaults) if isinstance(defaults, ListConfig) else defaults
+    if isinstance(entries, list) and all(entry == "_self_" for entry in entries):
+        del raw["defaults"]  # nothing to compose: the file is its own configuration
+        return raw
+    try:
+        composed, _ = compose_hydra(path.parent, path.stem, [], None)
+    except ConfigError as exc:
+        directory, name = _suggest_hydra_layout(path, entries)
+        raise ConfigError(
+            f"--config {path} starts from a Hydra defaults list (defaults: {_flow(entries)}) that cannot be "
+            f"resolved from the file's own directory {path.parent} ({exc}). Compose it the way the training job "
+            f"does: coda-server --config-path {directory} --config-name {name} [key=value ...]") from None
+    log.info("--config %s: composed its defaults list %s with Hydra from %s", path, _flow(entries), path.parent)
+    return composed
+
+
+def compose_hydra(config_dir: Optional[str | Path], config_name: Optional[str], overrides: list[str],
+                  service_defaults: Optional[DictConfig]) -> tuple[DictConfig, DictConfig]:
+    """Compose `config_name` from `config_dir` with Hydra's compose API (defaults lists, packages, overrides).
+
+    Returns (composed run config, service overrides). An override of a key the run configuration does not
+    have but `service_defaults` does (the service's own options, e.g. server.address) cannot go through
+    Hydra, which refuses unknown keys; it is applied over the merged result, with the same syntax.
+    """
+    if config_dir is None or config_name is None:
+        raise ConfigError("--config-path DIR and --config-name NAME go together (Hydra composition), "
+                          "e.g. --config-path conf --config-name qwen3_30b_a3b/dapo_h20_1node")
+    directory = Path(config_dir).resolve()
+    if not directory.is_dir():
+        raise ConfigError(f"--config-path {config_dir}: not a directory")
+    name = str(config_name).removesuffix(".yaml")
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.core.override_parser.types import OverrideType
+        from hydra.errors import HydraException
+    except ImportError as exc:  # a dependency of the server; missing only in a broken install
+        raise ConfigError(f"--config-path/--config-name need hydra-core: {exc}") from None
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        raise ConfigError(f"override could not be parsed (Hydra syntax, e.g. key=value, +key=value, ~key): "
+                          f"{_first_line(exc)}") from None
+    GlobalHydra.instance().clear()  # compose may run more than once in a process (tests, the simulator)
+    try:
+        with initialize_config_dir(config_dir=str(directory), version_base=None):
+            plain = compose(config_name=name)
+            hydra_lines, service = [], []
+            for override, line in zip(parsed, overrides):
+                ours = (service_defaults is not None and override.type == OverrideType.CHANGE and override.package is None
+                        and not _has_key(plain, override.key_or_group) and _has_key(service_defaults, override.key_or_group))
+                (service if ours else hydra_lines).append((override, line))
+            composed = compose(config_name=name, overrides=[line for _, line in hydra_lines]) if hydra_lines else plain
+    except HydraException as exc:
+        raise ConfigError(f"Hydra could not compose --config-name {name} from --config-path {directory}: "
+                          f"{_one_line(exc)}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    OmegaConf.set_struct(composed, False)
+    updates = OmegaConf.create()
+    for override, _ in service:
+        OmegaConf.update(updates, override.key_or_group, override.value(), merge=True)
+    return composed, updates
+
+
+def _has_key(config: DictConfig, dotted: str) -> bool:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return False
+        node = node._get_node(part)
+    return True
+
+
+def _merge_layer(base: DictConfig, *layers: DictConfig) -> DictConfig:
+    """OmegaConf.merge, except for `rollout.filter`: two mappings merge key by key (LoongSage's rule: a same-name
+    key overrides, `name: false` turns a filter off, a new key appends), anything else (a list) replaces."""
+    for layer in layers:
+        replacement: Any = _ABSENT
+        rollout = layer.get("rollout") if isinstance(layer, DictConfig) else None
+        if isinstance(rollout, DictConfig) and "filter" in rollout:
+            theirs = OmegaConf.to_container(rollout)["filter"]
+            base_rollout = base.get("rollout")
+            ours = OmegaConf.to_container(base_rollout).get("filter") if isinstance(base_rollout, DictConfig) else None
+            if not (isinstance(theirs, dict) and isinstance(ours, dict)):
+                replacement = theirs
+                layer = layer.copy()
+                del layer.rollout["filter"]
+        base = OmegaConf.merge(base, layer)
+        if replacement is not _ABSENT:
+            base.rollout.filter = replacement
+    return base
+
+
+def _omegaconf_problem(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    where = f" at key {key}" if key else ""
+    return f"configuration could not be loaded{where}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra's message (its hint on a second line included), without the search-path listing it may append."""
+    text = str(exc).split("\n\nConfig search path")[0]
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
+
+
+def _flow(entries: Any) -> str:
+    """A defaults list as YAML flow text, e.g. [/default, _self_]."""
+    if isinstance(entries, list):
+        return "[" + ", ".join(_flow(entry) for entry in entries) + "]"
+    if isinstance(entries, dict):
+        return "{" + ", ".join(f"{key}: {_flow(value)}" for key, value in entries.items()) + "}"
+    return str(entries)
+
+
+def _suggest_hydra_layout(path: Path, entries: Any) -> tuple[str, str]:
+    """(--config-path, --config-name) under which the defaults list of `path` resolves: the nearest directory
+    above the file holding every config the list names; placeholders when there is none."""
+    named = [entry for entry in (entries if isinstance(entries, list) else [entries]) if entry != "_self_"]
+    resolved = path.resolve()
+    for directory in resolved.parents:
+        name = resolved.relative_to(directory).with_suffix("")
+        if all(_defaults_entry_exists(directory, name.parent, entry) for entry in named):
+            return str(directory), name.as_posix()
+    return "CONF_DIR", f"{path.stem}  (CONF_DIR: the directory the defaults list's names are relative to)"
+
+
+def _defaults_entry_exists(root: Path, group: Path, entry: Any) -> bool:
+    if isinstance(entry, str):
+        target = entry
+    elif isinstance(entry, dict) and len(entry) == 1:
+        ((key, value),) = entry.items()
+        key = str(key).split("@")[0].removeprefix("override ").removeprefix("optional ").strip()
+        target = f"{key}/{value}"
+    else:
+        return False
+    target = target.split("@")[0]
+    base = root if target.startswith("/") else root / group
+    return (base / f"{target.lstrip('/')}.yaml").is_file()
+
+
+SECTIONS = ("fully_async", "data_source", "trainer", "rollout", "server")
+
+
+def _check_sections(config: DictConfig) -> None:
+    """Each section the service reads must be a mapping; anything else stops here, naming it."""
+    wrong = [f"{section} = {config.get(section)!r}: must be a mapping of options (see conf/default.yaml)"
+             for section in SECTIONS if not isinstance(config.get(section), DictConfig)]
+    if wrong:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(wrong))
+    for section in SECTIONS:  # resolve what the service reads now, so a broken interpolation is named by its key
+        OmegaConf.to_container(config[section], resolve=True)
 
 
 def inherit_data_source_defaults(config: DictConfig) -> DictConfig:
@@ -85,6 +278,9 @@ def validate_config(config: Any) -> None:
     stale = config.fully_async.get("stale_steps")
     need(_is_number(stale) and stale >= 0 and math.isfinite(stale), "fully_async.stale_steps", stale,
          "must be a finite number >= 0")
+    recheck = config.fully_async.get("gate_recheck_seconds", 1.0)
+    need(_is_number(recheck) and recheck >= 0 and math.isfinite(recheck), "fully_async.gate_recheck_seconds",
+         recheck, "must be a finite number >= 0 (0: re-examine refused groups on state changes only)")
     sources = config.get("data_sources") or []
     need(len(sources) >= 1, "data_sources", list(sources), "must hold at least one data source")
     for i, source in enumerate(sources):
@@ -101,13 +297,10 @@ def validate_config(config: Any) -> None:
              f"(B x N) = {b} x {n} = {b * n} must be a multiple of the mini-batch size")
     name = config.fully_async.get("sliding_window")
     need(name in STRATEGIES, "fully_async.sliding_window", name, f"registered strategies: {', '.join(STRATEGIES.names())}")
-    filters = config.rollout.get("filter")
-    filter_names = list(filters) if isinstance(filters, (list, ListConfig)) else None
-    need(filter_names is not None, "rollout.filter", filters, "must be a list of filter names")
-    for name in filter_names or []:
-        need(name in FILTERS, "rollout.filter", name, f"registered filters: {', '.join(FILTERS.names())}")
-    need(isinstance(config.rollout.get("partial"), bool), "rollout.partial", config.rollout.get("partial"),
-         "must be true or false")
+    problems.extend(filter_problems(config.rollout.get("filter"), config))
+    for key in ("partial", "train_on_failed"):
+        need(isinstance(config.rollout.get(key, False), bool), f"rollout.{key}", config.rollout.get(key),
+             "must be true or false")
     _validate_server(config.server, need)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
@@ -123,7 +316,7 @@ def _validate_server(server: Any, need) -> None:
     for key in ("max_message_bytes", "request_id_cache_size", "remembered_generations", "max_collect_groups",
                 "max_dispatch_candidates", "max_submit_trajectories", "max_id_length", "step_reports_kept",
                 "max_concurrent_rpcs", "max_waiting_calls", "max_waiting_collects", "max_watch_streams",
-                "metrics_max_clients", "watch_queue_events"):
+                "metrics_max_clients", "watch_queue_events", "incidents_kept"):
         value = server.get(key)
         need(_is_int(value) and value >= 1, f"server.{key}", value, "must be an integer >= 1")
     _validate_transport(server, need)
@@ -201,7 +394,8 @@ def parse_host_port(value: Any) -> Optional[tuple[str, int]]:
 
 
 def config_summary(config: Any) -> dict[str, str]:
-    """The few settings that explain the window, as strings for GetState."""
+    """The effective pacing settings (strategy, B, N, M, stale_steps, C, reset mode, filters), as strings for
+    GetState and the start-up line."""
     source = config.data_sources[0]
     return {
         "sliding_window": str(config.fully_async.sliding_window),
@@ -209,8 +403,11 @@ def config_summary(config: Any) -> dict[str, str]:
         "num_prompts_per_step": str(source.num_prompts_per_step),
         "num_trajectories_per_prompt": ",".join(str(s.num_trajectories_per_prompt) for s in config.data_sources),
         "mini_batch_size": str(config.trainer.mini_batch_size),
+        "window_size": str(window_size(config)),
         "rollout_partial": str(config.rollout.partial).lower(),
-        "filters": ",".join(config.rollout.filter),
+        "reset_mode": RESET_MODES_BY_PARTIAL[bool(config.rollout.partial)],
+        "filters": ",".join(name for name, _ in filter_specs(config.rollout.filter)),
+        "train_on_failed": str(bool(config.rollout.get("train_on_failed", False))).lower(),
     }
 
 

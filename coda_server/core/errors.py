@@ -84,6 +84,23 @@ class ShuttingDownError(PacerError):
     reason = "SHUTTING_DOWN"
 
 
+class DirtyGroupError(FailedPreconditionError):
+    """Groups holding a FAILED trajectory were refused (no `status` filter): the trainer's Collect reports it."""
+
+    reason = "DIRTY_GROUP"
+
+
+class StrategyHookError(PacerError):
+    """A strategy (or filter) hook raised; the message names the strategy and the hook. Maps to INTERNAL."""
+
+    reason = "STRATEGY_HOOK_FAILED"
+
+    def __init__(self, message: str, *, strategy: str = "", hook: str = ""):
+        super().__init__(message)
+        self.strategy = strategy
+        self.hook = hook
+
+
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the key, the value and what is allowed."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from .prompt_ids import loongsage_order
 from .types import PromptRef, StepReport, Trajectory, TrajectoryGroup
 
 _NO_PRIORITY = float("inf")
@@ -33,9 +34,13 @@ class InflightGroup:
         return len(self.trajectories) >= self.group_size
 
     def priority(self) -> tuple:
-        """Buffer order: the prompt's (epoch, index) when the dispatcher gave both, else dispatch seq."""
+        """Buffer order: the prompt's (epoch, index) when the dispatcher gave both; else (E, N) read from a
+        LoongSage-form prompt id `epoch{E}_..._prompt{N}`, as LoongSage's buffer orders; else dispatch seq."""
         if self.epoch is not None and self.index is not None:
             return (self.epoch, self.index, self.seq)
+        order = loongsage_order(self.prompt_id)
+        if order is not None:
+            return (order[0], order[1], self.seq)
         return (_NO_PRIORITY, _NO_PRIORITY, self.seq)
 
     def to_group(self) -> TrajectoryGroup:
@@ -60,17 +65,21 @@ class StepTally:
                 self.partial += 1
             self.span_max = max(self.span_max, span)
 
-    def report(self, step: int, buffered: int, restored: int, dropped: int, pause_delay: float) -> StepReport:
-        """The step report a Reset closes the step with."""
+    def report(self, step: int, buffered: int, restored: list[TrajectoryGroup], dropped: list[InflightGroup],
+               pause_delay: float) -> StepReport:
+        """The step report a Reset closes the step with; restored and dropped are counted in trajectories, as
+        LoongSage's partial_restored_count / partial_dropped_incomplete_count are, and in groups."""
         return StepReport(
             step=step,
             pipeline_buf_size=buffered,
             filter_drop=self.filtered,
             partial_ratio=(self.partial / self.trajectories) if self.trajectories else 0.0,
             partial_span_max=self.span_max,
-            partial_restored_count=restored,
-            partial_dropped_incomplete_count=dropped,
+            partial_restored_count=sum(len(group.trajectories) for group in restored),
+            partial_dropped_incomplete_count=sum(len(group.trajectories) for group in dropped),
             pause_delay=pause_delay,
+            partial_restored_group_count=len(restored),
+            partial_dropped_incomplete_group_count=len(dropped),
         )
 
 

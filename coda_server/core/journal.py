@@ -109,9 +109,14 @@ class Resumed(JournalEvent):
     request_id: str
 
 
+@dataclass(slots=True)
+class GatesRechecked(JournalEvent):
+    pass  # the periodic re-examination of held groups released some (replay re-examines at the same time)
+
+
 EVENT_TYPES: tuple[type[JournalEvent], ...] = (
     Dispatched, Submitted, StaleRejected, Collected, Acked, Expired, ResetBegun, ResetFinished, ResetAbandoned,
-    Resumed)
+    Resumed, GatesRechecked)
 # Journals written before the records were named held positional tuples, first the kind: read them still.
 _LEGACY_KINDS = {"dispatch": Dispatched, "submit": Submitted, "stale": StaleRejected, "collect": Collected,
                  "ack": Acked, "expire": Expired, "begin_reset": ResetBegun, "finish_reset": ResetFinished,
@@ -184,7 +189,8 @@ class PickledTrajectories:
 ALLOWED_CLASSES = {
     ("coda_server.core.types", name)
     for name in ("Trajectory", "TrajectoryGroup", "TrajectoryStatus", "ResetMode", "PromptRef", "Admitted",
-                 "DispatchResult", "SubmitResult", "CollectResult", "ResetResult", "ResumeResult", "StepReport")
+                 "DispatchResult", "SubmitResult", "CollectResult", "ResetResult", "ResumeResult", "StepReport",
+                 "Incident")
 } | {(__name__, event_type.__name__) for event_type in EVENT_TYPES} | {
     ("builtins", name) for name in ("set", "frozenset", "tuple", "list", "dict")} | {
     ("collections", "OrderedDict"), ("collections", "deque")}

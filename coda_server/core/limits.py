@@ -24,6 +24,7 @@ SERVER_KEYS = {
     "max_collect": "max_collect_groups",
     "remembered_generations": "remembered_generations",
     "step_reports_kept": "step_reports_kept",
+    "incidents_kept": "incidents_kept",
     "answers_kept": "request_id_cache_size",
     "inflight_lease_seconds": "inflight_lease_seconds",
     "max_buffered_groups": "max_buffered_groups",
@@ -42,6 +43,7 @@ class Limits:
     max_collect: int  # groups per Collect
     remembered_generations: int  # Reset generations whose prompt ids are told apart from unknown ones
     step_reports_kept: int
+    incidents_kept: int  # for GetState's recent_incidents
     answers_kept: int  # request-id answers kept per method (request_id_cache_size)
     data_answers_kept: int  # the same for Collect and Reset, whose answers carry trajectories
     inflight_lease_seconds: float  # 0: running groups never expire

@@ -17,12 +17,15 @@ from . import recovery, reset_steps
 from .answers import ANSWERED_METHODS, AnswerBook  # noqa: F401  (ANSWERED_METHODS was defined here)
 from .checks import RequestChecks
 from .config import config_summary
-from .errors import ShuttingDownError, StaleGenerationError
+from .errors import ShuttingDownError, StaleGenerationError, StrategyHookError
 from .filters import GroupFilter, create_filters
+from .incidents import DIRTY_GROUP, HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception, failed_trajectory
+from .incidents import collect_error, hook_error
 from .inflight import InflightGroup, StepTally, bytes_of
-from .journal import Acked, Collected, Dispatched, Expired, Journal, JournalEvent, StaleRejected, Submitted
+from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, StaleRejected,
+                      Submitted)
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
-from .limits import Limits
+from .limits import Limits, shipped_server_defaults
 from .polls import CollectPoll, DispatchPoll, ResetPoll
 from .state import COUNTER_NAMES
 from .strategy import BufferView, ThreadSafeStrategy, create_strategy, gate_is_ordered, overridden_hook, window_size
@@ -32,6 +35,7 @@ from .types import (
     ControlEventType,
     DispatchResult,
     HeldGroup,
+    Incident,
     PacerState,
     PromptRef,
     ResetMode,
@@ -92,7 +96,13 @@ class Pacer:
         self.limits = limits = Limits.from_config(config)
         self.checks = RequestChecks(limits, self._group_sizes)
         self._default_mode = ResetMode.ABORT if bool(config.rollout.get("partial", True)) else ResetMode.WAIT
+        # A group still holding a FAILED trajectory after the filters is quarantined, not trained on, unless asked.
+        self._train_on_failed = bool(config.rollout.get("train_on_failed", False))
         self._summary = config_summary(config)
+        self.max_wait_seconds = float((config.get("server") or {}).get(
+            "max_wait_seconds", shipped_server_defaults()["max_wait_seconds"]))
+        # How often held groups are re-examined with nothing changed (the server's timer; 0: never).
+        self.gate_recheck_seconds = float(config.fully_async.get("gate_recheck_seconds", 1.0))
 
         self._lock = self._strategy.lock if proxied else threading.RLock()
         self.waits = ThreadWaits(self._lock, lambda: self._clock(), lambda: self.closed)
@@ -114,6 +124,11 @@ class Pacer:
         self._past_generation_prompts: deque[set[str]] = deque(maxlen=limits.remembered_generations)
         self._expired_groups: list[TrajectoryGroup] = []  # reclaimed this generation; the next Reset returns them
         self._expired_prompts: set[str] = set()
+        # Complete groups a raising hook or dirty data kept out of the buffer; the next Reset returns them.
+        self._quarantined: list[TrajectoryGroup] = []
+        self.incidents = IncidentLog(limits.incidents_kept)
+        self._call_failures: list[StrategyHookError] = []  # hook failures of the call running now
+        self._last_gate_pass = clock()  # when held groups were last re-examined (for the periodic re-check)
         self._next_seq = 0
         self._strategy_touched = False
         self._held_bytes = 0  # bytes of trajectories queued, buffered or leased
@@ -214,13 +229,17 @@ class Pacer:
         self.checks.check_lease_id(lease_id)
         return self.answers.once("Ack", request_id, lambda: self.apply_ack(lease_id, request_id))
 
-    def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: float = 0.0, resume: bool = False,
+    def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,
               weight_version: Optional[int] = None, request_id: str = "") -> ResetResult:
-        """Pause, wait up to `wait` for running groups to assemble, restore/drop them, optionally resume."""
+        """Pause, wait up to `wait` for running groups to assemble, restore/drop them, optionally resume.
+
+        `wait=None`: in WAIT mode, wait until every running group is assembled (at most server.max_wait_seconds);
+        in ABORT mode, do not wait. `wait=0`: drop the incomplete groups now.
+        """
         def call() -> ResetResult:
-            self.begin_reset(mode, resume=resume, weight_version=weight_version)
+            effective = self.begin_reset(mode, resume=resume, weight_version=weight_version)
             with self._lock:  # ready, then finished, with no change in between
-                self.waits.until(ResetPoll(self), wait)
+                self.waits.until(ResetPoll(self), self.reset_wait(effective, wait, self.max_wait_seconds))
                 return self.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
 
         return self.answers.once("Reset", request_id, call)
@@ -249,7 +268,10 @@ class Pacer:
             groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now, client_id)
                       for seq, ref in enumerate(admitted_refs, first_seq)]
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged.
-            self._hooks.on_dispatched(groups)
+            try:
+                self._hooks.on_dispatched(groups)
+            except Exception as exc:
+                raise self._hook_refused("on_dispatched", exc, "nothing was admitted") from exc
             self._next_seq += count
             inflight, generation_prompts = self._inflight, self._generation_prompts
             for group in groups:
@@ -264,7 +286,8 @@ class Pacer:
         # Positional: a keyword call to a dataclass builds a kwargs dict and costs about twice as much.
         result = DispatchResult(admitted_ids, first_seq, self.paused, self.step, self.weight_version, self.generation,
                                 len(self._inflight), len(self._buffer), self._window_size,
-                                self._admissible_now() if count else allowed)  # unchanged if nothing was admitted
+                                self._admissible_after_change() if count else allowed)  # unchanged if none admitted
+        self._call_failures.clear()  # a group quarantined on the way is reported; the admission stands
         if count:
             self._record(Dispatched(now, admitted_refs, request_id, client_id))
         return result
@@ -274,10 +297,24 @@ class Pacer:
         with self._lock:
             return self._admissible_now()
 
-    def _admissible_now(self) -> int:
+    def _dispatch_count(self) -> int:
         if self.paused or self.closed:
             return 0
         return max(0, int(self._hooks.compute_dispatch_count(len(self._buffer))))
+
+    def _admissible_now(self) -> int:
+        try:
+            return self._dispatch_count()
+        except Exception as exc:
+            raise self._hook_refused("compute_dispatch_count", exc, "nothing was admitted") from exc
+
+    def _admissible_after_change(self) -> int:
+        """What a Dispatch would admit now, for an answer (or GetState) that must not fail: a raising
+        compute_dispatch_count reads as 0 here; the next Dispatch fails with it and records it."""
+        try:
+            return self._dispatch_count()
+        except Exception:
+            return 0
 
     # ----------------------------------------------------------------- submit
 
@@ -285,6 +322,7 @@ class Pacer:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready."""
         with self._lock:
             self._check_open()
+            self._call_failures.clear()
             stale_before = self.totals["stale_rejected"]
             try:
                 fresh, duplicates = self._sort_submit(trajectories)
@@ -292,8 +330,11 @@ class Pacer:
                 self._record(StaleRejected(self._clock(), self.totals["stale_rejected"] - stale_before))
                 raise
             if self._on_submitted is not None:  # the strategy hears first: if it raises, nothing changed
-                for trajectory in fresh:
-                    self._on_submitted(trajectory)
+                try:
+                    for trajectory in fresh:
+                        self._on_submitted(trajectory)
+                except Exception as exc:
+                    raise self._hook_refused("on_submitted", exc, "nothing was accepted") from exc
             completed: list[InflightGroup] = []
             touched: dict[str, InflightGroup] = {}
             for trajectory in fresh:
@@ -313,6 +354,9 @@ class Pacer:
                 self._notify()
             result = SubmitResult(len(fresh), duplicates, len(completed))  # accepted, duplicates, groups completed
             self._record(Submitted(self._clock(), list(trajectories), request_id))
+            if self._call_failures:  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
+                failures, self._call_failures = self._call_failures, []
+                raise failures[0]
             return result
 
     def _sort_submit(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
@@ -336,7 +380,10 @@ class Pacer:
 
     def _collect_ready(self, completed: Iterable[InflightGroup]) -> None:
         for group in completed:
-            if self._hooks.will_collect(MappingProxyType(group.trajectories)):
+            collectable = self._ask_gate(group)
+            if collectable is None:  # the gate raised: quarantined
+                continue
+            if collectable:
                 self._move_out(group)
             else:
                 group.held = True
@@ -352,6 +399,8 @@ class Pacer:
         With an ordered gate a pass ends at the first refusal (later groups would be refused too),
         so its cost follows the groups released, not the groups held.
         """
+        if self._strategy_touched and self._held:
+            self._last_gate_pass = self._clock()
         while self._strategy_touched and self._held:
             self._strategy_touched = False
             still_held = []
@@ -360,7 +409,10 @@ class Pacer:
                 group = self._inflight.get(prompt_id)
                 if group is None or group.seq != seq or not group.held:
                     continue
-                if self._hooks.will_collect(MappingProxyType(group.trajectories)):
+                collectable = self._ask_gate(group)
+                if collectable is None:  # the gate raised: quarantined
+                    continue
+                if collectable:
                     self._move_out(group)
                 else:
                     still_held.append((seq, prompt_id))
@@ -370,21 +422,95 @@ class Pacer:
                 heapq.heappush(self._held, entry)
         self._strategy_touched = False
 
+    def _ask_gate(self, group: InflightGroup) -> Optional[bool]:
+        """The strategy's will_collect for a complete group; None when it raised (the group is quarantined)."""
+        try:
+            return bool(self._hooks.will_collect(MappingProxyType(group.trajectories)))
+        except Exception as exc:
+            self._quarantine_after_hook(group, "will_collect", exc)
+            return None
+
     def _move_out(self, group: InflightGroup) -> None:
-        """The group leaves the trajectory queue: into the buffer, or dropped by a filter."""
-        self._hooks.on_collected(group.prompt_id)
+        """The group leaves the trajectory queue: into the buffer, dropped by a filter, or quarantined."""
+        try:
+            self._hooks.on_collected(group.prompt_id)
+        except Exception as exc:
+            self._quarantine_after_hook(group, "on_collected", exc, tell_strategy=False)
+            return
         self._strategy_touched = True
         del self._inflight[group.prompt_id]
         self._complete_inflight -= 1
         self._queued_trajectories -= len(group.trajectories)
         view = MappingProxyType(group.trajectories)
-        if all(f.keep(view) for f in self._filters):
-            heapq.heappush(self._buffer, (group.priority(), group.to_group()))
-            self.totals["collected"] += 1
-        else:
-            self.totals["filtered"] += 1
-            self._tally.filtered += 1
-            self._held_bytes -= bytes_of(group.trajectories.values())
+        for group_filter in self._filters:
+            try:
+                kept = group_filter.keep(view)
+            except Exception as exc:
+                self._quarantine(group, self._hook_incident(f"filter {type(group_filter).__name__}.keep", exc,
+                                                            group.prompt_id))
+                return
+            if not kept:
+                self.totals["filtered"] += 1
+                self._tally.filtered += 1
+                self._held_bytes -= bytes_of(group.trajectories.values())
+                return
+        failed = None if self._train_on_failed else failed_trajectory(group.trajectories.values())
+        if failed is not None:  # dirty data is never trained on silently (LoongSage stops on it)
+            self._quarantine(group, self._incident(
+                DIRTY_GROUP, group.prompt_id, "", f"trajectory {failed.trajectory_id!r} is FAILED and no filter "
+                f"dropped the group (rollout.filter has no `status`; rollout.train_on_failed is false)"))
+            return
+        heapq.heappush(self._buffer, (group.priority(), group.to_group()))
+        self.totals["collected"] += 1
+
+    # ----------------------------------------------------------------- hook failures and quarantine
+
+    def _incident(self, kind: str, prompt_id: str, hook: str, message: str, action: str = QUARANTINED) -> Incident:
+        incident = Incident(kind, prompt_id, self._strategy.name, hook, message, self.step, self.generation, action)
+        self.incidents.record(incident)
+        return incident
+
+    def _hook_incident(self, hook: str, exc: BaseException, prompt_id: str = "", action: str = QUARANTINED) -> Incident:
+        incident = self._incident(HOOK_FAILED, prompt_id, hook, describe_exception(exc), action)
+        self._call_failures.append(hook_error(self._strategy.name, hook, exc, prompt_id=prompt_id, consequence=(
+            f"the group was quarantined (returned by the next Reset)" if action == QUARANTINED
+            else "the call changed nothing")))
+        return incident
+
+    def _hook_refused(self, hook: str, exc: BaseException, consequence: str) -> StrategyHookError:
+        """The error of a call a raising hook stopped before it changed anything (recorded as an incident)."""
+        self._incident(HOOK_FAILED, "", hook, describe_exception(exc), REFUSED)
+        self._notify()
+        return hook_error(self._strategy.name, hook, exc, consequence=consequence)
+
+    def _quarantine_after_hook(self, group: InflightGroup, hook: str, exc: BaseException,
+                               tell_strategy: bool = True) -> None:
+        """A hook raised on a complete group: take it out of the queue, free its slot if the strategy lets us."""
+        incident = self._hook_incident(hook, exc, group.prompt_id)
+        if group.prompt_id not in self._inflight:
+            return
+        if tell_strategy:
+            try:
+                self._hooks.on_collected(group.prompt_id)
+                self._strategy_touched = True
+            except Exception:  # the strategy is already reported broken for this group; its slot stays taken
+                pass
+        del self._inflight[group.prompt_id]
+        self._complete_inflight -= 1
+        self._queued_trajectories -= len(group.trajectories)
+        self._quarantine(group, incident)
+
+    def _quarantine(self, group: InflightGroup, incident: Incident) -> None:
+        """Keep a complete group (already out of the trajectory queue) out of the buffer until the next Reset."""
+        self._quarantined.append(group.to_group())
+        self.totals["quarantined"] += 1
+        self._notify()  # a waiting Collect reports the incident now
+
+    def report_incidents(self) -> None:
+        """Raise, once, for the incidents the trainer has not been told about (caller holds the lock): a Collect
+        answers with it before taking anything, so dirty data or a broken strategy never goes unnoticed."""
+        if self.incidents.has_unreported():
+            raise collect_error(*self.incidents.take_unreported())
 
     # ----------------------------------------------------------------- collect
 
@@ -421,7 +547,10 @@ class Pacer:
         """The trainer has these groups for good: count them, free their bytes (the pacer keeps only each
         trajectory's content key, for duplicate detection), tell listeners."""
         if self._on_consumed is not None:
-            self._on_consumed(groups)
+            try:
+                self._on_consumed(groups)
+            except Exception as exc:  # reported; the trainer has the groups all the same
+                self._incident(HOOK_FAILED, "", "on_consumed", describe_exception(exc), "consumed")
         self.totals["consumed"] += len(groups)
         accepted = self._accepted
         for group in groups:
@@ -453,7 +582,10 @@ class Pacer:
     def apply_expiry(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
         for prompt_id in prompt_ids:
             group = self._inflight.pop(prompt_id)
-            self._hooks.on_collected(prompt_id)  # the slot is reclaimed as if the group had been collected
+            try:
+                self._hooks.on_collected(prompt_id)  # the slot is reclaimed as if the group had been collected
+            except Exception as exc:  # reported; the group is reclaimed all the same
+                self._incident(HOOK_FAILED, prompt_id, "on_collected", describe_exception(exc), "expired")
             self._queued_trajectories -= len(group.trajectories)
             self._expired_groups.append(group.to_group())
             self._expired_prompts.add(prompt_id)
@@ -465,7 +597,32 @@ class Pacer:
             self.totals["redelivered"] += len(lease.entries)
         self._strategy_touched = True
         self._release_held()
+        self._call_failures.clear()  # reported as incidents; the expiry stands
         self._notify()
+
+    def recheck_gates(self, min_age: float = 0.0) -> int:
+        """Re-examine the held groups (the strategy refused them) although nothing changed: a gate that opens
+        with time or on an outside flag releases its groups. Skipped when a re-examination ran less than
+        `min_age` seconds ago. Returns how many groups left the trajectory queue. Called periodically by the
+        server (fully_async.gate_recheck_seconds)."""
+        with self._lock:
+            now = self._clock()
+            if not self._held or self.closed or now - self._last_gate_pass < min_age:
+                return 0
+            released = self.apply_gate_recheck()
+            if released:
+                self._record(GatesRechecked(now))
+            return released
+
+    def apply_gate_recheck(self) -> int:
+        before = len(self._inflight)
+        self._strategy_touched = True
+        self._release_held()
+        self._call_failures.clear()  # reported as incidents
+        released = before - len(self._inflight)
+        if released:
+            self._notify()
+        return released
 
     # ----------------------------------------------------------------- reset / resume
 
@@ -480,6 +637,14 @@ class Pacer:
 
     def reset_poll(self) -> ResetPoll:
         return ResetPoll(self)
+
+    @staticmethod
+    def reset_wait(mode: ResetMode, wait: Optional[float], until_assembled: float) -> float:
+        """The seconds a Reset waits: `wait` when given; absent, `until_assembled` (the bound on waiting for
+        every running group) in WAIT mode, as a waiting pause does in LoongSage, and no wait in ABORT mode."""
+        if wait is not None:
+            return wait
+        return until_assembled if mode == ResetMode.WAIT else 0.0
 
     def finish_reset(self, *, resume: bool = False, weight_version: Optional[int] = None,
                      request_id: str = "") -> ResetResult:
@@ -531,12 +696,12 @@ class Pacer:
         with self._lock:
             return PacerState(
                 running=len(self._inflight), buffered=len(self._buffer),
-                queued_trajectories=self._queued_trajectories, capacity=self._admissible_now(),
+                queued_trajectories=self._queued_trajectories, capacity=self._admissible_after_change(),
                 window_size=self._window_size, step=self.step, weight_version=self.weight_version,
                 generation=self.generation, paused=self.paused, resetting=self.resetting,
                 strategy=self._strategy.name, config_summary=dict(self._summary),
                 leased=self._leases.leased_groups, held_bytes=self._held_bytes,
-                recent_reports=list(self._reports), **self.totals,
+                recent_reports=list(self._reports), recent_incidents=self.incidents.recent(), **self.totals,
             )
 
     def close(self) -> None:

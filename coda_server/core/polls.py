@@ -56,6 +56,7 @@ class CollectPoll:
     def attempt(self) -> Optional[CollectResult]:
         pacer = self._pacer
         with pacer._lock:
+            pacer.report_incidents()  # a raising hook or a refused dirty group fails the trainer's Collect, once
             if len(pacer._buffer) >= self._num_groups:
                 return pacer.apply_take(self._num_groups, False, self._request_id, self._lease_seconds)
             return None
@@ -63,6 +64,7 @@ class CollectPoll:
     def give_up(self) -> CollectResult:
         pacer = self._pacer
         with pacer._lock:
+            pacer.report_incidents()
             available = len(pacer._buffer)
             if available >= self._num_groups:
                 return pacer.apply_take(self._num_groups, False, self._request_id, self._lease_seconds)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Optional
 
-from .errors import RecoveryError
+from .errors import RecoveryError, StrategyHookError
 from .journal import (
     Acked,
     Collected,
     Dispatched,
     Expired,
+    GatesRechecked,
     JournalEvent,
     ResetAbandoned,
     ResetBegun,
@@ -43,6 +44,7 @@ def export_state(pacer: "Pacer") -> dict:
             "answers": pacer.answers.export(),
             **pacer._leases.export(),
             "held_bytes": pacer._held_bytes,
+            "incidents": pacer.incidents.export(),
             "config": dict(pacer._summary),  # the pacing settings the state was made under
         }
 
@@ -61,6 +63,7 @@ def import_state(pacer: "Pacer", snapshot: dict) -> None:
     pacer.answers.restore(snapshot["answers"])
     pacer._leases.restore(snapshot, pacer._clock())
     pacer._held_bytes = snapshot["held_bytes"]
+    pacer.incidents.restore(snapshot.get("incidents"))  # absent from snapshots written before incidents existed
 
 
 def recover(pacer: "Pacer") -> int:
@@ -117,8 +120,10 @@ def check_recorded_config(pacer: "Pacer", recorded: Optional[dict], events: int)
     if recorded is None:  # a snapshot older than the record: nothing to compare (replay still checks itself)
         return
     summary = pacer._summary
+    # Keys on one side only were added to (or removed from) the summary by another version; they restate the
+    # others (e.g. window_size), so only the keys both record are compared.
     changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
-               for key in sorted(set(recorded) | set(summary)) if recorded.get(key) != summary.get(key)]
+               for key in sorted(set(recorded) & set(summary)) if recorded.get(key) != summary.get(key)]
     if changed:
         raise RecoveryError(
             f"the state in {pacer.journal.directory} has {events} events since its last snapshot, recorded under "
@@ -137,7 +142,10 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
                                f"{len(event.refs)} groups it admitted before the restart")
         remember("Dispatch", event.request_id, result)
     elif isinstance(event, Submitted):
-        remember("Submit", event.request_id, pacer.apply_submit(event.trajectories, event.request_id))
+        try:
+            remember("Submit", event.request_id, pacer.apply_submit(event.trajectories, event.request_id))
+        except StrategyHookError:  # the live call raised it too, after its change: the change is replayed
+            pass
     elif isinstance(event, StaleRejected):
         pacer.totals["stale_rejected"] += event.count
     elif isinstance(event, Collected):
@@ -156,6 +164,8 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
                                     request_id=event.request_id))
     elif isinstance(event, ResetAbandoned):
         pacer.abandon_reset()
+    elif isinstance(event, GatesRechecked):
+        pacer.apply_gate_recheck()
     elif isinstance(event, Resumed):
         remember("Resume", event.request_id, pacer.apply_resume(event.weight_version, event.request_id))
     else:

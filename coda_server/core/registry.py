@@ -38,11 +38,18 @@ class Registry(Generic[T]):
             return self._classes[name]
         except (KeyError, TypeError):
             raise ConfigError(
-                f"{self.config_key}: unknown {self.kind} {name!r}; registered: {', '.join(self.names())}"
+                f"{self.config_key}: Unknown {self.kind} {name!r}; registered: {', '.join(self.names())}"
             ) from None
 
     def names(self) -> list[str]:
         return sorted(self._classes)
+
+    def keys(self) -> list[str]:
+        """The registered names in registration order (LoongSage's Registry.keys)."""
+        return list(self._classes)
+
+    def __len__(self) -> int:
+        return len(self._classes)
 
     def __contains__(self, name: object) -> bool:
         return name in self._classes

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from .errors import ResetInProgressError
+from .incidents import HOOK_FAILED, describe_exception
 from .inflight import StepTally, bytes_of
 from .journal import ResetAbandoned, ResetBegun, ResetFinished, Resumed
 from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, TrajectoryGroup
@@ -56,6 +57,14 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         if not pacer.resetting:
             raise ResetInProgressError("finish_reset without begin_reset")
         now = pacer._clock()
+        # The strategy hears first: if its on_reset raises, nothing is restored or cleared, the Reset ends
+        # (dispatch stays paused) and a later Reset may try again.
+        try:
+            pacer._hooks.on_reset()
+        except Exception as exc:
+            pacer.resetting = False
+            pacer._record(ResetAbandoned(now))
+            raise pacer._hook_refused("on_reset", exc, "the Reset changed nothing; dispatch stays paused") from exc
         ready(pacer)
         ready_at_recorded = pacer._reset_ready_at
         restored: list[TrajectoryGroup] = []
@@ -68,12 +77,13 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         pacer.totals["restored"] += len(restored)
         pacer.totals["dropped"] += len(dropped)
         expired, pacer._expired_groups = pacer._expired_groups, []
+        quarantined, pacer._quarantined = pacer._quarantined, []
         pacer._expired_prompts = set()
-        for group in (*restored, *expired):
+        for group in (*restored, *expired, *quarantined):
             pacer._held_bytes -= bytes_of(group.trajectories)
-        for prompt_id in dropped:
-            pacer._held_bytes -= bytes_of(pacer._inflight[prompt_id].trajectories.values())
-        pacer._hooks.on_reset()
+        dropped_groups = [pacer._inflight[prompt_id] for prompt_id in dropped]
+        for group in dropped_groups:
+            pacer._held_bytes -= bytes_of(group.trajectories.values())
         pacer._inflight.clear()
         pacer._held.clear()
         pacer._leases.forget_running()
@@ -85,7 +95,7 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         pacer.generation += 1
         ready_at = pacer._reset_ready_at if pacer._reset_ready_at is not None else now
         pause_delay = max(0.0, ready_at - (pacer._pause_started or ready_at))
-        report = pacer._tally.report(pacer.step, len(pacer._buffer), len(restored), len(dropped), pause_delay)
+        report = pacer._tally.report(pacer.step, len(pacer._buffer), restored, dropped_groups, pause_delay)
         pacer._reports.append(report)
         pacer._tally = StepTally()
         pacer.resetting = False
@@ -93,7 +103,7 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
             _resume_locked(pacer, weight_version)
         pacer._notify()
         result = ResetResult(restored, dropped, pause_delay, pacer.generation, pacer.step, pacer.weight_version,
-                             pacer.paused, report, expired)
+                             pacer.paused, report, expired, quarantined)
         pacer._record(ResetFinished(now, ready_at_recorded, resume, weight_version, request_id))
         if pacer.journal is not None:
             # The step boundary is the natural checkpoint: nothing is in flight, so the snapshot is small. It
@@ -132,5 +142,8 @@ def _resume_locked(pacer: "Pacer", weight_version: Optional[int]) -> None:
     pacer.paused = False
     pacer._pause_started = None
     if pacer._on_resume is not None:
-        pacer._on_resume(pacer.weight_version)
+        try:
+            pacer._on_resume(pacer.weight_version)
+        except Exception as exc:  # reported; the Resume stands (dispatch must reopen)
+            pacer._incident(HOOK_FAILED, "", "on_resume", describe_exception(exc), "resumed")
     pacer._emit(ControlEventType.RESUME)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 if TYPE_CHECKING:
-    from .types import StepReport
+    from .types import Incident, StepReport
 
 GAUGE, COUNTER, DESCRIBED = "gauge", "counter", "described"
 
@@ -85,12 +85,18 @@ class PacerState:
     leased: int = gauge("coda_pacer_leased_groups", "Groups handed out under a Collect lease, not yet acknowledged.",
                         default=0)
     held_bytes: int = gauge("coda_pacer_held_bytes", "Bytes of trajectories queued, buffered or leased.", default=0)
+    quarantined: int = counter("coda_pacer_quarantined_groups", "Complete groups quarantined instead of buffered: a "
+                               "strategy hook raised on them, or they held a FAILED trajectory no filter dropped "
+                               "(recent_incidents says which; the next Reset returns them).")
+    recent_incidents: list[Incident] = described("The last server.incidents_kept incidents (a raising strategy hook, "
+                                                 "a refused dirty group), oldest first.", default_factory=list)
 
     def invariant_holds(self) -> bool:
-        """dispatched = running + collected + filtered + restored + dropped + expired,
+        """dispatched = running + collected + filtered + restored + dropped + expired + quarantined,
         and buffered = collected - consumed - leased."""
         return (
-            self.dispatched == self.running + self.collected + self.filtered + self.restored + self.dropped + self.expired
+            self.dispatched == (self.running + self.collected + self.filtered + self.restored + self.dropped
+                                + self.expired + self.quarantined)
             and self.buffered == self.collected - self.consumed - self.leased
         )
 

@@ -1,7 +1,9 @@
 """The sliding-window strategy plugin API: base class, registry decorator and thread-safe factory."""
 from __future__ import annotations
 
+import abc
 import heapq
+import inspect
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -9,19 +11,36 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from .registry import Registry
 from .types import TrajectoryStatus
 
-STRATEGIES: Registry = Registry("sliding-window strategy", "fully_async.sliding_window")
+STRATEGIES: Registry = Registry("sliding_window strategy", "fully_async.sliding_window")
+# LoongSage's names for the same registry and its look-ups, so strategy code written for it imports unchanged.
+SLIDING_WINDOW_STRATEGY_REGISTRY = STRATEGIES
+get_sliding_window_strategy = STRATEGIES.get
+list_sliding_window_strategies = STRATEGIES.names
 
 
 def register_sliding_window_strategy(name: str):
-    """Class decorator: make a `SlidingWindowStrategy` selectable as `fully_async.sliding_window: name`."""
-    return STRATEGIES.register(name)
+    """Class decorator: make a `SlidingWindowStrategy` selectable as `fully_async.sliding_window: name`.
+
+    A class that leaves an abstract method (`compute_dispatch_count`) unimplemented is refused here, with
+    a TypeError naming it, rather than at the first Dispatch.
+    """
+    register = STRATEGIES.register(name)
+
+    def decorate(cls):
+        if inspect.isabstract(cls):
+            missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+            raise TypeError(f"sliding_window strategy {name!r} ({cls.__module__}.{cls.__qualname__}) does not "
+                            f"implement {missing}")
+        return register(cls)
+
+    return decorate
 
 
-class SlidingWindowStrategy:
+class SlidingWindowStrategy(abc.ABC):
     """Decides how many prompt groups may be dispatched now and which complete groups may be collected.
 
-    Subclasses implement `compute_dispatch_count`; overrides of `on_dispatched` / `on_collected`
-    must call `super()` so `_running_count` stays right.
+    Subclasses implement `compute_dispatch_count` (abstract); overrides of `on_dispatched` /
+    `on_collected` must call `super()` so `_running_count` stays right.
     """
 
     #: Optional promise that lets the Pacer re-examine gate-refused groups without scanning them all.
@@ -34,9 +53,9 @@ class SlidingWindowStrategy:
     def __init__(self, config: Any = None):
         self._running_count = 0
 
+    @abc.abstractmethod
     def compute_dispatch_count(self, buf_qsize: int) -> int:
         """How many groups may be dispatched now, given `buf_qsize` groups in the pipeline buffer."""
-        raise NotImplementedError
 
     def on_dispatched(self, groups: Sequence[Any]) -> None:
         """Groups were admitted; each has `.prompt_id` (and `.seq`)."""
@@ -133,10 +152,14 @@ def gate_is_ordered(strategy: Any) -> bool:
             and issubclass(promiser, gate))
 
 
-class ThreadSafeStrategy:
-    """Proxy that runs every strategy call under one re-entrant lock, as `create_strategy` returns it."""
+class ThreadSafeStrategy(SlidingWindowStrategy):
+    """Proxy that runs every strategy call under one re-entrant lock, as `create_strategy` returns it.
+
+    It is a `SlidingWindowStrategy` itself (as LoongSage's proxy is), so `isinstance` checks hold.
+    """
 
     def __init__(self, strategy: SlidingWindowStrategy, name: str):
+        # No super().__init__(): the state (_running_count included) lives in the wrapped strategy.
         self._strategy = strategy
         self.name = name
         self.lock = threading.RLock()
@@ -144,6 +167,10 @@ class ThreadSafeStrategy:
     @property
     def wrapped(self) -> SlidingWindowStrategy:
         return self._strategy
+
+    @property
+    def ordered_gate(self) -> bool:  # type: ignore[override]
+        return gate_is_ordered(self._strategy)
 
     @property
     def running_count(self) -> int:
@@ -182,6 +209,13 @@ class ThreadSafeStrategy:
         with self.lock:
             self._strategy.on_resume(weight_version)
 
+    def now(self) -> float:
+        return self._strategy.now()  # the wrapped strategy is the one a pacer binds its clock to
+
+    @property
+    def buffer(self) -> "BufferView":
+        return self._strategy.buffer
+
     def __getattr__(self, item: str) -> Any:
         # Anything else (custom helpers, attributes) reads through to the strategy, under the lock.
         with self.lock:
@@ -192,7 +226,8 @@ def create_strategy(config: Any, name: str | None = None) -> ThreadSafeStrategy:
     """Build the strategy `config.fully_async.sliding_window` (or `name`) names, wrapped thread-safe.
 
     `config` is any object with `config.data_sources[0].num_prompts_per_step`,
-    `config.fully_async.stale_steps` and `.get()`, e.g. an OmegaConf DictConfig.
+    `config.fully_async.stale_steps` and `.get()`, e.g. an OmegaConf DictConfig. An unknown name raises
+    ConfigError (a ValueError) saying "Unknown sliding_window strategy" and listing the registered ones.
     """
     if name is None:
         fully_async = config.get("fully_async") if hasattr(config, "get") else config.fully_async

@@ -14,6 +14,18 @@ class TrajectoryStatus(enum.IntEnum):
     FAILED = 2
     ABORTED = 3
 
+    @classmethod
+    def _missing_(cls, value: object) -> "TrajectoryStatus":
+        """LoongSage's values ("completed", "failed", "aborted") and member names, any case, name a status too."""
+        if isinstance(value, str):
+            member = cls.__members__.get(value.strip().upper())
+            if member is not None and member is not cls.UNSPECIFIED:
+                return member
+            if value.strip().lower() in ("pending", "generating"):
+                raise ValueError(f"trajectory status {value!r} is not a final status: the pacer takes "
+                                 f"completed, failed or aborted trajectories")
+        return None  # type: ignore[return-value]  # Enum then raises its usual ValueError
+
 
 class ResetMode(enum.IntEnum):
     """What workers are asked to do with running requests when a Reset pauses dispatch."""
@@ -43,10 +55,12 @@ class Trajectory:
 
     The routing fields are what pacing needs; `body` is everything else (token ids, logprobs,
     payload ...), opaque to the core and handed back to the trainer as it came. `size_bytes` feeds
-    the byte cap; `num_tokens` (response tokens, 0 when unknown) is for strategies that pace by
-    progress. Duplicate detection compares `content_key()`s: a body that offers `fingerprint()`
+    the byte cap. Duplicate detection compares `content_key()`s: a body that offers `fingerprint()`
     (a hashable digest of its content, e.g. coda_server.wire.EncodedTrajectory) is represented by it, so
     the pacer can forget the body once the trajectory has left; any other body is compared with ==.
+    `metadata` (the worker's string map) and `num_tokens` (length of its token ids) are there for
+    strategies and filters to read; so are LoongSage's names `start_rollout_weight_version` /
+    `end_rollout_weight_version`.
     """
 
     trajectory_id: str
@@ -59,7 +73,18 @@ class Trajectory:
     num_turns: int = 0
     body: Any = None
     size_bytes: int = 0
+    metadata: Mapping[str, str] = field(default_factory=dict)
     num_tokens: int = 0
+
+    @property
+    def start_rollout_weight_version(self) -> int:
+        """LoongSage's name for `start_weight_version`."""
+        return self.start_weight_version
+
+    @property
+    def end_rollout_weight_version(self) -> int:
+        """LoongSage's name for `end_weight_version`."""
+        return self.end_weight_version
 
     def same_content(self, other: "Trajectory | tuple") -> bool:
         """True when `other` (a trajectory, or the content_key() kept of one) is a harmless re-send of this one."""
@@ -67,21 +92,27 @@ class Trajectory:
 
     def content_key(self) -> tuple:
         """Everything a re-send must repeat to be a duplicate, without the body where it has a fingerprint:
-        what the pacer keeps of an accepted trajectory once the trainer has it."""
+        what the pacer keeps of an accepted trajectory once the trainer has it. A fingerprint covers the
+        metadata and the arrays; without one they are compared as they are."""
         fingerprint = getattr(self.body, "fingerprint", None)
+        content = (fingerprint() if callable(fingerprint)
+                   else (self.body, self.num_tokens, tuple(sorted(self.metadata.items())) if self.metadata else ()))
         return (self.trajectory_id, self.prompt_id, self.ds_index, int(self.status),
                 "nan" if self.reward != self.reward else self.reward, self.start_weight_version,
-                self.end_weight_version, self.num_turns, fingerprint() if callable(fingerprint) else self.body)
+                self.end_weight_version, self.num_turns, content)
 
 
 @dataclass
 class TrajectoryGroup:
-    """A prompt's complete set of trajectories, as the trainer (or a restoring Reset) receives it."""
+    """A prompt's complete set of trajectories, as the trainer (or a restoring Reset) receives it.
+
+    Built as LoongSage builds one too: `TrajectoryGroup(prompt_id="p0", trajectories=[...])`.
+    """
 
     prompt_id: str
-    seq: int
-    ds_index: int
-    trajectories: list[Trajectory]
+    seq: int = 0
+    ds_index: int = 0
+    trajectories: list[Trajectory] = field(default_factory=list)
     epoch: Optional[int] = None
     index: Optional[int] = None
     dispatched_at: float = 0.0
@@ -143,9 +174,11 @@ class StepReport:
     filter_drop: int = 0
     partial_ratio: float = 0.0
     partial_span_max: int = 0
-    partial_restored_count: int = 0
-    partial_dropped_incomplete_count: int = 0
+    partial_restored_count: int = 0  # trajectories, as LoongSage counts them (divide by N for groups)
+    partial_dropped_incomplete_count: int = 0  # trajectories
     pause_delay: float = 0.0
+    partial_restored_group_count: int = 0
+    partial_dropped_incomplete_group_count: int = 0
 
 
 @dataclass
@@ -160,6 +193,8 @@ class ResetResult:
     report: StepReport = field(default_factory=StepReport)
     # Partial groups whose in-flight lease ran out this generation, set aside for their data source.
     expired: list[TrajectoryGroup] = field(default_factory=list)
+    # Complete groups quarantined this generation (a hook raised on them, or dirty data), never buffered.
+    quarantined: list[TrajectoryGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -200,6 +235,20 @@ class HeldGroup:
     trajectories: int  # received so far
     group_size: int
     lease_remaining_seconds: float  # until its in-flight lease runs out; inf with leases off
+
+
+@dataclass(frozen=True)
+class Incident:
+    """Something that went wrong with a group outside a caller's request (GetState, the next Collect)."""
+
+    kind: str  # "hook_failed" or "dirty_group"
+    prompt_id: str
+    strategy: str  # the strategy or filter name
+    hook: str  # the hook that raised; "" for a dirty group
+    message: str
+    step: int = 0
+    generation: int = 0
+    action: str = "quarantined"  # or "refused": the call failed and changed nothing
 
 
 # PacerState, the GetState record, is declared with how each field is reported in state.py.

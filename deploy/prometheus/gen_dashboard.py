@@ -125,8 +125,9 @@ panel("Buffer and drops at the step boundary", "pipeline_buf_size: groups carrie
       "restored and dropped-incomplete groups of the Reset.",
       [(f"coda_pacer_step_report_pipeline_buf_size{{{SEL}}}", "pipeline_buf_size {{instance}}"),
        (f"coda_pacer_step_report_filter_drop{{{SEL}}}", "filter_drop {{instance}}"),
-       (f"coda_pacer_step_report_partial_restored_count{{{SEL}}}", "restored {{instance}}"),
-       (f"coda_pacer_step_report_partial_dropped_incomplete_count{{{SEL}}}", "dropped incomplete {{instance}}")], w=8)
+       (f"coda_pacer_step_report_partial_restored_groups{{{SEL}}}", "restored groups {{instance}}"),
+       (f"coda_pacer_step_report_partial_dropped_incomplete_groups{{{SEL}}}", "dropped incomplete groups {{instance}}")],
+      w=8)
 panel("Pause delay and steps per hour", "Seconds a Reset waited for running groups; training steps (Resets) per hour.",
       [(f"coda_pacer_step_report_pause_delay_seconds{{{SEL}}}", "pause_delay s {{instance}}"),
        (f"sum(rate(coda_pacer_step_reports_total{{{SEL}}}[{R}])) * 3600", "steps per hour")], w=8)

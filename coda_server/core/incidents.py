@@ -1,0 +1,94 @@
+"""Incidents (a raising strategy hook, a refused dirty group): their log, and the errors that report them."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Optional
+
+from .errors import DirtyGroupError, PacerError, StrategyHookError
+from .types import Incident, Trajectory, TrajectoryStatus
+
+HOOK_FAILED = "hook_failed"
+DIRTY_GROUP = "dirty_group"
+QUARANTINED = "quarantined"
+REFUSED = "refused"
+
+
+class IncidentLog:
+    """The recent incidents, for GetState, and those the trainer's Collect has not been told about yet.
+
+    Both are bounded by `kept`; `unreported_dropped` counts what fell out of the unreported list, so a
+    Collect still says how many there were.
+    """
+
+    def __init__(self, kept: int = 32):
+        self._recent: deque[Incident] = deque(maxlen=max(1, kept))
+        self._unreported: deque[Incident] = deque(maxlen=max(1, kept))
+        self.unreported_dropped = 0
+
+    def record(self, incident: Incident) -> None:
+        self._recent.append(incident)
+        if len(self._unreported) == self._unreported.maxlen:
+            self.unreported_dropped += 1
+        self._unreported.append(incident)
+
+    def recent(self) -> list[Incident]:
+        return list(self._recent)
+
+    def has_unreported(self) -> bool:
+        return bool(self._unreported)
+
+    def take_unreported(self) -> tuple[list[Incident], int]:
+        """The incidents not reported yet (and how many more fell out of the list); they count as reported now."""
+        taken, dropped = list(self._unreported), self.unreported_dropped
+        self._unreported.clear()
+        self.unreported_dropped = 0
+        return taken, dropped
+
+    def export(self) -> dict:
+        return {"recent": list(self._recent), "unreported": list(self._unreported),
+                "unreported_dropped": self.unreported_dropped}
+
+    def restore(self, exported: Optional[dict]) -> None:
+        if not exported:
+            return
+        self._recent.extend(exported.get("recent", ()))
+        self._unreported.extend(exported.get("unreported", ()))
+        self.unreported_dropped = int(exported.get("unreported_dropped", 0))
+
+
+def describe_exception(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def hook_error(strategy: str, hook: str, exc: BaseException, *, prompt_id: str = "", consequence: str = "") -> StrategyHookError:
+    """The INTERNAL error a call gets when a strategy hook raised under it, naming strategy and hook."""
+    where = f" for group {prompt_id!r}" if prompt_id else ""
+    tail = f"; {consequence}" if consequence else ""
+    return StrategyHookError(f"strategy {strategy!r} hook {hook} raised{where}: {describe_exception(exc)}{tail}",
+                             strategy=strategy, hook=hook)
+
+
+def failed_trajectory(trajectories: Iterable[Trajectory]) -> Optional[Trajectory]:
+    """The first FAILED trajectory of a group, or None."""
+    return next((t for t in trajectories if t.status == TrajectoryStatus.FAILED), None)
+
+
+def collect_error(incidents: list[Incident], dropped: int = 0) -> PacerError:
+    """What the trainer's Collect answers after incidents it has not been told about: a raising hook is
+    INTERNAL (STRATEGY_HOOK_FAILED), dirty data alone FAILED_PRECONDITION (DIRTY_GROUP)."""
+    total = len(incidents) + dropped
+    hooks = [i for i in incidents if i.kind == HOOK_FAILED]
+    first = hooks[0] if hooks else incidents[0]
+    more = f" ({total - 1} more incident(s): GetState recent_incidents)" if total > 1 else ""
+    groups = "quarantined groups come back in the next Reset's `quarantined`"
+    if hooks:
+        return StrategyHookError(
+            f"since the last Collect, strategy {first.strategy!r} hook {first.hook} raised"
+            f"{' for group ' + repr(first.prompt_id) if first.prompt_id else ''}: {first.message} "
+            f"(group {first.action}){more}; the buffered groups stay for the next Collect; {groups}",
+            strategy=first.strategy, hook=first.hook)
+    return DirtyGroupError(
+        f"since the last Collect, group {first.prompt_id!r} was refused: {first.message}{more}. It was not trained "
+        f"on: add `status` to rollout.filter to drop such groups, or set rollout.train_on_failed: true to train "
+        f"on them; the buffered groups stay for the next Collect; {groups}")
