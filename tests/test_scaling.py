@@ -22,7 +22,7 @@ from server_harness import ServerProcess
 
 # Window C = 2 x (1 + 1) = 4 groups of 2.
 SMALL = ("data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
-         "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window")
+         "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window", "fully_async.stale_steps=1.0")
 LIMITS = ("server.max_watch_streams=3", "server.max_waiting_calls=2", "server.max_waiting_collects=1")
 TOKEN = "a-token-long-enough-for-the-server"
 
