@@ -18,9 +18,9 @@ fresh server:
 * prefetch gap: the groups submitted again, the trainer iterates `batches(128)` with a 2 s sleep standing
   in for each training step; the gap is the time from the end of a step to the next batch in hand.
 
-MB/s counts array bytes (token ids, logprobs, loss mask: 12 bytes per token). Medians over the repeats; the
-ratios are median(ours) / median(floor), floor and ours measured in the same repeat, their order flipping
-from one repeat to the next.
+MB/s counts array bytes (token ids, logprobs, loss mask: 12 bytes per token). Floor and ours are measured
+request by request, alternately, so load from elsewhere hits both alike. Medians over the repeats; the
+ratios are median(ours) / median(floor).
 
     python bench/payload_path.py             # 3 repeats, about 2 minutes
     python bench/payload_path.py --quick     # 1 repeat of a quarter of the data, a smoke run
@@ -83,22 +83,23 @@ def rss_bytes(pid: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------- floors
+# Floor and ours are measured request by request, alternately (the order flipping each time), so a burst of
+# load from elsewhere on the machine hits both alike. What each produces is kept until the end of its
+# measurement: a server keeps what it accepted, a trainer keeps its batches (fresh memory for each).
 
-def submit_floor(groups: list[list]) -> float:
-    """Seconds to build one SubmitRequest per group from the arrays (their bytes into the pass-through
-    view's bytes fields: the fastest way protobuf offers), serialize it and parse it as a view. The parsed
-    requests are kept until the end, as a server keeps what it accepted (fresh memory for each)."""
-    kept = []
+def submit_floor_one(g: int, arrays: list, kept: list) -> float:
+    """Seconds to build the group's SubmitRequest from the arrays (their bytes into the pass-through view's
+    bytes fields: the fastest way protobuf offers), serialize it and parse it as a view."""
     started = time.perf_counter()
-    for g, arrays in enumerate(groups):
-        request = wire.SubmitRequest(request_id=f"r-{g}")
-        for j, (t, l, m) in enumerate(arrays):
-            request.trajectories.add(trajectory_id=f"p{g}/{j}", prompt_id=f"p{g}", status=1, reward=float(j),
-                                     token_ids=t.tobytes(), logprobs=l.tobytes(), loss_mask=m.tobytes())
-        parsed = wire.SubmitRequest.FromString(request.SerializeToString())
-        assert len(parsed.trajectories) == len(arrays)
-        kept.append(parsed)
-    return time.perf_counter() - started
+    request = wire.SubmitRequest(request_id=f"r-{g}")
+    for j, (t, l, m) in enumerate(arrays):
+        request.trajectories.add(trajectory_id=f"p{g}/{j}", prompt_id=f"p{g}", status=1, reward=float(j),
+                                 token_ids=t.tobytes(), logprobs=l.tobytes(), loss_mask=m.tobytes())
+    parsed = wire.SubmitRequest.FromString(request.SerializeToString())
+    elapsed = time.perf_counter() - started
+    assert len(parsed.trajectories) == len(arrays)
+    kept.append(parsed)
+    return elapsed
 
 
 def collect_response(groups: list[list], first: int) -> Any:
@@ -113,51 +114,77 @@ def collect_response(groups: list[list], first: int) -> Any:
     return response
 
 
-def collect_floor(response: Any, batches: int) -> float:
-    """Seconds to serialize the response (a view) `batches` times, parse each as a view and view every
-    array as NumPy; every batch's arrays are kept until the end, as the trainer (ours) keeps them."""
-    kept = []
+def collect_floor_one(response: Any, kept: list) -> float:
+    """Seconds to serialize the response (a view), parse it as a view and view every array as NumPy."""
     started = time.perf_counter()
-    for _ in range(batches):
-        view = _wire.CollectResponse.FromString(response.SerializeToString())
-        kept.append([(np.frombuffer(t.token_ids, "<i4"), np.frombuffer(t.logprobs, "<f4"),
-                      np.frombuffer(t.loss_mask, "<i4")) for g in view.groups for t in g.trajectories])
+    view = _wire.CollectResponse.FromString(response.SerializeToString())
+    arrays = [(np.frombuffer(t.token_ids, "<i4"), np.frombuffer(t.logprobs, "<f4"), np.frombuffer(t.loss_mask, "<i4"))
+              for g in view.groups for t in g.trajectories]
     elapsed = time.perf_counter() - started
-    assert sum(map(len, kept)) == batches * sum(len(g.trajectories) for g in response.groups)
+    assert len(arrays) == sum(len(g.trajectories) for g in response.groups)
+    kept.append(arrays)
     return elapsed
 
 
 # ------------------------------------------------------------------------------------------- ours
 
-def submit_ours(pacer: PacerClient, groups: list[list], round_: int) -> float:
+def submit_ours_one(pacer: PacerClient, prompt_id: str, arrays: list, round_: int) -> float:
+    trajectories = trajectories_of(prompt_id, arrays, round_)  # the caller's own values, built untimed
+    started = time.perf_counter()
+    result = pacer.submit(trajectories)
+    elapsed = time.perf_counter() - started
+    assert result.accepted == len(arrays) and result.groups_completed == 1, result
+    return elapsed
+
+
+def submit_all(pacer: PacerClient, groups: list[list], round_: int, floor: bool = False) -> tuple[float, float]:
+    """Submits every group (ours), each next to its floor when `floor`: (ours seconds, floor seconds)."""
     prompts = [f"p{g}-r{round_}" for g in range(len(groups))]
     answer = pacer.dispatch(prompts)
     assert answer.admitted == prompts, f"window too small: {answer}"
-    started = time.perf_counter()
-    for prompt_id, arrays in zip(prompts, groups):
-        result = pacer.submit(trajectories_of(prompt_id, arrays, round_))
-        assert result.accepted == len(arrays) and result.groups_completed == 1, result
-    return time.perf_counter() - started
+    ours = floor_seconds = 0.0
+    kept: list = []
+    for g, (prompt_id, arrays) in enumerate(zip(prompts, groups)):
+        if floor and g % 2:
+            floor_seconds += submit_floor_one(g, arrays, kept)
+        ours += submit_ours_one(pacer, prompt_id, arrays, round_)
+        if floor and not g % 2:
+            floor_seconds += submit_floor_one(g, arrays, kept)
+    return ours, floor_seconds
 
 
-def collect_ours(pacer: PacerClient, batches: int, packed: bool) -> tuple[float, int]:
-    """Seconds for the trainer to take `batches` leased mini-batches into NumPy arrays (and acknowledge)."""
-    total_bytes = 0
-    kept = []  # every batch's arrays until the end, as in the floor
+def collect_ours_one(pacer: PacerClient, packed: bool, kept: list) -> tuple[float, int]:
+    """Seconds for the trainer to take one leased mini-batch into NumPy arrays and acknowledge it."""
     started = time.perf_counter()
-    for _ in range(batches):
-        result = pacer.collect_result(MINI_BATCH // GROUP_SIZE, wait=10, lease=60)
-        assert len(result.groups) == MINI_BATCH // GROUP_SIZE, result.timed_out
-        if packed:
-            batch = MiniBatch.from_collect(result)
-            kept.append(batch)
-            total_bytes += batch.token_ids.nbytes + batch.logprobs.nbytes + batch.loss_mask.nbytes
-        else:
-            kept.append(result)
-            total_bytes += sum(t.token_ids.nbytes + t.logprobs.nbytes + t.loss_mask.nbytes
-                               for g in result.groups for t in g.trajectories)
-        pacer.ack(result.lease_id)
-    return time.perf_counter() - started, total_bytes
+    result = pacer.collect_result(MINI_BATCH // GROUP_SIZE, wait=10, lease=60)
+    assert len(result.groups) == MINI_BATCH // GROUP_SIZE, result.timed_out
+    if packed:
+        batch = MiniBatch.from_collect(result)
+        size = batch.token_ids.nbytes + batch.logprobs.nbytes + batch.loss_mask.nbytes
+        kept.append(batch)
+    else:
+        size = sum(t.token_ids.nbytes + t.logprobs.nbytes + t.loss_mask.nbytes
+                   for g in result.groups for t in g.trajectories)
+        kept.append(result)
+    pacer.ack(result.lease_id)
+    return time.perf_counter() - started, size
+
+
+def collect_all(pacer: PacerClient, batches: int, packed: bool, response: Any = None) -> tuple[float, float, int]:
+    """Takes every mini-batch (ours), each next to its floor when `response` is given."""
+    ours = floor_seconds = 0.0
+    size = 0
+    kept: list = []
+    floor_kept: list = []
+    for b in range(batches):
+        if response is not None and b % 2:
+            floor_seconds += collect_floor_one(response, floor_kept)
+        seconds, batch_size = collect_ours_one(pacer, packed, kept)
+        ours += seconds
+        size += batch_size
+        if response is not None and not b % 2:
+            floor_seconds += collect_floor_one(response, floor_kept)
+    return ours, floor_seconds, size
 
 
 def prefetch_gaps(pacer: PacerClient, batches: int) -> list[float]:
@@ -174,7 +201,7 @@ def prefetch_gaps(pacer: PacerClient, batches: int) -> list[float]:
 
 # ------------------------------------------------------------------------------------------- run
 
-def one_repeat(repeat: int, arrays: list, workdir: Path, flip: bool) -> dict:
+def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
     groups = [arrays[i:i + GROUP_SIZE] for i in range(0, len(arrays), GROUP_SIZE)]
     batches = len(arrays) // MINI_BATCH
     payload = array_bytes(arrays)
@@ -186,22 +213,17 @@ def one_repeat(repeat: int, arrays: list, workdir: Path, flip: bool) -> dict:
         with PacerClient(server.address, arrays="numpy", timeout=120) as pacer:
             pacer.state()
             rss_before = rss_bytes(server.process.pid)
-            floor_first = [submit_floor(groups)] if not flip else []
-            submit_seconds = submit_ours(pacer, groups, 0)
-            floor_submit = floor_first[0] if floor_first else submit_floor(groups)
+            submit_seconds, floor_submit = submit_all(pacer, groups, 0, floor=True)
             state = pacer.state()
             rss_held = rss_bytes(server.process.pid)
             response = collect_response(groups[:MINI_BATCH // GROUP_SIZE], 0)
-            if flip:
-                floor_collect = collect_floor(response, batches)
-            collect_seconds, collected = collect_ours(pacer, batches, packed=False)
-            if not flip:
-                floor_collect = collect_floor(response, batches)
+            collect_seconds, floor_collect, collected = collect_all(pacer, batches, False, response)
             assert collected == payload, (collected, payload)
+            rss_consumed = rss_bytes(server.process.pid)  # everything acknowledged: nothing is held any more
             del response
-            submit_ours(pacer, groups, 1)
-            packed_seconds, _ = collect_ours(pacer, batches, packed=True)
-            submit_ours(pacer, groups, 2)
+            submit_all(pacer, groups, 1)
+            packed_seconds, _, _ = collect_all(pacer, batches, True)
+            submit_all(pacer, groups, 2)
             gaps = prefetch_gaps(pacer, batches)
     finally:
         server.stop()
@@ -217,6 +239,8 @@ def one_repeat(repeat: int, arrays: list, workdir: Path, flip: bool) -> dict:
         "rss_growth_bytes": rss_held - rss_before,
         "rss_per_held_byte": (rss_held - rss_before) / state.held_bytes,
         "server_rss_mb": rss_held / 1e6,
+        "rss_after_consumed_mb": rss_consumed / 1e6,
+        "rss_before_mb": rss_before / 1e6,
         "gaps_ms": [g * 1000 for g in gaps],
         "gap_median_ms": statistics.median(gaps) * 1000,
     }
@@ -244,6 +268,8 @@ def report(runs: list[dict], busy: float) -> bool:
     print(f"\nserver RSS per held byte: {med['rss_per_held_byte']:.2f}  (RSS growth "
           f"{med['rss_growth_bytes'] / 1e6:.0f} MB for held_bytes {med['held_bytes'] / 1e6:.0f} MB; server RSS "
           f"{med['server_rss_mb']:.0f} MB)  target <= {TARGETS['rss_per_held_byte']} {'PASS' if rss_ok else 'FAIL'}")
+    print(f"server RSS before the Submits {med['rss_before_mb']:.0f} MB, with everything held "
+          f"{med['server_rss_mb']:.0f} MB, after the trainer took and acknowledged all {med['rss_after_consumed_mb']:.0f} MB")
     gap_ok = gap_fraction < TARGETS["prefetch_gap_fraction"]
     print(f"prefetch gap: {med['gap_median_ms']:.1f} ms after a {STEP_SECONDS:.0f} s step = {100 * gap_fraction:.2f}% "
           f"(every gap, ms: {[round(g, 1) for r in runs for g in r['gaps_ms']]})  target < 5% "
@@ -274,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="payload-path-") as tmp:
         for repeat in range(args.repeats):
-            runs.append(one_repeat(repeat, arrays, Path(tmp), flip=bool(repeat % 2)))
+            runs.append(one_repeat(repeat, arrays, Path(tmp)))
             print(f"  repeat {repeat + 1}/{args.repeats} done", flush=True)
     busy1 = machine_busy_ticks()
     busy = 100 * (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])

@@ -1,13 +1,13 @@
-"""Pass-through ("view") forms of the messages that carry trajectories, derived from pacer.proto's descriptors.
+"""The wire forms of trajectories that skip per-number work, shared by the client and the server.
 
-A view differs from the real message in one respect: in `Trajectory` each packed numeric array is one
-`bytes` field holding its packed run, and the metadata map is `repeated bytes` (one raw entry each), under
-the same field numbers. Parsing a view copies the arrays' bytes instead of decoding every number; a client
-then exposes a fixed-width array as a NumPy array over those bytes, and the server passes them through
-without reading them. A view serializes to the bytes the real message would.
-
-Both sides use these classes: the server (coda_server/wire.py) for Submit requests and Collect/Reset answers,
-the client (coda_client) for Collect/Reset answers, and to write Submit requests straight from array buffers.
+- Views: the messages that carry trajectories, derived from pacer.proto's descriptors, differing in one
+  respect: in `Trajectory` each packed numeric array is one `bytes` field holding its packed run, and the
+  metadata map is `repeated bytes`, under the same field numbers; a view serializes to the bytes the real
+  message would. The server parses Submit requests into them (coda_server/wire.py).
+- Framing: `fields` and `split_message` read a message's framing only, so the client takes the arrays of a
+  Collect or Reset answer as slices of the received bytes (NumPy views over them) and decodes the rest.
+- Writing: `encode_trajectory` and `EncodedSubmitRequest` join a Submit request straight from the arrays'
+  buffers.
 """
 from __future__ import annotations
 
@@ -107,47 +107,57 @@ def length_delimited_tag(number: int) -> bytes:
     return varint(number << 3 | 2)
 
 
-LEN, _FIXED32, _FIXED64, _VARINT = 2, 5, 1, 0
+LEN, _FIXED32, _FIXED64, _VARINT, _START_GROUP, _END_GROUP = 2, 5, 1, 0, 3, 4
+
+
+def _varint_at(buffer: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buffer[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
 
 
 def fields(buffer: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
     """Walks the fields of the message in buffer[start:end]: (number, wire type, field start, value start,
     value end). Only the framing is read; raises ValueError on bytes that are not a message."""
     pos = start
-    while pos < end:
-        field_start = pos
-        key = shift = 0
-        while True:  # the key, a varint
-            byte = buffer[pos]
-            pos += 1
-            key |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                break
-            shift += 7
-        wire_type = key & 7
-        if wire_type == LEN:
-            size = shift = 0
-            while True:
-                byte = buffer[pos]
-                pos += 1
-                size |= (byte & 0x7F) << shift
-                if byte < 0x80:
-                    break
-                shift += 7
-            value_start, pos = pos, pos + size
-        elif wire_type == _VARINT:
-            value_start = pos
-            while buffer[pos] >= 0x80:
-                pos += 1
-            pos += 1
-        elif wire_type in (_FIXED32, _FIXED64):
-            value_start = pos
-            pos += 4 if wire_type == _FIXED32 else 8
-        else:
-            raise ValueError(f"unsupported wire type {wire_type} (groups are not used by pacer.proto)")
-        if pos > end:
-            raise ValueError("a field runs past the end of its message")
-        yield key >> 3, wire_type, field_start, value_start, pos
+    try:
+        while pos < end:
+            field_start = pos
+            key, pos = _varint_at(buffer, pos)
+            wire_type, value_start = key & 7, pos
+            if wire_type == LEN:
+                size, value_start = _varint_at(buffer, pos)
+                pos = value_start + size
+            elif wire_type == _VARINT:
+                _, pos = _varint_at(buffer, pos)
+            elif wire_type in (_FIXED32, _FIXED64):
+                pos += 4 if wire_type == _FIXED32 else 8
+            elif wire_type == _START_GROUP:  # legal in unknown fields (proto2 groups): skipped whole
+                pos = _group_end(buffer, pos, end, key >> 3)
+            elif wire_type == _END_GROUP:  # closes the group being skipped (see _group_end)
+                pass
+            else:
+                raise ValueError(f"wire type {wire_type} where a field starts")
+            if pos > end:
+                raise ValueError("a field runs past the end of its message")
+            yield key >> 3, wire_type, field_start, value_start, pos
+    except IndexError:
+        raise ValueError("the message ends inside a field") from None
+
+
+def _group_end(buffer: memoryview, pos: int, end: int, number: int) -> int:
+    """The position after the END_GROUP that closes group `number` starting at pos."""
+    for inner_number, wire_type, _, _, inner_end in fields(buffer, pos, end):
+        if wire_type == _END_GROUP:
+            if inner_number != number:
+                raise ValueError(f"group {number} closed by the end of group {inner_number}")
+            return inner_end
+    raise ValueError(f"group {number} is not closed")
 
 
 def split_message(buffer: memoryview, message_class: Any,

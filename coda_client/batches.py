@@ -33,6 +33,9 @@ _T = TypeVar("_T")
 
 DEFAULT_LEASE_SECONDS = 600.0
 DEFAULT_POLL_SECONDS = 5.0
+# How long a call ended by the server waits for the SHUTDOWN event that explains it.
+SHUTDOWN_EVENT_WAIT_SECONDS = 5.0
+_ENDED_BY_SHUTDOWN = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
 
 
 @dataclass(frozen=True, eq=False)
@@ -286,10 +289,14 @@ class BatchIterator(_IteratorBase):
                  poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None) -> None:
         super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches)
         self._lock = threading.Lock()
-        self._inflight: set[Any] = set()  # calls in progress, cancelled by close() or a server shutdown
+        self._inflight: set[Any] = set()  # Collects in progress, cancelled by close() or a server shutdown
+        self._acks_inflight: set[Any] = set()  # acknowledgements in progress, cancelled by a server shutdown
         self._shutdown = threading.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches")
         self._pending: concurrent.futures.Future[MiniBatch] | None = None
+        # Acknowledgements go out on their own thread, so handing out the next batch does not wait for one.
+        self._acker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches-ack")
+        self._acking: concurrent.futures.Future[int] | None = None
         self._watch = client.watch()
         self._watcher = threading.Thread(target=self._watch_events, name="coda-batches-watch", daemon=True)
         self._watcher.start()
@@ -301,38 +308,45 @@ class BatchIterator(_IteratorBase):
             for event in self._watch:
                 if self._on_event(event.type):
                     self._shutdown.set()
-                    self._cancel_inflight()
+                    self._cancel_inflight(self._acks_inflight)
+                    self._cancel_inflight(self._inflight)
                     return
         except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
             log.warning("batches: control stream ended (%s); a server shutdown will show as a call error", exc)
 
-    def _cancel_inflight(self) -> None:
+    def _cancel_inflight(self, calls: set[Any]) -> None:
         with self._lock:
-            inflight = list(self._inflight)
+            inflight = list(calls)
         for future in inflight:
             future.cancel()
 
-    def _call(self, call: _calls.Call[_T]) -> _T:
-        """Runs a call that close() or a server shutdown can cut short (raising _Stopped): after the
-        server's SHUTDOWN event a call would otherwise wait for a server that is gone until its deadline."""
+    def _call(self, call: _calls.Call[_T], *, survives_close: bool = False) -> _T:
+        """Runs a call that a server shutdown (and, unless `survives_close`, close()) cuts short, raising
+        _Stopped: after the server's SHUTDOWN event a call would otherwise wait for a server that is gone
+        until its deadline. Acknowledgements survive close(): the caller trained on those batches."""
         stub = self._client._stub_for_process()
         with self._lock:
-            if self._closed or self._shutdown.is_set():
+            if self._shutdown.is_set() or (self._closed and not survives_close):
                 raise _Stopped
             future = getattr(stub, call.method).future(call.request, timeout=call.timeout,
                                                        metadata=self._client._metadata)
-            self._inflight.add(future)
+            (self._acks_inflight if survives_close else self._inflight).add(future)
         try:
             return call.convert(future.result())
         except grpc.FutureCancelledError:
             raise _Stopped from None
         except grpc.RpcError as exc:
-            if self._closed or self._shutdown.is_set():
+            if self._closed and not survives_close:
+                raise _Stopped from None
+            # A server that shuts down ends its calls (CANCELLED, UNAVAILABLE) right after telling watchers
+            # SHUTDOWN: the watch thread may not have read that event yet.
+            if exc.code() in _ENDED_BY_SHUTDOWN and self._shutdown.wait(SHUTDOWN_EVENT_WAIT_SECONDS):
                 raise _Stopped from None
             raise translate(exc) from exc
         finally:
             with self._lock:
                 self._inflight.discard(future)
+                self._acks_inflight.discard(future)
 
     def _prefetch(self) -> MiniBatch:
         """Collects until a full batch arrives (raises _Stopped when closed or the server shuts down)."""
@@ -345,9 +359,14 @@ class BatchIterator(_IteratorBase):
         return self
 
     def __next__(self) -> MiniBatch:
-        """Acknowledges the batch handed out last, then hands out the prefetched one and prefetches the next."""
+        """Sends the acknowledgement of the batch handed out last, hands out the prefetched one and
+        prefetches the next. The acknowledgement completes in the background (wait_for_ack() waits for it);
+        its error, if any, is raised by the next call."""
         try:
-            self.ack()
+            self.wait_for_ack()
+            batch, self._current = self._current, None
+            if batch is not None and batch.lease_id:
+                self._acking = self._acker.submit(self._acknowledge, batch)
             if self._pending is None or self._closed:
                 raise _Stopped
             pending, self._pending = self._pending, None
@@ -355,6 +374,10 @@ class BatchIterator(_IteratorBase):
         except _Stopped:
             self.server_shut_down = self._shutdown.is_set()
             self.close()
+            try:
+                self.wait_for_ack()  # the last batch's acknowledgement, sent above, completes before the end
+            except _Stopped:
+                pass
             raise StopIteration from None
         except BaseException:
             self.close()
@@ -366,12 +389,22 @@ class BatchIterator(_IteratorBase):
         return batch
 
     def ack(self) -> int:
-        """Acknowledges the batch handed out last now (otherwise the next __next__ does); returns its groups.
-        A LEASE_EXPIRED error means the lease ran out before: the groups will be delivered again."""
+        """Acknowledges the batch handed out last now and waits for it (otherwise the next __next__ sends
+        the acknowledgement); returns its groups. A LEASE_EXPIRED error (FailedPreconditionError) means the
+        lease ran out before: the groups will be delivered again."""
+        self.wait_for_ack()
         batch, self._current = self._current, None
-        if batch is None or not batch.lease_id:
-            return 0
-        groups = self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout))
+        return 0 if batch is None or not batch.lease_id else self._acknowledge(batch)
+
+    def wait_for_ack(self) -> None:
+        """Waits until the acknowledgement sent by the last __next__ is done; raises its error, if any."""
+        acking, self._acking = self._acking, None
+        if acking is not None:
+            acking.result()
+
+    def _acknowledge(self, batch: MiniBatch) -> int:
+        groups = self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout),
+                            survives_close=True)
         self.acknowledged += 1
         return groups
 
@@ -380,9 +413,10 @@ class BatchIterator(_IteratorBase):
         already prefetched and not handed out returns to the server's buffer when its lease runs out."""
         with self._lock:
             self._closed = True
-        self._cancel_inflight()
+        self._cancel_inflight(self._inflight)
         self._watch.cancel()
         self._executor.shutdown(wait=False)
+        self._acker.shutdown(wait=False)
 
     def __enter__(self) -> BatchIterator:
         return self
@@ -393,6 +427,8 @@ class BatchIterator(_IteratorBase):
         try:
             if exc_type is None:
                 self.ack()
+            else:
+                self.wait_for_ack()
         except _Stopped:
             pass
         finally:
@@ -411,7 +447,9 @@ class AsyncBatchIterator(_IteratorBase):
         self.mini_batch_size = mini_batch_size
         self._shutdown = asyncio.Event()
         self._inflight: set[asyncio.Future[Any]] = set()
+        self._acks_inflight: set[asyncio.Future[Any]] = set()
         self._pending: asyncio.Task[MiniBatch] | None = None
+        self._acking: asyncio.Task[int] | None = None
         self._watch: Any = None
         self._watcher: asyncio.Task[None] | None = None
 
@@ -429,30 +467,40 @@ class AsyncBatchIterator(_IteratorBase):
             async for event in self._watch:
                 if self._on_event(event.type):
                     self._shutdown.set()
-                    for task in list(self._inflight):
+                    for task in (*self._inflight, *self._acks_inflight):
                         task.cancel()
                     return
         except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
             log.warning("batches: control stream ended (%s); a server shutdown will show as a call error", exc)
 
-    async def _call(self, call: _calls.Call[_T]) -> _T:
+    async def _call(self, call: _calls.Call[_T], *, survives_close: bool = False) -> _T:
         """Coroutine form of BatchIterator._call."""
-        if self._closed or self._shutdown.is_set():
+        def stopped() -> bool:
+            return self._shutdown.is_set() or (self._closed and not survives_close)
+
+        if stopped():
             raise _Stopped
         task = asyncio.ensure_future(self._client._run(call))
-        self._inflight.add(task)
+        calls = self._acks_inflight if survives_close else self._inflight
+        calls.add(task)
         try:
             return await task
         except asyncio.CancelledError:
-            if task.cancelled() and (self._closed or self._shutdown.is_set()):
+            if task.cancelled() and stopped():
                 raise _Stopped from None
             raise  # the caller's own task was cancelled
-        except Exception:
-            if self._closed or self._shutdown.is_set():
+        except Exception as exc:
+            if stopped():
+                raise _Stopped from None
+            if getattr(exc, "code", None) in _ENDED_BY_SHUTDOWN:  # see BatchIterator._call
+                try:
+                    await asyncio.wait_for(self._shutdown.wait(), SHUTDOWN_EVENT_WAIT_SECONDS)
+                except asyncio.TimeoutError:
+                    raise exc from None
                 raise _Stopped from None
             raise
         finally:
-            self._inflight.discard(task)
+            calls.discard(task)
 
     async def _prefetch(self) -> MiniBatch:
         while True:
@@ -467,7 +515,10 @@ class AsyncBatchIterator(_IteratorBase):
         """Acknowledges the batch handed out last, then hands out the prefetched one and prefetches the next."""
         try:
             await self._start()
-            await self.ack()
+            await self.wait_for_ack()
+            batch, self._current = self._current, None
+            if batch is not None and batch.lease_id:
+                self._acking = asyncio.ensure_future(self._acknowledge(batch))
             if self._pending is None or self._closed:
                 raise _Stopped
             pending, self._pending = self._pending, None
@@ -475,6 +526,10 @@ class AsyncBatchIterator(_IteratorBase):
         except _Stopped:
             self.server_shut_down = self._shutdown.is_set()
             await self.close()
+            try:
+                await self.wait_for_ack()  # the last batch's acknowledgement, sent above, completes before the end
+            except _Stopped:
+                pass
             raise StopAsyncIteration from None
         except BaseException:
             await self.close()
@@ -487,10 +542,19 @@ class AsyncBatchIterator(_IteratorBase):
 
     async def ack(self) -> int:
         """Coroutine form of BatchIterator.ack."""
+        await self.wait_for_ack()
         batch, self._current = self._current, None
-        if batch is None or not batch.lease_id:
-            return 0
-        groups = await self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout))
+        return 0 if batch is None or not batch.lease_id else await self._acknowledge(batch)
+
+    async def wait_for_ack(self) -> None:
+        """Coroutine form of BatchIterator.wait_for_ack."""
+        acking, self._acking = self._acking, None
+        if acking is not None:
+            await acking
+
+    async def _acknowledge(self, batch: MiniBatch) -> int:
+        groups = await self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout),
+                                  survives_close=True)
         self.acknowledged += 1
         return groups
 
@@ -513,6 +577,8 @@ class AsyncBatchIterator(_IteratorBase):
         try:
             if exc_type is None:
                 await self.ack()
+            else:
+                await self.wait_for_ack()
         except _Stopped:
             pass
         finally:

@@ -1,19 +1,19 @@
-"""Pass-through forms of the messages that carry trajectories: their token arrays stay undecoded bytes.
+"""How the server carries trajectories without decoding them: views to read, encoded slices to hold.
 
-The server reads a trajectory's ids, status, reward and versions; it never reads the token ids, logprobs,
-loss mask or metadata, which the trainer gets back exactly as the worker sent them. The classes here are
-derived at import time from pacer.proto's own descriptors (so they cannot drift from it) and differ in one
-respect: in `Trajectory` each packed numeric array is one `bytes` field and the metadata map is `repeated
-bytes` (one raw entry each), under the same field numbers. Parsing a Submit then copies those bytes instead
-of decoding every number (about 0.05 ms instead of 1.3 ms for 64 trajectories of 1,000 tokens), and writing
-a trajectory back (Collect, Reset, the journal) copies them again.
+The server reads a trajectory's ids, status, reward and versions; it never decodes the token ids, logprobs,
+loss mask, metadata or payload, which the trainer gets back exactly as the worker sent them.
 
-The encoding does not change: a view serializes to the bytes the real message would. `parse_submit`
-checks that nothing was lost in the view: every encoder writes a packed array as one run, but the format
-also allows several runs, which a `bytes` field would not keep (the last run would win). When the sizes do
-not add up to the request's length, the request is decoded the ordinary way and re-encoded in the usual
-form first. An array sent unpacked (legal, unusual) arrives as an unknown field, which is kept and written
-back too.
+- Reading: a Submit is parsed into pass-through views (classes derived from pacer.proto's descriptors in
+  coda_client/_wire.py, where each packed array is one `bytes` field), for the fields the server reads and
+  the checks of the arrays (`array_problem`: whole numbers of values, equal lengths, no retired field).
+- Holding: each trajectory's body is its encoded bytes, a slice of the request (`EncodedTrajectory`), so
+  the server holds one copy of what it accepted, in the form it came in.
+- Writing: Collect and Reset answers (`EncodedAnswer`) and the journal write those bytes as they are,
+  joined once, instead of copying them into a message and serializing that.
+
+A bytes field keeps only the last of several packed runs of one array (legal, unusual), and an array sent
+unpacked is not a run at all: `parse_submit` re-encodes a request holding either in the usual form (one
+packed run per array) first, so what is held, checked and written back is always in that form.
 """
 from __future__ import annotations
 

@@ -58,6 +58,21 @@ def test_packing_gives_flat_columns_and_offsets() -> None:
         assert not column.flags.writeable
 
 
+def test_groups_with_list_arrays_pack_the_same() -> None:
+    def as_lists(t: Trajectory) -> Trajectory:
+        return Trajectory(trajectory_id=t.trajectory_id, prompt_id=t.prompt_id, status=t.status, reward=t.reward,
+                          token_ids=list(t.token_ids), logprobs=[float(x) for x in t.logprobs],
+                          loss_mask=[int(x) for x in t.loss_mask], start_weight_version=t.start_weight_version,
+                          end_weight_version=t.end_weight_version)
+
+    arrays = _batch()
+    lists = MiniBatch.from_groups([TrajectoryGroup(g.prompt_id, seq=g.seq, epoch=g.epoch, index=g.index,
+                                                   trajectories=[as_lists(t) for t in g.trajectories])
+                                   for g in arrays.source_groups])
+    for name in ("token_ids", "logprobs", "loss_mask", "cu_seqlens", "group_index", "reward"):
+        assert getattr(lists, name).tobytes() == getattr(arrays, name).tobytes(), name
+
+
 def test_absent_loss_mask_is_ones() -> None:
     batch = MiniBatch.from_groups([TrajectoryGroup("m", trajectories=[_trajectory("m", 0, 3, mask=False)])])
     assert batch.loss_mask.tolist() == [1, 1, 1]
@@ -135,6 +150,7 @@ def test_asking_for_the_next_batch_acknowledges_the_last(server) -> None:
             assert pacer.state().consumed == consumed  # in hand, leased: not consumed yet
             second = next(batches)
             assert [g.prompt_id for g in second.groups] == ["n2", "n3"]
+            batches.wait_for_ack()  # the acknowledgement goes out with the request, and completes in the background
             assert pacer.state().consumed == consumed + 2  # the first was acknowledged by asking for the second
             assert batches.ack() == 2 and pacer.state().consumed == consumed + 4  # explicit ack
             third = next(batches)  # nothing left to acknowledge for the second: no error

@@ -144,3 +144,18 @@ def test_unusual_encodings_reach_the_trainer_intact(server):
         [group] = pacer.collect(1, wait=5)
         [received] = group.trajectories
         assert (list(received.token_ids), list(received.loss_mask)) == ([1, 2, 300], [1, 0, 1])
+
+
+def test_an_unknown_group_field_is_kept_and_framing_errors_are_value_errors():
+    """A proto2 group in an unknown field (legal) passes through; bytes that are not a message raise
+    ValueError, which the server answers as MALFORMED_REQUEST."""
+    from coda_client import _wire
+
+    group = _varint(99 << 3 | 3) + _field(1, 0, b"\x05") + _varint(99 << 3 | 4)
+    trajectory = _field(1, 2, b"t0") + group + _field(TOKENS, 2, _int32s(4, 5))
+    parsed = wire.parse_submit(_submit(trajectory))
+    assert bytes(parsed.encoded[0]) == trajectory and parsed.sizes == [len(trajectory)]
+    assert wire.array_count("token_ids", parsed.trajectories[0].token_ids) == 2
+    for broken in (b"\x0a\x05ab", b"\x08\xff", _varint(99 << 3 | 3) + b"\x08\x01"):
+        with pytest.raises(ValueError):
+            list(_wire.fields(memoryview(broken), 0, len(broken)))
