@@ -346,7 +346,7 @@ class AsyncSimulation:
         spec = req.spec
         t = Trajectory(g.trajectory_id(req.j), g.spec.prompt_id, 0, spec.status, spec.reward,
                        req.start_version if req.start_version is not None else self.version, self.version,
-                       len(spec.turns))
+                       len(spec.turns), num_tokens=spec.tokens)
         g.final[req.j] = t
         self._submit([t])
 
@@ -437,7 +437,7 @@ class AsyncSimulation:
             g: GroupRun = req.owner
             start = req.start_version if req.start_version is not None else self.version
             trajectories.append(Trajectory(g.trajectory_id(req.j), g.spec.prompt_id, 0, TrajectoryStatus.ABORTED,
-                                           0.0, start, self.version, req.turn))
+                                           0.0, start, self.version, req.turn, num_tokens=int(req.tokens_done)))
         if trajectories:
             self._submit(trajectories)
         return None

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from coda_server import SlidingWindowStrategy, TrajectoryStatus, create_strategy
 from coda_server.core import (
+    LatencyAwareStrategy,
     NoWindowStrategy,
     PromptRef,
     StaleGenerationError,
@@ -76,7 +77,7 @@ def test_create_strategy_from_a_bare_omegaconf():
 
 
 @pytest.mark.parametrize("name,cls", [("no-window", NoWindowStrategy), ("window-gated", WindowGatedStrategy),
-                                      ("windowed-fifo", WindowedFifoStrategy)])
+                                      ("windowed-fifo", WindowedFifoStrategy), ("latency-aware", LatencyAwareStrategy)])
 def test_create_strategy_builds_each_builtin_by_name(name, cls):
     s = create_strategy(bare_config(name))
     assert s.name == name and type(s.wrapped) is cls

@@ -149,7 +149,7 @@ def test_unknown_strategy_stops_start_up_listing_the_registered_ones(tmp_path):
     server = ServerProcess(tmp_path, "fully_async.sliding_window=nope")
     with pytest.raises(RuntimeError) as caught:
         server.start()
-    assert "registered strategies: no-window, window-gated, windowed-fifo" in str(caught.value)
+    assert "registered strategies: latency-aware, no-window, window-gated, windowed-fifo" in str(caught.value)
     server.close()
 
 

@@ -185,3 +185,28 @@ def test_filters_that_drop_everything_stop_with_a_message_not_a_hang():
         simulate(config, "no-window", 1.0, with_colocate=False)
     with pytest.raises(SimulationError, match="colocate baseline"):
         colocate_baseline(config, steps=1)
+
+
+def test_colocate_baselines_cut_the_tail_at_b_and_partial_continues_it():
+    # B = 2 groups of 1, constant 100 tokens at 10 tok/s (10 s); prompts 1 and 3 decode 2.5x slower (25 s).
+    # The sampler dispatches 2 x B = 4 groups and stops generating once 2 are accepted.
+    config = load_sim_config(overrides=TINY + [
+        "data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=1", "trainer.mini_batch_size=2",
+        "sim.generation.stragglers.indices=[1,3]", "sim.generation.stragglers.slowdown=2.5",
+        "sim.colocate.oversample=2.0", "sim.cluster.slots_per_replica=8", "sim.steps=3"])
+    plain = colocate_baseline(config, 3)
+    # Every step: the two fast groups finish at 10 s; what still runs is thrown away (step 0: the two slow
+    # ones, 40 tokens each; later steps: two fast groups finished at the same moment, not needed).
+    assert plain.gen_times == pytest.approx([10.0, 10.0, 10.0])
+    assert plain.discarded_groups == 6 and plain.restored_groups == 0
+    assert colocate_baseline(config, 1).tokens_wasted == pytest.approx(80.0)
+    partial = colocate_baseline(config, 3, partial=True)
+    # Step 0 as before, but 1 and 3 are carried over (40 tokens done) and dispatched first in step 1, where
+    # they reach 80 tokens by the time two fresh groups finish; in step 2 they need 20 more: done at 5 s.
+    assert partial.gen_times == pytest.approx([10.0, 10.0, 5.0])
+    # Their 80 tokens from before the last abort are masked out of what step 2 trains on.
+    assert partial.masked_tokens == pytest.approx([0.0, 0.0, 160.0])
+    assert partial.consumed_tokens == pytest.approx([200.0, 200.0, 200.0])
+    assert partial.restored_groups == 6 and partial.discarded_groups == 0
+    # Step time = generation + training (4 s / speed-up 2) + 3 s switch.
+    assert partial.step_times == pytest.approx([15.0, 15.0, 10.0])

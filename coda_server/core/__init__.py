@@ -1,5 +1,6 @@
 """The pacing core: pure Python (no grpc), embeddable in-process by tests, the simulator and users."""
 from .builtin_strategies import NoWindowStrategy, WindowedFifoStrategy, WindowGatedStrategy
+from .latency_aware import LatencyAwareStrategy
 from .config import default_config_path, load_config, validate_config
 from .errors import (
     ConfigError,

@@ -28,7 +28,7 @@ from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was define
 from .limits import Limits, shipped_server_defaults
 from .polls import CollectPoll, DispatchPoll, ResetPoll
 from .state import COUNTER_NAMES
-from .strategy import ThreadSafeStrategy, create_strategy, gate_is_ordered, window_size
+from .strategy import BufferView, ThreadSafeStrategy, create_strategy, gate_is_ordered, overridden_hook, window_size
 from .types import (
     CollectResult,
     ControlEvent,
@@ -81,6 +81,15 @@ class Pacer:
         self._hooks = self._strategy.wrapped if proxied else self._strategy
         # With an ordered gate, a re-examination pass stops at the first refusal (see SlidingWindowStrategy).
         self._ordered_gate = gate_is_ordered(self._hooks)
+        # The optional hooks: called only when the strategy defines them (on_submitted runs per trajectory).
+        self._on_submitted = overridden_hook(self._hooks, "on_submitted")
+        self._on_consumed = overridden_hook(self._hooks, "on_consumed")
+        self._on_resume = overridden_hook(self._hooks, "on_resume")
+        try:  # the strategy's clock and buffer view are this pacer's (read through, as recovery swaps the clock)
+            self._hooks._pacer_clock = lambda: self._clock()
+            self._hooks._pacer_buffer = BufferView(lambda: self._buffer)
+        except AttributeError:  # a strategy with __slots__ and no room for them keeps the defaults
+            pass
         self._filters = filters if filters is not None else create_filters(list(config.rollout.filter), config)
         self._group_sizes = [int(s.num_trajectories_per_prompt) for s in config.data_sources]
         self._window_size = window_size(config)
@@ -320,6 +329,12 @@ class Pacer:
             except StaleGenerationError:
                 self._record(StaleRejected(self._clock(), self.totals["stale_rejected"] - stale_before))
                 raise
+            if self._on_submitted is not None:  # the strategy hears first: if it raises, nothing changed
+                try:
+                    for trajectory in fresh:
+                        self._on_submitted(trajectory)
+                except Exception as exc:
+                    raise self._hook_refused("on_submitted", exc, "nothing was accepted") from exc
             completed: list[InflightGroup] = []
             touched: dict[str, InflightGroup] = {}
             for trajectory in fresh:
@@ -531,6 +546,11 @@ class Pacer:
     def _consume(self, groups: list[TrajectoryGroup]) -> None:
         """The trainer has these groups for good: count them, free their bytes (the pacer keeps only each
         trajectory's content key, for duplicate detection), tell listeners."""
+        if self._on_consumed is not None:
+            try:
+                self._on_consumed(groups)
+            except Exception as exc:  # reported; the trainer has the groups all the same
+                self._incident(HOOK_FAILED, "", "on_consumed", describe_exception(exc), "consumed")
         self.totals["consumed"] += len(groups)
         accepted = self._accepted
         for group in groups:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from .errors import ResetInProgressError
+from .incidents import HOOK_FAILED, describe_exception
 from .inflight import StepTally, bytes_of
 from .journal import ResetAbandoned, ResetBegun, ResetFinished, Resumed
 from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, TrajectoryGroup
@@ -140,4 +141,9 @@ def _resume_locked(pacer: "Pacer", weight_version: Optional[int]) -> None:
         pacer.weight_version = weight_version
     pacer.paused = False
     pacer._pause_started = None
+    if pacer._on_resume is not None:
+        try:
+            pacer._on_resume(pacer.weight_version)
+        except Exception as exc:  # reported; the Resume stands (dispatch must reopen)
+            pacer._incident(HOOK_FAILED, "", "on_resume", describe_exception(exc), "resumed")
     pacer._emit(ControlEventType.RESUME)

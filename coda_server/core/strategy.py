@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import abc
+import heapq
 import inspect
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+import time
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .registry import Registry
 from .types import TrajectoryStatus
@@ -75,6 +77,67 @@ class SlidingWindowStrategy(abc.ABC):
         """
         return not any(t.status == TrajectoryStatus.ABORTED for t in group.values())
 
+    # Optional hooks and views for strategies that pace by time and progress (docs/custom-strategies.md).
+    # The pacer calls a hook only if the strategy's class overrides it; all run under the strategy lock.
+
+    def on_submitted(self, trajectory: Any) -> None:
+        """A trajectory was accepted (before its group may complete); `trajectory.num_tokens` is its
+        response length in tokens (0 when the worker sent no token ids)."""
+
+    def on_consumed(self, groups: Sequence[Any]) -> None:
+        """The trainer took these groups (`TrajectoryGroup`s) for good: a Collect, or the Ack of a leased one."""
+
+    def on_resume(self, weight_version: int) -> None:
+        """Generation resumed with new weights (after `on_reset`, at the start of the next step)."""
+
+    # The pacer binds these to itself when it adopts the strategy; class defaults serve a strategy used alone.
+    _pacer_clock: Callable[[], float] = staticmethod(time.monotonic)
+    _pacer_buffer: "BufferView | None" = None
+
+    def now(self) -> float:
+        """Seconds on the pacer's clock: monotonic time in the server, simulated time in coda-sim."""
+        return self._pacer_clock()
+
+    @property
+    def buffer(self) -> "BufferView":
+        """A read-only view of the pipeline buffer: the complete groups waiting for the trainer."""
+        return self._pacer_buffer if self._pacer_buffer is not None else BufferView(lambda: [])
+
+
+class BufferView:
+    """What the pipeline buffer holds, read-only and live: `len(view)`, and the groups in the order the
+    trainer will take them (`iter(view)`, `view.groups()`). Its groups must not be changed."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: Callable[[], list]):
+        self._entries = entries  # -> the buffer's (priority, group) heap
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+    def groups(self) -> list[Any]:
+        """The buffered groups, first to be taken first (sorting costs O(n log n): call it sparingly)."""
+        return [group for _, group in heapq.nsmallest(len(self._entries()), self._entries())]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.groups())
+
+    def trajectories(self) -> int:
+        return sum(len(group.trajectories) for _, group in self._entries())
+
+    def tokens(self) -> int:
+        """Response tokens of every buffered trajectory (as far as the workers sent token ids)."""
+        return sum(getattr(t, "num_tokens", 0) for _, group in self._entries() for t in group.trajectories)
+
+
+def overridden_hook(strategy: Any, name: str) -> Callable[..., Any] | None:
+    """`strategy.<name>` if its class defines that optional hook other than the no-op base, else None."""
+    method = getattr(type(strategy), name, None)
+    if method is None or method is getattr(SlidingWindowStrategy, name, None):
+        return None
+    return getattr(strategy, name)
+
 
 def gate_is_ordered(strategy: Any) -> bool:
     """True when `strategy` promises `ordered_gate` for the `will_collect` it actually uses.
@@ -133,6 +196,25 @@ class ThreadSafeStrategy(SlidingWindowStrategy):
     def will_collect(self, group: Mapping[str, Any]) -> bool:
         with self.lock:
             return bool(self._strategy.will_collect(group))
+
+    def on_submitted(self, trajectory: Any) -> None:
+        with self.lock:
+            self._strategy.on_submitted(trajectory)
+
+    def on_consumed(self, groups: Sequence[Any]) -> None:
+        with self.lock:
+            self._strategy.on_consumed(groups)
+
+    def on_resume(self, weight_version: int) -> None:
+        with self.lock:
+            self._strategy.on_resume(weight_version)
+
+    def now(self) -> float:
+        return self._strategy.now()  # the wrapped strategy is the one a pacer binds its clock to
+
+    @property
+    def buffer(self) -> "BufferView":
+        return self._strategy.buffer
 
     def __getattr__(self, item: str) -> Any:
         # Anything else (custom helpers, attributes) reads through to the strategy, under the lock.

@@ -1,0 +1,191 @@
+"""The optional strategy hooks: the pacer's clock, on_submitted (with token counts), on_consumed, on_resume and the
+buffer view; and the built-in latency-aware strategy that uses them. In process, then over gRPC."""
+from __future__ import annotations
+
+import pytest
+
+from coda_client import PacerClient
+from coda_client import Trajectory as WireTrajectory
+from coda_client import TrajectoryStatus as WireStatus
+from coda_server.core import (LatencyAwareStrategy, Pacer, PromptRef, ResetMode, SlidingWindowStrategy, Trajectory,
+                              TrajectoryStatus, create_strategy, load_config, register_sliding_window_strategy)
+from coda_server.core.errors import StrategyHookError
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.usefixtures("scratch_registry")
+
+BASE = ["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
+        "trainer.mini_batch_size=2", "fully_async.stale_steps=1.0"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder(SlidingWindowStrategy):
+    """Admits C - R - Q and writes down every optional hook call, with the clock and the buffer seen then."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls: list[tuple] = []
+
+    def compute_dispatch_count(self, buf_qsize: int) -> int:
+        return max(0, 4 - self._running_count - buf_qsize)
+
+    def on_submitted(self, trajectory) -> None:
+        self.calls.append(("submitted", trajectory.trajectory_id, trajectory.num_tokens, self.now()))
+
+    def on_consumed(self, groups) -> None:
+        self.calls.append(("consumed", [g.prompt_id for g in groups], len(self.buffer), self.now()))
+
+    def on_reset(self) -> None:
+        self.calls.append(("reset",))
+        super().on_reset()
+
+    def on_resume(self, weight_version: int) -> None:
+        self.calls.append(("resume", weight_version, self.now()))
+
+
+def pacer_with(strategy_cls, *overrides: str):
+    register_sliding_window_strategy("test-hooks")(strategy_cls)
+    clock = Clock()
+    config = load_config(overrides=[*BASE, "fully_async.sliding_window=test-hooks", *overrides])
+    pacer = Pacer(config, clock=clock)
+    return pacer, pacer.strategy.wrapped, clock
+
+
+def group(prompt_id: str, tokens: int = 10, status=TrajectoryStatus.COMPLETED) -> list[Trajectory]:
+    return [Trajectory(f"{prompt_id}/t{i}", prompt_id, status=status, num_tokens=tokens + i) for i in range(2)]
+
+
+def test_hooks_run_in_order_with_the_pacer_clock_and_a_live_buffer_view():
+    pacer, strategy, clock = pacer_with(Recorder)
+    pacer.dispatch([PromptRef("a"), PromptRef("b"), PromptRef("c")])
+    clock.now = 105.0
+    pacer.submit(group("a") + group("b", 20))
+    assert [(c[0], c[1], c[2]) for c in strategy.calls] == [
+        ("submitted", "a/t0", 10), ("submitted", "a/t1", 11), ("submitted", "b/t0", 20), ("submitted", "b/t1", 21)]
+    assert {c[3] for c in strategy.calls} == {105.0}  # now() is the pacer's clock
+    view = strategy.buffer
+    assert len(view) == 2 and [g.prompt_id for g in view] == ["a", "b"] and view.tokens() == 62
+    assert view.trajectories() == 4
+    clock.now = 110.0
+    pacer.collect_now(1)
+    assert strategy.calls[-1] == ("consumed", ["a"], 1, 110.0)  # the view already shows what is left
+    assert [g.prompt_id for g in view.groups()] == ["b"]
+    heard = len(strategy.calls)
+    leased = pacer.collect_now(1, lease_seconds=30)
+    assert len(strategy.calls) == heard  # a leased Collect is not consumed yet ...
+    pacer.ack(leased.lease_id)
+    assert strategy.calls[-1] == ("consumed", ["b"], 0, 110.0)  # ... its Ack is
+    clock.now = 120.0
+    pacer.reset(ResetMode.ABORT, resume=True, weight_version=7, wait=0)
+    assert strategy.calls[-2:] == [("reset",), ("resume", 7, 120.0)]
+
+
+def test_a_strategy_whose_hook_raises_leaves_the_submit_undone():
+    class Refuses(Recorder):
+        def on_submitted(self, trajectory) -> None:
+            raise RuntimeError("no")
+
+    pacer, strategy, _ = pacer_with(Refuses)
+    pacer.dispatch([PromptRef("a")])
+    before = pacer.state()
+    with pytest.raises(StrategyHookError, match="on_submitted"):
+        pacer.submit(group("a"))
+    after = pacer.state()
+    assert (after.submitted, after.queued_trajectories, after.running, after.buffered) == (
+        before.submitted, before.queued_trajectories, before.running, before.buffered)
+
+
+def test_a_strategy_without_the_hooks_is_not_asked_and_now_works_alone():
+    class Plain(SlidingWindowStrategy):
+        def compute_dispatch_count(self, buf_qsize: int) -> int:
+            return 1
+
+    pacer, strategy, clock = pacer_with(Plain)
+    assert pacer._on_submitted is None and pacer._on_consumed is None and pacer._on_resume is None
+    assert strategy.now() == 100.0
+    alone = Plain()  # not adopted by a pacer: monotonic time and an empty buffer
+    assert alone.now() > 0 and len(alone.buffer) == 0
+
+
+def test_the_proxy_forwards_the_hooks_under_its_lock():
+    proxy = create_strategy(load_config(overrides=[*BASE, "fully_async.sliding_window=latency-aware"]))
+    assert isinstance(proxy.wrapped, LatencyAwareStrategy)
+    proxy.on_consumed([object(), object()])
+    assert proxy.compute_dispatch_count(0) == 0  # B = 2 consumed: quiet
+    proxy.on_resume(1)
+    assert proxy.compute_dispatch_count(0) == 4  # C - R - Q again
+
+
+def test_latency_aware_goes_quiet_once_the_step_is_consumed_and_wakes_on_resume():
+    config = load_config(overrides=[*BASE, "fully_async.stale_steps=2.0", "fully_async.sliding_window=latency-aware"])
+    clock = Clock()
+    pacer = Pacer(config, clock=clock)
+    pacer.dispatch([PromptRef(p) for p in "abcd"])
+    pacer.submit(group("a") + group("b") + group("c"))
+    assert pacer.admissible_now() == 2  # C = 6: 1 running, 3 buffered: windowed-fifo's C - R - Q
+    pacer.collect_now(1)
+    assert pacer.admissible_now() == 3 and pacer.strategy.wrapped.quiet_since is None
+    clock.now = 130.0
+    pacer.collect_now(1)  # the step's B = 2 groups are taken: a group started now would start on old weights
+    assert pacer.admissible_now() == 0 and pacer.strategy.wrapped.quiet_since == 130.0
+    assert pacer.dispatch([PromptRef("e")]).admitted_ids == []
+    pacer.reset(ResetMode.ABORT, resume=True, weight_version=1, wait=0)
+    assert pacer.admissible_now() > 0 and pacer.strategy.wrapped.quiet_since is None
+
+
+def test_latency_aware_quiet_after_option():
+    config = load_config(overrides=[*BASE, "data_source.num_prompts_per_step=4", "fully_async.sliding_window=latency-aware",
+                                    "fully_async.latency_aware.quiet_after=0.5"])
+    strategy = create_strategy(config)
+    strategy.on_consumed([object(), object()])  # half of B = 4
+    assert strategy.compute_dispatch_count(0) == 0
+    bad = load_config(overrides=[*BASE, "fully_async.sliding_window=latency-aware",
+                                 "fully_async.latency_aware.quiet_after=1.5"])
+    with pytest.raises(ValueError, match="quiet_after"):
+        create_strategy(bad)
+
+
+PLUGIN = '''
+from coda_server import SlidingWindowStrategy, register_sliding_window_strategy
+
+
+@register_sliding_window_strategy("token-budget")
+class TokenBudget(SlidingWindowStrategy):
+    """One more group may run for every 100 response tokens submitted so far (observable as `remaining`)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tokens = 0
+
+    def on_submitted(self, trajectory):
+        self.tokens += trajectory.num_tokens
+
+    def compute_dispatch_count(self, buf_qsize):
+        return 1 + self.tokens // 100 - self._running_count - buf_qsize
+'''
+
+
+def test_over_grpc_the_strategy_hears_each_trajectory_with_its_token_count(tmp_path):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "token_budget.py").write_text(PLUGIN)
+    server = ServerProcess(tmp_path, *BASE, f"server.custom_strategy_dirs=[{plugins}]",
+                           "fully_async.sliding_window=token-budget").start()
+    try:
+        with PacerClient(server.address) as pacer:
+            assert pacer.dispatch(["p", "q"]).admitted == ["p"]  # nothing heard yet: 1 group
+            trajectories = [WireTrajectory(trajectory_id=f"p/{i}", prompt_id="p", status=WireStatus.COMPLETED,
+                                           token_ids=list(range(150)))
+                            for i in range(2)]
+            pacer.submit(trajectories)
+            # 300 tokens heard: 1 + 3 - 0 running - 1 buffered = 3 more may start.
+            assert pacer.dispatch().remaining == 3
+    finally:
+        server.close()
