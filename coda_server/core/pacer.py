@@ -2,7 +2,8 @@
 
 What it leans on, each in its own module: request checks against the `Limits` (checks.py, limits.py),
 request-id answers (answers.py), leases (leases.py), the in-flight group (inflight.py), the journal
-contract (journal.py) and recovery from it (recovery.py), and waiting (waiting.py).
+contract (journal.py) and recovery from it (recovery.py), waiting (waiting.py), the step boundary
+(reset_steps.py) and where complete groups go: gate, filters, buffer, quarantine, expiry (collector.py).
 """
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ import heapq
 import threading
 import time
 from collections import deque
-from types import MappingProxyType
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from . import recovery, reset_steps
+from . import collector, recovery, reset_steps
 from .answers import ANSWERED_METHODS, AnswerBook  # noqa: F401  (ANSWERED_METHODS was defined here)
 from .checks import RequestChecks
 from .config import config_summary
 from .errors import ShuttingDownError, StaleGenerationError, StrategyHookError
 from .filters import GroupFilter, create_filters
-from .incidents import DIRTY_GROUP, HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception, failed_trajectory
+from .incidents import HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception
 from .incidents import collect_error, hook_error
 from .inflight import InflightGroup, StepTally, bytes_of
 from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, StaleRejected,
@@ -47,7 +47,6 @@ from .types import (
     SubmitResult,
     Trajectory,
     TrajectoryGroup,
-    TrajectoryStatus,
 )
 from .waiting import ThreadWaits
 
@@ -306,7 +305,7 @@ class Pacer:
             self._leases.extend(groups, now)
             self.totals["dispatched"] += len(groups)
             self._strategy_touched = True
-            self._release_held()
+            collector.release_held(self)
             self._notify()
         # Positional: a keyword call to a dataclass builds a kwargs dict and costs about twice as much.
         result = DispatchResult(admitted_ids, first_seq, self.paused, self.step, self.weight_version, self.generation,
@@ -391,7 +390,7 @@ class Pacer:
             self._complete_inflight += len(completed)
             self.totals["submitted"] += len(fresh)
             self.totals["duplicates"] += duplicates
-            self._collect_ready(completed)
+            collector.collect_ready(self, completed)
             if fresh or duplicates:
                 self._notify()
             result = SubmitResult(len(fresh), duplicates, len(completed))  # accepted, duplicates, groups completed
@@ -418,105 +417,11 @@ class Pacer:
                     if len(inflight[prompt_id].trajectories) + added == inflight[prompt_id].group_size))
         return sorted_.fresh, sorted_.duplicates
 
-    # ----------------------------------------------------------------- collector
-
-    def _collect_ready(self, completed: Iterable[InflightGroup]) -> None:
-        for group in completed:
-            collectable = self._ask_gate(group)
-            if collectable is None:  # the gate raised: quarantined
-                continue
-            if collectable:
-                self._move_out(group)
-            else:
-                group.held = True
-                # An ordered gate never takes an aborted group: it waits for the Reset outside the heap.
-                if not (self._ordered_gate and any(t.status == TrajectoryStatus.ABORTED
-                                                   for t in group.trajectories.values())):
-                    heapq.heappush(self._held, (group.seq, group.prompt_id))
-        self._release_held()
-
-    def _release_held(self) -> None:
-        """Re-examine gate-refused groups, oldest first, for as long as the strategy state keeps changing.
-
-        With an ordered gate a pass ends at the first refusal (later groups would be refused too),
-        so its cost follows the groups released, not the groups held.
-        """
-        if self._strategy_touched and self._held:
-            self._last_gate_pass = self._clock()
-        while self._strategy_touched and self._held:
-            self._strategy_touched = False
-            still_held = []
-            while self._held:
-                seq, prompt_id = heapq.heappop(self._held)
-                group = self._inflight.get(prompt_id)
-                if group is None or group.seq != seq or not group.held:
-                    continue
-                collectable = self._ask_gate(group)
-                if collectable is None:  # the gate raised: quarantined
-                    continue
-                if collectable:
-                    self._move_out(group)
-                else:
-                    still_held.append((seq, prompt_id))
-                    if self._ordered_gate:
-                        break
-            for entry in still_held:
-                heapq.heappush(self._held, entry)
-        self._strategy_touched = False
-
-    def _ask_gate(self, group: InflightGroup) -> Optional[bool]:
-        """The strategy's will_collect for a complete group; None when it raised (the group is quarantined)."""
-        try:
-            return bool(self._hooks.will_collect(MappingProxyType(group.trajectories)))
-        except Exception as exc:
-            self._quarantine_after_hook(group, "will_collect", exc)
-            return None
-
-    def _move_out(self, group: InflightGroup) -> None:
-        """The group leaves the trajectory queue: into the buffer, dropped by a filter, or quarantined."""
-        try:
-            self._hooks.on_collected(group.prompt_id)
-        except Exception as exc:
-            self._quarantine_after_hook(group, "on_collected", exc, tell_strategy=False)
-            return
-        self._strategy_touched = True
-        del self._inflight[group.prompt_id]
-        self._complete_inflight -= 1
-        self._queued_trajectories -= len(group.trajectories)
-        view = MappingProxyType(group.trajectories)
-        for group_filter in self._filters:
-            try:
-                kept = group_filter.keep(view)
-            except Exception as exc:
-                self._quarantine(group, self._hook_incident(f"filter {type(group_filter).__name__}.keep", exc,
-                                                            group.prompt_id))
-                return
-            if not kept:
-                self.totals["filtered"] += 1
-                self._tally.filtered += 1
-                self._held_bytes -= bytes_of(group.trajectories.values())
-                return
-        failed = None if self._train_on_failed else failed_trajectory(group.trajectories.values())
-        if failed is not None:  # dirty data is never trained on silently (LoongSage stops on it)
-            self._quarantine(group, self._incident(
-                DIRTY_GROUP, group.prompt_id, "", f"trajectory {failed.trajectory_id!r} is FAILED and no filter "
-                f"dropped the group (rollout.filter has no `status`; rollout.train_on_failed is false)"))
-            return
-        heapq.heappush(self._buffer, (group.priority(), group.to_group()))
-        self.totals["collected"] += 1
-
-    # ----------------------------------------------------------------- hook failures and quarantine
+    # ----------------------------------------------------------------- hook failures
 
     def _incident(self, kind: str, prompt_id: str, hook: str, message: str, action: str = QUARANTINED) -> Incident:
         incident = Incident(kind, prompt_id, self._strategy.name, hook, message, self.step, self.generation, action)
         self.incidents.record(incident)
-        return incident
-
-    def _hook_incident(self, hook: str, exc: BaseException, prompt_id: str = "", action: str = QUARANTINED) -> Incident:
-        incident = self._incident(HOOK_FAILED, prompt_id, hook, describe_exception(exc), action)
-        self._call_failures.append(hook_error(self._strategy.name, hook, exc, prompt_id=prompt_id, consequence=(
-            f"the group was quarantined (returned by the next Reset)" if action == QUARANTINED
-            else "the call changed nothing")))
         return incident
 
     def _hook_refused(self, hook: str, exc: BaseException, consequence: str) -> StrategyHookError:
@@ -524,29 +429,6 @@ class Pacer:
         self._incident(HOOK_FAILED, "", hook, describe_exception(exc), REFUSED)
         self._notify()
         return hook_error(self._strategy.name, hook, exc, consequence=consequence)
-
-    def _quarantine_after_hook(self, group: InflightGroup, hook: str, exc: BaseException,
-                               tell_strategy: bool = True) -> None:
-        """A hook raised on a complete group: take it out of the queue, free its slot if the strategy lets us."""
-        incident = self._hook_incident(hook, exc, group.prompt_id)
-        if group.prompt_id not in self._inflight:
-            return
-        if tell_strategy:
-            try:
-                self._hooks.on_collected(group.prompt_id)
-                self._strategy_touched = True
-            except Exception:  # the strategy is already reported broken for this group; its slot stays taken
-                pass
-        del self._inflight[group.prompt_id]
-        self._complete_inflight -= 1
-        self._queued_trajectories -= len(group.trajectories)
-        self._quarantine(group, incident)
-
-    def _quarantine(self, group: InflightGroup, incident: Incident) -> None:
-        """Keep a complete group (already out of the trajectory queue) out of the buffer until the next Reset."""
-        self._quarantined.append(group.to_group())
-        self.totals["quarantined"] += 1
-        self._notify()  # a waiting Collect reports the incident now
 
     def report_incidents(self) -> None:
         """Raise, once, for the incidents the trainer has not been told about (caller holds the lock): a Collect
@@ -622,25 +504,7 @@ class Pacer:
             return prompt_ids, lapsed
 
     def apply_expiry(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
-        for prompt_id in prompt_ids:
-            group = self._inflight.pop(prompt_id)
-            try:
-                self._hooks.on_collected(prompt_id)  # the slot is reclaimed as if the group had been collected
-            except Exception as exc:  # reported; the group is reclaimed all the same
-                self._incident(HOOK_FAILED, prompt_id, "on_collected", describe_exception(exc), "expired")
-            self._queued_trajectories -= len(group.trajectories)
-            self._expired_groups.append(group.to_group())
-            self._expired_prompts.add(prompt_id)
-            self.totals["expired"] += 1
-        for lease_id in lease_ids:
-            lease = self._leases.lapse(lease_id)
-            for entry in lease.entries:
-                heapq.heappush(self._buffer, entry)
-            self.totals["redelivered"] += len(lease.entries)
-        self._strategy_touched = True
-        self._release_held()
-        self._call_failures.clear()  # reported as incidents; the expiry stands
-        self._notify()
+        collector.expire(self, prompt_ids, lease_ids)
 
     def recheck_gates(self, min_age: float = 0.0) -> int:
         """Re-examine the held groups (the strategy refused them) although nothing changed: a gate that opens
@@ -657,14 +521,7 @@ class Pacer:
             return released
 
     def apply_gate_recheck(self) -> int:
-        before = len(self._inflight)
-        self._strategy_touched = True
-        self._release_held()
-        self._call_failures.clear()  # reported as incidents
-        released = before - len(self._inflight)
-        if released:
-            self._notify()
-        return released
+        return collector.recheck(self)
 
     # ----------------------------------------------------------------- reset / resume
 
