@@ -286,11 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=4, help="N")
     parser.add_argument("--mini-batch-size", type=int, default=8, help="M (trajectories)")
     parser.add_argument("--stale-steps", type=float, default=1.0)
-    # Responses long enough, and training short enough, that every step boundary cuts generation short.
-    parser.add_argument("--max-tokens", type=int, default=160)
+    # Responses long enough, and training short enough, that every step boundary cuts generation short, even
+    # on an idle machine (with 160 tokens and 1.5 s, an idle 2-core machine finished every group before a Reset).
+    parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--max-groups", type=int, default=4, help="groups each worker generates at once")
     parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--train-seconds", type=float, default=1.5,
+    parser.add_argument("--train-seconds", type=float, default=0.5,
                         help="the stand-in training step's time per mini-batch")
     parser.add_argument("--continuation", choices=("on", "off"), default="on",
                         help="on: the server keeps restored groups and workers continue them; off: Reset hands "
