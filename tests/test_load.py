@@ -15,7 +15,9 @@ Asserted:
 "Near", and why: the baseline is the server's RSS (VmRSS from /proc/<pid>/status) after WARMUP_STEPS
 warm-up steps run at full concurrency and drained (after one step, the allocators had not always reached
 the working set: the RSS then went on to grow by up to 40 MiB and stay there, with no leak behind it; 40
-cycles of 13 MiB each leave a server's RSS within a few MiB). By then the allocators (pymalloc, glibc malloc, gRPC's own) hold
+cycles of 13 MiB each leave a server's RSS within a few MiB; with three warm-up steps, a run inside the full
+suite still grew by 32.2 MiB where the same test alone grew by 2.6: the allocators had not yet seen the
+peak concurrency of the measured steps, so ten warm-up steps now come first). By then the allocators (pymalloc, glibc malloc, gRPC's own) hold
 the working set this load needs - memory a process frees is mostly kept for reuse, not returned to
 the OS - so RSS before and after the measured steps compare like with like. The live data is bounded
 by the window (C groups of N x PAYLOAD_BYTES, a few MiB), while the measured steps push several times
@@ -45,7 +47,7 @@ from coda_client.errors import StaleGenerationError
 B, N, M = 24, 4, 16  # groups per step, group size, trajectories per trainer fetch
 STALE_STEPS = 1.0  # window C = int(B * (1 + STALE_STEPS)) = 48 groups
 STEPS = 20
-WARMUP_STEPS = 3  # before the baseline: the allocators reach the working set this load needs
+WARMUP_STEPS = 10  # before the baseline: the allocators reach the working set this load needs
 THREAD_WORKERS = 47
 PROCESSES, THREADS_PER_PROCESS = 4, 4  # 16 more workers; with the trainer, 64 clients
 PAYLOAD_BYTES = 128 * 1024
