@@ -21,12 +21,7 @@ if TYPE_CHECKING:
 def collect_ready(pacer: "Pacer", completed: Iterable[InflightGroup]) -> None:
     """Groups that just became complete: out through the gate now, or held until it opens."""
     for group in completed:
-        collectable = ask_gate(pacer, group)
-        if collectable is None:  # the gate raised: quarantined
-            continue
-        if collectable:
-            move_out(pacer, group)
-        else:
+        if release(pacer, group) is False:
             group.held = True
             # An ordered gate never takes an aborted group: it waits for the Reset outside the heap.
             if not (pacer._ordered_gate and any(t.status == TrajectoryStatus.ABORTED
@@ -51,18 +46,22 @@ def release_held(pacer: "Pacer") -> None:
             group = pacer._inflight.get(prompt_id)
             if group is None or group.seq != seq or not group.held:
                 continue
-            collectable = ask_gate(pacer, group)
-            if collectable is None:  # the gate raised: quarantined
-                continue
-            if collectable:
-                move_out(pacer, group)
-            else:
+            if release(pacer, group) is False:
                 still_held.append((seq, prompt_id))
                 if pacer._ordered_gate:
                     break
         for entry in still_held:
             heapq.heappush(pacer._held, entry)
     pacer._strategy_touched = False
+
+
+def release(pacer: "Pacer", group: InflightGroup) -> Optional[bool]:
+    """Ask the gate about a complete group and move it out if it may go: True if it went, False if the gate
+    refused (the caller holds it), None if the gate raised (the group is quarantined)."""
+    collectable = ask_gate(pacer, group)
+    if collectable:
+        move_out(pacer, group)
+    return collectable
 
 
 def ask_gate(pacer: "Pacer", group: InflightGroup) -> Optional[bool]:
