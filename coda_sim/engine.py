@@ -14,6 +14,7 @@ decoding stands still meanwhile, as an engine that runs prefill batches ahead of
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -120,6 +121,8 @@ class GenerationPool:
         self.slots = workload.slots_per_replica
         self.replicas = [Replica(i) for i in range(replicas)]
         self.total_slots = replicas * self.slots
+        # The router's limit over every replica (0 = none): requests beyond it wait in `pending`.
+        self.max_concurrent = workload.max_concurrent_requests or self.total_slots
         self.on_done = on_done
         self.on_first_token = on_first_token
         self.pending: deque[Request] = deque()
@@ -133,6 +136,7 @@ class GenerationPool:
         self.tokens_generated = 0.0
         self._serial_prefill = workload.prefill_tokens_per_s > 0
         self._kv_cap = workload.kv_cache_tokens
+        self._kv_step = workload.kv_step_seconds_per_token  # decode step seconds per cached token
         # Admission (and preemption) keep a replica's cache at or below this: the watermark, and strictly
         # below full, or a request admitted into a full cache would be preempted at once, for ever.
         self._kv_room = min(workload.kv_admit_watermark, 1.0 - 1e-6) * workload.kv_cache_tokens
@@ -290,7 +294,7 @@ class GenerationPool:
 
     def _fill(self) -> None:
         slots = self.slots
-        while self.pending:
+        while self.pending and self.occupied < self.max_concurrent:
             context = self._context(self.pending[0])
             best = None
             for rep in self.replicas:
@@ -369,10 +373,26 @@ class GenerationPool:
         rep.vs += req.v_start / req.slowdown
         self._plan(rep)
 
+    def _step_seconds(self, rep: Replica) -> float:
+        """Seconds of `rep`'s decode step now (at `rep.last_t`): batch term plus the KV-cache term."""
+        step = self.workload.decode_step_seconds(rep.decoding)
+        if self._kv_step:
+            step += self._kv_step * (rep.kv_fixed + rep.v * rep.inv_s - rep.vs)
+        return step
+
     def _advance(self, rep: Replica, now: float) -> None:
-        if rep.decoding and rep.prefilling is None:
-            rep.v += self.workload.decode_rate(rep.decoding) * (now - rep.last_t)
+        # The step time grows linearly in V (the cache grows by inv_s tokens per unit of V), so
+        # dt = (alpha + beta * dV) dV integrates exactly: dt = alpha dV + beta dV^2 / 2.
+        dt = now - rep.last_t
+        if rep.decoding and rep.prefilling is None and dt > 0:
+            alpha = self._step_seconds(rep)
+            beta = self._kv_step * rep.inv_s
+            rep.v += 2.0 * dt / (alpha + math.sqrt(alpha * alpha + 2.0 * beta * dt)) if beta > 0 else dt / alpha
         rep.last_t = now
+
+    def _seconds_to(self, rep: Replica, dv: float) -> float:
+        """Seconds until `rep`'s V has advanced by `dv` (the replica advanced to now, decoding)."""
+        return dv * (self._step_seconds(rep) + 0.5 * self._kv_step * rep.inv_s * dv)
 
     def _top(self, rep: Replica) -> Optional[tuple[float, int, Request]]:
         heap = rep.heap
@@ -389,14 +409,14 @@ class GenerationPool:
         rep.due_finish = None
         if rep.prefilling is not None or not rep.decoding:
             return
-        rate = self.workload.decode_rate(rep.decoding)
+        self._advance(rep, self.events.now)
         delay = None
         top = self._top(rep)
         if top is not None:
-            delay = max(0.0, (top[0] - rep.v) / rate)
+            delay = self._seconds_to(rep, max(0.0, top[0] - rep.v))
             rep.due_finish = top[0]
         if self._kv_cap > 0 and rep.decoding > 1:  # a lone request may overflow: nothing to preempt
-            full_in = max(0.0, (self._kv_cap - self.kv_used(rep)) / (rate * rep.inv_s))
+            full_in = self._seconds_to(rep, max(0.0, (self._kv_cap - self.kv_used(rep)) / rep.inv_s))
             if delay is None or full_in < delay:
                 delay, rep.due_finish = full_in, None
         if delay is not None:

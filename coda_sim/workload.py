@@ -63,6 +63,9 @@ class Workload:
         cluster = sim["cluster"]
         self.replicas = _positive_int(cluster, "rollout_replicas", "sim.cluster.")
         self.slots_per_replica = _positive_int(cluster, "slots_per_replica", "sim.cluster.")
+        # The router in front of the replicas: at most this many requests generate at once across all of
+        # them (0 = no limit beyond the slots); the rest wait in the FIFO queue.
+        self.max_concurrent_requests = _non_negative_int(cluster, "max_concurrent_requests", "sim.cluster.")
         self.kv_cache_tokens = _non_negative(cluster, "kv_cache_tokens", "sim.cluster.")
         self.kv_admit_watermark = _number(cluster, "kv_admit_watermark", "sim.cluster.")
         if not 0.0 < self.kv_admit_watermark <= 1.0:
@@ -78,6 +81,9 @@ class Workload:
                                 f"({single}); a busier replica decodes each request no faster")
         self.decode_single = single
         self.decode_full = full
+        # Attention reads every cached token at every decode step: seconds added to a step per token in
+        # the replica's KV cache (given per million tokens).
+        self.kv_step_seconds_per_token = _non_negative(decode, "kv_step_s_per_mtoken", "sim.generation.decode.") / 1e6
 
         self.distribution = str(length["distribution"])
         if self.distribution not in ("lognormal", "constant", "empirical"):
@@ -151,15 +157,21 @@ class Workload:
         k = self.slots_per_replica
         self._b = (1.0 / full - 1.0 / single) / (k - 1) if k > 1 else 0.0
         self._a = 1.0 / single - self._b
-        self._rates = [1.0 / (self._a + self._b * max(1, n)) for n in range(k + 1)]
+        self._steps = [self._a + self._b * max(1, n) for n in range(k + 1)]
+        self._rates = [1.0 / step for step in self._steps]
         self._mu = math.log(self.median)
         self._cache: dict[int, PromptSpec] = {}
 
     # ------------------------------------------------------------------ timing
 
     def decode_rate(self, decoding: int) -> float:
-        """Tokens/s each request gets on a replica decoding `decoding` requests at once."""
+        """Tokens/s each request gets on a replica decoding `decoding` requests at once (empty KV cache)."""
         return self._rates[decoding]
+
+    def decode_step_seconds(self, decoding: int) -> float:
+        """Seconds of one decode step (one token for each request) with `decoding` requests, before the
+        KV-cache term (`kv_step_seconds_per_token` x tokens in the cache)."""
+        return self._steps[decoding]
 
     def train_seconds(self, tokens: int) -> float:
         """Seconds for one fully-async trainer fetch holding `tokens` prompt + response tokens."""
@@ -317,6 +329,13 @@ def _probability(section: Any, key: str, prefix: str = "sim.") -> float:
     value = _number(section, key, prefix)
     if not 0.0 <= value <= 1.0:
         raise WorkloadError(f"{prefix}{key} = {value!r}: must be a probability in [0, 1]")
+    return value
+
+
+def _non_negative_int(section: Any, key: str, prefix: str = "sim.") -> int:
+    value = section[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise WorkloadError(f"{prefix}{key} = {value!r}: must be an integer >= 0")
     return value
 
 

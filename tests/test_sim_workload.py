@@ -272,6 +272,58 @@ def test_kv_admission_waits_for_room():
     assert done == [(pytest.approx(2.0), 0), (pytest.approx(4.0), 1)] and pool.preemptions == 0
 
 
+def test_router_limit_holds_requests_beyond_max_concurrent_across_replicas():
+    # Two replicas of 4 slots but a router that lets 2 requests generate at once: the third waits for a
+    # connection (not for a slot) and starts when the first two finish at 10 s.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 2, "sim.cluster.max_concurrent_requests=2")
+    for j in range(3):
+        pool.start(_request(j, 100))
+    assert pool.occupied == 2 and len(pool.pending) == 1
+    assert sorted(rep.occupied for rep in pool.replicas) == [1, 1]  # least-loaded: one on each replica
+    _run(events)
+    assert done == [(pytest.approx(10.0), 0), (pytest.approx(10.0), 1), (pytest.approx(20.0), 2)]
+    # Without the limit all three run at once.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 2)
+    for j in range(3):
+        pool.start(_request(j, 100))
+    _run(events)
+    assert [t for t, _ in done] == [pytest.approx(10.0)] * 3
+
+
+def test_decode_step_grows_with_the_tokens_in_the_kv_cache():
+    # 0.1 s a step alone, plus 1 ms per cached token (kv_step_s_per_mtoken = 1000). With no prompt the
+    # cache holds what the request has generated, V: t = integral of (0.1 + 0.001 V) dV = 0.1 V + 0.0005 V^2,
+    # so 100 tokens take 10 + 5 = 15 s (the batch-only model: 10 s).
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.generation.decode.kv_step_s_per_mtoken=1000.0",
+                                  "sim.generation.prompt_tokens=0")
+    pool.start(_request(0, 100))
+    _run(events)
+    assert done == [(pytest.approx(15.0), 0)]
+    # A 100-token prompt in the cache adds 0.1 s to every step: 20 + 5 = 25 s.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.generation.decode.kv_step_s_per_mtoken=1000.0",
+                                  "sim.generation.prompt_tokens=100")
+    pool.start(_request(0, 100))
+    _run(events)
+    assert done == [(pytest.approx(25.0), 0)]
+    # Progress between events follows the same curve: aborted at 7.5 s, it has 0.0005 V^2 + 0.1 V = 7.5.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.generation.decode.kv_step_s_per_mtoken=1000.0",
+                                  "sim.generation.prompt_tokens=0")
+    req = _request(0, 100)
+    pool.start(req)
+    _run(events, until=7.5)
+    events.now = 7.5
+    pool.abort_all()
+    assert req.tokens_done == pytest.approx((-0.1 + (0.01 + 4 * 0.0005 * 7.5) ** 0.5) / 0.001)
+    # A second request's context slows the first: both decode with 200 tokens of prompt between them.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.generation.decode.kv_step_s_per_mtoken=1000.0",
+                                  "sim.generation.prompt_tokens=100")
+    pool.start(_request(0, 10))
+    pool.start(_request(1, 10))
+    _run(events)
+    # dt = (0.1 + 0.001 (200 + 2 V)) dV over V = 10: 3 + 0.1 = 3.1 s for both.
+    assert [t for t, _ in done] == [pytest.approx(3.1), pytest.approx(3.1)]
+
+
 def test_length_drift_stretches_later_steps():
     w = workload("sim.generation.length.distribution=constant", "sim.generation.length.median=1000",
                  "sim.generation.length.drift_per_step=0.1", n=2)
