@@ -144,12 +144,37 @@ def test_latency_aware_quiet_after_option():
     config = load_config(overrides=[*BASE, "data_source.num_prompts_per_step=4", "fully_async.sliding_window=latency-aware",
                                     "fully_async.latency_aware.quiet_after=0.5"])
     strategy = create_strategy(config)
-    strategy.on_consumed([object(), object()])  # half of B = 4
-    assert strategy.compute_dispatch_count(0) == 0
-    bad = load_config(overrides=[*BASE, "fully_async.sliding_window=latency-aware",
-                                 "fully_async.latency_aware.quiet_after=1.5"])
-    with pytest.raises(ValueError, match="quiet_after"):
-        create_strategy(bad)
+    assert strategy.compute_dispatch_count(2) == 6  # C = 8: windowed-fifo's C - R - Q
+    strategy.on_consumed([object(), object()])  # half of B = 4: quiet
+    assert strategy.compute_dispatch_count(2) == 0  # the step's other 2 groups are buffered
+    # Quiet, but never starving the trainer: with nothing running or buffered it admits what the step
+    # still needs (B - consumed - R - Q = 2), no more.
+    assert strategy.compute_dispatch_count(0) == 2
+    strategy.on_dispatched([PromptRef("x")])
+    assert strategy.compute_dispatch_count(0) == 1
+    for bad_option in ("quiet_after=1.5", "quiet_after=0", "collect_window=0.5"):
+        bad = load_config(overrides=[*BASE, "fully_async.sliding_window=latency-aware",
+                                     f"fully_async.latency_aware.{bad_option}"])
+        with pytest.raises(ValueError, match=bad_option.split("=")[0]):
+            create_strategy(bad)
+
+
+def test_latency_aware_collects_within_its_window_of_seqs():
+    # B = 2, collect_window 1.5 -> 3 seqs from the oldest in flight (windowed-fifo: 2; no-window: all).
+    config = load_config(overrides=[*BASE, "fully_async.stale_steps=2.0", "fully_async.sliding_window=latency-aware"])
+    pacer = Pacer(config, clock=Clock())
+    pacer.dispatch([PromptRef(p) for p in "abcd"])
+    pacer.submit(group("b") + group("c") + group("d"))  # a, the oldest, still runs
+    state = pacer.state()
+    assert (state.buffered, state.running) == (2, 2)  # b, c collected; d (3 seqs past a) held
+    pacer.submit(group("a"))
+    assert pacer.state().buffered == 4  # the window slid: a and d collected
+    windowed = load_config(overrides=[*BASE, "fully_async.stale_steps=2.0", "fully_async.sliding_window=latency-aware",
+                                      "fully_async.latency_aware.collect_window=1.0"])
+    pacer = Pacer(windowed, clock=Clock())
+    pacer.dispatch([PromptRef(p) for p in "abcd"])
+    pacer.submit(group("b") + group("c") + group("d"))
+    assert pacer.state().buffered == 1  # windowed-fifo's window of B = 2: only b
 
 
 PLUGIN = '''

@@ -1,48 +1,69 @@
-"""The built-in `latency-aware` strategy: windowed-fifo that goes quiet in the tail of each training step."""
+"""The built-in `latency-aware` strategy: windowed-fifo with a wider collection window that goes quiet in the tail of each step."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from .builtin_strategies import WindowedFifoStrategy
-from .strategy import register_sliding_window_strategy
+from .strategy import SlidingWindowStrategy, register_sliding_window_strategy
+
+
+def _option(config: Any, name: str, default: float) -> float:
+    """`fully_async.latency_aware.<name>` from a mapping-like or attribute config, else `default`."""
+    fully_async = getattr(config, "fully_async", None)
+    options = (fully_async.get("latency_aware", None) if hasattr(fully_async, "get")
+               else getattr(fully_async, "latency_aware", None))
+    if options is None:
+        return default
+    value = options.get(name, default) if hasattr(options, "get") else getattr(options, name, default)
+    return float(default if value is None else value)
 
 
 @register_sliding_window_strategy("latency-aware")
 class LatencyAwareStrategy(WindowedFifoStrategy):
-    """Dispatch and collect like windowed-fifo, but admit nothing new once the trainer has taken the step's
-    B groups, until the next Resume.
+    """Dispatch like windowed-fifo (C - R - Q), with two differences that use the step's progress.
 
-    A group started in that tail runs on weights that are about to be replaced: with partial rollout
-    (ABORT) it is aborted moments later and continued on the next weights, one version staler and with its
-    first tokens masked; in WAIT mode the step boundary waits for it to finish. Starting it after the
-    Resume costs only the slots left idle while the trainer trains its last mini-batch.
+    Quiet tail: once `quiet_after x B` groups have been consumed in the step, admit nothing new until the
+    next Resume, except what the rest of the step still needs (B - consumed - R - Q, so a quiet tail can
+    never starve the trainer). A group started in that tail runs on weights about to be replaced: with
+    partial rollout (ABORT) it is aborted moments later and continued on the next weights, one version
+    staler and with its first tokens masked; in WAIT mode the step boundary waits for it.
 
-    `fully_async.latency_aware.quiet_after` (default 1.0): go quiet once this share of B has been consumed
-    in the step (1.0 = after the last mini-batch was taken; lower goes quiet earlier).
+    Collection window: collect a complete group only within `collect_window x B` seqs of the oldest
+    in-flight one (windowed-fifo: exactly B; no-window: unbounded). Wider than B, the trainer is not held
+    up behind one slow group at the head; bounded, the old long groups are still consumed before the new
+    short ones, instead of running on across boundaries (aborted, re-prefilled, masked) as they do with
+    no-window.
+
+    Options (`fully_async.latency_aware`): `quiet_after` in (0, 1], default 0.75; `collect_window` >= 1,
+    default 1.5.
     """
 
-    ordered_gate = True  # windowed-fifo's gate, unchanged
+    ordered_gate = True  # refuses aborted groups; otherwise a window from the oldest in-flight seq
 
     def __init__(self, config: Any):
         super().__init__(config)
-        fully_async = getattr(config, "fully_async", None)
-        options = (fully_async.get("latency_aware", None) if hasattr(fully_async, "get")
-                   else getattr(fully_async, "latency_aware", None))
-        if options is None:
-            share = 1.0
-        else:
-            share = float(options.get("quiet_after", 1.0) if hasattr(options, "get")
-                          else getattr(options, "quiet_after", 1.0))
+        share = _option(config, "quiet_after", 0.75)
         if not 0.0 < share <= 1.0:
             raise ValueError(f"fully_async.latency_aware.quiet_after = {share}: must be in (0, 1]")
+        window = _option(config, "collect_window", 1.5)
+        if not window >= 1.0:
+            raise ValueError(f"fully_async.latency_aware.collect_window = {window}: must be >= 1 (in units of B)")
         self._quiet_at = max(1, int(round(share * self._batch_size)))
+        self._collect_window = max(1, int(round(window * self._batch_size)))
         self._consumed_in_step = 0
         self.quiet_since: float | None = None  # pacer-clock time the current quiet tail began (for metrics)
 
     def compute_dispatch_count(self, buf_qsize: int) -> int:
         if self._consumed_in_step >= self._quiet_at:
-            return 0
+            still_needed = self._batch_size - self._consumed_in_step - self._running_count - buf_qsize
+            return max(0, min(still_needed, self._free_slots(buf_qsize)))
         return super().compute_dispatch_count(buf_qsize)
+
+    def will_collect(self, group: Mapping[str, Any]) -> bool:
+        if not SlidingWindowStrategy.will_collect(self, group):  # no aborted trajectory in it
+            return False
+        prompt_id = next(iter(group.values())).prompt_id
+        return self._seqs.seq_of(prompt_id) - self._seqs.min_seq() < self._collect_window
 
     def on_consumed(self, groups: Sequence[Any]) -> None:
         self._consumed_in_step += len(groups)
