@@ -42,7 +42,9 @@ def snapshot(pacer):
 @pytest.fixture(params=["no-window", "window-gated", "windowed-fifo", "latency-aware"])
 def busy(request, core_pacer):
     """A pacer one reset in (weight_version 5), with groups in every place: buffer, collected, partial, gated."""
-    pacer = core_pacer(request.param, B=4, stale=1.0, N=2, extra=TWO_SOURCES)  # C = 8
+    # latency-aware with windowed-fifo's window of B, so that p5 below is held by both
+    window = ("fully_async.latency_aware.collect_window=1.0",) if request.param == "latency-aware" else ()
+    pacer = core_pacer(request.param, B=4, stale=1.0, N=2, extra=TWO_SOURCES + window)  # C = 8
     pacer.dispatch([PromptRef("old")])
     pacer.submit([traj("old", 0)])
     pacer.reset(resume=True, weight_version=5)
