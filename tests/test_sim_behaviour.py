@@ -179,6 +179,17 @@ def test_custom_strategies_are_simulated_and_a_stall_is_reported(tmp_path, reque
         simulate(config, "sim-test-never", 1.0, with_colocate=False)
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_latency_aware_quiet_tail_never_starves_the_trainer(partial):
+    # Quiet after the first fetch of each step, with reward-filtered groups: what is running and buffered
+    # then cannot cover the step, and a quiet tail that admitted nothing would stall the run.
+    config = load_sim_config(overrides=SMALL_LONG_TAIL + [
+        f"rollout.partial={str(partial).lower()}", "sim.reward.filtered_group_prob=0.3",
+        "fully_async.latency_aware.quiet_after=0.25"])
+    run = simulate(config, "latency-aware", 1.0, check_invariants=True, with_colocate=False)
+    assert run.totals["consumed"] == 16 * 6
+
+
 def test_filters_that_drop_everything_stop_with_a_message_not_a_hang():
     config = load_sim_config(overrides=TINY + ["sim.reward.filtered_group_prob=1.0"])
     with pytest.raises(SimulationError, match="drop"):
