@@ -152,7 +152,7 @@ def test_latency_aware_quiet_after_option():
     assert strategy.compute_dispatch_count(0) == 2
     strategy.on_dispatched([PromptRef("x")])
     assert strategy.compute_dispatch_count(0) == 1
-    for bad_option in ("quiet_after=1.5", "quiet_after=0", "collect_window=0.5"):
+    for bad_option in ("quiet_after=1.5", "quiet_after=0", "collect_window=0.5", "collect_window=wide"):
         bad = load_config(overrides=[*BASE, "fully_async.sliding_window=latency-aware",
                                      f"fully_async.latency_aware.{bad_option}"])
         with pytest.raises(ValueError, match=bad_option.split("=")[0]):

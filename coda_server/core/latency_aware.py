@@ -15,7 +15,11 @@ def _option(config: Any, name: str, default: float) -> float:
     if options is None:
         return default
     value = options.get(name, default) if hasattr(options, "get") else getattr(options, name, default)
-    return float(default if value is None else value)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"fully_async.latency_aware.{name} = {value!r}: must be a number")
+    return float(value)
 
 
 @register_sliding_window_strategy("latency-aware")
