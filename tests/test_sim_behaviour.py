@@ -65,7 +65,10 @@ def test_same_seed_identical_report_other_seed_different():
     ["rollout.partial=false", "sim.reset.wait_timeout_s=60.0"],  # wait mode that gives up: groups dropped
     ["sim.generation.fail_prob=0.05", "sim.generation.turns.max=3", "sim.generation.turns.tool_latency_s=5.0",
      "sim.generation.stragglers.prob=0.05"],  # failures (status filter), multi-turn, stragglers
-], ids=["abort", "wait-timeout", "fail-multiturn"])
+    ["sim.cluster.max_concurrent_requests=24", "sim.generation.decode.kv_step_s_per_mtoken=0.5",
+     "sim.cluster.kv_cache_tokens=40000", "sim.generation.prefill_tokens_per_s=20000.0"],  # a router limit below
+    # the 32 slots, a decode step that grows with the cache, a cache small enough to preempt
+], ids=["abort", "wait-timeout", "fail-multiturn", "router-kv"])
 def test_every_dispatched_group_is_accounted_for(strategy, variant):
     config = load_sim_config(overrides=SMALL_LONG_TAIL + variant)
     run = simulate(config, strategy, 1.0, check_invariants=True)  # the pacer invariant, checked after every event
