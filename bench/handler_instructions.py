@@ -146,9 +146,9 @@ def submit_child(server: Any, handler: Any, layer: str, calls: int, measure: boo
         if layer == "servicer":
             (await servicer.Submit(request, context)).SerializeToString()
         elif layer == "async":
-            await async_pacer.submit(convert.trajectories(request.trajectories, request.encoded), request.request_id)
+            await async_pacer.submit(convert.trajectories(request.trajectories), request.request_id)
         else:
-            async_pacer.pacer.submit(convert.trajectories(request.trajectories, request.encoded),
+            async_pacer.pacer.submit(convert.trajectories(request.trajectories),
                                      request_id=request.request_id)
 
     async def run() -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from . import allocator
 from .core.config import config_summary, load_config
 from .core.errors import ConfigError, RecoveryError
 from .core.journal import StateDirError
@@ -82,6 +83,7 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
     await server.start()
     if not config.fully_async.enable:  # after start: a start-up that fails says so in one line
         log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
+    log.info("%s", allocator.describe(int(config.server.allocator_retain_bytes), server.allocator_retains))
     listeners = server.listeners  # TCP (address, port) if any, Unix socket and health-only port if set
     window = server.pacer.state().window_size
     durability = f"state in {server.journal.directory}" if server.journal is not None else "state in memory"

@@ -39,7 +39,7 @@ class ProtoTrajectories:
         return body.SerializeToString() if isinstance(body, wire.EncodedTrajectory) else None
 
     def decode(self, data: bytes) -> Trajectory:
-        return trajectories([wire.Trajectory.FromString(data)], [memoryview(data)])[0]
+        return trajectories([wire.read_trajectory(data)])[0]
 
 
 _STATUSES = {int(status): status for status in TrajectoryStatus}
@@ -100,17 +100,19 @@ def prompt_refs(candidates: Iterable[pb.PromptRef]) -> list[PromptRef]:
     ]
 
 
-def trajectories(messages: Sequence[wire.Trajectory], encoded: Sequence[memoryview]) -> list[Trajectory]:
-    """Core trajectories read from their views, whose body is their encoded bytes (wire.EncodedTrajectory,
-    `encoded`: one per message), so the trainer gets them back byte for byte; `size_bytes`, which the
+def trajectories(submitted: Sequence[wire.SubmittedTrajectory]) -> list[Trajectory]:
+    """Core trajectories read from a Submit's trajectories, whose body is their encoded bytes
+    (wire.EncodedTrajectory), so the trainer gets them back byte for byte; `size_bytes`, which the
     server.max_held_bytes cap counts, is the encoded size."""
     converted = []
     violations = []
-    for i, (m, data) in enumerate(zip(messages, encoded)):
-        problem = wire.array_problem(m)
+    for i, submitted_trajectory in enumerate(submitted):
+        problem = wire.array_problem(submitted_trajectory)
         if problem:
             violations.append((f"trajectories[{i}]", problem))
             continue
+        m, data = submitted_trajectory.fields, submitted_trajectory.encoded
+        token_ids = submitted_trajectory.runs.get("token_ids")
         converted.append(Trajectory(
             trajectory_id=m.trajectory_id,
             prompt_id=m.prompt_id,
@@ -124,7 +126,7 @@ def trajectories(messages: Sequence[wire.Trajectory], encoded: Sequence[memoryvi
             body=wire.EncodedTrajectory(data),
             size_bytes=len(data),
             metadata=WireMetadata(m.metadata) if m.metadata else _NO_METADATA,
-            num_tokens=wire.array_count("token_ids", m.token_ids) if m.token_ids else 0,
+            num_tokens=wire.array_count("token_ids", token_ids) if token_ids else 0,
         ))
     if violations:
         raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",

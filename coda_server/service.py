@@ -88,7 +88,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:
-        result = await self._pacer.submit(convert.trajectories(request.trajectories, request.encoded),
+        result = await self._pacer.submit(convert.trajectories(request.trajectories),
                                           request.request_id)
         return convert.submit_response(result)
 

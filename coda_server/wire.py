@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from coda_client import _wire
@@ -75,48 +76,89 @@ _FINGERPRINTED_RUNS = {**{field.number: name for name, field in _wire.ARRAY_FIEL
                        pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["payload"].number: "payload"}
 
 
-class ParsedSubmit:
-    """A SubmitRequest parsed for the servicer: its trajectories as views (for the fields the server
-    reads) and as encoded slices (what it holds), with their sizes (what the byte cap counts)."""
+class SubmittedTrajectory:
+    """One trajectory of a Submit as the server reads it: its other fields decoded (`fields`, a view
+    whose arrays are empty), its arrays and payload as slices of the request (`runs`: not decoded, not
+    copied) and its whole encoded bytes (`encoded`, what the server holds)."""
 
-    __slots__ = ("request_id", "trajectories", "sizes", "encoded")
+    __slots__ = ("fields", "runs", "encoded")
 
-    def __init__(self, request: Any, encoded: list[memoryview]):
-        self.request_id: str = request.request_id
-        self.trajectories = request.trajectories
+    def __init__(self, fields: Any, runs: dict[str, memoryview], encoded: memoryview):
+        self.fields = fields
+        self.runs = runs
         self.encoded = encoded
-        self.sizes = [len(e) for e in encoded]
+
+
+class ParsedSubmit:
+    """A SubmitRequest parsed for the servicer: its trajectories (SubmittedTrajectory) and request id."""
+
+    __slots__ = ("request_id", "trajectories")
+
+    def __init__(self, request_id: str, trajectories: list[SubmittedTrajectory]):
+        self.request_id = request_id
+        self.trajectories = trajectories
 
 
 _SUBMIT_TRAJECTORIES = pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number
-_ARRAY_NUMBERS = frozenset(field.number for field in _wire.ARRAY_FIELDS.values())
+# Slices kept out of the decoding: the arrays, and the payload (opaque to the server, possibly large).
+_RUN_NAMES = {**{field.number: name for name, field in _wire.ARRAY_FIELDS.items()},
+              Trajectory.DESCRIPTOR.fields_by_name["payload"].number: "payload"}
+_NO_RUN = memoryview(b"")
+
+
+class _UnusualForm(Exception):
+    """An array in several packed runs, or not packed: re-encoded before it is read (module docstring)."""
 
 
 def parse_submit(data: bytes) -> ParsedSubmit:
-    """Parse a SubmitRequest as views; raises DecodeError like the ordinary parser."""
-    request = SubmitRequest.FromString(data)
-    encoded = _trajectory_slices(memoryview(data))
-    if not all(map(_in_usual_form, encoded)):  # see above: decode and re-encode it first
-        data = pacer_pb2.SubmitRequest.FromString(data).SerializeToString()
-        request = SubmitRequest.FromString(data)
-        encoded = _trajectory_slices(memoryview(data))
-    return ParsedSubmit(request, encoded)
+    """Parse a SubmitRequest for the servicer; raises DecodeError like the ordinary parser.
+
+    Only the framing of the arrays is read: every byte of a Submit is copied once, by gRPC, into `data`,
+    which the held trajectories are slices of. (Decoding the whole request as a message would copy every
+    array again, and reading a bytes field of it once more.)"""
+    try:
+        try:
+            return _split_submit(memoryview(data))
+        except _UnusualForm:
+            return _split_submit(memoryview(pacer_pb2.SubmitRequest.FromString(data).SerializeToString()))
+    except ValueError as exc:  # the framing is broken: what the ordinary parser reports as DecodeError
+        raise DecodeError(f"Error parsing message: {exc}") from None
 
 
-def _trajectory_slices(data: memoryview) -> list[memoryview]:
-    return [data[start:end] for number, wire_type, _, start, end in _wire.fields(data, 0, len(data))
-            if number == _SUBMIT_TRAJECTORIES and wire_type == _wire.LEN]
+def read_trajectory(data: bytes) -> SubmittedTrajectory:
+    """One encoded trajectory read as parse_submit reads each of a Submit's (the journal's records)."""
+    try:
+        return _split_trajectory(memoryview(data))
+    except _UnusualForm:
+        return _split_trajectory(memoryview(pacer_pb2.Trajectory.FromString(data).SerializeToString()))
 
 
-def _in_usual_form(encoded: memoryview) -> bool:
-    """Every array in one packed run: what a view (a bytes field per array) holds without loss."""
-    seen = set()
-    for number, wire_type, *_ in _wire.fields(encoded, 0, len(encoded)):
-        if number in _ARRAY_NUMBERS:
-            if wire_type != _wire.LEN or number in seen:
-                return False
-            seen.add(number)
-    return True
+def _split_submit(data: memoryview) -> ParsedSubmit:
+    trajectories: list[SubmittedTrajectory] = []
+    rest: list[memoryview] = []
+    for number, wire_type, field_start, value_start, value_end in _wire.fields(data, 0, len(data)):
+        if number == _SUBMIT_TRAJECTORIES and wire_type == _wire.LEN:
+            trajectories.append(_split_trajectory(data[value_start:value_end]))
+        else:
+            rest.append(data[field_start:value_end])
+    request = SubmitRequest.FromString(b"".join(rest))
+    return ParsedSubmit(request.request_id, trajectories)
+
+
+def _split_trajectory(encoded: memoryview) -> SubmittedTrajectory:
+    runs: dict[str, memoryview] = {}
+    rest: list[memoryview] = []
+    for number, wire_type, field_start, value_start, value_end in _wire.fields(encoded, 0, len(encoded)):
+        name = _RUN_NAMES.get(number)
+        if name is None:
+            rest.append(encoded[field_start:value_end])
+        elif name == "payload":  # a bytes field: the last occurrence wins, as in any parser
+            runs[name] = encoded[value_start:value_end]
+        elif wire_type != _wire.LEN or name in runs:
+            raise _UnusualForm
+        else:
+            runs[name] = encoded[value_start:value_end]
+    return SubmittedTrajectory(Trajectory.FromString(b"".join(rest)), runs, encoded)
 
 
 def _as_encoded(message: bytes) -> bytes:
@@ -162,18 +204,20 @@ _RETIRED_NUMBERS = {Trajectory.DESCRIPTOR.fields_by_name[name].number: name for 
 _ARRAYS_NOW = ", ".join(f"{name}={field.number}" for name, field in _wire.ARRAY_FIELDS.items())
 
 
-def array_problem(trajectory: Any) -> Optional[str]:
-    """What is wrong with a trajectory view's arrays, or None: a retired field number (a sender built from
-    an older pacer.proto), a run that is not a whole number of values, or non-empty arrays of different
-    lengths."""
-    retired = [number for number, name in _RETIRED_NUMBERS.items() if getattr(trajectory, name)]
-    if not retired and _wire.has_unknown_fields(trajectory):  # a retired array sent unpacked
-        retired = sorted({f.field_number for f in UnknownFieldSet(trajectory)} & _RETIRED_NUMBERS.keys())
+def array_problem(trajectory: SubmittedTrajectory) -> Optional[str]:
+    """What is wrong with a submitted trajectory's arrays, or None: a retired field number (a sender built
+    from an older pacer.proto), a run that is not a whole number of values, or non-empty arrays of
+    different lengths."""
+    fields = trajectory.fields
+    retired = [number for number, name in _RETIRED_NUMBERS.items() if getattr(fields, name)]
+    if not retired and _wire.has_unknown_fields(fields):  # a retired array sent unpacked
+        retired = sorted({f.field_number for f in UnknownFieldSet(fields)} & _RETIRED_NUMBERS.keys())
     if retired:
         return (f"uses field number {retired[0]}, which pacer.proto has retired (token_ids and loss_mask "
                 f"were varint int32 fields 6 and 8; they are packed sfixed32 now): build the client from the "
                 f"current pacer.proto, whose arrays are fields {_ARRAYS_NOW}")
-    counts = {name: array_count(name, getattr(trajectory, name)) for name in _wire.ARRAY_FIELDS}
+    runs = {name: trajectory.runs.get(name, _NO_RUN) for name in _wire.ARRAY_FIELDS}
+    counts = {name: array_count(name, run) for name, run in runs.items()}
     broken = [name for name, count in counts.items() if count < 0]
     if broken:
         return f"{broken[0]} is not a valid packed array (it ends inside a number)"
@@ -181,14 +225,14 @@ def array_problem(trajectory: Any) -> Optional[str]:
     if len({count for count in per_token.values() if count}) > 1:
         return ("non-empty token_ids, logprobs and loss_mask must have equal lengths; got "
                 + ", ".join(f"{name}={count}" for name, count in per_token.items()))
-    return _segments_problem(trajectory, counts)
+    return _segments_problem(runs, counts)
 
 
 # The arrays with one value per response token; the segment arrays have one per segment.
 PER_TOKEN_ARRAYS = ("token_ids", "logprobs", "loss_mask")
 
 
-def _segments_problem(trajectory: Any, counts: dict[str, int]) -> Optional[str]:
+def _segments_problem(runs: dict[str, memoryview], counts: dict[str, int]) -> Optional[str]:
     """Segments (a few numbers, so they are read): as many versions as lengths, the lengths adding up to
     the response; absent segments are fine."""
     segments, versions = counts["segment_lengths"], counts["segment_weight_versions"]
@@ -197,14 +241,14 @@ def _segments_problem(trajectory: Any, counts: dict[str, int]) -> Optional[str]:
     if segments != versions:
         return (f"segment_lengths and segment_weight_versions must have equal lengths; got "
                 f"segment_lengths={segments}, segment_weight_versions={versions}")
-    total = sum(int.from_bytes(trajectory.segment_lengths[i:i + 4], "little")
-                for i in range(0, len(trajectory.segment_lengths), 4))
+    lengths = runs["segment_lengths"]
+    total = sum(int.from_bytes(lengths[i:i + 4], "little") for i in range(0, len(lengths), 4))
     if total != counts["token_ids"]:
         return f"segment_lengths add up to {total} tokens but token_ids holds {counts['token_ids']}"
     return None
 
 
-def array_count(name: str, run: bytes) -> int:
+def array_count(name: str, run: memoryview) -> int:
     """Numbers in the packed run of trajectory array `name`; -1 when the run ends inside a number."""
     width = _wire.ITEM_SIZES[name]
     return -1 if len(run) % width else len(run) // width

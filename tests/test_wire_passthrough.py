@@ -36,15 +36,20 @@ trajectories = st.builds(
 def test_a_view_serializes_to_the_bytes_of_the_real_message(messages, request_id):
     data = pb.SubmitRequest(trajectories=messages, request_id=request_id).SerializeToString()
     parsed = wire.parse_submit(data)
-    assert wire.SubmitRequest(trajectories=parsed.trajectories, request_id=parsed.request_id).SerializeToString() == data
-    assert parsed.sizes == [m.ByteSize() for m in messages]
-    for message, view in zip(messages, parsed.trajectories):
+    assert parsed.request_id == request_id
+    assert [len(t.encoded) for t in parsed.trajectories] == [m.ByteSize() for m in messages]
+    for message, submitted in zip(messages, parsed.trajectories):
         # (Compared decoded: a map's entries may be written in another order by each serialization.)
-        assert pb.Trajectory.FromString(view.SerializeToString()) == message
+        assert pb.Trajectory.FromString(bytes(submitted.encoded)) == message
         for name in ("token_ids", "logprobs", "loss_mask"):
-            assert wire.array_count(name, getattr(view, name)) == len(getattr(message, name))
-        group = wire.TrajectoryGroup(prompt_id="p", trajectories=[view]).SerializeToString()
-        assert pb.TrajectoryGroup.FromString(group).trajectories[0] == message
+            assert wire.array_count(name, submitted.runs.get(name, b"")) == len(getattr(message, name))
+        assert bytes(submitted.runs.get("payload", b"")) == message.payload
+        assert (submitted.fields.trajectory_id, submitted.fields.reward, len(submitted.fields.metadata)) == (
+            message.trajectory_id, message.reward, len(message.metadata))
+        lengths = {len(message.token_ids), len(message.logprobs), len(message.loss_mask)} - {0}
+        assert (wire.array_problem(submitted) is None) == (len(lengths) <= 1)
+        group = wire.TrajectoryGroup(prompt_id="p", trajectories=[wire.Trajectory.FromString(bytes(submitted.encoded))])
+        assert pb.TrajectoryGroup.FromString(group.SerializeToString()).trajectories[0] == message
 
 
 def _field(number: int, wire_type: int, body: bytes = b"") -> bytes:
@@ -86,17 +91,17 @@ def test_an_array_in_several_packed_runs_is_read_whole():
     trajectory = (_field(1, 2, b"t0") + _field(2, 2, b"p") + _field(TOKENS, 2, _int32s(1, 2))
                   + _field(TOKENS, 2, _int32s(300)))
     parsed = wire.parse_submit(_submit(trajectory))
-    assert list(pb.Trajectory.FromString(parsed.trajectories[0].SerializeToString()).token_ids) == [1, 2, 300]
-    assert wire.array_count("token_ids", parsed.trajectories[0].token_ids) == 3 and parsed.request_id == "r-1"
+    assert list(pb.Trajectory.FromString(bytes(parsed.trajectories[0].encoded)).token_ids) == [1, 2, 300]
+    assert wire.array_count("token_ids", parsed.trajectories[0].runs["token_ids"]) == 3 and parsed.request_id == "r-1"
 
 
 def test_an_array_sent_unpacked_is_packed_and_counted():
     trajectory = (_field(1, 2, b"t0") + _field(TOKENS, 5, _int32s(5)) + _field(TOKENS, 5, _int32s(-7))
                   + _field(13, 2, b"xy"))
     parsed = wire.parse_submit(_submit(trajectory))
-    view = parsed.trajectories[0]
-    assert view.token_ids == _int32s(5, -7) and wire.array_count("token_ids", view.token_ids) == 2
-    decoded = pb.Trajectory.FromString(view.SerializeToString())
+    submitted = parsed.trajectories[0]
+    assert submitted.runs["token_ids"] == _int32s(5, -7) and wire.array_count("token_ids", submitted.runs["token_ids"]) == 2
+    decoded = pb.Trajectory.FromString(bytes(submitted.encoded))
     assert (list(decoded.token_ids), decoded.payload) == ([5, -7], b"xy")
 
 
@@ -154,8 +159,8 @@ def test_an_unknown_group_field_is_kept_and_framing_errors_are_value_errors():
     group = _varint(99 << 3 | 3) + _field(1, 0, b"\x05") + _varint(99 << 3 | 4)
     trajectory = _field(1, 2, b"t0") + group + _field(TOKENS, 2, _int32s(4, 5))
     parsed = wire.parse_submit(_submit(trajectory))
-    assert bytes(parsed.encoded[0]) == trajectory and parsed.sizes == [len(trajectory)]
-    assert wire.array_count("token_ids", parsed.trajectories[0].token_ids) == 2
+    assert bytes(parsed.trajectories[0].encoded) == trajectory
+    assert wire.array_count("token_ids", parsed.trajectories[0].runs["token_ids"]) == 2
     for broken in (b"\x0a\x05ab", b"\x08\xff", _varint(99 << 3 | 3) + b"\x08\x01"):
         with pytest.raises(ValueError):
             list(_wire.fields(memoryview(broken), 0, len(broken)))

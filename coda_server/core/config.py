@@ -331,6 +331,9 @@ def _validate_server(server: Any, need) -> None:
     for key in ("max_buffered_groups", "max_held_bytes"):
         value = server.get(key)
         need(_is_int(value) and value >= 0, f"server.{key}", value, "must be an integer >= 0 (0: no cap)")
+    retain = server.get("allocator_retain_bytes")
+    need(_is_int(retain) and 0 <= retain <= 2**31 - 1, "server.allocator_retain_bytes", retain,
+         "must be an integer from 0 (the allocator's defaults) to 2147483647")
     lease = server.get("inflight_lease_seconds")
     need(_is_number(lease) and lease >= 0 and math.isfinite(lease), "server.inflight_lease_seconds", lease,
          "must be a finite number >= 0 (0: no lease)")
