@@ -152,11 +152,39 @@ def test_latency_aware_quiet_after_option():
     assert strategy.compute_dispatch_count(0) == 2
     strategy.on_dispatched([PromptRef("x")])
     assert strategy.compute_dispatch_count(0) == 1
-    for bad_option in ("quiet_after=1.5", "quiet_after=0", "collect_window=0.5", "collect_window=wide"):
+    for bad_option in ("quiet_after=1.5", "quiet_after=0", "collect_window=0.5", "collect_window=wide",
+                       "adaptive_depth=3"):
         bad = load_config(overrides=[*BASE, "fully_async.sliding_window=latency-aware",
                                      f"fully_async.latency_aware.{bad_option}"])
         with pytest.raises(ValueError, match=bad_option.split("=")[0]):
             create_strategy(bad)
+
+
+def test_latency_aware_depth_follows_the_buffer_surplus_at_each_resume():
+    # B = 2, stale 3.0: C = 8. One fetch is 1 group (M = N = 2).
+    config = load_config(overrides=[*BASE, "fully_async.stale_steps=3.0", "fully_async.sliding_window=latency-aware"])
+    pacer = Pacer(config, clock=Clock())
+    strategy = pacer.strategy.wrapped
+    pacer.dispatch([PromptRef(p) for p in "abcdefgh"])
+    pacer.submit([t for p in "abcdefgh" for t in group(p)])
+    pacer.collect_now(1)
+    pacer.collect_now(1)  # the step's B = 2; 6 stay buffered
+    pacer.reset(ResetMode.WAIT, resume=True, weight_version=1, wait=0)
+    # 6 buffered at the Resume, against B + one fetch = 3: surplus 3, the depth shrinks by 1 (half, floored).
+    assert strategy.depth == 7
+    assert pacer.admissible_now() == 1  # depth 7 - 6 buffered (windowed-fifo would admit C - 6 = 2)
+    for _ in range(4):
+        pacer.collect_now(1)
+    pacer.reset(ResetMode.WAIT, resume=True, weight_version=2, wait=0)
+    # 2 buffered: no surplus, the depth grows back by one fetch (at most C).
+    assert strategy.depth == 8
+    off = load_config(overrides=[*BASE, "fully_async.stale_steps=3.0", "fully_async.sliding_window=latency-aware",
+                                 "fully_async.latency_aware.adaptive_depth=false"])
+    pacer = Pacer(off, clock=Clock())
+    pacer.dispatch([PromptRef(p) for p in "abcdefgh"])
+    pacer.submit([t for p in "abcdefgh" for t in group(p)])
+    pacer.reset(ResetMode.WAIT, resume=True, weight_version=1, wait=0)
+    assert pacer.strategy.wrapped.depth == 8  # adaptive_depth false: C whatever the buffer
 
 
 def test_latency_aware_collects_within_its_window_of_seqs():

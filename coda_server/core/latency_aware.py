@@ -1,4 +1,4 @@
-"""The built-in `latency-aware` strategy: windowed-fifo with a wider collection window that goes quiet in the tail of each step."""
+"""The built-in `latency-aware` strategy: windowed-fifo with a wider collection window, a quiet tail in each step and a depth fitted to what the trainer takes."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -7,19 +7,32 @@ from .builtin_strategies import WindowedFifoStrategy
 from .strategy import SlidingWindowStrategy, register_sliding_window_strategy
 
 
-def _option(config: Any, name: str, default: float) -> float:
-    """`fully_async.latency_aware.<name>` from a mapping-like or attribute config, else `default`."""
+def _raw_option(config: Any, name: str) -> Any:
+    """`fully_async.latency_aware.<name>` from a mapping-like or attribute config, or None."""
     fully_async = getattr(config, "fully_async", None)
     options = (fully_async.get("latency_aware", None) if hasattr(fully_async, "get")
                else getattr(fully_async, "latency_aware", None))
     if options is None:
-        return default
-    value = options.get(name, default) if hasattr(options, "get") else getattr(options, name, default)
+        return None
+    return options.get(name, None) if hasattr(options, "get") else getattr(options, name, None)
+
+
+def _option(config: Any, name: str, default: float) -> float:
+    value = _raw_option(config, name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"fully_async.latency_aware.{name} = {value!r}: must be a number")
     return float(value)
+
+
+def _flag(config: Any, name: str, default: bool) -> bool:
+    value = _raw_option(config, name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"fully_async.latency_aware.{name} = {value!r}: must be true or false")
+    return value
 
 
 @register_sliding_window_strategy("latency-aware")
@@ -38,8 +51,14 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
     short ones, instead of running on across boundaries (aborted, re-prefilled, masked) as they do with
     no-window.
 
+    Depth: at each Resume, groups the buffer holds beyond the next step's B plus one fetch were not
+    needed in the step that made them; in WAIT mode every group still running then held the boundary,
+    and in either mode a buffered group is one version staler after it. So the depth (the `R + Q` the
+    strategy admits up to, at most C) shrinks by half that surplus, and grows back by one fetch at a
+    Resume without one, never below B.
+
     Options (`fully_async.latency_aware`): `quiet_after` in (0, 1], default 0.75; `collect_window` >= 1,
-    default 1.5.
+    default 1.5; `adaptive_depth`, default true (false: the depth stays C).
     """
 
     ordered_gate = True  # refuses aborted groups; otherwise a window from the oldest in-flight seq
@@ -54,14 +73,17 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
             raise ValueError(f"fully_async.latency_aware.collect_window = {window}: must be >= 1 (in units of B)")
         self._quiet_at = max(1, int(round(share * self._batch_size)))
         self._collect_window = max(1, int(round(window * self._batch_size)))
+        self._adaptive_depth = _flag(config, "adaptive_depth", True)
         self._consumed_in_step = 0
         self.quiet_since: float | None = None  # pacer-clock time the current quiet tail began (for metrics)
+        self.depth = self._capacity  # R + Q admitted up to (<= C)
+        self._fetch_groups = 1  # groups per trainer fetch, as seen in on_consumed
 
     def compute_dispatch_count(self, buf_qsize: int) -> int:
         if self._consumed_in_step >= self._quiet_at:
             still_needed = self._batch_size - self._consumed_in_step - self._running_count - buf_qsize
             return max(0, min(still_needed, self._free_slots(buf_qsize)))
-        return super().compute_dispatch_count(buf_qsize)
+        return max(0, min(self.depth, self._capacity) - self._running_count - buf_qsize)
 
     def will_collect(self, group: Mapping[str, Any]) -> bool:
         if not SlidingWindowStrategy.will_collect(self, group):  # no aborted trajectory in it
@@ -70,10 +92,15 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
         return self._seqs.seq_of(prompt_id) - self._seqs.min_seq() < self._collect_window
 
     def on_consumed(self, groups: Sequence[Any]) -> None:
+        self._fetch_groups = max(self._fetch_groups, len(groups))
         self._consumed_in_step += len(groups)
         if self._consumed_in_step >= self._quiet_at and self.quiet_since is None:
             self.quiet_since = self.now()
 
     def on_resume(self, weight_version: int) -> None:
+        if self._adaptive_depth:
+            surplus = len(self.buffer) - self._batch_size - self._fetch_groups
+            change = -(surplus // 2) if surplus > 0 else self._fetch_groups
+            self.depth = max(self._batch_size, min(self._capacity, self.depth + change))
         self._consumed_in_step = 0
         self.quiet_since = None
