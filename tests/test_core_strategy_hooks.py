@@ -170,14 +170,18 @@ def test_latency_aware_depth_follows_the_buffer_surplus_at_each_resume():
     pacer.collect_now(1)
     pacer.collect_now(1)  # the step's B = 2; 6 stay buffered
     pacer.reset(ResetMode.WAIT, resume=True, weight_version=1, wait=0)
-    # 6 buffered at the Resume, against B + one fetch = 3: surplus 3, the depth shrinks by 1 (half, floored).
-    assert strategy.depth == 7
-    assert pacer.admissible_now() == 1  # depth 7 - 6 buffered (windowed-fifo would admit C - 6 = 2)
+    # 6 buffered at the Resume, against the next step's B = 2: surplus 4, the depth shrinks by half of it.
+    assert strategy.depth == 6
+    assert pacer.admissible_now() == 0  # depth 6 - 6 buffered (windowed-fifo would admit C - 6 = 2)
     for _ in range(4):
         pacer.collect_now(1)
     pacer.reset(ResetMode.WAIT, resume=True, weight_version=2, wait=0)
-    # 2 buffered: no surplus, the depth grows back by one fetch (at most C).
-    assert strategy.depth == 8
+    # 2 buffered: no surplus, the depth grows back by one fetch.
+    assert strategy.depth == 7
+    for _ in range(2):
+        pacer.collect_now(1)
+    pacer.reset(ResetMode.WAIT, resume=True, weight_version=3, wait=0)
+    assert strategy.depth == 8  # and again, up to C
     off = load_config(overrides=[*BASE, "fully_async.stale_steps=3.0", "fully_async.sliding_window=latency-aware",
                                  "fully_async.latency_aware.adaptive_depth=false"])
     pacer = Pacer(off, clock=Clock())

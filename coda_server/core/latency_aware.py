@@ -51,8 +51,8 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
     short ones, instead of running on across boundaries (aborted, re-prefilled, masked) as they do with
     no-window.
 
-    Depth: at each Resume, groups the buffer holds beyond the next step's B plus one fetch were not
-    needed in the step that made them; in WAIT mode every group still running then held the boundary,
+    Depth: at each Resume, groups the buffer holds beyond the next step's B were not needed in the
+    step that made them; in WAIT mode every group still running then held the boundary,
     and in either mode a buffered group is one version staler after it. So the depth (the `R + Q` the
     strategy admits up to, at most C) shrinks by half that surplus, and grows back by one fetch at a
     Resume without one, never below B.
@@ -99,7 +99,7 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
 
     def on_resume(self, weight_version: int) -> None:
         if self._adaptive_depth:
-            surplus = len(self.buffer) - self._batch_size - self._fetch_groups
+            surplus = len(self.buffer) - self._batch_size
             change = -(surplus // 2) if surplus > 0 else self._fetch_groups
             self.depth = max(self._batch_size, min(self._capacity, self.depth + change))
         self._consumed_in_step = 0
