@@ -37,7 +37,7 @@ def _flag(config: Any, name: str, default: bool) -> bool:
 
 @register_sliding_window_strategy("latency-aware")
 class LatencyAwareStrategy(WindowedFifoStrategy):
-    """Dispatch like windowed-fifo (C - R - Q), with two differences that use the step's progress.
+    """Windowed-fifo with three changes that use the step's progress and the buffer.
 
     Quiet tail: once `quiet_after x B` groups have been consumed in the step, admit nothing new until the
     next Resume, except what the rest of the step still needs (B - consumed - R - Q, so a quiet tail can
@@ -51,11 +51,11 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
     short ones, instead of running on across boundaries (aborted, re-prefilled, masked) as they do with
     no-window.
 
-    Depth: at each Resume, groups the buffer holds beyond the next step's B were not needed in the
-    step that made them; in WAIT mode every group still running then held the boundary,
-    and in either mode a buffered group is one version staler after it. So the depth (the `R + Q` the
-    strategy admits up to, at most C) shrinks by half that surplus, and grows back by one fetch at a
-    Resume without one, never below B.
+    Depth: at each Resume, groups the buffer holds beyond the next step's B were not needed in the step
+    that made them; in WAIT mode every group still running then held the boundary, and in either mode a
+    buffered group is one version staler after it. So the depth (the `R + Q` the strategy admits up to,
+    at most C) shrinks by half that surplus, and grows back by one fetch at a Resume without one, never
+    below B.
 
     Options (`fully_async.latency_aware`): `quiet_after` in (0, 1], default 0.75; `collect_window` >= 1,
     default 1.5; `adaptive_depth`, default true (false: the depth stays C).
