@@ -331,6 +331,7 @@ class BatchIterator(_IteratorBase):
         self._inflight: set[Any] = set()  # Collects in progress, cancelled by close() or a server shutdown
         self._acks_inflight: set[Any] = set()  # acknowledgements in progress, cancelled by a server shutdown
         self._shutdown = threading.Event()
+        self._watching = threading.Event()  # the control stream's first event arrived
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches")
         self._pending: concurrent.futures.Future[MiniBatch] | None = None
         # Acknowledgements go out on their own thread, so handing out the next batch does not wait for one.
@@ -342,9 +343,16 @@ class BatchIterator(_IteratorBase):
         if self._wants_more():
             self._pending = self._executor.submit(self._prefetch)
 
+    def wait_watching(self, timeout: float | None = None) -> bool:
+        """Waits until the iterator follows the server's control stream (its first event arrived); True
+        then, False on timeout. A server that shuts down before then cannot announce it to this iterator,
+        whose calls then fail with the server's error instead of ending the iteration."""
+        return self._watching.wait(timeout)
+
     def _watch_events(self) -> None:
         try:
             for event in self._watch:
+                self._watching.set()
                 if self._on_event(event.type):
                     self._shutdown.set()
                     self._cancel_inflight(self._acks_inflight)

@@ -219,6 +219,7 @@ def test_the_iterator_stops_cleanly_when_the_server_shuts_down(tmp_path) -> None
         batches = pacer.batches(2 * N, lease=60, poll=30)
         first = next(batches)  # the prefetch now waits in a 30 s long-poll for groups that never come
         assert [g.prompt_id for g in first.groups] == ["d0", "d1"]
+        assert batches.wait_watching(30)  # else the server could stop before the stream that tells it opened
         os.kill(running.process.pid, signal.SIGTERM)
         started = time.monotonic()
         with pytest.raises(StopIteration):
