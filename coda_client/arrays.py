@@ -127,15 +127,18 @@ def comparable(name: str, values: Any) -> bytes:
 
 
 def to_torch(values: Any) -> Any:
-    """A torch tensor over `values` (a NumPy array) through DLPack, without a copy where DLPack allows it.
+    """A torch tensor over `values` (a NumPy array) through DLPack, without a copy when it is writable.
 
-    A read-only array (what results hold) cannot be shared with a tensor, which is always writable, unless
-    the installed versions exchange the read-only flag; it is copied then.
+    A read-only array (a result's view over the received bytes) is copied: a tensor is always writable,
+    and some NumPy/torch pairs (NumPy 2.3 with torch 2.13, for one) share a read-only array through DLPack
+    anyway, so writing to the tensor would change the immutable bytes under the view.
     """
     try:
         import torch
     except ImportError as exc:
         raise ImportError(TORCH_HINT) from exc
+    if not getattr(getattr(values, "flags", None), "writeable", False):
+        return torch.from_numpy(numpy().array(values))
     try:
         return torch.from_dlpack(values)
     except (BufferError, TypeError, RuntimeError):
