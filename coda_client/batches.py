@@ -226,12 +226,14 @@ class MiniBatch:
                            scatter(self.loss_mask, 0), attention, side)
 
     def to_torch(self) -> dict[str, Any]:
-        """The flat columns and per-trajectory arrays as torch tensors (needs torch; see arrays.to_torch)."""
+        """The flat columns and per-trajectory arrays as torch tensors (needs torch; see arrays.to_torch),
+        sharing the batch's memory where DLPack allows: the batch owns those arrays (packing copied them
+        out of the received bytes), so a tensor written to changes only this batch."""
         from .arrays import to_torch
 
         names = ("token_ids", "logprobs", "loss_mask", "cu_seqlens", "reward", "group_index", "status",
                  "start_weight_version", "end_weight_version", "token_weight_version")
-        return {name: to_torch(getattr(self, name)) for name in names}
+        return {name: to_torch(getattr(self, name), share_read_only=True) for name in names}
 
 
 def _token_versions(np: Any, trajectories: Sequence[Trajectory], lengths: Any, end_versions: Any) -> Any:

@@ -58,6 +58,15 @@ def test_packing_gives_flat_columns_and_offsets() -> None:
         assert not column.flags.writeable
 
 
+def test_to_torch_shares_the_batch_columns() -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed (optional; never a dependency)")
+    batch = _batch()
+    tensors = batch.to_torch()
+    assert tensors["token_ids"].tolist() == batch.token_ids.tolist() and tensors["cu_seqlens"].dtype == torch.int64
+    # The batch owns its packed columns, so they are shared (no copy of a whole mini-batch per step).
+    assert tensors["token_ids"].data_ptr() == batch.token_ids.ctypes.data
+
+
 def test_groups_with_list_arrays_pack_the_same() -> None:
     def as_lists(t: Trajectory) -> Trajectory:
         return Trajectory(trajectory_id=t.trajectory_id, prompt_id=t.prompt_id, status=t.status, reward=t.reward,
