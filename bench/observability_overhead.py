@@ -32,7 +32,8 @@ REPEATS = 7
 
 class FakeContext:
     """The ServicerContext methods a successful unary call touches in process: the observer's code() and
-    peer(), and time_remaining() for a long-poll's bound (handler_instructions.py uses it too)."""
+    peer(), time_remaining() for a long-poll's bound, invocation_metadata() for admission's client id
+    (handler_instructions.py uses it too)."""
 
     def code(self) -> None:
         return None
@@ -42,6 +43,9 @@ class FakeContext:
 
     def time_remaining(self) -> Optional[float]:
         return None
+
+    def invocation_metadata(self) -> tuple:
+        return ()
 
 
 async def per_call_seconds(observer: _MethodObserver, access_log: AccessLog | None, calls: int) -> float:

@@ -8,7 +8,10 @@ fresh server:
 * Submit-from-NumPy: a worker submits the 32 groups (one Submit per group) from NumPy arrays through
   `PacerClient.submit`; floor: building the same SubmitRequests from the same arrays the fastest way
   protobuf allows (array bytes into the pass-through view's bytes fields), serializing them and parsing
-  them as the server does (`coda_server.wire.parse_submit`), in this process;
+  them as a view, in this process. Beside both, the same `PacerClient.submit` to an empty-handler gRPC
+  server (rpc_throughput.py's floor server: our server's options and allocator setting, Submit parsed as
+  our server parses it, nothing else done): what gRPC's transport alone costs, so the report can tell
+  our server's share from gRPC's;
 * server RSS per held byte: (server RSS with the 512 trajectories held - its RSS before) / held_bytes
   (the encoded size the server reports in GetState);
 * Collect-to-NumPy: the trainer takes the 4 mini-batches with `PacerClient(arrays="numpy").collect_result`
@@ -19,11 +22,15 @@ fresh server:
   in for each training step; the gap is the time from the end of a step to the next batch in hand.
 
 MB/s counts array bytes (token ids, logprobs, loss mask: 12 bytes per token). Floor and ours are measured
-request by request, alternately, so load from elsewhere hits both alike. Medians over the repeats; the
-ratios are median(ours) / median(floor).
+request by request, alternately (the order rotating), so load from elsewhere hits both alike. Submit
+figures are the median over every Submit of every repeat (one group, 6.3 MB, each: the floor's time per
+request varies by a factor of two with the state of this process's allocator, which the median of a few
+per-repeat sums did not smooth); the other figures are medians over the repeats. Ratios are
+median(ours) / median(floor).
 
-    python bench/payload_path.py             # 3 repeats, about 2 minutes
+    python bench/payload_path.py             # 3 repeats, about 40 s on an idle machine
     python bench/payload_path.py --quick     # 1 repeat of a quarter of the data, a smoke run
+    python bench/payload_path.py --set server.allocator_retain_bytes=0   # glibc's allocator defaults
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rpc_throughput import ServerProcess, machine_busy_ticks  # noqa: E402  (same directory)
+from rpc_throughput import FLOOR_PASSTHROUGH_ENV, ServerProcess, machine_busy_ticks  # noqa: E402  (same directory)
 
 from coda_client import MiniBatch, PacerClient, Trajectory, TrajectoryStatus, _wire  # noqa: E402
 from coda_server import wire  # noqa: E402
@@ -52,11 +59,15 @@ STEP_SECONDS = 2.0
 TARGETS = {"collect": 0.5, "submit": 0.5, "rss_per_held_byte": 1.3, "prefetch_gap_fraction": 0.05}
 
 
+# --set KEY=VALUE: configuration overrides for both servers (e.g. server.allocator_retain_bytes=0).
+EXTRA_OVERRIDES: list[str] = []
+
+
 def overrides(groups: int) -> list[str]:
-    """Shipped defaults, except the shape of the workload and free ports."""
+    """Shipped defaults, except the shape of the workload, free ports and --set."""
     return ["server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0",
             f"data_source.num_prompts_per_step={groups}", f"data_source.num_trajectories_per_prompt={GROUP_SIZE}",
-            f"trainer.mini_batch_size={MINI_BATCH}"]
+            f"trainer.mini_batch_size={MINI_BATCH}", *EXTRA_OVERRIDES]
 
 
 def make_arrays(trajectories: int, tokens: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -137,20 +148,32 @@ def submit_ours_one(pacer: PacerClient, prompt_id: str, arrays: list, round_: in
     return elapsed
 
 
-def submit_all(pacer: PacerClient, groups: list[list], round_: int, floor: bool = False) -> tuple[float, float]:
-    """Submits every group (ours), each next to its floor when `floor`: (ours seconds, floor seconds)."""
+def submit_sink_one(sink: PacerClient, prompt_id: str, arrays: list, round_: int) -> float:
+    trajectories = trajectories_of(prompt_id, arrays, round_)
+    started = time.perf_counter()
+    sink.submit(trajectories)  # the empty handler answers accepted=0
+    return time.perf_counter() - started
+
+
+def submit_all(pacer: PacerClient, groups: list[list], round_: int, floor: bool = False,
+               sink: PacerClient | None = None) -> dict[str, list[float]]:
+    """Submits every group (ours), each next to its floor when `floor` and to the empty-handler server
+    when `sink` is given, the order rotating group by group: the seconds of each Submit, by kind."""
     prompts = [f"p{g}-r{round_}" for g in range(len(groups))]
     answer = pacer.dispatch(prompts)
     assert answer.admitted == prompts, f"window too small: {answer}"
-    ours = floor_seconds = 0.0
+    seconds: dict[str, list[float]] = {"ours": [], "floor": [], "sink": []}
     kept: list = []
     for g, (prompt_id, arrays) in enumerate(zip(prompts, groups)):
-        if floor and g % 2:
-            floor_seconds += submit_floor_one(g, arrays, kept)
-        ours += submit_ours_one(pacer, prompt_id, arrays, round_)
-        if floor and not g % 2:
-            floor_seconds += submit_floor_one(g, arrays, kept)
-    return ours, floor_seconds
+        measures = {"ours": lambda: submit_ours_one(pacer, prompt_id, arrays, round_)}
+        if floor:
+            measures["floor"] = lambda: submit_floor_one(g, arrays, kept)
+        if sink is not None:
+            measures["sink"] = lambda: submit_sink_one(sink, prompt_id, arrays, round_)
+        names = list(measures)
+        for name in names[g % len(names):] + names[:g % len(names)]:
+            seconds[name].append(measures[name]())
+    return seconds
 
 
 def collect_ours_one(pacer: PacerClient, packed: bool, kept: list) -> tuple[float, int]:
@@ -208,12 +231,15 @@ def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
     workdir = workdir / f"repeat-{repeat}"  # a fresh port file: the previous server's must not be read
     workdir.mkdir()
     server = ServerProcess("ours", workdir, None, overrides(len(groups))).start()
+    sink_server = ServerProcess("floor", workdir, None, overrides(len(groups))).start()
     try:
         server.wait_ready()
-        with PacerClient(server.address, arrays="numpy", timeout=120) as pacer:
+        sink_server.wait_ready()
+        with PacerClient(server.address, arrays="numpy", timeout=120) as pacer, \
+                PacerClient(sink_server.address, timeout=120) as sink:
             pacer.state()
             rss_before = rss_bytes(server.process.pid)
-            submit_seconds, floor_submit = submit_all(pacer, groups, 0, floor=True)
+            submit_seconds = submit_all(pacer, groups, 0, floor=True, sink=sink)
             state = pacer.state()
             rss_held = rss_bytes(server.process.pid)
             response = collect_response(groups[:MINI_BATCH // GROUP_SIZE], 0)
@@ -227,11 +253,13 @@ def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
             gaps = prefetch_gaps(pacer, batches)
     finally:
         server.stop()
+        sink_server.stop()
     return {
         "repeat": repeat,
         "array_mb": payload / 1e6,
-        "submit_mb_s": payload / 1e6 / submit_seconds,
-        "submit_floor_mb_s": payload / 1e6 / floor_submit,
+        # Per Submit (one group each): the report takes the median over every Submit of every repeat.
+        "group_mb": payload / 1e6 / len(groups),
+        "submit_seconds": submit_seconds,
         "collect_mb_s": payload / 1e6 / collect_seconds,
         "collect_packed_mb_s": payload / 1e6 / packed_seconds,
         "collect_floor_mb_s": payload / 1e6 / floor_collect,
@@ -247,7 +275,12 @@ def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
 
 
 def report(runs: list[dict], busy: float) -> bool:
-    med = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key not in ("repeat", "gaps_ms")}
+    med = {key: statistics.median(r[key] for r in runs) for key in runs[0]
+           if key not in ("repeat", "gaps_ms", "submit_seconds")}
+    for kind, key in (("ours", "submit_mb_s"), ("floor", "submit_floor_mb_s"), ("sink", "submit_sink_mb_s")):
+        med[key] = runs[0]["group_mb"] / statistics.median(t for r in runs for t in r["submit_seconds"][kind])
+        for r in runs:
+            r[key] = r["group_mb"] / statistics.median(r["submit_seconds"][kind])
     submit_ratio = med["submit_mb_s"] / med["submit_floor_mb_s"]
     collect_ratio = med["collect_mb_s"] / med["collect_floor_mb_s"]
     packed_ratio = med["collect_packed_mb_s"] / med["collect_floor_mb_s"]
@@ -259,11 +292,15 @@ def report(runs: list[dict], busy: float) -> bool:
         ("Submit-from-NumPy MB/s", med["submit_mb_s"], med["submit_floor_mb_s"], submit_ratio,
          f">= {TARGETS['submit']}", submit_ratio >= TARGETS["submit"]),
     ]
+    sink_ratio = med["submit_sink_mb_s"] / med["submit_floor_mb_s"]
+    rows.append(("  empty-handler gRPC server", med["submit_sink_mb_s"], med["submit_floor_mb_s"], sink_ratio, "", True))
     print(f"\n{len(runs)} repeat(s) of {runs[0]['array_mb']:.0f} MB of arrays; machine busy {busy:.0f}% "
           f"(all cores, anyone's) during the run\n")
     print(f"{'':34} {'ours':>9} {'floor':>9} {'ratio':>7}  target")
     for name, ours, floor, ratio, target, ok in rows:
         print(f"{name:34} {ours:9.1f} {floor:9.1f} {ratio:7.2f}  {target} {'' if not target else 'PASS' if ok else 'FAIL'}")
+    print(f"Submit, ours / empty-handler gRPC server: {med['submit_mb_s'] / med['submit_sink_mb_s']:.2f} "
+          f"(what our server adds to gRPC's transport)")
     rss_ok = med["rss_per_held_byte"] <= TARGETS["rss_per_held_byte"]
     print(f"\nserver RSS per held byte: {med['rss_per_held_byte']:.2f}  (RSS growth "
           f"{med['rss_growth_bytes'] / 1e6:.0f} MB for held_bytes {med['held_bytes'] / 1e6:.0f} MB; server RSS "
@@ -276,7 +313,7 @@ def report(runs: list[dict], busy: float) -> bool:
           f"{'PASS' if gap_ok else 'FAIL'}")
     print("\nper repeat: " + "; ".join(
         f"collect {r['collect_mb_s']:.0f}/{r['collect_floor_mb_s']:.0f}, submit {r['submit_mb_s']:.0f}/"
-        f"{r['submit_floor_mb_s']:.0f}, rss/held {r['rss_per_held_byte']:.2f}" for r in runs))
+        f"{r['submit_floor_mb_s']:.0f} (empty handler {r['submit_sink_mb_s']:.0f}), rss/held {r['rss_per_held_byte']:.2f}" for r in runs))
     return all(ok for *_, ok in rows) and rss_ok and gap_ok
 
 
@@ -287,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32_768)
     parser.add_argument("--quick", action="store_true", help="1 repeat, 128 trajectories of 32,768 tokens")
     parser.add_argument("--json", type=Path, help="write every figure to this file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a configuration override for both servers, e.g. server.allocator_retain_bytes=0")
     args = parser.parse_args(argv)
+    EXTRA_OVERRIDES[:] = args.set
     if args.quick:
         args.repeats, args.trajectories = 1, 2 * MINI_BATCH
     if args.trajectories % MINI_BATCH:
@@ -296,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
           f"mini-batches of {MINI_BATCH}; python {platform.python_version()}, {os.cpu_count()} cores")
     print("command: python bench/payload_path.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     arrays = make_arrays(args.trajectories, args.tokens)
+    os.environ[FLOOR_PASSTHROUGH_ENV] = "1"  # the empty-handler server parses Submit as ours does
     busy0 = machine_busy_ticks()
     runs = []
     with tempfile.TemporaryDirectory(prefix="payload-path-") as tmp:

@@ -115,10 +115,12 @@ class FloorServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
 
 async def serve_floor(port_file: Path, overrides: list[str]) -> int:
+    from coda_server.allocator import retain_freed_memory
     from coda_server.core import load_config
     from coda_server.server import server_options
 
     config = load_config(overrides=overrides)
+    retain_freed_memory(int(config.server.allocator_retain_bytes))  # the same process settings as ours
     server = grpc.aio.server(options=server_options(config))
     registrar = server
     if os.environ.get(FLOOR_PASSTHROUGH_ENV):  # --floor-passthrough: parse Submit as our server does

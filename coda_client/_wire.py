@@ -16,7 +16,6 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.unknown_fields import UnknownFieldSet
 
 from ._proto import pacer_pb2
 
@@ -173,11 +172,6 @@ def split_message(buffer: memoryview, message_class: Any,
         else:
             rest.append(buffer[field_start:value_end])
     return message_class.FromString(b"".join(rest)), slices
-
-
-def has_unknown_fields(message: Any) -> bool:
-    """True when the message carries fields its class does not declare (e.g. an array sent unpacked)."""
-    return len(UnknownFieldSet(message)) > 0
 
 
 class EncodedSubmitRequest:

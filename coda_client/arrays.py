@@ -126,16 +126,21 @@ def comparable(name: str, values: Any) -> bytes:
     return bytes(memoryview(encode(name, values)).cast("B"))
 
 
-def to_torch(values: Any) -> Any:
-    """A torch tensor over `values` (a NumPy array) through DLPack, without a copy where DLPack allows it.
+def to_torch(values: Any, *, share_read_only: bool = False) -> Any:
+    """A torch tensor over `values` (a NumPy array) through DLPack, without a copy when it is writable.
 
-    A read-only array (what results hold) cannot be shared with a tensor, which is always writable, unless
-    the installed versions exchange the read-only flag; it is copied then.
+    A read-only array (a result's view over the received bytes) is copied: a tensor is always writable,
+    and some NumPy/torch pairs (NumPy 2.3 with torch 2.13, for one) share a read-only array through DLPack
+    anyway, so writing to the tensor would change the immutable bytes under the view. `share_read_only`
+    is for arrays that own their memory and are read-only only to guard against slips (a MiniBatch's
+    columns): they are shared where DLPack allows it.
     """
     try:
         import torch
     except ImportError as exc:
         raise ImportError(TORCH_HINT) from exc
+    if not share_read_only and not getattr(getattr(values, "flags", None), "writeable", False):
+        return torch.from_numpy(numpy().array(values))
     try:
         return torch.from_dlpack(values)
     except (BufferError, TypeError, RuntimeError):

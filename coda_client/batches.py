@@ -226,12 +226,14 @@ class MiniBatch:
                            scatter(self.loss_mask, 0), attention, side)
 
     def to_torch(self) -> dict[str, Any]:
-        """The flat columns and per-trajectory arrays as torch tensors (needs torch; see arrays.to_torch)."""
+        """The flat columns and per-trajectory arrays as torch tensors (needs torch; see arrays.to_torch),
+        sharing the batch's memory where DLPack allows: the batch owns those arrays (packing copied them
+        out of the received bytes), so a tensor written to changes only this batch."""
         from .arrays import to_torch
 
         names = ("token_ids", "logprobs", "loss_mask", "cu_seqlens", "reward", "group_index", "status",
                  "start_weight_version", "end_weight_version", "token_weight_version")
-        return {name: to_torch(getattr(self, name)) for name in names}
+        return {name: to_torch(getattr(self, name), share_read_only=True) for name in names}
 
 
 def _token_versions(np: Any, trajectories: Sequence[Trajectory], lengths: Any, end_versions: Any) -> Any:
@@ -331,6 +333,7 @@ class BatchIterator(_IteratorBase):
         self._inflight: set[Any] = set()  # Collects in progress, cancelled by close() or a server shutdown
         self._acks_inflight: set[Any] = set()  # acknowledgements in progress, cancelled by a server shutdown
         self._shutdown = threading.Event()
+        self._watching = threading.Event()  # the control stream's first event arrived
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches")
         self._pending: concurrent.futures.Future[MiniBatch] | None = None
         # Acknowledgements go out on their own thread, so handing out the next batch does not wait for one.
@@ -342,9 +345,16 @@ class BatchIterator(_IteratorBase):
         if self._wants_more():
             self._pending = self._executor.submit(self._prefetch)
 
+    def wait_watching(self, timeout: float | None = None) -> bool:
+        """Waits until the iterator follows the server's control stream (its first event arrived); True
+        then, False on timeout. A server that shuts down before then cannot announce it to this iterator,
+        whose calls then fail with the server's error instead of ending the iteration."""
+        return self._watching.wait(timeout)
+
     def _watch_events(self) -> None:
         try:
             for event in self._watch:
+                self._watching.set()
                 if self._on_event(event.type):
                     self._shutdown.set()
                     self._cancel_inflight(self._acks_inflight)

@@ -1,12 +1,11 @@
-"""How much freed memory the C allocator keeps for the next large message (glibc's mallopt), and the
-start-up log line that says whether it applied.
+"""How much freed memory the C allocator keeps for the next large message (glibc's mallopt).
 
 Every large Submit arrives as many small gRPC slices that the gRPC runtime copies, grows and copies again
 into one `bytes` before our code sees it. With glibc's defaults each free at the top of the heap above
 a small threshold is handed back to the kernel, so the next message faults the same pages in again:
-measured on the payload benchmark, the server's Submit throughput was about 60% higher when freed memory
-up to a few tens of MiB was kept (`bench/payload_path.py`, docs/operations.md "Memory"). The cost is
-resident memory: up to `server.allocator_retain_bytes` of freed memory may stay in the process's RSS.
+on `bench/payload_path.py` the server's Submit throughput was about 30% higher with 8 MiB kept
+(docs/operations.md, "Memory"). The cost is resident memory: up to about twice
+`server.allocator_retain_bytes` of freed memory may stay in the process's RSS.
 """
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ from typing import Any, Optional
 
 import grpc
 from google.protobuf.message import DecodeError
-from google.protobuf.unknown_fields import UnknownFieldSet
 
 from coda_client import _wire
 from coda_client._proto import pacer_pb2
@@ -79,14 +78,16 @@ _FINGERPRINTED_RUNS = {**{field.number: name for name, field in _wire.ARRAY_FIEL
 class SubmittedTrajectory:
     """One trajectory of a Submit as the server reads it: its other fields decoded (`fields`, a view
     whose arrays are empty), its arrays and payload as slices of the request (`runs`: not decoded, not
-    copied) and its whole encoded bytes (`encoded`, what the server holds)."""
+    copied), its whole encoded bytes (`encoded`, what the server holds) and the retired field numbers it
+    uses (`retired`: a sender built from an older pacer.proto)."""
 
-    __slots__ = ("fields", "runs", "encoded")
+    __slots__ = ("fields", "runs", "encoded", "retired")
 
-    def __init__(self, fields: Any, runs: dict[str, memoryview], encoded: memoryview):
+    def __init__(self, fields: Any, runs: dict[str, memoryview], encoded: memoryview, retired: tuple[int, ...] = ()):
         self.fields = fields
         self.runs = runs
         self.encoded = encoded
+        self.retired = retired
 
 
 class ParsedSubmit:
@@ -148,9 +149,12 @@ def _split_submit(data: memoryview) -> ParsedSubmit:
 def _split_trajectory(encoded: memoryview) -> SubmittedTrajectory:
     runs: dict[str, memoryview] = {}
     rest: list[memoryview] = []
+    retired: list[int] = []
     for number, wire_type, field_start, value_start, value_end in _wire.fields(encoded, 0, len(encoded)):
         name = _RUN_NAMES.get(number)
-        if name is None:
+        if number in _RETIRED_NUMBERS:  # packed or not: either way the trajectory is refused
+            retired.append(number)
+        elif name is None:
             rest.append(encoded[field_start:value_end])
         elif name == "payload":  # a bytes field: the last occurrence wins, as in any parser
             runs[name] = encoded[value_start:value_end]
@@ -158,7 +162,7 @@ def _split_trajectory(encoded: memoryview) -> SubmittedTrajectory:
             raise _UnusualForm
         else:
             runs[name] = encoded[value_start:value_end]
-    return SubmittedTrajectory(Trajectory.FromString(b"".join(rest)), runs, encoded)
+    return SubmittedTrajectory(Trajectory.FromString(b"".join(rest)), runs, encoded, tuple(retired))
 
 
 def _as_encoded(message: bytes) -> bytes:
@@ -208,10 +212,7 @@ def array_problem(trajectory: SubmittedTrajectory) -> Optional[str]:
     """What is wrong with a submitted trajectory's arrays, or None: a retired field number (a sender built
     from an older pacer.proto), a run that is not a whole number of values, or non-empty arrays of
     different lengths."""
-    fields = trajectory.fields
-    retired = [number for number, name in _RETIRED_NUMBERS.items() if getattr(fields, name)]
-    if not retired and _wire.has_unknown_fields(fields):  # a retired array sent unpacked
-        retired = sorted({f.field_number for f in UnknownFieldSet(fields)} & _RETIRED_NUMBERS.keys())
+    retired = sorted(set(trajectory.retired))
     if retired:
         return (f"uses field number {retired[0]}, which pacer.proto has retired (token_ids and loss_mask "
                 f"were varint int32 fields 6 and 8; they are packed sfixed32 now): build the client from the "

@@ -222,6 +222,13 @@ def test_the_plain_client_works_where_numpy_cannot_be_imported(server) -> None:
 def test_to_torch_shares_or_copies_the_array() -> None:
     torch = pytest.importorskip("torch", reason="torch is not installed (optional; never a dependency)")
     values = np.arange(5, dtype=np.int32)
-    assert torch.equal(arrays.to_torch(values), torch.arange(5, dtype=torch.int32))
-    read_only = np.frombuffer(values.tobytes(), np.int32)
-    assert arrays.to_torch(read_only).tolist() == [0, 1, 2, 3, 4]
+    shared = arrays.to_torch(values)
+    assert torch.equal(shared, torch.arange(5, dtype=torch.int32))
+    shared[0] = 9
+    assert values[0] == 9  # a writable array is shared, not copied
+    received = values.tobytes()
+    read_only = np.frombuffer(received, np.int32)
+    copied = arrays.to_torch(read_only)
+    assert copied.tolist() == [9, 1, 2, 3, 4]
+    copied[1] = 7
+    assert read_only[1] == 1 and received == values.tobytes()  # the immutable bytes under a view stay as they are

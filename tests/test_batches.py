@@ -58,6 +58,15 @@ def test_packing_gives_flat_columns_and_offsets() -> None:
         assert not column.flags.writeable
 
 
+def test_to_torch_shares_the_batch_columns() -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed (optional; never a dependency)")
+    batch = _batch()
+    tensors = batch.to_torch()
+    assert tensors["token_ids"].tolist() == batch.token_ids.tolist() and tensors["cu_seqlens"].dtype == torch.int64
+    # The batch owns its packed columns, so they are shared (no copy of a whole mini-batch per step).
+    assert tensors["token_ids"].data_ptr() == batch.token_ids.ctypes.data
+
+
 def test_groups_with_list_arrays_pack_the_same() -> None:
     def as_lists(t: Trajectory) -> Trajectory:
         return Trajectory(trajectory_id=t.trajectory_id, prompt_id=t.prompt_id, status=t.status, reward=t.reward,
@@ -219,6 +228,7 @@ def test_the_iterator_stops_cleanly_when_the_server_shuts_down(tmp_path) -> None
         batches = pacer.batches(2 * N, lease=60, poll=30)
         first = next(batches)  # the prefetch now waits in a 30 s long-poll for groups that never come
         assert [g.prompt_id for g in first.groups] == ["d0", "d1"]
+        assert batches.wait_watching(30)  # else the server could stop before the stream that tells it opened
         os.kill(running.process.pid, signal.SIGTERM)
         started = time.monotonic()
         with pytest.raises(StopIteration):

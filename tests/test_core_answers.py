@@ -53,3 +53,25 @@ def test_the_asyncio_face_remembers_every_answer_a_submit_and_a_peek_included(co
     # The retry gets the first answer (2 accepted), not the answer a second call would get (2 duplicates).
     assert (first.accepted, first.duplicates) == (2, 0) and again == first
     assert pacer.state().duplicates == 0 and pacer.state().submitted == 2
+
+
+def test_remembered_collect_answers_are_bounded_by_the_bytes_they_hold(core_pacer):
+    """An unleased Collect's answer is its groups' only holder: beyond server.remembered_answer_bytes the
+    oldest answers are forgotten (a retry of one runs again), the newest always kept."""
+    pacer = core_pacer("no-window", B=4, stale=0.0, N=1, M=1, extra=["server.remembered_answer_bytes=250"])
+    pacer.dispatch([PromptRef(p) for p in "abcd"])
+    pacer.submit([Trajectory(f"{p}/t0", p, size_bytes=100) for p in "abcd"])
+    first, second, third = (pacer.collect_now(1, request_id=f"c-{i}") for i in range(3))
+    assert [g.prompt_id for r in (first, second, third) for g in r.groups] == ["a", "b", "c"]
+    assert pacer.answers.remembered_bytes() == 200  # c-0's 100 bytes were over the budget of 250
+    assert pacer.collect_now(1, request_id="c-2") == third and pacer.collect_now(1, request_id="c-1") == second
+    # The forgotten one runs again: it takes the next group rather than answering "a" again.
+    assert [g.prompt_id for g in pacer.collect_now(1, request_id="c-0").groups] == ["d"]
+
+
+def test_the_newest_answer_is_kept_even_when_it_alone_is_over_the_budget(core_pacer):
+    pacer = core_pacer("no-window", B=1, stale=0.0, N=1, M=1, extra=["server.remembered_answer_bytes=10"])
+    pacer.dispatch([PromptRef("a")])
+    pacer.submit([Trajectory("a/t0", "a", size_bytes=100)])
+    taken = pacer.collect_now(1, request_id="big")
+    assert pacer.collect_now(1, request_id="big") == taken and pacer.answers.remembered_bytes() == 100

@@ -33,9 +33,21 @@ KILLS = int(os.environ.get("CODA_CRASH_KILLS", "7"))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a server restarted on it must find it still free,
+    and a port from that range can be taken meanwhile by any outgoing connection (the reconnecting client's
+    own included), which then fails the restart with "Address already in use"."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def durable_overrides(state_dir: Path, port: int, *extra: str) -> list[str]:

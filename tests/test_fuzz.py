@@ -621,7 +621,9 @@ def test_fuzz_live_server(tmp_path):
         Server.stub = pacer_pb2_grpc.RolloutPacerStub(Server.channel)
         Server.health = health_pb2_grpc.HealthStub(Server.channel)
         run_state_machine_as_test(PacerFuzz, settings=settings(
-            max_examples=30, stateful_step_count=30, deadline=None, database=None,
+            # derandomize: the same 30 runs every time (348 Dispatches, 130 groups taken or restored), so the
+            # volume check below cannot fail on an unlucky draw (the property tests elsewhere still draw afresh).
+            max_examples=30, stateful_step_count=30, deadline=None, database=None, derandomize=True,
             # No shrinking: every replay costs real RPCs, and the failing run's steps are printed as they are.
             phases=(Phase.explicit, Phase.reuse, Phase.generate),
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 
 import pytest
 
@@ -66,6 +67,11 @@ def test_watch_redraws_on_pause_and_resume(tmp_path):
     thread.start()
     # Wait until the watch stream is open (the server exports its watcher count), then pause and resume.
     server.scrape_until(lambda s: s.value("coda_pacer_watchers") == 1, timeout=30)
+    # ... and until the first frame is drawn: it shows the state read when it is drawn, which must be
+    # before the Reset.
+    deadline = time.monotonic() + 30
+    while "last control event: STATE" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
     with PacerClient(server.address) as pacer:
         pacer.reset("wait", wait=5, resume=True, weight_version=5)
     thread.join(30)

@@ -27,7 +27,7 @@ from .limits import Limits
 
 R = TypeVar("R")
 ANSWERED_METHODS = ("Dispatch", "Submit", "Collect", "Reset", "Resume", "Ack")
-DATA_METHODS = ("Collect", "Reset")  # their answers carry trajectories: fewer are kept
+DATA_METHODS = ("Collect", "Reset")  # their answers carry trajectories: fewer are kept, and bytes count
 
 
 class AnswerBook:
@@ -39,6 +39,11 @@ class AnswerBook:
         self._answers: dict[str, OrderedDict] = {method: OrderedDict() for method in ANSWERED_METHODS}
         self._kept = {method: limits.data_answers_kept if method in DATA_METHODS else limits.answers_kept
                       for method in ANSWERED_METHODS}
+        # The trajectories of remembered Collect and Reset answers stay in memory with them (a Collect that
+        # took them without a lease is their only holder): beyond this many bytes the oldest are forgotten,
+        # the newest answer always kept (its retry is the likely one).
+        self._byte_budget = limits.remembered_answer_bytes
+        self._bytes = {method: 0 for method in DATA_METHODS}
         self._running: dict[tuple[str, str], Optional[asyncio.Future]] = {}  # calls under way, see once_awaited
 
     def of(self, method: str) -> Mapping[str, Any]:
@@ -115,15 +120,28 @@ class AnswerBook:
             if request_id in answers:
                 return
             answers[request_id] = result
-            if len(answers) > self._kept[method]:
-                answers.popitem(last=False)
+            if method in self._bytes:
+                self._bytes[method] += _trajectory_bytes(result)
+            while len(answers) > self._kept[method] or (
+                    method in self._bytes and self._byte_budget and len(answers) > 1
+                    and self._bytes[method] > self._byte_budget):
+                self._dropped(method, answers.popitem(last=False)[1])
+
+    def remembered_bytes(self) -> int:
+        """Trajectory bytes of the remembered Collect and Reset answers."""
+        with self._lock:
+            return sum(self._bytes.values())
+
+    def _dropped(self, method: str, answer: Any) -> None:
+        if method in self._bytes:
+            self._bytes[method] -= _trajectory_bytes(answer)
 
     def forget(self, method: str, matches: Callable[[Any], bool]) -> None:
         """Drop the remembered answers of `method` that `matches` (a retry of them then runs again)."""
         with self._lock:
             answers = self._answers[method]
             for request_id in [r for r, answer in answers.items() if matches(answer)]:
-                del answers[request_id]
+                self._dropped(method, answers.pop(request_id))
 
     def export(self) -> dict[str, list]:
         with self._lock:
@@ -133,3 +151,10 @@ class AnswerBook:
         with self._lock:
             for method, items in exported.items():
                 self._answers[method].update(items)
+            for method in self._bytes:
+                self._bytes[method] = sum(map(_trajectory_bytes, self._answers[method].values()))
+
+
+def _trajectory_bytes(answer: Any) -> int:
+    measure = getattr(answer, "trajectory_bytes", None)
+    return measure() if measure is not None else 0

@@ -328,7 +328,7 @@ def _validate_server(server: Any, need) -> None:
         value = server.get(key)
         need(_is_int(value) and value >= 1, f"server.{key}", value, "must be an integer >= 1")
     _validate_transport(server, need)
-    for key in ("max_buffered_groups", "max_held_bytes"):
+    for key in ("max_buffered_groups", "max_held_bytes", "remembered_answer_bytes"):
         value = server.get(key)
         need(_is_int(value) and value >= 0, f"server.{key}", value, "must be an integer >= 0 (0: no cap)")
     retain = server.get("allocator_retain_bytes")

@@ -29,6 +29,7 @@ SERVER_KEYS = {
     "inflight_lease_seconds": "inflight_lease_seconds",
     "max_buffered_groups": "max_buffered_groups",
     "max_held_bytes": "max_held_bytes",
+    "remembered_answer_bytes": "remembered_answer_bytes",
 }
 
 
@@ -49,6 +50,7 @@ class Limits:
     inflight_lease_seconds: float  # 0: running groups never expire
     max_buffered_groups: int  # 0: unbounded
     max_held_bytes: int  # 0: unbounded
+    remembered_answer_bytes: int  # trajectory bytes of remembered Collect and Reset answers; 0: only the count bounds
 
     @classmethod
     def from_config(cls, config: Any) -> "Limits":

@@ -160,11 +160,20 @@ class SubmitResult:
     groups_completed: int
 
 
+def groups_bytes(groups: list[TrajectoryGroup]) -> int:
+    """The trajectories' sizes (`size_bytes`) summed over these groups."""
+    return sum(t.size_bytes for group in groups for t in group.trajectories)
+
+
 @dataclass
 class CollectResult:
     groups: list[TrajectoryGroup]
     timed_out: bool
     lease_id: str = ""  # set when the groups are leased: Ack it, or they are delivered again
+
+    def trajectory_bytes(self) -> int:
+        """Bytes of the trajectories this answer carries (what remembering it keeps in memory)."""
+        return groups_bytes(self.groups)
 
 
 @dataclass
@@ -199,6 +208,10 @@ class ResetResult:
     quarantined: list[TrajectoryGroup] = field(default_factory=list)
     # Restored groups kept for continuation (rollout.continue_restored): then `restored` is empty.
     kept_prompt_ids: list[str] = field(default_factory=list)
+
+    def trajectory_bytes(self) -> int:
+        """Bytes of the trajectories this answer carries (what remembering it keeps in memory)."""
+        return groups_bytes(self.restored) + groups_bytes(self.expired) + groups_bytes(self.quarantined)
 
 
 @dataclass
