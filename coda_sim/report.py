@@ -173,10 +173,15 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
             else:
                 cells.append(_cell(s.get(key), kind))
         rows.append((label, cells))
+    return render_table(headers, rows)
+
+
+def render_table(headers: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """A text table: a "metric" column of row labels, then one right-aligned column per header."""
     first = max(len("metric"), *(len(label) for label, _ in rows))
     widths = [max(len(h), *(len(cells[i]) for _, cells in rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(["metric".ljust(first), *(h.rjust(w) for h, w in zip(headers, widths))])]
-    lines.append("  ".join(["-" * first, *("-" * w for w in widths)]))
+    lines = ["  ".join(["metric".ljust(first), *(h.rjust(w) for h, w in zip(headers, widths))]),
+             "  ".join(["-" * first, *("-" * w for w in widths)])]
     for label, cells in rows:
         lines.append("  ".join([label.ljust(first), *(c.rjust(w) for c, w in zip(cells, widths))]))
     return "\n".join(lines)

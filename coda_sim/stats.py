@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
+from .report import render_table
+
 # Figures aggregated over seeds (keys of `report.summarize`), in the order the table shows them.
 AGGREGATED: list[tuple[str, str, str]] = [
     ("avg step time, excl. step 0", "avg_step_time_excl_step0", "s"),
@@ -112,13 +114,7 @@ def format_seed_table(entries: Sequence[dict[str, Any]]) -> str:
             if all(c == "-" for c in cells):
                 continue
             rows.append(((" " * 2 if suffix else "") + label, cells))
-    first = max(len("metric"), *(len(label) for label, _ in rows))
-    widths = [max(len(h), *(len(cells[i]) for _, cells in rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(["metric".ljust(first), *(h.rjust(w) for h, w in zip(headers, widths))]),
-             "  ".join(["-" * first, *("-" * w for w in widths)])]
-    for label, cells in rows:
-        lines.append("  ".join([label.ljust(first), *(c.rjust(w) for c, w in zip(cells, widths))]))
-    return "\n".join(lines)
+    return render_table(headers, rows)
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
