@@ -62,17 +62,18 @@ class EncodedTrajectory:
         once the trajectory has left the server). Field order and the order of the metadata entries do not
         change it; every value does."""
         if self._fingerprint is None:
-            scalars, runs = _wire.split_message(self.encoded, pacer_pb2.Trajectory, _FINGERPRINTED_RUNS)
+            scalars, runs = _wire.split_message(self.encoded, pacer_pb2.Trajectory, _RUN_NAMES)
             self._fingerprint = hash((scalars.trajectory_id, scalars.prompt_id, scalars.ds_index, scalars.status,
                                       scalars.reward, scalars.start_weight_version, scalars.end_weight_version,
                                       scalars.num_turns, tuple(sorted(scalars.metadata.items())),
-                                      *(tuple(runs[name]) for name in _FINGERPRINTED_RUNS.values())))
+                                      *(tuple(runs[name]) for name in _RUN_NAMES.values())))
         return self._fingerprint
 
 
-# Runs hashed in place (no copy): the arrays, and the payload; everything else is decoded and hashed.
-_FINGERPRINTED_RUNS = {**{field.number: name for name, field in _wire.ARRAY_FIELDS.items()},
-                       pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["payload"].number: "payload"}
+# The fields the server never decodes, by number: the arrays, and the payload (opaque to the server,
+# possibly large). A Submit keeps them as slices of the request; a fingerprint hashes them in place.
+_RUN_NAMES = {**{field.number: name for name, field in _wire.ARRAY_FIELDS.items()},
+              pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["payload"].number: "payload"}
 
 
 class SubmittedTrajectory:
@@ -101,9 +102,6 @@ class ParsedSubmit:
 
 
 _SUBMIT_TRAJECTORIES = pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number
-# Slices kept out of the decoding: the arrays, and the payload (opaque to the server, possibly large).
-_RUN_NAMES = {**{field.number: name for name, field in _wire.ARRAY_FIELDS.items()},
-              Trajectory.DESCRIPTOR.fields_by_name["payload"].number: "payload"}
 _NO_RUN = memoryview(b"")
 
 
