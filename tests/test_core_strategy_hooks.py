@@ -176,11 +176,13 @@ def test_latency_aware_depth_follows_the_buffer_surplus_at_each_resume():
     for _ in range(4):
         pacer.collect_now(1)
     pacer.reset(ResetMode.WAIT, resume=True, weight_version=2, wait=0)
-    # 2 buffered: no surplus, the depth grows back by one fetch.
-    assert strategy.depth == 7
+    # 2 buffered: no surplus, and the next step's first fetch is there: the depth stays.
+    assert strategy.depth == 6
     for _ in range(2):
         pacer.collect_now(1)
     pacer.reset(ResetMode.WAIT, resume=True, weight_version=3, wait=0)
+    assert strategy.depth == 7  # nothing buffered for the first fetch: it grows back by one fetch
+    pacer.reset(ResetMode.WAIT, resume=True, weight_version=4, wait=0)
     assert strategy.depth == 8  # and again, up to C
     off = load_config(overrides=[*BASE, "fully_async.stale_steps=3.0", "fully_async.sliding_window=latency-aware",
                                  "fully_async.latency_aware.adaptive_depth=false"])
@@ -189,6 +191,43 @@ def test_latency_aware_depth_follows_the_buffer_surplus_at_each_resume():
     pacer.submit([t for p in "abcdefgh" for t in group(p)])
     pacer.reset(ResetMode.WAIT, resume=True, weight_version=1, wait=0)
     assert pacer.strategy.wrapped.depth == 8  # adaptive_depth false: C whatever the buffer
+
+
+def aborted(prompt_id: str, *tokens: int) -> list[Trajectory]:
+    return [Trajectory(f"{prompt_id}/t{i}", prompt_id, status=TrajectoryStatus.ABORTED, num_tokens=n)
+            for i, n in enumerate(tokens)]
+
+
+def abort_boundary(pacer: Pacer, trajectories: list[Trajectory], weight_version: int) -> None:
+    pacer.begin_reset(ResetMode.ABORT)
+    pacer.submit(trajectories)
+    pacer.finish_reset(resume=True, weight_version=weight_version)
+
+
+def test_latency_aware_depth_stops_at_what_the_engines_run_plus_one_step():
+    # B = 2, N = 2, stale 3.0: C = 8. Trajectories aborted at a boundary without a token since they were
+    # dispatched waited behind the engines; the ones with new tokens show how many the engines run at once.
+    config = load_config(overrides=[*BASE, "fully_async.stale_steps=3.0", "fully_async.sliding_window=latency-aware",
+                                    "rollout.partial=true"])
+    pacer = Pacer(config, clock=Clock())
+    strategy = pacer.strategy.wrapped
+    pacer.dispatch([PromptRef(p) for p in "abcd"])
+    abort_boundary(pacer, aborted("a", 5, 7) + aborted("b", 3, 1) + aborted("c", 0, 0) + aborted("d", 0, 0), 1)
+    # 4 idle = 2 groups of surplus (8 -> 6), and the ceiling: 4 generating = 2 groups, plus one step's B = 2.
+    assert (strategy.engine_concurrency, strategy.depth) == (4, 4)
+    assert len(pacer.dispatch([], max_continuations=8).continued) == 4
+    # The four come back: a and b with the same tokens as at the last boundary (idle this time), c and d
+    # with new ones (generating). 4 idle, 4 generating: surplus 2 groups, down to B.
+    abort_boundary(pacer, aborted("a", 5, 7) + aborted("b", 3, 1) + aborted("c", 2, 2) + aborted("d", 4, 1), 2)
+    assert (strategy.engine_concurrency, strategy.depth) == (4, 2)
+
+    # Every aborted trajectory generated: nothing waited, so the engines' limit is not known and the
+    # depth is only the buffer's business (nothing buffered: it grows by one fetch, to at most C).
+    pacer = Pacer(config, clock=Clock())
+    strategy = pacer.strategy.wrapped
+    pacer.dispatch([PromptRef(p) for p in "abcd"])
+    abort_boundary(pacer, aborted("a", 5, 7) + aborted("b", 3, 1) + aborted("c", 2, 9) + aborted("d", 1, 1), 1)
+    assert (strategy.engine_concurrency, strategy.depth) == (0, 8)
 
 
 def test_latency_aware_collects_within_its_window_of_seqs():

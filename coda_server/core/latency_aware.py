@@ -1,10 +1,11 @@
-"""The built-in `latency-aware` strategy: windowed-fifo with a wider collection window, a quiet tail in each step and a depth fitted to what the trainer takes."""
+"""The built-in `latency-aware` strategy: windowed-fifo with a wider collection window, a quiet tail in each step and a depth fitted to what the trainer takes and the engines run."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
 from .builtin_strategies import WindowedFifoStrategy
 from .strategy import SlidingWindowStrategy, register_sliding_window_strategy
+from .types import TrajectoryStatus
 
 
 def _raw_option(config: Any, name: str) -> Any:
@@ -35,6 +36,14 @@ def _flag(config: Any, name: str, default: bool) -> bool:
     return value
 
 
+def _group_size(config: Any) -> int:
+    """N of the first data source; a bare config without it (built outside a pacer) gets the default, 8."""
+    source = config.data_sources[0]
+    value = source.get("num_trajectories_per_prompt", None) if hasattr(source, "get") else \
+        getattr(source, "num_trajectories_per_prompt", None)
+    return int(value) if value is not None else 8
+
+
 @register_sliding_window_strategy("latency-aware")
 class LatencyAwareStrategy(WindowedFifoStrategy):
     """Windowed-fifo with three changes that use the step's progress and the buffer.
@@ -51,12 +60,18 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
     short ones, instead of running on across boundaries (aborted, re-prefilled, masked) as they do with
     no-window.
 
-    Depth: at each Resume, groups the buffer holds beyond the next step's B were not needed in the step
-    that made them; in WAIT mode every group still running then held the boundary, and in either mode a
-    buffered group is one version staler after it. So the depth (the `R + Q` the strategy admits up to,
-    at most C) shrinks by half that surplus, and grows back by one fetch at a Resume without one, never
-    below B.
-
+    Depth (the `R + Q` the strategy admits up to, at most C), adjusted at each Resume:
+    - groups the buffer holds beyond the next step's B were not needed in the step that made them (in
+      WAIT mode every group still running then held the boundary; in either mode a buffered group is one
+      version staler after it): the depth shrinks by half that surplus;
+    - with partial rollout (ABORT) the boundary shows which dispatched trajectories never generated a
+      token in the step (aborted with no more tokens than at the boundary before): they waited behind
+      the engines' own concurrency limit, and only split their groups across versions. The depth shrinks
+      by their groups, and those that did generate at such a boundary are what the engines run at once:
+      the depth never again exceeds that many groups plus one step's B (the most the engines can start
+      within a step);
+    - with neither surplus and fewer groups buffered than one trainer fetch, the next step would start
+      waiting: the depth grows by one fetch. Never below B.
     Options (`fully_async.latency_aware`): `quiet_after` in (0, 1], default 0.75; `collect_window` >= 1,
     default 1.5; `adaptive_depth`, default true (false: the depth stays C).
     """
@@ -78,6 +93,12 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
         self.quiet_since: float | None = None  # pacer-clock time the current quiet tail began (for metrics)
         self.depth = self._capacity  # R + Q admitted up to (<= C)
         self._fetch_groups = 1  # groups per trainer fetch, as seen in on_consumed
+        self._group_size = _group_size(config)
+        self._tokens_at_boundary: dict[str, int] = {}  # trajectory id -> tokens when last aborted
+        self._aborted_now: dict[str, int] = {}  # the same, for the boundary in progress
+        self._idle_at_boundary = 0  # aborted in this boundary without a token since the last one
+        self._generating_at_boundary = 0  # aborted in this boundary with new tokens
+        self.engine_concurrency = 0  # most trajectories seen generating at one boundary
 
     def compute_dispatch_count(self, buf_qsize: int) -> int:
         if self._consumed_in_step >= self._quiet_at:
@@ -97,10 +118,35 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
         if self._consumed_in_step >= self._quiet_at and self.quiet_since is None:
             self.quiet_since = self.now()
 
+    def on_submitted(self, trajectory: Any) -> None:
+        # `num_tokens` is the whole response so far, so an aborted one that did not grow never ran.
+        if trajectory.status != TrajectoryStatus.ABORTED:
+            return
+        tokens = int(trajectory.num_tokens)
+        if tokens > self._tokens_at_boundary.get(trajectory.trajectory_id, 0):
+            self._generating_at_boundary += 1
+        else:
+            self._idle_at_boundary += 1
+        self._aborted_now[trajectory.trajectory_id] = tokens
+
     def on_resume(self, weight_version: int) -> None:
         if self._adaptive_depth:
-            surplus = len(self.buffer) - self._batch_size
-            change = -(surplus // 2) if surplus > 0 else self._fetch_groups
-            self.depth = max(self._batch_size, min(self._capacity, self.depth + change))
+            idle_groups = self._idle_at_boundary // self._group_size
+            surplus = max((len(self.buffer) - self._batch_size) // 2, idle_groups)
+            if surplus > 0:
+                change = -surplus
+            elif len(self.buffer) < self._fetch_groups:  # the next step's first fetch will wait
+                change = self._fetch_groups
+            else:
+                change = 0
+            if self._idle_at_boundary:  # some waited, so the engines ran all they could
+                self.engine_concurrency = max(self.engine_concurrency, self._generating_at_boundary)
+            ceiling = self._capacity
+            if self.engine_concurrency:
+                ceiling = min(ceiling, -(-self.engine_concurrency // self._group_size) + self._batch_size)
+            self.depth = max(self._batch_size, min(ceiling, self.depth + change))
+        # Only this boundary's aborted trajectories can come back aborted at the next one.
+        self._tokens_at_boundary, self._aborted_now = self._aborted_now, {}
+        self._idle_at_boundary = self._generating_at_boundary = 0
         self._consumed_in_step = 0
         self.quiet_since = None
