@@ -7,7 +7,10 @@ V_at_start + w, so only the replica's next finisher needs an event, re-planned w
 
 With a KV-cache capacity, the cache a replica holds (every slot's prompt + generated tokens) grows
 linearly in V between events, so the moment it fills is computed like a finish time; then the most
-recently admitted requests are preempted. With a prefill throughput, a replica prefills one request
+recently admitted requests are preempted. With `cluster.kv_reserve` the engines schedule as SGLang's
+does instead: admission against KV reserved for the running requests' future tokens, and retraction of
+the requests with the fewest new tokens (to the back of the engines' queue) when decoding fills the
+cache. With a prefill throughput, a replica prefills one request
 at a time (its whole context: a resumed or preempted request re-prefills what it generated) and its
 decoding stands still meanwhile, as an engine that runs prefill batches ahead of decode steps.
 """
@@ -21,6 +24,9 @@ from typing import Any, Callable, Optional
 from .workload import TrajSpec, Workload
 
 _EPS = 1e-9
+# kv_reserve: a queue head that does not fit is tried again this often (simulated seconds) as well as at
+# every finish, because the reservation shrinks between events as the new-token ratio decays.
+RESERVE_RETRY_S = 1.0
 
 
 class EventQueue:
@@ -64,7 +70,7 @@ class Request:
     """One trajectory's generation across turns, aborts, preemptions and continuations."""
 
     __slots__ = ("owner", "j", "spec", "slowdown", "turn", "done_in_turn", "tokens_done", "phase", "ticket",
-                 "replica", "v_start", "start_version", "tool_next", "kv_entry", "masked_tokens")
+                 "replica", "v_start", "start_version", "tool_next", "kv_entry", "masked_tokens", "engine_base")
 
     def __init__(self, owner: Any, j: int, spec: TrajSpec, slowdown: float):
         self.owner = owner
@@ -82,6 +88,9 @@ class Request:
         self.tool_next = False  # the next thing to do is the tool call after turn `turn - 1`
         self.kv_entry = 0.0  # context tokens in the KV cache when it took its slot
         self.masked_tokens = 0.0  # response tokens generated before its last abort (older weights)
+        # Response tokens it had when its current engine request was sent (a continuation or a new turn
+        # sends them as prompt): the engine counts only later tokens as output.
+        self.engine_base = 0.0
 
     @property
     def finished(self) -> bool:
@@ -90,7 +99,7 @@ class Request:
 
 class Replica:
     __slots__ = ("index", "occupied", "decoding", "v", "last_t", "heap", "ver", "members", "kv_fixed", "inv_s",
-                 "vs", "prefill_queue", "prefilling", "due_finish")
+                 "vs", "prefill_queue", "prefilling", "due_finish", "ratio", "ratio_v")
 
     def __init__(self, index: int):
         self.index = index
@@ -109,6 +118,9 @@ class Replica:
         self.prefill_queue: deque[Request] = deque()  # serial prefill: waiting behind `prefilling`
         self.prefilling: Optional[Request] = None  # while set, decoding on this replica stands still
         self.due_finish: Optional[float] = None  # the V of the finisher the planned event is for
+        # kv_reserve: the new-token ratio was `ratio` when V was `ratio_v` (it decays with decode steps, i.e. V).
+        self.ratio = 1.0
+        self.ratio_v = 0.0
 
 
 class GenerationPool:
@@ -144,7 +156,17 @@ class GenerationPool:
         self.prefill_tokens = 0.0  # context tokens prefilled (serial prefill only)
         self.reprefill_tokens = 0.0  # of those, response tokens prefilled again (resumed / preempted)
         self.prefill_seconds = 0.0  # replica-seconds spent prefilling (serial prefill only)
-        self.preemptions = 0  # requests preempted because their replica's KV cache was full
+        self.preemptions = 0  # requests preempted (retracted) because their replica's KV cache was full
+        # SGLang-style scheduling (None = the watermark): requests through the router wait in
+        # `engine_queue` for KV room, retracted ones at its back; the router counts them as generating.
+        self._reserve = workload.kv_reserve
+        self._max_new = float(workload.cap)
+        self.engine_queue: deque[Request] = deque()
+        self._retry_at: Optional[float] = None  # when the planned retry of a blocked queue head runs
+        if self._reserve is not None:
+            self.max_concurrent = workload.max_concurrent_requests or math.inf
+            for rep in self.replicas:
+                self._reset_ratio(rep)
 
     # ------------------------------------------------------------------ public
 
@@ -169,6 +191,7 @@ class GenerationPool:
             self._stop(req)
             req.masked_tokens = req.tokens_done
         self.pending.clear()
+        self.engine_queue.clear()
         self.live.clear()
         self._ids.clear()
         for rep in self.replicas:
@@ -178,6 +201,7 @@ class GenerationPool:
             rep.prefilling = None
             rep.members.clear()
             rep.kv_fixed = rep.inv_s = rep.vs = 0.0
+            self._reset_ratio(rep)
         return aborted
 
     def cancel(self, req: Request) -> None:
@@ -188,7 +212,7 @@ class GenerationPool:
         if rep is not None:
             self._advance(rep, self.events.now)
         if req.phase == QUEUED:
-            self.pending.remove(req)
+            (self.pending if req in self.pending else self.engine_queue).remove(req)
         self._stop(req)
         self._unregister(req)
         if rep is not None:
@@ -246,6 +270,7 @@ class GenerationPool:
             rep.inv_s = rep.vs = 0.0
         if not rep.occupied:
             rep.kv_fixed = 0.0
+            self._reset_ratio(rep)  # an idle engine starts its estimate again
         self._occupy(-1)
         req.replica = None
 
@@ -279,6 +304,7 @@ class GenerationPool:
             self._plan(rep)
 
     def _enqueue(self, req: Request) -> None:
+        req.engine_base = req.tokens_done  # a new engine request: what it generated so far is its prompt
         req.phase = QUEUED
         self._new_ticket(req)
         self.pending.append(req)
@@ -293,6 +319,9 @@ class GenerationPool:
         return self.kv_used(rep) + context <= self._kv_room
 
     def _fill(self) -> None:
+        if self._reserve is not None:
+            self._fill_reserving()
+            return
         slots = self.slots
         while self.pending and self.occupied < self.max_concurrent:
             context = self._context(self.pending[0])
@@ -306,6 +335,67 @@ class GenerationPool:
                 return
             req = self.pending.popleft()
             self._admit(best, req, context)
+
+    def _fill_reserving(self) -> None:
+        """kv_reserve: the router lets requests into the engines' queue, which admits in order while the
+        head fits a replica's unreserved cache (SGLang's prefill adder stops at the first that does not)."""
+        slots = self.slots
+        while True:
+            while self.pending and self.occupied + len(self.engine_queue) < self.max_concurrent:
+                self.engine_queue.append(self.pending.popleft())
+            if not self.engine_queue:
+                return
+            req = self.engine_queue[0]
+            context = self._context(req)
+            need = context + self._future_tokens(req, req.tokens_done)
+            best = None
+            for rep in self.replicas:
+                if rep.occupied < slots and (best is None or rep.occupied < best.occupied) \
+                        and (rep.occupied == 0 or self._fits_reserving(rep, need)):
+                    best = rep
+                    if rep.occupied == 0:
+                        break
+            if best is None:
+                now = self.events.now
+                if self._retry_at is None or self._retry_at < now:  # none planned (or lost to a clear)
+                    self._retry_at = now + RESERVE_RETRY_S
+                    self.events.at(self._retry_at, self._retry_fill)
+                return
+            self.engine_queue.popleft()
+            self._admit(best, req, context)
+
+    def _retry_fill(self) -> None:
+        self._retry_at = None
+        self._fill()
+
+    def _future_tokens(self, req: Request, tokens_done: float) -> float:
+        """The tokens SGLang expects `req` may still add: its remaining max_new_tokens, clipped."""
+        return max(0.0, min(self._max_new - tokens_done, float(self._reserve.clip_max_new_tokens)))
+
+    def _tokens_now(self, req: Request, rep: Replica) -> float:
+        """Response tokens `req` has now (`rep` advanced): its progress in the current decode counted."""
+        if req.phase != DECODE:
+            return req.tokens_done
+        left = req.spec.turns[req.turn] - req.done_in_turn
+        return req.tokens_done + max(0.0, min((rep.v - req.v_start) / req.slowdown, left))
+
+    def _ratio(self, rep: Replica) -> float:
+        return max(self._reserve.min_ratio, rep.ratio - self._reserve.decay_per_step * (rep.v - rep.ratio_v))
+
+    def _reset_ratio(self, rep: Replica) -> None:
+        if self._reserve is not None:
+            rep.ratio, rep.ratio_v = self._reserve.init_ratio, rep.v
+
+    def _fits_reserving(self, rep: Replica, need: float) -> bool:
+        """`need` tokens fit in `rep`'s free KV less what its requests reserve for their future tokens
+        (SGLang's rem_total_tokens). Each reserves at most ratio x clip: the sum is needed only in between."""
+        free = self._kv_cap - self.kv_used(rep)
+        if need >= free:
+            return False
+        ratio = self._ratio(rep)
+        if need < free - ratio * self._reserve.clip_max_new_tokens * rep.occupied:
+            return True
+        return need < free - ratio * sum(self._future_tokens(r, self._tokens_now(r, rep)) for r in rep.members)
 
     def _admit(self, rep: Replica, req: Request, context: float) -> None:
         rep.occupied += 1
@@ -440,7 +530,10 @@ class GenerationPool:
         for req in finished:
             self._turn_done(req)
         if self._kv_cap > 0 and self.kv_used(rep) >= self._kv_cap * (1.0 - 1e-9):
-            self._preempt(rep)
+            if self._reserve is not None:
+                self._retract(rep)
+            else:
+                self._preempt(rep)
         self._plan(rep)
         self._fill()
         return True
@@ -449,11 +542,35 @@ class GenerationPool:
         """KV cache full: preempt the newest decoding requests until it is below the admission watermark."""
         while rep.decoding > 1 and self.kv_used(rep) > self._kv_room:
             victim = next(r for r in reversed(rep.members) if r.phase == DECODE)
-            self._stop(victim)
-            victim.phase = QUEUED
-            self._new_ticket(victim)
+            self._lose_kv(victim)
             self.pending.appendleft(victim)  # first in line again; it re-prefills its whole context
-            self.preemptions += 1
+
+    def _retract(self, rep: Replica) -> None:
+        """kv_reserve, decoding filled the cache: retract as SGLang's retract_decode does. Victims are the
+        requests with the fewest new tokens in their engine request (ties: the longest prompt) until
+        retract_decode_steps tokens per survivor are free; the new ratio is what the survivors need."""
+        steps = self._reserve.retract_decode_steps
+        now = {r: self._tokens_now(r, rep) for r in rep.members if r.phase == DECODE}
+        victims = sorted(now, key=lambda r: (now[r] - r.engine_base, -r.engine_base))
+        survivors = len(victims)
+        for victim in victims:
+            if survivors <= 1 or self._kv_cap - self.kv_used(rep) >= steps * survivors:
+                break
+            self._lose_kv(victim)
+            self.engine_queue.append(victim)  # it keeps its router connection, at the back of the queue
+            del now[victim]
+            survivors -= 1
+        generated = sum(tokens - r.engine_base for r, tokens in now.items())
+        allowed = sum(self._max_new - r.engine_base for r in now)
+        rep.ratio = min(1.0, (generated + steps * survivors) / allowed) if allowed > 0 else 1.0
+        rep.ratio_v = rep.v
+
+    def _lose_kv(self, victim: Request) -> None:
+        """`victim` (decoding, replica advanced) gives its KV back and waits to be admitted again."""
+        self._stop(victim)
+        victim.phase = QUEUED
+        self._new_ticket(victim)
+        self.preemptions += 1
 
     def _turn_done(self, req: Request) -> None:
         rest = req.spec.turns[req.turn] - req.done_in_turn

@@ -37,6 +37,28 @@ class TrajSpec:
 
 
 @dataclass(frozen=True)
+class KvReserve:
+    """SGLang-style admission against KV reserved for future tokens, and retraction when decode runs out.
+
+    A request is admitted onto a replica only if its context plus min(max_new_tokens - generated,
+    clip_max_new_tokens) fits in the free cache less what the running requests reserve: each
+    min(its remaining max_new_tokens, clip) x the replica's new-token ratio. The ratio starts at
+    init_ratio, falls by (init_ratio - min_ratio) / decay_steps each decode step, is set again from the
+    survivors after a retraction, and returns to init_ratio whenever the replica is idle.
+    """
+
+    init_ratio: float
+    min_ratio: float
+    decay_steps: float
+    clip_max_new_tokens: int
+    retract_decode_steps: int
+
+    @property
+    def decay_per_step(self) -> float:
+        return (self.init_ratio - self.min_ratio) / self.decay_steps
+
+
+@dataclass(frozen=True)
 class PromptSpec:
     number: int
     prompt_id: str
@@ -70,6 +92,7 @@ class Workload:
         self.kv_admit_watermark = _number(cluster, "kv_admit_watermark", "sim.cluster.")
         if not 0.0 < self.kv_admit_watermark <= 1.0:
             raise WorkloadError(f"sim.cluster.kv_admit_watermark = {self.kv_admit_watermark}: must be in (0, 1]")
+        self.kv_reserve = _kv_reserve(cluster["kv_reserve"], self.kv_cache_tokens)
         self.prompt_tokens = _non_negative(gen, "prompt_tokens", "sim.generation.")
         self.prefill_s = _non_negative(gen, "prefill_s", "sim.generation.")
         self.prefill_tokens_per_s = _non_negative(gen, "prefill_tokens_per_s", "sim.generation.")
@@ -302,6 +325,28 @@ def load_lengths(file: Any, base_dir: Optional[Path] = None) -> list[int]:
     if not lengths or min(lengths) < 1:
         raise WorkloadError(f"sim.generation.length.file = {str(file)!r}: needs at least one length, each >= 1")
     return lengths
+
+
+def _kv_reserve(section: Any, kv_cache_tokens: float) -> Optional[KvReserve]:
+    """`sim.cluster.kv_reserve`, or None when it is off."""
+    prefix = "sim.cluster.kv_reserve."
+    enabled = section["enabled"]
+    if not isinstance(enabled, bool):
+        raise WorkloadError(f"{prefix}enabled = {enabled!r}: must be true or false")
+    if not enabled:
+        return None
+    if kv_cache_tokens <= 0:
+        raise WorkloadError(f"{prefix}enabled = true needs a KV cache to reserve in: set sim.cluster.kv_cache_tokens "
+                            f"(> 0, tokens per replica)")
+    init_ratio = _number(section, "init_ratio", prefix)
+    if not 0.0 < init_ratio <= 1.0:
+        raise WorkloadError(f"{prefix}init_ratio = {init_ratio}: must be in (0, 1]")
+    min_ratio = _number(section, "min_ratio", prefix)
+    if not 0.0 <= min_ratio <= init_ratio:
+        raise WorkloadError(f"{prefix}min_ratio = {min_ratio}: must be in [0, init_ratio ({init_ratio})]")
+    return KvReserve(init_ratio, min_ratio, _positive(section, "decay_steps", prefix),
+                     _positive_int(section, "clip_max_new_tokens", prefix),
+                     _positive_int(section, "retract_decode_steps", prefix))
 
 
 def _number(section: Any, key: str, prefix: str) -> float:

@@ -272,6 +272,114 @@ def test_kv_admission_waits_for_room():
     assert done == [(pytest.approx(2.0), 0), (pytest.approx(4.0), 1)] and pool.preemptions == 0
 
 
+_RESERVE = ("sim.cluster.kv_reserve.enabled=true", "sim.cluster.kv_reserve.clip_max_new_tokens=1000",
+            "sim.cluster.kv_reserve.retract_decode_steps=20")
+# Next to no reservation: a ratio of 0 and one future token a request.
+_NO_RESERVATION = ("sim.cluster.kv_reserve.init_ratio=0.0001", "sim.cluster.kv_reserve.min_ratio=0.0",
+                   "sim.cluster.kv_reserve.decay_steps=0.001", "sim.cluster.kv_reserve.clip_max_new_tokens=1")
+
+
+def test_kv_reserve_admission_counts_the_future_tokens_of_running_requests():
+    # 1500 tokens of KV, prompts of 100, a fixed ratio of 0.5: a (running) reserves 0.5 x min(20000 - 0,
+    # 1000) = 500, so b needs 100 + 1000 within 1500 - 100 - 500 = 900: it waits for a, though its 100
+    # context tokens alone would fit (and do, without the reservation).
+    fixed = ("sim.cluster.kv_reserve.init_ratio=0.5", "sim.cluster.kv_reserve.min_ratio=0.5")
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.cluster.kv_cache_tokens=1500",
+                                  "sim.generation.prompt_tokens=100", *_RESERVE, *fixed)
+    pool.start(_request(0, 50))
+    pool.start(_request(1, 50))
+    assert pool.replicas[0].occupied == 1 and len(pool.engine_queue) == 1 and not pool.pending
+    _run(events)
+    assert done == [(pytest.approx(5.0), 0), (pytest.approx(10.0), 1)] and pool.preemptions == 0
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.cluster.kv_cache_tokens=1500",
+                                  "sim.cluster.kv_admit_watermark=1.0", "sim.generation.prompt_tokens=100")
+    pool.start(_request(0, 50))
+    pool.start(_request(1, 50))
+    _run(events)
+    assert done == [(pytest.approx(5.0), 0), (pytest.approx(5.0), 1)]
+
+
+def test_kv_reserve_ratio_decays_with_decode_steps_and_admits_the_waiting_request():
+    # As above, but the ratio falls from 0.5 to 0 over 20 decode steps (one a token): b's room is
+    # 1500 - (100 + V) - 1000 (0.5 - 0.025 V) = 900 + 24 V, enough for 1100 from V = 8.3 (0.83 s); the
+    # blocked head is retried every RESERVE_RETRY_S, so b starts at 1 s and ends 5 s later.
+    decaying = ("sim.cluster.kv_reserve.init_ratio=0.5", "sim.cluster.kv_reserve.min_ratio=0.0",
+                "sim.cluster.kv_reserve.decay_steps=20")
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.cluster.kv_cache_tokens=1500",
+                                  "sim.generation.prompt_tokens=100", *_RESERVE, *decaying)
+    pool.start(_request(0, 50))
+    pool.start(_request(1, 50))
+    _run(events)
+    assert done == [(pytest.approx(5.0), 0), (pytest.approx(1.0 + 5.0), 1)]
+    assert pool.replicas[0].ratio == pytest.approx(0.5)  # idle again: back to init_ratio
+
+
+def test_kv_reserve_retracts_the_fewest_new_tokens_which_re_prefill_what_they_had():
+    # 300 tokens of KV, prompts of 50, no reservation (ratio 0). a starts at 0 s, b at 2 s; both decode
+    # 10 tok/s. The cache fills when 100 + V_a + V_b = 300, V_a = V_b + 20: at 11 s, b with 90 tokens
+    # (fewer new tokens than a's 110) is retracted; a ends at 15 s, b re-prefills 50 + 90 and ends at 21 s.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.cluster.kv_cache_tokens=300",
+                                  "sim.generation.prompt_tokens=50", "sim.generation.prefill_tokens_per_s=1e9",
+                                  *_RESERVE, *_NO_RESERVATION)
+    a, b = _request(0, 150), _request(1, 150)
+    pool.start(a)
+    _run(events, until=2.0)
+    events.now = 2.0
+    pool.start(b)
+    _run(events, until=11.0 + 1e-6)
+    assert pool.preemptions == 1 and b.tokens_done == pytest.approx(90) and list(pool.engine_queue) == [b]
+    # The ratio becomes what the survivor needs: (110 generated + 20 steps) / 20000 max_new_tokens.
+    assert pool.replicas[0].ratio == pytest.approx(130 / 20000)
+    _run(events)
+    assert done == [(pytest.approx(15.0), 0), (pytest.approx(21.0), 1)]
+    assert pool.reprefill_tokens == pytest.approx(90)
+    assert pool.kv_used(pool.replicas[0]) == pytest.approx(0.0)
+
+
+def test_kv_reserve_retracts_a_continued_request_first_its_earlier_tokens_being_prompt():
+    # c (a straggler, 5 tok/s) is continued after an abort with 80 tokens: its next engine request sends
+    # them as prompt. It is admitted at 16 s, d (fresh, 10 tok/s) at 17 s; the cache (300) fills when
+    # 130 + 5 (t - 16) + 50 + 10 (t - 17) = 300, at 24.67 s: c has 43 new tokens (123 in all), d 77.
+    # SGLang retracts the fewest new tokens: c, though it has more tokens in all and d came last (the
+    # watermark rule would preempt d).
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.cluster.kv_cache_tokens=300",
+                                  "sim.generation.prompt_tokens=50", *_RESERVE, *_NO_RESERVATION)
+    c, d = _request(0, 200, slowdown=2.0), _request(1, 200)
+    pool.start(c)
+    _run(events, until=16.0)
+    events.now = 16.0
+    pool.abort_all()
+    assert c.tokens_done == pytest.approx(80)
+    pool.start(c)
+    _run(events, until=17.0)
+    events.now = 17.0
+    pool.start(d)
+    _run(events, until=24.7)
+    assert pool.preemptions == 1 and list(pool.engine_queue) == [c]
+    assert c.tokens_done == pytest.approx(80 + 5 * 26 / 3) and c.engine_base == pytest.approx(80)
+
+
+def test_kv_reserve_off_ignores_its_settings_and_validates_when_on():
+    # Disabled, the other kv_reserve values change nothing: the watermark preemption test's figures.
+    w, events, pool, done = _pool(10.0, 10.0, 4, 1, "sim.cluster.kv_cache_tokens=300",
+                                  "sim.cluster.kv_admit_watermark=1.0", "sim.generation.prompt_tokens=50",
+                                  "sim.cluster.kv_reserve.init_ratio=1.0", "sim.cluster.kv_reserve.min_ratio=1.0",
+                                  "sim.cluster.kv_reserve.clip_max_new_tokens=100000")
+    a, b = _request(0, 150), _request(1, 150)
+    pool.start(a)
+    pool.start(b)
+    _run(events)
+    assert w.kv_reserve is None and pool.preemptions == 1 and not pool.engine_queue
+    assert done == [(pytest.approx(15.0), 0), (pytest.approx(20.0), 1)]
+    with pytest.raises(WorkloadError, match="kv_cache_tokens"):
+        workload("sim.cluster.kv_reserve.enabled=true", "sim.cluster.kv_cache_tokens=0")
+    with pytest.raises(WorkloadError, match="min_ratio"):
+        workload("sim.cluster.kv_reserve.enabled=true", "sim.cluster.kv_cache_tokens=1000",
+                 "sim.cluster.kv_reserve.min_ratio=0.9")
+    with pytest.raises(WorkloadError, match="enabled"):
+        workload("sim.cluster.kv_reserve.enabled=1")
+
+
 def test_router_limit_holds_requests_beyond_max_concurrent_across_replicas():
     # Two replicas of 4 slots but a router that lets 2 requests generate at once: the third waits for a
     # connection (not for a slot) and starts when the first two finish at 10 s.
