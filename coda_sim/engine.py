@@ -395,7 +395,15 @@ class GenerationPool:
         ratio = self._ratio(rep)
         if need < free - ratio * self._reserve.clip_max_new_tokens * rep.occupied:
             return True
-        return need < free - ratio * sum(self._future_tokens(r, self._tokens_now(r, rep)) for r in rep.members)
+        clip, cap, v = float(self._reserve.clip_max_new_tokens), self._max_new, rep.v
+        reserved = 0.0
+        for r in rep.members:  # _future_tokens(r, _tokens_now(r, rep)), inlined: this loop is the hot path
+            tokens = r.tokens_done
+            if r.phase == DECODE:
+                tokens += min((v - r.v_start) / r.slowdown, r.spec.turns[r.turn] - r.done_in_turn)
+            left = cap - tokens
+            reserved += left if left < clip else clip
+        return need < free - ratio * reserved
 
     def _admit(self, rep: Replica, req: Request, context: float) -> None:
         rep.occupied += 1
