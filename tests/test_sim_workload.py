@@ -157,6 +157,12 @@ def _run(events: EventQueue, until: float = float("inf")) -> None:
         fn(*args)
 
 
+def _run_to(events: EventQueue, time: float) -> None:
+    """Every event up to `time`, then the clock at `time` (where a test acts next)."""
+    _run(events, until=time)
+    events.now = time
+
+
 def test_processor_sharing_by_hand():
     # 10 tok/s alone, 5 tok/s each when two decode: 100 and 200 tokens finish at 20 s and 30 s.
     w, events, pool, done = _pool(10.0, 5.0, slots=2)
@@ -182,8 +188,7 @@ def test_abort_keeps_progress_and_continuation_finishes_the_rest():
     a, b = _request(0, 100), _request(1, 100, slowdown=4.0)
     pool.start(a)
     pool.start(b)
-    _run(events, until=6.0)
-    events.now = 6.0
+    _run_to(events, 6.0)
     aborted = pool.abort_all()
     assert aborted == [a, b] and a.phase == b.phase == IDLE
     assert a.tokens_done == pytest.approx(60) and b.tokens_done == pytest.approx(15)  # b decodes 4x slower
@@ -207,13 +212,11 @@ def test_abort_marks_the_tokens_generated_so_far_as_masked():
     w, events, pool, done = _pool(10.0, 10.0, 4)
     a = _request(0, 100)
     pool.start(a)
-    _run(events, until=3.0)
-    events.now = 3.0
+    _run_to(events, 3.0)
     pool.abort_all()
     assert a.masked_tokens == pytest.approx(30)
     pool.start(a)
-    _run(events, until=5.0)
-    events.now = 5.0
+    _run_to(events, 5.0)
     pool.abort_all()
     assert a.masked_tokens == pytest.approx(50)  # everything before the last abort
     pool.start(a)
@@ -227,8 +230,7 @@ def test_serial_prefill_stops_decoding_and_re_prefills_what_was_generated():
                                   "sim.generation.prompt_tokens=100")
     a, b = _request(0, 50), _request(1, 50)
     pool.start(a)
-    _run(events, until=2.0)  # a: prefill 0-1 s, then decodes
-    events.now = 2.0
+    _run_to(events, 2.0)  # a: prefill 0-1 s, then decodes
     pool.start(b)  # b prefills 2-3 s; a stands still meanwhile
     _run(events)
     # a decodes 1-2 s (10 tokens), stops 2-3 s, then 40 more tokens: 3-7 s; b decodes 3-8 s.
@@ -323,8 +325,7 @@ def test_kv_reserve_retracts_the_fewest_new_tokens_which_re_prefill_what_they_ha
                                   *_RESERVE, *_NO_RESERVATION)
     a, b = _request(0, 150), _request(1, 150)
     pool.start(a)
-    _run(events, until=2.0)
-    events.now = 2.0
+    _run_to(events, 2.0)
     pool.start(b)
     _run(events, until=11.0 + 1e-6)
     assert pool.preemptions == 1 and b.tokens_done == pytest.approx(90) and list(pool.engine_queue) == [b]
@@ -346,13 +347,11 @@ def test_kv_reserve_retracts_a_continued_request_first_its_earlier_tokens_being_
                                   "sim.generation.prompt_tokens=50", *_RESERVE, *_NO_RESERVATION)
     c, d = _request(0, 200, slowdown=2.0), _request(1, 200)
     pool.start(c)
-    _run(events, until=16.0)
-    events.now = 16.0
+    _run_to(events, 16.0)
     pool.abort_all()
     assert c.tokens_done == pytest.approx(80)
     pool.start(c)
-    _run(events, until=17.0)
-    events.now = 17.0
+    _run_to(events, 17.0)
     pool.start(d)
     _run(events, until=24.7)
     assert pool.preemptions == 1 and list(pool.engine_queue) == [c]
@@ -418,8 +417,7 @@ def test_decode_step_grows_with_the_tokens_in_the_kv_cache():
                                   "sim.generation.prompt_tokens=0")
     req = _request(0, 100)
     pool.start(req)
-    _run(events, until=7.5)
-    events.now = 7.5
+    _run_to(events, 7.5)
     pool.abort_all()
     assert req.tokens_done == pytest.approx((-0.1 + (0.01 + 4 * 0.0005 * 7.5) ** 0.5) / 0.001)
     # A second request's context slows the first: both decode with 200 tokens of prompt between them.
