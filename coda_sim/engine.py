@@ -402,7 +402,7 @@ class GenerationPool:
             if r.phase == DECODE:
                 tokens += min((v - r.v_start) / r.slowdown, r.spec.turns[r.turn] - r.done_in_turn)
             left = cap - tokens
-            reserved += left if left < clip else clip
+            reserved += clip if left >= clip else max(0.0, left)
         return need < free - ratio * reserved
 
     def _admit(self, rep: Replica, req: Request, context: float) -> None:
