@@ -68,7 +68,13 @@ def test_same_seed_identical_report_other_seed_different():
     ["sim.cluster.max_concurrent_requests=24", "sim.generation.decode.kv_step_s_per_mtoken=0.5",
      "sim.cluster.kv_cache_tokens=40000", "sim.generation.prefill_tokens_per_s=20000.0"],  # a router limit below
     # the 32 slots, a decode step that grows with the cache, a cache small enough to preempt
-], ids=["abort", "wait-timeout", "fail-multiturn", "router-kv"])
+    ["sim.cluster.max_concurrent_requests=24", "sim.cluster.kv_cache_tokens=40000",
+     "sim.generation.prefill_tokens_per_s=20000.0", "sim.cluster.kv_reserve.enabled=true"],  # SGLang's
+    # reservation and retraction on the same cache: retracted requests wait in the engines' queue
+    ["rollout.partial=false", "sim.reset.wait_timeout_s=60.0", "sim.cluster.max_concurrent_requests=24",
+     "sim.cluster.kv_cache_tokens=12000", "sim.cluster.kv_reserve.enabled=true"],  # ... and groups dropped
+    # with requests waiting there (14 - 28 of them cancelled from the engines' queue in this run)
+], ids=["abort", "wait-timeout", "fail-multiturn", "router-kv", "kv-reserve", "kv-reserve-wait-timeout"])
 def test_every_dispatched_group_is_accounted_for(strategy, variant):
     config = load_sim_config(overrides=SMALL_LONG_TAIL + variant)
     run = simulate(config, strategy, 1.0, check_invariants=True)  # the pacer invariant, checked after every event
@@ -89,6 +95,8 @@ def test_every_dispatched_group_is_accounted_for(strategy, variant):
         assert t["dropped"] == 0 and t["restored"] > 0
     if "sim.generation.fail_prob=0.05" in variant:
         assert t["filtered"] > 0
+    if "sim.cluster.kv_reserve.enabled=true" in variant:
+        assert run.preemptions > 0  # retractions happened (and were re-admitted: every group accounted for)
 
 
 def test_step_reports_agree_with_the_simulation():
