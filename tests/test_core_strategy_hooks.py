@@ -213,13 +213,13 @@ def test_latency_aware_depth_stops_at_what_the_engines_run_plus_one_step():
     strategy = pacer.strategy.wrapped
     pacer.dispatch([PromptRef(p) for p in "abcd"])
     abort_boundary(pacer, aborted("a", 5, 7) + aborted("b", 3, 1) + aborted("c", 0, 0) + aborted("d", 0, 0), 1)
-    # 4 idle = 2 groups of surplus (8 -> 6), and the ceiling: 4 generating = 2 groups, plus one step's B = 2.
+    # Some waited, so the 4 that generated are the engines' limit: 2 groups, plus one step's B = 2.
     assert (strategy.engine_concurrency, strategy.depth) == (4, 4)
     assert len(pacer.dispatch([], max_continuations=8).continued) == 4
-    # The four come back: a and b with the same tokens as at the last boundary (idle this time), c and d
-    # with new ones (generating). 4 idle, 4 generating: surplus 2 groups, down to B.
-    abort_boundary(pacer, aborted("a", 5, 7) + aborted("b", 3, 1) + aborted("c", 2, 2) + aborted("d", 4, 1), 2)
-    assert (strategy.engine_concurrency, strategy.depth) == (4, 2)
+    # The four come back: a with the same tokens as at the last boundary (idle this time), b, c and d
+    # with new ones. 6 generated while 2 waited: the limit seen rises to 6, 3 groups + B.
+    abort_boundary(pacer, aborted("a", 5, 7) + aborted("b", 4, 2) + aborted("c", 2, 2) + aborted("d", 4, 1), 2)
+    assert (strategy.engine_concurrency, strategy.depth) == (6, 5)
 
     # Every aborted trajectory generated: nothing waited, so the engines' limit is not known and the
     # depth is only the buffer's business (nothing buffered: it grows by one fetch, to at most C).

@@ -232,3 +232,27 @@ def test_colocate_baselines_cut_the_tail_at_b_and_partial_continues_it():
     assert partial.restored_groups == 6 and partial.discarded_groups == 0
     # Step time = generation + training (4 s / speed-up 2) + 3 s switch.
     assert partial.step_times == pytest.approx([15.0, 15.0, 10.0])
+
+
+def test_latency_aware_learns_the_engines_limit_at_an_abort_boundary():
+    # B = 16 groups of N = 4, stale 2.0: C = 48 groups (192 trajectories), but a router lets only 24
+    # requests generate. The first ABORT boundary shows requests that never started; the ones that did
+    # are the limit, and the depth is held to 24 / 4 + B = 22 groups from then on.
+    from coda_server.core import LatencyAwareStrategy, register_sliding_window_strategy
+
+    seen: list[tuple[int, int]] = []
+
+    @register_sliding_window_strategy("sim-test-latency-probe")
+    class Probe(LatencyAwareStrategy):
+        def on_resume(self, weight_version: int) -> None:
+            super().on_resume(weight_version)
+            seen.append((self.engine_concurrency, self.depth))
+
+    config = load_sim_config(overrides=SMALL_LONG_TAIL + ["rollout.partial=true", "sim.cluster.max_concurrent_requests=24"])
+    probe = simulate(config, "sim-test-latency-probe", 2.0, check_invariants=True, with_colocate=False)
+    assert seen[0] == (24, 22) and all(depth <= 22 for _, depth in seen)
+    fixed = simulate(load_sim_config(overrides=SMALL_LONG_TAIL + [
+        "rollout.partial=true", "sim.cluster.max_concurrent_requests=24", "fully_async.latency_aware.adaptive_depth=false"]),
+        "latency-aware", 2.0, with_colocate=False)
+    # Held to what can start, its groups cross fewer boundaries than at the full depth C.
+    assert summarize(probe)["partial_ratio"] < summarize(fixed)["partial_ratio"]

@@ -66,10 +66,10 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
       version staler after it): the depth shrinks by half that surplus;
     - with partial rollout (ABORT) the boundary shows which dispatched trajectories never generated a
       token in the step (aborted with no more tokens than at the boundary before): they waited behind
-      the engines' own concurrency limit, and only split their groups across versions. The depth shrinks
-      by their groups, and those that did generate at such a boundary are what the engines run at once:
-      the depth never again exceeds that many groups plus one step's B (the most the engines can start
-      within a step);
+      the engines' own concurrency limit, and only split their groups across versions. At such a
+      boundary the trajectories that did generate are what the engines run at once, and a trajectory
+      dispatched beyond that many plus one step's B x N cannot start before the engines have done a
+      step's work: the depth never again exceeds that many groups plus B (the most seen, if several);
     - with neither surplus and fewer groups buffered than one trainer fetch, the next step would start
       waiting: the depth grows by one fetch. Never below B.
     Options (`fully_async.latency_aware`): `quiet_after` in (0, 1], default 0.75; `collect_window` >= 1,
@@ -131,8 +131,7 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
 
     def on_resume(self, weight_version: int) -> None:
         if self._adaptive_depth:
-            idle_groups = self._idle_at_boundary // self._group_size
-            surplus = max((len(self.buffer) - self._batch_size) // 2, idle_groups)
+            surplus = (len(self.buffer) - self._batch_size) // 2
             if surplus > 0:
                 change = -surplus
             elif len(self.buffer) < self._fetch_groups:  # the next step's first fetch will wait
