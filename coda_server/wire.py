@@ -133,15 +133,8 @@ def read_trajectory(data: bytes) -> SubmittedTrajectory:
 
 
 def _split_submit(data: memoryview) -> ParsedSubmit:
-    trajectories: list[SubmittedTrajectory] = []
-    rest: list[memoryview] = []
-    for number, wire_type, field_start, value_start, value_end in _wire.fields(data, 0, len(data)):
-        if number == _SUBMIT_TRAJECTORIES and wire_type == _wire.LEN:
-            trajectories.append(_split_trajectory(data[value_start:value_end]))
-        else:
-            rest.append(data[field_start:value_end])
-    request = SubmitRequest.FromString(b"".join(rest))
-    return ParsedSubmit(request.request_id, trajectories)
+    request, slices = _wire.split_message(data, SubmitRequest, {_SUBMIT_TRAJECTORIES: "trajectories"})
+    return ParsedSubmit(request.request_id, [_split_trajectory(encoded) for encoded in slices["trajectories"]])
 
 
 def _split_trajectory(encoded: memoryview) -> SubmittedTrajectory:
