@@ -8,14 +8,16 @@ from .strategy import SlidingWindowStrategy, register_sliding_window_strategy
 from .types import TrajectoryStatus
 
 
+def _lookup(section: Any, name: str) -> Any:
+    """`section[name]` of a mapping-like config section, `section.name` of an attribute one, or None."""
+    if section is None:
+        return None
+    return section.get(name, None) if hasattr(section, "get") else getattr(section, name, None)
+
+
 def _raw_option(config: Any, name: str) -> Any:
     """`fully_async.latency_aware.<name>` from a mapping-like or attribute config, or None."""
-    fully_async = getattr(config, "fully_async", None)
-    options = (fully_async.get("latency_aware", None) if hasattr(fully_async, "get")
-               else getattr(fully_async, "latency_aware", None))
-    if options is None:
-        return None
-    return options.get(name, None) if hasattr(options, "get") else getattr(options, name, None)
+    return _lookup(_lookup(_lookup(config, "fully_async"), "latency_aware"), name)
 
 
 def _option(config: Any, name: str, default: float) -> float:
@@ -38,9 +40,7 @@ def _flag(config: Any, name: str, default: bool) -> bool:
 
 def _group_size(config: Any) -> int:
     """N of the first data source; a bare config without it (built outside a pacer) gets the default, 8."""
-    source = config.data_sources[0]
-    value = source.get("num_trajectories_per_prompt", None) if hasattr(source, "get") else \
-        getattr(source, "num_trajectories_per_prompt", None)
+    value = _lookup(config.data_sources[0], "num_trajectories_per_prompt")
     return int(value) if value is not None else 8
 
 
@@ -104,7 +104,7 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
         if self._consumed_in_step >= self._quiet_at:
             still_needed = self._batch_size - self._consumed_in_step - self._running_count - buf_qsize
             return max(0, min(still_needed, self._free_slots(buf_qsize)))
-        return max(0, min(self.depth, self._capacity) - self._running_count - buf_qsize)
+        return max(0, self.depth - self._running_count - buf_qsize)  # depth <= C (on_resume keeps it there)
 
     def will_collect(self, group: Mapping[str, Any]) -> bool:
         if not SlidingWindowStrategy.will_collect(self, group):  # no aborted trajectory in it
