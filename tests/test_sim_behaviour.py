@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from coda_server.core import LatencyAwareStrategy, register_sliding_window_strategy
 from coda_sim import (SimulationError, colocate_baseline, load_sim_config, registered_strategies, simulate,
                       summarize, sweep)
 
@@ -238,8 +239,6 @@ def test_latency_aware_learns_the_engines_limit_at_an_abort_boundary():
     # B = 16 groups of N = 4, stale 2.0: C = 48 groups (192 trajectories), but a router lets only 24
     # requests generate. The first ABORT boundary shows requests that never started; the ones that did
     # are the limit, and the depth is held to 24 / 4 + B = 22 groups from then on.
-    from coda_server.core import LatencyAwareStrategy, register_sliding_window_strategy
-
     seen: list[tuple[int, int]] = []
 
     @register_sliding_window_strategy("sim-test-latency-probe")
