@@ -11,8 +11,9 @@ COPY pyproject.toml README.md ./
 COPY conf ./conf
 COPY coda_server ./coda_server
 COPY coda_client ./coda_client
+COPY coda_worker ./coda_worker
 COPY coda_sim ./coda_sim
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir .[server] \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin coda \
     && mkdir -p /var/lib/coda && chown 10001 /var/lib/coda \
     && rm -rf /src

@@ -50,7 +50,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rpc_throughput import FLOOR_PASSTHROUGH_ENV, ServerProcess, machine_busy_ticks  # noqa: E402  (same directory)
 
-from coda_client import MiniBatch, PacerClient, Trajectory, TrajectoryStatus, _wire  # noqa: E402
+from coda_client import MiniBatch, PacerClient, Trajectory, TrajectoryStatus  # noqa: E402
+from coda_client import wire_forms as _wire  # noqa: E402
 from coda_server import wire  # noqa: E402
 
 GROUP_SIZE = 16

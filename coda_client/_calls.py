@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from . import _wire
+from . import wire_forms as _wire
 from ._channel import LONG_POLL_CAP_SECONDS, call_timeout
 from ._proto import pacer_pb2
 from .arrays import ArrayMode

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +26,7 @@ WAIT_MARGIN_SECONDS = 5.0
 LONG_POLL_CAP_SECONDS = 3600.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-# Who is calling (a worker or trainer name), sent with every call when the client is given one; the server
-# shows it in its per-RPC log line, in the in-flight records and in per-client metrics, and may rate-limit
-# by it. Letters, digits and -_.:@/ only, so it is safe in a log line and a Prometheus label.
-CLIENT_ID_METADATA_KEY = "x-coda-client-id"
-MAX_CLIENT_ID_LENGTH = 128
-CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:@/-]{1,%d}" % MAX_CLIENT_ID_LENGTH)
-CLIENT_ID_RULE = (f"1 to {MAX_CLIENT_ID_LENGTH} characters, each a letter, a digit or one of - _ . : @ / "
-                  "(e.g. rollout-worker-17 or trainer@node-3)")
+from .protocol import CLIENT_ID_METADATA_KEY, CLIENT_ID_PATTERN, CLIENT_ID_RULE, MAX_CLIENT_ID_LENGTH  # noqa: F401
 
 ChannelOptions = Union[Sequence[tuple[str, Any]], Mapping[str, Any], None]
 PemSource = Union[bytes, str, os.PathLike, None]

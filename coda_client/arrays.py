@@ -11,7 +11,7 @@ import array
 import sys
 from typing import Any, Literal
 
-from . import _wire
+from . import wire_forms as _wire
 
 ArrayMode = Literal["list", "numpy"]
 ARRAY_MODES: tuple[str, ...] = ("list", "numpy")

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from . import _calls, _wire, arrays as _arrays
+from . import _calls, arrays as _arrays, wire_forms as _wire
 from ._calls import Call
 from ._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from . import _wire, arrays
+from . import arrays, wire_forms as _wire
 from ._proto import pacer_pb2
 
 __all__ = [

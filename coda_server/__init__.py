@@ -1,16 +1,20 @@
 """coda rollout pacing service: the server package and its plugin API for custom strategies."""
-from .core import (
-    BufferReplayStrategy,
-    GroupFilter,
-    Pacer,
-    SlidingWindowStrategy,
-    TrajectoryStatus,
-    create_strategy,
-    load_config,
-    register_buffer_replay_strategy,
-    register_group_filter,
-    register_sliding_window_strategy,
-)
+try:
+    from .core import (
+        BufferReplayStrategy,
+        GroupFilter,
+        Pacer,
+        SlidingWindowStrategy,
+        TrajectoryStatus,
+        create_strategy,
+        load_config,
+        register_buffer_replay_strategy,
+        register_group_filter,
+        register_sliding_window_strategy,
+    )
+except ModuleNotFoundError as missing:  # the plain distribution is the client; the server is an extra
+    raise ModuleNotFoundError(f"{missing.msg}: coda-server needs the server's packages: "
+                              f"pip install 'coda-pacer[server]'", name=missing.name) from missing
 
 __all__ = [
     "BufferReplayStrategy",

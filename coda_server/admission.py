@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import grpc
 
-from coda_client._channel import CLIENT_ID_METADATA_KEY, CLIENT_ID_PATTERN, CLIENT_ID_RULE
+from coda_client.protocol import CLIENT_ID_METADATA_KEY, CLIENT_ID_PATTERN, CLIENT_ID_RULE
 
 from .core.errors import InvalidArgumentError, ResourceExhaustedError
 from .method_wrapping import admitting

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 import grpc
 
 from coda_client._proto import pacer_pb2 as pb
-from coda_client._channel import CLIENT_ID_PATTERN, CLIENT_ID_RULE
+from coda_client.protocol import CLIENT_ID_PATTERN, CLIENT_ID_RULE
 from coda_client._proto import pacer_pb2_grpc
 
 from . import convert, wire

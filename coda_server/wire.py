@@ -4,7 +4,7 @@ The server reads a trajectory's ids, status, reward and versions; it never decod
 loss mask, metadata or payload, which the trainer gets back exactly as the worker sent them.
 
 - Reading: a Submit is parsed into pass-through views (classes derived from pacer.proto's descriptors in
-  coda_client/_wire.py, where each packed array is one `bytes` field), for the fields the server reads and
+  coda_client/wire_forms.py, where each packed array is one `bytes` field), for the fields the server reads and
   the checks of the arrays (`array_problem`: whole numbers of values, equal lengths, no retired field).
 - Holding: each trajectory's body is its encoded bytes, a slice of the request (`EncodedTrajectory`), so
   the server holds one copy of what it accepted, in the form it came in.
@@ -22,7 +22,7 @@ from typing import Any, Optional
 import grpc
 from google.protobuf.message import DecodeError
 
-from coda_client import _wire
+from coda_client import wire_forms as _wire
 from coda_client._proto import pacer_pb2
 
 # The view classes are derived once, in the client package, which reads Collect answers through them too.

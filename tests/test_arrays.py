@@ -14,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from coda_client import PacerClient, Trajectory, TrajectoryGroup, TrajectoryStatus, _wire, arrays
+from coda_client import PacerClient, Trajectory, TrajectoryGroup, TrajectoryStatus, arrays, wire_forms as _wire
 from coda_client._proto import pacer_pb2 as pb
 from conftest import REPO_ROOT
 from server_harness import ServerProcess

@@ -91,7 +91,7 @@ def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content() -> No
 
 
 def _fields_of(data: bytes) -> list[bytes]:
-    from coda_client import _wire
+    from coda_client import wire_forms as _wire
 
     view = memoryview(data)
     return [bytes(view[start:end]) for _, _, start, _, end in _wire.fields(view, 0, len(view))]

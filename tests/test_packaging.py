@@ -62,7 +62,7 @@ def test_console_scripts_point_at_real_functions():
 
 def test_client_package_imports_only_grpc_and_protobuf():
     # The worker loop and the engine protocol too: the HTTP adapters (httpx, the `worker` extra) load on first use.
-    code = ("import sys, coda_client, coda_client.cli, coda_client.worker, coda_client.engines; "
+    code = ("import sys, coda_client, coda_client.cli, coda_client.worker, coda_client.engines, coda_worker, coda_worker.engines; "
             "bad = sorted(m for m in sys.modules "
             "if m.split('.')[0] in {'omegaconf', 'yaml', 'coda_server', 'coda', 'httpx'}); "
             "print(bad)")

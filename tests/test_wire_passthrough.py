@@ -154,7 +154,7 @@ def test_unusual_encodings_reach_the_trainer_intact(server):
 def test_an_unknown_group_field_is_kept_and_framing_errors_are_value_errors():
     """A proto2 group in an unknown field (legal) passes through; bytes that are not a message raise
     ValueError, which the server answers as MALFORMED_REQUEST."""
-    from coda_client import _wire
+    from coda_client import wire_forms as _wire
 
     group = _varint(99 << 3 | 3) + _field(1, 0, b"\x05") + _varint(99 << 3 | 4)
     trajectory = _field(1, 2, b"t0") + group + _field(TOKENS, 2, _int32s(4, 5))

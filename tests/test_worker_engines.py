@@ -13,9 +13,9 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="the engine adapters need httpx (the test extra installs it)")
 
-from coda_client.engines import EngineError, FinishReason, GenerationRequest, SamplingParams  # noqa: E402
-from coda_client.engines.sglang import SGLangEngine  # noqa: E402
-from coda_client.engines.vllm import VLLMEngine  # noqa: E402
+from coda_worker.engines import EngineError, FinishReason, GenerationRequest, SamplingParams  # noqa: E402
+from coda_worker.engines.sglang import SGLangEngine  # noqa: E402
+from coda_worker.engines.vllm import VLLMEngine  # noqa: E402
 
 
 class Recorder:

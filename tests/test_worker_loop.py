@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from coda_client import AsyncPacerClient, PacerClient, TrajectoryStatus
-from coda_client.engines import FinishReason, Generation, GenerationRequest, SamplingParams
-from coda_client.worker import AsyncRolloutWorker, ListPromptSource, Prompt, RolloutWorker, trajectory_id_of
+from coda_worker.engines import FinishReason, Generation, GenerationRequest, SamplingParams
+from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt, RolloutWorker, trajectory_id_of
 from conftest import core_overrides
 from server_harness import ServerProcess
 
@@ -248,9 +248,9 @@ def test_blocking_rollout_worker_runs_a_blocking_engine_on_threads(server):
 KILLED_WORKER = r'''
 import asyncio, json, sys
 from coda_client import AsyncPacerClient
-from coda_client.engines import FinishReason, Generation
-from coda_client.worker import AsyncRolloutWorker, ListPromptSource, Prompt
-from coda_client.engines import SamplingParams
+from coda_worker.engines import FinishReason, Generation
+from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt
+from coda_worker.engines import SamplingParams
 
 class OneHangs:
     """Trajectory 1 of every group never ends; trajectory 0 ends at once."""

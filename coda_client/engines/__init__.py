@@ -1,14 +1,10 @@
-"""Inference engines a RolloutWorker drives: the engine protocol and HTTP adapters for vLLM and SGLang.
-
-The protocol and request types need nothing beyond the standard library; the adapters need httpx
-(`pip install 'coda-pacer[worker]'`) and are imported on first use.
-"""
-
-from __future__ import annotations
+"""Kept importable for existing workers: the engine adapters moved to `coda_worker.engines`."""
 
 from typing import Any
 
-from .base import (
+import coda_worker.engines as _engines
+from coda_worker.engines import __all__  # noqa: F401
+from coda_worker.engines.base import (  # noqa: F401
     AsyncEngine,
     Engine,
     EngineError,
@@ -18,24 +14,6 @@ from .base import (
     SamplingParams,
 )
 
-__all__ = [
-    "AsyncEngine",
-    "Engine",
-    "EngineError",
-    "FinishReason",
-    "Generation",
-    "GenerationRequest",
-    "SamplingParams",
-    "VLLMEngine",
-    "SGLangEngine",
-]
 
-_ADAPTERS = {"VLLMEngine": ".vllm", "SGLangEngine": ".sglang"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _ADAPTERS:
-        from importlib import import_module
-
-        return getattr(import_module(_ADAPTERS[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __getattr__(name: str) -> Any:  # VLLMEngine and SGLangEngine load httpx on first use, as in coda_worker.engines
+    return getattr(_engines, name)

@@ -3,7 +3,7 @@
     python examples/vllm_e2e/run.py --steps 3
 
 starts `coda-server`, vLLM's OpenAI-compatible server (from its own venv, see setup.sh) serving a tiny
-random Llama, and two worker processes (coda_client.worker.AsyncRolloutWorker over VLLMEngine). The
+random Llama, and two worker processes (coda_worker.worker.AsyncRolloutWorker over VLLMEngine). The
 trainer collects real mini-batches, runs a stand-in training step over them (group-normalised
 advantages and a policy-gradient loss on the sampled log-probabilities, with tokens of older weight
 versions masked by the batch iterator's off-policy mask), and between steps does Reset with ABORT and Resume with a new weight version. The
@@ -134,7 +134,7 @@ def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 
 # ---------------------------------------------------------------------------------------------- worker
 
 def example_prompts(count: int) -> list:
-    from coda_client.worker import Prompt
+    from coda_worker.worker import Prompt
 
     prompts = []
     for i in range(count):
@@ -151,8 +151,8 @@ def reward_of(prompt, tokens) -> float:
 
 def worker_main(argv: list[str]) -> int:
     from coda_client import AsyncPacerClient
-    from coda_client.engines import SamplingParams, VLLMEngine
-    from coda_client.worker import AsyncRolloutWorker, ListPromptSource
+    from coda_worker.engines import SamplingParams, VLLMEngine
+    from coda_worker.worker import AsyncRolloutWorker, ListPromptSource
 
     parser = argparse.ArgumentParser(prog="run.py worker")
     for name in ("--pacer", "--engine", "--stats"):

@@ -1,0 +1,35 @@
+"""The rollout worker kit: the generation-worker loop and its engine adapters, built on coda_client's public API.
+
+`pip install 'coda-pacer[worker]'` adds httpx for the vLLM and SGLang HTTP adapters; the loop and the engine
+protocol need only the client.
+"""
+
+from .engines import AsyncEngine, Engine, EngineError, FinishReason, Generation, GenerationRequest, SamplingParams
+from .worker import (
+    AsyncRolloutWorker,
+    ListPromptSource,
+    Prompt,
+    PromptSource,
+    RewardFn,
+    RolloutWorker,
+    WorkerStats,
+    trajectory_id_of,
+)
+
+__all__ = [
+    "RolloutWorker",
+    "AsyncRolloutWorker",
+    "Prompt",
+    "PromptSource",
+    "ListPromptSource",
+    "WorkerStats",
+    "RewardFn",
+    "trajectory_id_of",
+    "AsyncEngine",
+    "Engine",
+    "EngineError",
+    "FinishReason",
+    "Generation",
+    "GenerationRequest",
+    "SamplingParams",
+]

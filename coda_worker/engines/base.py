@@ -1,0 +1,111 @@
+"""What a rollout worker asks of an inference engine: requests, results and the engine protocols."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "SamplingParams",
+    "GenerationRequest",
+    "Generation",
+    "FinishReason",
+    "Engine",
+    "AsyncEngine",
+    "EngineError",
+]
+
+
+class EngineError(RuntimeError):
+    """The engine refused a request or could not be reached; the message says which and why."""
+
+
+class FinishReason(str, enum.Enum):
+    """Why a generation ended; the values are the engines' own words (vLLM and SGLang agree on them)."""
+
+    STOP = "stop"  # an end-of-sequence or stop token
+    LENGTH = "length"  # the token budget ran out
+    ABORT = "abort"  # aborted (a Reset asked for it): the tokens are the partial response so far
+
+    @classmethod
+    def parse(cls, value: Any) -> FinishReason:
+        """An engine's finish reason; an unknown word reads as STOP (the engine ended it on its own terms)."""
+        try:
+            return cls(str(value))
+        except ValueError:
+            return cls.STOP
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of every trajectory a worker generates.
+
+    max_tokens bounds a trajectory's whole response, continuations included: a trajectory continued
+    after a Reset gets what is left of it. `extra` goes into the engine's request body as it is
+    (engine-specific fields, e.g. vLLM's `min_tokens` or SGLang's `ignore_eos`).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens {self.max_tokens!r} must be an integer >= 1")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature {self.temperature!r} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p!r} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation call: the engine continues `input_ids` (the prompt, then any tokens generated so far)
+    by at most `max_tokens` tokens. `request_id` is unique per call, so it can be aborted."""
+
+    request_id: str
+    input_ids: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one generation call produced: the new tokens only, with their log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise EngineError(f"the engine returned {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason is FinishReason.ABORT
+
+
+@runtime_checkable
+class AsyncEngine(Protocol):
+    """An engine driven from asyncio. `generate` returns when the request ends, also when it was aborted
+    (then with the tokens generated until the abort and FinishReason.ABORT)."""
+
+    async def generate(self, request: GenerationRequest) -> Generation: ...
+
+    async def abort(self, request_ids: Sequence[str]) -> None: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The blocking form of AsyncEngine; a worker calls `generate` from several threads at once."""
+
+    def generate(self, request: GenerationRequest) -> Generation: ...
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...

@@ -1,0 +1,917 @@
+"""RolloutWorker and AsyncRolloutWorker: the generation-worker loop between a pacer and an inference engine.
+
+The loop every fully-async RL job needs, so its users do not write it again:
+
+* long-poll **Dispatch** with candidate prompts from a `PromptSource` (restored groups the server
+  re-offers come first, with their partial trajectories, and are continued from where they stopped);
+* generate the `N` trajectories of each admitted group concurrently on the engine, and **Submit** each
+  as it ends (a request id per call; UNAVAILABLE is retried with the same id, so nothing applies twice);
+* follow **WatchControl**: PAUSE with ABORT aborts this worker's engine requests and submits what they
+  have as ABORTED, with the partial tokens; PAUSE with WAIT lets them finish; RESUME records the new
+  weight version (and calls `on_resume`); SHUTDOWN stops the worker;
+* keep the in-flight leases of its groups alive (KeepAlive) while it generates, so a slow group is
+  never reclaimed from a live worker;
+* log progress and errors in the service's log style (logger `coda_worker`, figures as
+  `extra={"fields": ...}`, which the server's JSON formatter writes as keys).
+
+What the server acknowledged is the server's: a worker that crashes loses nothing acknowledged. Its
+unfinished groups run out of their in-flight lease and come back, partial data included, at the next
+Reset (`expired`).
+
+Each trajectory records the weight version of every segment it was generated in
+(`segment_lengths`, `segment_weight_versions`), so a trainer can mask the tokens of older versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import itertools
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, Union, runtime_checkable
+
+import grpc
+
+from coda_client.client import AsyncPacerClient
+from .engines.base import AsyncEngine, Engine, EngineError, FinishReason, GenerationRequest, SamplingParams
+from coda_client.errors import (
+    BadRequestError,
+    FailedPreconditionError,
+    PacerClientError,
+    ResourceExhaustedError,
+    UnavailableError,
+    UnknownPromptError,
+)
+from coda_client.types import (
+    ControlEvent,
+    ControlEventType,
+    PromptRef,
+    ResetMode,
+    Trajectory,
+    TrajectoryGroup,
+    TrajectoryStatus,
+)
+
+__all__ = [
+    "Prompt",
+    "PromptSource",
+    "ListPromptSource",
+    "RolloutWorker",
+    "AsyncRolloutWorker",
+    "WorkerStats",
+    "RewardFn",
+    "trajectory_id_of",
+]
+
+logger = logging.getLogger("coda_worker")
+
+# Figures of a log line, shown as JSON keys by the server's JSON formatter (coda_server.logs.fields).
+def _fields(**values: Any) -> dict[str, Any]:
+    return {"fields": values}
+
+
+RewardFn = Callable[["Prompt", Sequence[int]], Union[float, Awaitable[float]]]
+
+# How long one Dispatch long-poll waits for a slot; the worker re-polls, so this only bounds how stale
+# its view can get.
+DEFAULT_DISPATCH_WAIT_SECONDS = 5.0
+# Backoff of the worker's own retries of UNAVAILABLE (after the channel's), while the server restarts.
+RETRY_INITIAL_SECONDS = 0.2
+RETRY_MAX_SECONDS = 5.0
+# An abort can reach the engine before the request it names: aborts are repeated this often until every
+# aborted request has answered.
+ABORT_REPEAT_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt group to generate: its id, its token ids and where it comes from (its buffer priority)."""
+
+    prompt_id: str
+    input_ids: Sequence[int]
+    ds_index: int = 0
+    epoch: int | None = None
+    index: int | None = None
+
+    def ref(self) -> PromptRef:
+        return PromptRef(self.prompt_id, self.ds_index, self.epoch, self.index)
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """Where a worker's candidate prompts come from.
+
+    `take(count)` hands out up to `count` prompts never handed out before ([] when exhausted);
+    `get(prompt_id)` finds any prompt by id, for restored groups the server re-offers, which another
+    worker may have started. Prompts a Dispatch did not admit stay with the worker and are proposed
+    again; `give_back(prompts)`, when the source has it, takes them back when the worker stops.
+    """
+
+    def take(self, count: int) -> list[Prompt]: ...
+
+    def get(self, prompt_id: str) -> Prompt: ...
+
+
+class ListPromptSource:
+    """A PromptSource over prompts in memory, shared safely by the workers of one process.
+
+    `shard(index, count)` gives worker `index` of `count` every count-th prompt to take, while `get`
+    still finds every prompt (a restored group may have been started by any worker).
+    """
+
+    def __init__(self, prompts: Iterable[Prompt]) -> None:
+        self._all: dict[str, Prompt] = {}
+        for prompt in prompts:
+            if prompt.prompt_id in self._all:
+                raise ValueError(f"prompt id {prompt.prompt_id!r} appears twice")
+            self._all[prompt.prompt_id] = prompt
+        self._queue: deque[Prompt] = deque(self._all.values())
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def take(self, count: int) -> list[Prompt]:
+        with self._lock:
+            return [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
+
+    def give_back(self, prompts: Sequence[Prompt]) -> None:
+        with self._lock:
+            self._queue.extendleft(reversed(list(prompts)))
+
+    def get(self, prompt_id: str) -> Prompt:
+        try:
+            return self._all[prompt_id]
+        except KeyError:
+            raise KeyError(f"prompt {prompt_id!r} is not in this source") from None
+
+    def shard(self, index: int, count: int) -> ListPromptSource:
+        """Worker `index` of `count`: takes every count-th prompt, finds all of them."""
+        if not 0 <= index < count:
+            raise ValueError(f"shard index {index} must be in 0..{count - 1}")
+        shard = ListPromptSource([])
+        shard._all = self._all
+        with self._lock:
+            shard._queue = deque(p for i, p in enumerate(self._queue) if i % count == index)
+        return shard
+
+
+def trajectory_id_of(prompt_id: str, index: int) -> str:
+    """The id of a group's `index`-th trajectory: stable, so a continued trajectory keeps its id."""
+    return f"{prompt_id}#{index}"
+
+
+@dataclass
+class WorkerStats:
+    """What one worker did; `as_dict()` for logs and summaries."""
+
+    groups_started: int = 0
+    groups_continued: int = 0  # restored groups taken back from the server and continued
+    groups_done: int = 0  # every trajectory acknowledged (or refused as stale)
+    trajectories_submitted: int = 0  # acknowledged by the server
+    trajectories_aborted: int = 0  # submitted as ABORTED (at a PAUSE with ABORT)
+    trajectories_continued: int = 0  # ABORTED trajectories this worker continued after a Reset
+    trajectories_failed: int = 0  # the engine failed them (submitted as FAILED)
+    trajectories_refused: int = 0  # refused by the server (stale generation, lease ran out): not acknowledged
+    tokens_generated: int = 0
+    submit_calls: int = 0
+    submit_retries: int = 0
+    dispatch_calls: int = 0
+    keepalive_calls: int = 0
+    engine_aborts: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class _Traj:
+    """One trajectory being generated: the response so far and its segments (length, weight version)."""
+
+    __slots__ = ("trajectory_id", "token_ids", "logprobs", "segments", "status", "finish", "start_version",
+                 "was_aborted", "done")
+
+    def __init__(self, trajectory_id: str) -> None:
+        self.trajectory_id = trajectory_id
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.segments: list[tuple[int, int]] = []
+        self.status = TrajectoryStatus.UNSPECIFIED
+        self.finish: FinishReason | None = None
+        self.start_version: int | None = None
+        self.was_aborted = False  # came back ABORTED from an earlier generation
+        self.done = False  # nothing left to generate (an earlier COMPLETED or FAILED answer)
+
+    @classmethod
+    def resumed(cls, t: Trajectory) -> _Traj:
+        """A trajectory a restored group brought back: continue it unless it had ended."""
+        traj = cls(t.trajectory_id)
+        traj.token_ids = list(t.token_ids)
+        traj.logprobs = list(t.logprobs)
+        lengths, versions = list(t.segment_lengths), list(t.segment_weight_versions)
+        if lengths and len(lengths) == len(versions) and sum(lengths) == len(traj.token_ids):
+            traj.segments = list(zip(lengths, versions))
+        elif traj.token_ids:  # written without segments: one segment, at the version it ended with
+            traj.segments = [(len(traj.token_ids), t.end_weight_version)]
+        traj.start_version = t.start_weight_version if traj.token_ids else None
+        traj.was_aborted = t.status == TrajectoryStatus.ABORTED
+        traj.done = not traj.was_aborted
+        traj.status = TrajectoryStatus(t.status) if t.status in (1, 2, 3) else TrajectoryStatus.FAILED
+        traj.finish = FinishReason.parse(t.metadata.get("finish_reason", "stop")) if traj.done else None
+        return traj
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[float], version: int) -> None:
+        if not token_ids:
+            return
+        if self.start_version is None:
+            self.start_version = version
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs if logprobs else [float("nan")] * len(token_ids))
+        if self.segments and self.segments[-1][1] == version:
+            self.segments[-1] = (self.segments[-1][0] + len(token_ids), version)
+        else:
+            self.segments.append((len(token_ids), version))
+
+
+class _Group:
+    """A dispatched group this worker works on, in the reset generation it was admitted in."""
+
+    def __init__(self, prompt: Prompt, generation: int, trajectories: list[_Traj], continued: bool) -> None:
+        self.prompt = prompt
+        self.generation = generation
+        self.trajectories = trajectories
+        self.continued = continued
+        self.abort_requested = False
+        self.unacknowledged = len(trajectories)
+        self.task: asyncio.Task | None = None
+
+
+class _ThreadedEngine:
+    """A blocking Engine driven from asyncio: its calls run on a pool of threads."""
+
+    def __init__(self, engine: Engine, threads: int) -> None:
+        self._engine = engine
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coda-engine")
+
+    async def generate(self, request: GenerationRequest) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._engine.generate, request)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._engine.abort, list(request_ids))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_CANDIDATE_FIELD = re.compile(r"^candidates\[(\d+)\]")
+
+
+class AsyncRolloutWorker:
+    """The rollout loop on asyncio. `await worker.run()` works until the source is exhausted (and every
+    group it started is acknowledged), `stop()` is called, or the server shuts down; returns WorkerStats.
+
+    pacer: an AsyncPacerClient (the worker does not close it). engine: an AsyncEngine (e.g. VLLMEngine).
+    source: a PromptSource. sampling: SamplingParams of every trajectory. reward: optional
+    `reward(prompt, response_token_ids) -> float` (or a coroutine) for completed trajectories.
+    max_groups: groups this worker generates at once. on_resume: optional callback (or coroutine)
+    `on_resume(weight_version)` run at RESUME before dispatching again, e.g. to load the new weights.
+    continue_restored: take restored groups the server re-offers and continue them (default True).
+    keepalive_seconds: how often the in-flight leases of running groups are renewed (None: a third of
+    the server's lease, as the server reports it). engine_retries: how often a failed engine call is
+    retried before the trajectory is submitted as FAILED. shutdown_grace: seconds Submits keep being
+    retried after the server announced SHUTDOWN (a restarting server takes them; then they are dropped).
+    on_submitted: optional callback with the trajectories of each acknowledged Submit (metrics, audit).
+    """
+
+    def __init__(
+        self,
+        pacer: AsyncPacerClient,
+        engine: AsyncEngine,
+        source: PromptSource,
+        *,
+        sampling: SamplingParams | None = None,
+        reward: RewardFn | None = None,
+        max_groups: int = 4,
+        worker_id: str | None = None,
+        dispatch_wait: float = DEFAULT_DISPATCH_WAIT_SECONDS,
+        on_resume: Callable[[int], Any] | None = None,
+        continue_restored: bool = True,
+        keepalive_seconds: float | None = None,
+        engine_retries: int = 1,
+        shutdown_grace: float = 10.0,
+        on_submitted: Callable[[list[Trajectory]], Any] | None = None,
+    ) -> None:
+        if max_groups < 1:
+            raise ValueError(f"max_groups {max_groups!r} must be >= 1")
+        if not dispatch_wait > 0:
+            raise ValueError(f"dispatch_wait {dispatch_wait!r} must be > 0 seconds")
+        self.pacer = pacer
+        self.engine = engine
+        self.source = source
+        self.sampling = sampling or SamplingParams()
+        self.reward = reward
+        self.max_groups = max_groups
+        self.worker_id = worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.dispatch_wait = dispatch_wait
+        self.on_resume = on_resume
+        self.continue_restored = continue_restored
+        self.keepalive_seconds = keepalive_seconds
+        self.engine_retries = engine_retries
+        self.shutdown_grace = shutdown_grace
+        self.on_submitted = on_submitted
+        self._give_up_at: float | None = None  # set at SHUTDOWN: Submits stop retrying then
+        self.stats = WorkerStats()
+        self.weight_version = 0
+        self.generation = 0
+        self._group_sizes: list[int] = []
+        self._groups: dict[str, _Group] = {}
+        self._pending: deque[Prompt] = deque()  # taken from the source, not admitted yet
+        self._requests: dict[str, _Group] = {}  # engine request id -> its group, while the request runs
+        self._request_serial = itertools.count()
+        self._submit_queue: deque[tuple[_Group, _Traj]] = deque()
+        self._submit_wakeup: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None  # a group ended, a control event came, or stop()
+        self._paused = False
+        self._stopping = False
+        self._shutdown = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._abort_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ control from outside
+
+    def stop(self) -> None:
+        """Ends the loop: no more dispatching; running groups finish and are submitted. Thread-safe."""
+        loop = self._loop
+        if loop is None:
+            self._stopping = True
+            return
+        loop.call_soon_threadsafe(self._request_stop)
+
+    def _request_stop(self) -> None:
+        self._stopping = True
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> WorkerStats:
+        """Runs the loop until done; returns what it did."""
+        self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
+        self._submit_wakeup = asyncio.Event()
+        state = await self._retrying("GetState", self.pacer.state)
+        self._group_sizes = [int(n) for n in state.config_summary.get("num_trajectories_per_prompt", "1").split(",")]
+        self.weight_version, self.generation, self._paused = state.weight_version, state.generation, state.paused
+        logger.info("%s: started (max %d groups, group sizes %s, weight version %d)", self.worker_id,
+                    self.max_groups, self._group_sizes, self.weight_version,
+                    extra=_fields(worker=self.worker_id, weight_version=self.weight_version))
+        helpers = [asyncio.create_task(self._watch(), name=f"{self.worker_id}-watch"),
+                   asyncio.create_task(self._submitter(), name=f"{self.worker_id}-submit"),
+                   asyncio.create_task(self._keep_alive(), name=f"{self.worker_id}-keepalive")]
+        try:
+            await self._dispatch_loop()
+            await self._drain()
+        finally:
+            for task in helpers:
+                task.cancel()
+            for task in helpers:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            for group in list(self._groups.values()):
+                if group.task is not None:
+                    group.task.cancel()
+            self._return_pending()
+        logger.info("%s: stopped: %d groups done, %d trajectories acknowledged (%d aborted, %d continued), "
+                    "%d tokens", self.worker_id, self.stats.groups_done, self.stats.trajectories_submitted,
+                    self.stats.trajectories_aborted, self.stats.trajectories_continued, self.stats.tokens_generated,
+                    extra=_fields(worker=self.worker_id, **self.stats.as_dict()))
+        return self.stats
+
+    async def _dispatch_loop(self) -> None:
+        assert self._changed is not None
+        while not (self._stopping or self._shutdown):
+            self._changed.clear()
+            free = self.max_groups - len(self._groups)
+            if self._paused or free <= 0:
+                await self._changed.wait()
+                continue
+            while len(self._pending) < free:
+                fresh = self.source.take(free - len(self._pending))
+                if not fresh:
+                    break
+                self._pending.extend(fresh)
+            candidates = list(self._pending)[:free]
+            if not candidates:
+                # The source is exhausted. A Dispatch without candidates does not wait, so it is asked once
+                # for restored groups to continue, and only when nothing else runs here; then the loop ends.
+                if self._groups:
+                    await self._changed.wait()
+                    continue
+                if not self.continue_restored:
+                    return
+                answered = await self._dispatch([], free)
+                if answered is not None and not answered[1]:
+                    return
+                continue
+            # A long-poll: it returns when something was admitted or its wait ended (then it is asked again).
+            await self._dispatch(candidates, free)
+
+    async def _dispatch(self, candidates: list[Prompt], free: int) -> tuple[Any, list[TrajectoryGroup]] | None:
+        """One Dispatch; starts what it admitted. None when the call failed and was dealt with."""
+        request_id = str(uuid.uuid4())  # one per proposal: a retry that already landed answers the same
+        wants = free if self.continue_restored else 0
+        refs = [p.ref() for p in candidates]
+        call = lambda: self.pacer.dispatch(refs, wait=self.dispatch_wait, request_id=request_id,  # noqa: E731
+                                           max_continuations=wants)
+        try:
+            result = await self._retrying("Dispatch", call)
+        except BadRequestError as exc:
+            self._drop_refused_candidates(candidates, exc)
+            return None
+        except UnavailableError:  # only raised once the worker is stopping
+            return None
+        self.stats.dispatch_calls += 1
+        # Whether dispatch is paused is the control stream's to say (PAUSE, RESUME, the STATE on connect): a
+        # Dispatch answered just before a RESUME could otherwise pause the worker after it.
+        self._observe(result.generation, result.weight_version)
+        continuations = result.continuations
+        for restored in continuations:
+            self._start_continuation(restored, result.generation)
+        admitted = set(result.admitted)
+        if admitted:
+            by_id = {p.prompt_id: p for p in candidates}
+            self._pending = deque(p for p in self._pending if p.prompt_id not in admitted)
+            for prompt_id, seq in zip(result.admitted, result.seqs):
+                self._start_group(by_id[prompt_id], result.generation)
+            logger.info("%s: dispatched %d groups (seqs %d..%d)%s; %d running here, window R=%d Q=%d C=%d",
+                        self.worker_id, len(admitted), result.seqs[0], result.seqs[-1],
+                        f", continuing {len(continuations)} restored" if continuations else "", len(self._groups),
+                        result.running, result.buffered, result.capacity,
+                        extra=_fields(worker=self.worker_id, admitted=len(admitted), continued=len(continuations),
+                                      generation=result.generation))
+        elif continuations:
+            logger.info("%s: continuing %d restored groups; %d running here", self.worker_id, len(continuations),
+                        len(self._groups), extra=_fields(worker=self.worker_id, continued=len(continuations)))
+        return result, continuations
+
+    def _drop_refused_candidates(self, candidates: list[Prompt], exc: BadRequestError) -> None:
+        """A Dispatch refused as malformed: drop the candidates it names (all when it names none)."""
+        named = {int(m.group(1)) for v in exc.field_violations if (m := _CANDIDATE_FIELD.match(v.field))}
+        refused = [c for i, c in enumerate(candidates) if i in named] or candidates
+        refused_ids = {p.prompt_id for p in refused}
+        self._pending = deque(p for p in self._pending if p.prompt_id not in refused_ids)
+        logger.error("%s: Dispatch refused %d candidates, dropped: %s", self.worker_id, len(refused), exc,
+                     extra=_fields(worker=self.worker_id, refused=sorted(refused_ids)))
+
+    def _observe(self, generation: int, weight_version: int) -> None:
+        """Takes in the pacer's generation and weight version as a call or event reports them."""
+        if weight_version > self.weight_version:
+            self.weight_version = weight_version
+        if generation > self.generation:
+            self.generation = generation
+            # Groups of an earlier generation were dropped or restored by a Reset: whatever they still
+            # submit is refused as stale, so stop generating for them.
+            stale = [g for g in self._groups.values() if g.generation < generation and not g.abort_requested]
+            if stale:
+                self._request_abort(stale, reason=f"generation {generation} began")
+
+    # ------------------------------------------------------------------ groups and trajectories
+
+    def _group_size(self, ds_index: int) -> int:
+        if not 0 <= ds_index < len(self._group_sizes):
+            raise ValueError(f"ds_index {ds_index} is not configured on the server (group sizes {self._group_sizes})")
+        return self._group_sizes[ds_index]
+
+    def _start_group(self, prompt: Prompt, generation: int) -> None:
+        n = self._group_size(prompt.ds_index)
+        group = _Group(prompt, generation, [_Traj(trajectory_id_of(prompt.prompt_id, i)) for i in range(n)], False)
+        self.stats.groups_started += 1
+        self._launch(group)
+
+    def _start_continuation(self, restored: TrajectoryGroup, generation: int) -> None:
+        try:
+            base = self.source.get(restored.prompt_id)
+        except KeyError:
+            logger.error("%s: restored group %r is not in this worker's prompt source; submitting it as it came",
+                         self.worker_id, restored.prompt_id, extra=_fields(worker=self.worker_id))
+            base = Prompt(restored.prompt_id, [], restored.ds_index)
+        prompt = Prompt(base.prompt_id, base.input_ids, restored.ds_index, restored.epoch, restored.index)
+        trajectories = [_Traj.resumed(t) for t in restored.trajectories]
+        if not base.input_ids:
+            for traj in trajectories:
+                traj.done = True
+        group = _Group(prompt, generation, trajectories, True)
+        self.stats.groups_continued += 1
+        self._launch(group)
+
+    def _launch(self, group: _Group) -> None:
+        self._groups[group.prompt.prompt_id] = group
+        group.task = asyncio.create_task(self._run_group(group), name=f"{self.worker_id}-{group.prompt.prompt_id}")
+
+    async def _run_group(self, group: _Group) -> None:
+        await asyncio.gather(*(self._run_trajectory(group, traj) for traj in group.trajectories))
+
+    async def _run_trajectory(self, group: _Group, traj: _Traj) -> None:
+        attempts = 0
+        while not traj.done:
+            remaining = self.sampling.max_tokens - len(traj.token_ids)
+            if group.abort_requested or self._shutdown:
+                traj.status, traj.finish = TrajectoryStatus.ABORTED, FinishReason.ABORT
+                break
+            if remaining <= 0:
+                traj.status, traj.finish = TrajectoryStatus.COMPLETED, FinishReason.LENGTH
+                break
+            request_id = f"{self.worker_id}-{traj.trajectory_id}-{group.generation}-{next(self._request_serial)}"
+            version = self.weight_version
+            self._requests[request_id] = group
+            try:
+                generation = await self.engine.generate(GenerationRequest(
+                    request_id, [*group.prompt.input_ids, *traj.token_ids], remaining, self.sampling))
+            except EngineError as exc:
+                attempts += 1
+                if attempts > self.engine_retries or group.abort_requested:
+                    logger.error("%s: generation of %s failed: %s", self.worker_id, traj.trajectory_id, exc,
+                                 extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
+                    traj.status = TrajectoryStatus.ABORTED if group.abort_requested else TrajectoryStatus.FAILED
+                    traj.finish = FinishReason.ABORT if group.abort_requested else None
+                    break
+                logger.warning("%s: generation of %s failed, retrying: %s", self.worker_id, traj.trajectory_id,
+                               exc, extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
+                continue
+            finally:
+                self._requests.pop(request_id, None)
+            traj.add(generation.token_ids, generation.logprobs, version)
+            self.stats.tokens_generated += len(generation.token_ids)
+            if generation.aborted:
+                traj.status, traj.finish = TrajectoryStatus.ABORTED, FinishReason.ABORT
+            else:
+                traj.status, traj.finish = TrajectoryStatus.COMPLETED, generation.finish_reason
+            break
+        self._enqueue(group, traj)
+
+    async def _reward_of(self, group: _Group, traj: _Traj) -> float:
+        if self.reward is None or traj.status != TrajectoryStatus.COMPLETED:
+            return 0.0
+        value = self.reward(group.prompt, traj.token_ids)
+        if inspect.isawaitable(value):
+            value = await value
+        return float(value)
+
+    async def _to_wire(self, group: _Group, traj: _Traj) -> Trajectory:
+        start = traj.start_version if traj.start_version is not None else self.weight_version
+        end = traj.segments[-1][1] if traj.segments else start
+        metadata = {"worker": self.worker_id}
+        if traj.finish is not None:
+            metadata["finish_reason"] = traj.finish.value
+        if traj.was_aborted:
+            metadata["continued"] = "true"  # aborted at a Reset, then continued under newer weights
+        return Trajectory(
+            trajectory_id=traj.trajectory_id, prompt_id=group.prompt.prompt_id, ds_index=group.prompt.ds_index,
+            status=traj.status, reward=await self._reward_of(group, traj), token_ids=traj.token_ids,
+            logprobs=traj.logprobs, start_weight_version=start, end_weight_version=end, metadata=metadata,
+            segment_lengths=[n for n, _ in traj.segments],
+            segment_weight_versions=[v for _, v in traj.segments],
+        )
+
+    # ------------------------------------------------------------------ submitting
+
+    def _enqueue(self, group: _Group, traj: _Traj) -> None:
+        assert self._submit_wakeup is not None
+        self._submit_queue.append((group, traj))
+        self._submit_wakeup.set()
+
+    async def _submitter(self) -> None:
+        """Submits ended trajectories, batching those that ended together into one call."""
+        assert self._submit_wakeup is not None
+        while True:
+            await self._submit_wakeup.wait()
+            self._submit_wakeup.clear()
+            while self._submit_queue:
+                batch = [self._submit_queue.popleft() for _ in range(len(self._submit_queue))]
+                await self._submit_batch(batch)
+
+    async def _submit_batch(self, batch: list[tuple[_Group, _Traj]], wire: list[Trajectory] | None = None) -> None:
+        if wire is None:
+            wire = [await self._to_wire(group, traj) for group, traj in batch]
+        try:
+            await self._submit(wire)
+        except (FailedPreconditionError, UnknownPromptError, BadRequestError) as exc:
+            if len({group.prompt.prompt_id for group, _ in batch}) > 1:
+                # All-or-nothing: one refused group refuses the batch. Submit group by group instead.
+                by_group: dict[str, tuple[list[tuple[_Group, _Traj]], list[Trajectory]]] = {}
+                for entry, message in zip(batch, wire):
+                    part = by_group.setdefault(entry[0].prompt.prompt_id, ([], []))
+                    part[0].append(entry)
+                    part[1].append(message)
+                for entries, messages in by_group.values():
+                    await self._submit_batch(entries, messages)
+                return
+            self._refused(batch, exc)
+            return
+        except PacerClientError as exc:  # e.g. the server went away for good: nothing was acknowledged
+            self._refused(batch, exc)
+            return
+        self._acknowledged(batch)
+        if self.on_submitted is not None:
+            try:
+                self.on_submitted(wire)
+            except Exception:
+                logger.exception("%s: on_submitted failed", self.worker_id, extra=_fields(worker=self.worker_id))
+
+    async def _submit(self, trajectories: list[Trajectory]) -> None:
+        request_id = str(uuid.uuid4())
+        while True:
+            try:
+                await self._retrying("Submit", lambda: self.pacer.submit(trajectories, request_id=request_id))
+                self.stats.submit_calls += 1
+                return
+            except ResourceExhaustedError as exc:
+                # Back-pressure: nothing was applied. Wait as the server asks, then propose the same again.
+                delay = exc.retry_delay if exc.retry_delay is not None else 1.0
+                logger.warning("%s: Submit of %d trajectories refused for now (%s); retrying in %.1f s",
+                               self.worker_id, len(trajectories), exc.reason or "resource exhausted", delay,
+                               extra=_fields(worker=self.worker_id, retry_in=delay))
+                self.stats.submit_retries += 1
+                request_id = str(uuid.uuid4())  # the refusal may be remembered under the old id
+                await asyncio.sleep(delay)
+
+    def _acknowledged(self, batch: list[tuple[_Group, _Traj]]) -> None:
+        for group, traj in batch:
+            self.stats.trajectories_submitted += 1
+            if traj.status == TrajectoryStatus.ABORTED:
+                self.stats.trajectories_aborted += 1
+            elif traj.was_aborted and traj.status == TrajectoryStatus.COMPLETED:
+                self.stats.trajectories_continued += 1
+            if traj.status == TrajectoryStatus.FAILED:
+                self.stats.trajectories_failed += 1
+            self._trajectory_settled(group)
+
+    def _refused(self, batch: list[tuple[_Group, _Traj]], exc: PacerClientError) -> None:
+        group = batch[0][0]
+        logger.warning("%s: Submit of %d trajectories of group %r refused, dropped (%s)", self.worker_id, len(batch),
+                       group.prompt.prompt_id, exc,
+                       extra=_fields(worker=self.worker_id, prompt_id=group.prompt.prompt_id, reason=exc.reason))
+        for group, _traj in batch:
+            self.stats.trajectories_refused += 1
+            if not group.abort_requested:  # nothing more of this group will be taken: stop its other requests
+                self._request_abort([group], reason="the server refused its trajectories")
+            self._trajectory_settled(group)
+
+    def _trajectory_settled(self, group: _Group) -> None:
+        group.unacknowledged -= 1
+        if group.unacknowledged == 0:
+            self._groups.pop(group.prompt.prompt_id, None)
+            self.stats.groups_done += 1
+            self._poke()
+
+    # ------------------------------------------------------------------ control events
+
+    async def _watch(self) -> None:
+        """Follows WatchControl, reconnecting while the server restarts; ends at SHUTDOWN."""
+        delay = RETRY_INITIAL_SECONDS
+        while True:
+            stream = self.pacer.watch()
+            try:
+                async for event in stream:
+                    delay = RETRY_INITIAL_SECONDS
+                    if await self._on_event(event):
+                        return
+            except UnavailableError as exc:
+                logger.warning("%s: control stream lost (%s); reconnecting", self.worker_id, exc,
+                               extra=_fields(worker=self.worker_id))
+            finally:
+                stream.cancel()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_SECONDS)
+
+    async def _on_event(self, event: ControlEvent) -> bool:
+        """Acts on one control event; True at SHUTDOWN."""
+        if event.type == ControlEventType.PAUSE:
+            self._paused = True
+            self._observe(event.generation, event.weight_version)
+            mine = [g for g in self._groups.values() if g.generation <= event.generation]
+            logger.info("%s: PAUSE (%s): %d groups here", self.worker_id,
+                        "abort" if event.mode == ResetMode.ABORT else "wait", len(mine),
+                        extra=_fields(worker=self.worker_id, mode=int(event.mode), generation=event.generation))
+            if event.mode == ResetMode.ABORT:
+                self._request_abort(mine, reason="PAUSE with ABORT")
+        elif event.type == ControlEventType.RESUME:
+            self._observe(event.generation, event.weight_version)
+            self.weight_version = event.weight_version
+            if self.on_resume is not None:
+                try:
+                    value = self.on_resume(event.weight_version)
+                    if inspect.isawaitable(value):
+                        await value
+                except Exception:
+                    logger.exception("%s: on_resume(%d) failed", self.worker_id, event.weight_version,
+                                     extra=_fields(worker=self.worker_id))
+            self._paused = False
+            logger.info("%s: RESUME at weight version %d (step %d)", self.worker_id, event.weight_version, event.step,
+                        extra=_fields(worker=self.worker_id, weight_version=event.weight_version, step=event.step))
+            self._poke()
+        elif event.type == ControlEventType.STATE:
+            self._observe(event.generation, event.weight_version)
+            self._paused = event.paused
+            self._poke()
+        elif event.type == ControlEventType.SHUTDOWN:
+            logger.info("%s: SHUTDOWN from the server; stopping", self.worker_id, extra=_fields(worker=self.worker_id))
+            self._shutdown = True
+            self._give_up_at = time.monotonic() + self.shutdown_grace
+            self._request_abort(list(self._groups.values()), reason="the server shuts down")
+            self._poke()
+            return True
+        return False
+
+    def _request_abort(self, groups: list[_Group], *, reason: str) -> None:
+        """Aborts these groups' engine requests; their trajectories are then submitted as ABORTED."""
+        for group in groups:
+            group.abort_requested = True
+        if groups and (self._abort_task is None or self._abort_task.done()):
+            self._abort_task = asyncio.create_task(self._abort_until_answered(reason))
+
+    async def _abort_until_answered(self, reason: str) -> None:
+        """Aborts the requests of aborting groups until each has answered (an abort can overtake its request)."""
+        while True:
+            ids = [rid for rid, group in self._requests.items() if group.abort_requested]
+            if not ids:
+                return
+            self.stats.engine_aborts += 1
+            logger.info("%s: aborting %d engine requests (%s)", self.worker_id, len(ids), reason,
+                        extra=_fields(worker=self.worker_id, requests=len(ids)))
+            try:
+                await self.engine.abort(ids)
+            except EngineError as exc:
+                logger.warning("%s: engine abort failed: %s", self.worker_id, exc, extra=_fields(worker=self.worker_id))
+            await asyncio.sleep(ABORT_REPEAT_SECONDS)
+
+    # ------------------------------------------------------------------ leases
+
+    async def _keep_alive(self) -> None:
+        """Renews the in-flight leases of the groups still generating here, so a live worker never loses one."""
+        keep_alive = getattr(self.pacer, "keep_alive", None)
+        if keep_alive is None:
+            return
+        interval = self.keepalive_seconds
+        while True:
+            await asyncio.sleep(interval if interval is not None else 1.0)
+            prompt_ids = [g.prompt.prompt_id for g in self._groups.values()
+                          if g.generation == self.generation and not g.abort_requested]
+            if not prompt_ids:
+                continue
+            try:
+                answer = await keep_alive(prompt_ids)
+            except PacerClientError as exc:
+                logger.warning("%s: KeepAlive failed: %s", self.worker_id, exc, extra=_fields(worker=self.worker_id))
+                continue
+            self.stats.keepalive_calls += 1
+            if interval is None:
+                if not answer.lease_seconds:  # the server never reclaims running groups: nothing to renew
+                    return
+                interval = max(0.05, answer.lease_seconds / 3)
+            lost = [self._groups[p] for p in answer.unknown_prompt_ids if p in self._groups]
+            if lost:
+                logger.warning("%s: %d groups are no longer in flight on the server; aborting them", self.worker_id,
+                               len(lost), extra=_fields(worker=self.worker_id, lost=[g.prompt.prompt_id for g in lost]))
+                self._request_abort(lost, reason="their lease is gone")
+
+    # ------------------------------------------------------------------ ending
+
+    async def _drain(self) -> None:
+        """Waits until every group started here is acknowledged (or refused)."""
+        assert self._changed is not None
+        while self._groups:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _return_pending(self) -> None:
+        if self._pending:
+            give_back = getattr(self.source, "give_back", None)
+            if give_back is not None:
+                give_back(list(self._pending))
+            self._pending.clear()
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Runs a pacer call, retrying UNAVAILABLE only (the server restarting), with backoff; the caller's
+        request id stays the same across attempts. Gives up when the worker stops or the server shut down."""
+        delay = RETRY_INITIAL_SECONDS
+        while True:
+            try:
+                if self._give_up_at is None:
+                    return await call()
+                # After SHUTDOWN a call may wait for a server that is not coming back: bound it by the grace.
+                return await asyncio.wait_for(call(), max(0.0, self._give_up_at - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered within the "
+                                       f"{self.shutdown_grace:g} s shutdown grace; the server is gone") from None
+            except UnavailableError as exc:
+                if what != "Submit" and (self._stopping or self._shutdown):
+                    raise
+                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                    raise
+                if what == "Submit":
+                    self.stats.submit_retries += 1
+                logger.warning("%s: %s unavailable (%s); retrying in %.1f s", self.worker_id, what, exc, delay,
+                               extra=_fields(worker=self.worker_id, call=what, retry_in=delay))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
+
+
+class RolloutWorker:
+    """The blocking twin of AsyncRolloutWorker: `run()` blocks until done, `start()` runs it on a thread.
+
+    target: the pacer's address; client_options: AsyncPacerClient keyword arguments (token, tls, ...).
+    engine: an Engine (blocking; its calls run on `engine_threads` threads) or an AsyncEngine. Every other
+    argument is AsyncRolloutWorker's.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        engine: Engine | AsyncEngine,
+        source: PromptSource,
+        *,
+        client_options: Mapping[str, Any] | None = None,
+        engine_threads: int = 64,
+        **worker_options: Any,
+    ) -> None:
+        self.target = target
+        self.engine = engine
+        self.source = source
+        self.client_options = dict(client_options or {})
+        self.engine_threads = engine_threads
+        self.worker_options = worker_options
+        self.stats: WorkerStats | None = None
+        self._worker: AsyncRolloutWorker | None = None
+        self._ready = threading.Event()
+        self._stop_requested = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    async def _main(self) -> WorkerStats:
+        threaded = None
+        engine: Any = self.engine
+        if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
+            engine = threaded = _ThreadedEngine(engine, self.engine_threads)
+        try:
+            options = dict(self.client_options)
+            if self.worker_options.get("worker_id"):  # the server's ListWorkers and logs name the worker so
+                options.setdefault("client_id", self.worker_options["worker_id"])
+            async with AsyncPacerClient(self.target, **options) as pacer:
+                self._worker = AsyncRolloutWorker(pacer, engine, self.source, **self.worker_options)
+                if self._stop_requested:
+                    self._worker.stop()
+                self._ready.set()
+                self.stats = await self._worker.run()
+                return self.stats
+        finally:
+            self._ready.set()
+            if threaded is not None:
+                threaded.shutdown()
+
+    def run(self) -> WorkerStats:
+        """Runs the loop in this thread until done; returns what it did."""
+        return asyncio.run(self._main())
+
+    def start(self) -> RolloutWorker:
+        """Runs the loop on a background thread; `join()` waits for it, `stop()` ends it."""
+        def target() -> None:
+            try:
+                self.run()
+            except BaseException as exc:  # handed to join()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name="coda-rollout-worker", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ends the loop: no more dispatching, running groups finish and are submitted. Thread-safe."""
+        self._stop_requested = True
+        if self._worker is not None:
+            self._worker.stop()
+
+    def join(self, timeout: float | None = None) -> WorkerStats | None:
+        """Waits for a started worker; re-raises what ended it, if anything did."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._error is not None:
+            raise self._error
+        return self.stats
+
+    @property
+    def worker_id(self) -> str | None:
+        return self._worker.worker_id if self._worker is not None else None
