@@ -88,3 +88,66 @@ def test_the_dockerfile_install_step_succeeds_in_a_fresh_virtual_environment(tmp
         help_text = subprocess.run([str(environment / "bin" / script), "--help"], capture_output=True, text=True,
                                    cwd=tmp_path, check=True).stdout
         assert script in help_text
+
+
+def _requirement(text: str) -> tuple[str, str]:
+    """(name, version specifier) of a PEP 508 requirement without markers, e.g. ('grpcio', '>=1.85.1')."""
+    name = re.match(r"[A-Za-z0-9_.-]+", text).group(0)
+    return name.lower(), text[len(name):].split(";")[0].strip()
+
+
+def test_the_plain_distribution_is_the_client_needing_only_grpcio_and_protobuf_with_lower_bounds():
+    requirements = dict(_requirement(r) for r in PYPROJECT["project"]["dependencies"])
+    assert set(requirements) == {"grpcio", "protobuf"}
+    for name, specifier in requirements.items():
+        assert ">=" in specifier and "==" not in specifier, f"{name}{specifier}: a lower bound, never an exact pin"
+    # Nothing a worker or trainer installs pins exactly (the test extra's grpcio-tools generates the stubs).
+    for extra in ("server", "worker", "numpy"):
+        for requirement in PYPROJECT["project"]["optional-dependencies"][extra]:
+            assert "==" not in requirement, f"[{extra}] {requirement}: lower bounds only"
+
+
+def test_the_client_floors_are_the_versions_the_stubs_were_generated_with():
+    requirements = dict(_requirement(r) for r in PYPROJECT["project"]["dependencies"])
+    grpc_stub = (REPO / "coda_client" / "_proto" / "pacer_pb2_grpc.py").read_text()
+    generated_grpc = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", grpc_stub).group(1)
+    assert requirements["grpcio"] == f">={generated_grpc}"
+    message_stub = (REPO / "coda_client" / "_proto" / "pacer_pb2.py").read_text()
+    generated_protobuf = re.search(r"# Protobuf Python Version: ([0-9.]+)", message_stub).group(1)
+    assert requirements["protobuf"].split(",")[0] == f">={generated_protobuf}"
+    tools = dict(_requirement(r) for r in PYPROJECT["project"]["optional-dependencies"]["test"])
+    assert tools["grpcio-tools"] == f"=={generated_grpc}", "one grpcio-tools version generates the stubs"
+
+
+def test_the_server_imports_only_the_public_and_protocol_parts_of_the_client():
+    import ast
+
+    allowed = {"coda_client", "coda_client.protocol", "coda_client.wire_forms", "coda_client._proto"}
+
+    def is_allowed(name: str) -> bool:
+        return name in allowed or name.startswith("coda_client._proto.")
+
+    offending = []
+    for path in sorted((REPO / "coda_server").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                     else [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                if name.split(".")[0] in ("coda_client", "coda_worker") and not is_allowed(name):
+                    offending.append(f"{path.relative_to(REPO)}: {name}")
+    assert offending == []
+
+
+@pytest.mark.skipif(os.environ.get("CODA_SKIP_INSTALL_TEST") == "1", reason="install test disabled by environment")
+def test_the_plain_install_brings_the_client_alone_and_coda_server_names_its_extra(tmp_path):
+    environment = tmp_path / "venv"
+    venv.create(environment, with_pip=True)
+    python = environment / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(REPO)], check=True, timeout=900)
+    listed = json.loads(subprocess.run([str(python), "-m", "pip", "list", "--format", "json"], capture_output=True,
+                                       text=True, check=True).stdout)
+    installed = {package["name"].lower() for package in listed} - {"pip", "setuptools", "wheel"}
+    assert installed <= {"coda-pacer", "grpcio", "protobuf", "typing-extensions", "typing_extensions"}, installed
+    subprocess.run([str(python), "-c", "import coda_client, coda_worker, coda_client.worker"], check=True, cwd=tmp_path)
+    refused = subprocess.run([str(environment / "bin" / "coda-server")], capture_output=True, text=True, cwd=tmp_path)
+    assert refused.returncode != 0 and "coda-pacer[server]" in refused.stderr
