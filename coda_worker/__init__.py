@@ -4,7 +4,8 @@
 protocol need only the client.
 """
 
-from .engines import AsyncEngine, Engine, EngineError, FinishReason, Generation, GenerationRequest, SamplingParams
+from .engines import (AsyncEngine, Engine, EngineError, FakeEngine, FinishReason, Generation, GenerationRequest,
+                      SamplingParams, ServedEngine)
 from .worker import (
     AsyncRolloutWorker,
     ListPromptSource,
@@ -26,6 +27,8 @@ __all__ = [
     "RewardFn",
     "trajectory_id_of",
     "AsyncEngine",
+    "ServedEngine",
+    "FakeEngine",
     "Engine",
     "EngineError",
     "FinishReason",

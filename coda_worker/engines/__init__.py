@@ -1,7 +1,7 @@
-"""Inference engines a RolloutWorker drives: the engine protocol and HTTP adapters for vLLM and SGLang.
+"""Inference engines a RolloutWorker drives: the engine protocol, HTTP adapters for vLLM and SGLang, and FakeEngine.
 
-The protocol and request types need nothing beyond the standard library; the adapters need httpx
-(`pip install 'coda-pacer[worker]'`) and are imported on first use.
+The protocol, the request types and FakeEngine (no GPU, no model) need nothing beyond the standard
+library; the HTTP adapters need httpx (`pip install 'coda-pacer[worker]'`) and are imported on first use.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from .base import (
     Generation,
     GenerationRequest,
     SamplingParams,
+    ServedEngine,
 )
+from .fake import FakeEngine
 
 __all__ = [
     "AsyncEngine",
@@ -26,6 +28,8 @@ __all__ = [
     "Generation",
     "GenerationRequest",
     "SamplingParams",
+    "ServedEngine",
+    "FakeEngine",
     "VLLMEngine",
     "SGLangEngine",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "FinishReason",
     "Engine",
     "AsyncEngine",
+    "ServedEngine",
     "EngineError",
 ]
 
@@ -75,15 +76,31 @@ class GenerationRequest:
     sampling: SamplingParams
 
 
+def _as_list(values: Any, kind: type) -> list:
+    """A list of Python numbers from a list, tuple, array.array or NumPy array (whose truth value is ambiguous)."""
+    tolist = getattr(values, "tolist", None)
+    if tolist is not None:
+        values = tolist()
+    return [kind(v) for v in values]
+
+
 @dataclass(frozen=True)
 class Generation:
-    """What one generation call produced: the new tokens only, with their log-probabilities."""
+    """What one generation call produced: the new tokens only, with their log-probabilities.
+
+    token_ids and logprobs may be lists, tuples or NumPy arrays; they are kept as lists of Python numbers.
+    finish_reason may be the engine's word ("stop", "length", "abort").
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", _as_list(self.token_ids, int))
+        object.__setattr__(self, "logprobs", _as_list(self.logprobs if self.logprobs is not None else (), float))
+        if not isinstance(self.finish_reason, FinishReason):
+            object.__setattr__(self, "finish_reason", FinishReason.parse(self.finish_reason))
         if self.logprobs and len(self.logprobs) != len(self.token_ids):
             raise EngineError(f"the engine returned {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
 
@@ -94,12 +111,32 @@ class Generation:
 
 @runtime_checkable
 class AsyncEngine(Protocol):
-    """An engine driven from asyncio. `generate` returns when the request ends, also when it was aborted
-    (then with the tokens generated until the abort and FinishReason.ABORT)."""
+    """An engine driven from asyncio: the two calls the rollout worker's loop makes. `generate` returns
+    when the request ends, also when it was aborted (then with the tokens generated until the abort and
+    FinishReason.ABORT); `abort` ignores ids that are not running."""
 
     async def generate(self, request: GenerationRequest) -> Generation: ...
 
     async def abort(self, request_ids: Sequence[str]) -> None: ...
+
+
+@runtime_checkable
+class ServedEngine(AsyncEngine, Protocol):
+    """What the shipped engines (VLLMEngine, SGLangEngine, FakeEngine) add to AsyncEngine, and what the
+    documented worker programs call around the loop: `async with engine:` (closes its connections),
+    `pause(mode)` / `resume()` of the whole engine. `update_weight_version(version)`, the usual
+    `on_resume` callback, is VLLMEngine's and FakeEngine's (SGLang loads weights through its own routes).
+    The loop itself needs only AsyncEngine."""
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    async def pause(self, mode: str = "abort") -> None: ...
+
+    async def resume(self) -> None: ...
 
 
 @runtime_checkable
