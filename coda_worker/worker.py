@@ -19,7 +19,11 @@ unfinished groups run out of their in-flight lease and come back, partial data i
 Reset (`expired`).
 
 Each trajectory records the weight version of every segment it was generated in
-(`segment_lengths`, `segment_weight_versions`), so a trainer can mask the tokens of older versions.
+(`segment_lengths`, `segment_weight_versions`), so a trainer can mask the tokens of older versions. The
+version a segment is tagged with is the one its engine reports loaded (`loaded_weight_version()`, asked at
+start and at every RESUME, and again before each request while it lags the pacer's), not the one RESUME
+announced: an engine whose weight sync has not happened yet generates, and is tagged, under its old
+weights. An engine that cannot report its version is taken to serve the pacer's.
 """
 
 from __future__ import annotations
@@ -91,6 +95,9 @@ RETRY_MAX_SECONDS = 5.0
 # An abort can reach the engine before the request it names: aborts are repeated this often until every
 # aborted request has answered.
 ABORT_REPEAT_SECONDS = 0.5
+# While the engine reports an older weight version than the pacer's (its sync has not happened yet), it is
+# asked again before a request at most this often.
+ENGINE_VERSION_RECHECK_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -269,6 +276,14 @@ class _ThreadedEngine:
     async def abort(self, request_ids: Sequence[str]) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, self._engine.abort, list(request_ids))
 
+    def __getattr__(self, name: str) -> Any:
+        if name != "loaded_weight_version" or not hasattr(self._engine, name):
+            raise AttributeError(name)
+
+        async def loaded_weight_version() -> Any:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._engine.loaded_weight_version)
+        return loaded_weight_version
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -284,7 +299,9 @@ class AsyncRolloutWorker:
     source: a PromptSource. sampling: SamplingParams of every trajectory. reward: optional
     `reward(prompt, response_token_ids) -> float` (or a coroutine) for completed trajectories.
     max_groups: groups this worker generates at once. on_resume: optional callback (or coroutine)
-    `on_resume(weight_version)` run at RESUME before dispatching again, e.g. to load the new weights.
+    `on_resume(weight_version)` run at RESUME before dispatching again, e.g. to load the new weights
+    (when the trainer does not sync the engines itself). Segments are tagged with the version the engine
+    reports loaded when it has `loaded_weight_version()` (see the module docstring).
     continue_restored: take restored groups the server re-offers and continue them (default True).
     keepalive_seconds: how often the in-flight leases of running groups are renewed (None: a third of
     the server's lease, as the server reports it). engine_retries: how often a failed engine call is
@@ -332,6 +349,8 @@ class AsyncRolloutWorker:
         self._give_up_at: float | None = None  # set at SHUTDOWN: Submits stop retrying then
         self.stats = WorkerStats()
         self.weight_version = 0
+        self.engine_weight_version: int | None = None  # what the engine reports loaded; None: it cannot say
+        self._engine_version_asked_at = 0.0
         self.generation = 0
         self._group_sizes: list[int] = []
         self._groups: dict[str, _Group] = {}
@@ -375,6 +394,7 @@ class AsyncRolloutWorker:
         state = await self._retrying("GetState", self.pacer.state)
         self._group_sizes = [int(n) for n in state.config_summary.get("num_trajectories_per_prompt", "1").split(",")]
         self.weight_version, self.generation, self._paused = state.weight_version, state.generation, state.paused
+        await self._ask_engine_version()
         logger.info("%s: started (max %d groups, group sizes %s, weight version %d)", self.worker_id,
                     self.max_groups, self._group_sizes, self.weight_version,
                     extra=_fields(worker=self.worker_id, weight_version=self.weight_version))
@@ -476,6 +496,36 @@ class AsyncRolloutWorker:
         logger.error("%s: Dispatch refused %d candidates, dropped: %s", self.worker_id, len(refused), exc,
                      extra=_fields(worker=self.worker_id, refused=sorted(refused_ids)))
 
+    @property
+    def tag_version(self) -> int:
+        """The weight version new segments are tagged with: the engine's, when it reports one."""
+        return self.engine_weight_version if self.engine_weight_version is not None else self.weight_version
+
+    async def _ask_engine_version(self) -> int | None:
+        """Asks the engine which weight version it has loaded (when it can say); keeps the last answer."""
+        ask = getattr(self.engine, "loaded_weight_version", None)
+        if ask is None:
+            return None
+        self._engine_version_asked_at = time.monotonic()
+        try:
+            value = ask()
+            if inspect.isawaitable(value):
+                value = await value
+        except EngineError as exc:
+            logger.warning("%s: could not ask the engine for its weight version: %s", self.worker_id, exc,
+                           extra=_fields(worker=self.worker_id))
+            return self.engine_weight_version
+        if value is not None:
+            self.engine_weight_version = int(value)
+        return self.engine_weight_version
+
+    async def _tag_version(self) -> int:
+        """The version to tag a new request's tokens with; asks the engine again while it lags the pacer."""
+        if (self.engine_weight_version is not None and self.engine_weight_version < self.weight_version
+                and time.monotonic() - self._engine_version_asked_at >= ENGINE_VERSION_RECHECK_SECONDS):
+            await self._ask_engine_version()
+        return self.tag_version
+
     def _observe(self, generation: int, weight_version: int) -> None:
         """Takes in the pacer's generation and weight version as a call or event reports them."""
         if weight_version > self.weight_version:
@@ -535,7 +585,7 @@ class AsyncRolloutWorker:
                 traj.status, traj.finish = TrajectoryStatus.COMPLETED, FinishReason.LENGTH
                 break
             request_id = f"{self.worker_id}-{traj.trajectory_id}-{group.generation}-{next(self._request_serial)}"
-            version = self.weight_version
+            version = await self._tag_version()
             self._requests[request_id] = group
             try:
                 generation = await self.engine.generate(GenerationRequest(
@@ -571,7 +621,7 @@ class AsyncRolloutWorker:
         return float(value)
 
     async def _to_wire(self, group: _Group, traj: _Traj) -> Trajectory:
-        start = traj.start_version if traj.start_version is not None else self.weight_version
+        start = traj.start_version if traj.start_version is not None else self.tag_version
         end = traj.segments[-1][1] if traj.segments else start
         metadata = {"worker": self.worker_id}
         if traj.finish is not None:
@@ -719,6 +769,13 @@ class AsyncRolloutWorker:
                 except Exception:
                     logger.exception("%s: on_resume(%d) failed", self.worker_id, event.weight_version,
                                      extra=_fields(worker=self.worker_id))
+            loaded = await self._ask_engine_version()
+            if loaded is not None and loaded != event.weight_version:
+                logger.warning("%s: RESUME announced weight version %d but the engine reports %d loaded; its "
+                               "segments are tagged %d until it reports the new one", self.worker_id,
+                               event.weight_version, loaded, loaded,
+                               extra=_fields(worker=self.worker_id, weight_version=event.weight_version,
+                                             engine_weight_version=loaded))
             self._paused = False
             logger.info("%s: RESUME at weight version %d (step %d)", self.worker_id, event.weight_version, event.step,
                         extra=_fields(worker=self.worker_id, weight_version=event.weight_version, step=event.step))

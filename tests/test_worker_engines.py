@@ -212,6 +212,144 @@ def test_sglang_answer_without_logprobs_is_an_engine_error():
         run(go())
 
 
+class Sequenced(Recorder):
+    """A Recorder whose answers for a path can be a list, handed out in order (the last one repeats)."""
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        self.requests.append((request.method, request.url.path, dict(request.url.params), body))
+        answer = self.answers[request.url.path]
+        if isinstance(answer, list):
+            return answer.pop(0) if len(answer) > 1 else answer[0]
+        return answer
+
+
+def reset_answer(success: bool) -> httpx.Response:
+    return httpx.Response(200, json={"success": success})
+
+
+def test_vllm_weight_sync_waits_for_idle_reloads_resets_the_prefix_cache_and_confirms_the_version():
+    recorder = Sequenced({
+        # still draining once (aborted requests freeing their blocks), then idle; after the reload, idle
+        "/reset_prefix_cache": [reset_answer(False), reset_answer(True), reset_answer(True)],
+        "/collective_rpc": httpx.Response(200),  # reload_weights returns None: an empty answer
+        "/update_weight_version": httpx.Response(200, json={"success": True, "new_version": "3"}),
+        "/weight_info": httpx.Response(200, json={"weight_version": "3"}),
+    })
+
+    async def go():
+        async with vllm_engine(recorder) as engine:
+            return await engine.sync_weights("/ckpt/step-3", 3)
+
+    assert run(go()) == 3
+    assert recorder.requests == [
+        ("POST", "/reset_prefix_cache", {}, {}),
+        ("POST", "/reset_prefix_cache", {}, {}),
+        ("POST", "/collective_rpc", {}, {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/step-3"}}),
+        ("POST", "/reset_prefix_cache", {}, {}),
+        ("POST", "/update_weight_version", {}, {"new_version": "3"}),
+        ("GET", "/weight_info", {}, None),
+    ]
+
+
+def test_vllm_weight_sync_is_refused_while_the_engine_runs_requests_and_nothing_is_reloaded():
+    recorder = Sequenced({"/reset_prefix_cache": reset_answer(False), "/collective_rpc": httpx.Response(200)})
+
+    async def go():
+        async with vllm_engine(recorder) as engine:
+            await engine.sync_weights("/ckpt/step-1", 1, drain_timeout=0.2)
+
+    with pytest.raises(EngineError, match="refusing a weight sync: the engine still runs requests.*mix old and new"):
+        run(go())
+    assert {path for _, path, _, _ in recorder.requests} == {"/reset_prefix_cache"}
+
+
+def test_weight_sync_is_refused_at_once_while_this_adapter_has_a_generate_call_running():
+    release = asyncio.Event()
+    seen: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/v1/completions":
+            await release.wait()
+            return httpx.Response(200, json=VLLM_ANSWER)
+        return reset_answer(True)
+
+    async def go():
+        async with VLLMEngine("http://vllm.test:8000", transport=httpx.MockTransport(handler)) as engine:
+            running = asyncio.create_task(engine.generate(REQUEST))
+            for _ in range(200):  # bounded: until the call is on its way
+                if engine.generating:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(EngineError, match="1 generate calls sent through this adapter are still running"):
+                await engine.sync_weights("/ckpt", 1)
+            release.set()
+            await running
+            assert engine.generating == 0
+
+    run(go())
+    assert seen == ["/v1/completions"]  # the refusal sent nothing
+
+
+def test_vllm_weight_sync_fails_when_the_engine_reports_another_version():
+    recorder = Sequenced({
+        "/reset_prefix_cache": reset_answer(True), "/collective_rpc": httpx.Response(200),
+        "/update_weight_version": httpx.Response(200, json={"success": True}),
+        "/weight_info": httpx.Response(200, json={"weight_version": None}),
+    })
+
+    async def go():
+        async with vllm_engine(recorder) as engine:
+            await engine.sync_weights("/ckpt", 4)
+
+    with pytest.raises(EngineError, match="reports weight version None loaded after syncing 4"):
+        run(go())
+
+
+def test_sglang_weight_sync_updates_from_disk_with_the_version_and_flushes_the_cache():
+    flushed = httpx.Response(200, text="Cache flushed.\nPlease check backend logs for more details.\n")
+    busy = httpx.Response(400, text="Cache flushed.\n(When there are running or waiting requests, ...)\n")
+    recorder = Sequenced({
+        "/flush_cache": [busy, flushed, flushed],
+        "/update_weights_from_disk": httpx.Response(200, json={
+            "success": True, "message": "Succeeded to update model weights. Weight version updated to 5.",
+            "num_paused_requests": 0}),
+        "/get_weight_version": httpx.Response(200, json={"weight_version": "5"}),
+    })
+
+    async def go():
+        async with sglang_engine(recorder) as engine:
+            return await engine.sync_weights("/ckpt/step-5", 5)
+
+    assert run(go()) == 5
+    assert recorder.requests == [
+        ("POST", "/flush_cache", {}, {}),
+        ("POST", "/flush_cache", {}, {}),
+        ("POST", "/update_weights_from_disk", {}, {"model_path": "/ckpt/step-5", "weight_version": "5"}),
+        ("POST", "/flush_cache", {}, {}),
+        ("GET", "/get_weight_version", {}, None),
+    ]
+
+
+def test_sglang_weight_sync_refusals_say_why():
+    busy = httpx.Response(400, text="(When there are running or waiting requests, ...)")
+    recorder = Sequenced({"/flush_cache": busy})
+
+    async def go(engine_recorder, **kwargs):
+        async with sglang_engine(engine_recorder) as engine:
+            await engine.sync_weights("/ckpt", 2, **kwargs)
+
+    with pytest.raises(EngineError, match="refusing a weight sync: the engine still runs or queues requests"):
+        run(go(recorder, drain_timeout=0.2))
+    assert {path for _, path, _, _ in recorder.requests} == {"/flush_cache"}
+
+    failed = Sequenced({"/flush_cache": httpx.Response(200, text="ok"), "/update_weights_from_disk": httpx.Response(
+        400, json={"success": False, "message": "Failed to get weights iterator", "num_paused_requests": 0})})
+    with pytest.raises(EngineError, match="update_weights_from_disk answered HTTP 400.*Failed to get weights"):
+        run(go(failed))
+
+
 def test_sampling_params_refuse_bad_values_with_what_is_allowed():
     with pytest.raises(ValueError, match="max_tokens 0 must be an integer >= 1"):
         SamplingParams(max_tokens=0)

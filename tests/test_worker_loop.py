@@ -21,6 +21,7 @@ import pytest
 
 from coda_client import AsyncPacerClient, PacerClient, TrajectoryStatus
 from coda_worker.engines import FinishReason, Generation, GenerationRequest, SamplingParams
+from coda_worker import worker as worker_module
 from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt, RolloutWorker, trajectory_id_of
 from conftest import core_overrides
 from server_harness import ServerProcess
@@ -106,9 +107,10 @@ def make_worker(pacer, engine, source, **kwargs) -> AsyncRolloutWorker:
 
 
 @contextlib.asynccontextmanager
-async def running_worker(address: str, source: ListPromptSource | None = None, **kwargs):
+async def running_worker(address: str, source: ListPromptSource | None = None, engine: HeldEngine | None = None,
+                         **kwargs):
     """A worker running on a HeldEngine, once its first two groups (4 requests) are held in the engine."""
-    engine = HeldEngine()
+    engine = engine if engine is not None else HeldEngine()
     async with AsyncPacerClient(address) as pacer:
         worker = make_worker(pacer, engine, source if source is not None else prompts(10), **kwargs)
         task = asyncio.create_task(worker.run())
@@ -204,6 +206,49 @@ def test_resume_records_the_weight_version_and_calls_on_resume_before_dispatchin
             assert t.segment_lengths == [len(t.token_ids)] and t.segment_weight_versions == [7]
 
 
+class VersionedEngine(HeldEngine):
+    """A HeldEngine that reports the weight version it has loaded, which the test changes (a weight sync)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded = 0
+
+    async def loaded_weight_version(self) -> int:
+        return self.loaded
+
+
+def test_segments_are_tagged_with_the_version_the_engine_reports_loaded_not_the_one_resume_announced(server,
+                                                                                                    monkeypatch):
+    monkeypatch.setattr(worker_module, "ENGINE_VERSION_RECHECK_SECONDS", 0.0)  # ask before every lagging request
+
+    async def go():
+        engine = VersionedEngine()
+        async with running_worker(server.address, prompts(40), engine=engine) as (pacer, engine, worker, task):
+            # RESUME announces 7, but nobody synced the engine: it still runs version 0.
+            await pacer.reset("abort", wait=CONDITION_TIMEOUT, resume=True, weight_version=7)
+            await until(lambda: worker.weight_version == 7, "the worker to record weight version 7")
+            engine.auto_release = True
+            engine.release_all()
+            before_sync = await pacer.collect(2, wait=CONDITION_TIMEOUT)
+            engine.loaded = 7  # the sync happens late
+            after_sync = []
+            deadline = time.monotonic() + CONDITION_TIMEOUT
+            while time.monotonic() < deadline:  # the worker asks again before new requests while the engine lags
+                after_sync = await pacer.collect(2, wait=CONDITION_TIMEOUT)
+                if any(t.segment_weight_versions == [7] for g in after_sync for t in g.trajectories):
+                    break
+            assert worker.engine_weight_version == 7
+            worker.stop()
+            engine.release_all()
+            await asyncio.wait_for(task, CONDITION_TIMEOUT)
+        return before_sync, after_sync
+
+    before_sync, after_sync = asyncio.run(go())
+    assert {v for g in before_sync for t in g.trajectories for v in t.segment_weight_versions} == {0}
+    assert any(t.segment_weight_versions == [7] and t.start_weight_version == 7
+               for g in after_sync for t in g.trajectories)
+
+
 def test_shutdown_stops_the_worker_and_aborts_its_requests(tmp_path):
     server = ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4)).start()
     try:
@@ -249,6 +294,7 @@ KILLED_WORKER = r'''
 import asyncio, json, sys
 from coda_client import AsyncPacerClient
 from coda_worker.engines import FinishReason, Generation
+from coda_worker import worker as worker_module
 from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt
 from coda_worker.engines import SamplingParams
 

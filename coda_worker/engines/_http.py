@@ -1,8 +1,11 @@
-"""The HTTP plumbing both engine adapters share: one httpx.AsyncClient, JSON calls and their errors."""
+"""The HTTP plumbing both engine adapters share: one httpx.AsyncClient, JSON calls and their errors, and the
+count of generate calls in flight that a weight sync checks."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -16,6 +19,10 @@ from .base import EngineError
 # Generation calls can take as long as a response does; the worker bounds them itself (aborts at a Reset).
 DEFAULT_GENERATE_TIMEOUT_SECONDS = 3600.0
 DEFAULT_CONTROL_TIMEOUT_SECONDS = 30.0
+# How long a weight sync waits for the engine's running requests to drain (an aborted request can take a
+# moment to free its KV blocks) before it refuses, and how often it asks meanwhile.
+DEFAULT_DRAIN_TIMEOUT_SECONDS = 10.0
+DRAIN_POLL_SECONDS = 0.05
 
 
 class HttpEngine:
@@ -34,6 +41,7 @@ class HttpEngine:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._generate_timeout = generate_timeout
+        self._generating = 0  # generate calls of this adapter awaiting their answer
         self._control_timeout = control_timeout
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -47,26 +55,74 @@ class HttpEngine:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
 
-    async def _post(
-        self, path: str, body: Mapping[str, Any] | None = None, *, params: Mapping[str, str] | None = None,
-        generate: bool = False,
-    ) -> Any:
-        """POSTs JSON and returns the decoded answer (None for an empty one); failures raise EngineError."""
+    @property
+    def generating(self) -> int:
+        """Generate calls this adapter has sent and not yet had answered."""
+        return self._generating
+
+    async def _send(
+        self, method: str, path: str, body: Mapping[str, Any] | None = None, *,
+        params: Mapping[str, str] | None = None, generate: bool = False,
+    ) -> httpx.Response:
+        """Sends one call and returns the response whatever its status; a failed exchange raises EngineError."""
         timeout = self._generate_timeout if generate else self._control_timeout
         try:
-            response = await self._http.post(path, json=body if body is not None else {}, params=params,
+            if method == "GET":
+                return await self._http.get(path, params=params, timeout=timeout)
+            if generate:
+                self._generating += 1
+            try:
+                return await self._http.post(path, json=body if body is not None else {}, params=params,
                                              timeout=timeout)
+            finally:
+                if generate:
+                    self._generating -= 1
         except httpx.HTTPError as exc:
-            raise EngineError(f"{self!r}: POST {path} failed: {type(exc).__name__}: {exc}") from exc
+            raise EngineError(f"{self!r}: {method} {path} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _decoded(self, method: str, path: str, response: httpx.Response) -> Any:
         if response.status_code >= 400:
-            raise EngineError(f"{self!r}: POST {path} answered HTTP {response.status_code}: {response.text[:500]}")
+            raise EngineError(f"{self!r}: {method} {path} answered HTTP {response.status_code}: "
+                              f"{response.text[:500]}")
         if not response.content:
             return None
         try:
             return response.json()
         except ValueError as exc:
-            raise EngineError(f"{self!r}: POST {path} answered with something that is not JSON: "
+            raise EngineError(f"{self!r}: {method} {path} answered with something that is not JSON: "
                               f"{response.text[:200]!r}") from exc
+
+    async def _post(
+        self, path: str, body: Mapping[str, Any] | None = None, *, params: Mapping[str, str] | None = None,
+        generate: bool = False,
+    ) -> Any:
+        """POSTs JSON and returns the decoded answer (None for an empty one); failures raise EngineError."""
+        return self._decoded("POST", path, await self._send("POST", path, body, params=params, generate=generate))
+
+    async def _get(self, path: str) -> Any:
+        """GETs a JSON answer; failures raise EngineError."""
+        return self._decoded("GET", path, await self._send("GET", path))
+
+    def _refuse_sync_while_generating(self) -> None:
+        if self._generating:
+            raise EngineError(
+                f"{self!r}: refusing a weight sync: {self._generating} generate calls sent through this adapter "
+                "are still running, and reloading under them would mix old and new weights within their "
+                "responses. Pause generation first (Reset with ABORT, which waits for the workers' aborted "
+                "requests), then sync the weights, then Resume.")
+
+    async def _until_idle(self, attempt: Callable[[], Awaitable[bool]], timeout: float, refusal: str) -> None:
+        """Repeats `attempt` (an engine call that succeeds only with no request running) until it succeeds;
+        after `timeout` seconds raises EngineError with `refusal`, which says why that matters."""
+        deadline = time.monotonic() + timeout
+        tries = 0
+        while True:
+            tries += 1
+            if await attempt():
+                return
+            if time.monotonic() >= deadline:
+                raise EngineError(f"{self!r}: {refusal} (still refused after {tries} tries in {timeout:g} s)")
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
 
     async def aclose(self) -> None:
         """Closes the connection pool."""

@@ -11,6 +11,12 @@ Checked against SGLang's source (`python/sglang/srt/entrypoints/http_server.py`,
 * `POST /abort_request {"rid": ..., "abort_all": false}` aborts one request.
 * `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}` pauses the scheduler (older versions
   take no body) and `POST /continue_generation` resumes it.
+* Weight sync from disk: `POST /update_weights_from_disk {"model_path": DIR, "weight_version": "v"}`
+  (`UpdateWeightFromDiskReqInput`) loads the weights in DIR and records the version; it answers
+  `{"success", "message", "num_paused_requests"}`, HTTP 400 when it failed. Its tokenizer manager takes
+  the model-update writer lock, so it waits for running requests rather than mixing weights under them.
+  `GET|POST /flush_cache` empties the radix cache: HTTP 200, or 400 "when there are running or waiting
+  requests" (a text answer, not JSON). `GET /get_weight_version` answers `{"weight_version": ...}`.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from ._http import HttpEngine, shape_error
-from .base import FinishReason, Generation, GenerationRequest
+from ._http import DEFAULT_DRAIN_TIMEOUT_SECONDS, HttpEngine, shape_error
+from .base import EngineError, FinishReason, Generation, GenerationRequest
 
 __all__ = ["SGLangEngine"]
 
@@ -87,3 +93,57 @@ class SGLangEngine(HttpEngine):
     async def resume(self) -> None:
         """Continues a paused scheduler."""
         await self._post("/continue_generation", {})
+
+    async def flush_cache(self) -> bool:
+        """Empties the radix cache; False while requests are running or waiting (then nothing was flushed)."""
+        response = await self._send("POST", "/flush_cache")
+        if response.status_code == 200:
+            return True
+        if response.status_code == 400:
+            return False
+        raise EngineError(f"{self!r}: POST /flush_cache answered HTTP {response.status_code}: {response.text[:300]}")
+
+    async def update_weights_from_disk(self, weights_path: str, version: int | str | None = None) -> None:
+        """Loads the weights in `weights_path` (and records `version` with them); raises when SGLang refuses."""
+        body: dict[str, Any] = {"model_path": str(weights_path)}
+        if version is not None:
+            body["weight_version"] = str(version)
+        answer = await self._post("/update_weights_from_disk", body)
+        if not isinstance(answer, dict) or not answer.get("success"):
+            raise EngineError(f"{self!r}: /update_weights_from_disk did not load {weights_path}: {str(answer)[:300]}")
+
+    async def loaded_weight_version(self) -> int | None:
+        """The weight version the engine reports loaded (`GET /get_weight_version`); None when unset."""
+        answer = await self._get("/get_weight_version")
+        if not isinstance(answer, dict) or "weight_version" not in answer:
+            raise shape_error(self, "no weight_version in the /get_weight_version answer", answer)
+        value = answer["weight_version"]
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise shape_error(self, f"weight_version {value!r} is not an integer version", answer) from None
+
+    async def sync_weights(self, weights_path: str, version: int, *,
+                           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_SECONDS) -> int:
+        """Loads the weights saved in `weights_path` as weight version `version`, while generation is paused.
+
+        Refuses (EngineError, saying why) while requests generate: at once for requests sent through this
+        adapter, after `drain_timeout` seconds for the engine's (the cache flush fails while any request
+        runs or waits). Then loads, flushes the radix cache and returns the version the engine reports.
+        """
+        self._refuse_sync_while_generating()
+        await self._until_idle(
+            self.flush_cache, drain_timeout,
+            "refusing a weight sync: the engine still runs or queues requests (POST /flush_cache answers 400 "
+            "while it does); pause generation first (Reset with ABORT), then sync, then Resume")
+        await self.update_weights_from_disk(weights_path, version)
+        await self._until_idle(
+            self.flush_cache, drain_timeout,
+            "the radix cache could not be flushed after the weight update: a request started during the sync, "
+            "and the cache holds KV computed under the old weights")
+        loaded = await self.loaded_weight_version()
+        if loaded != int(version):
+            raise EngineError(f"{self!r}: the engine reports weight version {loaded} loaded after syncing {version}")
+        return loaded

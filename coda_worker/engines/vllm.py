@@ -10,8 +10,17 @@ Checked against vLLM 0.32 (`vllm/entrypoints/openai/completion/protocol.py` and 
 * An aborted request still answers, with the tokens generated so far and `finish_reason: "abort"`.
 * `POST /abort_requests {"request_ids": [...]}` aborts those requests without pausing the scheduler;
   `POST /pause?mode=abort|wait|keep` and `POST /resume` pause and resume the whole engine;
-  `POST /update_weight_version {"new_version": "..."}` records the weight version. These control routes
-  exist only when the server runs with `VLLM_SERVER_DEV_MODE=1`.
+  `POST /update_weight_version {"new_version": "..."}` records the weight version and `GET /weight_info`
+  answers `{"weight_version": ...}` (null before any update). These control routes exist only when the
+  server runs with `VLLM_SERVER_DEV_MODE=1`.
+* Weight sync from disk (`vllm/entrypoints/serve/dev/rpc/api_router.py`, `dev/cache/api_router.py`):
+  `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}` has every model
+  worker reload its weights in place from the safetensors in DIR (the GPU model runner's
+  `reload_weights(weights_path=...)`). It does not wait for running requests: a reload under them mixes
+  old and new weights within their responses. `POST /reset_prefix_cache` answers `{"success": false}`
+  while requests hold KV blocks and `{"success": true}` once it emptied the prefix cache; without it a
+  repeated prefix (a continued trajectory resends prompt + partial response) reuses KV computed under the
+  old weights.
 """
 
 from __future__ import annotations
@@ -19,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._http import HttpEngine, shape_error
-from .base import FinishReason, Generation, GenerationRequest
+from ._http import DEFAULT_DRAIN_TIMEOUT_SECONDS, HttpEngine, shape_error
+from .base import EngineError, FinishReason, Generation, GenerationRequest
 
 __all__ = ["VLLMEngine"]
 
@@ -105,3 +114,54 @@ class VLLMEngine(HttpEngine):
     async def update_weight_version(self, version: int | str) -> None:
         """Tells the engine which weight version it serves (reported in its metrics and `/weight_info`)."""
         await self._post("/update_weight_version", {"new_version": str(version)})
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache; False while requests still hold KV blocks (then nothing was reset)."""
+        answer = await self._post("/reset_prefix_cache")
+        if not isinstance(answer, dict) or "success" not in answer:
+            raise shape_error(self, "no success in the /reset_prefix_cache answer", answer)
+        return bool(answer["success"])
+
+    async def reload_weights(self, weights_path: str) -> None:
+        """Has every model worker reload its weights from the safetensors in `weights_path` (a directory the
+        engine can read). Only call it with nothing generating: `sync_weights` checks that, this does not."""
+        await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
+
+    async def loaded_weight_version(self) -> int | None:
+        """The weight version the engine reports loaded (`GET /weight_info`); None before any was set."""
+        answer = await self._get("/weight_info")
+        if not isinstance(answer, dict) or "weight_version" not in answer:
+            raise shape_error(self, "no weight_version in the /weight_info answer", answer)
+        value = answer["weight_version"]
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise shape_error(self, f"weight_version {value!r} is not an integer version", answer) from None
+
+    async def sync_weights(self, weights_path: str, version: int, *,
+                           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_SECONDS) -> int:
+        """Loads the weights saved in `weights_path` as weight version `version`, while generation is paused.
+
+        Refuses (EngineError, saying why) while requests generate: at once for requests sent through this
+        adapter, after `drain_timeout` seconds for the engine's (the prefix-cache reset fails while any
+        request holds KV blocks). Then reloads, empties the prefix cache (KV computed under the old weights
+        must not be reused), records the version and returns the version the engine reports loaded.
+        """
+        self._refuse_sync_while_generating()
+        await self._until_idle(
+            self.reset_prefix_cache, drain_timeout,
+            "refusing a weight sync: the engine still runs requests (POST /reset_prefix_cache answers success: "
+            "false while requests hold KV blocks), and reloading under them would mix old and new weights "
+            "within their responses; pause generation first (Reset with ABORT), then sync, then Resume")
+        await self.reload_weights(weights_path)
+        await self._until_idle(
+            self.reset_prefix_cache, drain_timeout,
+            "the prefix cache could not be emptied after the reload: a request started during the sync, and "
+            "the cache holds KV computed under the old weights")
+        await self.update_weight_version(version)
+        loaded = await self.loaded_weight_version()
+        if loaded != int(version):
+            raise EngineError(f"{self!r}: the engine reports weight version {loaded} loaded after syncing {version}")
+        return loaded
