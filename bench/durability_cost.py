@@ -3,9 +3,10 @@
 Runs, in one process tree and one run, four `python -m coda_server` subprocesses on `127.0.0.1:0`, identical
 but for durability:
 
-* `memory`: server.state_dir empty (the command-line default): state in memory only;
-* `fsync=off`, `fsync=normal` (the default policy), `fsync=full`: server.state_dir set (each its own
-  directory under --state-root) and server.fsync set to that policy.
+* `memory`: server.state_dir empty (the explicit choice of memory only);
+* `fsync=off`, `fsync=normal` (the default policy: with the default state_dir, what a server started
+  without settings does), `fsync=full`: server.state_dir set (each its own directory under --state-root)
+  and server.fsync set to that policy.
 
 The load is bench/rpc_throughput.py's, through the real gRPC server (its client worker processes,
 request builder, server configuration and answer checks are imported from there): batched Submits of
@@ -183,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             tempfile.TemporaryDirectory(prefix="coda-durability-state-", dir=args.state_root) as state_root:
         state_root = Path(state_root)
         print(f"servers: python -m coda_server {' '.join(rt.OUR_OVERRIDES + args.server_arg)}")
-        print(f"  memory: (no server.state_dir); fsync=P: server.state_dir={state_root}/P server.fsync=P")
+        print(f"  memory: server.state_dir=\"\"; fsync=P: server.state_dir={state_root}/P server.fsync=P")
         servers = {config: rt.ServerProcess("ours", Path(tmp) / config.replace("=", "-"), None,
                                             overrides_for(config, state_root) + args.server_arg)
                    for config in CONFIGS}

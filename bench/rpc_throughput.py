@@ -66,6 +66,7 @@ GROUP_SIZE = 64
 OUR_OVERRIDES = [
     "server.address=127.0.0.1:0",
     "server.metrics_address=127.0.0.1:0",  # a free port: never collide with another server on this machine
+    "server.state_dir=",  # state in memory: the RPC path alone (bench/durability_cost.py measures the journal)
     "fully_async.sliding_window=windowed-fifo",
     "fully_async.stale_steps=1.0",
     "data_source.num_prompts_per_step=1048576",

@@ -142,7 +142,9 @@ class Server:
             command = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", str(self.port_file)]
         else:
             command = [sys.executable, *runner, "-m", "coda_server", "--port-file", str(self.port_file),
-                       "server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0", *self.overrides]
+                       "server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0",
+                       # the shipped durable default, in this run's own directory rather than ./coda-state
+                       f"server.state_dir={self.port_file.parent / 'state'}", *self.overrides]
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_SECONDS

@@ -86,7 +86,8 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
     log.info("%s", allocator.describe(int(config.server.allocator_retain_bytes), server.allocator_retains))
     listeners = server.listeners  # TCP (address, port) if any, Unix socket and health-only port if set
     window = server.pacer.state().window_size
-    durability = f"state in {server.journal.directory}" if server.journal is not None else "state in memory"
+    durability = (f"state in {server.journal.directory}" if server.journal is not None else
+                  "state in memory only (server.state_dir is \"\"): a restart loses running and buffered groups")
     pacing = pacing_summary(config, window)
     log.info("serving coda.pacer.v1.RolloutPacer on %s (%s; %s)",
              listeners.describe(), ", ".join(f"{key} {value}" for key, value in pacing.items()), durability,

@@ -22,12 +22,15 @@ class ServerProcess:
     """A coda-server subprocess; `address` is host:port once `start()` returned."""
 
     def __init__(self, tmp_path: Path, *overrides: str, config_file: Optional[Path] = None, env: Optional[dict] = None,
-                 config_args: Sequence[str] = ()):
+                 config_args: Sequence[str] = (), cwd: Optional[Path] = None):
         self.tmp_path = Path(tmp_path)
         self.overrides = overrides
         self.config_file = config_file
         self.config_args = list(config_args)  # e.g. ["--config-path", DIR, "--config-name", NAME]
         self.env = env
+        # Where the server starts. Elsewhere than the repository, a server without a state_dir override uses
+        # the built-in default (./coda-state in that directory) instead of one of its own under tmp.
+        self.cwd = Path(cwd) if cwd is not None else REPO_ROOT
         self.process: Optional[subprocess.Popen] = None
         self.address: Optional[str] = None
         self.log_path = self.tmp_path / f"server-{os.getpid()}-{id(self)}.log"
@@ -38,14 +41,26 @@ class ServerProcess:
         if self.config_file is not None:
             command += ["--config", str(self.config_file)]
         command += self.config_args
-        # Metrics on a free port too: servers of parallel tests must not fight over the default 9464.
-        return command + ["server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0", *self.overrides]
+        # Metrics on a free port too: servers of parallel tests must not fight over the default 9464. The
+        # state directory too: each server its own under tmp (never ./coda-state in the repository), unless
+        # the test names one (or "" for memory only) in its overrides or its config file.
+        return command + ["server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0",
+                          *self.default_state_dir(), *self.overrides]
+
+    def default_state_dir(self) -> list[str]:
+        named = any(o.split("=", 1)[0].lstrip("+") == "server.state_dir" for o in self.overrides)
+        in_file = self.config_file is not None and "state_dir" in Path(self.config_file).read_text()
+        if named or in_file or self.cwd != REPO_ROOT:
+            return []
+        return [f"server.state_dir={self.tmp_path / f'state-{os.getpid()}-{id(self)}'}"]
 
     def start(self) -> "ServerProcess":
         port_file = self.tmp_path / f"port-{id(self)}.json"
         env = {**os.environ, **(self.env or {})}
+        if self.cwd != REPO_ROOT:  # the code under test is imported from the repository wherever it starts
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(self.command(port_file), cwd=REPO_ROOT, stdout=self._log,
+        self.process = subprocess.Popen(self.command(port_file), cwd=self.cwd, stdout=self._log,
                                         stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while not port_file.exists():

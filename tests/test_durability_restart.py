@@ -285,3 +285,34 @@ def test_a_snapshot_in_another_format_is_refused_in_one_line_and_kept(durable):
     assert len(lines) == 1 and str(first.state_dir) in lines[0], output
     assert "format 1, written by another version" in lines[0] and "move server.state_dir aside" in lines[0], output
     assert database.read_bytes() == kept
+
+
+def test_a_server_started_without_settings_keeps_its_state_in_coda_state_beside_it(tmp_path):
+    """Durable by default: the built-in state_dir is ./coda-state where the server starts; kill -9 loses nothing."""
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    overrides = [o for o in durable_overrides(tmp_path / "unused", free_port()) if not o.startswith("server.state_dir")]
+    server = ServerProcess(tmp_path, *overrides, cwd=workdir).start()
+    try:
+        with PacerClient(server.address, timeout=10, options=FAST_RECONNECT) as client:
+            client.dispatch(["p0", "p1"], request_id="d-0")
+            client.submit(group("p0"), request_id="s-0")
+        assert f"state in {workdir / 'coda-state'}" in server.log(), server.log()
+        server.kill()
+        server.close()
+        server = ServerProcess(tmp_path, *overrides, cwd=workdir).start()
+        with PacerClient(server.address, timeout=10, options=FAST_RECONNECT) as client:
+            state = client.state()
+        assert (state.running, state.buffered, state.submitted) == (1, 1, N), state
+        assert (workdir / "coda-state" / "pacer.sqlite3").exists()
+    finally:
+        server.close()
+
+
+def test_memory_only_is_an_explicit_choice_said_in_the_start_up_line(tmp_path):
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    with ServerProcess(tmp_path, "server.state_dir=", cwd=workdir) as server:
+        log = server.log()
+    assert 'state in memory only (server.state_dir is "")' in log, log
+    assert not (workdir / "coda-state").exists()

@@ -352,7 +352,8 @@ def in_process_server(*overrides: str):
     from coda_server.core.config import load_config
     from coda_server.server import PacerServer
 
-    config = load_config(overrides=[*CONFIG, "server.address=127.0.0.1:0", "server.metrics_address=", *overrides])
+    config = load_config(overrides=[*CONFIG, "server.address=127.0.0.1:0", "server.metrics_address=",
+                                    "server.state_dir=", *overrides])
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

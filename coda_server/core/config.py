@@ -338,7 +338,9 @@ def _validate_server(server: Any, need) -> None:
     need(_is_number(lease) and lease >= 0 and math.isfinite(lease), "server.inflight_lease_seconds", lease,
          "must be a finite number >= 0 (0: no lease)")
     state_dir = server.get("state_dir")
-    need(isinstance(state_dir, str), "server.state_dir", state_dir, "must be a directory path, or \"\" for memory only")
+    # `server.state_dir=` on the command line reads as null: memory only, as "" is.
+    need(state_dir is None or isinstance(state_dir, str), "server.state_dir", state_dir,
+         "must be a directory path, or \"\" for memory only")
     need(server.get("fsync") in FSYNC_POLICIES, "server.fsync", server.get("fsync"),
          f"allowed: {', '.join(FSYNC_POLICIES)}")
     need(server.get("log_format") in ("text", "json"), "server.log_format", server.get("log_format"),

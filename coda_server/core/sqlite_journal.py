@@ -39,7 +39,7 @@ class SqliteJournal:
     def __init__(self, state_dir: str | Path, *, fsync: str = "normal", codec: Optional[TrajectoryCodec] = None):
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync policy {fsync!r} is not known; allowed: {', '.join(FSYNC_POLICIES)}")
-        self.directory = Path(state_dir)
+        self.directory = Path(state_dir).absolute()  # a relative default (./coda-state) is named in full in logs
         self.codec = codec or PickledTrajectories()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
