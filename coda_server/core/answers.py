@@ -73,7 +73,7 @@ class AnswerBook:
         leave dispatch paused for good), and its answer is remembered when it ends, for the caller's retry.
         """
         if not request_id:
-            return await (self._detached(method, request_id, call) if outlives_caller else call())
+            return await (asyncio.shield(asyncio.ensure_future(call())) if outlives_caller else call())
         self._check_request_id(request_id)
         answer = self._answers[method].get(request_id)  # a single dict read is atomic: no lock to see it
         if answer is not None:
@@ -85,9 +85,15 @@ class AnswerBook:
             if shared is None:
                 shared = running[key] = asyncio.get_running_loop().create_future()
             return await asyncio.shield(shared)
+        if outlives_caller:
+            # The call's own task is what retries await: it stays under way (and in `running`) when the
+            # first caller goes away, so a retry waits for its answer instead of starting it a second time.
+            task = running[key] = asyncio.ensure_future(call())
+            task.add_done_callback(lambda done: self._settle_detached(method, request_id, key, done))
+            return await asyncio.shield(task)
         running[key] = None
         try:
-            result = await (self._detached(method, request_id, call) if outlives_caller else call())
+            result = await call()
         except BaseException as exc:
             shared = running.pop(key)
             if shared is not None:
@@ -100,16 +106,14 @@ class AnswerBook:
             shared.set_result(result)
         return result
 
-    def _detached(self, method: str, request_id: str, call: Callable[[], Awaitable[R]]) -> Awaitable[R]:
-        """`call()` as a task of its own, awaited through a shield; its answer is remembered when it ends."""
-        task = asyncio.ensure_future(call())
-        if request_id:
-            task.add_done_callback(lambda done: self._remember_outcome(method, request_id, done))
-        return asyncio.shield(task)
-
     def _remember_outcome(self, method: str, request_id: str, done: asyncio.Future) -> None:
         if not done.cancelled() and done.exception() is None:
             self.remember(method, request_id, done.result())
+
+    def _settle_detached(self, method: str, request_id: str, key: tuple[str, str], done: asyncio.Future) -> None:
+        """A detached call ended: remember its answer (a failure is not remembered), then let retries run anew."""
+        self._remember_outcome(method, request_id, done)
+        self._running.pop(key, None)
 
     def remember(self, method: str, request_id: str, result: Any) -> None:
         """Keep `result` as the answer to `request_id` (an empty one is never kept); the first answer stays."""
