@@ -88,15 +88,19 @@ def _trajectory(value: Any) -> Trajectory:
 
 def collect(
     num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0,
-    arrays: ArrayMode = "list",
+    arrays: ArrayMode = "list", rank: int = 0, world_size: int = 1, token_budget: int = 0,
 ) -> Call[CollectResult]:
-    """Collect: a retried Collect must not take a second batch, hence the request id here too."""
+    """Collect: a retried Collect must not take a second batch, hence the request id here too. `rank` and
+    `world_size` ask for one rank's share of a data-parallel mini-batch; `token_budget` cuts it by tokens."""
     request = pacer_pb2.CollectRequest(
         num_groups=num_groups,
         wait_seconds=wait,
         allow_partial=allow_partial,
         request_id=request_id_or_new(request_id),
         lease_seconds=lease,
+        rank=rank,
+        world_size=world_size,
+        token_budget=token_budget,
     )
     return Call("Collect", request, call_timeout(timeout, wait), functools.partial(CollectResult.from_pb, arrays_as=arrays))
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .client import AsyncPacerClient, PacerClient
 
-__all__ = ["MiniBatch", "GroupView", "PaddedBatch", "BatchIterator", "AsyncBatchIterator"]
+__all__ = ["MiniBatch", "GroupView", "PaddedBatch", "BatchIterator", "AsyncBatchIterator", "BatchShape"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -281,10 +281,48 @@ def _groups_per_batch(mini_batch_size: int, group_size: int) -> int:
     return mini_batch_size // group_size
 
 
+@dataclass(frozen=True)
+class BatchShape:
+    """What one Collect of the iterator asks for: `num_groups` groups (with a token budget, at most that many;
+    0: the server's limit), cut by `token_budget` tokens when > 0, and for one rank of a data-parallel
+    trainer (`world_size` > 1) that rank's share of the global mini-batch."""
+
+    num_groups: int
+    token_budget: int = 0
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def of(cls, mini_batch_size: int | None, group_size: int | None, state_summary: Any, *,
+           token_budget: int | None, rank: int, world_size: int) -> BatchShape:
+        """Checks the trainer's arguments; `state_summary` (a callable giving the server's config summary) is
+        called only when the group size must be asked from the server."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, not {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an integer in 0..{world_size - 1} (world_size {world_size}), not {rank!r}")
+        if token_budget is not None and (not isinstance(token_budget, int) or token_budget <= 0):
+            raise ValueError(f"token_budget must be a positive number of tokens or None, not {token_budget!r}")
+        if mini_batch_size is None:
+            if token_budget is None:
+                raise ValueError("pass mini_batch_size (trajectories per global mini-batch) or token_budget")
+            return cls(0, token_budget, rank, world_size)
+        num_groups = (_groups_per_batch(mini_batch_size, group_size) if group_size is not None
+                      else group_count(state_summary(), mini_batch_size))
+        if token_budget is None and num_groups % world_size:
+            raise ValueError(f"mini_batch_size {mini_batch_size} holds {num_groups} groups, which world_size "
+                             f"{world_size} does not divide: every rank gets as many whole groups (or pass "
+                             f"token_budget, whose shares are balanced by tokens alone)")
+        if num_groups < world_size:
+            raise ValueError(f"mini_batch_size {mini_batch_size} holds {num_groups} groups, fewer than world_size "
+                             f"{world_size}: every rank gets at least one whole group")
+        return cls(num_groups, token_budget or 0, rank, world_size)
+
+
 class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
-    def __init__(self, client: Any, num_groups: int, *, lease: float, poll: float, num_batches: int | None,
+    def __init__(self, client: Any, shape: BatchShape | int, *, lease: float, poll: float, num_batches: int | None,
                  mask_offpolicy: bool = False) -> None:
         if lease <= 0:
             raise ValueError(f"lease must be > 0 seconds (the batches are leased until acknowledged), not {lease}")
@@ -294,7 +332,7 @@ class _IteratorBase:
             raise ValueError(f"num_batches must be >= 0 or None, not {num_batches}")
         numpy()
         self._client = client
-        self.num_groups = num_groups
+        self.shape = shape if isinstance(shape, BatchShape) else BatchShape(shape)
         self.lease = float(lease)
         self.poll = float(poll)
         self.num_batches = num_batches
@@ -305,9 +343,16 @@ class _IteratorBase:
         self._current: MiniBatch | None = None
         self._closed = False
 
+    @property
+    def num_groups(self) -> int:
+        """Groups of each global mini-batch (with a token budget: at most; 0 is the server's limit)."""
+        return self.shape.num_groups
+
     def _collect_call(self) -> _calls.Call[CollectResult]:
-        return _calls.collect(self.num_groups, wait=self.poll, allow_partial=False, request_id=None,
-                              timeout=self._client.timeout, lease=self.lease, arrays="numpy")
+        shape = self.shape
+        return _calls.collect(shape.num_groups, wait=self.poll, allow_partial=False, request_id=None,
+                              timeout=self._client.timeout, lease=self.lease, arrays="numpy", rank=shape.rank,
+                              world_size=shape.world_size, token_budget=shape.token_budget)
 
     def _wants_more(self) -> bool:
         return not self._closed and (self.num_batches is None or self.delivered < self.num_batches)
@@ -324,10 +369,10 @@ class _Stopped(Exception):
 class BatchIterator(_IteratorBase):
     """Blocking iterator of MiniBatch; see PacerClient.batches."""
 
-    def __init__(self, client: PacerClient, num_groups: int, *, lease: float = DEFAULT_LEASE_SECONDS,
+    def __init__(self, client: PacerClient, shape: BatchShape | int, *, lease: float = DEFAULT_LEASE_SECONDS,
                  poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
                  mask_offpolicy: bool = False) -> None:
-        super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches,
+        super().__init__(client, shape, lease=lease, poll=poll, num_batches=num_batches,
                          mask_offpolicy=mask_offpolicy)
         self._lock = threading.Lock()
         self._inflight: set[Any] = set()  # Collects in progress, cancelled by close() or a server shutdown
@@ -487,13 +532,18 @@ class BatchIterator(_IteratorBase):
 class AsyncBatchIterator(_IteratorBase):
     """Async iterator of MiniBatch; see AsyncPacerClient.batches. Use it from the client's event loop."""
 
-    def __init__(self, client: AsyncPacerClient, mini_batch_size: int, group_size: int | None = None, *,
+    def __init__(self, client: AsyncPacerClient, mini_batch_size: int | None, group_size: int | None = None, *,
                  lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
-                 num_batches: int | None = None, mask_offpolicy: bool = False) -> None:
-        # The group size may have to be asked from the server, which needs the event loop: resolved on start.
-        num_groups = 0 if group_size is None else _groups_per_batch(mini_batch_size, group_size)
-        super().__init__(client, num_groups, lease=lease, poll=poll, num_batches=num_batches,
+                 num_batches: int | None = None, mask_offpolicy: bool = False, token_budget: int | None = None,
+                 rank: int = 0, world_size: int = 1) -> None:
+        # The group size may have to be asked from the server, which needs the event loop: resolved on start
+        # (the arguments are checked now, against the group size 1 where it is not known yet).
+        self._shape_arguments = dict(token_budget=token_budget, rank=rank, world_size=world_size)
+        self._group_size = group_size
+        shape = BatchShape.of(mini_batch_size, group_size or 1, None, **self._shape_arguments)
+        super().__init__(client, shape, lease=lease, poll=poll, num_batches=num_batches,
                          mask_offpolicy=mask_offpolicy)
+        self._shape_resolved = group_size is not None or mini_batch_size is None
         self.mini_batch_size = mini_batch_size
         self._shutdown = asyncio.Event()
         self._inflight: set[asyncio.Future[Any]] = set()
@@ -504,8 +554,10 @@ class AsyncBatchIterator(_IteratorBase):
         self._watcher: asyncio.Task[None] | None = None
 
     async def _start(self) -> None:
-        if not self.num_groups:
-            self.num_groups = group_count((await self._client.state()).config_summary, self.mini_batch_size)
+        if not self._shape_resolved:
+            summary = (await self._client.state()).config_summary
+            self.shape = BatchShape.of(self.mini_batch_size, None, lambda: summary, **self._shape_arguments)
+            self._shape_resolved = True
         if self._watcher is None:
             self._watch = self._client.watch()
             self._watcher = asyncio.ensure_future(self._watch_events())

@@ -31,8 +31,7 @@ from .batches import (
     DEFAULT_POLL_SECONDS,
     AsyncBatchIterator,
     BatchIterator,
-    _groups_per_batch,
-    group_count,
+    BatchShape,
 )
 from .errors import translate
 from .types import (
@@ -334,11 +333,18 @@ class PacerClient(_ClientBase):
             self.ack(result.lease_id)
 
     def batches(
-        self, mini_batch_size: int, *, group_size: int | None = None, lease: float = DEFAULT_LEASE_SECONDS,
-        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None, mask_offpolicy: bool = False,
+        self, mini_batch_size: int | None = None, *, group_size: int | None = None,
+        lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+        mask_offpolicy: bool = False, token_budget: int | None = None, rank: int = 0, world_size: int = 1,
     ) -> BatchIterator:
         """The trainer's iterator (docs/trainer.md): packed mini-batches of `mini_batch_size` trajectories
         (whole groups; group_size defaults to the server's), each from one leased Collect.
+
+        `token_budget`: mini-batches cut by tokens instead (the oldest whole groups within that many response
+        tokens; `mini_batch_size`, if given, caps the trajectories). `rank` and `world_size`: one rank of a
+        data-parallel trainer; `mini_batch_size` (or `token_budget`) is then the global mini-batch, and each
+        batch is this rank's share of it: whole groups, shares balanced by tokens, the same split for every
+        rank (the server makes it), each share leased to its rank alone.
 
         The next Collect runs in the background while the caller trains on the current batch; asking for the
         next batch (or `ack()`) acknowledges the current one, so a trainer that dies gets its groups delivered
@@ -348,9 +354,9 @@ class PacerClient(_ClientBase):
         partial rollout generated before its last weight version (docs/partial-rollouts.md). Needs NumPy
         (coda-pacer[numpy]).
         """
-        num_groups = (group_count(self.state().config_summary, mini_batch_size) if group_size is None
-                      else _groups_per_batch(mini_batch_size, group_size))
-        return BatchIterator(self, num_groups, lease=lease, poll=poll, num_batches=num_batches,
+        shape = BatchShape.of(mini_batch_size, group_size, lambda: self.state().config_summary,
+                              token_budget=token_budget, rank=rank, world_size=world_size)
+        return BatchIterator(self, shape, lease=lease, poll=poll, num_batches=num_batches,
                              mask_offpolicy=mask_offpolicy)
 
     def reset(
@@ -466,13 +472,15 @@ class AsyncPacerClient(_ClientBase):
             await self.ack(result.lease_id)
 
     def batches(
-        self, mini_batch_size: int, *, group_size: int | None = None, lease: float = DEFAULT_LEASE_SECONDS,
-        poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None, mask_offpolicy: bool = False,
+        self, mini_batch_size: int | None = None, *, group_size: int | None = None,
+        lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+        mask_offpolicy: bool = False, token_budget: int | None = None, rank: int = 0, world_size: int = 1,
     ) -> AsyncBatchIterator:
         """Async form of PacerClient.batches: `async with client.batches(128) as batches: async for batch in
         batches: ...` (the group size is asked from the server on the first iteration)."""
         return AsyncBatchIterator(self, mini_batch_size, group_size, lease=lease, poll=poll, num_batches=num_batches,
-                                  mask_offpolicy=mask_offpolicy)
+                                  mask_offpolicy=mask_offpolicy, token_budget=token_budget, rank=rank,
+                                  world_size=world_size)
 
     async def reset(
         self,

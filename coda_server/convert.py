@@ -11,6 +11,7 @@ from coda_client._proto import pacer_pb2 as pb
 
 from . import wire
 from .core.errors import InvalidArgumentError
+from .core.shares import PLAIN, BatchShape
 from .core.state import STATE_FIELD_NAMES
 from .core.types import (
     CollectResult,
@@ -181,6 +182,13 @@ def submit_response(result: SubmitResult) -> pb.SubmitResponse:
     message.duplicates = result.duplicates
     message.groups_completed = result.groups_completed
     return message
+
+
+def batch_shape(request: pb.CollectRequest) -> BatchShape:
+    """A Collect's shape (world_size 0, the proto default, is a single consumer)."""
+    if not (request.token_budget or request.world_size > 1 or request.rank):
+        return PLAIN
+    return BatchShape(request.token_budget, request.rank, request.world_size or 1)
 
 
 def collect_response(result: CollectResult) -> wire.EncodedAnswer:

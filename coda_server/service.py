@@ -95,7 +95,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     @maps_errors
     async def Collect(self, request: pb.CollectRequest, context) -> wire.EncodedAnswer:
         result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
-                                           request.allow_partial, request.request_id, request.lease_seconds)
+                                           request.allow_partial, request.request_id, request.lease_seconds,
+                                           convert.batch_shape(request))
         return convert.collect_response(result)
 
     @maps_errors

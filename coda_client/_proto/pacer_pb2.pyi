@@ -172,18 +172,24 @@ class SubmitResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., groups_completed: _Optional[int] = ...) -> None: ...
 
 class CollectRequest(_message.Message):
-    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds")
+    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds", "rank", "world_size", "token_budget")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
     wait_seconds: float
     allow_partial: bool
     request_id: str
     lease_seconds: float
-    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    rank: int
+    world_size: int
+    token_budget: int
+    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("lease_id", "request_id")

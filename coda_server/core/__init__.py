@@ -16,6 +16,7 @@ from .errors import (
 from .filters import GroupFilter, register_group_filter
 from .pacer import Pacer
 from .replay import BufferReplayStrategy, register_buffer_replay_strategy
+from .shares import BatchShape
 from .strategy import SlidingWindowStrategy, create_strategy, register_sliding_window_strategy
 from .types import (
     ControlEvent,

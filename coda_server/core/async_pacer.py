@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 from .errors import NotReadyError, ShuttingDownError
 from .journal import Journal
 from .pacer import Pacer
+from .shares import PLAIN, BatchShape
 from .types import (
     CollectResult,
     ControlEvent,
@@ -167,13 +168,13 @@ class AsyncPacer:
         return await self._applied("Submit", request_id, call)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
-                      request_id: str = "", lease_seconds: float = 0.0) -> CollectResult:
+                      request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN) -> CollectResult:
         async def call() -> CollectResult:
             pacer = self.pacer
             if pacer.closed:  # like every other call; a Collect already waiting is answered timed_out instead
                 raise ShuttingDownError("the pacer is shutting down and takes no new calls")
-            pacer.checks.check_collect(num_groups, lease_seconds)
-            return await self.waits.until(pacer.collect_poll(num_groups, allow_partial, request_id, lease_seconds),
+            groups = pacer.checks.check_collect(num_groups, lease_seconds, shape)
+            return await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds, shape),
                                           wait)
 
         return await self._applied("Collect", request_id, call)

@@ -13,6 +13,7 @@ from .errors import (
     UnknownPromptError,
 )
 from .limits import Limits
+from .shares import PLAIN, BatchShape
 from .types import PromptRef, ResetMode, Trajectory, TrajectoryStatus
 
 VALID_STATUSES = (TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED)
@@ -209,14 +210,39 @@ class RequestChecks:
                 f"Submit completes {completing} more, over server.max_buffered_groups = {max_buffered}; "
                 f"retry after the trainer collects", retry_after=RESOURCE_RETRY_SECONDS, reason="BUFFER_FULL")
 
-    def check_collect(self, num_groups: Any, lease_seconds: Any = 0.0) -> None:
+    def check_collect(self, num_groups: Any, lease_seconds: Any = 0.0, shape: BatchShape = PLAIN) -> int:
+        """Checks a Collect; returns the groups it asks for at most (with a token budget, 0 is the server's limit)."""
         limit = self.limits.max_collect
+        if shape.token_budget and num_groups == 0:
+            num_groups = limit
         if not isinstance(num_groups, int) or isinstance(num_groups, bool) or not 1 <= num_groups <= limit:
             raise InvalidArgumentError(f"num_groups {num_groups!r} is out of range; allowed: 1..{limit}",
                                        violations=[("num_groups", f"must be an integer in 1..{limit}")])
         if not (isinstance(lease_seconds, (int, float)) and math.isfinite(lease_seconds) and lease_seconds >= 0):
             raise InvalidArgumentError(f"lease_seconds {lease_seconds!r} must be a finite number >= 0 (0: no lease)",
                                        violations=[("lease_seconds", "must be a finite number >= 0")])
+        if shape.plain:
+            return num_groups
+        if shape.token_budget < 0:
+            raise InvalidArgumentError(f"token_budget {shape.token_budget} must be >= 0 (0: cut by num_groups)",
+                                       violations=[("token_budget", "must be >= 0")])
+        if not 1 <= shape.world_size <= num_groups:
+            raise InvalidArgumentError(
+                f"world_size {shape.world_size} must be in 1..num_groups ({num_groups}): every rank gets whole "
+                f"groups, at least one", violations=[("world_size", f"must be in 1..{num_groups}")])
+        if not 0 <= shape.rank < shape.world_size:
+            raise InvalidArgumentError(f"rank {shape.rank} must be in 0..{shape.world_size - 1} (world_size "
+                                       f"{shape.world_size})", violations=[("rank", "must be in 0..world_size-1")])
+        if shape.world_size > 1 and not shape.token_budget and num_groups % shape.world_size:
+            raise InvalidArgumentError(
+                f"num_groups {num_groups} is not a multiple of world_size {shape.world_size}: each rank gets the "
+                f"same number of groups (or cut by token_budget)",
+                violations=[("num_groups", f"must be a multiple of world_size ({shape.world_size})")])
+        if shape.world_size > 1 and not lease_seconds:
+            raise InvalidArgumentError(
+                "a rank's Collect (world_size > 1) must be leased: the other ranks' shares wait under a lease and "
+                "go back to the buffer if no rank takes them", violations=[("lease_seconds", "must be > 0")])
+        return num_groups
 
     @staticmethod
     def check_weight_version(weight_version: Any, current: int) -> None:

@@ -70,6 +70,11 @@ class Collected(JournalEvent):
     timed_out: bool
     request_id: str
     lease_seconds: float  # > 0: the groups went out under a Collect lease
+    # The Collect's shape (shares.py); the defaults are a plain Collect (and events recorded before shapes).
+    token_budget: int = 0
+    rank: int = 0
+    world_size: int = 1
+    num_groups: int = 0
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ import heapq
 import math
 from collections import deque
 from operator import attrgetter
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from .errors import LeaseExpiredError, UnknownLeaseError
 from .inflight import InflightGroup
@@ -36,6 +36,9 @@ class Leases:
         self.collect: dict[str, CollectLease] = {}  # Collect leases awaiting Ack, by lease id
         self.serial = 0
         self.lapsed: deque[str] = deque(maxlen=LAPSED_LEASES_KEPT)
+        # Shares of data-parallel mini-batches (shares.py) not handed to their rank yet, by the ranks' shape key:
+        # per mini-batch, oldest first, each rank's share lease id (None once handed out).
+        self.open_shares: dict[tuple, list[list[Optional[str]]]] = {}
 
     # ----------------------------------------------------------------- in-flight leases
 
@@ -78,6 +81,36 @@ class Leases:
         self.collect[lease.lease_id] = lease
         return lease
 
+    def grant_shares(self, key: tuple, shares: list[list], rank: int, seconds: float, now: float) -> CollectLease:
+        """One lease per rank's share of a mini-batch; `rank`'s is handed out now, the others wait for their
+        ranks (claim) and lapse like any lease when none comes."""
+        leases = [self.grant(entries, seconds, now) for entries in shares]
+        slots: list[Optional[str]] = [lease.lease_id for lease in leases]
+        slots[rank] = None
+        if any(slots):
+            self.open_shares.setdefault(key, []).append(slots)
+        return leases[rank]
+
+    def claimable(self, key: tuple, rank: int) -> bool:
+        """Whether an open mini-batch under `key` holds a live share for `rank`."""
+        return any(slots[rank] in self.collect for slots in self.open_shares.get(key, ()) if slots[rank])
+
+    def claim(self, key: tuple, rank: int, now: float) -> Optional[CollectLease]:
+        """The share of `rank` in the oldest open mini-batch under `key` that still has a live one for it, handed
+        out now (its lease runs from now); None when there is none. Mini-batches left with no live share go."""
+        batches = self.open_shares.get(key, [])
+        found = None
+        for slots in batches:
+            lease_id, slots[rank] = slots[rank], None
+            if lease_id in self.collect:
+                found = self.collect[lease_id]
+                found.deadline = now + found.seconds
+                break
+        batches[:] = [slots for slots in batches if any(lease_id in self.collect for lease_id in slots if lease_id)]
+        if not batches:
+            self.open_shares.pop(key, None)
+        return found
+
     def acknowledge(self, lease_id: str) -> CollectLease:
         """The lease, ended by its Ack; LeaseExpiredError / UnknownLeaseError when there is none to end."""
         lease = self.collect.pop(lease_id, None)
@@ -111,7 +144,8 @@ class Leases:
 
     def export(self) -> dict:
         return {"leases": [(lease.lease_id, lease.entries, lease.seconds) for lease in self.collect.values()],
-                "lease_serial": self.serial, "lapsed_leases": list(self.lapsed)}
+                "lease_serial": self.serial, "lapsed_leases": list(self.lapsed),
+                "open_shares": [(key, [list(slots) for slots in batches]) for key, batches in self.open_shares.items()]}
 
     def restore(self, snapshot: Mapping, now: float) -> None:
         for lease_id, entries, seconds in snapshot["leases"]:
@@ -119,3 +153,5 @@ class Leases:
             self.collect[lease_id] = CollectLease(lease_id, entries, seconds, now + seconds)
         self.serial = snapshot["lease_serial"]
         self.lapsed.extend(snapshot["lapsed_leases"])
+        self.open_shares = {tuple(key): [list(slots) for slots in batches]
+                            for key, batches in snapshot.get("open_shares", ())}  # absent before shares existed

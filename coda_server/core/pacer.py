@@ -28,6 +28,7 @@ from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was define
 from .limits import Limits, shipped_server_defaults
 from .polls import CollectPoll, DispatchPoll, ResetPoll
 from .replay import RestoredGroups, create_replay_strategy
+from .shares import PLAIN, BatchShape, balanced_shares, budget_count, group_tokens
 from .state import COUNTER_NAMES
 from .strategy import BufferView, ThreadSafeStrategy, create_strategy, gate_is_ordered, overridden_hook, window_size
 from .types import (
@@ -211,24 +212,25 @@ class Pacer:
         return self.answers.once("Submit", request_id, lambda: self.apply_submit(trajectories, request_id))
 
     def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False, request_id: str = "",
-                lease_seconds: float = 0.0) -> CollectResult:
+                lease_seconds: float = 0.0, shape: BatchShape = PLAIN) -> CollectResult:
         """Take `num_groups` groups, oldest priority first, waiting up to `wait` seconds for them.
 
         Without `allow_partial`, fewer than `num_groups` at the deadline gives nothing and `timed_out`.
         With `lease_seconds` > 0 the groups are leased: they return to the buffer, in their original
-        order, unless `ack(lease_id)` comes within that time (at-least-once delivery).
+        order, unless `ack(lease_id)` comes within that time (at-least-once delivery). `shape` cuts the
+        mini-batch by a token budget and/or hands the caller one rank's share of it (shares.py).
         """
-        self.checks.check_collect(num_groups, lease_seconds)
+        num_groups = self.checks.check_collect(num_groups, lease_seconds, shape)
         self._check_open()  # once: a waiter woken by close() answers with what is there
-        poll = CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds)
+        poll = CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape)
         return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
 
     def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
-                    lease_seconds: float = 0.0) -> CollectResult:
+                    lease_seconds: float = 0.0, shape: BatchShape = PLAIN) -> CollectResult:
         """Non-waiting collect: all `num_groups`, or with `allow_partial` whatever is there."""
-        self.checks.check_collect(num_groups, lease_seconds)
+        num_groups = self.checks.check_collect(num_groups, lease_seconds, shape)
         return self.answers.once("Collect", request_id,
-                                 self.collect_poll(num_groups, allow_partial, request_id, lease_seconds).give_up)
+                                 self.collect_poll(num_groups, allow_partial, request_id, lease_seconds, shape).give_up)
 
     def ack(self, lease_id: str, request_id: str = "") -> int:
         """The trainer has the leased groups: they are consumed for good. Returns how many."""
@@ -439,13 +441,34 @@ class Pacer:
     # ----------------------------------------------------------------- collect
 
     def collect_poll(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
-                     lease_seconds: float = 0.0) -> CollectPoll:
-        return CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds)
+                     lease_seconds: float = 0.0, shape: BatchShape = PLAIN) -> CollectPoll:
+        return CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape)
 
-    def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0) -> CollectResult:
-        """Hand `count` groups from the buffer to the trainer, leased when `lease_seconds` > 0 (caller holds the lock)."""
+    def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]:
+        """Groups the next Collect of this shape takes from the buffer now (0: a rank's share of a mini-batch
+        already taken is waiting), or None when it is not ready; with `partial`, what is there at a deadline
+        (caller holds the lock)."""
+        if shape.world_size > 1 and self._leases.claimable(shape.key(num_groups), shape.rank):
+            return 0
+        available = len(self._buffer)
+        if shape.token_budget:
+            count = budget_count(self._buffer, shape.token_budget, num_groups, shape.world_size)
+            return count if count is not None or not partial or available < shape.world_size else available
+        if available >= num_groups:
+            return num_groups
+        return available if partial and available >= shape.world_size else None
+
+    def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
+                   shape: BatchShape = PLAIN, num_groups: int = 0) -> CollectResult:
+        """Hand `count` groups from the buffer to the trainer, leased when `lease_seconds` > 0 (caller holds the lock).
+        A rank's share (`shape.world_size` > 1) is the oldest one waiting for it, or with `count` > 0 its share of
+        a new mini-batch of `count` groups; `num_groups` (what the Collect asked for) tells the ranks of one
+        trainer apart from another's."""
         now = self._clock()
-        if lease_seconds > 0:
+        if shape.world_size > 1:
+            lease = self._take_share(count, lease_seconds, shape.key(num_groups), shape, now)
+            result = CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id)
+        elif lease_seconds > 0:
             lease = self._leases.grant([heapq.heappop(self._buffer) for _ in range(count)], lease_seconds, now)
             self._notify()
             result = CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id)
@@ -453,8 +476,23 @@ class Pacer:
             groups = [heapq.heappop(self._buffer)[1] for _ in range(count)]
             self._consume(groups)
             result = CollectResult(groups, timed_out=timed_out)
-        self._record(Collected(now, count, timed_out, request_id, lease_seconds))
+        self._record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
+                               shape.world_size, num_groups))
         return result
+
+    def _take_share(self, count: int, lease_seconds: float, key: tuple, shape: BatchShape, now: float) -> CollectLease:
+        if not count:
+            lease = self._leases.claim(key, shape.rank, now)
+            if lease is None:
+                raise RuntimeError("recovery diverged: no share of a data-parallel mini-batch waits for this rank")
+            return lease
+        entries = [heapq.heappop(self._buffer) for _ in range(count)]
+        shares = balanced_shares([group_tokens(group) for _, group in entries], shape.world_size,
+                                 equal_counts=not shape.token_budget)
+        lease = self._leases.grant_shares(key, [[entries[i] for i in share] for share in shares], shape.rank,
+                                          lease_seconds, now)
+        self._notify()
+        return lease
 
     def apply_ack(self, lease_id: str, request_id: str = "") -> int:
         with self._lock:

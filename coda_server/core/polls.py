@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from .shares import PLAIN, BatchShape
 from .types import CollectResult, DispatchResult, PromptRef
 
 if TYPE_CHECKING:
@@ -45,35 +46,46 @@ class DispatchPoll:
 
 
 class CollectPoll:
-    """Answered once the buffer holds `num_groups`; at the deadline, whatever is there with `allow_partial`."""
+    """Answered once the buffer holds the mini-batch asked for (`num_groups`, or a token budget's worth) or a
+    rank's share waits; at the deadline, whatever is there with `allow_partial`."""
 
-    __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds")
+    __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds", "_shape")
 
-    def __init__(self, pacer: "Pacer", num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float):
+    def __init__(self, pacer: "Pacer", num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float,
+                 shape: BatchShape = PLAIN):
         self._pacer = pacer
         self._num_groups = num_groups
         self._allow_partial = allow_partial
         self._request_id = request_id
         self._lease_seconds = lease_seconds
+        self._shape = shape
 
     def attempt(self) -> Optional[CollectResult]:
         pacer = self._pacer
         with pacer._lock:
             pacer.report_incidents()  # a raising hook or a refused dirty group fails the trainer's Collect, once
-            if len(pacer._buffer) >= self._num_groups:
-                return pacer.apply_take(self._num_groups, False, self._request_id, self._lease_seconds)
-            return None
+            if self._shape.plain:  # the common case, without the shape's bookkeeping
+                if len(pacer._buffer) >= self._num_groups:
+                    return pacer.apply_take(self._num_groups, False, self._request_id, self._lease_seconds)
+                return None
+            count = pacer.ready_count(self._num_groups, self._shape)
+            return None if count is None else self._take(count, False)
 
     def give_up(self) -> CollectResult:
         pacer = self._pacer
         with pacer._lock:
             pacer.report_incidents()
-            available = len(pacer._buffer)
-            if available >= self._num_groups:
-                return pacer.apply_take(self._num_groups, False, self._request_id, self._lease_seconds)
-            if self._allow_partial and available:
-                return pacer.apply_take(available, True, self._request_id, self._lease_seconds)
+            count = pacer.ready_count(self._num_groups, self._shape)
+            if count is not None:
+                return self._take(count, False)
+            count = pacer.ready_count(self._num_groups, self._shape, partial=True) if self._allow_partial else None
+            if count:
+                return self._take(count, True)
             return CollectResult([], timed_out=True)
+
+    def _take(self, count: int, timed_out: bool) -> CollectResult:
+        return self._pacer.apply_take(count, timed_out, self._request_id, self._lease_seconds, self._shape,
+                                      self._num_groups)
 
 
 class ResetPoll:

@@ -10,6 +10,7 @@ import heapq
 from typing import TYPE_CHECKING, Optional
 
 from .errors import RecoveryError, StrategyHookError
+from .shares import BatchShape
 from .journal import (
     Acked,
     Collected,
@@ -152,7 +153,8 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
         pacer.totals["stale_rejected"] += event.count
     elif isinstance(event, Collected):
         remember("Collect", event.request_id,
-                 pacer.apply_take(event.count, event.timed_out, event.request_id, event.lease_seconds))
+                 pacer.apply_take(event.count, event.timed_out, event.request_id, event.lease_seconds,
+                                  BatchShape(event.token_budget, event.rank, event.world_size), event.num_groups))
     elif isinstance(event, Acked):
         remember("Ack", event.request_id, pacer.apply_ack(event.lease_id, event.request_id))
     elif isinstance(event, Expired):

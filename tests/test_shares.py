@@ -1,0 +1,241 @@
+"""Data-parallel Collects: each rank's token-balanced share of one global mini-batch, token-budget mini-batches,
+a dead rank's share delivered again, the split surviving a restart, and the trainer iterator over gRPC."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectoryStatus as WireStatus
+from coda_client.errors import BadRequestError
+from coda_server.core import BatchShape, InvalidArgumentError, Pacer, PromptRef, Trajectory, load_config
+from coda_server.core.shares import balanced_shares
+from server_harness import ServerProcess
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_pacer(journal=None) -> tuple[Pacer, FakeClock]:
+    clock = FakeClock()
+    config = load_config(overrides=["data_source.num_prompts_per_step=8", "data_source.num_trajectories_per_prompt=2",
+                                    "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
+                                    "server.inflight_lease_seconds=0"])
+    return Pacer(config, clock=clock, journal=journal), clock
+
+
+def fill(pacer: Pacer, tokens: dict[str, int]) -> None:
+    """One complete group of 2 per prompt, each trajectory `tokens[prompt]` tokens long, in this order."""
+    pacer.dispatch([PromptRef(p) for p in tokens])
+    for prompt_id, length in tokens.items():
+        pacer.submit([Trajectory(f"{prompt_id}/{i}", prompt_id, num_tokens=length) for i in range(2)])
+
+
+def tokens_of(groups) -> int:
+    return sum(t.num_tokens for g in groups for t in g.trajectories)
+
+
+LONG_TAILED = {"a": 10, "b": 400, "c": 20, "d": 30, "e": 350, "f": 15, "g": 25, "h": 40}
+
+
+def test_balanced_shares_put_every_group_in_one_share_and_balance_tokens():
+    tokens = [800, 20, 40, 700, 60, 30, 50, 25]
+    shares = balanced_shares(tokens, 2, equal_counts=True)
+    assert sorted(i for share in shares for i in share) == list(range(8))
+    assert [len(share) for share in shares] == [4, 4]
+    loads = [sum(tokens[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= 100  # the two long groups on different ranks
+    # By tokens alone (no equal counts), the one long group can sit alone.
+    assert balanced_shares([900, 100, 100, 100], 2, equal_counts=False) == [[0], [1, 2, 3]]
+
+
+def _split(first: int) -> tuple[Pacer, dict]:
+    pacer, _ = make_pacer()
+    fill(pacer, LONG_TAILED)
+    shape = [BatchShape(rank=r, world_size=2) for r in range(2)]
+    answers = {}
+    for rank in (first, 1 - first):
+        answers[rank] = pacer.collect_now(8, lease_seconds=30, shape=shape[rank])
+    return pacer, answers
+
+
+def test_each_rank_gets_its_share_of_the_same_split_whichever_asks_first():
+    pacer, answers = _split(0)
+    ids = {rank: [g.prompt_id for g in answers[rank].groups] for rank in (0, 1)}
+    assert sorted(ids[0] + ids[1]) == sorted(LONG_TAILED) and len(ids[0]) == len(ids[1]) == 4
+    assert all(len(g.trajectories) == 2 for r in (0, 1) for g in answers[r].groups)  # groups whole
+    assert ("b" in ids[0]) != ("e" in ids[0])  # the two long groups on different ranks
+    loads = [tokens_of(answers[r].groups) for r in (0, 1)]
+    assert max(loads) / (sum(loads) / 2) <= 1.1
+    # The same split when rank 1 asks first (it depends only on the groups).
+    _, reversed_answers = _split(1)
+    assert {r: [g.prompt_id for g in reversed_answers[r].groups] for r in (0, 1)} == ids
+    assert answers[0].lease_id != answers[1].lease_id
+    assert pacer.ack(answers[0].lease_id) == 4 and pacer.ack(answers[1].lease_id) == 4
+    state = pacer.state()
+    assert (state.consumed, state.leased, state.buffered) == (8, 0, 0) and state.invariant_holds()
+
+
+def test_a_rank_ahead_takes_the_next_mini_batch_and_the_other_rank_gets_both_shares_in_order():
+    pacer, _ = make_pacer()
+    fill(pacer, LONG_TAILED)
+    shape = [BatchShape(rank=r, world_size=2) for r in range(2)]
+    first0 = pacer.collect_now(4, lease_seconds=30, shape=shape[0])
+    second0 = pacer.collect_now(4, lease_seconds=30, shape=shape[0])
+    first1 = pacer.collect_now(4, lease_seconds=30, shape=shape[1])
+    second1 = pacer.collect_now(4, lease_seconds=30, shape=shape[1])
+    firsts = {g.prompt_id for g in first0.groups + first1.groups}
+    assert firsts == {"a", "b", "c", "d"} and {g.prompt_id for g in second0.groups + second1.groups} == set("efgh")
+    assert pacer.collect_now(4, lease_seconds=30, shape=shape[1]).timed_out  # nothing more for rank 1
+
+
+def test_a_dead_ranks_share_returns_to_the_buffer_and_is_delivered_again():
+    pacer, clock = make_pacer()
+    fill(pacer, {"a": 10, "b": 20, "c": 30, "d": 40})
+    shape = [BatchShape(rank=r, world_size=2) for r in range(2)]
+    lost = pacer.collect_now(2, lease_seconds=30, shape=shape[0])  # rank 0 takes its share, then dies
+    kept = pacer.collect_now(2, lease_seconds=30, shape=shape[1])
+    pacer.ack(kept.lease_id)
+    clock.now += 31
+    assert pacer.expire_leases() == ([], [lost.lease_id])
+    # The restarted rank 0 and rank 1 get the redelivered group (first in priority order again) in the next
+    # global mini-batch, with the next group in the buffer.
+    again = [pacer.collect_now(2, lease_seconds=30, shape=shape[r]) for r in (1, 0)]
+    assert sorted(g.prompt_id for a in again for g in a.groups) == sorted([lost.groups[0].prompt_id, "c"])
+    assert pacer.state().redelivered == 1
+
+
+def test_a_share_no_rank_takes_lapses_and_its_rank_moves_on_to_the_next_mini_batch():
+    pacer, clock = make_pacer()
+    fill(pacer, {"a": 10, "b": 20})
+    shape = [BatchShape(rank=r, world_size=2) for r in range(2)]
+    taken = pacer.collect_now(2, lease_seconds=30, shape=shape[0])
+    pacer.ack(taken.lease_id)
+    clock.now += 31
+    prompts, lapsed = pacer.expire_leases()
+    assert len(lapsed) == 1  # rank 1's share, never taken
+    late = pacer.collect_now(2, lease_seconds=30, shape=shape[1])
+    assert late.timed_out and not late.groups  # its share went back: one group, not a mini-batch of two
+    state = pacer.state()
+    assert (state.buffered, state.leased) == (1, 0) and state.invariant_holds()
+
+
+def test_token_budget_cuts_whole_groups_and_waits_for_the_budget():
+    pacer, _ = make_pacer()
+    fill(pacer, {"a": 100, "b": 100, "c": 300})  # groups of 200, 200, 600 tokens
+    first = pacer.collect_now(0, lease_seconds=30, shape=BatchShape(token_budget=500))
+    assert [g.prompt_id for g in first.groups] == ["a", "b"]  # c would go over the budget
+    alone = pacer.collect_now(0, lease_seconds=30, shape=BatchShape(token_budget=500))
+    assert [g.prompt_id for g in alone.groups] == ["c"]  # over the budget on its own: it goes alone
+    fill(pacer, {"d": 100})
+    assert pacer.collect_now(0, shape=BatchShape(token_budget=500)).timed_out  # 200 of 500: more may fit
+    partial = pacer.collect_now(0, allow_partial=True, shape=BatchShape(token_budget=500))
+    assert [g.prompt_id for g in partial.groups] == ["d"] and partial.timed_out
+
+
+def test_token_budget_shares_are_balanced_by_tokens_alone():
+    pacer, _ = make_pacer()
+    fill(pacer, {"a": 300, "b": 50, "c": 50, "d": 50, "e": 50})  # 600, then four of 100
+    shape = [BatchShape(token_budget=900, rank=r, world_size=2) for r in range(2)]
+    shares = [pacer.collect_now(0, lease_seconds=30, shape=shape[r]) for r in range(2)]
+    assert [[g.prompt_id for g in s.groups] for s in shares] == [["a"], ["b", "c", "d"]]
+    assert [g.prompt_id for g in pacer.collect_now(1).groups] == ["e"]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(num_groups=3, lease_seconds=30, shape=BatchShape(rank=0, world_size=2)), "num_groups"),
+    (dict(num_groups=4, lease_seconds=30, shape=BatchShape(rank=2, world_size=2)), "rank"),
+    (dict(num_groups=2, lease_seconds=30, shape=BatchShape(rank=0, world_size=4)), "world_size"),
+    (dict(num_groups=4, shape=BatchShape(rank=0, world_size=2)), "lease_seconds"),
+    (dict(num_groups=0, shape=BatchShape()), "num_groups"),
+])
+def test_bad_shapes_are_refused_and_change_nothing(kwargs, field):
+    pacer, _ = make_pacer()
+    fill(pacer, LONG_TAILED)
+    before = pacer.state()
+    with pytest.raises(InvalidArgumentError) as caught:
+        pacer.collect_now(**kwargs)
+    assert caught.value.violations[0][0] == field
+    assert pacer.state() == before
+
+
+def test_the_open_shares_survive_a_restart(tmp_path):
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    shape = [BatchShape(rank=r, world_size=2) for r in range(2)]
+    first, _ = make_pacer(journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    fill(first, LONG_TAILED)
+    rank0 = first.collect_now(8, lease_seconds=30, shape=shape[0])
+    expected = first.collect_now(8, lease_seconds=30, shape=shape[1])  # what rank 1 would have got
+    first.journal.close()
+    # The same history without rank 1's Collect: the restarted server still holds rank 1's share for it.
+    second, _ = make_pacer(journal=SqliteJournal(tmp_path / "again", fsync="off"))
+    fill(second, LONG_TAILED)
+    assert second.collect_now(8, lease_seconds=30, shape=shape[0]).groups == rank0.groups
+    second.journal.close()
+    restarted, _ = make_pacer(journal=SqliteJournal(tmp_path / "again", fsync="off"))
+    restarted.recover()
+    rank1 = restarted.collect_now(8, lease_seconds=30, shape=shape[1])
+    assert [g.prompt_id for g in rank1.groups] == [g.prompt_id for g in expected.groups]
+    assert restarted.ack(rank0.lease_id) == 4 and restarted.ack(rank1.lease_id) == 4
+    restarted.journal.close()
+
+
+# --- over gRPC, through the trainer's iterator ------------------------------------------------------------
+
+
+def _wire_group(prompt_id: str, length: int) -> list[WireTrajectory]:
+    return [WireTrajectory(trajectory_id=f"{prompt_id}/{i}", prompt_id=prompt_id, status=WireStatus.COMPLETED,
+                           token_ids=np.arange(length, dtype=np.int32), logprobs=np.zeros(length, np.float32),
+                           loss_mask=np.ones(length, np.int32)) for i in range(2)]
+
+
+def test_ranks_iterate_their_shares_of_every_global_mini_batch(tmp_path):
+    lengths = [5, 300, 7, 9, 250, 11, 13, 17] * 2  # two global mini-batches of 8 groups
+    prompts = [f"p{i}" for i in range(len(lengths))]
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=16", "data_source.num_trajectories_per_prompt=2",
+                       "trainer.mini_batch_size=16") as server, PacerClient(server.address) as worker:
+        worker.dispatch(prompts)
+        for prompt_id, length in zip(prompts, lengths):
+            worker.submit(_wire_group(prompt_id, length))
+        seen: dict[int, list[list[str]]] = {}
+        tokens: dict[int, list[int]] = {}
+
+        def rank_loop(rank: int) -> None:
+            with PacerClient(server.address) as pacer, \
+                    pacer.batches(16, rank=rank, world_size=2, num_batches=2, lease=60, poll=10) as batches:
+                for batch in batches:
+                    seen.setdefault(rank, []).append(list(dict.fromkeys(batch.prompt_id)))
+                    tokens.setdefault(rank, []).append(batch.num_tokens)
+
+        threads = [threading.Thread(target=rank_loop, args=(r,)) for r in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert len(seen[0]) == len(seen[1]) == 2
+        for step in range(2):
+            union = seen[0][step] + seen[1][step]
+            assert sorted(union) == sorted(prompts[8 * step:8 * step + 8])  # each global mini-batch, split
+            assert len(seen[0][step]) == len(seen[1][step]) == 4
+            assert max(tokens[0][step], tokens[1][step]) / ((tokens[0][step] + tokens[1][step]) / 2) <= 1.1
+        state = worker.state()
+        assert (state.consumed, state.leased, state.buffered) == (16, 0, 0)
+
+
+def test_a_rank_collect_with_a_bad_shape_is_refused_over_grpc(tmp_path):
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=2",
+                       "trainer.mini_batch_size=4") as server, PacerClient(server.address) as pacer:
+        with pytest.raises(ValueError, match="world_size 2 does not divide"):
+            pacer.batches(6, rank=0, world_size=2)
+        from coda_client import _calls
+        with pytest.raises(BadRequestError) as caught:
+            pacer._run(_calls.collect(3, wait=0, allow_partial=False, request_id=None, timeout=10, lease=10,
+                                      rank=0, world_size=2))
+        assert "multiple of world_size" in str(caught.value)
