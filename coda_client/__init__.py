@@ -1,41 +1,82 @@
 """Thin Python client of the coda-pacer rollout pacing service (depends only on grpcio and protobuf)."""
 
-from ._channel import TlsConfig
-from .batches import AsyncBatchIterator, BatchIterator, GroupView, MiniBatch, PaddedBatch
-from .client import AsyncControlStream, AsyncPacerClient, ControlStream, PacerClient
-from .errors import (
-    BadRequestError,
-    DeadlineExceededError,
-    FailedPreconditionError,
-    FieldViolation,
-    PacerClientError,
-    ResourceExhaustedError,
-    StaleGenerationError,
-    UnauthenticatedError,
-    UnavailableError,
-    UnknownPromptError,
-    translate,
-)
-from .types import (
-    CollectResult,
-    ControlEvent,
-    ControlEventType,
-    DispatchResult,
-    HeldGroup,
-    Incident,
-    KeepAliveResult,
-    PacerState,
-    PromptRef,
-    ResetMode,
-    ResetResult,
-    ResumeResult,
-    StepReport,
-    SubmitResult,
-    Trajectory,
-    TrajectoryGroup,
-    TrajectoryStatus,
-    WorkerHoldings,
-)
+# The public names load on first use (PEP 562), so `import coda_client.protocol` (the plain-data module the
+# server and its grpc-free core share with the client) does not import grpc.
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_MODULE_OF = {
+    "TlsConfig": "_channel",
+    "AsyncBatchIterator": "batches",
+    "BatchIterator": "batches",
+    "GroupView": "batches",
+    "MiniBatch": "batches",
+    "PaddedBatch": "batches",
+    "AsyncControlStream": "client",
+    "AsyncPacerClient": "client",
+    "ControlStream": "client",
+    "PacerClient": "client",
+    "BadRequestError": "errors",
+    "DeadlineExceededError": "errors",
+    "FailedPreconditionError": "errors",
+    "FieldViolation": "errors",
+    "PacerClientError": "errors",
+    "ResourceExhaustedError": "errors",
+    "StaleGenerationError": "errors",
+    "UnauthenticatedError": "errors",
+    "UnavailableError": "errors",
+    "UnknownPromptError": "errors",
+    "translate": "errors",
+    "CollectResult": "types",
+    "ControlEvent": "types",
+    "ControlEventType": "types",
+    "DispatchResult": "types",
+    "HeldGroup": "types",
+    "Incident": "types",
+    "KeepAliveResult": "types",
+    "PacerState": "types",
+    "PromptRef": "types",
+    "ResetMode": "types",
+    "ResetResult": "types",
+    "ResumeResult": "types",
+    "StepReport": "types",
+    "SubmitResult": "types",
+    "Trajectory": "types",
+    "TrajectoryGroup": "types",
+    "TrajectoryStatus": "types",
+    "WorkerHoldings": "types",
+}
+
+if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
+    from ._channel import TlsConfig  # noqa: F401
+    from .batches import AsyncBatchIterator, BatchIterator, GroupView, MiniBatch, PaddedBatch  # noqa: F401
+    from .client import AsyncControlStream, AsyncPacerClient, ControlStream, PacerClient  # noqa: F401
+    from .errors import (  # noqa: F401
+        BadRequestError, DeadlineExceededError, FailedPreconditionError, FieldViolation, PacerClientError,
+        ResourceExhaustedError, StaleGenerationError, UnauthenticatedError, UnavailableError, UnknownPromptError,
+        translate,
+    )
+    from .types import (  # noqa: F401
+        CollectResult, ControlEvent, ControlEventType, DispatchResult, HeldGroup, Incident, KeepAliveResult,
+        PacerState, PromptRef, ResetMode, ResetResult, ResumeResult, StepReport, SubmitResult, Trajectory,
+        TrajectoryGroup, TrajectoryStatus, WorkerHoldings,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'coda_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
+
 
 __all__ = [
     "PacerClient",

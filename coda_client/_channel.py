@@ -11,11 +11,13 @@ from typing import Any, Union
 
 import grpc
 
-SERVICE = "coda.pacer.v1.RolloutPacer"
-# Calls that may long-poll: their deadline grows with the requested wait (see call_timeout).
-LONG_POLL_METHODS = ("Dispatch", "Collect", "Reset")
-SHORT_METHODS = ("Submit", "Resume", "GetState", "Ack", "ListWorkers", "KeepAlive")
-STREAM_METHODS = ("WatchControl",)
+from .protocol import RPCS, SERVICE  # noqa: F401  (SERVICE was defined here)
+
+# The method configs, from the RPC table: long-polls (their deadline grows with the requested wait, see
+# call_timeout), streams (no deadline) and the rest; each retried on UNAVAILABLE only if it is retry-safe.
+LONG_POLL_METHODS = tuple(rpc.name for rpc in RPCS if rpc.long_poll)
+STREAM_METHODS = tuple(rpc.name for rpc in RPCS if rpc.streaming)
+SHORT_METHODS = tuple(rpc.name for rpc in RPCS if not (rpc.long_poll or rpc.streaming))
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 # Added to a call's wait to get its deadline: the server answers a long-poll when the wait ends, and the
@@ -55,23 +57,32 @@ def service_config(timeout: float = DEFAULT_TIMEOUT_SECONDS) -> dict[str, Any]:
         "retryableStatusCodes": ["UNAVAILABLE"],
     }
 
-    def entry(methods: Sequence[str], cap: float | None) -> dict[str, Any]:
-        config: dict[str, Any] = {
-            "name": [{"service": SERVICE, "method": m} for m in methods],
-            # Queue calls while the sidecar (re)starts instead of failing them at once; the deadline
-            # still bounds the wait.
-            "waitForReady": True,
-            "retryPolicy": retry_policy,
-        }
-        if cap is not None:
-            config["timeout"] = _seconds(cap)
-        return config
+    retry_safe = {rpc.name for rpc in RPCS if rpc.retry_safe}
+
+    def entries(methods: Sequence[str], cap: float | None) -> list[dict[str, Any]]:
+        configs = []
+        for retried in (True, False):
+            names = [m for m in methods if (m in retry_safe) == retried]
+            if not names:
+                continue
+            config: dict[str, Any] = {
+                "name": [{"service": SERVICE, "method": m} for m in names],
+                # Queue calls while the sidecar (re)starts instead of failing them at once; the deadline
+                # still bounds the wait.
+                "waitForReady": True,
+            }
+            if retried:
+                config["retryPolicy"] = retry_policy
+            if cap is not None:
+                config["timeout"] = _seconds(cap)
+            configs.append(config)
+        return configs
 
     return {
         "methodConfig": [
-            entry(SHORT_METHODS, timeout),
-            entry(LONG_POLL_METHODS, max(timeout, LONG_POLL_CAP_SECONDS)),
-            entry(STREAM_METHODS, None),  # a watch lives as long as the caller wants it
+            *entries(SHORT_METHODS, timeout),
+            *entries(LONG_POLL_METHODS, max(timeout, LONG_POLL_CAP_SECONDS)),
+            *entries(STREAM_METHODS, None),  # a watch lives as long as the caller wants it
         ],
         # Stop retrying when most calls fail (server down for good): each failure costs a token, each
         # success gives back 0.1; retries stop below half of maxTokens.

@@ -1,7 +1,9 @@
-"""Protocol facts the client and the server share: the client-id metadata key and the rule its value follows."""
+"""Protocol facts the client and the server share: the client-id rule and the table of RPCs (plain data, no grpc)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Optional
 
 # Who is calling (a worker or trainer name), sent with every call when the client is given one; the server
 # shows it in its per-RPC log line, in the in-flight records and in per-client metrics, and may rate-limit
@@ -11,3 +13,67 @@ MAX_CLIENT_ID_LENGTH = 128
 CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:@/-]{1,%d}" % MAX_CLIENT_ID_LENGTH)
 CLIENT_ID_RULE = (f"1 to {MAX_CLIENT_ID_LENGTH} characters, each a letter, a digit or one of - _ . : @ / "
                   "(e.g. rollout-worker-17 or trainer@node-3)")
+
+
+# ------------------------------------------------------------------------------------------ the RPC table
+#
+# One row per RolloutPacer RPC, read by the client's retry policy and deadlines (coda_client/_channel.py),
+# the server's admission (coda_server/admission.py), request-id answers (coda_server/core/answers.py, given
+# `remembered_methods()` as data) and pass-through (de)serializers (coda_server/wire.py).
+# To add an RPC: declare it in proto/coda/pacer/v1/pacer.proto, run scripts/gen_proto.py, add its row here,
+# then its servicer method (coda_server/service.py) and its client call (coda_client/_calls.py);
+# tests/test_rpc_table.py fails while the table and the proto's service disagree.
+
+SERVICE = "coda.pacer.v1.RolloutPacer"
+
+
+@dataclass(frozen=True)
+class Rpc:
+    """What the client and the server need to know about one RPC, besides its messages."""
+
+    name: str
+    mutating: bool  # changes the pacer's state (read-only otherwise)
+    # The channel retries it on UNAVAILABLE: read-only, or mutating with a request_id the server de-duplicates,
+    # or harmless to apply twice.
+    retry_safe: bool
+    long_poll: bool = False  # may wait (wait_seconds): the client stretches its deadline by the wait
+    streaming: bool = False  # server-streaming: no per-call deadline
+    # Admission (docs/scaling.md): the kind of call it counts as when it does not wait, and when it waits
+    # (wait_seconds > 0); None: a control call, never refused for lack of room.
+    admission: tuple[Optional[str], Optional[str]] = (None, None)
+    rate_limit_key: Optional[str] = None  # server.client_rate_limits.<key> applies to it, per client id
+    # Its answer is remembered by request_id so a retry applies once: None (not remembered), "answer",
+    # or "data" (the answer carries trajectories: fewer are kept and their bytes are counted).
+    remembered: Optional[str] = None
+    request_form: str = "message"  # "message" (generated parser) or "submit" (pass-through slices)
+    response_form: str = "message"  # "message", "views" (pass-through views) or "encoded" (bytes as sent)
+
+
+RPCS: tuple[Rpc, ...] = (
+    Rpc("Dispatch", mutating=True, retry_safe=True, long_poll=True, admission=("worker", "waiting_dispatch"),
+        rate_limit_key="dispatch_per_second", remembered="answer", response_form="views"),
+    Rpc("Submit", mutating=True, retry_safe=True, admission=("worker", "worker"),
+        rate_limit_key="submit_per_second", remembered="answer", request_form="submit"),
+    Rpc("Collect", mutating=True, retry_safe=True, long_poll=True, admission=(None, "waiting_collect"),
+        remembered="data", response_form="views"),
+    Rpc("Ack", mutating=True, retry_safe=True, remembered="answer"),
+    Rpc("Reset", mutating=True, retry_safe=True, long_poll=True, remembered="data", response_form="views"),
+    Rpc("Resume", mutating=True, retry_safe=True, remembered="answer"),
+    Rpc("GetState", mutating=False, retry_safe=True),
+    # Renewing a lease twice is harmless: no request id.
+    Rpc("KeepAlive", mutating=True, retry_safe=True),
+    Rpc("WatchControl", mutating=False, retry_safe=True, streaming=True, admission=("watch", "watch"),
+        response_form="encoded"),
+    Rpc("ListWorkers", mutating=False, retry_safe=True),
+)
+RPC_BY_NAME: dict[str, Rpc] = {rpc.name: rpc for rpc in RPCS}
+
+
+def method_path(name: str) -> str:
+    """The gRPC method path of RPC `name`, e.g. /coda.pacer.v1.RolloutPacer/Dispatch."""
+    return f"/{SERVICE}/{name}"
+
+
+def remembered_methods() -> dict[str, bool]:
+    """The RPCs whose answers are remembered by request_id -> whether those answers carry trajectories."""
+    return {rpc.name: rpc.remembered == "data" for rpc in RPCS if rpc.remembered is not None}

@@ -24,13 +24,12 @@ from typing import Any, Callable, Optional
 
 import grpc
 
-from coda_client.protocol import CLIENT_ID_METADATA_KEY, CLIENT_ID_PATTERN, CLIENT_ID_RULE
+from coda_client.protocol import CLIENT_ID_METADATA_KEY, CLIENT_ID_PATTERN, CLIENT_ID_RULE, RPCS, method_path
 
 from .core.errors import InvalidArgumentError, ResourceExhaustedError
 from .method_wrapping import admitting
 from .status import status_for
 
-PACER = "/coda.pacer.v1.RolloutPacer/"
 HEALTH = "/grpc.health.v1.Health/"
 # A refused caller waits its limit's delay times a random factor in [1, 1 + RETRY_JITTER): callers refused
 # together (thousands of workers reconnecting after a restart) do not all come back at the same moment.
@@ -65,18 +64,15 @@ def call_limits(server_config: Any) -> dict[str, CallLimit]:
     }
 
 
-# How each method is admitted: (kind of a call whose request does not wait, kind of one that waits, i.e.
-# whose wait_seconds > 0). None: a control call, never refused for lack of room. Methods not listed here
-# (Reset, Resume, Ack, GetState, health Check, reflection) are control calls too.
+# How each method is admitted (the RPC table's `admission`, coda_client/protocol.py): (kind of a call whose
+# request does not wait, kind of one that waits, i.e. whose wait_seconds > 0). None: a control call, never
+# refused for lack of room. Methods not listed here (health Check, reflection) are control calls too.
 CALL_KINDS: dict[str, tuple[Optional[str], Optional[str]]] = {
-    PACER + "WatchControl": ("watch", "watch"),
+    **{method_path(rpc.name): rpc.admission for rpc in RPCS if rpc.admission != (None, None)},
     HEALTH + "Watch": ("watch", "watch"),
-    PACER + "Dispatch": ("worker", "waiting_dispatch"),
-    PACER + "Submit": ("worker", "worker"),
-    PACER + "Collect": (None, "waiting_collect"),
 }
 # Methods a per-client rate limit may apply to: method -> configuration key under server.client_rate_limits.
-RATE_LIMITED = {PACER + "Dispatch": "dispatch_per_second", PACER + "Submit": "submit_per_second"}
+RATE_LIMITED = {method_path(rpc.name): rpc.rate_limit_key for rpc in RPCS if rpc.rate_limit_key is not None}
 
 
 # ------------------------------------------------------------------------------------------- client id

@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from coda_client import wire_forms as _wire
+from coda_client.protocol import RPCS
 from coda_client._proto import pacer_pb2
 
 # The view classes are derived once, in the client package, which reads Collect answers through them too.
@@ -247,22 +248,24 @@ def array_count(name: str, run: memoryview) -> int:
 
 
 class PassthroughCodec:
-    """A method wrapper (see method_wrapping) giving the RolloutPacer methods that carry trajectories their
-    pass-through (de)serializers: Submit requests are parsed with `parse_submit`, and Dispatch, Collect and
-    Reset answers, built as views by convert.py, are serialized as what they are. WatchControl events come
-    already encoded (the servicer encodes each event once for all watchers) and are sent as they are."""
+    """A method wrapper (see method_wrapping) giving the RolloutPacer methods their (de)serializers by the
+    RPC table's wire forms (coda_client/protocol.py): a "submit" request is parsed with `parse_submit`;
+    "views" answers (Dispatch, Collect, Reset), built as views by convert.py, are serialized as what they
+    are; "encoded" answers (WatchControl events, encoded once for all watchers) are sent as they are."""
+
+    REQUEST_DESERIALIZERS = {"submit": parse_submit}
+    RESPONSE_SERIALIZERS = {"views": _wire.serialize, "encoded": _as_encoded}
 
     def __init__(self, service: str):
-        self._submit = f"/{service}/Submit"
-        # Dispatch too: a Dispatch that re-offers restored groups carries their trajectories.
-        self._view_responses = (f"/{service}/Collect", f"/{service}/Reset", f"/{service}/Dispatch")
-        self._encoded_responses = (f"/{service}/WatchControl",)  # written as bytes, encoded once per event
+        self._forms = {f"/{service}/{rpc.name}": rpc for rpc in RPCS}
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        if method == self._submit:
-            return handler._replace(request_deserializer=parse_submit)
-        if method in self._view_responses:
-            return handler._replace(response_serializer=_wire.serialize)
-        if method in self._encoded_responses:
-            return handler._replace(response_serializer=_as_encoded)
-        return handler
+        rpc = self._forms.get(method)
+        if rpc is None:
+            return handler
+        changes = {}
+        if rpc.request_form != "message":
+            changes["request_deserializer"] = self.REQUEST_DESERIALIZERS[rpc.request_form]
+        if rpc.response_form != "message":
+            changes["response_serializer"] = self.RESPONSE_SERIALIZERS[rpc.response_form]
+        return handler._replace(**changes) if changes else handler

@@ -1,6 +1,7 @@
 """Request-id answers: the one retry mechanism ("answered already: here is that answer" / "remember this answer").
 
-Every mutating operation (Dispatch, Submit, Collect, Reset, Resume, Ack) runs through `AnswerBook.once`
+Every operation whose answer the RPC table (coda_client/protocol.py, plain data) marks as remembered
+(Dispatch, Submit, Collect, Reset, Resume, Ack) runs through `AnswerBook.once`
 (in-process callers) or `AnswerBook.once_awaited` (the asyncio face), never through code of its own:
 
 * a call whose request_id was answered gets that first answer back, and nothing runs;
@@ -23,27 +24,33 @@ from collections import OrderedDict
 from types import MappingProxyType
 from typing import Any, Awaitable, Callable, Mapping, Optional, TypeVar
 
+from coda_client.protocol import remembered_methods
+
 from .limits import Limits
 
 R = TypeVar("R")
-ANSWERED_METHODS = ("Dispatch", "Submit", "Collect", "Reset", "Resume", "Ack")
-DATA_METHODS = ("Collect", "Reset")  # their answers carry trajectories: fewer are kept, and bytes count
+# Method -> whether its answers carry trajectories (then fewer are kept, and their bytes count).
+REMEMBERED_METHODS: Mapping[str, bool] = MappingProxyType(remembered_methods())
+ANSWERED_METHODS = tuple(REMEMBERED_METHODS)
+DATA_METHODS = tuple(method for method, carries_data in REMEMBERED_METHODS.items() if carries_data)
 
 
 class AnswerBook:
     """The remembered answers of recent mutating calls, by method and request_id, oldest dropped first."""
 
-    def __init__(self, limits: Limits, lock: threading.RLock, check_request_id: Callable[[str], None]):
+    def __init__(self, limits: Limits, lock: threading.RLock, check_request_id: Callable[[str], None],
+                 methods: Mapping[str, bool] = REMEMBERED_METHODS):
+        """`methods`: the remembered methods -> whether their answers carry trajectories (the RPC table's)."""
         self._lock = lock  # the pacer's lock: answers change together with the state they answer for
         self._check_request_id = check_request_id
-        self._answers: dict[str, OrderedDict] = {method: OrderedDict() for method in ANSWERED_METHODS}
-        self._kept = {method: limits.data_answers_kept if method in DATA_METHODS else limits.answers_kept
-                      for method in ANSWERED_METHODS}
+        self._answers: dict[str, OrderedDict] = {method: OrderedDict() for method in methods}
+        self._kept = {method: limits.data_answers_kept if carries_data else limits.answers_kept
+                      for method, carries_data in methods.items()}
         # The trajectories of remembered Collect and Reset answers stay in memory with them (a Collect that
         # took them without a lease is their only holder): beyond this many bytes the oldest are forgotten,
         # the newest answer always kept (its retry is the likely one).
         self._byte_budget = limits.remembered_answer_bytes
-        self._bytes = {method: 0 for method in DATA_METHODS}
+        self._bytes = {method: 0 for method, carries_data in methods.items() if carries_data}
         self._running: dict[tuple[str, str], Optional[asyncio.Future]] = {}  # calls under way, see once_awaited
 
     def of(self, method: str) -> Mapping[str, Any]:
