@@ -29,6 +29,7 @@ _MODULE_OF = {
     "UnavailableError": "errors",
     "UnknownPromptError": "errors",
     "translate": "errors",
+    "Checkpoint": "types",
     "CollectResult": "types",
     "ControlEvent": "types",
     "ControlEventType": "types",
@@ -37,9 +38,11 @@ _MODULE_OF = {
     "Incident": "types",
     "KeepAliveResult": "types",
     "PacerState": "types",
+    "PromptCursor": "types",
     "PromptRef": "types",
     "ResetMode": "types",
     "ResetResult": "types",
+    "RestoreResult": "types",
     "ResumeResult": "types",
     "StepReport": "types",
     "SubmitResult": "types",
@@ -59,9 +62,9 @@ if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
         translate,
     )
     from .types import (  # noqa: F401
-        CollectResult, ControlEvent, ControlEventType, DispatchResult, HeldGroup, Incident, KeepAliveResult,
-        PacerState, PromptRef, ResetMode, ResetResult, ResumeResult, StepReport, SubmitResult, Trajectory,
-        TrajectoryGroup, TrajectoryStatus, WorkerHoldings,
+        Checkpoint, CollectResult, ControlEvent, ControlEventType, DispatchResult, HeldGroup, Incident,
+        KeepAliveResult, PacerState, PromptCursor, PromptRef, ResetMode, ResetResult, RestoreResult, ResumeResult,
+        StepReport, SubmitResult, Trajectory, TrajectoryGroup, TrajectoryStatus, WorkerHoldings,
     )
 
 
@@ -103,6 +106,9 @@ __all__ = [
     "CollectResult",
     "ResetResult",
     "ResumeResult",
+    "Checkpoint",
+    "RestoreResult",
+    "PromptCursor",
     "PacerState",
     "ControlEvent",
     "ControlEventType",

@@ -13,13 +13,16 @@ from ._channel import LONG_POLL_CAP_SECONDS, call_timeout
 from ._proto import pacer_pb2
 from .arrays import ArrayMode
 from .types import (
+    Checkpoint,
     CollectResult,
     DispatchResult,
     KeepAliveResult,
     PacerState,
+    PromptCursor,
     PromptRef,
     ResetMode,
     ResetResult,
+    RestoreResult,
     ResumeResult,
     SubmitResult,
     Trajectory,
@@ -89,9 +92,11 @@ def _trajectory(value: Any) -> Trajectory:
 def collect(
     num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0,
     arrays: ArrayMode = "list", rank: int = 0, world_size: int = 1, token_budget: int = 0,
+    trainer_step: int | None = None,
 ) -> Call[CollectResult]:
     """Collect: a retried Collect must not take a second batch, hence the request id here too. `rank` and
-    `world_size` ask for one rank's share of a data-parallel mini-batch; `token_budget` cuts it by tokens."""
+    `world_size` ask for one rank's share of a data-parallel mini-batch; `token_budget` cuts it by tokens. With
+    `trainer_step`, the server refuses it unless it is at that step (a trainer restarted from a checkpoint)."""
     request = pacer_pb2.CollectRequest(
         num_groups=num_groups,
         wait_seconds=wait,
@@ -102,6 +107,8 @@ def collect(
         world_size=world_size,
         token_budget=token_budget,
     )
+    if trainer_step is not None:
+        request.trainer_step = trainer_step
     return Call("Collect", request, call_timeout(timeout, wait), functools.partial(CollectResult.from_pb, arrays_as=arrays))
 
 
@@ -145,6 +152,24 @@ def resume(weight_version: int, *, request_id: str | None, timeout: float) -> Ca
 def get_state(*, timeout: float) -> Call[PacerState]:
     """GetState: read-only, no request id."""
     return Call("GetState", pacer_pb2.GetStateRequest(), timeout, PacerState.from_pb)
+
+
+def checkpoint(*, timeout: float) -> Call[Checkpoint]:
+    """Checkpoint: changes nothing the pacing depends on, so no request id."""
+    return Call("Checkpoint", pacer_pb2.CheckpointRequest(), timeout, Checkpoint.from_pb)
+
+
+def restore(blob: bytes, *, request_id: str | None, timeout: float) -> Call[RestoreResult]:
+    """Restore: a retry must not restore twice (it would discard what ran since), hence the request id."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TypeError(f"restore takes the checkpoint's bytes (or a Checkpoint, or a path), not {type(blob).__name__}")
+    request = pacer_pb2.RestoreRequest(checkpoint=bytes(blob), request_id=request_id_or_new(request_id))
+    return Call("Restore", request, timeout, RestoreResult.from_pb)
+
+
+def prompt_cursor(*, timeout: float) -> Call[PromptCursor]:
+    """GetPromptCursor: read-only, no request id."""
+    return Call("GetPromptCursor", pacer_pb2.GetPromptCursorRequest(), timeout, PromptCursor.from_pb)
 
 
 def list_workers(client_id: str | None, max_groups_per_worker: int, *, timeout: float) -> Call[list[WorkerHoldings]]:

@@ -323,7 +323,7 @@ class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
     def __init__(self, client: Any, shape: BatchShape | int, *, lease: float, poll: float, num_batches: int | None,
-                 mask_offpolicy: bool = False) -> None:
+                 mask_offpolicy: bool = False, step: int | None = None) -> None:
         if lease <= 0:
             raise ValueError(f"lease must be > 0 seconds (the batches are leased until acknowledged), not {lease}")
         if poll <= 0:
@@ -337,6 +337,7 @@ class _IteratorBase:
         self.poll = float(poll)
         self.num_batches = num_batches
         self.mask_offpolicy = mask_offpolicy
+        self.step = step  # the trainer's step, stated with every Collect (None: not stated)
         self.delivered = 0  # batches handed to the caller
         self.acknowledged = 0  # batches acknowledged
         self.server_shut_down = False  # the iterator ended because the server announced its shutdown
@@ -352,7 +353,7 @@ class _IteratorBase:
         shape = self.shape
         return _calls.collect(shape.num_groups, wait=self.poll, allow_partial=False, request_id=None,
                               timeout=self._client.timeout, lease=self.lease, arrays="numpy", rank=shape.rank,
-                              world_size=shape.world_size, token_budget=shape.token_budget)
+                              world_size=shape.world_size, token_budget=shape.token_budget, trainer_step=self.step)
 
     def _wants_more(self) -> bool:
         return not self._closed and (self.num_batches is None or self.delivered < self.num_batches)
@@ -371,9 +372,9 @@ class BatchIterator(_IteratorBase):
 
     def __init__(self, client: PacerClient, shape: BatchShape | int, *, lease: float = DEFAULT_LEASE_SECONDS,
                  poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
-                 mask_offpolicy: bool = False) -> None:
+                 mask_offpolicy: bool = False, step: int | None = None) -> None:
         super().__init__(client, shape, lease=lease, poll=poll, num_batches=num_batches,
-                         mask_offpolicy=mask_offpolicy)
+                         mask_offpolicy=mask_offpolicy, step=step)
         self._lock = threading.Lock()
         self._inflight: set[Any] = set()  # Collects in progress, cancelled by close() or a server shutdown
         self._acks_inflight: set[Any] = set()  # acknowledgements in progress, cancelled by a server shutdown
@@ -535,14 +536,14 @@ class AsyncBatchIterator(_IteratorBase):
     def __init__(self, client: AsyncPacerClient, mini_batch_size: int | None, group_size: int | None = None, *,
                  lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
                  num_batches: int | None = None, mask_offpolicy: bool = False, token_budget: int | None = None,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, step: int | None = None) -> None:
         # The group size may have to be asked from the server, which needs the event loop: resolved on start
         # (the arguments are checked now, against the group size 1 where it is not known yet).
         self._shape_arguments = dict(token_budget=token_budget, rank=rank, world_size=world_size)
         self._group_size = group_size
         shape = BatchShape.of(mini_batch_size, group_size or 1, None, **self._shape_arguments)
         super().__init__(client, shape, lease=lease, poll=poll, num_batches=num_batches,
-                         mask_offpolicy=mask_offpolicy)
+                         mask_offpolicy=mask_offpolicy, step=step)
         self._shape_resolved = group_size is not None or mini_batch_size is None
         self.mini_batch_size = mini_batch_size
         self._shutdown = asyncio.Event()

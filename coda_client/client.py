@@ -8,6 +8,7 @@ import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -35,14 +36,17 @@ from .batches import (
 )
 from .errors import translate
 from .types import (
+    Checkpoint,
     CollectResult,
     ControlEvent,
     DispatchResult,
     KeepAliveResult,
     PacerState,
+    PromptCursor,
     PromptRef,
     ResetMode,
     ResetResult,
+    RestoreResult,
     ResumeResult,
     SubmitResult,
     Trajectory,
@@ -134,6 +138,29 @@ class AsyncControlStream(_StreamBase):
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.cancel()
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file renamed into place: a crash leaves the old file or the new."""
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, target)
+
+
+def checkpoint_bytes(checkpoint: Checkpoint | bytes | str | os.PathLike) -> bytes:
+    """The blob of a Checkpoint, of bytes as they are, or of the file a path names."""
+    if isinstance(checkpoint, Checkpoint):
+        return checkpoint.blob
+    if isinstance(checkpoint, (bytes, bytearray, memoryview)):
+        return bytes(checkpoint)
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return Path(checkpoint).read_bytes()
+    raise TypeError(f"restore takes a Checkpoint, its blob (bytes) or the path it was written to, not "
+                    f"{type(checkpoint).__name__}")
 
 
 class _ClientBase:
@@ -233,11 +260,12 @@ class _ClientBase:
         return _calls.submit(trajectories, request_id=request_id, timeout=self.timeout)
 
     def _collect(
-        self, num_groups: int, wait: float, allow_partial: bool, request_id: str | None, lease: float = 0.0
+        self, num_groups: int, wait: float, allow_partial: bool, request_id: str | None, lease: float = 0.0,
+        trainer_step: int | None = None,
     ) -> Call[Any]:
         return _calls.collect(
             num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id, timeout=self.timeout,
-            lease=lease, arrays=self.arrays,
+            lease=lease, arrays=self.arrays, trainer_step=trainer_step,
         )
 
     def _ack(self, lease_id: str, request_id: str | None) -> Call[Any]:
@@ -258,6 +286,15 @@ class _ClientBase:
 
     def _list_workers(self, client_id: str | None, max_groups_per_worker: int) -> Call[Any]:
         return _calls.list_workers(client_id, max_groups_per_worker, timeout=self.timeout)
+
+    def _checkpoint(self) -> Call[Any]:
+        return _calls.checkpoint(timeout=self.timeout)
+
+    def _restore(self, checkpoint: Checkpoint | bytes | str | os.PathLike, request_id: str | None) -> Call[Any]:
+        return _calls.restore(checkpoint_bytes(checkpoint), request_id=request_id, timeout=self.timeout)
+
+    def _prompt_cursor(self) -> Call[Any]:
+        return _calls.prompt_cursor(timeout=self.timeout)
 
 
 class PacerClient(_ClientBase):
@@ -311,11 +348,12 @@ class PacerClient(_ClientBase):
 
     def collect_result(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None,
-        lease: float = 0.0,
+        lease: float = 0.0, trainer_step: int | None = None,
     ) -> CollectResult:
         """Like collect(), also telling whether the wait timed out; with `lease` seconds, the groups come
-        back to the buffer unless ack(result.lease_id) is called in time."""
-        return self._run(self._collect(num_groups, wait, allow_partial, request_id, lease))
+        back to the buffer unless ack(result.lease_id) is called in time. With `trainer_step` (the steps the
+        trainer has trained), the server refuses the Collect unless it is at that step ("restore first")."""
+        return self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step))
 
     def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
         """Consumes a leased Collect's groups for good; returns how many."""
@@ -336,6 +374,7 @@ class PacerClient(_ClientBase):
         self, mini_batch_size: int | None = None, *, group_size: int | None = None,
         lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
         mask_offpolicy: bool = False, token_budget: int | None = None, rank: int = 0, world_size: int = 1,
+        step: int | None = None,
     ) -> BatchIterator:
         """The trainer's iterator (docs/trainer.md): packed mini-batches of `mini_batch_size` trajectories
         (whole groups; group_size defaults to the server's), each from one leased Collect.
@@ -351,13 +390,15 @@ class PacerClient(_ClientBase):
         again, in order, after `lease` seconds (which must cover a training step plus the prefetch). Stops
         after `num_batches` batches without prefetching beyond them (a step boundary), on `close()`, or when
         the server announces its shutdown. With `mask_offpolicy`, each batch's loss_mask is 0 on the tokens a
-        partial rollout generated before its last weight version (docs/partial-rollouts.md). Needs NumPy
+        partial rollout generated before its last weight version (docs/partial-rollouts.md). With `step`
+        (the steps the trainer has trained), every Collect states it and is refused, FAILED_PRECONDITION
+        reason STEP_MISMATCH, unless the server is at that step (docs/durability.md). Needs NumPy
         (coda-pacer[numpy]).
         """
         shape = BatchShape.of(mini_batch_size, group_size, lambda: self.state().config_summary,
                               token_budget=token_budget, rank=rank, world_size=world_size)
         return BatchIterator(self, shape, lease=lease, poll=poll, num_batches=num_batches,
-                             mask_offpolicy=mask_offpolicy)
+                             mask_offpolicy=mask_offpolicy, step=step)
 
     def reset(
         self,
@@ -383,6 +424,27 @@ class PacerClient(_ClientBase):
     def state(self) -> PacerState:
         """Every counter of the pacer (GetState)."""
         return self._run(self._get_state())
+
+    def checkpoint(self, path: str | os.PathLike | None = None) -> Checkpoint:
+        """A pacer checkpoint to keep beside the model checkpoint just saved (docs/durability.md): `.blob`
+        holds what the pacer needs to continue from this step. With `path`, the blob is also written there
+        (atomically: a temporary file renamed into place). Nothing pauses while it is taken."""
+        taken = self._run(self._checkpoint())
+        if path is not None:
+            write_atomically(path, taken.blob)
+        return taken
+
+    def restore(self, checkpoint: Checkpoint | bytes | str | os.PathLike, *,
+                request_id: str | None = None) -> RestoreResult:
+        """Brings the server back to a checkpoint (a Checkpoint, its blob, or the path it was written to): its
+        step and weight version, its buffered and kept groups; what was generated since is discarded and
+        counted, and workers start again from it. Refused, changing nothing, while a Reset runs or for a blob
+        of another format or job."""
+        return self._run(self._restore(checkpoint, request_id))
+
+    def prompt_cursor(self) -> PromptCursor:
+        """The prompts a Dispatch has admitted (prompt sources skip them; see docs/worker.md)."""
+        return self._run(self._prompt_cursor())
 
     def list_workers(self, client_id: str | None = None, *, max_groups_per_worker: int = 0) -> list[WorkerHoldings]:
         """Which worker (client id) holds which running groups and since when; one worker's with `client_id`."""
@@ -452,10 +514,10 @@ class AsyncPacerClient(_ClientBase):
 
     async def collect_result(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None,
-        lease: float = 0.0,
+        lease: float = 0.0, trainer_step: int | None = None,
     ) -> CollectResult:
         """Coroutine form of PacerClient.collect_result."""
-        return await self._run(self._collect(num_groups, wait, allow_partial, request_id, lease))
+        return await self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step))
 
     async def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
         """Coroutine form of PacerClient.ack."""
@@ -475,12 +537,13 @@ class AsyncPacerClient(_ClientBase):
         self, mini_batch_size: int | None = None, *, group_size: int | None = None,
         lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
         mask_offpolicy: bool = False, token_budget: int | None = None, rank: int = 0, world_size: int = 1,
+        step: int | None = None,
     ) -> AsyncBatchIterator:
         """Async form of PacerClient.batches: `async with client.batches(128) as batches: async for batch in
         batches: ...` (the group size is asked from the server on the first iteration)."""
         return AsyncBatchIterator(self, mini_batch_size, group_size, lease=lease, poll=poll, num_batches=num_batches,
                                   mask_offpolicy=mask_offpolicy, token_budget=token_budget, rank=rank,
-                                  world_size=world_size)
+                                  world_size=world_size, step=step)
 
     async def reset(
         self,
@@ -501,6 +564,22 @@ class AsyncPacerClient(_ClientBase):
     async def state(self) -> PacerState:
         """Coroutine form of PacerClient.state."""
         return await self._run(self._get_state())
+
+    async def checkpoint(self, path: str | os.PathLike | None = None) -> Checkpoint:
+        """Coroutine form of PacerClient.checkpoint (the file, with `path`, is written on a thread)."""
+        taken = await self._run(self._checkpoint())
+        if path is not None:
+            await asyncio.to_thread(write_atomically, path, taken.blob)
+        return taken
+
+    async def restore(self, checkpoint: Checkpoint | bytes | str | os.PathLike, *,
+                      request_id: str | None = None) -> RestoreResult:
+        """Coroutine form of PacerClient.restore."""
+        return await self._run(self._restore(checkpoint, request_id))
+
+    async def prompt_cursor(self) -> PromptCursor:
+        """Coroutine form of PacerClient.prompt_cursor."""
+        return await self._run(self._prompt_cursor())
 
     async def list_workers(self, client_id: str | None = None, *,
                            max_groups_per_worker: int = 0) -> list[WorkerHoldings]:

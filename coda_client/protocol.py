@@ -1,4 +1,5 @@
-"""Protocol facts the client and the server share: the client-id rule and the table of RPCs (plain data, no grpc)."""
+"""Protocol facts the client and the server share: the client-id rule, the table of RPCs (plain data, no grpc),
+and the LoongSage prompt-id form that orders the buffer and places a prompt in the prompt cursor."""
 from __future__ import annotations
 
 import re
@@ -65,6 +66,10 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("WatchControl", mutating=False, retry_safe=True, streaming=True, admission=("watch", "watch"),
         response_form="encoded"),
     Rpc("ListWorkers", mutating=False, retry_safe=True),
+    # Taking a checkpoint changes nothing the pacing depends on.
+    Rpc("Checkpoint", mutating=False, retry_safe=True),
+    Rpc("Restore", mutating=True, retry_safe=True, remembered="answer"),
+    Rpc("GetPromptCursor", mutating=False, retry_safe=True),
 )
 RPC_BY_NAME: dict[str, Rpc] = {rpc.name: rpc for rpc in RPCS}
 
@@ -77,3 +82,8 @@ def method_path(name: str) -> str:
 def remembered_methods() -> dict[str, bool]:
     """The RPCs whose answers are remembered by request_id -> whether those answers carry trajectories."""
     return {rpc.name: rpc.remembered == "data" for rpc in RPCS if rpc.remembered is not None}
+
+
+# LoongSage names a prompt group e.g. "epoch0_step1_ds0_prompt116" (or "..._ds0_eval_prompt3"): (epoch, prompt
+# number) orders the server's buffer and places the prompt in the prompt cursor. Matched whole (fullmatch).
+LOONGSAGE_PROMPT_ID = re.compile(r"epoch(\d+)_(?:.*_)?prompt(\d+)")

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from . import arrays, wire_forms as _wire
 from ._proto import pacer_pb2
+from .protocol import LOONGSAGE_PROMPT_ID
 
 __all__ = [
     "TrajectoryStatus",
@@ -392,6 +393,73 @@ class ResumeResult:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """Checkpoint answer: the opaque blob to store beside the model checkpoint, and what it holds."""
+
+    blob: bytes
+    step: int
+    weight_version: int
+    buffered_groups: int
+    kept_groups: int
+    in_flight_prompts: int
+    trajectory_bytes: int
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.CheckpointResponse) -> Checkpoint:
+        """From the wire message."""
+        return _from_fields(cls, msg, blob=msg.checkpoint)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """Restore answer: the checkpoint's step and weight version, what was discarded and what put back."""
+
+    step: int
+    weight_version: int
+    generation: int
+    discarded_groups: int
+    discarded_trajectories: int
+    discarded_newer_trajectories: int  # generated (in part) under a weight version newer than the checkpoint's
+    dropped_running: int
+    reinstated_groups: int
+    kept_groups: int
+    reoffered_prompts: int
+    checkpoint_taken_at: float
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.RestoreResponse) -> RestoreResult:
+        """From the wire message."""
+        return _from_fields(cls, msg)
+
+
+@dataclass(frozen=True)
+class PromptCursor:
+    """The prompts a Dispatch admitted (GetPromptCursor): per (ds_index, epoch) every index below a mark
+    and those above it; prompts without an index by id. `admitted(prompt)` says whether a prompt was."""
+
+    marks: dict[tuple[int, int], tuple[int, frozenset[int]]]
+    prompt_ids: frozenset[str]
+    restores: int
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.PromptCursor) -> PromptCursor:
+        """From the wire message."""
+        return cls({(m.ds_index, m.epoch): (m.below, frozenset(m.above)) for m in msg.marks},
+                   frozenset(msg.prompt_ids), msg.restores)
+
+    def admitted(self, prompt_id: str, ds_index: int = 0, epoch: int | None = None, index: int | None = None) -> bool:
+        """Whether a Dispatch admitted this prompt (a ref without an epoch counts as epoch 0; without an
+        index, its LoongSage-form id `epoch{E}_..._prompt{N}` gives both, else its id is looked up)."""
+        if index is None:
+            match = LOONGSAGE_PROMPT_ID.fullmatch(prompt_id)
+            if match is None:
+                return prompt_id in self.prompt_ids
+            epoch, index = int(match.group(1)), int(match.group(2))
+        mark = self.marks.get((ds_index, 0 if epoch is None else epoch))
+        return mark is not None and (index < mark[0] or index in mark[1])
+
+
+@dataclass(frozen=True)
 class PacerState:
     """GetState answer: every counter of the pacer, flat, as on the wire."""
 
@@ -463,6 +531,23 @@ class PacerState:
     #: Restored groups the server keeps for continuation (rollout.continue_restored), waiting to be re-offered by a
     #: Dispatch. Metric: coda_pacer_restored_kept_groups.
     restored_kept: int
+    #: Buffered or leased groups a Restore discarded (the server had them after the restored checkpoint was taken).
+    #: Metric: coda_pacer_rolled_back_groups_total.
+    rolled_back: int
+    #: Groups a Restore put back into the buffer from its checkpoint. Metric: coda_pacer_reinstated_groups_total.
+    reinstated: int
+    #: Checkpoints taken (Checkpoint). Metric: coda_pacer_checkpoints_total.
+    checkpoints: int
+    #: Checkpoints restored (Restore). Metric: coda_pacer_restores_total.
+    restores: int
+    #: Step of the last checkpoint taken (-1: none since the state began). Metric: coda_pacer_last_checkpoint_step.
+    last_checkpoint_step: int
+    #: Weight version of the last checkpoint taken (-1: none). Metric: coda_pacer_last_checkpoint_weight_version.
+    last_checkpoint_weight_version: int
+    #: Step of the last checkpoint restored (-1: none since the state began). Metric: coda_pacer_last_restore_step.
+    last_restore_step: int
+    #: Weight version of the last checkpoint restored (-1: none). Metric: coda_pacer_last_restore_weight_version.
+    last_restore_weight_version: int
     # END PacerState fields
 
     @classmethod
@@ -502,6 +587,7 @@ class ControlEvent:
     step: int
     generation: int
     paused: bool
+    restores: int = 0  # Restores the server has made (a worker seeing it grow re-reads the prompt cursor)
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.ControlEvent) -> ControlEvent:

@@ -29,6 +29,7 @@ from .core.types import (
     Trajectory,
     TrajectoryGroup,
     TrajectoryStatus,
+    groups_bytes,
 )
 
 
@@ -229,7 +230,23 @@ def state_response(state: PacerState) -> pb.GetStateResponse:
 
 def control_event(event: ControlEvent) -> pb.ControlEvent:
     return pb.ControlEvent(type=int(event.type), mode=int(event.mode), weight_version=event.weight_version,
-                           step=event.step, generation=event.generation, paused=event.paused)
+                           step=event.step, generation=event.generation, paused=event.paused,
+                           restores=event.restores)
+
+
+def checkpoint_response(checkpoint: dict, blob: bytes) -> pb.CheckpointResponse:
+    buffered = [group for _, group in checkpoint["buffer"]]
+    return pb.CheckpointResponse(
+        checkpoint=blob, step=checkpoint["step"], weight_version=checkpoint["weight_version"],
+        buffered_groups=len(buffered), kept_groups=len(checkpoint["kept"]),
+        in_flight_prompts=len(checkpoint["in_flight"]),
+        trajectory_bytes=groups_bytes(buffered) + groups_bytes(checkpoint["kept"]))
+
+
+def prompt_cursor(cursor: dict) -> pb.PromptCursor:
+    return pb.PromptCursor(marks=[pb.CursorMark(ds_index=ds, epoch=epoch, below=below, above=above)
+                                  for ds, epoch, below, above in cursor["marks"]],
+                           prompt_ids=cursor["ids"], restores=cursor["restores"])
 
 
 def list_workers_response(held: list[HeldGroup], max_groups_per_worker: int = 0) -> pb.ListWorkersResponse:

@@ -123,7 +123,8 @@ class PacerServer:
                                                     MalformedRequestGuard(), PassthroughCodec(SERVICE_NAME)])
         if self.auth is not None:
             self.auth.wrap_refusals(registrar.wrap)
-        pacer_pb2_grpc.add_RolloutPacerServicer_to_server(RolloutPacerServicer(self.async_pacer), registrar)
+        pacer_pb2_grpc.add_RolloutPacerServicer_to_server(
+            RolloutPacerServicer(self.async_pacer, int(self.config.server.max_message_bytes)), registrar)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
         services = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         if self.config.server.reflection:

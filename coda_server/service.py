@@ -6,6 +6,7 @@ events are written as bytes encoded once per event; server.py registers the serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import math
@@ -20,7 +21,7 @@ from coda_client._proto import pacer_pb2_grpc
 from . import convert, wire
 from .admission import client_id
 from .core.async_pacer import AsyncPacer
-from .core.errors import InvalidArgumentError, PacerError
+from .core.errors import InvalidArgumentError, PacerError, ResourceExhaustedError
 from .core.types import ControlEvent
 from .status import status_for
 
@@ -70,8 +71,10 @@ def bounded_wait(requested: float, context: grpc.aio.ServicerContext) -> float:
 
 
 class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
-    def __init__(self, pacer: AsyncPacer):
+    def __init__(self, pacer: AsyncPacer, max_message_bytes: int = 64 * 1024 * 1024):
         self._pacer = pacer
+        self._codec = convert.ProtoTrajectories()  # checkpoint blobs hold trajectories as their wire bytes
+        self._max_message_bytes = max_message_bytes
         self._last_event: Optional[ControlEvent] = None
         self._last_encoded = b""
 
@@ -96,7 +99,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     async def Collect(self, request: pb.CollectRequest, context) -> wire.EncodedAnswer:
         result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
                                            request.allow_partial, request.request_id, request.lease_seconds,
-                                           convert.batch_shape(request))
+                                           convert.batch_shape(request),
+                                           request.trainer_step if request.HasField("trainer_step") else None)
         return convert.collect_response(result)
 
     @maps_errors
@@ -129,6 +133,26 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
             raise InvalidArgumentError(f"client_id {wanted[:140]!r} is not a valid client id: {CLIENT_ID_RULE}",
                                        violations=[("client_id", CLIENT_ID_RULE)])
         return convert.list_workers_response(self._pacer.held_groups(wanted or None), request.max_groups_per_worker)
+
+    @maps_errors
+    async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointResponse:
+        checkpoint, blob = await self._pacer.checkpoint(self._codec)
+        if len(blob) > self._max_message_bytes:
+            raise ResourceExhaustedError(
+                f"the checkpoint is {len(blob)} bytes, more than server.max_message_bytes "
+                f"({self._max_message_bytes}) lets one answer carry; raise it (and the client's "
+                f"max_message_bytes) above the buffer's size", retry_after=60.0, reason="CHECKPOINT_TOO_LARGE",
+                metadata={"checkpoint_bytes": str(len(blob))})
+        return convert.checkpoint_response(checkpoint, blob)
+
+    @maps_errors
+    async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreResponse:
+        result = await self._pacer.restore(request.checkpoint, self._codec, request.request_id)
+        return pb.RestoreResponse(**dataclasses.asdict(result))
+
+    @maps_errors
+    async def GetPromptCursor(self, request: pb.GetPromptCursorRequest, context) -> pb.PromptCursor:
+        return convert.prompt_cursor(self._pacer.prompt_cursor())
 
     @maps_errors
     async def WatchControl(self, request: pb.WatchControlRequest, context) -> None:

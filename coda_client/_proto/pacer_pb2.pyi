@@ -172,7 +172,7 @@ class SubmitResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., groups_completed: _Optional[int] = ...) -> None: ...
 
 class CollectRequest(_message.Message):
-    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds", "rank", "world_size", "token_budget")
+    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds", "rank", "world_size", "token_budget", "trainer_step")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class CollectRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
     wait_seconds: float
     allow_partial: bool
@@ -189,7 +190,8 @@ class CollectRequest(_message.Message):
     rank: int
     world_size: int
     token_budget: int
-    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
+    trainer_step: int
+    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., trainer_step: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("lease_id", "request_id")
@@ -292,7 +294,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes", "quarantined", "recent_incidents", "restored_kept")
+    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes", "quarantined", "recent_incidents", "restored_kept", "rolled_back", "reinstated", "checkpoints", "restores", "last_checkpoint_step", "last_checkpoint_weight_version", "last_restore_step", "last_restore_weight_version")
     class ConfigSummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +332,14 @@ class GetStateResponse(_message.Message):
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     RECENT_INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_KEPT_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    REINSTATED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTORE_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     running: int
     buffered: int
     queued_trajectories: int
@@ -360,7 +370,97 @@ class GetStateResponse(_message.Message):
     quarantined: int
     recent_incidents: _containers.RepeatedCompositeFieldContainer[Incident]
     restored_kept: int
-    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., restored_kept: _Optional[int] = ...) -> None: ...
+    rolled_back: int
+    reinstated: int
+    checkpoints: int
+    restores: int
+    last_checkpoint_step: int
+    last_checkpoint_weight_version: int
+    last_restore_step: int
+    last_restore_weight_version: int
+    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., restored_kept: _Optional[int] = ..., rolled_back: _Optional[int] = ..., reinstated: _Optional[int] = ..., checkpoints: _Optional[int] = ..., restores: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., last_checkpoint_weight_version: _Optional[int] = ..., last_restore_step: _Optional[int] = ..., last_restore_weight_version: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint", "step", "weight_version", "buffered_groups", "kept_groups", "in_flight_prompts", "trajectory_bytes")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: bytes
+    step: int
+    weight_version: int
+    buffered_groups: int
+    kept_groups: int
+    in_flight_prompts: int
+    trajectory_bytes: int
+    def __init__(self, checkpoint: _Optional[bytes] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., buffered_groups: _Optional[int] = ..., kept_groups: _Optional[int] = ..., in_flight_prompts: _Optional[int] = ..., trajectory_bytes: _Optional[int] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("checkpoint", "request_id")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: bytes
+    request_id: str
+    def __init__(self, checkpoint: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("step", "weight_version", "generation", "discarded_groups", "discarded_trajectories", "discarded_newer_trajectories", "dropped_running", "reinstated_groups", "kept_groups", "reoffered_prompts", "checkpoint_taken_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_NEWER_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REINSTATED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REOFFERED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_TAKEN_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weight_version: int
+    generation: int
+    discarded_groups: int
+    discarded_trajectories: int
+    discarded_newer_trajectories: int
+    dropped_running: int
+    reinstated_groups: int
+    kept_groups: int
+    reoffered_prompts: int
+    checkpoint_taken_at: float
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., discarded_groups: _Optional[int] = ..., discarded_trajectories: _Optional[int] = ..., discarded_newer_trajectories: _Optional[int] = ..., dropped_running: _Optional[int] = ..., reinstated_groups: _Optional[int] = ..., kept_groups: _Optional[int] = ..., reoffered_prompts: _Optional[int] = ..., checkpoint_taken_at: _Optional[float] = ...) -> None: ...
+
+class GetPromptCursorRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PromptCursor(_message.Message):
+    __slots__ = ("marks", "prompt_ids", "restores")
+    MARKS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    marks: _containers.RepeatedCompositeFieldContainer[CursorMark]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    restores: int
+    def __init__(self, marks: _Optional[_Iterable[_Union[CursorMark, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[str]] = ..., restores: _Optional[int] = ...) -> None: ...
+
+class CursorMark(_message.Message):
+    __slots__ = ("ds_index", "epoch", "below", "above")
+    DS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BELOW_FIELD_NUMBER: _ClassVar[int]
+    ABOVE_FIELD_NUMBER: _ClassVar[int]
+    ds_index: int
+    epoch: int
+    below: int
+    above: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ds_index: _Optional[int] = ..., epoch: _Optional[int] = ..., below: _Optional[int] = ..., above: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Incident(_message.Message):
     __slots__ = ("kind", "prompt_id", "strategy", "hook", "message", "step", "generation", "action")
@@ -411,20 +511,22 @@ class WatchControlRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ControlEvent(_message.Message):
-    __slots__ = ("type", "mode", "weight_version", "step", "generation", "paused")
+    __slots__ = ("type", "mode", "weight_version", "step", "generation", "paused", "restores")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
     type: ControlEventType
     mode: ResetMode
     weight_version: int
     step: int
     generation: int
     paused: bool
-    def __init__(self, type: _Optional[_Union[ControlEventType, str]] = ..., mode: _Optional[_Union[ResetMode, str]] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...
+    restores: int
+    def __init__(self, type: _Optional[_Union[ControlEventType, str]] = ..., mode: _Optional[_Union[ResetMode, str]] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., restores: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("client_id", "max_groups_per_worker")

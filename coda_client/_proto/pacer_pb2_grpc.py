@@ -85,6 +85,21 @@ class RolloutPacerStub:
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/coda.pacer.v1.RolloutPacer/Checkpoint',
+                request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/coda.pacer.v1.RolloutPacer/Restore',
+                request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.RestoreResponse.FromString,
+                _registered_method=True)
+        self.GetPromptCursor = channel.unary_unary(
+                '/coda.pacer.v1.RolloutPacer/GetPromptCursor',
+                request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.GetPromptCursorRequest.SerializeToString,
+                response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.PromptCursor.FromString,
+                _registered_method=True)
 
 
 class RolloutPacerServicer:
@@ -188,6 +203,39 @@ class RolloutPacerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """A pacer checkpoint to store beside the trainer's model checkpoint: an opaque, versioned blob with
+        the step, the weight version, the buffered (and leased) and kept groups byte for byte, the prompts
+        in flight, the strategy's state and the prompt cursor. Taken without pausing anything.
+        Errors: FAILED_PRECONDITION reason RESET_IN_PROGRESS (take it after the Reset), RESOURCE_EXHAUSTED
+        (the blob exceeds server.max_message_bytes), UNAUTHENTICATED, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Brings the server back to a checkpoint: its step and weight version, its buffered and kept groups;
+        everything held now is discarded and counted; the prompts in flight at the checkpoint, or admitted
+        since, are offered again (GetPromptCursor); workers get PAUSE (ABORT) then RESUME at its weight
+        version. Errors, each changing nothing: INVALID_ARGUMENT reason CHECKPOINT_FORMAT (not a checkpoint,
+        or of a format this server does not read), FAILED_PRECONDITION reason CHECKPOINT_MISMATCH (taken
+        under other pacing settings), FAILED_PRECONDITION reason RESET_IN_PROGRESS, UNAUTHENTICATED,
+        UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPromptCursor(self, request, context):
+        """The prompt cursor: which prompts (per data source and epoch) a Dispatch has admitted. Prompt
+        sources skip them when a worker starts and after every Restore. Read-only.
+        Errors: UNAUTHENTICATED, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutPacerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -240,6 +288,21 @@ def add_RolloutPacerServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersRequest.FromString,
                     response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CheckpointRequest.FromString,
+                    response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.RestoreRequest.FromString,
+                    response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.RestoreResponse.SerializeToString,
+            ),
+            'GetPromptCursor': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPromptCursor,
+                    request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.GetPromptCursorRequest.FromString,
+                    response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.PromptCursor.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -513,6 +576,87 @@ class RolloutPacer:
             '/coda.pacer.v1.RolloutPacer/ListWorkers',
             coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersRequest.SerializeToString,
             coda_dot_pacer_dot_v1_dot_pacer__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coda.pacer.v1.RolloutPacer/Checkpoint',
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.CheckpointRequest.SerializeToString,
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coda.pacer.v1.RolloutPacer/Restore',
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.RestoreRequest.SerializeToString,
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPromptCursor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coda.pacer.v1.RolloutPacer/GetPromptCursor',
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.GetPromptCursorRequest.SerializeToString,
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.PromptCursor.FromString,
             options,
             channel_credentials,
             insecure,

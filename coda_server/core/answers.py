@@ -1,7 +1,7 @@
 """Request-id answers: the one retry mechanism ("answered already: here is that answer" / "remember this answer").
 
 Every operation whose answer the RPC table (coda_client/protocol.py, plain data) marks as remembered
-(Dispatch, Submit, Collect, Reset, Resume, Ack) runs through `AnswerBook.once`
+(Dispatch, Submit, Collect, Reset, Resume, Ack, Restore) runs through `AnswerBook.once`
 (in-process callers) or `AnswerBook.once_awaited` (the asyncio face), never through code of its own:
 
 * a call whose request_id was answered gets that first answer back, and nothing runs;

@@ -7,8 +7,9 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
+from . import checkpoints
 from .errors import NotReadyError, ShuttingDownError
-from .journal import Journal
+from .journal import Journal, TrajectoryCodec
 from .pacer import Pacer
 from .shares import PLAIN, BatchShape
 from .types import (
@@ -21,6 +22,7 @@ from .types import (
     PromptRef,
     ResetMode,
     ResetResult,
+    RestoreResult,
     ResumeResult,
     SubmitResult,
     Trajectory,
@@ -29,6 +31,7 @@ from .waiting import LoopWaits
 from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
 
 log = logging.getLogger("coda_server.leases")
+checkpoint_log = logging.getLogger("coda_server.checkpoints")
 
 # Control events reach the watchers this long after they happen (see _queue_control).
 CONTROL_FANOUT_DELAY_SECONDS = 0.002
@@ -168,14 +171,15 @@ class AsyncPacer:
         return await self._applied("Submit", request_id, call)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
-                      request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN) -> CollectResult:
+                      request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
+                      trainer_step: Optional[int] = None) -> CollectResult:
         async def call() -> CollectResult:
             pacer = self.pacer
             if pacer.closed:  # like every other call; a Collect already waiting is answered timed_out instead
                 raise ShuttingDownError("the pacer is shutting down and takes no new calls")
             groups = pacer.checks.check_collect(num_groups, lease_seconds, shape)
-            return await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds, shape),
-                                          wait)
+            return await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds, shape,
+                                                             trainer_step), wait)
 
         return await self._applied("Collect", request_id, call)
 
@@ -211,6 +215,28 @@ class AsyncPacer:
             return self.pacer.apply_resume(weight_version, request_id)
 
         return await self._applied("Resume", request_id, call)
+
+    async def checkpoint(self, codec: TrajectoryCodec) -> tuple[dict, bytes]:
+        """A checkpoint (checkpoints.take) and its blob, encoded off the event loop: nothing pauses."""
+        self.check_ready()
+        checkpoint = self.pacer.checkpoint()
+        return checkpoint, await asyncio.to_thread(checkpoints.encode, checkpoint, codec)
+
+    async def restore(self, blob: bytes, codec: TrajectoryCodec, request_id: str = "") -> RestoreResult:
+        """Restore the checkpoint in `blob` (decoded off the event loop), answered once it is durable."""
+        self.check_ready()
+        checkpoint = await asyncio.to_thread(checkpoints.decode, blob, codec)
+
+        async def call() -> RestoreResult:
+            return self.pacer.apply_restore(checkpoint, request_id)
+
+        result = await self._applied("Restore", request_id, call)
+        checkpoint_log.warning(checkpoints.restore_summary(result), extra={"fields": dataclasses.asdict(result)})
+        return result
+
+    def prompt_cursor(self) -> dict:
+        self.check_ready()
+        return self.pacer.prompt_cursor()
 
     async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]],
                        outlives_caller: bool = False) -> Any:

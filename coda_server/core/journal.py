@@ -196,7 +196,7 @@ ALLOWED_CLASSES = {
     ("coda_server.core.types", name)
     for name in ("Trajectory", "TrajectoryGroup", "TrajectoryStatus", "ResetMode", "PromptRef", "Admitted",
                  "DispatchResult", "SubmitResult", "CollectResult", "ResetResult", "ResumeResult", "StepReport",
-                 "Incident")
+                 "Incident", "RestoreResult")
 } | {(__name__, event_type.__name__) for event_type in EVENT_TYPES} | {
     ("builtins", name) for name in ("set", "frozenset", "tuple", "list", "dict")} | {
     ("collections", "OrderedDict"), ("collections", "deque")}

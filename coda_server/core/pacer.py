@@ -13,11 +13,12 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
-from . import collector, recovery, reset_steps
+from . import checkpoints, collector, recovery, reset_steps
 from .answers import ANSWERED_METHODS, AnswerBook  # noqa: F401  (ANSWERED_METHODS was defined here)
 from .checks import RequestChecks
 from .config import config_summary
-from .errors import ShuttingDownError, StaleGenerationError, StrategyHookError
+from .cursor import PromptCursor
+from .errors import FailedPreconditionError, ShuttingDownError, StaleGenerationError, StrategyHookError
 from .filters import GroupFilter, create_filters
 from .incidents import HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception
 from .incidents import collect_error, hook_error
@@ -43,6 +44,7 @@ from .types import (
     PromptRef,
     ResetMode,
     ResetResult,
+    RestoreResult,
     ResumeResult,
     StepReport,
     SubmitResult,
@@ -137,6 +139,10 @@ class Pacer:
         self._last_gate_pass = clock()  # when held groups were last re-examined (for the periodic re-check)
         self._next_seq = 0
         self._strategy_touched = False
+        self._cursor = PromptCursor()  # the prompts admitted so far (offered again after a Restore)
+        # (step, weight version, wall time) of the last checkpoint taken and restored; None: none yet.
+        self.last_checkpoint: Optional[tuple[int, int, float]] = None
+        self.last_restore: Optional[tuple[int, int, float]] = None
         self._held_bytes = 0  # bytes of trajectories queued, buffered or leased
 
         self.step = 0
@@ -182,7 +188,8 @@ class Pacer:
             callback(event)
 
     def _control_event(self, kind: ControlEventType, mode: ResetMode = ResetMode.UNSPECIFIED) -> ControlEvent:
-        return ControlEvent(kind, mode, self.weight_version, self.step, self.generation, self.paused)
+        return ControlEvent(kind, mode, self.weight_version, self.step, self.generation, self.paused,
+                            self.totals["restores"])
 
     def current_state_event(self) -> ControlEvent:
         """The STATE event a new watcher receives first."""
@@ -212,7 +219,8 @@ class Pacer:
         return self.answers.once("Submit", request_id, lambda: self.apply_submit(trajectories, request_id))
 
     def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False, request_id: str = "",
-                lease_seconds: float = 0.0, shape: BatchShape = PLAIN) -> CollectResult:
+                lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
+                trainer_step: Optional[int] = None) -> CollectResult:
         """Take `num_groups` groups, oldest priority first, waiting up to `wait` seconds for them.
 
         Without `allow_partial`, fewer than `num_groups` at the deadline gives nothing and `timed_out`.
@@ -222,7 +230,7 @@ class Pacer:
         """
         num_groups = self.checks.check_collect(num_groups, lease_seconds, shape)
         self._check_open()  # once: a waiter woken by close() answers with what is there
-        poll = CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape)
+        poll = CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step)
         return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
 
     def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
@@ -296,6 +304,9 @@ class Pacer:
             for group in groups:
                 inflight[group.prompt_id] = group
                 generation_prompts.add(group.prompt_id)
+            mark = self._cursor.mark
+            for ref in admitted_refs:
+                mark(ref.ds_index, ref.epoch, ref.index, ref.prompt_id)
             admitted_ids = [ref.prompt_id for ref in admitted_refs]
             if continued:
                 # Handed out again with the trajectories they had; the worker submits all N anew.
@@ -441,8 +452,25 @@ class Pacer:
     # ----------------------------------------------------------------- collect
 
     def collect_poll(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
-                     lease_seconds: float = 0.0, shape: BatchShape = PLAIN) -> CollectPoll:
-        return CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape)
+                     lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
+                     trainer_step: Optional[int] = None) -> CollectPoll:
+        return CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step)
+
+    def check_trainer_step(self, trainer_step: Optional[int]) -> None:
+        """A Collect from a trainer at another step than the server's is refused (caller holds the lock): after
+        a trainer restarts from a checkpoint, the pacer must be restored to it first."""
+        if trainer_step is None or trainer_step == self.step:
+            return
+        if trainer_step < self.step:
+            hint = (f"the trainer is behind the server (restarted from a checkpoint?): restore first, "
+                    f"PacerClient.restore() with the pacer checkpoint taken with the trainer's step-{trainer_step} "
+                    f"model")
+        else:
+            hint = ("the trainer is ahead of the server (a step boundary without Reset/Resume, or a server that "
+                    "lost its state): restore first, from the pacer checkpoint of the trainer's last model checkpoint")
+        raise FailedPreconditionError(f"the trainer states step {trainer_step}, the server is at step {self.step}; "
+                                      f"{hint}", reason="STEP_MISMATCH",
+                                      violations=[("trainer_step", f"must be the server's step {self.step}")])
 
     def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]:
         """Groups the next Collect of this shape takes from the buffer now (0: a rank's share of a mini-batch
@@ -606,6 +634,28 @@ class Pacer:
         """A consistent copy of everything a Reset leaves behind (nothing is in flight then), for a snapshot."""
         return recovery.export_state(self)
 
+    def checkpoint(self) -> dict:
+        """What the pacer needs to continue from the current step (checkpoints.py), taken without pausing."""
+        return checkpoints.take(self)
+
+    def restore(self, checkpoint: dict, request_id: str = "") -> RestoreResult:
+        """Bring the pacer back to `checkpoint` (a dict from `checkpoint()`), see checkpoints.restore."""
+        return self.answers.once("Restore", request_id, lambda: self.apply_restore(checkpoint, request_id))
+
+    def apply_restore(self, checkpoint: dict, request_id: str = "") -> RestoreResult:
+        with self._lock:
+            result = checkpoints.restore(self, checkpoint, request_id)
+            if self._journal is not None:
+                # Journalled as a snapshot (nothing is in flight now) holding this answer, as a Reset's end is.
+                self.answers.remember("Restore", request_id, result)
+                self.last_ticket = self._journal.snapshot(self.export_state())
+            return result
+
+    def prompt_cursor(self) -> dict:
+        """The prompts admitted so far (cursor.py), as plain data, with the number of Restores."""
+        with self._lock:
+            return {**self._cursor.export(), "restores": self.totals["restores"]}
+
     def recover(self) -> int:
         """Rebuild the state from the journal (see recovery.py); returns the number of events replayed."""
         return recovery.recover(self)
@@ -638,6 +688,10 @@ class Pacer:
                 generation=self.generation, paused=self.paused, resetting=self.resetting,
                 strategy=self._strategy.name, config_summary=dict(self._summary),
                 leased=self._leases.leased_groups, held_bytes=self._held_bytes, restored_kept=len(self._restored),
+                last_checkpoint_step=self.last_checkpoint[0] if self.last_checkpoint else -1,
+                last_checkpoint_weight_version=self.last_checkpoint[1] if self.last_checkpoint else -1,
+                last_restore_step=self.last_restore[0] if self.last_restore else -1,
+                last_restore_weight_version=self.last_restore[1] if self.last_restore else -1,
                 recent_reports=list(self._reports), recent_incidents=self.incidents.recent(), **self.totals,
             )
 

@@ -49,20 +49,22 @@ class CollectPoll:
     """Answered once the buffer holds the mini-batch asked for (`num_groups`, or a token budget's worth) or a
     rank's share waits; at the deadline, whatever is there with `allow_partial`."""
 
-    __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds", "_shape")
+    __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds", "_shape", "_trainer_step")
 
     def __init__(self, pacer: "Pacer", num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float,
-                 shape: BatchShape = PLAIN):
+                 shape: BatchShape = PLAIN, trainer_step: Optional[int] = None):
         self._pacer = pacer
         self._num_groups = num_groups
         self._allow_partial = allow_partial
         self._request_id = request_id
         self._lease_seconds = lease_seconds
         self._shape = shape
+        self._trainer_step = trainer_step  # None: the trainer does not state its step
 
     def attempt(self) -> Optional[CollectResult]:
         pacer = self._pacer
         with pacer._lock:
+            pacer.check_trainer_step(self._trainer_step)  # on every attempt: a Restore may come while it waits
             pacer.report_incidents()  # a raising hook or a refused dirty group fails the trainer's Collect, once
             if self._shape.plain:  # the common case, without the shape's bookkeeping
                 if len(pacer._buffer) >= self._num_groups:
@@ -74,6 +76,7 @@ class CollectPoll:
     def give_up(self) -> CollectResult:
         pacer = self._pacer
         with pacer._lock:
+            pacer.check_trainer_step(self._trainer_step)
             pacer.report_incidents()
             count = pacer.ready_count(self._num_groups, self._shape)
             if count is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Optional
 
+from .cursor import PromptCursor
 from .errors import RecoveryError, StrategyHookError
 from .shares import BatchShape
 from .journal import (
@@ -48,6 +49,9 @@ def export_state(pacer: "Pacer") -> dict:
             "restored_kept": pacer._restored.export(),  # restored groups waiting to be continued
             "incidents": pacer.incidents.export(),
             "config": dict(pacer._summary),  # the pacing settings the state was made under
+            "quarantined": list(pacer._quarantined),  # empty after a Reset; a Restore may put some back
+            "cursor": pacer._cursor.export(),  # the prompts admitted so far
+            "last_checkpoint": pacer.last_checkpoint, "last_restore": pacer.last_restore,
         }
 
 
@@ -67,6 +71,10 @@ def import_state(pacer: "Pacer", snapshot: dict) -> None:
     pacer._held_bytes = snapshot["held_bytes"]
     pacer._restored.restore(snapshot.get("restored_kept"))  # absent in snapshots written before continuation
     pacer.incidents.restore(snapshot.get("incidents"))  # absent from snapshots written before incidents existed
+    # Absent from snapshots written before checkpoints existed:
+    pacer._quarantined = list(snapshot.get("quarantined") or ())
+    pacer._cursor = PromptCursor.restored(snapshot.get("cursor"))
+    pacer.last_checkpoint, pacer.last_restore = snapshot.get("last_checkpoint"), snapshot.get("last_restore")
 
 
 def recover(pacer: "Pacer") -> int:

@@ -93,14 +93,28 @@ class PacerState:
     restored_kept: int = gauge("coda_pacer_restored_kept_groups", "Restored groups the server keeps for "
                                "continuation (rollout.continue_restored), waiting to be re-offered by a Dispatch.",
                                default=0)
+    rolled_back: int = counter("coda_pacer_rolled_back_groups", "Buffered or leased groups a Restore discarded "
+                               "(the server had them after the restored checkpoint was taken).")
+    reinstated: int = counter("coda_pacer_reinstated_groups",
+                              "Groups a Restore put back into the buffer from its checkpoint.")
+    checkpoints: int = counter("coda_pacer_checkpoints", "Checkpoints taken (Checkpoint).")
+    restores: int = counter("coda_pacer_restores", "Checkpoints restored (Restore).")
+    last_checkpoint_step: int = gauge("coda_pacer_last_checkpoint_step", "Step of the last checkpoint taken "
+                                      "(-1: none since the state began).", default=-1)
+    last_checkpoint_weight_version: int = gauge("coda_pacer_last_checkpoint_weight_version", "Weight version of "
+                                                "the last checkpoint taken (-1: none).", default=-1)
+    last_restore_step: int = gauge("coda_pacer_last_restore_step", "Step of the last checkpoint restored "
+                                   "(-1: none since the state began).", default=-1)
+    last_restore_weight_version: int = gauge("coda_pacer_last_restore_weight_version", "Weight version of the "
+                                             "last checkpoint restored (-1: none).", default=-1)
 
     def invariant_holds(self) -> bool:
         """dispatched = running + collected + filtered + restored + dropped + expired + quarantined,
-        and buffered = collected - consumed - leased."""
+        and buffered = collected + reinstated - consumed - leased - rolled_back."""
         return (
             self.dispatched == (self.running + self.collected + self.filtered + self.restored + self.dropped
                                 + self.expired + self.quarantined)
-            and self.buffered == self.collected - self.consumed - self.leased
+            and self.buffered == self.collected + self.reinstated - self.consumed - self.leased - self.rolled_back
         )
 
 

@@ -90,6 +90,15 @@ class SlidingWindowStrategy(abc.ABC):
     def on_resume(self, weight_version: int) -> None:
         """Generation resumed with new weights (after `on_reset`, at the start of the next step)."""
 
+    def state(self) -> Any:
+        """The strategy's own state (what it learned), as plain data (dicts, lists, numbers, strings), for a
+        trainer checkpoint and the journal's snapshot; None (the default): nothing to keep."""
+        return None
+
+    def restore(self, state: Any) -> None:
+        """Take back what `state()` returned (a Restore of a checkpoint); `on_reset()` follows, as nothing
+        is in flight after it."""
+
     # The pacer binds these to itself when it adopts the strategy; class defaults serve a strategy used alone.
     _pacer_clock: Callable[[], float] = staticmethod(time.monotonic)
     _pacer_buffer: "BufferView | None" = None
@@ -208,6 +217,14 @@ class ThreadSafeStrategy(SlidingWindowStrategy):
     def on_resume(self, weight_version: int) -> None:
         with self.lock:
             self._strategy.on_resume(weight_version)
+
+    def state(self) -> Any:
+        with self.lock:
+            return self._strategy.state()
+
+    def restore(self, state: Any) -> None:
+        with self.lock:
+            self._strategy.restore(state)
 
     def now(self) -> float:
         return self._strategy.now()  # the wrapped strategy is the one a pacer binds its clock to

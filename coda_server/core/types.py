@@ -215,6 +215,23 @@ class ResetResult:
 
 
 @dataclass
+class RestoreResult:
+    """What a Restore did: the checkpoint's step and weight version, and what it discarded and put back."""
+
+    step: int
+    weight_version: int
+    generation: int  # the new generation: anything dispatched before the Restore is refused as stale
+    discarded_groups: int  # groups the server held (buffered, leased, kept, set aside, running), now gone
+    discarded_trajectories: int  # their trajectories
+    discarded_newer_trajectories: int  # of those, generated (in part) under a weight version newer than step's
+    dropped_running: int  # of the discarded groups, those still running
+    reinstated_groups: int  # the checkpoint's buffered (and leased) groups, back in the buffer
+    kept_groups: int  # the checkpoint's groups kept for continuation, kept again
+    reoffered_prompts: int  # prompts in flight at the checkpoint or admitted since: offered again
+    checkpoint_taken_at: float = 0.0  # when the checkpoint was taken (seconds since the epoch)
+
+
+@dataclass
 class KeepAliveResult:
     renewed: int
     unknown_prompt_ids: list[str]
@@ -245,6 +262,7 @@ class ControlEvent:
     step: int = 0
     generation: int = 0
     paused: bool = False
+    restores: int = 0  # Restores made so far: a worker seeing it grow drops what it holds, re-reads the cursor
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,205 @@
+"""Trainer checkpoints of the pacer: what a Checkpoint call exports, its versioned blob, and what a Restore does.
+
+A trainer that saves its model at step k takes a pacer checkpoint beside it; after a crash (or a deliberate
+rollback) it restores that checkpoint, and the pacer continues from k as if the steps after it had never
+run. Written as functions over one Pacer's state, as its own methods would be (like reset_steps.py). The
+blob is the journal's encoding (journal.dumps: pickled plain data, trajectories in the transport's own
+bytes through the codec) behind a magic line and a format number.
+"""
+from __future__ import annotations
+
+import heapq
+import struct
+import time
+from typing import TYPE_CHECKING, Any
+
+from .cursor import PromptCursor
+from .errors import FailedPreconditionError, InvalidArgumentError, ResetInProgressError
+from .inflight import bytes_of
+from .journal import TrajectoryCodec, dumps, loads
+from .types import ControlEventType, ResetMode, RestoreResult
+
+if TYPE_CHECKING:
+    from .pacer import Pacer
+
+CHECKPOINT_FORMAT = 1
+MAGIC = b"coda-pacer checkpoint\n"
+_HEADER = struct.Struct(">I")  # the format number, after the magic line
+
+
+class CheckpointFormatError(InvalidArgumentError):
+    """The blob is not a pacer checkpoint, or one of a format this version does not read."""
+
+    reason = "CHECKPOINT_FORMAT"
+
+
+class CheckpointMismatchError(FailedPreconditionError):
+    """The checkpoint was taken under other pacing settings (another job's configuration)."""
+
+    reason = "CHECKPOINT_MISMATCH"
+
+
+# ------------------------------------------------------------------ taking one
+
+
+def take(pacer: "Pacer") -> dict[str, Any]:
+    """What the pacer needs to continue from the current step: a consistent copy, taken under the lock
+    without pausing anything (the buffer and kept groups are shared, not copied: they are never changed)."""
+    with pacer._lock:
+        pacer._check_open()
+        if pacer.resetting:
+            raise ResetInProgressError("a Reset is running; take the checkpoint after it, at the step boundary "
+                                       "it ends in")
+        in_flight = sorted(pacer._inflight.values(), key=lambda g: g.seq)
+        reoffered = [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in in_flight]
+        reoffered += [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in pacer._expired_groups]
+        # Leased groups were not acknowledged: the trainer that restores this has not trained them.
+        buffer = list(pacer._buffer)
+        for lease in pacer._leases.collect.values():
+            buffer.extend(lease.entries)
+        buffer.sort(key=lambda entry: entry[0])
+        state = getattr(pacer._hooks, "state", None)
+        pacer.totals["checkpoints"] += 1
+        pacer.last_checkpoint = (pacer.step, pacer.weight_version, time.time())
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "config": dict(pacer._summary),
+            "step": pacer.step, "weight_version": pacer.weight_version, "generation": pacer.generation,
+            "taken_at": pacer.last_checkpoint[2],
+            "buffer": buffer,
+            "kept": pacer._restored.export(),
+            "quarantined": list(pacer._quarantined),
+            "in_flight": [(ds, epoch, index, prompt_id) for ds, epoch, index, prompt_id in reoffered],
+            "cursor": pacer._cursor.copy_without(reoffered).export(),
+            "strategy": state() if callable(state) else None,
+        }
+
+
+def encode(checkpoint: dict[str, Any], codec: TrajectoryCodec) -> bytes:
+    """The opaque blob: magic line, format number, then the journal's encoding of the checkpoint."""
+    return MAGIC + _HEADER.pack(CHECKPOINT_FORMAT) + dumps(checkpoint, codec)
+
+
+def decode(blob: bytes, codec: TrajectoryCodec) -> dict[str, Any]:
+    """The checkpoint in `blob`; CheckpointFormatError (changing nothing) when it is not one this version reads."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)) or not bytes(blob[:len(MAGIC)]) == MAGIC:
+        raise CheckpointFormatError("the blob is not a pacer checkpoint (pass the bytes PacerClient.checkpoint() "
+                                    "returned, or wrote to its path, unchanged)",
+                                    violations=[("checkpoint", "must be a blob taken by Checkpoint")])
+    blob = bytes(blob)
+    (found,) = _HEADER.unpack_from(blob, len(MAGIC)) if len(blob) >= len(MAGIC) + _HEADER.size else (None,)
+    if found != CHECKPOINT_FORMAT:
+        raise CheckpointFormatError(f"the checkpoint is in format {found}, this server reads format "
+                                    f"{CHECKPOINT_FORMAT}; restore it with the coda-server version that took it",
+                                    violations=[("checkpoint", f"format must be {CHECKPOINT_FORMAT}")])
+    try:
+        checkpoint = loads(blob[len(MAGIC) + _HEADER.size:], codec)
+        if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError("its body is not a checkpoint record")
+    except Exception as exc:
+        raise CheckpointFormatError(f"the checkpoint cannot be read ({exc}); it is damaged or truncated",
+                                    violations=[("checkpoint", "must be a blob taken by Checkpoint")]) from None
+    return checkpoint
+
+
+# ------------------------------------------------------------------ restoring one
+
+
+def check(pacer: "Pacer", checkpoint: dict[str, Any]) -> None:
+    """Refuse (changing nothing) a checkpoint of another job's settings, or while a Reset runs."""
+    if pacer.resetting:
+        raise ResetInProgressError("a Reset is running; restore after it ends (nothing was changed)")
+    recorded, summary = checkpoint.get("config") or {}, pacer._summary
+    changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
+               for key in sorted(set(recorded) | set(summary)) if recorded.get(key) != summary.get(key)]
+    if changed:
+        raise CheckpointMismatchError(
+            f"the checkpoint was taken under other pacing settings ({', '.join(changed)}): it is another job's, "
+            f"or the configuration changed since; restore it on a server started with the settings it was "
+            f"taken under (nothing was changed)", violations=[("checkpoint", "must be this job's")])
+
+
+def restore(pacer: "Pacer", checkpoint: dict[str, Any], request_id: str = "") -> RestoreResult:
+    """Bring the pacer back to the checkpoint's step: everything held now is discarded and counted, the
+    checkpoint's buffer and kept groups are put back as they were, the prompts in flight then (and every
+    prompt admitted since) are offered again, and workers are told (PAUSE with ABORT, RESUME at its weight
+    version). Caller holds the lock."""
+    pacer._check_open()
+    check(pacer, checkpoint)
+    step, version = int(checkpoint["step"]), int(checkpoint["weight_version"])
+    now = pacer._clock()
+
+    # What is discarded: every group the server holds now, and what a worker still generates.
+    buffered = [group for _, group in pacer._buffer]
+    leased = [group for lease in pacer._leases.collect.values() for _, group in lease.entries]
+    running = list(pacer._inflight.values())
+    set_aside = [*pacer._restored.export(), *pacer._quarantined, *pacer._expired_groups]
+    discarded_groups = [*buffered, *leased, *set_aside]
+    trajectories = [t for g in discarded_groups for t in g.trajectories]
+    trajectories += [t for g in running for t in g.trajectories.values()]
+    newer = sum(1 for t in trajectories if max(t.start_weight_version, t.end_weight_version) > version)
+    before = len(pacer._cursor)
+
+    strategy_state = checkpoint.get("strategy")
+    hook = getattr(pacer._hooks, "restore", None)
+    try:  # the strategy hears first: if it raises, nothing changed
+        if strategy_state is not None and callable(hook):
+            hook(strategy_state)
+        pacer._hooks.on_reset()  # nothing is in flight after a Restore
+    except Exception as exc:
+        raise pacer._hook_refused("restore", exc, "the Restore changed nothing") from exc
+
+    pacer.totals["dropped"] += len(running)
+    pacer.totals["rolled_back"] += len(buffered) + len(leased)
+    for lease_id in list(pacer._leases.collect):
+        pacer._leases.lapse(lease_id)  # an Ack of it now fails: its groups are gone
+    pacer._inflight.clear()
+    pacer._held.clear()
+    pacer._leases.forget_running()
+    pacer._complete_inflight = 0
+    pacer._queued_trajectories = 0
+    pacer._accepted.clear()
+    pacer._expired_groups, pacer._expired_prompts, pacer._quarantined = [], set(), []
+    # Late Submits of what ran before are refused as stale, as after a Reset.
+    pacer._past_generation_prompts.append(pacer._generation_prompts)
+    pacer._generation_prompts = set()
+    pacer.generation += 1
+    # The answers of calls that handed out discarded groups must not hand them out again to a retry.
+    pacer.answers.forget("Collect", lambda answer: True)
+    pacer.answers.forget("Reset", lambda answer: True)
+
+    pacer._buffer = list(checkpoint["buffer"])
+    heapq.heapify(pacer._buffer)
+    pacer.totals["reinstated"] += len(pacer._buffer)
+    pacer._restored.restore(checkpoint["kept"])
+    pacer._quarantined = list(checkpoint["quarantined"])
+    pacer._held_bytes = sum(bytes_of(g.trajectories) for g in
+                            [*(group for _, group in pacer._buffer), *pacer._restored.export(), *pacer._quarantined])
+    pacer._cursor = PromptCursor.restored(checkpoint["cursor"])
+    pacer.step, pacer.weight_version = step, version
+    pacer.resetting = False
+    pacer.paused = False
+    pacer._pause_started = pacer._reset_ready_at = None
+    pacer.totals["restores"] += 1
+    pacer.last_restore = (step, version, float(checkpoint.get("taken_at") or 0.0))
+    pacer._strategy_touched = True
+
+    pacer._emit(ControlEventType.PAUSE, ResetMode.ABORT)  # workers abort what they generate
+    pacer._emit(ControlEventType.RESUME)  # and load the weights of the checkpoint's version
+    pacer._notify()
+    return RestoreResult(
+        step=step, weight_version=version, generation=pacer.generation,
+        discarded_groups=len(discarded_groups) + len(running), discarded_trajectories=len(trajectories),
+        discarded_newer_trajectories=newer, dropped_running=len(running),
+        reinstated_groups=len(pacer._buffer), kept_groups=len(pacer._restored),
+        reoffered_prompts=max(0, before - len(pacer._cursor)), checkpoint_taken_at=pacer.last_restore[2])
+
+
+def restore_summary(result: RestoreResult) -> str:
+    """One line for the log."""
+    return (f"restored the checkpoint of step {result.step} (weight version {result.weight_version}): discarded "
+            f"{result.discarded_groups} groups ({result.discarded_trajectories} trajectories, "
+            f"{result.discarded_newer_trajectories} generated under a newer weight version; "
+            f"{result.dropped_running} running), reinstated {result.reinstated_groups} buffered and "
+            f"{result.kept_groups} kept groups, {result.reoffered_prompts} prompts offered again")
+

@@ -1,0 +1,192 @@
+"""Trainer checkpoints of the pacer: Checkpoint, Restore, the prompt cursor and the step guard rails."""
+from __future__ import annotations
+
+import pytest
+
+from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectoryStatus as WireStatus
+from coda_client.errors import BadRequestError, FailedPreconditionError
+from coda_server.core import Pacer, PromptRef, Trajectory, TrajectoryStatus
+from coda_server.core import checkpoints
+from coda_server.core.cursor import PromptCursor
+from coda_server.core.errors import InvalidArgumentError, ResetInProgressError
+from coda_server.core.journal import PickledTrajectories
+from conftest import core_overrides, load_core_config
+from server_harness import ServerProcess
+from test_durability_restart import Restartable
+
+CODEC = PickledTrajectories()
+
+
+def pacer_of(**kwargs) -> Pacer:
+    return Pacer(load_core_config("no-window", B=4, N=2, **kwargs))
+
+
+def ref(i: int, epoch: int = 0) -> PromptRef:
+    return PromptRef(f"e{epoch}p{i}", 0, epoch, i)
+
+
+def generate(pacer: Pacer, indices, version: int, status=TrajectoryStatus.COMPLETED, complete: bool = True) -> list:
+    """Dispatch these prompts and submit their trajectories made under `version`; returns the admitted ids."""
+    admitted = pacer.dispatch([ref(i) for i in indices]).admitted_ids
+    for prompt_id in admitted:
+        pacer.submit([Trajectory(f"{prompt_id}#{j}", prompt_id, status=status, start_weight_version=version,
+                                 end_weight_version=version, body=(prompt_id, j, version), size_bytes=7)
+                      for j in range(2 if complete else 1)])
+    return admitted
+
+
+def contents(groups) -> list:
+    return [(g.prompt_id, [t.content_key() for t in g.trajectories]) for g in groups]
+
+
+# ------------------------------------------------------------------ the core
+
+
+def test_restore_brings_back_the_step_the_buffer_and_kept_groups_and_discards_what_came_after():
+    pacer = pacer_of(continue_restored=True)
+    generate(pacer, range(4), 0)
+    pacer.collect(1)
+    generate(pacer, [4], 0, status=TrajectoryStatus.ABORTED)  # assembled, aborted: kept at the Reset
+    pacer.reset(resume=True, weight_version=1)
+    generate(pacer, [5], 1, complete=False)  # in flight at the checkpoint
+    buffered_at_k = contents(sorted((g for _, g in pacer._buffer), key=lambda g: g.seq))
+    blob = checkpoints.encode(pacer.checkpoint(), CODEC)
+    assert pacer.state().last_checkpoint_step == 1
+
+    # The steps after the checkpoint: the trainer takes the buffer, newer versions are generated.
+    pacer.collect(3)
+    pacer.reset(resume=True, weight_version=2)
+    generate(pacer, [6, 7], 2)
+    generate(pacer, [8], 2, complete=False)
+    result = pacer.restore(checkpoints.decode(blob, CODEC))
+
+    state = pacer.state()
+    assert (state.step, state.weight_version, state.paused) == (1, 1, False)
+    assert (result.step, result.weight_version) == (1, 1)
+    assert contents(pacer.collect(3).groups) == buffered_at_k  # byte for byte, in their order
+    assert pacer.state().restored_kept == 1 and pacer.dispatch([], max_continuations=1).continued[0].prompt_id == "e0p4"
+    # Discarded: the two buffered groups of version 2, the running e0p8 (one trajectory of version 2) and the
+    # kept e0p4 (version 0, put back from the checkpoint).
+    assert (result.discarded_groups, result.discarded_newer_trajectories, result.dropped_running) == (4, 5, 1)
+    assert result.reinstated_groups == 3 and result.kept_groups == 1
+    # Offered again: e0p5 (in flight at the checkpoint) and e0p6..e0p8 (dispatched after it).
+    assert result.reoffered_prompts == 4
+    cursor = PromptCursor.restored(pacer.prompt_cursor())
+    assert [i for i in range(10) if cursor.admitted(0, 0, i, f"e0p{i}")] == [0, 1, 2, 3, 4]
+    assert state.invariant_holds() and state.rolled_back == 2 and state.restores == 1
+
+
+def test_late_submits_of_discarded_work_are_refused_as_stale():
+    pacer = pacer_of()
+    blob = checkpoints.encode(pacer.checkpoint(), CODEC)
+    generate(pacer, [0], 0, complete=False)
+    pacer.restore(checkpoints.decode(blob, CODEC))
+    with pytest.raises(Exception, match="before the last Reset|stale|STALE"):
+        pacer.submit([Trajectory("e0p0#1", "e0p0", start_weight_version=0, end_weight_version=0)])
+    assert pacer.state().running == 0
+
+
+def test_a_restore_that_cannot_apply_changes_nothing():
+    pacer = pacer_of()
+    generate(pacer, range(2), 0)
+    checkpoint = pacer.checkpoint()
+    other = Pacer(load_core_config("no-window", B=8, N=2))
+    before = other.state()
+    with pytest.raises(checkpoints.CheckpointMismatchError, match="num_prompts_per_step|other pacing settings"):
+        other.restore(checkpoint)
+    assert other.state() == before
+    with pytest.raises(checkpoints.CheckpointFormatError, match="not a pacer checkpoint"):
+        checkpoints.decode(b"something else", CODEC)
+    newer = checkpoints.MAGIC + checkpoints._HEADER.pack(checkpoints.CHECKPOINT_FORMAT + 1) + b"..."
+    with pytest.raises(checkpoints.CheckpointFormatError, match="format 2, this server reads format 1"):
+        checkpoints.decode(newer, CODEC)
+    pacer.begin_reset()
+    before = pacer.state()
+    with pytest.raises(ResetInProgressError, match="Reset is running"):
+        pacer.restore(checkpoint)
+    assert pacer.state() == before
+
+
+def test_the_cursor_keeps_a_low_water_mark_and_gives_back_what_it_unmarks():
+    cursor = PromptCursor()
+    for i in (0, 1, 3, 5):
+        cursor.mark(0, 0, i, f"p{i}")
+    cursor.mark(0, None, None, "loose")
+    cursor.mark(0, None, None, "epoch2_ds0_prompt7")  # the LoongSage form carries (epoch, index)
+    assert cursor.export() == {"marks": [(0, 0, 2, [3, 5]), (0, 2, 0, [7])], "ids": ["loose"]}
+    cursor.mark(0, 0, 2, "p2")
+    assert cursor.export()["marks"][0] == (0, 0, 4, [5]) and len(cursor) == 7
+    cursor.unmark(0, 0, 1, "p1")
+    assert cursor.export()["marks"][0] == (0, 0, 1, [2, 3, 5]) and not cursor.admitted(0, 0, 1, "p1")
+    assert PromptCursor.restored(cursor.export()).export() == cursor.export()
+
+
+def test_resume_with_an_older_weight_version_and_a_collect_at_another_step_say_restore_first():
+    pacer = pacer_of()
+    pacer.resume(5)
+    with pytest.raises(InvalidArgumentError, match="restore first"):
+        pacer.resume(3)
+    generate(pacer, range(2), 5)
+    with pytest.raises(Exception, match="restore first") as refused:
+        pacer.collect(1, trainer_step=0)
+    assert refused.value.reason == "STEP_MISMATCH" and pacer.state().buffered == 2
+    assert len(pacer.collect(1, trainer_step=1).groups) == 1
+
+
+# ------------------------------------------------------------------ over gRPC
+
+
+def wire_trajectories(prompt_id: str, version: int, tokens: int = 5) -> list[WireTrajectory]:
+    return [WireTrajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id, status=WireStatus.COMPLETED,
+                           token_ids=list(range(i, i + tokens)), logprobs=[-0.5] * tokens, reward=float(i),
+                           start_weight_version=version, end_weight_version=version, metadata={"k": prompt_id})
+            for i in range(2)]
+
+
+def test_checkpoint_and_restore_over_grpc_survive_a_restart_and_tell_watchers(tmp_path):
+    durable = Restartable(tmp_path, "state", "data_source.num_prompts_per_step=4", "rollout.continue_restored=false")
+    pacer = durable.client
+    try:
+        pacer.dispatch(["a", "b", "c"])
+        for p in "abc":
+            pacer.submit(wire_trajectories(p, 0))
+        pacer.reset("abort", wait=0, resume=True, weight_version=1)
+        path = tmp_path / "pacer-step-1.ckpt"
+        taken = pacer.checkpoint(path)
+        assert (taken.step, taken.weight_version, taken.buffered_groups) == (1, 1, 3) and path.read_bytes() == taken.blob
+        before = pacer.collect(3)
+        pacer.reset("abort", wait=0, resume=True, weight_version=2)
+        pacer.dispatch(["d"])
+        pacer.submit(wire_trajectories("d", 2))
+        stream = pacer.watch()
+        assert next(iter(stream)).restores == 0
+        result = pacer.restore(path)
+        events = iter(stream)
+        pause, resume = next(events), next(events)
+        stream.cancel()
+        assert (pause.type.name, resume.type.name, resume.weight_version, resume.restores) == ("PAUSE", "RESUME", 1, 1)
+        assert (result.step, result.discarded_groups, result.discarded_newer_trajectories) == (1, 1, 2)
+        durable.restart(kill=True)  # the Restore is journalled
+        state = pacer.state()
+        assert (state.step, state.weight_version, state.buffered, state.restores) == (1, 1, 3, 1)
+        assert (state.last_checkpoint_step, state.last_restore_step, state.last_restore_weight_version) == (1, 1, 1)
+        with pytest.raises(FailedPreconditionError, match="restore first"):
+            pacer.collect_result(3, trainer_step=3)
+        again = pacer.collect_result(3, trainer_step=1).groups
+        assert [(g.prompt_id, g.trajectories) for g in again] == [(g.prompt_id, g.trajectories) for g in before]
+        with pytest.raises(BadRequestError, match="restore first"):
+            pacer.resume(0)
+        with pytest.raises(BadRequestError, match="not a pacer checkpoint"):
+            pacer.restore(b"nonsense")
+        assert pacer.state().restores == 1
+    finally:
+        durable.close()
+
+
+def test_a_checkpoint_of_another_job_is_refused_over_grpc(tmp_path):
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, N=2)) as one, PacerClient(one.address) as first:
+        taken = first.checkpoint()
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=4, N=2)) as two, PacerClient(two.address) as second:
+        with pytest.raises(FailedPreconditionError, match="other pacing settings") as refused:
+            second.restore(taken)
+        assert refused.value.reason == "CHECKPOINT_MISMATCH" and second.state().restores == 0
