@@ -151,8 +151,7 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any], request_id: str = "") ->
 
     pacer.totals["dropped"] += len(running)
     pacer.totals["rolled_back"] += len(buffered) + len(leased)
-    for lease_id in list(pacer._leases.collect):
-        pacer._leases.lapse(lease_id)  # an Ack of it now fails: its groups are gone
+    pacer._leases.lapse_all()  # an Ack of one now fails: its groups are gone
     pacer._inflight.clear()
     pacer._held.clear()
     pacer._leases.forget_running()

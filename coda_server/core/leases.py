@@ -130,6 +130,12 @@ class Leases:
         self.lapsed.append(lease_id)
         return lease
 
+    def lapse_all(self) -> list[CollectLease]:
+        """Every Collect lease ends unacknowledged (a Restore discards its groups); an Ack of one then fails."""
+        leases = [self.lapse(lease_id) for lease_id in list(self.collect)]
+        self.open_shares.clear()
+        return leases
+
     @property
     def leased_groups(self) -> int:
         return sum(len(lease.entries) for lease in self.collect.values())
