@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -125,7 +126,6 @@ class MiniBatch:
     end_weight_version: np.ndarray  # int64 [B]
     trajectories: list[Trajectory]  # [B], as received (metadata, payload)
     source_groups: list[TrajectoryGroup]
-    token_weight_version: np.ndarray  # int64 [T]
     lease_id: str = ""
 
     @classmethod
@@ -150,21 +150,32 @@ class MiniBatch:
             "end_weight_version": np.fromiter((t.end_weight_version for t in trajectories), np.int64,
                                               len(trajectories)),
         }
-        versions = _token_versions(np, trajectories, lengths, per_trajectory["end_weight_version"])
+        versions = None
         if mask_offpolicy:
+            versions = _token_versions(np, trajectories, lengths, per_trajectory["end_weight_version"])
             columns["loss_mask"] = columns["loss_mask"] * _on_last_version(np, versions, lengths,
                                                                            per_trajectory["end_weight_version"])
-        for value in (cu_seqlens, versions, *columns.values(), *per_trajectory.values()):
+        for value in (cu_seqlens, *columns.values(), *per_trajectory.values()):
             value.flags.writeable = False
-        return cls(cu_seqlens=cu_seqlens, prompt_id=tuple(t.prompt_id for t in trajectories),
-                   trajectory_id=tuple(t.trajectory_id for t in trajectories), trajectories=trajectories,
-                   source_groups=list(groups), lease_id=lease_id, token_weight_version=versions, **columns,
-                   **per_trajectory)
+        batch = cls(cu_seqlens=cu_seqlens, prompt_id=tuple(t.prompt_id for t in trajectories),
+                    trajectory_id=tuple(t.trajectory_id for t in trajectories), trajectories=trajectories,
+                    source_groups=list(groups), lease_id=lease_id, **columns, **per_trajectory)
+        if versions is not None:  # already computed: the cached property's value
+            batch.__dict__["token_weight_version"] = versions
+        return batch
 
     @classmethod
     def from_collect(cls, result: CollectResult, *, mask_offpolicy: bool = False) -> MiniBatch:
         """Packs a Collect answer (best read with arrays="numpy", so its arrays are views already)."""
         return cls.from_groups(result.groups, result.lease_id, mask_offpolicy=mask_offpolicy)
+
+    @functools.cached_property
+    def token_weight_version(self) -> np.ndarray:
+        """int64 [T]: the weight version each token was generated with (computed when first read: 8 bytes per
+        token, more than the three token columns together, which a trainer that does not read it never pays)."""
+        versions = _token_versions(numpy(), self.trajectories, self.seqlens, self.end_weight_version)
+        versions.flags.writeable = False
+        return versions
 
     def offpolicy_mask(self) -> np.ndarray:
         """int32 [T]: 1 on tokens generated with their trajectory's last weight version, 0 on older ones."""
@@ -238,15 +249,19 @@ class MiniBatch:
 
 def _token_versions(np: Any, trajectories: Sequence[Trajectory], lengths: Any, end_versions: Any) -> Any:
     """The weight version of every token, from each trajectory's segments (its end version without them,
-    or when they do not cover its tokens)."""
-    parts = []
-    for trajectory, length, end in zip(trajectories, lengths, end_versions):
-        segment_lengths = np.asarray(trajectory.segment_lengths, dtype=np.int64)
-        if len(segment_lengths) and int(segment_lengths.sum()) == length:
-            parts.append(np.repeat(np.asarray(trajectory.segment_weight_versions, dtype=np.int64), segment_lengths))
-        elif length:
-            parts.append(np.full(int(length), end, dtype=np.int64))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    or when they do not cover its tokens): one pass writes every trajectory's end version, then the
+    trajectories with segments get theirs."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    versions = np.repeat(np.asarray(end_versions, dtype=np.int64), lengths)
+    start = 0
+    for trajectory, length in zip(trajectories, lengths.tolist()):
+        if len(trajectory.segment_lengths):
+            segment_lengths = np.asarray(trajectory.segment_lengths, dtype=np.int64)
+            if int(segment_lengths.sum()) == length:
+                versions[start:start + length] = np.repeat(
+                    np.asarray(trajectory.segment_weight_versions, dtype=np.int64), segment_lengths)
+        start += length
+    return versions
 
 
 def _on_last_version(np: Any, versions: Any, lengths: Any, end_versions: Any) -> Any:
