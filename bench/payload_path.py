@@ -28,7 +28,14 @@ request varies by a factor of two with the state of this process's allocator, wh
 per-repeat sums did not smooth); the other figures are medians over the repeats. Ratios are
 median(ours) / median(floor).
 
+With --concurrent (issue 29): 8 worker processes submit long-tailed groups while 4 trainer ranks iterate
+batches(512, rank=r, world_size=4), against our server and against a relay (a gRPC server with our server's
+options and Submit parsing that queues each Submit's encoded trajectories and answers each Collect with the
+next groups, nothing else), alternately: aggregate MB/s in and out as ratios, token imbalance across ranks
+per step (max/mean), each rank's time in next() (the prefetch gap; --step-seconds adds a training step).
+
     python bench/payload_path.py             # 3 repeats, about 40 s on an idle machine
+    python bench/payload_path.py --concurrent --repeats 3   # the many-writers, many-readers run
     python bench/payload_path.py --quick     # 1 repeat of a quarter of the data, a smoke run
     python bench/payload_path.py --set server.allocator_retain_bytes=0   # glibc's allocator defaults
 """
@@ -57,7 +64,8 @@ from coda_server import wire  # noqa: E402
 GROUP_SIZE = 16
 MINI_BATCH = 128
 STEP_SECONDS = 2.0
-TARGETS = {"collect": 0.5, "submit": 0.5, "rss_per_held_byte": 1.3, "prefetch_gap_fraction": 0.05}
+TARGETS = {"collect": 0.5, "submit": 0.5, "rss_per_held_byte": 1.3, "prefetch_gap_fraction": 0.05,
+           "packed_vs_floor": 0.8, "packed_vs_submit": 0.9}
 
 
 # --set KEY=VALUE: configuration overrides for both servers (e.g. server.allocator_retain_bytes=0).
@@ -67,6 +75,7 @@ EXTRA_OVERRIDES: list[str] = []
 def overrides(groups: int) -> list[str]:
     """Shipped defaults, except the shape of the workload, free ports and --set."""
     return ["server.address=127.0.0.1:0", "server.metrics_address=127.0.0.1:0",
+            "server.state_dir=",  # state in memory: the data path alone (bench/durability_cost.py measures the journal)
             f"data_source.num_prompts_per_step={groups}", f"data_source.num_trajectories_per_prompt={GROUP_SIZE}",
             f"trainer.mini_batch_size={MINI_BATCH}", *EXTRA_OVERRIDES]
 
@@ -223,6 +232,236 @@ def prefetch_gaps(pacer: PacerClient, batches: int) -> list[float]:
     return gaps
 
 
+# ------------------------------------------------------------------------------- many writers, many readers
+# --concurrent: WRITERS worker processes submit while RANKS trainer ranks iterate batches(rank=r, world_size=RANKS)
+# of the global DP_MINI_BATCH, against our server and against a relay: a gRPC server with our server's options and
+# Submit parsing that keeps each Submit's encoded trajectories in a queue and answers each Collect with the next
+# groups (num_groups / world_size of them, in arrival order, no balancing), nothing else. Same clients, same bytes.
+
+WRITERS, RANKS = 8, 4
+DP_MINI_BATCH = 512  # the global mini-batch: 32 groups of 16, 8 groups per rank
+DP_GROUPS_PER_WRITER = 32
+CONCURRENT_TARGETS = {"in": 0.9, "out": 0.9, "imbalance": 1.1}
+
+
+def long_tailed_lengths(groups: int, seed: int) -> list[list[int]]:
+    """Response lengths of each group's trajectories: a per-prompt scale (lognormal around 1,024 tokens: a few
+    prompts run long) times a per-response spread, clipped to 64..32,768 tokens."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    for _ in range(groups):
+        scale = rng.lognormal(np.log(1024), 1.0)
+        lengths.append(np.clip(scale * rng.lognormal(0.0, 0.5, GROUP_SIZE), 64, 32_768).astype(int).tolist())
+    return lengths
+
+
+def writer_process(address: str, writer: int, lengths: list[list[int]], start: Any, results: Any) -> None:
+    """One worker: dispatches its prompts, then submits one group per Submit (arrays built before the start)."""
+    rng = np.random.default_rng(writer)
+    prompts = [f"w{writer}-g{g}" for g in range(len(lengths))]
+    groups = [[(rng.integers(0, 151_936, n, dtype=np.int32), -rng.exponential(2.0, n).astype(np.float32),
+                np.ones(n, np.int32)) for n in group] for group in lengths]
+    payload = sum(array_bytes(group) for group in groups)
+    with PacerClient(address, timeout=120, client_id=f"writer-{writer}") as pacer:
+        pacer.dispatch(prompts)
+        start.wait()
+        began = time.time()
+        for prompt_id, group in zip(prompts, groups):
+            pacer.submit(trajectories_of(prompt_id, group, 0))
+        results.put(("writer", writer, began, time.time(), payload))
+
+
+def rank_process(address: str, rank: int, steps: int, step_seconds: float, start: Any, results: Any) -> None:
+    """One trainer rank: iterates its shares of `steps` global mini-batches; records tokens, bytes and the time
+    each next() waited (the prefetch gap after a step of `step_seconds`)."""
+    records = []
+    with PacerClient(address, arrays="numpy", timeout=120, client_id=f"rank-{rank}") as pacer:
+        start.wait()
+        began = time.time()
+        with pacer.batches(DP_MINI_BATCH, group_size=GROUP_SIZE, rank=rank, world_size=RANKS, num_batches=steps,
+                           lease=300, poll=10) as batches:
+            for _ in range(steps):
+                asked = time.perf_counter()
+                batch = next(batches)
+                records.append((time.perf_counter() - asked, batch.num_tokens,
+                                batch.token_ids.nbytes + batch.logprobs.nbytes + batch.loss_mask.nbytes, time.time()))
+                if step_seconds:
+                    time.sleep(step_seconds)
+        results.put(("rank", rank, began, time.time(), records))
+
+
+class RelayServer(ServerProcess):
+    """The relay of the concurrent run, in a subprocess of this script."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, str(Path(__file__).resolve()), "--serve-relay", str(self.port_file), *self.overrides]
+
+
+async def serve_relay(port_file: Path, server_overrides: list[str]) -> int:
+    import asyncio
+    import signal
+
+    import grpc
+
+    from coda_client._proto import pacer_pb2 as pb
+    from coda_client._proto import pacer_pb2_grpc
+    from coda_server.allocator import retain_freed_memory
+    from coda_server.core import load_config
+    from coda_server.method_wrapping import WrappingRegistrar
+    from coda_server.server import SERVICE_NAME, server_options
+    from coda_server.wire import EncodedAnswer, EncodedTrajectory, PassthroughCodec, group_parts
+
+    config = load_config(overrides=server_overrides)
+    retain_freed_memory(int(config.server.allocator_retain_bytes))  # the same process settings as ours
+    queue: list = []
+    arrived = asyncio.Condition()
+
+    class Relay(pacer_pb2_grpc.RolloutPacerServicer):
+        async def Dispatch(self, request, context):
+            return pb.DispatchResponse()
+
+        async def Submit(self, request, context):
+            bodies = [EncodedTrajectory(t.encoded) for t in request.trajectories]
+            async with arrived:
+                queue.append((request.trajectories[0].fields.prompt_id, bodies))
+                arrived.notify_all()
+            return pb.SubmitResponse(accepted=len(bodies), groups_completed=1)
+
+        async def Collect(self, request, context):
+            count = request.num_groups // max(1, request.world_size)
+            async with arrived:
+                try:
+                    await asyncio.wait_for(arrived.wait_for(lambda: len(queue) >= count), request.wait_seconds)
+                except asyncio.TimeoutError:
+                    return EncodedAnswer(pb.CollectResponse(timed_out=True), {})
+                taken, queue[:count] = queue[:count], []
+            return EncodedAnswer(pb.CollectResponse(lease_id="relay"),
+                                 {"groups": [group_parts(p, 0, 0, None, None, bodies) for p, bodies in taken]})
+
+        async def Ack(self, request, context):
+            return pb.AckResponse()
+
+        async def GetState(self, request, context):
+            return pb.GetStateResponse()
+
+        async def WatchControl(self, request, context):
+            yield pb.ControlEvent(type=pb.CONTROL_EVENT_TYPE_STATE).SerializeToString()
+            await asyncio.Event().wait()  # until the call is cancelled
+
+    server = grpc.aio.server(options=server_options(config))
+    pacer_pb2_grpc.add_RolloutPacerServicer_to_server(Relay(), WrappingRegistrar(server, [PassthroughCodec(SERVICE_NAME)]))
+    port = server.add_insecure_port(str(config.server.address))
+    await server.start()
+    temporary = port_file.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"address": f"127.0.0.1:{port}", "port": port}))
+    temporary.replace(port_file)
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
+    return 0
+
+
+def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], step_seconds: float) -> dict:
+    """One run of the writers and ranks against `kind` ("ours" or "relay"): the figures of the run."""
+    import multiprocessing
+
+    total_groups = sum(len(w) for w in lengths)
+    steps = total_groups * GROUP_SIZE // DP_MINI_BATCH
+    server_overrides = [*overrides(total_groups), f"trainer.mini_batch_size={DP_MINI_BATCH}"]
+    server = (RelayServer("relay", workdir, None, server_overrides) if kind == "relay"
+              else ServerProcess("ours", workdir, None, server_overrides)).start()
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Event(), context.Queue()
+    try:
+        server.wait_ready()
+        rss_before = rss_bytes(server.process.pid)
+        processes = [context.Process(target=writer_process, args=(server.address, w, lengths[w], start, results))
+                     for w in range(WRITERS)]
+        processes += [context.Process(target=rank_process, args=(server.address, r, steps, step_seconds, start,
+                                                                  results)) for r in range(RANKS)]
+        for process in processes:
+            process.start()
+        time.sleep(3.0)  # every process connected and its arrays built (the start event releases them together)
+        start.set()
+        got = [results.get(timeout=600) for _ in processes]
+        for process in processes:
+            process.join(60)
+        peak_rss = server.peak_rss_mb()
+    finally:
+        server.stop()
+    writers = [g for g in got if g[0] == "writer"]
+    ranks = sorted((g for g in got if g[0] == "rank"), key=lambda g: g[1])
+    began = min(g[2] for g in got)
+    bytes_in = sum(g[4] for g in writers)
+    bytes_out = sum(r[2] for g in ranks for r in g[4])
+    per_step_tokens = [[g[4][step][1] for g in ranks] for step in range(steps)]
+    imbalance = [max(t) / (sum(t) / len(t)) for t in per_step_tokens]
+    return {
+        "kind": kind, "steps": steps, "in_mb_s": bytes_in / 1e6 / (max(g[3] for g in writers) - began),
+        "out_mb_s": bytes_out / 1e6 / (max(r[3] for g in ranks for r in g[4]) - began),
+        "bytes_in": bytes_in, "bytes_out": bytes_out, "imbalance": imbalance,
+        "gaps_ms": {g[1]: [1000 * r[0] for r in g[4]] for g in ranks}, "server_peak_rss_mb": peak_rss,
+        "rss_before_mb": rss_before / 1e6,
+    }
+
+
+def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, json_path: Path | None) -> int:
+    lengths = [long_tailed_lengths(groups_per_writer, seed=100 + w) for w in range(WRITERS)]
+    all_lengths = [n for w in lengths for g in w for n in g]
+    print(f"payload_path --concurrent: {WRITERS} writer processes x {groups_per_writer} groups of {GROUP_SIZE}, "
+          f"{RANKS} ranks iterating batches({DP_MINI_BATCH}, rank=r, world_size={RANKS}); response lengths "
+          f"median {int(np.median(all_lengths))}, p90 {int(np.percentile(all_lengths, 90))}, max {max(all_lengths)} "
+          f"tokens; step {step_seconds} s; python {platform.python_version()}, {os.cpu_count()} cores")
+    busy0 = machine_busy_ticks()
+    runs: dict[str, list[dict]] = {"ours": [], "relay": []}
+    with tempfile.TemporaryDirectory(prefix="payload-concurrent-") as tmp:
+        for repeat in range(repeats):
+            for kind in (("relay", "ours") if repeat % 2 else ("ours", "relay")):
+                workdir = Path(tmp) / f"{kind}-{repeat}"
+                workdir.mkdir()
+                runs[kind].append(concurrent_once(kind, workdir, lengths, step_seconds))
+            print(f"  repeat {repeat + 1}/{repeats} done", flush=True)
+    busy1 = machine_busy_ticks()
+    busy = 100 * (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
+
+    def med(kind: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[kind])
+
+    print(f"\n{repeats} repeat(s); {runs['ours'][0]['bytes_in'] / 1e6:.0f} MB of arrays each way; machine busy "
+          f"{busy:.0f}% (all cores, anyone's) during the run\n")
+    print(f"{'':38} {'ours':>9} {'relay':>9} {'ratio':>7}  target")
+    ok = True
+    for name, key in (("aggregate MB/s in (8 writers)", "in_mb_s"), ("aggregate MB/s out (4 ranks)", "out_mb_s")):
+        ratio = med("ours", key) / med("relay", key)
+        passed = ratio >= CONCURRENT_TARGETS[key.split("_")[0]]
+        ok &= passed
+        print(f"{name:38} {med('ours', key):9.1f} {med('relay', key):9.1f} {ratio:7.2f}  >= "
+              f"{CONCURRENT_TARGETS[key.split('_')[0]]} {'PASS' if passed else 'FAIL'}")
+    print("  per repeat, ours/relay in: " + ", ".join(f"{o['in_mb_s'] / r['in_mb_s']:.2f}"
+                                                     for o, r in zip(runs["ours"], runs["relay"]))
+          + "; out: " + ", ".join(f"{o['out_mb_s'] / r['out_mb_s']:.2f}" for o, r in zip(runs["ours"], runs["relay"])))
+    ours_imbalance = [x for r in runs["ours"] for x in r["imbalance"]]
+    relay_imbalance = [x for r in runs["relay"] for x in r["imbalance"]]
+    passed = statistics.median(ours_imbalance) <= CONCURRENT_TARGETS["imbalance"]
+    ok &= passed
+    print(f"token imbalance across ranks per step (max/mean): ours median {statistics.median(ours_imbalance):.3f}, "
+          f"max {max(ours_imbalance):.3f}  target <= {CONCURRENT_TARGETS['imbalance']} {'PASS' if passed else 'FAIL'}; "
+          f"relay (groups in arrival order, no balancing) median {statistics.median(relay_imbalance):.3f}, "
+          f"max {max(relay_imbalance):.3f}")
+    for rank in range(RANKS):
+        gaps = [g for r in runs["ours"] for g in r["gaps_ms"][rank]]
+        relay_gaps = [g for r in runs["relay"] for g in r["gaps_ms"][rank]]
+        print(f"rank {rank} prefetch gap (time in next(), ms): ours median {statistics.median(gaps):.1f} max "
+              f"{max(gaps):.1f}; relay median {statistics.median(relay_gaps):.1f} max {max(relay_gaps):.1f}")
+    print(f"server peak RSS: ours {med('ours', 'server_peak_rss_mb'):.0f} MB, relay "
+          f"{med('relay', 'server_peak_rss_mb'):.0f} MB")
+    if json_path:
+        json_path.write_text(json.dumps({"runs": runs, "busy_percent": busy}, indent=2))
+    return 0 if ok else 1
+
+
 # ------------------------------------------------------------------------------------------- run
 
 def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
@@ -289,7 +528,8 @@ def report(runs: list[dict], busy: float) -> bool:
     rows = [
         ("Collect-to-NumPy MB/s (views)", med["collect_mb_s"], med["collect_floor_mb_s"], collect_ratio,
          f">= {TARGETS['collect']}", collect_ratio >= TARGETS["collect"]),
-        ("  same, packed by batches()", med["collect_packed_mb_s"], med["collect_floor_mb_s"], packed_ratio, "", True),
+        ("  same, packed by batches()", med["collect_packed_mb_s"], med["collect_floor_mb_s"], packed_ratio,
+         f">= {TARGETS['packed_vs_floor']}", packed_ratio >= TARGETS["packed_vs_floor"]),
         ("Submit-from-NumPy MB/s", med["submit_mb_s"], med["submit_floor_mb_s"], submit_ratio,
          f">= {TARGETS['submit']}", submit_ratio >= TARGETS["submit"]),
     ]
@@ -302,6 +542,11 @@ def report(runs: list[dict], busy: float) -> bool:
         print(f"{name:34} {ours:9.1f} {floor:9.1f} {ratio:7.2f}  {target} {'' if not target else 'PASS' if ok else 'FAIL'}")
     print(f"Submit, ours / empty-handler gRPC server: {med['submit_mb_s'] / med['submit_sink_mb_s']:.2f} "
           f"(what our server adds to gRPC's transport)")
+    packed_vs_submit = med["collect_packed_mb_s"] / med["submit_mb_s"]
+    packed_ok = packed_vs_submit >= TARGETS["packed_vs_submit"]
+    print(f"batches() (packed) / Submit-from-NumPy, ours: {packed_vs_submit:.2f}  target >= "
+          f"{TARGETS['packed_vs_submit']} {'PASS' if packed_ok else 'FAIL'} (per repeat: "
+          + ", ".join(f"{r['collect_packed_mb_s'] / r['submit_mb_s']:.2f}" for r in runs) + ")")
     rss_ok = med["rss_per_held_byte"] <= TARGETS["rss_per_held_byte"]
     print(f"\nserver RSS per held byte: {med['rss_per_held_byte']:.2f}  (RSS growth "
           f"{med['rss_growth_bytes'] / 1e6:.0f} MB for held_bytes {med['held_bytes'] / 1e6:.0f} MB; server RSS "
@@ -315,7 +560,7 @@ def report(runs: list[dict], busy: float) -> bool:
     print("\nper repeat: " + "; ".join(
         f"collect {r['collect_mb_s']:.0f}/{r['collect_floor_mb_s']:.0f}, submit {r['submit_mb_s']:.0f}/"
         f"{r['submit_floor_mb_s']:.0f} (empty handler {r['submit_sink_mb_s']:.0f}), rss/held {r['rss_per_held_byte']:.2f}" for r in runs))
-    return all(ok for *_, ok in rows) and rss_ok and gap_ok
+    return all(ok for *_, ok in rows) and rss_ok and gap_ok and packed_ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,8 +572,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure to this file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a configuration override for both servers, e.g. server.allocator_retain_bytes=0")
+    parser.add_argument("--concurrent", action="store_true",
+                        help=f"the many-writers run: {WRITERS} worker processes and {RANKS} ranks, ours against a relay")
+    parser.add_argument("--step-seconds", type=float, default=0.0,
+                        help="--concurrent: each rank's training step (a sleep) between batches")
+    parser.add_argument("--groups-per-writer", type=int, default=DP_GROUPS_PER_WRITER)
     args = parser.parse_args(argv)
     EXTRA_OVERRIDES[:] = args.set
+    if args.concurrent:
+        os.environ[FLOOR_PASSTHROUGH_ENV] = "1"
+        return concurrent_main(args.repeats, args.step_seconds, args.groups_per_writer, args.json)
     if args.quick:
         args.repeats, args.trajectories = 1, 2 * MINI_BATCH
     if args.trajectories % MINI_BATCH:
@@ -353,4 +606,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--serve-relay":
+        import asyncio
+
+        sys.exit(asyncio.run(serve_relay(Path(sys.argv[2]), sys.argv[3:])))
     sys.exit(main())
