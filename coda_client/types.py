@@ -296,6 +296,8 @@ class KeepAliveResult:
     renewed: int
     unknown_prompt_ids: list[str]
     lease_seconds: float  # 0: in-flight leases never run out
+    # A worker holding a control stream that makes no call for this long loses its running groups (0: off).
+    liveness_seconds: float = 0.0
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.KeepAliveResponse) -> KeepAliveResult:

@@ -174,7 +174,7 @@ def dispatch_response(result: DispatchResult) -> Union[pb.DispatchResponse, wire
 
 def keep_alive_response(result: KeepAliveResult) -> pb.KeepAliveResponse:
     return pb.KeepAliveResponse(renewed=result.renewed, unknown_prompt_ids=result.unknown_prompt_ids,
-                                lease_seconds=result.lease_seconds)
+                                lease_seconds=result.lease_seconds, liveness_seconds=result.liveness_seconds)
 
 
 def submit_response(result: SubmitResult) -> pb.SubmitResponse:

@@ -80,17 +80,21 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Dispatch(self, request: pb.DispatchRequest, context) -> wire.DispatchResponse:
+        caller = client_id(context)
+        self._pacer.heard_from(caller)
         result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
                                             bounded_wait(request.wait_seconds, context), request.request_id,
-                                            client_id(context), request.max_continuations)
+                                            caller, request.max_continuations)
         return convert.dispatch_response(result)
 
     @maps_errors
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
+        self._pacer.heard_from(client_id(context))  # the worker's heartbeat
         return convert.keep_alive_response(self._pacer.keep_alive(list(request.prompt_ids)))
 
     @maps_errors
     async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:
+        self._pacer.heard_from(client_id(context))
         result = await self._pacer.submit(convert.trajectories(request.trajectories),
                                           request.request_id)
         return convert.submit_response(result)
@@ -158,7 +162,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     async def WatchControl(self, request: pb.WatchControlRequest, context) -> None:
         # Written with context.write (not yielded), so that a watcher the fan-out drops while its write is
         # stuck (the client stopped reading) can still be ended with a status: its task is cancelled.
-        watcher = self._pacer.open_watch()
+        caller = client_id(context)
+        watcher = self._pacer.open_watch(caller)
         try:
             async for event in watcher:
                 await context.write(self._encoded(event))
@@ -173,7 +178,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
             context.set_details(status.details)
             context.set_trailing_metadata(status.trailing_metadata)
         finally:
-            watcher.close()
+            self._pacer.close_watch(watcher, caller)
 
     def _encoded(self, event: ControlEvent) -> bytes:
         """The event's wire bytes; every watcher is handed the same event object, so it is encoded once."""

@@ -174,6 +174,11 @@ class ListPromptSource:
         return shard
 
 
+def default_worker_id() -> str:
+    """A worker id unique on this machine and run: worker-PID-random."""
+    return f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 def trajectory_id_of(prompt_id: str, index: int) -> str:
     """The id of a group's `index`-th trajectory: stable, so a continued trajectory keeps its id."""
     return f"{prompt_id}#{index}"
@@ -338,7 +343,8 @@ class AsyncRolloutWorker:
         self.sampling = sampling or SamplingParams()
         self.reward = reward
         self.max_groups = max_groups
-        self.worker_id = worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        # The pacer's client id names this worker to the server (liveness, ListWorkers) when it has one.
+        self.worker_id = worker_id or getattr(pacer, "client_id", None) or default_worker_id()
         self.dispatch_wait = dispatch_wait
         self.on_resume = on_resume
         self.continue_restored = continue_restored
@@ -363,6 +369,7 @@ class AsyncRolloutWorker:
         self._paused = False
         self._stopping = False
         self._shutdown = False
+        self._stream_up = False  # the control stream's first event (STATE) arrived
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abort_task: asyncio.Task | None = None
 
@@ -425,7 +432,9 @@ class AsyncRolloutWorker:
         while not (self._stopping or self._shutdown):
             self._changed.clear()
             free = self.max_groups - len(self._groups)
-            if self._paused or free <= 0:
+            # Not before the control stream is up: it is how the server knows this worker is one to watch
+            # (liveness), and its STATE says whether dispatch is paused.
+            if self._paused or free <= 0 or not self._stream_up:
                 await self._changed.wait()
                 continue
             while len(self._pending) < free:
@@ -783,6 +792,7 @@ class AsyncRolloutWorker:
         elif event.type == ControlEventType.STATE:
             self._observe(event.generation, event.weight_version)
             self._paused = event.paused
+            self._stream_up = True
             self._poke()
         elif event.type == ControlEventType.SHUTDOWN:
             logger.info("%s: SHUTDOWN from the server; stopping", self.worker_id, extra=_fields(worker=self.worker_id))
@@ -818,15 +828,17 @@ class AsyncRolloutWorker:
     # ------------------------------------------------------------------ leases
 
     async def _keep_alive(self) -> None:
-        """Renews the in-flight leases of the groups still generating here, so a live worker never loses one."""
+        """The heartbeat: renews the in-flight leases of the groups held here and tells the server this worker is
+        alive (a worker silent for server.worker_liveness_seconds loses its running groups), every third of the
+        shorter of the two as the server reports them (or every `keepalive_seconds`)."""
         keep_alive = getattr(self.pacer, "keep_alive", None)
         if keep_alive is None:
             return
         interval = self.keepalive_seconds
         while True:
             await asyncio.sleep(interval if interval is not None else 1.0)
-            prompt_ids = [g.prompt.prompt_id for g in self._groups.values()
-                          if g.generation == self.generation and not g.abort_requested]
+            # Aborting groups too: until their ABORTED trajectories are in, the server holds them for this worker.
+            prompt_ids = [g.prompt.prompt_id for g in self._groups.values() if g.generation == self.generation]
             if not prompt_ids:
                 continue
             try:
@@ -835,11 +847,13 @@ class AsyncRolloutWorker:
                 logger.warning("%s: KeepAlive failed: %s", self.worker_id, exc, extra=_fields(worker=self.worker_id))
                 continue
             self.stats.keepalive_calls += 1
-            if interval is None:
-                if not answer.lease_seconds:  # the server never reclaims running groups: nothing to renew
+            if self.keepalive_seconds is None:  # the server's bounds may change across a restart: follow them
+                bounds = [b for b in (answer.lease_seconds, getattr(answer, "liveness_seconds", 0.0)) if b > 0]
+                if not bounds:  # the server never reclaims running groups: nothing to renew
                     return
-                interval = max(0.05, answer.lease_seconds / 3)
-            lost = [self._groups[p] for p in answer.unknown_prompt_ids if p in self._groups]
+                interval = max(0.05, min(bounds) / 3)
+            lost = [self._groups[p] for p in answer.unknown_prompt_ids
+                    if p in self._groups and not self._groups[p].abort_requested]
             if lost:
                 logger.warning("%s: %d groups are no longer in flight on the server; aborting them", self.worker_id,
                                len(lost), extra=_fields(worker=self.worker_id, lost=[g.prompt.prompt_id for g in lost]))
@@ -925,8 +939,11 @@ class RolloutWorker:
             engine = threaded = _ThreadedEngine(engine, self.engine_threads)
         try:
             options = dict(self.client_options)
-            if self.worker_options.get("worker_id"):  # the server's ListWorkers and logs name the worker so
-                options.setdefault("client_id", self.worker_options["worker_id"])
+            # The worker's id is its client id: the server's ListWorkers and logs name it so, and worker
+            # liveness (a watched worker is one holding a control stream under a client id) needs one.
+            worker_id = self.worker_options.get("worker_id") or options.get("client_id") or default_worker_id()
+            options.setdefault("client_id", worker_id)
+            self.worker_options["worker_id"] = worker_id
             async with AsyncPacerClient(self.target, **options) as pacer:
                 self._worker = AsyncRolloutWorker(pacer, engine, self.source, **self.worker_options)
                 if self._stop_requested:

@@ -96,6 +96,15 @@ class AsyncPacer:
                 log.warning("in-flight lease ran out for %d running group(s) (%s%s): slots reclaimed, partial "
                             "trajectories set aside for the next Reset", len(prompts), ", ".join(prompts[:5]),
                             ", ..." if len(prompts) > 5 else "")
+            try:
+                silent = self.pacer.release_silent_workers()
+            except Exception:
+                log.exception("releasing the groups of silent workers failed")
+                continue
+            for worker, released in silent.items():
+                log.warning("worker %s silent for %.0f s (no heartbeat or call): its %d running group(s) released "
+                            "(%s%s)", worker, self.pacer.liveness_seconds, len(released), ", ".join(released[:5]),
+                            ", ..." if len(released) > 5 else "")
             if leases:
                 log.warning("Collect lease(s) %s ran out without Ack: their groups are back in the buffer",
                             ", ".join(leases))
@@ -158,6 +167,11 @@ class AsyncPacer:
                 self.pacer.dispatch_poll(candidates, request_id, client_id, max_continuations), wait)
 
         return await self._applied("Dispatch", request_id, call)
+
+    def heard_from(self, client_id: str) -> None:
+        """A call from `client_id`: the worker is alive (see liveness.py). Cheap; made by every worker call."""
+        if client_id:
+            self.pacer.heard_from(client_id)
 
     def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
         """Renews in-flight leases at once (nothing to wait for: it is not journaled)."""
@@ -275,12 +289,18 @@ class AsyncPacer:
 
     # ------------------------------------------------------------- watchers
 
-    def open_watch(self) -> Watcher:
+    def open_watch(self, client_id: str = "") -> Watcher:
         """A watcher for the calling task: the current state first, then every control event until SHUTDOWN;
         dropped (and counted in `watchers.dropped`) if it falls `watch_queue_limit` events behind. Close it
-        when the stream ends."""
+        when the stream ends (`close_watch`). A `client_id` holding a stream is a watched worker (liveness.py)."""
         self.check_ready()
-        return self.watchers.open(self.pacer.current_state_event(), self.pacer.closed)
+        watcher = self.watchers.open(self.pacer.current_state_event(), self.pacer.closed)
+        self.pacer.watch_opened(client_id)
+        return watcher
+
+    def close_watch(self, watcher: Watcher, client_id: str = "") -> None:
+        watcher.close()
+        self.pacer.watch_closed(client_id)
 
     async def watch(self) -> AsyncIterator[ControlEvent]:
         """`open_watch()` as an async generator that closes the watcher when it ends."""
@@ -289,7 +309,7 @@ class AsyncPacer:
             async for event in watcher:
                 yield event
         finally:
-            watcher.close()
+            self.close_watch(watcher)
 
     @property
     def watcher_count(self) -> int:

@@ -334,6 +334,9 @@ def _validate_server(server: Any, need) -> None:
     retain = server.get("allocator_retain_bytes")
     need(_is_int(retain) and 0 <= retain <= 2**31 - 1, "server.allocator_retain_bytes", retain,
          "must be an integer from 0 (the allocator's defaults) to 2147483647")
+    liveness = server.get("worker_liveness_seconds")
+    need(_is_number(liveness) and liveness >= 0 and math.isfinite(liveness), "server.worker_liveness_seconds",
+         liveness, "must be a finite number >= 0 (0: off)")
     lease = server.get("inflight_lease_seconds")
     need(_is_number(lease) and lease >= 0 and math.isfinite(lease), "server.inflight_lease_seconds", lease,
          "must be a finite number >= 0 (0: no lease)")

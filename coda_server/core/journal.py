@@ -51,6 +51,7 @@ class Dispatched(JournalEvent):
     request_id: str
     client_id: str = ""  # who dispatched them (records written before client ids have none)
     continued: list[str] = ()  # prompt ids of kept restored groups re-offered first (journals before: none)
+    watched: bool = False  # the client was a watched worker (liveness): after a restart its grace restarts
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ SERVER_KEYS = {
     "incidents_kept": "incidents_kept",
     "answers_kept": "request_id_cache_size",
     "inflight_lease_seconds": "inflight_lease_seconds",
+    "worker_liveness_seconds": "worker_liveness_seconds",
     "max_buffered_groups": "max_buffered_groups",
     "max_held_bytes": "max_held_bytes",
     "remembered_answer_bytes": "remembered_answer_bytes",
@@ -48,6 +49,7 @@ class Limits:
     answers_kept: int  # request-id answers kept per method (request_id_cache_size)
     data_answers_kept: int  # the same for Collect and Reset, whose answers carry trajectories
     inflight_lease_seconds: float  # 0: running groups never expire
+    worker_liveness_seconds: float  # a watched worker silent this long loses its running groups; 0: off
     max_buffered_groups: int  # 0: unbounded
     max_held_bytes: int  # 0: unbounded
     remembered_answer_bytes: int  # trajectory bytes of remembered Collect and Reset answers; 0: only the count bounds
@@ -61,6 +63,7 @@ class Limits:
         values = {name: server.get(key, defaults[key]) for name, key in SERVER_KEYS.items()}
         numbers: dict[str, Any] = {name: int(value) for name, value in values.items()}
         numbers["inflight_lease_seconds"] = float(values["inflight_lease_seconds"])
+        numbers["worker_liveness_seconds"] = float(values["worker_liveness_seconds"])
         return cls(max_opaque_id_length=max(numbers["max_id_length"], OPAQUE_ID_MIN_LIMIT),
                    data_answers_kept=min(numbers["answers_kept"], DATA_ANSWERS_KEPT), **numbers)
 

@@ -26,6 +26,7 @@ from .inflight import InflightGroup, StepTally, bytes_of
 from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, StaleRejected,
                       Submitted)
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
+from .liveness import Liveness
 from .limits import Limits, shipped_server_defaults
 from .polls import CollectPoll, DispatchPoll, ResetPoll
 from .replay import RestoredGroups, create_replay_strategy
@@ -116,6 +117,7 @@ class Pacer:
         self.waits = ThreadWaits(self._lock, lambda: self._clock(), lambda: self.closed)
         self.answers = AnswerBook(limits, self._lock, self.checks.check_request_id)
         self._leases = Leases(limits.inflight_lease_seconds)
+        self._liveness = Liveness(limits.worker_liveness_seconds)
         self._change_listeners: list[Callable[[], None]] = []
         self._control_listeners: list[Callable[[ControlEvent], None]] = []
         self._consume_listeners: list[Callable[[list[TrajectoryGroup], int, float], None]] = []
@@ -327,7 +329,8 @@ class Pacer:
                                 self._admissible_after_change() if count or continued else allowed, continued)
         self._call_failures.clear()  # a group quarantined on the way is reported; the admission stands
         if count or continued:
-            self._record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued]))
+            self._record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued],
+                                    self._liveness.watched(client_id)))
         return result
 
     def admissible_now(self) -> int:
@@ -354,6 +357,44 @@ class Pacer:
         except Exception:
             return 0
 
+    # ----------------------------------------------------------------- worker liveness
+
+    def heard_from(self, client_id: str) -> None:
+        """A call from `client_id` (a worker's heartbeat, Dispatch or Submit): it is alive."""
+        self._liveness.heard(client_id, self._clock())
+
+    def watch_opened(self, client_id: str) -> None:
+        """`client_id` opened a control stream: it is a watched worker from now on (see liveness.py)."""
+        self._liveness.stream_opened(client_id, self._clock())
+
+    def watch_closed(self, client_id: str) -> None:
+        self._liveness.stream_closed(client_id)
+
+    @property
+    def liveness_seconds(self) -> float:
+        return self._liveness.grace
+
+    def release_silent_workers(self) -> dict[str, list[str]]:
+        """Release the incomplete running groups of watched workers silent for the liveness grace, as an
+        expired lease releases them. Returns {client id: released prompt ids}. Called periodically by the server."""
+        with self._lock:
+            now = self._clock()
+            gone = self._liveness.silent(now)
+            if not gone or self.closed:
+                return {}
+            gone_set = set(gone)
+            groups = sorted((g for g in self._inflight.values() if g.client_id in gone_set and not g.complete),
+                            key=lambda g: g.seq)
+            if not groups:
+                return {}
+            released: dict[str, list[str]] = {}
+            for group in groups:
+                released.setdefault(group.client_id, []).append(group.prompt_id)
+            prompt_ids = [group.prompt_id for group in groups]
+            self.apply_expiry(prompt_ids, [])
+            self._record(Expired(now, prompt_ids, []))
+            return released
+
     # ----------------------------------------------------------------- keep-alive
 
     def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
@@ -368,7 +409,7 @@ class Pacer:
             self._leases.extend([g for g in running if not g.complete], self._clock())
             known = {g.prompt_id for g in running}
             return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
-                                   self._leases.inflight_seconds)
+                                   self._leases.inflight_seconds, self._liveness.grace)
 
     # ----------------------------------------------------------------- submit
 

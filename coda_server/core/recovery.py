@@ -123,6 +123,7 @@ def recover(pacer: "Pacer") -> int:
         if pacer.paused and not pacer.resetting:
             pacer._pause_started = pacer._clock()
         pacer._leases.restart_clocks(pacer._clock(), pacer._inflight.values())
+        pacer._liveness.restart_clocks(pacer._clock())
     return len(recorded_events)
 
 
@@ -147,6 +148,8 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
     """Apply one recorded change again, through the step the live call ran, and remember its answer."""
     remember = pacer.answers.remember
     if isinstance(event, Dispatched):
+        if event.watched:
+            pacer._liveness.restore([event.client_id], event.at)
         result = pacer.apply_dispatch(event.refs, event.request_id, event.client_id, continued_ids=event.continued)
         if result.admitted_ids != [r.prompt_id for r in event.refs]:
             raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted_ids)} of the "

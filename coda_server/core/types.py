@@ -236,6 +236,7 @@ class KeepAliveResult:
     renewed: int
     unknown_prompt_ids: list[str]
     lease_seconds: float
+    liveness_seconds: float = 0.0
 
 
 @dataclass

@@ -1,0 +1,134 @@
+"""Worker liveness: a worker killed, stopped or cut off loses its running groups within the liveness grace
+(not at its lease's end), a restart does not grant them a fresh lease, and raw clients keep their lease."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coda_client import PacerClient
+from coda_client._proto import pacer_pb2 as pb, pacer_pb2_grpc
+from conftest import core_overrides
+from server_harness import ServerProcess
+from test_durability_crash import free_port
+
+GRACE = 2.0
+LEASE = 600.0  # far beyond any wait here: only liveness can release the groups in time
+CALL_TIMEOUT = 60.0
+WORKER = Path(__file__).resolve().parent / "fault_worker.py"
+OVERRIDES = (*core_overrides("no-window", B=2, stale=1.0, N=2, filters="[]"),
+             f"server.worker_liveness_seconds={GRACE}", f"server.inflight_lease_seconds={LEASE}")
+
+
+def until(condition, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def start_worker(address: str, worker_id: str, seconds_per_token: float = 1000.0) -> subprocess.Popen:
+    """A kit worker whose engine never finishes a response (1000 s a token)."""
+    return subprocess.Popen([sys.executable, str(WORKER), address, worker_id, "2", str(seconds_per_token)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def holding(client: PacerClient, worker_id: str) -> int:
+    return sum(len(w.groups) for w in client.list_workers(worker_id))
+
+
+@pytest.fixture
+def server(tmp_path):
+    with ServerProcess(tmp_path, *OVERRIDES) as server:
+        yield server
+
+
+def test_a_killed_worker_releases_its_groups_within_the_grace_so_a_waiting_reset_ends(server):
+    worker = start_worker(server.address, "doomed")
+    try:
+        with PacerClient(server.address, timeout=CALL_TIMEOUT) as client:
+            until(lambda: holding(client, "doomed") == 2, "the worker to hold two groups")
+            worker.kill()
+            worker.wait(10)
+            # The trainer's step boundary waits for every running group (WAIT, no wait given): it ends once the
+            # dead worker's groups are released, long before their lease would run out.
+            result = client.reset("wait")
+            assert sorted(g.prompt_id for g in result.expired) == ["p0", "p1"], result
+            state = client.state()
+            assert (state.running, state.expired) == (0, 2), state
+            assert "worker doomed silent" in server.log()
+    finally:
+        worker.kill()
+
+
+def test_a_stopped_worker_loses_its_groups_though_its_connection_stays_open(server):
+    worker = start_worker(server.address, "frozen")
+    try:
+        with PacerClient(server.address, timeout=CALL_TIMEOUT) as client:
+            until(lambda: holding(client, "frozen") == 2, "the worker to hold two groups")
+            os.kill(worker.pid, signal.SIGSTOP)  # a long GC pause, a stuck host: the socket stays open
+            until(lambda: client.state().expired == 2, "the stopped worker's groups to be released")
+            assert client.state().running == 0
+    finally:
+        worker.kill()
+
+
+def test_a_raw_client_without_a_control_stream_keeps_its_groups_for_the_lease(server):
+    """Callers that never opened WatchControl are not watched: only their lease bounds their groups."""
+    worker = start_worker(server.address, "watched")
+    raw = PacerClient(server.address, timeout=CALL_TIMEOUT, client_id="raw-client")
+    try:
+        with PacerClient(server.address, timeout=CALL_TIMEOUT) as client:
+            until(lambda: holding(client, "watched") == 2, "the worker to hold two groups")
+            raw.dispatch(["raw-0"])
+            worker.kill()
+            until(lambda: client.state().expired == 2, "the killed worker's groups to be released")
+            assert [g.prompt_id for w in client.list_workers("raw-client") for g in w.groups] == ["raw-0"]
+    finally:
+        worker.kill()
+        raw.close()
+
+
+def test_after_a_restart_a_dead_worker_gets_the_grace_from_recovery_not_a_fresh_lease(tmp_path):
+    port = free_port()
+    overrides = (*OVERRIDES, f"server.address=127.0.0.1:{port}", f"server.state_dir={tmp_path / 'state'}")
+    server = ServerProcess(tmp_path, *overrides).start()
+    # A watched worker by hand: a control stream under a client id, then a Dispatch; then it is gone.
+    channel = grpc.insecure_channel(server.address)
+    metadata = (("x-coda-client-id", "gone-worker"),)
+    stub = pacer_pb2_grpc.RolloutPacerStub(channel)
+    stream = stub.WatchControl(pb.WatchControlRequest(), metadata=metadata)
+    next(stream)  # STATE: the stream is open
+    stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="p0")]), metadata=metadata, timeout=10)
+    server.kill()
+    stream.cancel()
+    channel.close()
+    server.close()
+    server = ServerProcess(tmp_path, *overrides).start()
+    try:
+        with PacerClient(server.address, timeout=CALL_TIMEOUT) as client:
+            assert client.state().running == 1  # recovered, still held for the worker ...
+            # ... until the grace, counted from recovery, runs out without the worker coming back
+            until(lambda: client.state().expired == 1, "the dead worker's group to be released after the restart")
+    finally:
+        server.close()
+
+
+def test_a_live_worker_keeps_its_groups_for_many_graces(server):
+    """The kit heartbeats: groups that take about four graces to generate are completed, not released."""
+    worker = start_worker(server.address, "alive", seconds_per_token=4 * GRACE / 64)
+    try:
+        with PacerClient(server.address, timeout=CALL_TIMEOUT) as client:
+            until(lambda: client.state().collected == 2, "the worker's two groups to be complete", timeout=60)
+            assert client.state().expired == 0
+    finally:
+        worker.kill()
