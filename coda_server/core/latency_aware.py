@@ -129,6 +129,28 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
             self._idle_at_boundary += 1
         self._aborted_now[trajectory.trajectory_id] = tokens
 
+    # What the strategy learned over past steps, kept across a restart (the snapshot is taken at a step
+    # boundary; the calls after it are replayed through the hooks).
+    _LEARNED = ("depth", "engine_concurrency", "_fetch_groups", "_consumed_in_step", "_tokens_at_boundary",
+                "_aborted_now", "_idle_at_boundary", "_generating_at_boundary")
+
+    def state(self) -> dict:
+        learned = {name.lstrip("_"): getattr(self, name) for name in self._LEARNED}
+        for name in ("tokens_at_boundary", "aborted_now"):
+            learned[name] = dict(learned[name])
+        learned["quiet"] = self.quiet_since is not None
+        return learned
+
+    def restore(self, state: dict) -> None:
+        for name in self._LEARNED:
+            key = name.lstrip("_")
+            if key in state:
+                value = state[key]
+                setattr(self, name, dict(value) if isinstance(value, dict) else int(value))
+        self.depth = min(self.depth, self._capacity)
+        # The quiet tail's start is a time on the last process's clock: restart it on this one.
+        self.quiet_since = self.now() if state.get("quiet") else None
+
     def on_resume(self, weight_version: int) -> None:
         if self._adaptive_depth:
             surplus = (len(self.buffer) - self._batch_size) // 2

@@ -7,10 +7,11 @@ steps the live call ran, at the time it first ran, and remembers its answer as t
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .cursor import PromptCursor
 from .errors import RecoveryError, StrategyHookError
+from .incidents import HOOK_FAILED, describe_exception
 from .shares import BatchShape
 from .journal import (
     Acked,
@@ -52,7 +53,20 @@ def export_state(pacer: "Pacer") -> dict:
             "quarantined": list(pacer._quarantined),  # empty after a Reset; a Restore may put some back
             "cursor": pacer._cursor.export(),  # the prompts admitted so far
             "last_checkpoint": pacer.last_checkpoint, "last_restore": pacer.last_restore,
+            # What the strategy learned (its state() hook), under its name: restored only into the same strategy.
+            "strategy": {"name": pacer.strategy.name, "state": _strategy_state(pacer)},
         }
+
+
+def _strategy_state(pacer: "Pacer") -> Any:
+    hook = getattr(pacer._hooks, "state", None)
+    if not callable(hook):  # a strategy of its own making, with an attribute of that name: nothing to save
+        return None
+    try:
+        return hook()
+    except Exception as exc:  # a broken hook must not cost the snapshot: reported, and the restart relearns
+        pacer._incident(HOOK_FAILED, "", "state", describe_exception(exc), "not saved")
+        return None
 
 
 def import_state(pacer: "Pacer", snapshot: dict) -> None:
@@ -75,6 +89,9 @@ def import_state(pacer: "Pacer", snapshot: dict) -> None:
     pacer._quarantined = list(snapshot.get("quarantined") or ())
     pacer._cursor = PromptCursor.restored(snapshot.get("cursor"))
     pacer.last_checkpoint, pacer.last_restore = snapshot.get("last_checkpoint"), snapshot.get("last_restore")
+    saved = snapshot.get("strategy")  # absent from snapshots written before strategies kept state
+    if saved and saved.get("state") is not None and saved.get("name") == pacer.strategy.name:
+        pacer._hooks.restore(saved["state"])
 
 
 def recover(pacer: "Pacer") -> int:

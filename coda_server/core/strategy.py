@@ -90,14 +90,21 @@ class SlidingWindowStrategy(abc.ABC):
     def on_resume(self, weight_version: int) -> None:
         """Generation resumed with new weights (after `on_reset`, at the start of the next step)."""
 
+    # State that must survive a restart and go into trainer checkpoints (docs/custom-strategies.md,
+    # "State across restarts").
+    # The pacer saves `state()` in each snapshot of its journal (taken at a step boundary, when nothing is in
+    # flight) and, when it recovers, calls `restore()` on a fresh instance before replaying the calls made
+    # since, which the hooks hear again; a Restore of a checkpoint calls it too. Keep in it what the strategy
+    # learned over past steps; what the replayed hooks rebuild (in-flight groups, _running_count) need not be.
+
     def state(self) -> Any:
-        """The strategy's own state (what it learned), as plain data (dicts, lists, numbers, strings), for a
-        trainer checkpoint and the journal's snapshot; None (the default): nothing to keep."""
+        """The strategy's own state (what it learned), as plain data (dicts with string keys, lists, numbers,
+        strings), for the journal's snapshot and a trainer checkpoint; None (the default): nothing to keep."""
         return None
 
     def restore(self, state: Any) -> None:
-        """Take back what `state()` returned (a Restore of a checkpoint); `on_reset()` follows, as nothing
-        is in flight after it."""
+        """Take back what `state()` returned, on a fresh instance built from the same configuration (after a
+        restart) or on this one (a Restore of a checkpoint, `on_reset()` follows). Default: nothing to take back."""
 
     # The pacer binds these to itself when it adopts the strategy; class defaults serve a strategy used alone.
     _pacer_clock: Callable[[], float] = staticmethod(time.monotonic)
