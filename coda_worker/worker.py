@@ -298,7 +298,9 @@ _CANDIDATE_FIELD = re.compile(r"^candidates\[(\d+)\]")
 
 class AsyncRolloutWorker:
     """The rollout loop on asyncio. `await worker.run()` works until the source is exhausted (and every
-    group it started is acknowledged), `stop()` is called, or the server shuts down; returns WorkerStats.
+    group it started is acknowledged) or `stop()` is called; returns WorkerStats. A server's SHUTDOWN (a
+    restart, a rolling update) does not end it: it stops dispatching, keeps generating and submitting what
+    it holds (retrying while the server is away), and dispatches again once the server is back.
 
     pacer: an AsyncPacerClient (the worker does not close it). engine: an AsyncEngine (e.g. VLLMEngine).
     source: a PromptSource. sampling: SamplingParams of every trajectory. reward: optional
@@ -310,8 +312,8 @@ class AsyncRolloutWorker:
     continue_restored: take restored groups the server re-offers and continue them (default True).
     keepalive_seconds: how often the in-flight leases of running groups are renewed (None: a third of
     the server's lease, as the server reports it). engine_retries: how often a failed engine call is
-    retried before the trajectory is submitted as FAILED. shutdown_grace: seconds Submits keep being
-    retried after the server announced SHUTDOWN (a restarting server takes them; then they are dropped).
+    retried before the trajectory is submitted as FAILED. shutdown_grace: seconds calls keep being retried
+    after `stop()` while the server is unreachable (then what is left is dropped, and run() returns).
     on_submitted: optional callback with the trajectories of each acknowledged Submit (metrics, audit).
     """
 
@@ -352,7 +354,7 @@ class AsyncRolloutWorker:
         self.engine_retries = engine_retries
         self.shutdown_grace = shutdown_grace
         self.on_submitted = on_submitted
-        self._give_up_at: float | None = None  # set at SHUTDOWN: Submits stop retrying then
+        self._give_up_at: float | None = None  # set at stop(): retries of an unreachable server end then
         self.stats = WorkerStats()
         self.weight_version = 0
         self.engine_weight_version: int | None = None  # what the engine reports loaded; None: it cannot say
@@ -368,7 +370,6 @@ class AsyncRolloutWorker:
         self._changed: asyncio.Event | None = None  # a group ended, a control event came, or stop()
         self._paused = False
         self._stopping = False
-        self._shutdown = False
         self._stream_up = False  # the control stream's first event (STATE) arrived
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abort_task: asyncio.Task | None = None
@@ -376,15 +377,21 @@ class AsyncRolloutWorker:
     # ------------------------------------------------------------------ control from outside
 
     def stop(self) -> None:
-        """Ends the loop: no more dispatching; running groups finish and are submitted. Thread-safe."""
+        """Ends the loop: no more dispatching; running groups finish and are submitted. Thread-safe, and safe
+        at any time: before run(), while it runs, and after it ended (then it does nothing)."""
         loop = self._loop
-        if loop is None:
-            self._stopping = True
-            return
-        loop.call_soon_threadsafe(self._request_stop)
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._request_stop)
+                return
+            except RuntimeError:  # the loop closed since (run() ended): nothing left to stop
+                pass
+        self._stopping = True
 
     def _request_stop(self) -> None:
-        self._stopping = True
+        if not self._stopping:
+            self._stopping = True
+            self._give_up_at = time.monotonic() + self.shutdown_grace
         self._poke()
 
     def _poke(self) -> None:
@@ -429,7 +436,7 @@ class AsyncRolloutWorker:
 
     async def _dispatch_loop(self) -> None:
         assert self._changed is not None
-        while not (self._stopping or self._shutdown):
+        while not self._stopping:
             self._changed.clear()
             free = self.max_groups - len(self._groups)
             # Not before the control stream is up: it is how the server knows this worker is one to watch
@@ -587,7 +594,7 @@ class AsyncRolloutWorker:
         attempts = 0
         while not traj.done:
             remaining = self.sampling.max_tokens - len(traj.token_ids)
-            if group.abort_requested or self._shutdown:
+            if group.abort_requested:
                 traj.status, traj.finish = TrajectoryStatus.ABORTED, FinishReason.ABORT
                 break
             if remaining <= 0:
@@ -739,7 +746,8 @@ class AsyncRolloutWorker:
     # ------------------------------------------------------------------ control events
 
     async def _watch(self) -> None:
-        """Follows WatchControl, reconnecting while the server restarts; ends at SHUTDOWN."""
+        """Follows WatchControl, reconnecting (with back-off) whenever the stream ends: a SHUTDOWN, a lost
+        connection, a restarted server."""
         delay = RETRY_INITIAL_SECONDS
         while True:
             stream = self.pacer.watch()
@@ -757,7 +765,7 @@ class AsyncRolloutWorker:
             delay = min(delay * 2, RETRY_MAX_SECONDS)
 
     async def _on_event(self, event: ControlEvent) -> bool:
-        """Acts on one control event; True at SHUTDOWN."""
+        """Acts on one control event; True when the worker is to follow no more events."""
         if event.type == ControlEventType.PAUSE:
             self._paused = True
             self._observe(event.generation, event.weight_version)
@@ -795,12 +803,12 @@ class AsyncRolloutWorker:
             self._stream_up = True
             self._poke()
         elif event.type == ControlEventType.SHUTDOWN:
-            logger.info("%s: SHUTDOWN from the server; stopping", self.worker_id, extra=_fields(worker=self.worker_id))
-            self._shutdown = True
-            self._give_up_at = time.monotonic() + self.shutdown_grace
-            self._request_abort(list(self._groups.values()), reason="the server shuts down")
+            # The server is going away for now (a restart, a rolling update): keep what is held (generating and
+            # submitting it, retried until a server is back) and dispatch again after the next server's STATE.
+            logger.info("%s: SHUTDOWN from the server: dispatch stops until it is back; %d groups kept",
+                        self.worker_id, len(self._groups), extra=_fields(worker=self.worker_id))
+            self._stream_up = False
             self._poke()
-            return True
         return False
 
     def _request_abort(self, groups: list[_Group], *, reason: str) -> None:
@@ -877,19 +885,21 @@ class AsyncRolloutWorker:
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[Any]]) -> Any:
         """Runs a pacer call, retrying UNAVAILABLE only (the server restarting), with backoff; the caller's
-        request id stays the same across attempts. Gives up when the worker stops or the server shut down."""
+        request id stays the same across attempts, while the server is away as long as it takes. After stop(),
+        only Submits are retried, for `shutdown_grace` seconds."""
         delay = RETRY_INITIAL_SECONDS
         while True:
             try:
                 if self._give_up_at is None:
                     return await call()
-                # After SHUTDOWN a call may wait for a server that is not coming back: bound it by the grace.
+                # After stop() a call may wait for a server that is not coming back: bound it by the grace.
                 return await asyncio.wait_for(call(), max(0.0, self._give_up_at - time.monotonic()))
             except asyncio.TimeoutError:
                 raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered within the "
-                                       f"{self.shutdown_grace:g} s shutdown grace; the server is gone") from None
+                                       f"{self.shutdown_grace:g} s shutdown grace after stop(); the server is "
+                                       f"unreachable") from None
             except UnavailableError as exc:
-                if what != "Submit" and (self._stopping or self._shutdown):
+                if what != "Submit" and self._stopping:
                     raise
                 if self._give_up_at is not None and time.monotonic() > self._give_up_at:
                     raise

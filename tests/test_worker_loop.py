@@ -25,6 +25,7 @@ from coda_worker import worker as worker_module
 from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt, RolloutWorker, trajectory_id_of
 from conftest import core_overrides
 from server_harness import ServerProcess
+from test_durability_crash import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST_TOKENS = 3  # tokens a request produces before it is held
@@ -249,19 +250,34 @@ def test_segments_are_tagged_with_the_version_the_engine_reports_loaded_not_the_
                for g in after_sync for t in g.trajectories)
 
 
-def test_shutdown_stops_the_worker_and_aborts_its_requests(tmp_path):
-    server = ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4)).start()
+def test_a_worker_rides_through_a_graceful_server_restart_and_stop_is_safe_after_it_ended(tmp_path):
+    """SHUTDOWN is "the server is going away for now": the worker keeps what it holds, submits it to the
+    restarted server and dispatches again; only stop() ends it, and stop() after the end does nothing."""
+    overrides = [*core_overrides("no-window", B=2, stale=1.0, N=2, M=4), f"server.address=127.0.0.1:{free_port()}",
+                 f"server.state_dir={tmp_path / 'state'}"]
+    server = ServerProcess(tmp_path, *overrides).start()
     try:
         async def go():
-            async with running_worker(server.address, shutdown_grace=1.0) as (pacer, engine, worker, task):
+            async with running_worker(server.address, prompts(6)) as (pacer, engine, worker, task):
                 server.process.send_signal(signal.SIGTERM)
-                stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)
-            return engine, stats
+                assert server.process.wait(CONDITION_TIMEOUT) == 0
+                restarted = ServerProcess(tmp_path, *overrides).start()
+                try:
+                    assert not task.done()  # SHUTDOWN did not end the worker
+                    engine.auto_release = True
+                    engine.release_all()  # the two groups it held finish: submitted to the restarted server
+                    state = await until_state(pacer, lambda s: s.collected >= 4, "four groups collected: two from before the restart, two dispatched after it")
+                    worker.stop()
+                    stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)
+                finally:
+                    restarted.close()
+            return engine, stats, state, worker
 
-        engine, stats = asyncio.run(go())
-        assert server.process.wait(CONDITION_TIMEOUT) == 0
-        assert len(engine.aborted) >= 4 and engine.held == {}
-        assert stats.groups_done == 2  # every group settled (submitted, or dropped when the server was gone)
+        engine, stats, state, worker = asyncio.run(go())
+        assert engine.aborted == []  # nothing was aborted for the restart
+        assert stats.trajectories_refused == 0 and stats.groups_done >= 4
+        assert state.expired == 0
+        worker.stop()  # after run() ended, its loop closed: does nothing, raises nothing
     finally:
         server.close()
 
