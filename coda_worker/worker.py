@@ -58,6 +58,7 @@ from coda_client.errors import (
 )
 from coda_client.types import (
     ControlEvent,
+    PromptCursor,
     ControlEventType,
     PromptRef,
     ResetMode,
@@ -122,6 +123,9 @@ class PromptSource(Protocol):
     `get(prompt_id)` finds any prompt by id, for restored groups the server re-offers, which another
     worker may have started. Prompts a Dispatch did not admit stay with the worker and are proposed
     again; `give_back(prompts)`, when the source has it, takes them back when the worker stops.
+    `resume_from(cursor)`, when the source has it, is given the server's prompt cursor (a
+    `coda_client.PromptCursor`) when the worker starts and after every Restore: from then on the source
+    hands out only prompts the cursor does not list as admitted (see ListPromptSource.resume_from).
     """
 
     def take(self, count: int) -> list[Prompt]: ...
@@ -142,8 +146,10 @@ class ListPromptSource:
             if prompt.prompt_id in self._all:
                 raise ValueError(f"prompt id {prompt.prompt_id!r} appears twice")
             self._all[prompt.prompt_id] = prompt
-        self._queue: deque[Prompt] = deque(self._all.values())
+        self._order: list[Prompt] = list(self._all.values())  # this source's prompts, in the order handed out
+        self._queue: deque[Prompt] = deque(self._order)
         self._lock = threading.Lock()
+        self._synced_restores: int | None = None  # the cursor's `restores` this source last resumed from
 
     def __len__(self) -> int:
         with self._lock:
@@ -156,6 +162,18 @@ class ListPromptSource:
     def give_back(self, prompts: Sequence[Prompt]) -> None:
         with self._lock:
             self._queue.extendleft(reversed(list(prompts)))
+
+    def resume_from(self, cursor: PromptCursor) -> int:
+        """Hand out, from now on, this source's prompts (in order) that the server's prompt cursor does not
+        list as admitted: after a restart, what was dispatched is not proposed again; after a Restore, the
+        prompts in flight at the checkpoint and those admitted since are. Applied once per `cursor.restores`
+        (the workers sharing a source each call it). Returns how many prompts are left to hand out."""
+        with self._lock:
+            if self._synced_restores != cursor.restores:
+                self._synced_restores = cursor.restores
+                self._queue = deque(p for p in self._order
+                                    if not cursor.admitted(p.prompt_id, p.ds_index, p.epoch, p.index))
+            return len(self._queue)
 
     def get(self, prompt_id: str) -> Prompt:
         try:
@@ -170,7 +188,8 @@ class ListPromptSource:
         shard = ListPromptSource([])
         shard._all = self._all
         with self._lock:
-            shard._queue = deque(p for i, p in enumerate(self._queue) if i % count == index)
+            shard._order = [p for i, p in enumerate(self._queue) if i % count == index]
+            shard._queue = deque(shard._order)
         return shard
 
 
@@ -369,6 +388,8 @@ class AsyncRolloutWorker:
         self._submit_wakeup: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None  # a group ended, a control event came, or stop()
         self._paused = False
+        self._restores = 0  # Restores the server had made when this worker last heard (ControlEvent.restores)
+        self._resync = False  # a Restore happened: the dispatch loop drops its pending prompts, re-reads the cursor
         self._stopping = False
         self._stream_up = False  # the control stream's first event (STATE) arrived
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -409,6 +430,7 @@ class AsyncRolloutWorker:
         self._group_sizes = [int(n) for n in state.config_summary.get("num_trajectories_per_prompt", "1").split(",")]
         self.weight_version, self.generation, self._paused = state.weight_version, state.generation, state.paused
         await self._ask_engine_version()
+        await self._resume_source()
         logger.info("%s: started (max %d groups, group sizes %s, weight version %d)", self.worker_id,
                     self.max_groups, self._group_sizes, self.weight_version,
                     extra=_fields(worker=self.worker_id, weight_version=self.weight_version))
@@ -434,10 +456,31 @@ class AsyncRolloutWorker:
                     extra=_fields(worker=self.worker_id, **self.stats.as_dict()))
         return self.stats
 
+    async def _resume_source(self) -> None:
+        """Give the source the server's prompt cursor (when it takes one), so it proposes nothing admitted."""
+        resume_from = getattr(self.source, "resume_from", None)
+        if resume_from is None:
+            return
+        try:
+            cursor = await self._retrying("GetPromptCursor", self.pacer.prompt_cursor)
+        except PacerClientError as exc:
+            logger.warning("%s: the prompt cursor could not be read (%s); the source goes on where it is",
+                           self.worker_id, exc, extra=_fields(worker=self.worker_id))
+            return
+        self._restores = max(self._restores, cursor.restores)
+        left = resume_from(cursor)
+        logger.info("%s: prompt source resumed from the server's cursor (%s prompts left, %d restores)",
+                    self.worker_id, left, cursor.restores, extra=_fields(worker=self.worker_id, prompts_left=left))
+
     async def _dispatch_loop(self) -> None:
         assert self._changed is not None
         while not self._stopping:
             self._changed.clear()
+            if self._resync:  # here, between this worker's Dispatches: what they admitted is in the cursor
+                self._resync = False
+                self._pending.clear()  # the source proposes them again if a Dispatch has not admitted them
+                await self._resume_source()
+                continue
             free = self.max_groups - len(self._groups)
             # Not before the control stream is up: it is how the server knows this worker is one to watch
             # (liveness), and its STATE says whether dispatch is paused.
@@ -766,6 +809,10 @@ class AsyncRolloutWorker:
 
     async def _on_event(self, event: ControlEvent) -> bool:
         """Acts on one control event; True when the worker is to follow no more events."""
+        if event.restores > self._restores:
+            await self._on_restore(event)
+        elif event.restores < self._restores:  # another server (one whose state was in memory): count from its
+            self._restores = event.restores
         if event.type == ControlEventType.PAUSE:
             self._paused = True
             self._observe(event.generation, event.weight_version)
@@ -777,22 +824,7 @@ class AsyncRolloutWorker:
                 self._request_abort(mine, reason="PAUSE with ABORT")
         elif event.type == ControlEventType.RESUME:
             self._observe(event.generation, event.weight_version)
-            self.weight_version = event.weight_version
-            if self.on_resume is not None:
-                try:
-                    value = self.on_resume(event.weight_version)
-                    if inspect.isawaitable(value):
-                        await value
-                except Exception:
-                    logger.exception("%s: on_resume(%d) failed", self.worker_id, event.weight_version,
-                                     extra=_fields(worker=self.worker_id))
-            loaded = await self._ask_engine_version()
-            if loaded is not None and loaded != event.weight_version:
-                logger.warning("%s: RESUME announced weight version %d but the engine reports %d loaded; its "
-                               "segments are tagged %d until it reports the new one", self.worker_id,
-                               event.weight_version, loaded, loaded,
-                               extra=_fields(worker=self.worker_id, weight_version=event.weight_version,
-                                             engine_weight_version=loaded))
+            await self._load_weights(event.weight_version)
             self._paused = False
             logger.info("%s: RESUME at weight version %d (step %d)", self.worker_id, event.weight_version, event.step,
                         extra=_fields(worker=self.worker_id, weight_version=event.weight_version, step=event.step))
@@ -810,6 +842,43 @@ class AsyncRolloutWorker:
             self._stream_up = False
             self._poke()
         return False
+
+    async def _on_restore(self, event: ControlEvent) -> None:
+        """The server restored a checkpoint: what runs here was dispatched before it (its trajectories are refused
+        as stale now), the pending prompts may have been admitted since, and the weights go back to the
+        checkpoint's version. A STATE event (a reconnect that missed the Restore) loads them now; PAUSE waits
+        for the RESUME that follows it."""
+        self._restores = event.restores
+        self._resync = True
+        logger.warning("%s: the server restored a checkpoint (step %d, weight version %d): aborting %d groups, "
+                       "re-reading the prompt cursor", self.worker_id, event.step, event.weight_version,
+                       len(self._groups), extra=_fields(worker=self.worker_id, step=event.step,
+                                                        weight_version=event.weight_version))
+        self._request_abort([g for g in self._groups.values() if not g.abort_requested],
+                            reason="the server restored a checkpoint")
+        self.weight_version = event.weight_version
+        if event.type == ControlEventType.STATE and not event.paused:
+            await self._load_weights(event.weight_version)
+        self._poke()
+
+    async def _load_weights(self, weight_version: int) -> None:
+        """RESUME (or a Restore): record the version, let `on_resume` load it, check what the engine has."""
+        self.weight_version = weight_version
+        if self.on_resume is not None:
+            try:
+                value = self.on_resume(weight_version)
+                if inspect.isawaitable(value):
+                    await value
+            except Exception:
+                logger.exception("%s: on_resume(%d) failed", self.worker_id, weight_version,
+                                 extra=_fields(worker=self.worker_id))
+        loaded = await self._ask_engine_version()
+        if loaded is not None and loaded != weight_version:
+            logger.warning("%s: RESUME announced weight version %d but the engine reports %d loaded; its "
+                           "segments are tagged %d until it reports the new one", self.worker_id,
+                           weight_version, loaded, loaded,
+                           extra=_fields(worker=self.worker_id, weight_version=weight_version,
+                                         engine_weight_version=loaded))
 
     def _request_abort(self, groups: list[_Group], *, reason: str) -> None:
         """Aborts these groups' engine requests; their trajectories are then submitted as ABORTED."""

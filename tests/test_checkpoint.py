@@ -190,3 +190,80 @@ def test_a_checkpoint_of_another_job_is_refused_over_grpc(tmp_path):
         with pytest.raises(FailedPreconditionError, match="other pacing settings") as refused:
             second.restore(taken)
         assert refused.value.reason == "CHECKPOINT_MISMATCH" and second.state().restores == 0
+
+
+# ------------------------------------------------------------------ the worker kit and the prompt cursor
+
+
+def test_a_run_with_a_restore_in_the_middle_trains_every_prompt_exactly_once(tmp_path):
+    """Two workers (one shard each) and a trainer that checkpoints every step; after step K + 2 it goes back
+    to its step-K checkpoint. Over the run every prompt is trained once, and nothing generated under a
+    discarded weight version is trained."""
+    import asyncio
+    from collections import Counter
+
+    from coda_client import AsyncPacerClient
+    from coda_worker import AsyncRolloutWorker, ListPromptSource, Prompt
+    from coda_worker.engines import FakeEngine, SamplingParams
+
+    prompts, per_step, K = 24, 2, 3
+    dataset = ListPromptSource([Prompt(f"q{i}", [1, 2, 3], epoch=0, index=i) for i in range(prompts)])
+
+    async def main(address: str) -> tuple[list, list, object]:
+        async with AsyncPacerClient(address) as pacer:
+            workers = [AsyncRolloutWorker(pacer, FakeEngine(seed=n, mean_tokens=6, length_sigma=0.3,
+                                                            seconds_per_token=0.002),
+                                          dataset.shard(n, 2), sampling=SamplingParams(max_tokens=12), max_groups=2,
+                                          dispatch_wait=0.5) for n in range(2)]
+            tasks = [asyncio.create_task(w.run()) for w in workers]
+            trained: list = []  # (step, prompt id, weight versions of its trajectories)
+            version, step, checkpoint, restored = 0, 0, None, None
+            while len({p for _, p, _ in trained}) < prompts:
+                result = await pacer.collect_result(per_step, wait=30, trainer_step=step)
+                assert not result.timed_out, f"no batch for step {step}; trained {len(trained)} groups"
+                trained += [(step, g.prompt_id, {v for t in g.trajectories for v in (t.start_weight_version,
+                                                                                     t.end_weight_version)})
+                            for g in result.groups]
+                step += 1
+                version = version + 1 if restored is None else max(version + 1, 1000 + step)
+                await pacer.reset("abort", wait=10, resume=True, weight_version=version)
+                if step == K and checkpoint is None:
+                    checkpoint = await pacer.checkpoint()
+                elif step == K + 2 and restored is None:
+                    # The trainer dies after step K + 2 and comes back from its step-K checkpoint.
+                    restored = await pacer.restore(checkpoint)
+                    trained = [entry for entry in trained if entry[0] < K]
+                    step, version = K, K
+            for worker in workers:
+                worker.stop()
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            return trained, [w.stats for w in workers], restored
+
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=per_step, stale=1.0, N=2, M=4,
+                                                 continue_restored=True)) as server:
+        trained, stats, restored = asyncio.run(main(server.address))
+    counts = Counter(prompt_id for _, prompt_id, _ in trained)
+    assert sorted(counts) == sorted(f"q{i}" for i in range(prompts)) and set(counts.values()) == {1}, counts
+    # Versions K+1 and K+2 were discarded by the Restore: nothing trained carries them.
+    assert not [entry for entry in trained if entry[2] & {K + 1, K + 2}]
+    assert restored.step == K and restored.reoffered_prompts > 0
+
+
+def test_the_cursor_survives_a_server_restart_and_a_fresh_source_skips_what_was_admitted(tmp_path):
+    from coda_client import PromptRef as WireRef
+    from coda_worker import ListPromptSource, Prompt
+
+    durable = Restartable(tmp_path, "state", "data_source.num_prompts_per_step=8")
+    try:
+        pacer = durable.client
+        pacer.dispatch([WireRef(f"q{i}", 0, 0, i) for i in (0, 1, 2, 4)] + ["epoch1_ds0_prompt3", "loose"])
+        durable.restart(kill=True)  # replayed from the journal
+        cursor = pacer.prompt_cursor()
+        source = ListPromptSource([Prompt(f"q{i}", [1], epoch=0, index=i) for i in range(6)]
+                                  + [Prompt("epoch1_ds0_prompt3", [1]), Prompt("loose", [1]), Prompt("other", [1])])
+        assert source.resume_from(cursor) == 3
+        assert [p.prompt_id for p in source.take(10)] == ["q3", "q5", "other"]
+        source.give_back([Prompt("q3", [1], epoch=0, index=3)])
+        assert source.resume_from(cursor) == 1  # once per Restore count: a second worker sharing it changes nothing
+    finally:
+        durable.close()

@@ -13,6 +13,7 @@ import struct
 import time
 from typing import TYPE_CHECKING, Any
 
+from . import recovery
 from .cursor import PromptCursor
 from .errors import FailedPreconditionError, InvalidArgumentError, ResetInProgressError
 from .inflight import bytes_of
@@ -58,7 +59,6 @@ def take(pacer: "Pacer") -> dict[str, Any]:
         for lease in pacer._leases.collect.values():
             buffer.extend(lease.entries)
         buffer.sort(key=lambda entry: entry[0])
-        state = getattr(pacer._hooks, "state", None)
         pacer.totals["checkpoints"] += 1
         pacer.last_checkpoint = (pacer.step, pacer.weight_version, time.time())
         return {
@@ -71,7 +71,7 @@ def take(pacer: "Pacer") -> dict[str, Any]:
             "quarantined": list(pacer._quarantined),
             "in_flight": [(ds, epoch, index, prompt_id) for ds, epoch, index, prompt_id in reoffered],
             "cursor": pacer._cursor.copy_without(reoffered).export(),
-            "strategy": state() if callable(state) else None,
+            "strategy": recovery.strategy_state(pacer),  # as the journal's snapshot saves it
         }
 
 

@@ -54,11 +54,12 @@ def export_state(pacer: "Pacer") -> dict:
             "cursor": pacer._cursor.export(),  # the prompts admitted so far
             "last_checkpoint": pacer.last_checkpoint, "last_restore": pacer.last_restore,
             # What the strategy learned (its state() hook), under its name: restored only into the same strategy.
-            "strategy": {"name": pacer.strategy.name, "state": _strategy_state(pacer)},
+            "strategy": {"name": pacer.strategy.name, "state": strategy_state(pacer)},
         }
 
 
-def _strategy_state(pacer: "Pacer") -> Any:
+def strategy_state(pacer: "Pacer") -> Any:
+    """What the strategy's state() hook returns; None (an incident recorded) when it raises."""
     hook = getattr(pacer._hooks, "state", None)
     if not callable(hook):  # a strategy of its own making, with an attribute of that name: nothing to save
         return None
