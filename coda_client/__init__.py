@@ -35,6 +35,7 @@ _MODULE_OF = {
     "ControlEventType": "types",
     "DispatchResult": "types",
     "HeldGroup": "types",
+    "JobEndReport": "types",
     "Incident": "types",
     "KeepAliveResult": "types",
     "PacerState": "types",
@@ -62,7 +63,7 @@ if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
         translate,
     )
     from .types import (  # noqa: F401
-        Checkpoint, CollectResult, ControlEvent, ControlEventType, DispatchResult, HeldGroup, Incident,
+        Checkpoint, CollectResult, ControlEvent, ControlEventType, DispatchResult, HeldGroup, Incident, JobEndReport,
         KeepAliveResult, PacerState, PromptCursor, PromptRef, ResetMode, ResetResult, RestoreResult, ResumeResult,
         StepReport, SubmitResult, Trajectory, TrajectoryGroup, TrajectoryStatus, WorkerHoldings,
     )
@@ -112,6 +113,7 @@ __all__ = [
     "PacerState",
     "ControlEvent",
     "ControlEventType",
+    "JobEndReport",
     "ResetMode",
     "PacerClientError",
     "BadRequestError",

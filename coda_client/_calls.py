@@ -16,6 +16,7 @@ from .types import (
     Checkpoint,
     CollectResult,
     DispatchResult,
+    JobEndReport,
     KeepAliveResult,
     PacerState,
     PromptCursor,
@@ -147,6 +148,14 @@ def resume(weight_version: int, *, request_id: str | None, timeout: float) -> Ca
     """Resume: a retry must not increment the step twice, hence the request id."""
     request = pacer_pb2.ResumeRequest(weight_version=weight_version, request_id=request_id_or_new(request_id))
     return Call("Resume", request, timeout, ResumeResult.from_pb)
+
+
+def end_job(mode: ResetMode | str | None, *, wait: float, request_id: str | None,
+            timeout: float) -> Call[JobEndReport]:
+    """EndJob: ends the job; a retry with the same request id answers the first report."""
+    request = pacer_pb2.EndJobRequest(mode=ResetMode.parse(mode), wait_seconds=wait,
+                                      request_id=request_id_or_new(request_id))
+    return Call("EndJob", request, call_timeout(timeout, wait), JobEndReport.from_pb)
 
 
 def get_state(*, timeout: float) -> Call[PacerState]:

@@ -296,6 +296,31 @@ def _groups_per_batch(mini_batch_size: int, group_size: int) -> int:
     return mini_batch_size // group_size
 
 
+STEP = "step"  # num_batches="step": one training step's mini-batches, B * N / M, as the server is configured
+
+
+def step_batches(mini_batch_size: int | None, state: Any, token_budget: int | None = None) -> int:
+    """Mini-batches of one training step: B * N / mini_batch_size, from the server's typed settings (GetState
+    prompts_per_step and group_sizes; the config summary's strings for a server older than them)."""
+    if mini_batch_size is None or token_budget is not None:
+        raise ValueError("num_batches='step' needs mini_batch_size (trajectories per global mini-batch) and no "
+                         "token_budget: a step's mini-batches cut by tokens cannot be counted in advance; pass "
+                         "num_batches")
+    summary = state.config_summary
+    prompts = int(getattr(state, "prompts_per_step", 0) or summary.get("num_prompts_per_step", 0))
+    sizes = set(getattr(state, "group_sizes", None) or
+                (int(s) for s in summary.get("num_trajectories_per_prompt", "").split(",") if s))
+    if len(sizes) != 1 or not prompts:
+        raise ValueError(f"num_batches='step' needs one group size and a step size from the server (group sizes "
+                         f"{sorted(sizes)}, {prompts} prompts per step); pass num_batches")
+    trajectories = prompts * sizes.pop()
+    if trajectories % mini_batch_size:
+        raise ValueError(f"num_batches='step': a step's B * N = {trajectories} trajectories "
+                         f"(data_source.num_prompts_per_step x num_trajectories_per_prompt) is not a multiple of "
+                         f"mini_batch_size {mini_batch_size}; pass num_batches")
+    return trajectories // mini_batch_size
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """What one Collect of the iterator asks for: `num_groups` groups (with a token budget, at most that many;
@@ -337,20 +362,21 @@ class BatchShape:
 class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
-    def __init__(self, client: Any, shape: BatchShape | int, *, lease: float, poll: float, num_batches: int | None,
-                 mask_offpolicy: bool = False, step: int | None = None) -> None:
+    def __init__(self, client: Any, shape: BatchShape | int, *, lease: float, poll: float,
+                 num_batches: int | str | None, mask_offpolicy: bool = False, step: int | None = None) -> None:
         if lease <= 0:
             raise ValueError(f"lease must be > 0 seconds (the batches are leased until acknowledged), not {lease}")
         if poll <= 0:
             raise ValueError(f"poll must be > 0 seconds, not {poll}")
-        if num_batches is not None and num_batches < 0:
-            raise ValueError(f"num_batches must be >= 0 or None, not {num_batches}")
+        if num_batches is not None and num_batches != STEP and not (isinstance(num_batches, int) and num_batches >= 0):
+            raise ValueError(f"num_batches must be an integer >= 0, {STEP!r} (one training step) or None, "
+                             f"not {num_batches!r}")
         numpy()
         self._client = client
         self.shape = shape if isinstance(shape, BatchShape) else BatchShape(shape)
         self.lease = float(lease)
         self.poll = float(poll)
-        self.num_batches = num_batches
+        self.num_batches = num_batches  # "step" until the async iterator has asked the server
         self.mask_offpolicy = mask_offpolicy
         self.step = step  # the trainer's step, stated with every Collect (None: not stated)
         self.delivered = 0  # batches handed to the caller
@@ -386,7 +412,7 @@ class BatchIterator(_IteratorBase):
     """Blocking iterator of MiniBatch; see PacerClient.batches."""
 
     def __init__(self, client: PacerClient, shape: BatchShape | int, *, lease: float = DEFAULT_LEASE_SECONDS,
-                 poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
+                 poll: float = DEFAULT_POLL_SECONDS, num_batches: int | str | None = None,
                  mask_offpolicy: bool = False, step: int | None = None) -> None:
         super().__init__(client, shape, lease=lease, poll=poll, num_batches=num_batches,
                          mask_offpolicy=mask_offpolicy, step=step)
@@ -550,8 +576,9 @@ class AsyncBatchIterator(_IteratorBase):
 
     def __init__(self, client: AsyncPacerClient, mini_batch_size: int | None, group_size: int | None = None, *,
                  lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
-                 num_batches: int | None = None, mask_offpolicy: bool = False, token_budget: int | None = None,
-                 rank: int = 0, world_size: int = 1, step: int | None = None) -> None:
+                 num_batches: int | str | None = None, mask_offpolicy: bool = False,
+                 token_budget: int | None = None, rank: int = 0, world_size: int = 1,
+                 step: int | None = None) -> None:
         # The group size may have to be asked from the server, which needs the event loop: resolved on start
         # (the arguments are checked now, against the group size 1 where it is not known yet).
         self._shape_arguments = dict(token_budget=token_budget, rank=rank, world_size=world_size)
@@ -570,10 +597,15 @@ class AsyncBatchIterator(_IteratorBase):
         self._watcher: asyncio.Task[None] | None = None
 
     async def _start(self) -> None:
-        if not self._shape_resolved:
-            summary = (await self._client.state()).config_summary
-            self.shape = BatchShape.of(self.mini_batch_size, None, lambda: summary, **self._shape_arguments)
-            self._shape_resolved = True
+        if not self._shape_resolved or self.num_batches == STEP:
+            state = await self._client.state()
+            if not self._shape_resolved:
+                self.shape = BatchShape.of(self.mini_batch_size, None, lambda: state.config_summary,
+                                           **self._shape_arguments)
+                self._shape_resolved = True
+            if self.num_batches == STEP:
+                self.num_batches = step_batches(self.mini_batch_size, state,
+                                                self._shape_arguments["token_budget"])
         if self._watcher is None:
             self._watch = self._client.watch()
             self._watcher = asyncio.ensure_future(self._watch_events())

@@ -32,7 +32,9 @@ from .batches import (
     DEFAULT_POLL_SECONDS,
     AsyncBatchIterator,
     BatchIterator,
+    STEP,
     BatchShape,
+    step_batches,
 )
 from .errors import translate
 from .types import (
@@ -40,6 +42,7 @@ from .types import (
     CollectResult,
     ControlEvent,
     DispatchResult,
+    JobEndReport,
     KeepAliveResult,
     PacerState,
     PromptCursor,
@@ -281,6 +284,9 @@ class _ClientBase:
     def _resume(self, weight_version: int, request_id: str | None) -> Call[Any]:
         return _calls.resume(weight_version, request_id=request_id, timeout=self.timeout)
 
+    def _end_job(self, mode: Any, wait: float, request_id: str | None) -> Call[Any]:
+        return _calls.end_job(mode, wait=wait, request_id=request_id, timeout=self.timeout)
+
     def _get_state(self) -> Call[Any]:
         return _calls.get_state(timeout=self.timeout)
 
@@ -372,9 +378,9 @@ class PacerClient(_ClientBase):
 
     def batches(
         self, mini_batch_size: int | None = None, *, group_size: int | None = None,
-        lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
-        mask_offpolicy: bool = False, token_budget: int | None = None, rank: int = 0, world_size: int = 1,
-        step: int | None = None,
+        lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
+        num_batches: int | str | None = None, mask_offpolicy: bool = False, token_budget: int | None = None,
+        rank: int = 0, world_size: int = 1, step: int | None = None,
     ) -> BatchIterator:
         """The trainer's iterator (docs/trainer.md): packed mini-batches of `mini_batch_size` trajectories
         (whole groups; group_size defaults to the server's), each from one leased Collect.
@@ -388,15 +394,25 @@ class PacerClient(_ClientBase):
         The next Collect runs in the background while the caller trains on the current batch; asking for the
         next batch (or `ack()`) acknowledges the current one, so a trainer that dies gets its groups delivered
         again, in order, after `lease` seconds (which must cover a training step plus the prefetch). Stops
-        after `num_batches` batches without prefetching beyond them (a step boundary), on `close()`, or when
-        the server announces its shutdown. With `mask_offpolicy`, each batch's loss_mask is 0 on the tokens a
+        after `num_batches` batches without prefetching beyond them (a step boundary; "step": one training
+        step's B * N / mini_batch_size, read from the server), on `close()`, or when the server announces its
+        shutdown. With `mask_offpolicy`, each batch's loss_mask is 0 on the tokens a
         partial rollout generated before its last weight version (docs/partial-rollouts.md). With `step`
         (the steps the trainer has trained), every Collect states it and is refused, FAILED_PRECONDITION
         reason STEP_MISMATCH, unless the server is at that step (docs/durability.md). Needs NumPy
         (coda-pacer[numpy]).
         """
-        shape = BatchShape.of(mini_batch_size, group_size, lambda: self.state().config_summary,
+        asked: list[PacerState] = []
+
+        def server_state() -> PacerState:  # asked once, and only when needed
+            if not asked:
+                asked.append(self.state())
+            return asked[0]
+
+        shape = BatchShape.of(mini_batch_size, group_size, lambda: server_state().config_summary,
                               token_budget=token_budget, rank=rank, world_size=world_size)
+        if num_batches == STEP:
+            num_batches = step_batches(mini_batch_size, server_state(), token_budget)
         return BatchIterator(self, shape, lease=lease, poll=poll, num_batches=num_batches,
                              mask_offpolicy=mask_offpolicy, step=step)
 
@@ -420,6 +436,14 @@ class PacerClient(_ClientBase):
     def resume(self, weight_version: int, *, request_id: str | None = None) -> ResumeResult:
         """Increments the step, records weight_version and reopens dispatch."""
         return self._run(self._resume(weight_version, request_id))
+
+    def end_job(self, mode: ResetMode | str | None = None, *, wait: float = 60.0,
+                request_id: str | None = None) -> JobEndReport:
+        """Ends the job (after the trainer's last step): dispatch closes for good and every worker is told
+        (JOB_ENDED) to "abort" or "wait" for (finish) what it holds, submit it and stop; None is the server
+        default (rollout.partial). Waits up to `wait` seconds for the running groups to be assembled, then
+        returns what was left: buffered, leased, held, in flight, kept (JobEndReport). Safe to call twice."""
+        return self._run(self._end_job(mode, wait, request_id))
 
     def state(self) -> PacerState:
         """Every counter of the pacer (GetState)."""
@@ -535,9 +559,9 @@ class AsyncPacerClient(_ClientBase):
 
     def batches(
         self, mini_batch_size: int | None = None, *, group_size: int | None = None,
-        lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS, num_batches: int | None = None,
-        mask_offpolicy: bool = False, token_budget: int | None = None, rank: int = 0, world_size: int = 1,
-        step: int | None = None,
+        lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
+        num_batches: int | str | None = None, mask_offpolicy: bool = False, token_budget: int | None = None,
+        rank: int = 0, world_size: int = 1, step: int | None = None,
     ) -> AsyncBatchIterator:
         """Async form of PacerClient.batches: `async with client.batches(128) as batches: async for batch in
         batches: ...` (the group size is asked from the server on the first iteration)."""
@@ -560,6 +584,11 @@ class AsyncPacerClient(_ClientBase):
     async def resume(self, weight_version: int, *, request_id: str | None = None) -> ResumeResult:
         """Coroutine form of PacerClient.resume."""
         return await self._run(self._resume(weight_version, request_id))
+
+    async def end_job(self, mode: ResetMode | str | None = None, *, wait: float = 60.0,
+                      request_id: str | None = None) -> JobEndReport:
+        """Coroutine form of PacerClient.end_job."""
+        return await self._run(self._end_job(mode, wait, request_id))
 
     async def state(self) -> PacerState:
         """Coroutine form of PacerClient.state."""

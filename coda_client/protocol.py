@@ -70,6 +70,8 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("Checkpoint", mutating=False, retry_safe=True),
     Rpc("Restore", mutating=True, retry_safe=True, remembered="answer"),
     Rpc("GetPromptCursor", mutating=False, retry_safe=True),
+    # The trainer's last call: a control call (never refused for room); ending twice changes nothing.
+    Rpc("EndJob", mutating=True, retry_safe=True, long_poll=True, remembered="answer"),
 )
 RPC_BY_NAME: dict[str, Rpc] = {rpc.name: rpc for rpc in RPCS}
 

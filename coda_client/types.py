@@ -71,6 +71,7 @@ class ControlEventType(enum.IntEnum):
     PAUSE = 2
     RESUME = 3
     SHUTDOWN = 4
+    JOB_ENDED = 5  # EndJob: dispatch closed for good; `mode` says abort or finish what you hold, then stop
 
 
 def _enum(cls: type[_E], value: int) -> _E | int:
@@ -279,6 +280,7 @@ class DispatchResult:
     # Restored groups re-offered for continuation (asked for with max_continuations), admitted before the
     # candidates: each with its new seq and the trajectories it had when it was restored.
     continuations: list[TrajectoryGroup] = field(default_factory=list)
+    job_ended: bool = False  # EndJob ended the job: nothing will be admitted again; stop dispatching
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.DispatchResponse) -> DispatchResult:
@@ -550,6 +552,14 @@ class PacerState:
     last_restore_step: int
     #: Weight version of the last checkpoint restored (-1: none). Metric: coda_pacer_last_restore_weight_version.
     last_restore_weight_version: int
+    #: 1 once EndJob ended the job (dispatch closed for good), else 0. Metric: coda_pacer_job_ended.
+    job_ended: bool
+    #: B: prompt groups per training step (data_source.num_prompts_per_step).
+    prompts_per_step: int
+    #: N of each data source, by ds_index.
+    group_sizes: list[int]
+    #: M: trajectories per mini-batch (trainer.mini_batch_size); a step is B * N / M mini-batches.
+    mini_batch_size: int
     # END PacerState fields
 
     @classmethod
@@ -557,7 +567,39 @@ class PacerState:
         """From the wire message."""
         return _from_fields(cls, msg, config_summary=dict(msg.config_summary),
                             recent_reports=[StepReport.from_pb(r) for r in msg.recent_reports],
-                            recent_incidents=[Incident.from_pb(i) for i in msg.recent_incidents])
+                            recent_incidents=[Incident.from_pb(i) for i in msg.recent_incidents],
+                            group_sizes=list(msg.group_sizes))
+
+
+@dataclass(frozen=True)
+class JobEndReport:
+    """EndJob answer: where every group the totals (`state`) do not account for is at the end of the job."""
+
+    mode: ResetMode | int  # what the workers were told: ABORT or WAIT what they held
+    waited_seconds: float
+    buffered_prompt_ids: list[str]  # complete, never taken by the trainer (a Collect can still take them)
+    leased: int  # handed out under a Collect lease, not acknowledged
+    held_prompt_ids: list[str]  # complete but held by the collection gate (e.g. holding ABORTED trajectories)
+    in_flight_prompt_ids: list[str]  # still missing trajectories when the wait ended
+    kept_prompt_ids: list[str]  # restored groups kept for continuation, never re-offered now
+    expired_prompt_ids: list[str]  # their in-flight lease ran out this step
+    quarantined_prompt_ids: list[str]  # quarantined this step (state.recent_incidents says why)
+    state: PacerState  # the counters at the end
+
+    @property
+    def left_over(self) -> int:
+        """Groups generated or started and never trained on, by this report."""
+        return (len(self.buffered_prompt_ids) + self.leased + len(self.held_prompt_ids)
+                + len(self.in_flight_prompt_ids) + len(self.kept_prompt_ids) + len(self.expired_prompt_ids)
+                + len(self.quarantined_prompt_ids))
+
+    @classmethod
+    def from_pb(cls, msg: pacer_pb2.EndJobResponse) -> JobEndReport:
+        """From the wire message."""
+        return _from_fields(cls, msg, mode=_enum(ResetMode, msg.mode), state=PacerState.from_pb(msg.state),
+                            **{name: list(getattr(msg, name)) for name in (
+                                "buffered_prompt_ids", "held_prompt_ids", "in_flight_prompt_ids", "kept_prompt_ids",
+                                "expired_prompt_ids", "quarantined_prompt_ids")})
 
 
 @dataclass(frozen=True)
@@ -590,6 +632,7 @@ class ControlEvent:
     generation: int
     paused: bool
     restores: int = 0  # Restores the server has made (a worker seeing it grow re-reads the prompt cursor)
+    job_ended: bool = False  # EndJob ended the job (JOB_ENDED, and every event after it)
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.ControlEvent) -> ControlEvent:

@@ -18,6 +18,7 @@ from .core.types import (
     ControlEvent,
     DispatchResult,
     HeldGroup,
+    JobEndReport,
     KeepAliveResult,
     PacerState,
     PromptRef,
@@ -167,6 +168,7 @@ def dispatch_response(result: DispatchResult) -> Union[pb.DispatchResponse, wire
     message.buffered = result.buffered
     message.capacity = result.capacity
     message.remaining = result.remaining
+    message.job_ended = result.job_ended
     if result.continued:  # restored groups re-offered: their trajectories go out as the bytes held
         return wire.EncodedAnswer(message, {"continuations": [group_parts(g) for g in result.continued]})
     return message
@@ -228,10 +230,19 @@ def state_response(state: PacerState) -> pb.GetStateResponse:
                                **{name: getattr(state, name) for name in STATE_FIELDS})
 
 
+def end_job_response(report: JobEndReport) -> pb.EndJobResponse:
+    return pb.EndJobResponse(
+        mode=int(report.mode), waited_seconds=report.waited_seconds, buffered_prompt_ids=report.buffered_prompt_ids,
+        leased=report.leased, held_prompt_ids=report.held_prompt_ids,
+        in_flight_prompt_ids=report.in_flight_prompt_ids, kept_prompt_ids=report.kept_prompt_ids,
+        expired_prompt_ids=report.expired_prompt_ids, quarantined_prompt_ids=report.quarantined_prompt_ids,
+        state=state_response(report.state))
+
+
 def control_event(event: ControlEvent) -> pb.ControlEvent:
     return pb.ControlEvent(type=int(event.type), mode=int(event.mode), weight_version=event.weight_version,
                            step=event.step, generation=event.generation, paused=event.paused,
-                           restores=event.restores)
+                           restores=event.restores, job_ended=event.job_ended)
 
 
 def checkpoint_response(checkpoint: dict, blob: bytes) -> pb.CheckpointResponse:

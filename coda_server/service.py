@@ -159,6 +159,12 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return convert.prompt_cursor(self._pacer.prompt_cursor())
 
     @maps_errors
+    async def EndJob(self, request: pb.EndJobRequest, context) -> pb.EndJobResponse:
+        report = await self._pacer.end_job(convert.reset_mode(request.mode),
+                                           bounded_wait(request.wait_seconds, context), request.request_id)
+        return convert.end_job_response(report)
+
+    @maps_errors
     async def WatchControl(self, request: pb.WatchControlRequest, context) -> None:
         # Written with context.write (not yielded), so that a watcher the fan-out drops while its write is
         # stuck (the client stopped reading) can still be ended with a status: its task is cancelled.

@@ -8,7 +8,8 @@ The loop every fully-async RL job needs, so its users do not write it again:
   as it ends (a request id per call; UNAVAILABLE is retried with the same id, so nothing applies twice);
 * follow **WatchControl**: PAUSE with ABORT aborts this worker's engine requests and submits what they
   have as ABORTED, with the partial tokens; PAUSE with WAIT lets them finish; RESUME records the new
-  weight version (and calls `on_resume`); SHUTDOWN stops the worker;
+  weight version (and calls `on_resume`); SHUTDOWN stops the worker; JOB_ENDED (the trainer's EndJob)
+  aborts (ABORT) or finishes (WAIT) what it holds, submits it and returns;
 * keep the in-flight leases of its groups alive (KeepAlive) while it generates, so a slow group is
   never reclaimed from a live worker;
 * log progress and errors in the service's log style (logger `coda_worker`, figures as
@@ -392,6 +393,7 @@ class AsyncRolloutWorker:
         self._resync = False  # a Restore happened: the dispatch loop drops its pending prompts, re-reads the cursor
         self._stopping = False
         self._stream_up = False  # the control stream's first event (STATE) arrived
+        self._job_ended = False  # the trainer ended the job (JOB_ENDED): submit what is held, then return
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abort_task: asyncio.Task | None = None
 
@@ -422,7 +424,9 @@ class AsyncRolloutWorker:
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> WorkerStats:
-        """Runs the loop until done; returns what it did."""
+        """Runs the loop until the source is exhausted, `stop()`, the server's SHUTDOWN, or the end of the job
+        (JOB_ENDED: what it holds is aborted or finished as the trainer asked, and submitted); returns what
+        it did."""
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._submit_wakeup = asyncio.Event()
@@ -474,7 +478,7 @@ class AsyncRolloutWorker:
 
     async def _dispatch_loop(self) -> None:
         assert self._changed is not None
-        while not self._stopping:
+        while not (self._stopping or self._job_ended):
             self._changed.clear()
             if self._resync:  # here, between this worker's Dispatches: what they admitted is in the cursor
                 self._resync = False
@@ -523,6 +527,8 @@ class AsyncRolloutWorker:
         except UnavailableError:  # only raised once the worker is stopping
             return None
         self.stats.dispatch_calls += 1
+        if result.job_ended:  # the control stream says so too; whichever comes first ends the dispatching
+            self._end_of_job(ResetMode.UNSPECIFIED)
         # Whether dispatch is paused is the control stream's to say (PAUSE, RESUME, the STATE on connect): a
         # Dispatch answered just before a RESUME could otherwise pause the worker after it.
         self._observe(result.generation, result.weight_version)
@@ -829,6 +835,11 @@ class AsyncRolloutWorker:
             logger.info("%s: RESUME at weight version %d (step %d)", self.worker_id, event.weight_version, event.step,
                         extra=_fields(worker=self.worker_id, weight_version=event.weight_version, step=event.step))
             self._poke()
+        elif event.type == ControlEventType.JOB_ENDED or (event.type == ControlEventType.STATE and event.job_ended):
+            self._observe(event.generation, event.weight_version)
+            self._paused = True
+            self._stream_up = self._stream_up or event.type == ControlEventType.STATE
+            self._end_of_job(event.mode)
         elif event.type == ControlEventType.STATE:
             self._observe(event.generation, event.weight_version)
             self._paused = event.paused
@@ -879,6 +890,21 @@ class AsyncRolloutWorker:
                            weight_version, loaded, loaded,
                            extra=_fields(worker=self.worker_id, weight_version=weight_version,
                                          engine_weight_version=loaded))
+
+    def _end_of_job(self, mode: ResetMode | int) -> None:
+        """The trainer ended the job: no more dispatching; abort (ABORT) or finish what is held, submit it,
+        return. A mode not given (a reconnect's STATE, a Dispatch answer) lets the running groups finish."""
+        if self._job_ended:
+            if mode == ResetMode.ABORT:
+                self._request_abort(list(self._groups.values()), reason="the job ended (abort)")
+            return
+        self._job_ended = True
+        logger.info("%s: JOB_ENDED (%s): submitting the %d groups here, then stopping", self.worker_id,
+                    "abort" if mode == ResetMode.ABORT else "finish", len(self._groups),
+                    extra=_fields(worker=self.worker_id, mode=int(mode), groups=len(self._groups)))
+        if mode == ResetMode.ABORT:
+            self._request_abort(list(self._groups.values()), reason="the job ended (abort)")
+        self._poke()
 
     def _request_abort(self, groups: list[_Group], *, reason: str) -> None:
         """Aborts these groups' engine requests; their trajectories are then submitted as ABORTED."""

@@ -27,6 +27,8 @@ def proto_fields() -> list[tuple[str, str]]:
             kind = f"list[{f.message_type.name}]"
         else:
             kind = PROTO_TYPES.get(f.type, f"proto type {f.type}")
+            if f.is_repeated:
+                kind = f"list[{kind}]"
         fields.append((f.name, kind))
     return fields
 

@@ -27,6 +27,7 @@ class ControlEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTROL_EVENT_TYPE_PAUSE: _ClassVar[ControlEventType]
     CONTROL_EVENT_TYPE_RESUME: _ClassVar[ControlEventType]
     CONTROL_EVENT_TYPE_SHUTDOWN: _ClassVar[ControlEventType]
+    CONTROL_EVENT_TYPE_JOB_ENDED: _ClassVar[ControlEventType]
 TRAJECTORY_STATUS_UNSPECIFIED: TrajectoryStatus
 TRAJECTORY_STATUS_COMPLETED: TrajectoryStatus
 TRAJECTORY_STATUS_FAILED: TrajectoryStatus
@@ -39,6 +40,7 @@ CONTROL_EVENT_TYPE_STATE: ControlEventType
 CONTROL_EVENT_TYPE_PAUSE: ControlEventType
 CONTROL_EVENT_TYPE_RESUME: ControlEventType
 CONTROL_EVENT_TYPE_SHUTDOWN: ControlEventType
+CONTROL_EVENT_TYPE_JOB_ENDED: ControlEventType
 
 class PromptRef(_message.Message):
     __slots__ = ("prompt_id", "ds_index", "epoch", "index")
@@ -130,7 +132,7 @@ class AdmittedPrompt(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class DispatchResponse(_message.Message):
-    __slots__ = ("admitted", "paused", "step", "weight_version", "generation", "running", "buffered", "capacity", "remaining", "continuations")
+    __slots__ = ("admitted", "paused", "step", "weight_version", "generation", "running", "buffered", "capacity", "remaining", "continuations", "job_ended")
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +143,7 @@ class DispatchResponse(_message.Message):
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     REMAINING_FIELD_NUMBER: _ClassVar[int]
     CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
     admitted: _containers.RepeatedCompositeFieldContainer[AdmittedPrompt]
     paused: bool
     step: int
@@ -151,7 +154,8 @@ class DispatchResponse(_message.Message):
     capacity: int
     remaining: int
     continuations: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
-    def __init__(self, admitted: _Optional[_Iterable[_Union[AdmittedPrompt, _Mapping]]] = ..., paused: _Optional[bool] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., running: _Optional[int] = ..., buffered: _Optional[int] = ..., capacity: _Optional[int] = ..., remaining: _Optional[int] = ..., continuations: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ...) -> None: ...
+    job_ended: bool
+    def __init__(self, admitted: _Optional[_Iterable[_Union[AdmittedPrompt, _Mapping]]] = ..., paused: _Optional[bool] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., running: _Optional[int] = ..., buffered: _Optional[int] = ..., capacity: _Optional[int] = ..., remaining: _Optional[int] = ..., continuations: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., job_ended: _Optional[bool] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("trajectories", "request_id")
@@ -296,7 +300,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes", "quarantined", "recent_incidents", "restored_kept", "rolled_back", "reinstated", "checkpoints", "restores", "last_checkpoint_step", "last_checkpoint_weight_version", "last_restore_step", "last_restore_weight_version")
+    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes", "quarantined", "recent_incidents", "restored_kept", "rolled_back", "reinstated", "checkpoints", "restores", "last_checkpoint_step", "last_checkpoint_weight_version", "last_restore_step", "last_restore_weight_version", "job_ended", "prompts_per_step", "group_sizes", "mini_batch_size")
     class ConfigSummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +346,10 @@ class GetStateResponse(_message.Message):
     LAST_CHECKPOINT_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_RESTORE_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    MINI_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     running: int
     buffered: int
     queued_trajectories: int
@@ -380,7 +388,11 @@ class GetStateResponse(_message.Message):
     last_checkpoint_weight_version: int
     last_restore_step: int
     last_restore_weight_version: int
-    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., restored_kept: _Optional[int] = ..., rolled_back: _Optional[int] = ..., reinstated: _Optional[int] = ..., checkpoints: _Optional[int] = ..., restores: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., last_checkpoint_weight_version: _Optional[int] = ..., last_restore_step: _Optional[int] = ..., last_restore_weight_version: _Optional[int] = ...) -> None: ...
+    job_ended: bool
+    prompts_per_step: int
+    group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    mini_batch_size: int
+    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., restored_kept: _Optional[int] = ..., rolled_back: _Optional[int] = ..., reinstated: _Optional[int] = ..., checkpoints: _Optional[int] = ..., restores: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., last_checkpoint_weight_version: _Optional[int] = ..., last_restore_step: _Optional[int] = ..., last_restore_weight_version: _Optional[int] = ..., job_ended: _Optional[bool] = ..., prompts_per_step: _Optional[int] = ..., group_sizes: _Optional[_Iterable[int]] = ..., mini_batch_size: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()
@@ -513,7 +525,7 @@ class WatchControlRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ControlEvent(_message.Message):
-    __slots__ = ("type", "mode", "weight_version", "step", "generation", "paused", "restores")
+    __slots__ = ("type", "mode", "weight_version", "step", "generation", "paused", "restores", "job_ended")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -521,6 +533,7 @@ class ControlEvent(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     RESTORES_FIELD_NUMBER: _ClassVar[int]
+    JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
     type: ControlEventType
     mode: ResetMode
     weight_version: int
@@ -528,7 +541,42 @@ class ControlEvent(_message.Message):
     generation: int
     paused: bool
     restores: int
-    def __init__(self, type: _Optional[_Union[ControlEventType, str]] = ..., mode: _Optional[_Union[ResetMode, str]] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., restores: _Optional[int] = ...) -> None: ...
+    job_ended: bool
+    def __init__(self, type: _Optional[_Union[ControlEventType, str]] = ..., mode: _Optional[_Union[ResetMode, str]] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., restores: _Optional[int] = ..., job_ended: _Optional[bool] = ...) -> None: ...
+
+class EndJobRequest(_message.Message):
+    __slots__ = ("mode", "wait_seconds", "request_id")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    mode: ResetMode
+    wait_seconds: float
+    request_id: str
+    def __init__(self, mode: _Optional[_Union[ResetMode, str]] = ..., wait_seconds: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class EndJobResponse(_message.Message):
+    __slots__ = ("mode", "waited_seconds", "buffered_prompt_ids", "leased", "held_prompt_ids", "in_flight_prompt_ids", "kept_prompt_ids", "expired_prompt_ids", "quarantined_prompt_ids", "state")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    HELD_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    mode: ResetMode
+    waited_seconds: float
+    buffered_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    leased: int
+    held_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    in_flight_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    kept_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    expired_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    quarantined_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    state: GetStateResponse
+    def __init__(self, mode: _Optional[_Union[ResetMode, str]] = ..., waited_seconds: _Optional[float] = ..., buffered_prompt_ids: _Optional[_Iterable[str]] = ..., leased: _Optional[int] = ..., held_prompt_ids: _Optional[_Iterable[str]] = ..., in_flight_prompt_ids: _Optional[_Iterable[str]] = ..., kept_prompt_ids: _Optional[_Iterable[str]] = ..., expired_prompt_ids: _Optional[_Iterable[str]] = ..., quarantined_prompt_ids: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[GetStateResponse, _Mapping]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("client_id", "max_groups_per_worker")

@@ -100,6 +100,11 @@ class RolloutPacerStub:
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.GetPromptCursorRequest.SerializeToString,
                 response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.PromptCursor.FromString,
                 _registered_method=True)
+        self.EndJob = channel.unary_unary(
+                '/coda.pacer.v1.RolloutPacer/EndJob',
+                request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.EndJobRequest.SerializeToString,
+                response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.EndJobResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutPacerServicer:
@@ -236,6 +241,19 @@ class RolloutPacerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndJob(self, request, context):
+        """Ends the job (the trainer's last call): dispatch closes for good, watchers get JOB_ENDED with the mode
+        (ABORT: abort and submit what you hold; WAIT: finish it and submit), the call waits up to wait_seconds
+        for the running groups to be assembled and answers with what was left. Journaled: a restarted server
+        stays ended. Submit, Collect, Ack and GetState still work; Dispatch admits nothing (job_ended set);
+        Reset and Resume are refused. A second EndJob answers the report of now, without a new event.
+        Errors: INVALID_ARGUMENT (bad mode, negative wait), FAILED_PRECONDITION (a Reset is running),
+        UNAUTHENTICATED, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutPacerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -303,6 +321,11 @@ def add_RolloutPacerServicer_to_server(servicer, server):
                     servicer.GetPromptCursor,
                     request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.GetPromptCursorRequest.FromString,
                     response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.PromptCursor.SerializeToString,
+            ),
+            'EndJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndJob,
+                    request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.EndJobRequest.FromString,
+                    response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.EndJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -657,6 +680,33 @@ class RolloutPacer:
             '/coda.pacer.v1.RolloutPacer/GetPromptCursor',
             coda_dot_pacer_dot_v1_dot_pacer__pb2.GetPromptCursorRequest.SerializeToString,
             coda_dot_pacer_dot_v1_dot_pacer__pb2.PromptCursor.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coda.pacer.v1.RolloutPacer/EndJob',
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.EndJobRequest.SerializeToString,
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.EndJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,6 +17,7 @@ from .types import (
     ControlEvent,
     DispatchResult,
     HeldGroup,
+    JobEndReport,
     KeepAliveResult,
     PacerState,
     PromptRef,
@@ -251,6 +252,19 @@ class AsyncPacer:
     def prompt_cursor(self) -> dict:
         self.check_ready()
         return self.pacer.prompt_cursor()
+
+    async def end_job(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: float = 0.0,
+                      request_id: str = "") -> JobEndReport:
+        """End the job: dispatch closes for good, watchers get JOB_ENDED; waits up to `wait` seconds for the
+        running groups to be assembled, then reports what was left."""
+        async def call() -> JobEndReport:
+            loop = asyncio.get_running_loop()
+            self.pacer.begin_end_job(mode)
+            started = loop.time()
+            await self.waits.until(self.pacer.reset_poll(), wait)
+            return self.pacer.job_end_report(loop.time() - started)
+
+        return await self._applied("EndJob", request_id, call)
 
     async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]],
                        outlives_caller: bool = False) -> Any:

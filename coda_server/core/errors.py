@@ -60,6 +60,12 @@ class ResetInProgressError(FailedPreconditionError):
     reason = "RESET_IN_PROGRESS"
 
 
+class JobEndedError(FailedPreconditionError):
+    """EndJob ended the job: a Reset or Resume has no next step to open."""
+
+    reason = "JOB_ENDED"
+
+
 class ResourceExhaustedError(PacerError):
     """A cap is full; retry after `retry_after` seconds. `metadata` names the cap (ErrorInfo metadata)."""
 

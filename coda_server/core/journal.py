@@ -121,9 +121,14 @@ class GatesRechecked(JournalEvent):
     pass  # the periodic re-examination of held groups released some (replay re-examines at the same time)
 
 
+@dataclass(slots=True)
+class JobEnded(JournalEvent):
+    mode: ResetMode  # what the workers were told to do with the groups they held
+
+
 EVENT_TYPES: tuple[type[JournalEvent], ...] = (
     Dispatched, Submitted, StaleRejected, Collected, Acked, Expired, ResetBegun, ResetFinished, ResetAbandoned,
-    Resumed, GatesRechecked)
+    Resumed, GatesRechecked, JobEnded)
 # Journals written before the records were named held positional tuples, first the kind: read them still.
 _LEGACY_KINDS = {"dispatch": Dispatched, "submit": Submitted, "stale": StaleRejected, "collect": Collected,
                  "ack": Acked, "expire": Expired, "begin_reset": ResetBegun, "finish_reset": ResetFinished,
@@ -197,8 +202,8 @@ ALLOWED_CLASSES = {
     ("coda_server.core.types", name)
     for name in ("Trajectory", "TrajectoryGroup", "TrajectoryStatus", "ResetMode", "PromptRef", "Admitted",
                  "DispatchResult", "SubmitResult", "CollectResult", "ResetResult", "ResumeResult", "StepReport",
-                 "Incident", "RestoreResult")
-} | {(__name__, event_type.__name__) for event_type in EVENT_TYPES} | {
+                 "Incident", "RestoreResult", "JobEndReport")
+} | {("coda_server.core.state", "PacerState")} | {(__name__, event_type.__name__) for event_type in EVENT_TYPES} | {
     ("builtins", name) for name in ("set", "frozenset", "tuple", "list", "dict")} | {
     ("collections", "OrderedDict"), ("collections", "deque")}
 

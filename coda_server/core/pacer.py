@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
-from . import checkpoints, collector, recovery, reset_steps
+from . import checkpoints, collector, job_end, recovery, reset_steps
 from .answers import ANSWERED_METHODS, AnswerBook  # noqa: F401  (ANSWERED_METHODS was defined here)
 from .checks import RequestChecks
 from .config import config_summary
@@ -40,6 +40,7 @@ from .types import (
     DispatchResult,
     HeldGroup,
     Incident,
+    JobEndReport,
     KeepAliveResult,
     PacerState,
     PromptRef,
@@ -153,6 +154,8 @@ class Pacer:
         self.paused = False
         self.resetting = False
         self.closed = False
+        self.job_ended = False  # EndJob closed dispatch for good (journaled)
+        self.job_end_mode = ResetMode.UNSPECIFIED
         self._pause_started: Optional[float] = None
         self._reset_ready_at: Optional[float] = None
         self._tally = StepTally()
@@ -191,7 +194,7 @@ class Pacer:
 
     def _control_event(self, kind: ControlEventType, mode: ResetMode = ResetMode.UNSPECIFIED) -> ControlEvent:
         return ControlEvent(kind, mode, self.weight_version, self.step, self.generation, self.paused,
-                            self.totals["restores"])
+                            self.totals["restores"], self.job_ended)
 
     def current_state_event(self) -> ControlEvent:
         """The STATE event a new watcher receives first."""
@@ -326,7 +329,8 @@ class Pacer:
         result = DispatchResult(admitted_ids, first_seq, self.paused, self.step, self.weight_version, self.generation,
                                 len(self._inflight), len(self._buffer), self._window_size,
                                 # unchanged if nothing was admitted
-                                self._admissible_after_change() if count or continued else allowed, continued)
+                                self._admissible_after_change() if count or continued else allowed, continued,
+                                self.job_ended)
         self._call_failures.clear()  # a group quarantined on the way is reported; the admission stands
         if count or continued:
             self._record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued],
@@ -665,6 +669,27 @@ class Pacer:
         """step += 1, record the weight version, reopen dispatch, tell watchers."""
         return reset_steps.resume(self, weight_version, request_id)
 
+    # ----------------------------------------------------------------- the end of the job
+
+    def begin_end_job(self, mode: ResetMode = ResetMode.UNSPECIFIED) -> ResetMode:
+        """Close dispatch for good and tell watchers JOB_ENDED (once). Returns the effective mode."""
+        return job_end.begin(self, mode)
+
+    def job_end_report(self, waited_seconds: float = 0.0) -> "JobEndReport":
+        """What the job left: buffered, leased, held, in-flight, kept, expired and quarantined groups."""
+        return job_end.report(self, waited_seconds)
+
+    def end_job(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: float = 0.0, request_id: str = "") -> JobEndReport:
+        """End the job: close dispatch, wait up to `wait` for the running groups to be assembled, report."""
+        def call() -> JobEndReport:
+            self.begin_end_job(mode)
+            started = self._clock()
+            with self._lock:
+                self.waits.until(ResetPoll(self), wait)
+                return self.job_end_report(self._clock() - started)
+
+        return self.answers.once("EndJob", request_id, call)
+
     # ----------------------------------------------------------------- journal, state, shutdown
 
     @property
@@ -734,6 +759,8 @@ class Pacer:
                 last_restore_step=self.last_restore[0] if self.last_restore else -1,
                 last_restore_weight_version=self.last_restore[1] if self.last_restore else -1,
                 recent_reports=list(self._reports), recent_incidents=self.incidents.recent(), **self.totals,
+                job_ended=self.job_ended, prompts_per_step=int(self.config.data_sources[0].num_prompts_per_step),
+                group_sizes=list(self._group_sizes), mini_batch_size=int(self.config.trainer.mini_batch_size),
             )
 
     def close(self) -> None:

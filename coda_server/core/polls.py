@@ -35,7 +35,8 @@ class DispatchPoll:
                 candidates = self._candidates if pacer._admissible_now() else ()
             result = self._last = pacer.apply_dispatch(candidates, self._request_id, self._client_id,
                                                        self._max_continuations)
-            return result if result.admitted_ids or result.continued or not self._candidates else None
+            ended = result.job_ended  # nothing will ever be admitted: answer now
+            return result if result.admitted_ids or result.continued or ended or not self._candidates else None
 
     def give_up(self) -> DispatchResult:
         pacer = self._pacer

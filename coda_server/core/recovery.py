@@ -19,6 +19,7 @@ from .journal import (
     Dispatched,
     Expired,
     GatesRechecked,
+    JobEnded,
     JournalEvent,
     ResetAbandoned,
     ResetBegun,
@@ -55,6 +56,7 @@ def export_state(pacer: "Pacer") -> dict:
             "last_checkpoint": pacer.last_checkpoint, "last_restore": pacer.last_restore,
             # What the strategy learned (its state() hook), under its name: restored only into the same strategy.
             "strategy": {"name": pacer.strategy.name, "state": strategy_state(pacer)},
+            "job_ended": pacer.job_ended, "job_end_mode": pacer.job_end_mode,
         }
 
 
@@ -93,6 +95,8 @@ def import_state(pacer: "Pacer", snapshot: dict) -> None:
     saved = snapshot.get("strategy")  # absent from snapshots written before strategies kept state
     if saved and saved.get("state") is not None and saved.get("name") == pacer.strategy.name:
         pacer._hooks.restore(saved["state"])
+    pacer.job_ended = bool(snapshot.get("job_ended", False))  # absent from snapshots written before EndJob
+    pacer.job_end_mode = snapshot.get("job_end_mode", pacer.job_end_mode)
 
 
 def recover(pacer: "Pacer") -> int:
@@ -199,6 +203,8 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
         pacer.abandon_reset()
     elif isinstance(event, GatesRechecked):
         pacer.apply_gate_recheck()
+    elif isinstance(event, JobEnded):
+        pacer.begin_end_job(event.mode)
     elif isinstance(event, Resumed):
         remember("Resume", event.request_id, pacer.apply_resume(event.weight_version, event.request_id))
     else:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from .errors import ResetInProgressError
 from .incidents import HOOK_FAILED, describe_exception
 from .inflight import StepTally, bytes_of
+from .job_end import refuse_if_ended
 from .journal import ResetAbandoned, ResetBegun, ResetFinished, Resumed
 from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, TrajectoryGroup
 
@@ -23,6 +24,7 @@ def begin(pacer: "Pacer", mode: ResetMode, resume: bool, weight_version: Optiona
     mode = pacer.checks.reset_mode(mode)
     with pacer._lock:
         pacer._check_open()
+        refuse_if_ended(pacer, "Reset")
         if pacer.resetting:
             raise ResetInProgressError("a Reset is already running; wait for it to finish")
         if resume:
@@ -130,6 +132,7 @@ def resume(pacer: "Pacer", weight_version: int, request_id: str) -> ResumeResult
     """step += 1, record the weight version, reopen dispatch, tell watchers."""
     with pacer._lock:
         pacer._check_open()
+        refuse_if_ended(pacer, "Resume")
         if pacer.resetting:
             raise ResetInProgressError("a Reset is running; it resumes when it finishes (Reset with resume=true)")
         pacer.checks.check_weight_version(weight_version, pacer.weight_version)

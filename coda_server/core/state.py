@@ -107,6 +107,13 @@ class PacerState:
                                    "(-1: none since the state began).", default=-1)
     last_restore_weight_version: int = gauge("coda_pacer_last_restore_weight_version", "Weight version of the "
                                              "last checkpoint restored (-1: none).", default=-1)
+    job_ended: bool = gauge("coda_pacer_job_ended", "1 once EndJob ended the job (dispatch closed for good), "
+                            "else 0.", default=False)
+    prompts_per_step: int = described("B: prompt groups per training step (data_source.num_prompts_per_step).",
+                                      default=0)
+    group_sizes: list[int] = described("N of each data source, by ds_index.", default_factory=list)
+    mini_batch_size: int = described("M: trajectories per mini-batch (trainer.mini_batch_size); a step is "
+                                     "B * N / M mini-batches.", default=0)
 
     def invariant_holds(self) -> bool:
         """dispatched = running + collected + filtered + restored + dropped + expired + quarantined,

@@ -146,6 +146,7 @@ class DispatchResult:
     remaining: int  # what a Dispatch would admit now, after this one
     # Restored groups re-offered for continuation, admitted before the candidates (seqs from the call's first).
     continued: list[TrajectoryGroup] = field(default_factory=list)
+    job_ended: bool = False  # EndJob closed dispatch for good
 
     @property
     def admitted(self) -> list[Admitted]:
@@ -253,6 +254,7 @@ class ControlEventType(enum.IntEnum):
     PAUSE = 2
     RESUME = 3
     SHUTDOWN = 4
+    JOB_ENDED = 5
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,23 @@ class ControlEvent:
     generation: int = 0
     paused: bool = False
     restores: int = 0  # Restores made so far: a worker seeing it grow drops what it holds, re-reads the cursor
+    job_ended: bool = False
+
+
+@dataclass
+class JobEndReport:
+    """What EndJob left (see EndJobResponse): every group not accounted for by the totals, by where it is."""
+
+    mode: ResetMode
+    waited_seconds: float
+    buffered_prompt_ids: list[str]
+    leased: int
+    held_prompt_ids: list[str]
+    in_flight_prompt_ids: list[str]
+    kept_prompt_ids: list[str]
+    expired_prompt_ids: list[str]
+    quarantined_prompt_ids: list[str]
+    state: Any = None  # the PacerState at the end
 
 
 @dataclass(frozen=True)
