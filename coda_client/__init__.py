@@ -24,6 +24,7 @@ _MODULE_OF = {
     "FieldViolation": "errors",
     "PacerClientError": "errors",
     "ResourceExhaustedError": "errors",
+    "ServerGoneError": "errors",
     "StaleGenerationError": "errors",
     "UnauthenticatedError": "errors",
     "UnavailableError": "errors",
@@ -59,8 +60,8 @@ if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
     from .client import AsyncControlStream, AsyncPacerClient, ControlStream, PacerClient  # noqa: F401
     from .errors import (  # noqa: F401
         BadRequestError, DeadlineExceededError, FailedPreconditionError, FieldViolation, PacerClientError,
-        ResourceExhaustedError, StaleGenerationError, UnauthenticatedError, UnavailableError, UnknownPromptError,
-        translate,
+        ResourceExhaustedError, ServerGoneError, StaleGenerationError, UnauthenticatedError, UnavailableError,
+        UnknownPromptError, translate,
     )
     from .types import (  # noqa: F401
         Checkpoint, CollectResult, ControlEvent, ControlEventType, DispatchResult, HeldGroup, Incident, JobEndReport,
@@ -123,6 +124,7 @@ __all__ = [
     "ResourceExhaustedError",
     "UnauthenticatedError",
     "UnavailableError",
+    "ServerGoneError",
     "DeadlineExceededError",
     "FieldViolation",
     "translate",

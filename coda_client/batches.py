@@ -10,6 +10,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -19,7 +20,7 @@ import grpc
 
 from . import _calls
 from .arrays import dtype_of, numpy
-from .errors import translate
+from .errors import ServerGoneError, translate
 from .types import CollectResult, ControlEventType, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,6 +38,12 @@ DEFAULT_POLL_SECONDS = 5.0
 # How long a call ended by the server waits for the SHUTDOWN event that explains it.
 SHUTDOWN_EVENT_WAIT_SECONDS = 5.0
 _ENDED_BY_SHUTDOWN = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+# How long the iterator waits for a server that announced SHUTDOWN or cannot be reached to answer again
+# (a restart, a rolling update) before its calls give up with ServerGoneError.
+DEFAULT_RECONNECT_SECONDS = 120.0
+# Back-off between attempts while the server is away (an announced successor's STATE ends a wait at once).
+_AWAY_RETRY_INITIAL_SECONDS = 0.2
+_AWAY_RETRY_MAX_SECONDS = 2.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -363,7 +370,8 @@ class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
     def __init__(self, client: Any, shape: BatchShape | int, *, lease: float, poll: float,
-                 num_batches: int | str | None, mask_offpolicy: bool = False, step: int | None = None) -> None:
+                 num_batches: int | str | None, mask_offpolicy: bool = False, step: int | None = None,
+                 reconnect: float = DEFAULT_RECONNECT_SECONDS) -> None:
         if lease <= 0:
             raise ValueError(f"lease must be > 0 seconds (the batches are leased until acknowledged), not {lease}")
         if poll <= 0:
@@ -371,6 +379,8 @@ class _IteratorBase:
         if num_batches is not None and num_batches != STEP and not (isinstance(num_batches, int) and num_batches >= 0):
             raise ValueError(f"num_batches must be an integer >= 0, {STEP!r} (one training step) or None, "
                              f"not {num_batches!r}")
+        if not reconnect >= 0:
+            raise ValueError(f"reconnect must be >= 0 seconds, not {reconnect}")
         numpy()
         self._client = client
         self.shape = shape if isinstance(shape, BatchShape) else BatchShape(shape)
@@ -381,7 +391,8 @@ class _IteratorBase:
         self.step = step  # the trainer's step, stated with every Collect (None: not stated)
         self.delivered = 0  # batches handed to the caller
         self.acknowledged = 0  # batches acknowledged
-        self.server_shut_down = False  # the iterator ended because the server announced its shutdown
+        self.reconnect = float(reconnect)  # seconds calls wait for an away server to answer again
+        self.server_shut_down = False  # the server announced SHUTDOWN and no server answered again in time
         self._current: MiniBatch | None = None
         self._closed = False
 
@@ -399,13 +410,21 @@ class _IteratorBase:
     def _wants_more(self) -> bool:
         return not self._closed and (self.num_batches is None or self.delivered < self.num_batches)
 
-    def _on_event(self, event_type: int) -> bool:
-        """True when the event is the server's shutdown."""
-        return event_type == ControlEventType.SHUTDOWN
+    def _gone(self, what: str, shut_down: bool) -> ServerGoneError:
+        self.server_shut_down = shut_down
+        cause = "announced SHUTDOWN" if shut_down else "could not be reached"
+        return ServerGoneError(f"{what}: the server {cause} and no server answered on the address within "
+                               f"reconnect={self.reconnect:g} s; {self.delivered} batches delivered, "
+                               f"{self.acknowledged} acknowledged (an unacknowledged one is delivered again once "
+                               f"its lease runs out on a server that kept it)")
 
 
 class _Stopped(Exception):
-    """A call was cut short because the iterator closed or the server announced its shutdown."""
+    """A call was cut short because the iterator closed."""
+
+
+class _Away(Exception):
+    """A call found the server away (it announced SHUTDOWN, or did not answer): retried until it is back."""
 
 
 class BatchIterator(_IteratorBase):
@@ -413,13 +432,17 @@ class BatchIterator(_IteratorBase):
 
     def __init__(self, client: PacerClient, shape: BatchShape | int, *, lease: float = DEFAULT_LEASE_SECONDS,
                  poll: float = DEFAULT_POLL_SECONDS, num_batches: int | str | None = None,
-                 mask_offpolicy: bool = False, step: int | None = None) -> None:
+                 mask_offpolicy: bool = False, step: int | None = None,
+                 reconnect: float = DEFAULT_RECONNECT_SECONDS) -> None:
         super().__init__(client, shape, lease=lease, poll=poll, num_batches=num_batches,
-                         mask_offpolicy=mask_offpolicy, step=step)
+                         mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect)
         self._lock = threading.Lock()
         self._inflight: set[Any] = set()  # Collects in progress, cancelled by close() or a server shutdown
         self._acks_inflight: set[Any] = set()  # acknowledgements in progress, cancelled by a server shutdown
-        self._shutdown = threading.Event()
+        self._shutdown = threading.Event()  # the server announced SHUTDOWN; no successor's STATE since
+        self._present = threading.Event()  # the server answers (cleared while it is away)
+        self._present.set()
+        self._closing = threading.Event()
         self._watching = threading.Event()  # the control stream's first event arrived
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches")
         self._pending: concurrent.futures.Future[MiniBatch] | None = None
@@ -439,16 +462,31 @@ class BatchIterator(_IteratorBase):
         return self._watching.wait(timeout)
 
     def _watch_events(self) -> None:
-        try:
-            for event in self._watch:
-                self._watching.set()
-                if self._on_event(event.type):
-                    self._shutdown.set()
-                    self._cancel_inflight(self._acks_inflight)
-                    self._cancel_inflight(self._inflight)
+        """Follows the control stream, reconnecting whenever it ends: SHUTDOWN marks the server away (calls in
+        progress are cut and retried), the next server's STATE marks it back."""
+        delay = _AWAY_RETRY_INITIAL_SECONDS
+        while not self._closed:
+            try:
+                for event in self._watch:
+                    self._watching.set()
+                    delay = _AWAY_RETRY_INITIAL_SECONDS
+                    if event.type == ControlEventType.SHUTDOWN:
+                        self._present.clear()
+                        self._shutdown.set()
+                        self._cancel_inflight(self._acks_inflight)
+                        self._cancel_inflight(self._inflight)
+                    elif event.type == ControlEventType.STATE:
+                        self._shutdown.clear()
+                        self._present.set()
+            except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
+                log.info("batches: control stream ended (%s); reconnecting", exc)
+            if self._closing.wait(delay):
+                return
+            delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
+            with self._lock:
+                if self._closed:
                     return
-        except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
-            log.warning("batches: control stream ended (%s); a server shutdown will show as a call error", exc)
+                self._watch = self._client.watch()
 
     def _cancel_inflight(self, calls: set[Any]) -> None:
         with self._lock:
@@ -457,27 +495,51 @@ class BatchIterator(_IteratorBase):
             future.cancel()
 
     def _call(self, call: _calls.Call[_T], *, survives_close: bool = False) -> _T:
-        """Runs a call that a server shutdown (and, unless `survives_close`, close()) cuts short, raising
-        _Stopped: after the server's SHUTDOWN event a call would otherwise wait for a server that is gone
-        until its deadline. Acknowledgements survive close(): the caller trained on those batches."""
+        """Runs a call through a server restart: while the server is away (it announced SHUTDOWN, or does not
+        answer) the call is cut short and sent again, with the same request id, once a server answers, for at
+        most `reconnect` seconds (then ServerGoneError). close() cuts it short with _Stopped unless
+        `survives_close`: acknowledgements survive close(), the caller trained on those batches."""
+        deadline: float | None = None
+        delay = _AWAY_RETRY_INITIAL_SECONDS
+        while True:
+            try:
+                return self._call_once(call, survives_close)
+            except _Away:
+                now = time.monotonic()
+                deadline = now + self.reconnect if deadline is None else deadline
+                if now >= deadline:
+                    raise self._gone(call.method, self._shutdown.is_set()) from None
+                # A successor's STATE ends the wait at once; a server that cannot be reached is tried again.
+                self._present.wait(min(delay, deadline - now))
+                if self._closed and not survives_close:
+                    raise _Stopped from None
+                delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
+
+    def _call_once(self, call: _calls.Call[_T], survives_close: bool) -> _T:
         stub = self._client._stub_for_process()
         with self._lock:
-            if self._shutdown.is_set() or (self._closed and not survives_close):
+            if self._closed and not survives_close:
                 raise _Stopped
+            if self._shutdown.is_set():
+                raise _Away
             future = getattr(stub, call.method).future(call.request, timeout=call.timeout,
                                                        metadata=self._client._metadata)
             (self._acks_inflight if survives_close else self._inflight).add(future)
         try:
             return call.convert(future.result())
         except grpc.FutureCancelledError:
-            raise _Stopped from None
+            if self._closed and not survives_close:
+                raise _Stopped from None
+            raise _Away from None  # cut by the server's SHUTDOWN
         except grpc.RpcError as exc:
             if self._closed and not survives_close:
                 raise _Stopped from None
-            # A server that shuts down ends its calls (CANCELLED, UNAVAILABLE) right after telling watchers
-            # SHUTDOWN: the watch thread may not have read that event yet.
-            if exc.code() in _ENDED_BY_SHUTDOWN and self._shutdown.wait(SHUTDOWN_EVENT_WAIT_SECONDS):
-                raise _Stopped from None
+            # A server that shuts down or dies ends its calls (CANCELLED, UNAVAILABLE): away until it is back.
+            if exc.code() in _ENDED_BY_SHUTDOWN:
+                if not self._shutdown.wait(SHUTDOWN_EVENT_WAIT_SECONDS if exc.code() == grpc.StatusCode.CANCELLED
+                                           else 0):
+                    self._present.clear()
+                raise _Away from None
             raise translate(exc) from exc
         finally:
             with self._lock:
@@ -485,7 +547,8 @@ class BatchIterator(_IteratorBase):
                 self._acks_inflight.discard(future)
 
     def _prefetch(self) -> MiniBatch:
-        """Collects until a full batch arrives (raises _Stopped when closed or the server shuts down)."""
+        """Collects until a full batch arrives (raises _Stopped when closed, ServerGoneError when the server
+        does not come back)."""
         while True:
             result = self._call(self._collect_call())
             if result.groups:
@@ -508,7 +571,6 @@ class BatchIterator(_IteratorBase):
             pending, self._pending = self._pending, None
             batch = pending.result()
         except _Stopped:
-            self.server_shut_down = self._shutdown.is_set()
             self.close()
             try:
                 self.wait_for_ack()  # the last batch's acknowledgement, sent above, completes before the end
@@ -526,8 +588,9 @@ class BatchIterator(_IteratorBase):
 
     def ack(self) -> int:
         """Acknowledges the batch handed out last now and waits for it (otherwise the next __next__ sends
-        the acknowledgement); returns its groups. A LEASE_EXPIRED error (FailedPreconditionError) means the
-        lease ran out before: the groups will be delivered again."""
+        the acknowledgement); returns its groups. Through a server restart it waits for the server to be
+        back (ServerGoneError after `reconnect` seconds). A LEASE_EXPIRED error (FailedPreconditionError)
+        means the lease ran out before: the groups will be delivered again."""
         self.wait_for_ack()
         batch, self._current = self._current, None
         return 0 if batch is None or not batch.lease_id else self._acknowledge(batch)
@@ -549,6 +612,7 @@ class BatchIterator(_IteratorBase):
         already prefetched and not handed out returns to the server's buffer when its lease runs out."""
         with self._lock:
             self._closed = True
+        self._closing.set()
         self._cancel_inflight(self._inflight)
         self._watch.cancel()
         self._executor.shutdown(wait=False)
@@ -578,14 +642,16 @@ class AsyncBatchIterator(_IteratorBase):
                  lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
                  num_batches: int | str | None = None, mask_offpolicy: bool = False,
                  token_budget: int | None = None, rank: int = 0, world_size: int = 1,
-                 step: int | None = None) -> None:
+                 step: int | None = None, reconnect: float = DEFAULT_RECONNECT_SECONDS) -> None:
         # The group size may have to be asked from the server, which needs the event loop: resolved on start
         # (the arguments are checked now, against the group size 1 where it is not known yet).
         self._shape_arguments = dict(token_budget=token_budget, rank=rank, world_size=world_size)
         self._group_size = group_size
         shape = BatchShape.of(mini_batch_size, group_size or 1, None, **self._shape_arguments)
         super().__init__(client, shape, lease=lease, poll=poll, num_batches=num_batches,
-                         mask_offpolicy=mask_offpolicy, step=step)
+                         mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect)
+        self._present = asyncio.Event()  # the server answers (cleared while it is away)
+        self._present.set()
         self._shape_resolved = group_size is not None or mini_batch_size is None
         self.mini_batch_size = mini_batch_size
         self._shutdown = asyncio.Event()
@@ -613,41 +679,74 @@ class AsyncBatchIterator(_IteratorBase):
                 self._pending = asyncio.ensure_future(self._prefetch())
 
     async def _watch_events(self) -> None:
-        try:
-            async for event in self._watch:
-                if self._on_event(event.type):
-                    self._shutdown.set()
-                    for task in (*self._inflight, *self._acks_inflight):
-                        task.cancel()
-                    return
-        except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
-            log.warning("batches: control stream ended (%s); a server shutdown will show as a call error", exc)
+        """Coroutine form of BatchIterator._watch_events."""
+        delay = _AWAY_RETRY_INITIAL_SECONDS
+        while not self._closed:
+            try:
+                async for event in self._watch:
+                    delay = _AWAY_RETRY_INITIAL_SECONDS
+                    if event.type == ControlEventType.SHUTDOWN:
+                        self._present.clear()
+                        self._shutdown.set()
+                        for task in (*self._inflight, *self._acks_inflight):
+                            task.cancel()
+                    elif event.type == ControlEventType.STATE:
+                        self._shutdown.clear()
+                        self._present.set()
+            except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
+                log.info("batches: control stream ended (%s); reconnecting", exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
+            if not self._closed:
+                self._watch = self._client.watch()
 
     async def _call(self, call: _calls.Call[_T], *, survives_close: bool = False) -> _T:
         """Coroutine form of BatchIterator._call."""
-        def stopped() -> bool:
-            return self._shutdown.is_set() or (self._closed and not survives_close)
+        deadline: float | None = None
+        delay = _AWAY_RETRY_INITIAL_SECONDS
+        while True:
+            try:
+                return await self._call_once(call, survives_close)
+            except _Away:
+                now = time.monotonic()
+                deadline = now + self.reconnect if deadline is None else deadline
+                if now >= deadline:
+                    raise self._gone(call.method, self._shutdown.is_set()) from None
+                try:
+                    await asyncio.wait_for(self._present.wait(), min(delay, deadline - now))
+                except asyncio.TimeoutError:
+                    pass
+                if self._closed and not survives_close:
+                    raise _Stopped from None
+                delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
 
-        if stopped():
+    async def _call_once(self, call: _calls.Call[_T], survives_close: bool) -> _T:
+        if self._closed and not survives_close:
             raise _Stopped
+        if self._shutdown.is_set():
+            raise _Away
         task = asyncio.ensure_future(self._client._run(call))
         calls = self._acks_inflight if survives_close else self._inflight
         calls.add(task)
         try:
             return await task
         except asyncio.CancelledError:
-            if task.cancelled() and stopped():
+            if not task.cancelled():
+                raise  # the caller's own task was cancelled
+            if self._closed and not survives_close:
                 raise _Stopped from None
-            raise  # the caller's own task was cancelled
+            raise _Away from None  # cut by the server's SHUTDOWN
         except Exception as exc:
-            if stopped():
+            if self._closed and not survives_close:
                 raise _Stopped from None
-            if getattr(exc, "code", None) in _ENDED_BY_SHUTDOWN:  # see BatchIterator._call
-                try:
-                    await asyncio.wait_for(self._shutdown.wait(), SHUTDOWN_EVENT_WAIT_SECONDS)
-                except asyncio.TimeoutError:
-                    raise exc from None
-                raise _Stopped from None
+            if getattr(exc, "code", None) in _ENDED_BY_SHUTDOWN:  # see BatchIterator._call_once
+                if not self._shutdown.is_set():
+                    try:
+                        await asyncio.wait_for(self._shutdown.wait(), SHUTDOWN_EVENT_WAIT_SECONDS
+                                               if exc.code == grpc.StatusCode.CANCELLED else 0.001)
+                    except asyncio.TimeoutError:
+                        self._present.clear()
+                raise _Away from None
             raise
         finally:
             calls.discard(task)
@@ -674,7 +773,6 @@ class AsyncBatchIterator(_IteratorBase):
             pending, self._pending = self._pending, None
             batch = await pending
         except _Stopped:
-            self.server_shut_down = self._shutdown.is_set()
             await self.close()
             try:
                 await self.wait_for_ack()  # the last batch's acknowledgement, sent above, completes before the end

@@ -30,6 +30,7 @@ from ._proto import pacer_pb2_grpc
 from .batches import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_POLL_SECONDS,
+    DEFAULT_RECONNECT_SECONDS,
     AsyncBatchIterator,
     BatchIterator,
     STEP,
@@ -380,7 +381,7 @@ class PacerClient(_ClientBase):
         self, mini_batch_size: int | None = None, *, group_size: int | None = None,
         lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
         num_batches: int | str | None = None, mask_offpolicy: bool = False, token_budget: int | None = None,
-        rank: int = 0, world_size: int = 1, step: int | None = None,
+        rank: int = 0, world_size: int = 1, step: int | None = None, reconnect: float = DEFAULT_RECONNECT_SECONDS,
     ) -> BatchIterator:
         """The trainer's iterator (docs/trainer.md): packed mini-batches of `mini_batch_size` trajectories
         (whole groups; group_size defaults to the server's), each from one leased Collect.
@@ -395,8 +396,10 @@ class PacerClient(_ClientBase):
         next batch (or `ack()`) acknowledges the current one, so a trainer that dies gets its groups delivered
         again, in order, after `lease` seconds (which must cover a training step plus the prefetch). Stops
         after `num_batches` batches without prefetching beyond them (a step boundary; "step": one training
-        step's B * N / mini_batch_size, read from the server), on `close()`, or when the server announces its
-        shutdown. With `mask_offpolicy`, each batch's loss_mask is 0 on the tokens a
+        step's B * N / mini_batch_size, read from the server) or on `close()`. A server restart (its SHUTDOWN,
+        or a lost connection) does not end it: its calls, acknowledgements included, are sent again once a
+        server answers, for up to `reconnect` seconds, then raise ServerGoneError. With `mask_offpolicy`, each
+        batch's loss_mask is 0 on the tokens a
         partial rollout generated before its last weight version (docs/partial-rollouts.md). With `step`
         (the steps the trainer has trained), every Collect states it and is refused, FAILED_PRECONDITION
         reason STEP_MISMATCH, unless the server is at that step (docs/durability.md). Needs NumPy
@@ -414,7 +417,7 @@ class PacerClient(_ClientBase):
         if num_batches == STEP:
             num_batches = step_batches(mini_batch_size, server_state(), token_budget)
         return BatchIterator(self, shape, lease=lease, poll=poll, num_batches=num_batches,
-                             mask_offpolicy=mask_offpolicy, step=step)
+                             mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect)
 
     def reset(
         self,
@@ -561,13 +564,13 @@ class AsyncPacerClient(_ClientBase):
         self, mini_batch_size: int | None = None, *, group_size: int | None = None,
         lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
         num_batches: int | str | None = None, mask_offpolicy: bool = False, token_budget: int | None = None,
-        rank: int = 0, world_size: int = 1, step: int | None = None,
+        rank: int = 0, world_size: int = 1, step: int | None = None, reconnect: float = DEFAULT_RECONNECT_SECONDS,
     ) -> AsyncBatchIterator:
         """Async form of PacerClient.batches: `async with client.batches(128) as batches: async for batch in
         batches: ...` (the group size is asked from the server on the first iteration)."""
         return AsyncBatchIterator(self, mini_batch_size, group_size, lease=lease, poll=poll, num_batches=num_batches,
                                   mask_offpolicy=mask_offpolicy, token_budget=token_budget, rank=rank,
-                                  world_size=world_size, step=step)
+                                  world_size=world_size, step=step, reconnect=reconnect)
 
     async def reset(
         self,

@@ -22,6 +22,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "DeadlineExceededError",
+    "ServerGoneError",
     "translate",
 ]
 
@@ -90,6 +91,14 @@ class UnauthenticatedError(PacerClientError):
 
 class UnavailableError(PacerClientError):
     """UNAVAILABLE: the server is unreachable or shutting down (after the channel's own retries)."""
+
+
+class ServerGoneError(UnavailableError):
+    """The server announced SHUTDOWN or could not be reached, and no server answered again on the address
+    within the waiting call's bound (e.g. the batch iterator's `reconnect` seconds); nothing more was done."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details, reason="SERVER_GONE")
 
 
 class DeadlineExceededError(PacerClientError):
