@@ -8,8 +8,9 @@ The loop every fully-async RL job needs, so its users do not write it again:
   as it ends (a request id per call; UNAVAILABLE is retried with the same id, so nothing applies twice);
 * follow **WatchControl**: PAUSE with ABORT aborts this worker's engine requests and submits what they
   have as ABORTED, with the partial tokens; PAUSE with WAIT lets them finish; RESUME records the new
-  weight version (and calls `on_resume`); SHUTDOWN stops the worker; JOB_ENDED (the trainer's EndJob)
-  aborts (ABORT) or finishes (WAIT) what it holds, submits it and returns;
+  weight version (and calls `on_resume`); SHUTDOWN (a restart) stops dispatch until the server is back,
+  keeping what it holds; JOB_ENDED (the trainer's EndJob) aborts (ABORT) or finishes (WAIT) what it holds,
+  submits it and returns;
 * keep the in-flight leases of its groups alive (KeepAlive) while it generates, so a slow group is
   never reclaimed from a live worker;
 * log progress and errors in the service's log style (logger `coda_worker`, figures as
@@ -424,7 +425,7 @@ class AsyncRolloutWorker:
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> WorkerStats:
-        """Runs the loop until the source is exhausted, `stop()`, the server's SHUTDOWN, or the end of the job
+        """Runs the loop until the source is exhausted, `stop()`, or the end of the job
         (JOB_ENDED: what it holds is aborted or finished as the trainer asked, and submitted); returns what
         it did."""
         self._loop = asyncio.get_running_loop()
