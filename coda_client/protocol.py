@@ -67,7 +67,7 @@ RPCS: tuple[Rpc, ...] = (
         response_form="encoded"),
     Rpc("ListWorkers", mutating=False, retry_safe=True),
     # Taking a checkpoint changes nothing the pacing depends on.
-    Rpc("Checkpoint", mutating=False, retry_safe=True),
+    Rpc("Checkpoint", mutating=False, retry_safe=True, response_form="encoded"),
     Rpc("Restore", mutating=True, retry_safe=True, remembered="answer"),
     Rpc("GetPromptCursor", mutating=False, retry_safe=True),
     # The trainer's last call: a control call (never refused for room); ending twice changes nothing.

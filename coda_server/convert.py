@@ -7,10 +7,12 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Iterable, Optional, Sequence, Union
 
+from coda_client import wire_forms as _wire
 from coda_client._proto import pacer_pb2 as pb
 
 from . import wire
-from .core.errors import InvalidArgumentError
+from .core import checkpoints
+from .core.errors import InvalidArgumentError, ResourceExhaustedError
 from .core.shares import PLAIN, BatchShape
 from .core.state import STATE_FIELD_NAMES
 from .core.types import (
@@ -245,13 +247,25 @@ def control_event(event: ControlEvent) -> pb.ControlEvent:
                            restores=event.restores, job_ended=event.job_ended)
 
 
-def checkpoint_response(checkpoint: dict, blob: bytes) -> pb.CheckpointResponse:
+def checkpoint_response(checkpoint: dict, codec: ProtoTrajectories, max_message_bytes: int) -> bytes:
+    """The encoded CheckpointResponse: its summary fields, then the blob as field 1 (fields may come in any
+    order), so the blob is copied once into the answer; RESOURCE_EXHAUSTED when it cannot be sent."""
+    blob = checkpoints.encode(checkpoint, codec)
+    if len(blob) > max_message_bytes:
+        raise ResourceExhaustedError(
+            f"the checkpoint is {len(blob)} bytes, more than server.max_message_bytes ({max_message_bytes}) lets "
+            f"one answer carry; raise it (and the client's max_message_bytes) above the buffer's size",
+            retry_after=60.0, reason="CHECKPOINT_TOO_LARGE", metadata={"checkpoint_bytes": str(len(blob))})
     buffered = [group for _, group in checkpoint["buffer"]]
-    return pb.CheckpointResponse(
-        checkpoint=blob, step=checkpoint["step"], weight_version=checkpoint["weight_version"],
+    summary = pb.CheckpointResponse(
+        step=checkpoint["step"], weight_version=checkpoint["weight_version"],
         buffered_groups=len(buffered), kept_groups=len(checkpoint["kept"]),
         in_flight_prompts=len(checkpoint["in_flight"]),
         trajectory_bytes=groups_bytes(buffered) + groups_bytes(checkpoint["kept"]))
+    return b"".join((summary.SerializeToString(), _BLOB_TAG, _wire.varint(len(blob)), blob))
+
+
+_BLOB_TAG = _wire.length_delimited_tag(pb.CheckpointResponse.DESCRIPTOR.fields_by_name["checkpoint"].number)
 
 
 def prompt_cursor(cursor: dict) -> pb.PromptCursor:

@@ -21,7 +21,7 @@ from coda_client._proto import pacer_pb2_grpc
 from . import convert, wire
 from .admission import client_id
 from .core.async_pacer import AsyncPacer
-from .core.errors import InvalidArgumentError, PacerError, ResourceExhaustedError
+from .core.errors import InvalidArgumentError, PacerError
 from .core.types import ControlEvent
 from .status import status_for
 
@@ -139,15 +139,10 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return convert.list_workers_response(self._pacer.held_groups(wanted or None), request.max_groups_per_worker)
 
     @maps_errors
-    async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointResponse:
-        checkpoint, blob = await self._pacer.checkpoint(self._codec)
-        if len(blob) > self._max_message_bytes:
-            raise ResourceExhaustedError(
-                f"the checkpoint is {len(blob)} bytes, more than server.max_message_bytes "
-                f"({self._max_message_bytes}) lets one answer carry; raise it (and the client's "
-                f"max_message_bytes) above the buffer's size", retry_after=60.0, reason="CHECKPOINT_TOO_LARGE",
-                metadata={"checkpoint_bytes": str(len(blob))})
-        return convert.checkpoint_response(checkpoint, blob)
+    async def Checkpoint(self, request: pb.CheckpointRequest, context) -> bytes:
+        # Encoded off the event loop, blob and answer at once (the RPC table sends the answer as these bytes).
+        return await self._pacer.checkpoint(
+            lambda checkpoint: convert.checkpoint_response(checkpoint, self._codec, self._max_message_bytes))
 
     @maps_errors
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreResponse:

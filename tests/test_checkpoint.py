@@ -267,3 +267,16 @@ def test_the_cursor_survives_a_server_restart_and_a_fresh_source_skips_what_was_
         assert source.resume_from(cursor) == 1  # once per Restore count: a second worker sharing it changes nothing
     finally:
         durable.close()
+
+
+def test_a_checkpoint_larger_than_a_message_is_refused_naming_the_setting(tmp_path):
+    from coda_client.errors import ResourceExhaustedError
+
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=4, N=2), "server.max_message_bytes=65536") as server, \
+            PacerClient(server.address) as pacer:
+        pacer.dispatch([f"p{i}" for i in range(4)])
+        for i in range(4):
+            pacer.submit(wire_trajectories(f"p{i}", 0, tokens=3000))
+        with pytest.raises(ResourceExhaustedError, match="server.max_message_bytes") as refused:
+            pacer.checkpoint()
+        assert refused.value.reason == "CHECKPOINT_TOO_LARGE" and pacer.state().buffered == 4

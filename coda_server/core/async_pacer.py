@@ -231,11 +231,12 @@ class AsyncPacer:
 
         return await self._applied("Resume", request_id, call)
 
-    async def checkpoint(self, codec: TrajectoryCodec) -> tuple[dict, bytes]:
-        """A checkpoint (checkpoints.take) and its blob, encoded off the event loop: nothing pauses."""
+    async def checkpoint(self, encode: Callable[[dict], Any]) -> Any:
+        """`encode(checkpoint)` of a checkpoint (checkpoints.take), run off the event loop: nothing pauses. The
+        checkpoint shares the pacer's groups, which are never changed, so it may be read without the lock."""
         self.check_ready()
         checkpoint = self.pacer.checkpoint()
-        return checkpoint, await asyncio.to_thread(checkpoints.encode, checkpoint, codec)
+        return await asyncio.to_thread(encode, checkpoint)
 
     async def restore(self, blob: bytes, codec: TrajectoryCodec, request_id: str = "") -> RestoreResult:
         """Restore the checkpoint in `blob` (decoded off the event loop), answered once it is durable."""

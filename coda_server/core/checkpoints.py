@@ -77,16 +77,16 @@ def take(pacer: "Pacer") -> dict[str, Any]:
 
 def encode(checkpoint: dict[str, Any], codec: TrajectoryCodec) -> bytes:
     """The opaque blob: magic line, format number, then the journal's encoding of the checkpoint."""
-    return MAGIC + _HEADER.pack(CHECKPOINT_FORMAT) + dumps(checkpoint, codec)
+    return dumps(checkpoint, codec, prefix=MAGIC + _HEADER.pack(CHECKPOINT_FORMAT))
 
 
 def decode(blob: bytes, codec: TrajectoryCodec) -> dict[str, Any]:
     """The checkpoint in `blob`; CheckpointFormatError (changing nothing) when it is not one this version reads."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)) or not bytes(blob[:len(MAGIC)]) == MAGIC:
+    if not isinstance(blob, (bytes, bytearray, memoryview)) or bytes(blob[:len(MAGIC)]) != MAGIC:
         raise CheckpointFormatError("the blob is not a pacer checkpoint (pass the bytes PacerClient.checkpoint() "
                                     "returned, or wrote to its path, unchanged)",
                                     violations=[("checkpoint", "must be a blob taken by Checkpoint")])
-    blob = bytes(blob)
+    blob = memoryview(blob)
     (found,) = _HEADER.unpack_from(blob, len(MAGIC)) if len(blob) >= len(MAGIC) + _HEADER.size else (None,)
     if found != CHECKPOINT_FORMAT:
         raise CheckpointFormatError(f"the checkpoint is in format {found}, this server reads format "

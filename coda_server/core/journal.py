@@ -208,8 +208,10 @@ ALLOWED_CLASSES = {
     ("collections", "OrderedDict"), ("collections", "deque")}
 
 
-def dumps(value: Any, codec: TrajectoryCodec) -> bytes:
+def dumps(value: Any, codec: TrajectoryCodec, prefix: bytes = b"") -> bytes:
+    """`value` pickled, trajectories as the codec's bytes, written after `prefix` (no second copy to prepend it)."""
     buffer = io.BytesIO()
+    buffer.write(prefix)
     pickler = pickle.Pickler(buffer, protocol=5)
     pickler.persistent_id = lambda obj: codec.encode(obj) if type(obj) is Trajectory else None
     pickler.dump(value)
