@@ -10,7 +10,8 @@ figures repeat to within a few hundred instructions, so two versions of the code
 
 Layers (each includes the ones below it):
 
-* `full`: request bytes -> the registered handler's deserializer, wrappers and servicer -> response bytes
+* `full`: request bytes -> the registered handler's deserializer, wrappers (observability, admission, the
+  guard, the pass-through codec) and servicer -> response bytes
   (logging is not configured here, so the access log stays off: observability_overhead.py measures it);
 * `servicer`: `RolloutPacerServicer.Dispatch` (or `.Submit`) on a decoded request, plus serializing the response;
 * `async`: `AsyncPacer.dispatch` (`.submit`) on converted candidates (trajectories), request-id answers included;
@@ -81,7 +82,8 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
     if layer == "floor":
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(rpc_throughput.FloorServicer(), capture)
     else:  # the wrappers server.py registers, in its order
-        wrappers = [server.observability.rpc_observer, MalformedRequestGuard(), PassthroughCodec(SERVICE_NAME)]
+        wrappers = [server.observability.rpc_observer, server.admission, MalformedRequestGuard(),
+                    PassthroughCodec(SERVICE_NAME)]
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(RolloutPacerServicer(server.async_pacer),
                                                           WrappingRegistrar(capture, wrappers))
     if rpc == "submit":

@@ -88,6 +88,7 @@ def scenarios(candidates: int) -> dict[str, Scenario]:
         "peek": Scenario("peek", "Dispatch, no candidates (peek)", 0.8),
         "dispatch": Scenario("dispatch", f"Dispatch, {candidates} candidates, all admitted", 0.8),
         "submit": Scenario("submit", f"Submit, {GROUP_SIZE} traj x {TOKENS_PER_TRAJECTORY} tokens", 0.6),
+        "getstate": Scenario("getstate", "GetState", 0.8),
     }
 
 
@@ -345,6 +346,9 @@ async def run_load(spec: dict, channels: dict, builder: SubmitBuilder) -> dict:
                                    response_deserializer=pb.DispatchResponse.FromString)
     submit = channel.unary_unary(SERVICE + "Submit", request_serializer=None,
                                  response_deserializer=pb.SubmitResponse.FromString)
+    get_state = channel.unary_unary(SERVICE + "GetState", request_serializer=None,
+                                    response_deserializer=pb.GetStateResponse.FromString)
+    state_request = pb.GetStateRequest().SerializeToString()
     scenario, check, tag = spec["scenario"], spec["check"], spec["tag"]
     candidates = spec["candidates"]
     loop = asyncio.get_running_loop()
@@ -374,6 +378,10 @@ async def run_load(spec: dict, channels: dict, builder: SubmitBuilder) -> dict:
     async def one_call() -> None:
         if scenario == "peek":
             response = await dispatch(dispatch_request([], next_id()), timeout=CALL_TIMEOUT_SECONDS)
+        elif scenario == "getstate":
+            response = await get_state(state_request, timeout=CALL_TIMEOUT_SECONDS)
+            if check and not response.strategy:
+                raise BadResponse("GetState answered without the strategy's name")
         elif scenario == "dispatch":
             ids = [f"p{next_id()}" for _ in range(candidates)]
             response = await dispatch(dispatch_request(ids, next_id()), timeout=CALL_TIMEOUT_SECONDS)
@@ -726,7 +734,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_load_options(parser, repeats_help="interleaved floor/ours pairs per scenario")
     parser.add_argument("--candidates", type=int, default=4, help="candidates per Dispatch (default 4)")
     parser.add_argument("--scenarios", default="peek,dispatch,submit",
-                        help="comma-separated subset of peek,dispatch,submit")
+                        help="comma-separated subset of peek,dispatch,submit,getstate")
     parser.add_argument("--profile", metavar="DIR", default=os.environ.get(PROFILE_ENV) or None,
                         help=f"run both servers under cProfile, write DIR/ours.prof and DIR/floor.prof and print "
                              f"the top functions (default: ${PROFILE_ENV})")

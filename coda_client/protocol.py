@@ -47,7 +47,9 @@ class Rpc:
     # or "data" (the answer carries trajectories: fewer are kept and their bytes are counted).
     remembered: Optional[str] = None
     request_form: str = "message"  # "message" (generated parser) or "submit" (pass-through slices)
-    response_form: str = "message"  # "message", "views" (pass-through views) or "encoded" (bytes as sent)
+    # "message", "views" (pass-through views), "assembled" (a message joined with fields encoded ahead, e.g.
+    # GetState's configuration summary, encoded once) or "encoded" (bytes as sent).
+    response_form: str = "message"
 
 
 RPCS: tuple[Rpc, ...] = (
@@ -60,7 +62,7 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("Ack", mutating=True, retry_safe=True, remembered="answer"),
     Rpc("Reset", mutating=True, retry_safe=True, long_poll=True, remembered="data", response_form="views"),
     Rpc("Resume", mutating=True, retry_safe=True, remembered="answer"),
-    Rpc("GetState", mutating=False, retry_safe=True),
+    Rpc("GetState", mutating=False, retry_safe=True, response_form="assembled"),
     # Renewing a lease twice is harmless: no request id.
     Rpc("KeepAlive", mutating=True, retry_safe=True),
     Rpc("WatchControl", mutating=False, retry_safe=True, streaming=True, admission=("watch", "watch"),

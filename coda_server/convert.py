@@ -225,11 +225,26 @@ STATE_FIELDS = tuple(name for name in STATE_FIELD_NAMES
                      if name not in ("config_summary", "recent_reports", "recent_incidents"))
 
 
-def state_response(state: PacerState) -> pb.GetStateResponse:
-    return pb.GetStateResponse(config_summary=state.config_summary,
-                               recent_reports=[step_report(r) for r in state.recent_reports],
-                               recent_incidents=[pb.Incident(**dataclasses.asdict(i)) for i in state.recent_incidents],
-                               **{name: getattr(state, name) for name in STATE_FIELDS})
+def state_response(state: PacerState) -> wire.EncodedAnswer:
+    """GetState's answer; the configuration summary, the same in every answer of a server, is encoded once."""
+    return wire.EncodedAnswer(
+        pb.GetStateResponse(recent_reports=[step_report(r) for r in state.recent_reports],
+                            recent_incidents=[pb.Incident(**dataclasses.asdict(i)) for i in state.recent_incidents],
+                            **{name: getattr(state, name) for name in STATE_FIELDS}),
+        {}, _encoded_summary(state.config_summary))
+
+
+_ENCODED_SUMMARIES: dict[tuple, bytes] = {}  # a server has one summary (a test process a few)
+
+
+def _encoded_summary(summary: Mapping[str, str]) -> bytes:
+    key = tuple(summary.items())
+    encoded = _ENCODED_SUMMARIES.get(key)
+    if encoded is None:
+        if len(_ENCODED_SUMMARIES) >= 16:
+            _ENCODED_SUMMARIES.clear()
+        encoded = _ENCODED_SUMMARIES[key] = pb.GetStateResponse(config_summary=summary).SerializeToString()
+    return encoded
 
 
 def end_job_response(report: JobEndReport) -> pb.EndJobResponse:

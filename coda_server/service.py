@@ -127,7 +127,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return convert.resume_response(result)
 
     @maps_errors
-    async def GetState(self, request: pb.GetStateRequest, context) -> pb.GetStateResponse:
+    async def GetState(self, request: pb.GetStateRequest, context) -> wire.EncodedAnswer:
         return convert.state_response(self._pacer.state())
 
     @maps_errors

@@ -178,16 +178,19 @@ _GROUP_TRAJECTORY_TAG = _wire.length_delimited_tag(
 
 class EncodedAnswer:
     """A Collect or Reset answer: the message without its groups, and the groups as encoded parts,
-    joined once when gRPC serializes it (one copy of the trajectories' bytes, no message holding them)."""
+    joined once when gRPC serializes it (one copy of the trajectories' bytes, no message holding them).
+    `encoded`: more of the answer's fields already encoded (e.g. GetState's configuration summary, the same
+    in every answer), written as they are."""
 
-    __slots__ = ("message", "groups")
+    __slots__ = ("message", "groups", "encoded")
 
-    def __init__(self, message: Any, groups: dict[str, list[list[Any]]]):
+    def __init__(self, message: Any, groups: dict[str, list[list[Any]]], encoded: bytes = b""):
         self.message = message
         self.groups = groups
+        self.encoded = encoded
 
     def SerializeToString(self) -> bytes:  # noqa: N802
-        parts: list[Any] = [self.message.SerializeToString()]
+        parts: list[Any] = [self.encoded, self.message.SerializeToString()]
         fields = self.message.DESCRIPTOR.fields_by_name
         for name, groups in self.groups.items():
             tag = _wire.length_delimited_tag(fields[name].number)
@@ -250,11 +253,11 @@ def array_count(name: str, run: memoryview) -> int:
 class PassthroughCodec:
     """A method wrapper (see method_wrapping) giving the RolloutPacer methods their (de)serializers by the
     RPC table's wire forms (coda_client/protocol.py): a "submit" request is parsed with `parse_submit`;
-    "views" answers (Dispatch, Collect, Reset), built as views by convert.py, are serialized as what they
-    are; "encoded" answers (WatchControl events, encoded once for all watchers) are sent as they are."""
+    "views" answers (Dispatch, Collect, Reset), built as views by convert.py, and "assembled" ones (GetState,
+    an EncodedAnswer), are serialized as what they are; "encoded" answers (WatchControl events, encoded once for all watchers) are sent as they are."""
 
     REQUEST_DESERIALIZERS = {"submit": parse_submit}
-    RESPONSE_SERIALIZERS = {"views": _wire.serialize, "encoded": _as_encoded}
+    RESPONSE_SERIALIZERS = {"views": _wire.serialize, "assembled": _wire.serialize, "encoded": _as_encoded}
 
     def __init__(self, service: str):
         self._forms = {f"/{service}/{rpc.name}": rpc for rpc in RPCS}

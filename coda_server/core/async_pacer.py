@@ -300,7 +300,7 @@ class AsyncPacer:
 
     def state(self) -> PacerState:
         self.check_ready()
-        return dataclasses.replace(self.pacer.state(), waiting_calls=self.waits.waiting_calls)
+        return self.pacer.state(self.waits.waiting_calls)
 
     # ------------------------------------------------------------- watchers
 

@@ -745,9 +745,10 @@ class Pacer:
                     for g in sorted(self._inflight.values(), key=lambda g: g.seq)
                     if client_id is None or g.client_id == client_id]
 
-    def state(self) -> PacerState:
+    def state(self, waiting_calls: int = 0) -> PacerState:
+        """Every counter, read under the lock; `waiting_calls` is the caller's count of waiting long-polls."""
         with self._lock:
-            return PacerState(
+            return PacerState(waiting_calls=waiting_calls,
                 running=len(self._inflight), buffered=len(self._buffer),
                 queued_trajectories=self._queued_trajectories, capacity=self._admissible_after_change(),
                 window_size=self._window_size, step=self.step, weight_version=self.weight_version,
