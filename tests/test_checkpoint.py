@@ -107,6 +107,22 @@ def test_a_restore_that_cannot_apply_changes_nothing():
     assert pacer.state() == before
 
 
+def test_a_checkpoint_taken_while_paused_is_restored_paused_until_the_trainers_resume():
+    pacer = pacer_of()
+    events = []
+    pacer.add_control_listener(events.append)
+    generate(pacer, range(2), 0)
+    pacer.reset()  # no resume: the trainer syncs weights, then resumes
+    checkpoint = pacer.checkpoint()
+    pacer.resume(1)
+    del events[:]
+    pacer.restore(checkpoint)
+    assert pacer.state().paused and [e.type.name for e in events] == ["PAUSE"] and events[0].restores == 1
+    assert pacer.dispatch([ref(5)]).admitted_ids == []
+    pacer.resume(1)
+    assert pacer.dispatch([ref(5)]).admitted_ids == ["e0p5"]
+
+
 def test_the_cursor_keeps_a_low_water_mark_and_gives_back_what_it_unmarks():
     cursor = PromptCursor()
     for i in (0, 1, 3, 5):

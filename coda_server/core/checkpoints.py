@@ -65,6 +65,7 @@ def take(pacer: "Pacer") -> dict[str, Any]:
             "format": CHECKPOINT_FORMAT,
             "config": dict(pacer._summary),
             "step": pacer.step, "weight_version": pacer.weight_version, "generation": pacer.generation,
+            "paused": pacer.paused,  # taken between a Reset and its Resume: restored paused, the Resume reopens
             "taken_at": pacer.last_checkpoint[2],
             "buffer": buffer,
             "kept": pacer._restored.export(),
@@ -122,8 +123,9 @@ def check(pacer: "Pacer", checkpoint: dict[str, Any]) -> None:
 def restore(pacer: "Pacer", checkpoint: dict[str, Any], request_id: str = "") -> RestoreResult:
     """Bring the pacer back to the checkpoint's step: everything held now is discarded and counted, the
     checkpoint's buffer and kept groups are put back as they were, the prompts in flight then (and every
-    prompt admitted since) are offered again, and workers are told (PAUSE with ABORT, RESUME at its weight
-    version). Caller holds the lock."""
+    prompt admitted since) are offered again, and workers are told (PAUSE with ABORT, then RESUME at its weight
+    version unless it was taken while dispatch was paused: then the trainer's Resume reopens it). Caller holds
+    the lock."""
     pacer._check_open()
     check(pacer, checkpoint)
     step, version = int(checkpoint["step"]), int(checkpoint["weight_version"])
@@ -177,14 +179,15 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any], request_id: str = "") ->
     pacer._cursor = PromptCursor.restored(checkpoint["cursor"])
     pacer.step, pacer.weight_version = step, version
     pacer.resetting = False
-    pacer.paused = False
-    pacer._pause_started = pacer._reset_ready_at = None
+    pacer.paused = bool(checkpoint.get("paused"))
+    pacer._pause_started, pacer._reset_ready_at = (now if pacer.paused else None), None
     pacer.totals["restores"] += 1
     pacer.last_restore = (step, version, float(checkpoint.get("taken_at") or 0.0))
     pacer._strategy_touched = True
 
     pacer._emit(ControlEventType.PAUSE, ResetMode.ABORT)  # workers abort what they generate
-    pacer._emit(ControlEventType.RESUME)  # and load the weights of the checkpoint's version
+    if not pacer.paused:
+        pacer._emit(ControlEventType.RESUME)  # and load the weights of the checkpoint's version
     pacer._notify()
     return RestoreResult(
         step=step, weight_version=version, generation=pacer.generation,
