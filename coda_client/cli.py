@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     resume = commands.add_parser("resume", help="step += 1, set the weight version, reopen dispatch")
     resume.add_argument("--weight-version", type=int, required=True)
+
+    checkpoint = commands.add_parser("checkpoint", help="write a pacer checkpoint (to keep beside the model's) to PATH")
+    checkpoint.add_argument("path")
+
+    restore = commands.add_parser("restore", help="bring the server back to the pacer checkpoint in PATH")
+    restore.add_argument("path")
     return parser
 
 
@@ -110,6 +116,12 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
                 out.write(json.dumps(as_json(result), sort_keys=True) + "\n")
             elif args.command == "resume":
                 out.write(json.dumps(as_json(client.resume(args.weight_version)), sort_keys=True) + "\n")
+            elif args.command == "checkpoint":
+                taken = client.checkpoint(args.path)
+                summary = {f.name: getattr(taken, f.name) for f in dataclasses.fields(taken) if f.name != "blob"}
+                out.write(json.dumps({"path": args.path, "bytes": len(taken.blob), **summary}, sort_keys=True) + "\n")
+            elif args.command == "restore":
+                out.write(json.dumps(as_json(client.restore(args.path)), sort_keys=True) + "\n")
             elif args.command == "workers":
                 holdings = client.list_workers(args.client, max_groups_per_worker=max(0, args.groups))
                 out.write("".join(json.dumps(as_json(w), sort_keys=True) + "\n" for w in holdings) if args.json

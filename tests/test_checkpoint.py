@@ -199,6 +199,24 @@ def test_checkpoint_and_restore_over_grpc_survive_a_restart_and_tell_watchers(tm
         durable.close()
 
 
+def test_the_command_line_writes_and_restores_a_checkpoint(tmp_path):
+    import io
+    import json
+
+    from coda_client import cli as client_cli
+
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, N=2)) as server, PacerClient(server.address) as pacer:
+        pacer.dispatch(["a"])
+        pacer.submit(wire_trajectories("a", 0))
+        out, path = io.StringIO(), tmp_path / "pacer.ckpt"
+        assert client_cli.main(["--address", server.address, "checkpoint", str(path)], out=out) == 0
+        assert json.loads(out.getvalue())["buffered_groups"] == 1 and path.stat().st_size > 0
+        pacer.collect(1)
+        out = io.StringIO()
+        assert client_cli.main(["--address", server.address, "restore", str(path)], out=out) == 0
+        assert json.loads(out.getvalue())["reinstated_groups"] == 1 and pacer.state().buffered == 1
+
+
 def test_a_checkpoint_of_another_job_is_refused_over_grpc(tmp_path):
     with ServerProcess(tmp_path, *core_overrides("no-window", B=2, N=2)) as one, PacerClient(one.address) as first:
         taken = first.checkpoint()
