@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -67,20 +67,25 @@ def dispatch(
     return Call("Dispatch", request, call_timeout(timeout, wait), DispatchResult.from_pb)
 
 
-def keep_alive(prompt_ids: Sequence[str], *, timeout: float) -> Call[KeepAliveResult]:
-    """KeepAlive: renewing a lease twice is harmless, so no request id."""
+def keep_alive(prompt_ids: Sequence[str], *, timeout: float,
+               dispatch_seqs: Mapping[str, int] | None = None) -> Call[KeepAliveResult]:
+    """KeepAlive: renewing a lease twice is harmless, so no request id. `dispatch_seqs`: the fences (see submit)."""
     if isinstance(prompt_ids, (str, bytes)):
         raise TypeError("prompt_ids must be a list of prompt ids, not a single string")
-    return Call("KeepAlive", pacer_pb2.KeepAliveRequest(prompt_ids=list(prompt_ids)), timeout, KeepAliveResult.from_pb)
+    return Call("KeepAlive", pacer_pb2.KeepAliveRequest(prompt_ids=list(prompt_ids), dispatch_seqs=dispatch_seqs or {}),
+                timeout, KeepAliveResult.from_pb)
 
 
-def submit(trajectories: Sequence[Trajectory], *, request_id: str | None, timeout: float) -> Call[SubmitResult]:
+def submit(trajectories: Sequence[Trajectory], *, request_id: str | None, timeout: float,
+           dispatch_seqs: Mapping[str, int] | None = None) -> Call[SubmitResult]:
     """Submit: all-or-nothing on the server side. The request is encoded here, arrays straight from their
-    buffers (see _wire.EncodedSubmitRequest), so an encoding error surfaces before anything is sent."""
+    buffers (see _wire.EncodedSubmitRequest), so an encoding error surfaces before anything is sent.
+    `dispatch_seqs` (prompt id -> the seq of the dispatch the caller holds it under) fences the Submit: a
+    group handed out again since is refused (STALE_DISPATCH) instead of taking late trajectories."""
     if isinstance(trajectories, Trajectory):
         raise TypeError("trajectories must be a list of Trajectory, not a single Trajectory")
     request = _wire.EncodedSubmitRequest((_trajectory(t).encoded_parts() for t in trajectories),
-                                         request_id_or_new(request_id))
+                                         request_id_or_new(request_id), dispatch_seqs)
     return Call("Submit", request, timeout, SubmitResult.from_pb)
 
 

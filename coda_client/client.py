@@ -257,11 +257,12 @@ class _ClientBase:
         return _calls.dispatch(candidates, wait=wait, request_id=request_id, timeout=self.timeout,
                                max_continuations=max_continuations)
 
-    def _keep_alive(self, prompt_ids: Sequence[str]) -> Call[Any]:
-        return _calls.keep_alive(prompt_ids, timeout=self.timeout)
+    def _keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Mapping[str, int] | None = None) -> Call[Any]:
+        return _calls.keep_alive(prompt_ids, timeout=self.timeout, dispatch_seqs=dispatch_seqs)
 
-    def _submit(self, trajectories: Sequence[Trajectory], request_id: str | None) -> Call[Any]:
-        return _calls.submit(trajectories, request_id=request_id, timeout=self.timeout)
+    def _submit(self, trajectories: Sequence[Trajectory], request_id: str | None,
+                dispatch_seqs: Mapping[str, int] | None = None) -> Call[Any]:
+        return _calls.submit(trajectories, request_id=request_id, timeout=self.timeout, dispatch_seqs=dispatch_seqs)
 
     def _collect(
         self, num_groups: int, wait: float, allow_partial: bool, request_id: str | None, lease: float = 0.0,
@@ -339,13 +340,17 @@ class PacerClient(_ClientBase):
         (result.continuations): continue them and submit all their trajectories again."""
         return self._run(self._dispatch(candidates, wait, request_id, max_continuations))
 
-    def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
-        """Renews the in-flight leases of running groups this worker is still generating."""
-        return self._run(self._keep_alive(prompt_ids))
+    def keep_alive(self, prompt_ids: Sequence[str], *, dispatch_seqs: Mapping[str, int] | None = None) -> KeepAliveResult:
+        """Renews the in-flight leases of running groups this worker is still generating (and is the worker's
+        liveness heartbeat). `dispatch_seqs`: fencing tokens, as for submit()."""
+        return self._run(self._keep_alive(prompt_ids, dispatch_seqs))
 
-    def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None) -> SubmitResult:
-        """Reports trajectories; a request_id is generated when None so retries are de-duplicated."""
-        return self._run(self._submit(trajectories, request_id))
+    def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None,
+               dispatch_seqs: Mapping[str, int] | None = None) -> SubmitResult:
+        """Reports trajectories; a request_id is generated when None so retries are de-duplicated.
+        `dispatch_seqs` (prompt id -> the seq its Dispatch answered): fencing tokens; a group handed out again
+        since (its worker was taken as gone) is refused, FailedPreconditionError reason STALE_DISPATCH."""
+        return self._run(self._submit(trajectories, request_id, dispatch_seqs))
 
     def collect(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
@@ -524,13 +529,15 @@ class AsyncPacerClient(_ClientBase):
         """Coroutine form of PacerClient.dispatch."""
         return await self._run(self._dispatch(candidates, wait, request_id, max_continuations))
 
-    async def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
+    async def keep_alive(self, prompt_ids: Sequence[str], *,
+                         dispatch_seqs: Mapping[str, int] | None = None) -> KeepAliveResult:
         """Coroutine form of PacerClient.keep_alive."""
-        return await self._run(self._keep_alive(prompt_ids))
+        return await self._run(self._keep_alive(prompt_ids, dispatch_seqs))
 
-    async def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None) -> SubmitResult:
+    async def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None,
+                     dispatch_seqs: Mapping[str, int] | None = None) -> SubmitResult:
         """Coroutine form of PacerClient.submit."""
-        return await self._run(self._submit(trajectories, request_id))
+        return await self._run(self._submit(trajectories, request_id, dispatch_seqs))
 
     async def collect(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None

@@ -183,7 +183,8 @@ class EncodedSubmitRequest:
 
     __slots__ = ("request_id", "trajectory_count", "_data")
 
-    def __init__(self, encoded_trajectories: Iterable[list[Any]], request_id: str) -> None:
+    def __init__(self, encoded_trajectories: Iterable[list[Any]], request_id: str,
+                 dispatch_seqs: Mapping[str, int] | None = None) -> None:
         parts: list[Any] = []
         count = 0
         for trajectory_parts in encoded_trajectories:
@@ -193,6 +194,8 @@ class EncodedSubmitRequest:
         if request_id:
             encoded_id = request_id.encode()
             parts += [_SUBMIT_REQUEST_ID_TAG, varint(len(encoded_id)), encoded_id]
+        if dispatch_seqs:  # small: through protobuf (field order does not matter on the wire)
+            parts.append(pacer_pb2.SubmitRequest(dispatch_seqs=dict(dispatch_seqs)).SerializeToString())
         self.request_id = request_id
         self.trajectory_count = count
         self._data = b"".join(parts)

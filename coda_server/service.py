@@ -90,13 +90,14 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     @maps_errors
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
         self._pacer.heard_from(client_id(context))  # the worker's heartbeat
-        return convert.keep_alive_response(self._pacer.keep_alive(list(request.prompt_ids)))
+        return convert.keep_alive_response(self._pacer.keep_alive(list(request.prompt_ids),
+                                                                  dict(request.dispatch_seqs)))
 
     @maps_errors
     async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:
         self._pacer.heard_from(client_id(context))
         result = await self._pacer.submit(convert.trajectories(request.trajectories),
-                                          request.request_id)
+                                          request.request_id, request.dispatch_seqs)
         return convert.submit_response(result)
 
     @maps_errors

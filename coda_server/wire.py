@@ -93,13 +93,15 @@ class SubmittedTrajectory:
 
 
 class ParsedSubmit:
-    """A SubmitRequest parsed for the servicer: its trajectories (SubmittedTrajectory) and request id."""
+    """A SubmitRequest parsed for the servicer: its trajectories (SubmittedTrajectory), request id and fences."""
 
-    __slots__ = ("request_id", "trajectories")
+    __slots__ = ("request_id", "trajectories", "dispatch_seqs")
 
-    def __init__(self, request_id: str, trajectories: list[SubmittedTrajectory]):
+    def __init__(self, request_id: str, trajectories: list[SubmittedTrajectory],
+                 dispatch_seqs: Optional[dict[str, int]] = None):
         self.request_id = request_id
         self.trajectories = trajectories
+        self.dispatch_seqs = dispatch_seqs or {}
 
 
 _SUBMIT_TRAJECTORIES = pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number
@@ -135,7 +137,8 @@ def read_trajectory(data: bytes) -> SubmittedTrajectory:
 
 def _split_submit(data: memoryview) -> ParsedSubmit:
     request, slices = _wire.split_message(data, SubmitRequest, {_SUBMIT_TRAJECTORIES: "trajectories"})
-    return ParsedSubmit(request.request_id, [_split_trajectory(encoded) for encoded in slices["trajectories"]])
+    return ParsedSubmit(request.request_id, [_split_trajectory(encoded) for encoded in slices["trajectories"]],
+                        dict(request.dispatch_seqs))
 
 
 def _split_trajectory(encoded: memoryview) -> SubmittedTrajectory:

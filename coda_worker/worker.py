@@ -279,9 +279,11 @@ class _Traj:
 class _Group:
     """A dispatched group this worker works on, in the reset generation it was admitted in."""
 
-    def __init__(self, prompt: Prompt, generation: int, trajectories: list[_Traj], continued: bool) -> None:
+    def __init__(self, prompt: Prompt, generation: int, trajectories: list[_Traj], continued: bool,
+                 seq: int | None = None) -> None:
         self.prompt = prompt
         self.generation = generation
+        self.seq = seq  # the dispatch seq it was handed out under: the fence its Submits and KeepAlives carry
         self.trajectories = trajectories
         self.continued = continued
         self.abort_requested = False
@@ -541,7 +543,7 @@ class AsyncRolloutWorker:
             by_id = {p.prompt_id: p for p in candidates}
             self._pending = deque(p for p in self._pending if p.prompt_id not in admitted)
             for prompt_id, seq in zip(result.admitted, result.seqs):
-                self._start_group(by_id[prompt_id], result.generation)
+                self._start_group(by_id[prompt_id], result.generation, seq)
             logger.info("%s: dispatched %d groups (seqs %d..%d)%s; %d running here, window R=%d Q=%d C=%d",
                         self.worker_id, len(admitted), result.seqs[0], result.seqs[-1],
                         f", continuing {len(continuations)} restored" if continuations else "", len(self._groups),
@@ -611,13 +613,16 @@ class AsyncRolloutWorker:
             raise ValueError(f"ds_index {ds_index} is not configured on the server (group sizes {self._group_sizes})")
         return self._group_sizes[ds_index]
 
-    def _start_group(self, prompt: Prompt, generation: int) -> None:
+    def _start_group(self, prompt: Prompt, generation: int, seq: int | None = None) -> None:
         n = self._group_size(prompt.ds_index)
-        group = _Group(prompt, generation, [_Traj(trajectory_id_of(prompt.prompt_id, i)) for i in range(n)], False)
+        group = _Group(prompt, generation, [_Traj(trajectory_id_of(prompt.prompt_id, i)) for i in range(n)], False,
+                       seq)
         self.stats.groups_started += 1
         self._launch(group)
 
     def _start_continuation(self, restored: TrajectoryGroup, generation: int) -> None:
+        """Continue a group the server kept: restored by a Reset (all N, some ABORTED) or released from a
+        worker taken as gone (some of its N, or none): the missing trajectories are generated afresh."""
         try:
             base = self.source.get(restored.prompt_id)
         except KeyError:
@@ -625,11 +630,16 @@ class AsyncRolloutWorker:
                          self.worker_id, restored.prompt_id, extra=_fields(worker=self.worker_id))
             base = Prompt(restored.prompt_id, [], restored.ds_index)
         prompt = Prompt(base.prompt_id, base.input_ids, restored.ds_index, restored.epoch, restored.index)
-        trajectories = [_Traj.resumed(t) for t in restored.trajectories]
-        if not base.input_ids:
+        resumed = {t.trajectory_id: _Traj.resumed(t) for t in restored.trajectories}
+        fresh = [_Traj(trajectory_id_of(prompt.prompt_id, i)) for i in range(self._group_size(prompt.ds_index))]
+        trajectories = [*resumed.values(), *(t for t in fresh if t.trajectory_id not in resumed)]
+        trajectories = trajectories[:max(len(resumed), self._group_size(prompt.ds_index))]
+        if not base.input_ids:  # nothing to generate from: what came is submitted, what is missing as FAILED
             for traj in trajectories:
                 traj.done = True
-        group = _Group(prompt, generation, trajectories, True)
+                if traj.trajectory_id not in resumed:
+                    traj.status = TrajectoryStatus.FAILED
+        group = _Group(prompt, generation, trajectories, True, restored.seq)
         self.stats.groups_continued += 1
         self._launch(group)
 
@@ -722,8 +732,9 @@ class AsyncRolloutWorker:
     async def _submit_batch(self, batch: list[tuple[_Group, _Traj]], wire: list[Trajectory] | None = None) -> None:
         if wire is None:
             wire = [await self._to_wire(group, traj) for group, traj in batch]
+        fences = {group.prompt.prompt_id: group.seq for group, _ in batch if group.seq is not None}
         try:
-            await self._submit(wire)
+            await self._submit(wire, fences)
         except (FailedPreconditionError, UnknownPromptError, BadRequestError) as exc:
             if len({group.prompt.prompt_id for group, _ in batch}) > 1:
                 # All-or-nothing: one refused group refuses the batch. Submit group by group instead.
@@ -747,11 +758,12 @@ class AsyncRolloutWorker:
             except Exception:
                 logger.exception("%s: on_submitted failed", self.worker_id, extra=_fields(worker=self.worker_id))
 
-    async def _submit(self, trajectories: list[Trajectory]) -> None:
+    async def _submit(self, trajectories: list[Trajectory], fences: dict[str, int] | None = None) -> None:
         request_id = str(uuid.uuid4())
         while True:
             try:
-                await self._retrying("Submit", lambda: self.pacer.submit(trajectories, request_id=request_id))
+                await self._retrying("Submit", lambda: self.pacer.submit(trajectories, request_id=request_id,
+                                                                        dispatch_seqs=fences))
                 self.stats.submit_calls += 1
                 return
             except ResourceExhaustedError as exc:
@@ -942,11 +954,13 @@ class AsyncRolloutWorker:
         while True:
             await asyncio.sleep(interval if interval is not None else 1.0)
             # Aborting groups too: until their ABORTED trajectories are in, the server holds them for this worker.
-            prompt_ids = [g.prompt.prompt_id for g in self._groups.values() if g.generation == self.generation]
-            if not prompt_ids:
+            held = [g for g in self._groups.values() if g.generation == self.generation]
+            if not held:
                 continue
+            prompt_ids = [g.prompt.prompt_id for g in held]
             try:
-                answer = await keep_alive(prompt_ids)
+                answer = await keep_alive(prompt_ids, dispatch_seqs={g.prompt.prompt_id: g.seq for g in held
+                                                                     if g.seq is not None})
             except PacerClientError as exc:
                 logger.warning("%s: KeepAlive failed: %s", self.worker_id, exc, extra=_fields(worker=self.worker_id))
                 continue

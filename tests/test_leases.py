@@ -14,7 +14,7 @@ from coda_server.core import (
     default_config_path,
     load_config,
 )
-from coda_server.core.errors import LeaseExpiredError, UnknownLeaseError
+from coda_server.core.errors import LeaseExpiredError, StaleDispatchError, UnknownLeaseError
 from server_harness import ServerProcess
 
 
@@ -39,7 +39,7 @@ def group(prompt_id: str, count: int = 2, size: int = 0) -> list[Trajectory]:
 
 
 def test_silent_worker_loses_its_slot_and_late_submits_are_refused():
-    pacer, clock = make_pacer()
+    pacer, clock = make_pacer("rollout.continue_restored=false")  # released groups go to the next Reset
     pacer.dispatch([PromptRef("a"), PromptRef("b"), PromptRef("c"), PromptRef("d")])
     assert pacer.dispatch([PromptRef("e")]).admitted == []  # window C = 4 is full
     pacer.submit(group("a", 1))
@@ -60,6 +60,35 @@ def test_silent_worker_loses_its_slot_and_late_submits_are_refused():
     reset = pacer.reset(wait=0)
     assert [g.prompt_id for g in reset.expired] == ["a", "c", "d"]
     assert [len(g.trajectories) for g in reset.expired] == [1, 0, 0]  # the partial data is handed back
+
+
+def test_a_released_group_is_kept_for_continuation_and_its_old_dispatch_is_fenced_off():
+    """With continuation on (the default), a group released from a silent worker is kept like a restored
+    group and re-offered first; the worker that lost it cannot land late trajectories in its new dispatch."""
+    pacer, clock = make_pacer("rollout.continue_restored=true")
+    first = pacer.dispatch([PromptRef("a"), PromptRef("b")], client_id="w1")
+    seq_a = first.first_seq
+    pacer.submit([Trajectory("a/t0", "a")], dispatch_seqs={"a": seq_a})
+    clock.now += 11
+    assert sorted(pacer.expire_leases()[0]) == ["a", "b"]
+    state = pacer.state()
+    assert (state.running, state.expired, state.restored_kept) == (0, 2, 2), state
+    with pytest.raises(LeaseExpiredError):  # not handed out again yet: the lease's refusal
+        pacer.submit([Trajectory("a/t1", "a")], dispatch_seqs={"a": seq_a})
+    again = pacer.dispatch([], client_id="w2", max_continuations=1)
+    (continued,) = again.continued
+    assert continued.prompt_id == "a" and [t.trajectory_id for t in continued.trajectories] == ["a/t0"]
+    assert continued.seq != seq_a
+    before = pacer.state()
+    with pytest.raises(StaleDispatchError, match="released from its dispatch seq"):
+        pacer.submit([Trajectory("a/t1", "a")], dispatch_seqs={"a": seq_a})  # w1, back from a partition
+    assert pacer.state() == before  # refused whole: nothing changed
+    assert pacer.keep_alive(["a"], {"a": seq_a}).unknown_prompt_ids == ["a"]  # w1's heartbeat: not its group
+    assert pacer.keep_alive(["a"], {"a": continued.seq}).renewed == 1
+    # w2 submits the whole group anew (a/t0 is no duplicate of the released group's copy) and completes it.
+    result = pacer.submit([Trajectory("a/t0", "a"), Trajectory("a/t1", "a")], dispatch_seqs={"a": continued.seq})
+    assert (result.accepted, result.duplicates, result.groups_completed) == (2, 0, 1)
+    assert pacer.state().buffered == 1 and pacer.state().invariant_holds()
 
 
 def test_submits_extend_the_lease_and_complete_groups_never_expire():

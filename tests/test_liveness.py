@@ -132,3 +132,26 @@ def test_a_live_worker_keeps_its_groups_for_many_graces(server):
             assert client.state().expired == 0
     finally:
         worker.kill()
+
+
+def test_another_worker_continues_the_groups_a_dead_worker_left(tmp_path):
+    """Released groups are kept for continuation (rollout.continue_restored, the default): another kit
+    worker takes them over, generates what is missing and completes them."""
+    with ServerProcess(tmp_path, *OVERRIDES, "rollout.continue_restored=true") as server:
+        doomed = start_worker(server.address, "doomed")
+        try:
+            with PacerClient(server.address, timeout=CALL_TIMEOUT) as client:
+                until(lambda: holding(client, "doomed") == 2, "the worker to hold two groups")
+                doomed.kill()
+                until(lambda: client.state().restored_kept == 2, "the dead worker's groups to be kept")
+                heir = start_worker(server.address, "heir", seconds_per_token=0.001)
+                try:
+                    until(lambda: client.state().collected == 2, "the heir to complete both groups", timeout=60)
+                    groups = client.collect(2)
+                finally:
+                    heir.kill()
+        finally:
+            doomed.kill()
+    assert sorted(g.prompt_id for g in groups) == ["p0", "p1"]
+    assert {t.metadata["worker"] for g in groups for t in g.trajectories} == {"heir"}
+    assert all(len(g.trajectories) == 2 for g in groups)

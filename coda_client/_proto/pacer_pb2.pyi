@@ -158,12 +158,21 @@ class DispatchResponse(_message.Message):
     def __init__(self, admitted: _Optional[_Iterable[_Union[AdmittedPrompt, _Mapping]]] = ..., paused: _Optional[bool] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., running: _Optional[int] = ..., buffered: _Optional[int] = ..., capacity: _Optional[int] = ..., remaining: _Optional[int] = ..., continuations: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., job_ended: _Optional[bool] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("trajectories", "request_id")
+    __slots__ = ("trajectories", "request_id", "dispatch_seqs")
+    class DispatchSeqsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_SEQS_FIELD_NUMBER: _ClassVar[int]
     trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
     request_id: str
-    def __init__(self, trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    dispatch_seqs: _containers.ScalarMap[str, int]
+    def __init__(self, trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., request_id: _Optional[str] = ..., dispatch_seqs: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("accepted", "duplicates", "groups_completed")
@@ -262,10 +271,19 @@ class ResetResponse(_message.Message):
     def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., quarantined: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., kept_prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("prompt_ids",)
+    __slots__ = ("prompt_ids", "dispatch_seqs")
+    class DispatchSeqsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_SEQS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    dispatch_seqs: _containers.ScalarMap[str, int]
+    def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ..., dispatch_seqs: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("renewed", "unknown_prompt_ids", "lease_seconds", "liveness_seconds")

@@ -5,7 +5,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence
 
 from . import checkpoints
 from .errors import NotReadyError, ShuttingDownError
@@ -174,14 +174,15 @@ class AsyncPacer:
         if client_id:
             self.pacer.heard_from(client_id)
 
-    def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
+    def keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Optional[Mapping[str, int]] = None) -> KeepAliveResult:
         """Renews in-flight leases at once (nothing to wait for: it is not journaled)."""
         self.check_ready()
-        return self.pacer.keep_alive(prompt_ids)
+        return self.pacer.keep_alive(prompt_ids, dispatch_seqs)
 
-    async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
+    async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "",
+                     dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:
         async def call() -> SubmitResult:
-            return self.pacer.apply_submit(trajectories, request_id)
+            return self.pacer.apply_submit(trajectories, request_id, dispatch_seqs)
 
         return await self._applied("Submit", request_id, call)
 

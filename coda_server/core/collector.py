@@ -151,8 +151,15 @@ def expire(pacer: "Pacer", prompt_ids: list[str], lease_ids: list[str]) -> None:
         except Exception as exc:  # reported; the group is reclaimed all the same
             pacer._incident(HOOK_FAILED, prompt_id, "on_collected", describe_exception(exc), "expired")
         pacer._queued_trajectories -= len(group.trajectories)
-        pacer._expired_groups.append(group.to_group())
-        pacer._expired_prompts.add(prompt_id)
+        if pacer.continue_restored:
+            # Kept for continuation like a restored group (its bytes stay held) and re-offered first on
+            # Dispatch; whoever continues it submits every trajectory anew, so none counts as accepted.
+            pacer._restored.keep([group.to_group()])
+            for trajectory_id in group.trajectories:
+                pacer._accepted.pop(trajectory_id, None)
+        else:
+            pacer._expired_groups.append(group.to_group())
+        pacer._expired_prompts.add(prompt_id)  # late Submits: LEASE_EXPIRED until it is dispatched again
         pacer.totals["expired"] += 1
     for lease_id in lease_ids:
         lease = pacer._leases.lapse(lease_id)

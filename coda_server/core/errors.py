@@ -48,6 +48,13 @@ class LeaseExpiredError(FailedPreconditionError):
     reason = "LEASE_EXPIRED"
 
 
+class StaleDispatchError(FailedPreconditionError):
+    """A Submit fenced with a dispatch the server no longer holds: the group was released from its worker
+    (lease or liveness) and handed out again under a new dispatch seq."""
+
+    reason = "STALE_DISPATCH"
+
+
 class UnknownLeaseError(PacerError):
     """An Ack names a lease that was never granted or was already acknowledged."""
 

@@ -11,14 +11,15 @@ import heapq
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from . import checkpoints, collector, job_end, recovery, reset_steps
 from .answers import ANSWERED_METHODS, AnswerBook  # noqa: F401  (ANSWERED_METHODS was defined here)
 from .checks import RequestChecks
 from .config import config_summary
 from .cursor import PromptCursor
-from .errors import FailedPreconditionError, ShuttingDownError, StaleGenerationError, StrategyHookError
+from .errors import (FailedPreconditionError, ShuttingDownError, StaleDispatchError, StaleGenerationError,
+                     StrategyHookError)
 from .filters import GroupFilter, create_filters
 from .incidents import HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception
 from .incidents import collect_error, hook_error
@@ -219,9 +220,12 @@ class Pacer:
         poll = self.dispatch_poll(candidates, request_id, client_id, max_continuations)
         return self.answers.once("Dispatch", request_id, lambda: self.waits.until(poll, wait))
 
-    def submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
-        """Accept finished trajectories all-or-nothing, then collect every group that became ready."""
-        return self.answers.once("Submit", request_id, lambda: self.apply_submit(trajectories, request_id))
+    def submit(self, trajectories: Sequence[Trajectory], request_id: str = "",
+               dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:
+        """Accept finished trajectories all-or-nothing, then collect every group that became ready.
+        `dispatch_seqs` (prompt id -> the seq its dispatch answered): the fence, see `check_fences`."""
+        return self.answers.once("Submit", request_id,
+                                 lambda: self.apply_submit(trajectories, request_id, dispatch_seqs))
 
     def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False, request_id: str = "",
                 lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
@@ -316,6 +320,7 @@ class Pacer:
             if continued:
                 # Handed out again with the trajectories they had; the worker submits all N anew.
                 self._restored.take(continued)
+                self._expired_prompts.difference_update(g.prompt_id for g in continued)
                 for group in continued:
                     self._held_bytes -= bytes_of(group.trajectories)
                 continued = [TrajectoryGroup(g.prompt_id, seq, g.ds_index, g.trajectories, g.epoch, g.index, now)
@@ -401,7 +406,8 @@ class Pacer:
 
     # ----------------------------------------------------------------- keep-alive
 
-    def keep_alive(self, prompt_ids: Sequence[str]) -> KeepAliveResult:
+    def keep_alive(self, prompt_ids: Sequence[str],
+                   dispatch_seqs: Optional[Mapping[str, int]] = None) -> KeepAliveResult:
         """Renew the in-flight lease of these running groups (their worker is alive and generating).
 
         Not journaled: a restarted server gives every running group its full lease again anyway.
@@ -409,7 +415,11 @@ class Pacer:
         self.checks.check_keep_alive(prompt_ids)
         with self._lock:
             self._check_open()
-            running = [self._inflight[p] for p in prompt_ids if p in self._inflight]
+            inflight = self._inflight
+            seqs = dispatch_seqs or {}
+            # A group handed out again under another dispatch is not the caller's any more: named unknown.
+            running = [inflight[p] for p in prompt_ids
+                       if p in inflight and (p not in seqs or seqs[p] == inflight[p].seq)]
             self._leases.extend([g for g in running if not g.complete], self._clock())
             known = {g.prompt_id for g in running}
             return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
@@ -417,10 +427,13 @@ class Pacer:
 
     # ----------------------------------------------------------------- submit
 
-    def apply_submit(self, trajectories: Sequence[Trajectory], request_id: str = "") -> SubmitResult:
+    def apply_submit(self, trajectories: Sequence[Trajectory], request_id: str = "",
+                     dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready."""
         with self._lock:
             self._check_open()
+            if dispatch_seqs:
+                self.check_fences(dispatch_seqs)
             self._call_failures.clear()
             stale_before = self.totals["stale_rejected"]
             try:
@@ -457,6 +470,18 @@ class Pacer:
                 failures, self._call_failures = self._call_failures, []
                 raise failures[0]
             return result
+
+    def check_fences(self, dispatch_seqs: Mapping[str, int]) -> None:
+        """Refuse a Submit from a worker that lost a group: the group was released from it (lease or liveness)
+        and handed out again, so its running dispatch has another seq than the one the Submit names."""
+        stale = [(prompt_id, seq, self._inflight[prompt_id].seq) for prompt_id, seq in dispatch_seqs.items()
+                 if prompt_id in self._inflight and self._inflight[prompt_id].seq != seq]
+        if stale:
+            prompt_id, yours, now = stale[0]
+            raise StaleDispatchError(
+                f"group {prompt_id!r} was released from its dispatch seq {yours} (its worker went silent or its "
+                f"lease ran out) and is now dispatch seq {now} of another worker; drop this worker's work on it"
+                + (f" ({len(stale)} groups in all)" if len(stale) > 1 else ""))
 
     def _sort_submit(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
         """Return (new trajectories, duplicate count) or raise with every problem found; changes nothing
