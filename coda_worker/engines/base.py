@@ -122,11 +122,12 @@ class AsyncEngine(Protocol):
 
 @runtime_checkable
 class ServedEngine(AsyncEngine, Protocol):
-    """What the shipped engines (VLLMEngine, SGLangEngine, FakeEngine) add to AsyncEngine, and what the
-    documented worker programs call around the loop: `async with engine:` (closes its connections),
-    `pause(mode)` / `resume()` of the whole engine. `update_weight_version(version)`, the usual
-    `on_resume` callback, is VLLMEngine's and FakeEngine's (SGLang loads weights through its own routes).
-    The loop itself needs only AsyncEngine."""
+    """What the shipped engines (VLLMEngine, SGLangEngine, FakeEngine) add to AsyncEngine: what the worker
+    asks when present (`loaded_weight_version()`, the version a segment is tagged with) and what the
+    documented worker and trainer programs call around the loop: `async with engine:` (closes its
+    connections), `pause(mode)` / `resume()` of the whole engine, `sync_weights(weights_path, version)`
+    (load new weights while nothing generates). VLLMEngine and FakeEngine also have
+    `update_weight_version(version)`, a usual `on_resume` callback. The loop itself needs only AsyncEngine."""
 
     async def __aenter__(self) -> Any: ...
 
@@ -137,6 +138,10 @@ class ServedEngine(AsyncEngine, Protocol):
     async def pause(self, mode: str = "abort") -> None: ...
 
     async def resume(self) -> None: ...
+
+    async def loaded_weight_version(self) -> int | None: ...
+
+    async def sync_weights(self, weights_path: str, version: int) -> int | None: ...
 
 
 @runtime_checkable

@@ -78,6 +78,7 @@ class FakeEngine:
         self.eos_token_id = eos_token_id
         self.script = script
         self.weight_version: int | str = 0
+        self.synced_from: str | None = None
         self.paused = False
         self.requests = 0  # generate calls answered
         self.aborted = 0  # of them, ended by an abort
@@ -151,6 +152,19 @@ class FakeEngine:
     async def update_weight_version(self, version: int | str) -> None:
         """Records the weight version (a real engine would load or tag the new weights here)."""
         self.weight_version = version
+
+    async def loaded_weight_version(self) -> int | None:
+        """The version last recorded (update_weight_version or sync_weights), as the worker asks it."""
+        try:
+            return int(self.weight_version)
+        except (TypeError, ValueError):
+            return None
+
+    async def sync_weights(self, weights_path: str, version: int) -> int | None:
+        """Records `version` as loaded (there are no weights to read); returns it, as the real adapters do."""
+        self.weight_version = version
+        self.synced_from = weights_path
+        return await self.loaded_weight_version()
 
     @property
     def running(self) -> int:

@@ -1,0 +1,88 @@
+"""The documentation's code blocks: the Python ones run in CI (see the root conftest.py), the fragments say why
+they are fragments, and the runner fails a block that raises or hangs."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from markdown_it import MarkdownIt
+from pytest_markdown_docs.definitions import FenceTestDefinition
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PYTHON = ("python", "py", "python3")
+
+
+def python_fences() -> list[tuple[Path, int, list[str], str]]:
+    """(file, line, info words, code) of every Python fence, as pytest-markdown-docs' parser sees them."""
+    parser = MarkdownIt("commonmark")
+    found = []
+    for path in DOCS:
+        for token in parser.parse(path.read_text(encoding="utf-8")):
+            words = token.info.split()
+            if token.type == "fence" and words and words[0] in PYTHON:
+                found.append((path, token.map[0] + 1, words, token.content))
+    return found
+
+
+def test_pytest_collects_the_documentation_blocks():
+    """`python -m pytest` (the README's command, and CI's) runs the blocks: testpaths name README.md and docs."""
+    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert {"tests", "README.md", "docs"} <= set(settings["testpaths"])
+    assert (ROOT / "conftest.py").read_text().count("MarkdownTextFile.from_parent") == 1
+
+
+def test_every_fragment_says_why_it_is_one():
+    fences = python_fences()
+    assert len(fences) >= 10
+    unexplained = []
+    for path, line, words, code in fences:
+        assert words[0] == "python" and set(words[1:]) <= {"notest"}, (
+            f"{path.name}:{line}: a Python fence is `python` (runs in CI) or `python notest` (a fragment), "
+            f"not {' '.join(words)!r}")
+        if "notest" in words:
+            first = code.splitlines()[0] if code else ""
+            reason = re.fullmatch(r"#\s*(?:Fragment|.*\ba fragment\b).*", first, re.IGNORECASE)
+            if reason is None or len(first.split()) < 6:
+                unexplained.append(f"{path.name}:{line}: {first!r}")
+    assert not unexplained, ("a `python notest` block must open with a comment saying it is a fragment and why "
+                             "(e.g. `# Fragment: needs torch.distributed`): " + "; ".join(unexplained))
+
+
+def test_runnable_blocks_take_the_server_address_from_the_environment():
+    """A runnable block that talks to a server reads PACER_ADDRESS (the test's server) with the default address
+    as the fallback a reader gets, rather than a fixed address the test cannot point elsewhere."""
+    fixed = [f"{path.name}:{line}" for path, line, words, code in python_fences()
+             if "notest" not in words and ":50051" in code and "PACER_ADDRESS" not in code]
+    assert not fixed, f"runnable blocks with a fixed server address: {fixed}"
+
+
+@pytest.fixture
+def runner(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("doc_blocks_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "DOC_BLOCK_TIMEOUT_SECONDS", 3.0)
+    monkeypatch.setenv("DOC_BLOCK_WORKDIR", str(tmp_path))
+    return module
+
+
+def block(code: str) -> FenceTestDefinition:
+    return FenceTestDefinition(code, (), 7, ROOT / "docs" / "example.md", None)
+
+
+def test_the_block_runner_passes_a_block_that_ends_and_fails_one_that_raises_or_hangs(runner):
+    run = runner.ScriptRunner().runtest
+    run(block("print('fine')\n"), {})
+    with pytest.raises(runner.DocBlockFailed, match="(?s)exited with 1.*ValueError: broken"):
+        run(block("raise ValueError('broken')\n"), {})
+    with pytest.raises(runner.DocBlockFailed, match="did not end within 3 s"):
+        run(block("import time\nwhile True:\n    time.sleep(0.1)\n"), {})
