@@ -225,6 +225,14 @@ STATE_FIELDS = tuple(name for name in STATE_FIELD_NAMES
                      if name not in ("config_summary", "recent_reports", "recent_incidents"))
 
 
+def state_message(state: PacerState) -> pb.GetStateResponse:
+    """The whole GetStateResponse message (EndJob's report carries one)."""
+    return pb.GetStateResponse(config_summary=state.config_summary,
+                               recent_reports=[step_report(r) for r in state.recent_reports],
+                               recent_incidents=[pb.Incident(**dataclasses.asdict(i)) for i in state.recent_incidents],
+                               **{name: getattr(state, name) for name in STATE_FIELDS})
+
+
 def state_response(state: PacerState) -> wire.EncodedAnswer:
     """GetState's answer; the configuration summary, the same in every answer of a server, is encoded once."""
     return wire.EncodedAnswer(
@@ -253,7 +261,7 @@ def end_job_response(report: JobEndReport) -> pb.EndJobResponse:
         leased=report.leased, held_prompt_ids=report.held_prompt_ids,
         in_flight_prompt_ids=report.in_flight_prompt_ids, kept_prompt_ids=report.kept_prompt_ids,
         expired_prompt_ids=report.expired_prompt_ids, quarantined_prompt_ids=report.quarantined_prompt_ids,
-        state=state_response(report.state))
+        state=state_message(report.state))
 
 
 def control_event(event: ControlEvent) -> pb.ControlEvent:
