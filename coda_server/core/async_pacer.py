@@ -237,7 +237,12 @@ class AsyncPacer:
         checkpoint shares the pacer's groups, which are never changed, so it may be read without the lock."""
         self.check_ready()
         checkpoint = self.pacer.checkpoint()
-        return await asyncio.to_thread(encode, checkpoint)
+        encoded = await asyncio.to_thread(encode, checkpoint)
+        checkpoint_log.info("checkpoint taken at step %d (weight version %d): %d buffered groups, %d kept, %d prompts "
+                            "in flight", checkpoint["step"], checkpoint["weight_version"], len(checkpoint["buffer"]),
+                            len(checkpoint["kept"]), len(checkpoint["in_flight"]),
+                            extra={"fields": {"step": checkpoint["step"], "buffered": len(checkpoint["buffer"])}})
+        return encoded
 
     async def restore(self, blob: bytes, codec: TrajectoryCodec, request_id: str = "") -> RestoreResult:
         """Restore the checkpoint in `blob` (decoded off the event loop), answered once it is durable."""

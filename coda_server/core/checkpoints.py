@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from . import recovery
 from .cursor import PromptCursor
 from .errors import FailedPreconditionError, InvalidArgumentError, ResetInProgressError
-from .inflight import bytes_of
+from .inflight import StepTally, bytes_of
 from .journal import TrajectoryCodec, dumps, loads
 from .types import ControlEventType, ResetMode, RestoreResult
 
@@ -184,6 +184,7 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any], request_id: str = "") ->
     pacer.totals["restores"] += 1
     pacer.last_restore = (step, version, float(checkpoint.get("taken_at") or 0.0))
     pacer._strategy_touched = True
+    pacer._tally = StepTally()  # what the trainer takes from now on is the restored step's
 
     pacer._emit(ControlEventType.PAUSE, ResetMode.ABORT)  # workers abort what they generate
     if not pacer.paused:
