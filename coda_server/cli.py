@@ -108,7 +108,13 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
              extra=fields(event="shutdown", grace_seconds=grace))
     await server.stop()
     state = server.pacer.state()
-    kept = "kept in the state directory" if server.journal is not None else "discarded (state in memory)"
+    if server.journal is None:
+        kept = "discarded (state in memory)"
+    elif server.journal.error is not None:  # what the journal could not write is not what the next start sees
+        kept = ("NOT all kept: the state directory could not be written at the end, so the next start recovers "
+                "the state of its last successful write, not these figures")
+    else:
+        kept = "kept in the state directory"
     log.info("stopped: step %d, %d running, %d buffered groups %s",
              state.step, state.running, state.buffered, kept,
              extra=fields(event="stopped", step=state.step, running=state.running, buffered=state.buffered))

@@ -35,6 +35,9 @@ HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME)
 CONTROL_CALL_ROOM = 1024
 # Allocations between young-generation collections (CPython's default is 700).
 GC_YOUNG_THRESHOLD = 50_000
+# A journal that cannot write for this long turns liveness NOT_SERVING too, so an orchestrator restarts the
+# server (a failing volume may come back on a new mount); until then it may recover by itself (space freed).
+JOURNAL_FAILURE_LIVENESS_SECONDS = 60.0
 
 
 def server_options(config: Any) -> list[tuple[str, Any]]:
@@ -150,6 +153,9 @@ class PacerServer:
             await self.health_server.start()
         await self._recover()
         self.async_pacer.on_journal_failure = self._journal_failed
+        if self.journal is not None:  # said by the journal's writer thread: failing, or working again
+            loop = asyncio.get_running_loop()
+            self.journal.on_health = lambda error: loop.call_soon_threadsafe(self._journal_health, error)
         await self._set_readiness(True)
         return self.ports
 
@@ -176,13 +182,42 @@ class PacerServer:
                  time.monotonic() - started, replayed, state.step, state.generation, state.running, state.buffered)
 
     def _journal_failed(self, error: BaseException) -> None:
-        """The state directory can no longer be written: no caller should be sent here any more."""
-        if self._journal_failure_reported:
+        """The state directory cannot be written now: no caller should be sent here until it can again."""
+        self._journal_health(error)
+
+    def _journal_health(self, error: Optional[BaseException]) -> None:
+        """Readiness follows the journal: NOT_SERVING while it cannot write, SERVING again once it can (the
+        writer retries by itself); liveness NOT_SERVING too once it has failed for
+        JOURNAL_FAILURE_LIVENESS_SECONDS, so that the orchestrator restarts the server."""
+        if self.async_pacer.pacer.closed:
             return
-        self._journal_failure_reported = True
-        log.error("state directory %s can no longer be written (%s): readiness NOT_SERVING, changes refused "
-                  "with UNAVAILABLE; restart the server once the disk is fixed", self.journal.directory, error)
-        asyncio.ensure_future(self._set_readiness(False))
+        if error is None:
+            if self._journal_failure_reported:
+                self._journal_failure_reported = False
+                log.warning("state directory %s can be written again: readiness SERVING", self.journal.directory)
+                asyncio.ensure_future(self._set_readiness(True))
+                asyncio.ensure_future(self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING))
+            return
+        if not self._journal_failure_reported:
+            self._journal_failure_reported = True
+            log.error("readiness NOT_SERVING while the state directory cannot be written (changes are refused "
+                      "with UNAVAILABLE, reason STATE_DIR_UNWRITABLE); liveness follows after %.0f s: %s",
+                      JOURNAL_FAILURE_LIVENESS_SECONDS, error)
+            asyncio.ensure_future(self._set_readiness(False))
+            asyncio.get_running_loop().call_later(JOURNAL_FAILURE_LIVENESS_SECONDS, self._journal_still_failing)
+
+    def _journal_still_failing(self) -> None:
+        journal = self.journal
+        if journal is None or journal.failing_since is None or self.async_pacer.pacer.closed:
+            return
+        if time.monotonic() - journal.failing_since >= JOURNAL_FAILURE_LIVENESS_SECONDS:
+            log.error("state directory %s has not been writable for %.0f s: liveness NOT_SERVING, for a restart",
+                      journal.directory, time.monotonic() - journal.failing_since)
+            asyncio.ensure_future(self.health.set("liveness", health_pb2.HealthCheckResponse.NOT_SERVING))
+        else:  # it recovered and failed again since: check again at the end of this spell's allowance
+            asyncio.get_running_loop().call_later(
+                JOURNAL_FAILURE_LIVENESS_SECONDS - (time.monotonic() - journal.failing_since),
+                self._journal_still_failing)
 
     async def drain(self) -> None:
         """Stop taking work: readiness NOT_SERVING, waiting long-polls answered now, watchers told SHUTDOWN."""

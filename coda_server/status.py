@@ -50,9 +50,10 @@ def status_for(error: errors.PacerError) -> grpc.Status:
             for field, description in shown
         ])
         details.details.add().Pack(bad_request)
-    if isinstance(error, errors.ResourceExhaustedError):
+    retry_after = getattr(error, "retry_after", None)  # a refusal that says when to try again
+    if retry_after is not None:
         delay = duration_pb2.Duration()
-        delay.FromNanoseconds(int(error.retry_after * 1e9))
+        delay.FromNanoseconds(int(retry_after * 1e9))
         details.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
     return rpc_status.to_status(details)
 

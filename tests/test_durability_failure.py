@@ -1,49 +1,99 @@
-"""A state directory that can no longer be written: changes are refused UNAVAILABLE and readiness turns off."""
+"""A state directory that cannot be written (a full disk, a failing volume): the cause is said plainly, changes
+are refused UNAVAILABLE with a retry delay and nothing is applied meanwhile, and once the journal can write
+again the server is ready again by itself, with nothing lost."""
 from __future__ import annotations
 
-import asyncio
+import resource
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+from google.rpc import error_details_pb2
 
 from coda_client._proto import pacer_pb2 as pb
-from coda_client._proto import pacer_pb2_grpc
-from coda_server.core import load_config
-from coda_server.server import PacerServer
+from conftest import core_overrides
+from server_harness import ServerProcess
+from test_durability_crash import free_port
 
 
-def test_journal_write_failure_refuses_changes_and_turns_readiness_off(tmp_path):
-    config = load_config(overrides=["server.address=127.0.0.1:0", "server.metrics_address=",
-                                    f"server.state_dir={tmp_path / 'state'}"])
+def until(condition, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
-    async def scenario() -> tuple:
-        server = PacerServer(config)
-        await server.start()
+
+def group(prompt_id: str) -> list[pb.Trajectory]:
+    return [pb.Trajectory(trajectory_id=f"{prompt_id}/t{i}", prompt_id=prompt_id, status=pb.TRAJECTORY_STATUS_COMPLETED,
+                          reward=float(i), token_ids=list(range(50_000))) for i in range(2)]
+
+
+def details_of(error: grpc.RpcError) -> tuple[str, float]:
+    """The ErrorInfo reason and the RetryInfo delay of a refusal."""
+    reason, delay = "", -1.0
+    for detail in rpc_status.from_call(error).details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason = info.reason
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            delay = retry.retry_delay.ToNanoseconds() / 1e9
+    return reason, delay
+
+
+def test_a_journal_that_cannot_write_is_said_plainly_refuses_changes_and_recovers_by_itself(tmp_path):
+    state_dir = tmp_path / "state"
+    overrides = (*core_overrides("no-window", B=4, stale=1.0, N=2, filters="[]"), f"server.state_dir={state_dir}",
+                 f"server.address=127.0.0.1:{free_port()}")
+    server = ServerProcess(tmp_path, *overrides).start()
+    try:
+        channel = server.channel()
+        stub = server.stub()
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def readiness() -> int:
+            return health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=10).status
+
+        stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id=p) for p in ("a", "b", "c")]), timeout=10)
+        stub.Submit(pb.SubmitRequest(trajectories=group("a"), request_id="s-a"), timeout=10)
+        # The journal's files may grow no more (as on a full disk): the server process's file size limit.
+        largest = max(path.stat().st_size for path in state_dir.glob("pacer.sqlite3*"))
+        resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE, (largest, resource.RLIM_INFINITY))
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ports[0]}") as channel:
-                stub = pacer_pb2_grpc.RolloutPacerStub(channel)
-                health = health_pb2_grpc.HealthStub(channel)
-                ready_before = (await health.Check(health_pb2.HealthCheckRequest(service="readiness"))).status
-                await stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="a")]))
-
-                def disk_full(batch):
-                    raise OSError(28, "No space left on device")
-
-                server.journal._commit = disk_full  # the next write fails, as a full disk would
-                try:
-                    await stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="b")]))
-                    refused = None
-                except grpc.aio.AioRpcError as error:
-                    refused = error
-                for _ in range(100):  # the health update is scheduled on the loop; let it run
-                    await asyncio.sleep(0)
-                ready_after = (await health.Check(health_pb2.HealthCheckRequest(service="readiness"))).status
-                return ready_before, refused, ready_after
-        finally:
-            await server.stop(0)
-
-    ready_before, refused, ready_after = asyncio.run(scenario())
-    assert ready_before == health_pb2.HealthCheckResponse.SERVING
-    assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE
-    assert "can no longer be written" in refused.details() and "No space left" in refused.details()
-    assert ready_after == health_pb2.HealthCheckResponse.NOT_SERVING
+            stub.Submit(pb.SubmitRequest(trajectories=group("b"), request_id="s-b"), timeout=10)
+            raise AssertionError("a Submit the journal could not write was acknowledged")
+        except grpc.RpcError as refused:
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+            assert details_of(refused) == ("STATE_DIR_UNWRITABLE", 1.0)
+            message = refused.details()
+        assert str(state_dir / "pacer.sqlite3") in message and "I/O error" in message, message
+        assert "rollback" not in message, message
+        until(lambda: readiness() == health_pb2.HealthCheckResponse.NOT_SERVING, "readiness NOT_SERVING")
+        # While the journal fails nothing is applied: another change is refused before it runs.
+        before = stub.GetState(pb.GetStateRequest(), timeout=10)
+        try:
+            stub.Submit(pb.SubmitRequest(trajectories=group("c"), request_id="s-c"), timeout=10)
+            raise AssertionError("a Submit was taken while the journal could not write")
+        except grpc.RpcError as refused:
+            assert details_of(refused)[0] == "STATE_DIR_UNWRITABLE"
+        assert stub.GetState(pb.GetStateRequest(), timeout=10).submitted == before.submitted
+        assert "writing the journal" in server.log() and "failed" in server.log()
+        # Space comes back: the server writes what it held back and is ready again by itself.
+        resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        until(lambda: readiness() == health_pb2.HealthCheckResponse.SERVING, "readiness SERVING again")
+        answer = stub.Submit(pb.SubmitRequest(trajectories=group("b"), request_id="s-b"), timeout=10)  # the retry
+        assert (answer.accepted, answer.groups_completed) == (2, 1)  # the first call's answer: applied once
+        stub.Submit(pb.SubmitRequest(trajectories=group("c"), request_id="s-c"), timeout=10)
+        server.kill()
+        server.close()
+        server = ServerProcess(tmp_path, *overrides).start()
+        state = server.stub().GetState(pb.GetStateRequest(), timeout=10)
+        assert (state.buffered, state.submitted) == (3, 6), state  # nothing acknowledged was lost
+    finally:
+        server.close()

@@ -8,7 +8,7 @@ import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence
 
 from . import checkpoints
-from .errors import NotReadyError, ShuttingDownError
+from .errors import NotReadyError, ShuttingDownError, StateDirUnwritableError
 from .journal import Journal, TrajectoryCodec
 from .pacer import Pacer
 from .shares import PLAIN, BatchShape
@@ -275,26 +275,33 @@ class AsyncPacer:
 
     async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]],
                        outlives_caller: bool = False) -> Any:
-        """Run `call` once per request_id, and answer only when what it changed is durable."""
+        """Run `call` once per request_id, and answer only when what it changed is durable. While the journal
+        cannot write, nothing is applied: the call is refused UNAVAILABLE (STATE_DIR_UNWRITABLE), to retry."""
         self.check_ready()
-        result = await self.pacer.answers.once_awaited(method, request_id, call, outlives_caller=outlives_caller)
         journal = self.pacer.journal
+        if journal is not None and journal.error is not None:
+            raise self._unwritable(journal)
+        result = await self.pacer.answers.once_awaited(method, request_id, call, outlives_caller=outlives_caller)
         if journal is not None:  # state in memory: nothing to wait for
             await self._durable(journal)
         return result
+
+    def _unwritable(self, journal: Journal) -> StateDirUnwritableError:
+        if self.on_journal_failure is not None:
+            self.on_journal_failure(journal.error)
+        return StateDirUnwritableError(f"{journal.error}; this call was not acknowledged, retry it (the same "
+                                       f"request_id) once the server is ready again", retry_after=1.0)
 
     async def _durable(self, journal: Journal) -> None:
         """Wait (without blocking the loop) until the journal has committed every change made so far."""
         loop = asyncio.get_running_loop()
         committed = loop.create_future()
-        journal.on_durable(self.pacer.last_ticket,
+        ticket = self.pacer.last_ticket
+        journal.on_durable(ticket,
                            lambda: loop.call_soon_threadsafe(lambda: committed.done() or committed.set_result(None)))
         await committed
-        if journal.error is not None:
-            if self.on_journal_failure is not None:
-                self.on_journal_failure(journal.error)
-            raise ShuttingDownError(f"the state directory can no longer be written ({journal.error}); "
-                                    f"the change is not acknowledged")
+        if journal.error is not None and not journal.committed(ticket):
+            raise self._unwritable(journal)
 
     def check_ready(self) -> None:
         if self.recovering:

@@ -91,6 +91,17 @@ class NotReadyError(PacerError):
     reason = "RECOVERING"
 
 
+class StateDirUnwritableError(NotReadyError):
+    """The journal cannot write (a full disk, a read-only or failing volume): nothing is applied until it can
+    again; the server retries the write by itself. Retry after `retry_after` seconds."""
+
+    reason = "STATE_DIR_UNWRITABLE"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ShuttingDownError(PacerError):
     """The pacer is shutting down and takes no new work."""
 

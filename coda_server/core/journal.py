@@ -167,9 +167,12 @@ class Journal(Protocol):
     def wait(self, ticket: int, timeout: Optional[float] = None) -> None:
         """Block until `ticket` is durable; raises on failure or timeout."""
 
+    def committed(self, ticket: int) -> bool:
+        """Whether `ticket` and all before it are durable."""
+
     @property
     def error(self) -> Optional[BaseException]:
-        """Why writing failed for good (nothing more is written), or None."""
+        """Why writing fails now (the write is retried until it works; then None again), or None."""
 
     def close(self) -> None:
         """Write what is queued, then release the storage."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import sqlite3
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,6 +27,10 @@ log = logging.getLogger("coda_server.journal")
 
 # WAL size (in 64 KiB pages, so 256 MiB) at which SQLite folds it into the database by itself.
 WAL_PAGES_LIMIT = 4096
+# After a failed write (a full disk, ...) the same batch is written again this often, until it succeeds.
+WRITE_RETRY_SECONDS = 1.0
+# Free space below which a failed write is put down to a full disk.
+LOW_SPACE_BYTES = 64 << 20
 
 
 class SqliteJournal:
@@ -55,6 +61,9 @@ class SqliteJournal:
         self._error: Optional[BaseException] = None
         self._callbacks: list[tuple[int, Callable[[], None]]] = []
         self._closing = False
+        self.failing_since: Optional[float] = None  # monotonic time of the first failed write of this spell
+        # Called on the writer thread with the error when writes start failing, and with None when they work again.
+        self.on_health: Optional[Callable[[Optional[BaseException]], None]] = None
         self._writer = threading.Thread(target=self._write_loop, name="coda-journal", daemon=True)
         self._writer.start()
 
@@ -138,6 +147,9 @@ class SqliteJournal:
         if ready:
             callback()
 
+    def committed(self, ticket: int) -> bool:
+        return self._durable >= ticket
+
     @property
     def error(self) -> Optional[BaseException]:
         return self._error
@@ -150,17 +162,19 @@ class SqliteJournal:
                     return
                 batch = list(self._queue)
                 self._queue.clear()
-            try:
-                self._commit(batch)
-            except BaseException as exc:  # the disk failed: every waiter learns it, nothing more is written
-                log.error("journal write failed; the server can no longer acknowledge changes: %s", exc)
+            while True:
+                try:
+                    self._commit(batch)
+                    break
+                except BaseException as exc:  # noqa: BLE001 - the disk failed: said plainly, retried until it works
+                    if not self._failed(exc):
+                        return
+            if self._error is not None:
                 with self._cond:
-                    self._error = exc
-                    callbacks, self._callbacks = self._callbacks, []
-                    self._cond.notify_all()
-                for _, callback in callbacks:
-                    callback()
-                return
+                    self._error, self.failing_since = None, None
+                log.warning("journal writes work again in %s: the server acknowledges changes again", self.directory)
+                if self.on_health is not None:
+                    self.on_health(None)
             with self._cond:
                 self._durable = batch[-1][0]
                 ready = [cb for ticket, cb in self._callbacks if ticket <= self._durable]
@@ -168,6 +182,29 @@ class SqliteJournal:
                 self._cond.notify_all()
             for callback in ready:
                 callback()
+
+    def _failed(self, exc: BaseException) -> bool:
+        """A write failed: every waiter learns it (the changes are not acknowledged), the cause is said once per
+        spell; returns False when the journal is closing (the batch is given up), else after a pause."""
+        error = JournalWriteError(describe_write_failure(self.directory, exc))
+        first = self._error is None
+        with self._cond:
+            self._error = error
+            if first:
+                self.failing_since = time.monotonic()
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        if first:
+            log.error("%s", error)
+            if self.on_health is not None:
+                self.on_health(error)
+        for _, callback in callbacks:
+            callback()
+        with self._cond:
+            if self._closing:
+                return False
+            self._cond.wait(WRITE_RETRY_SECONDS)
+            return not self._closing
 
     def _commit(self, batch: list[tuple[int, str, Any]]) -> None:
         # Encode outside the transaction; one transaction for the whole batch (group commit).
@@ -183,7 +220,8 @@ class SqliteJournal:
                     db.execute("INSERT INTO events (body) VALUES (?)", (body,))
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # a failed COMMIT already rolled back: a ROLLBACK would hide the cause
+                db.execute("ROLLBACK")
             raise
         if any(kind == "snapshot" for kind, _ in encoded):
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -196,3 +234,30 @@ class SqliteJournal:
         self._writer.join()
         self._db.close()
         self._lock_file.close()
+
+
+class JournalWriteError(OSError):
+    """The journal could not write; its message says why, where, and what helps."""
+
+
+def describe_write_failure(directory: Path, exc: BaseException) -> str:
+    """A failed journal write in plain words: the file, the cause as far as it can be told (full disk, read-only
+    or unwritable directory, I/O error), SQLite's own words, and what helps."""
+    name = getattr(exc, "sqlite_errorname", type(exc).__name__)
+    cause = "an I/O error"
+    try:
+        usage = shutil.disk_usage(directory)
+        readonly = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError as stat_error:
+        cause = f"the directory cannot be read ({stat_error.strerror or stat_error})"
+    else:
+        if readonly:
+            cause = "the file system is read-only"
+        elif name == "SQLITE_FULL" or usage.free < LOW_SPACE_BYTES:
+            cause = f"no space left on the device ({usage.free / 1e6:.0f} MB free of {usage.total / 1e6:.0f} MB)"
+        elif not os.access(directory, os.W_OK):
+            cause = "permission denied"
+    return (f"writing the journal {directory / 'pacer.sqlite3'} failed: {cause} ({name}: {exc}); changes are "
+            f"refused with UNAVAILABLE (reason STATE_DIR_UNWRITABLE) and the write is retried every "
+            f"{WRITE_RETRY_SECONDS:g} s: free space on that volume or make it writable (server.state_dir), and the "
+            f"server becomes ready again by itself")
