@@ -27,6 +27,7 @@ import grpc
 from coda_client.protocol import CLIENT_ID_METADATA_KEY, CLIENT_ID_PATTERN, CLIENT_ID_RULE, RPCS, method_path
 
 from .core.errors import InvalidArgumentError, ResourceExhaustedError
+from .core.settings import setting
 from .method_wrapping import admitting
 from .status import status_for
 
@@ -158,11 +159,10 @@ class RateLimit:
 
 def rate_limits(server_config: Any) -> dict[str, RateLimit]:
     """The configured per-client rate limits by method (those with a rate of 0 are off)."""
-    settings = server_config.get("client_rate_limits") or {}
-    burst = float(settings.get("burst", 10))
+    burst = float(setting({"server": server_config}, "server.client_rate_limits.burst"))
     limits = {}
     for method, key in RATE_LIMITED.items():
-        rate = float(settings.get(key, 0) or 0)
+        rate = float(setting({"server": server_config}, f"server.client_rate_limits.{key}") or 0)
         if rate > 0:
             limits[method] = RateLimit(f"server.client_rate_limits.{key}", rate, max(1.0, burst))
     return limits

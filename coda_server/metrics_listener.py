@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from .core.errors import ConfigError
+from .core.settings import setting
 
 # Checks the Authorization header values of a request: None when they carry the right token, else
 # (reason, message) (auth.BearerTokenInterceptor.check).
@@ -71,10 +72,10 @@ def check_metrics_security(server_config: Any, token_check: Optional[TokenCheck]
     """ConfigError now, before anything binds, when the listener's security options cannot be met."""
     if not str(server_config.get("metrics_address") or ""):
         return
-    if bool(server_config.get("metrics_require_token", False)) and token_check is None:
+    if bool(setting({"server": server_config}, "server.metrics_require_token")) and token_check is None:
         raise ConfigError("server.metrics_require_token = true needs the bearer token configured "
                           "(server.auth_token_file or $CODA_TOKEN)")
-    if bool(server_config.get("metrics_tls", False)):
+    if bool(setting({"server": server_config}, "server.metrics_tls")):
         tls_context(server_config)
 
 
@@ -87,7 +88,7 @@ def start_metrics_listener(host: str, port: int, registry: CollectorRegistry, se
     check_metrics_security(server_config, token_check)
     app = make_wsgi_app(registry)
     guards = []
-    if bool(server_config.get("metrics_require_token", False)):
+    if bool(setting({"server": server_config}, "server.metrics_require_token")):
         app = _require_token(app, token_check)
         guards.append("bearer token")
 
@@ -96,7 +97,7 @@ def start_metrics_listener(host: str, port: int, registry: CollectorRegistry, se
 
     httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
     scheme = "http"
-    if bool(server_config.get("metrics_tls", False)):
+    if bool(setting({"server": server_config}, "server.metrics_tls")):
         context = tls_context(server_config)
         # The handshake happens in the request's own thread (on its first read), not in accept(): a client
         # that connects and says nothing cannot stall the listener.

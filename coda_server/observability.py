@@ -29,7 +29,7 @@ from prometheus_client.utils import floatToGoString
 from coda_client._proto import pacer_pb2
 
 from .core.async_pacer import AsyncPacer
-from .core.config import parse_host_port
+from .core.settings import parse_host_port, setting
 from .core.errors import NotReadyError
 from .core.state import COUNTER, GAUGE, reported_fields
 from .core.types import ControlEvent, ControlEventType, PacerState, ResetMode, StepReport, TrajectoryGroup
@@ -433,7 +433,7 @@ class Observability:
         self.registry = CollectorRegistry()
         if admission is not None:
             self.registry.register(AdmissionCollector(admission))
-        self.clients = ClientCallMetrics(self.registry, int(config.server.get("metrics_max_clients", 100)))
+        self.clients = ClientCallMetrics(self.registry, int(setting(config, "server.metrics_max_clients")))
         self.grpc_metrics = GrpcServerMetrics(self.registry)
         self.grpc_metrics.initialize(pacer_pb2.DESCRIPTOR.services_by_name["RolloutPacer"])
         self.ready = False  # readiness as the health service reports it; PacerServer sets it
@@ -442,8 +442,8 @@ class Observability:
         async_pacer.pacer.add_consume_listener(self.consumption.on_consumed)
         async_pacer.pacer.add_control_listener(log_control_event(async_pacer.pacer.state))
         # None when server.log_rpcs is off; else the per-RPC lines, written in batches.
-        self.access_log = (AccessLog(str(config.server.get("log_format", "text")))
-                           if bool(config.server.get("log_rpcs", True)) else None)
+        self.access_log = (AccessLog(str(setting(config, "server.log_format")))
+                           if bool(setting(config, "server.log_rpcs")) else None)
         self.rpc_observer = RpcObserver(self.grpc_metrics, self.access_log, self.clients)
         self._httpd: Any = None  # the /metrics WSGI server; its serving thread is a daemon
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from .core.config import parse_file_mode
+from .core.settings import parse_file_mode, setting
 from .core.errors import ConfigError
 
 log = logging.getLogger("coda_server")
@@ -111,7 +111,7 @@ def bind(server: grpc.aio.Server, config: Any) -> Listeners:
         listeners.tcp_host = address.rsplit(":", 1)[0]
     uds_path = str(config.server.get("uds_path") or "")
     if uds_path:
-        mode = parse_file_mode(config.server.get("uds_mode", "0660"))
+        mode = parse_file_mode(setting(config, "server.uds_mode"))
         path = os.path.abspath(uds_path)
         _check_socket_path(path)
         # The socket is created with the process umask: narrow it during the bind, so there is no moment

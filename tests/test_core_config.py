@@ -14,7 +14,8 @@ from coda_server.core.strategy import STRATEGIES
 BUILTIN_STRATEGIES = ("no-window", "window-gated", "windowed-fifo")
 
 LOONGSAGE_YAML = textwrap.dedent("""\
-    # A LoongSage run config: sections the pacer does not read stay as they are.
+    # A LoongSage run config: sections the pacer does not read stay as they are, and so do LoongSage's keys
+    # under the sections it reads (data_source.dataset, max_response_len_per_trajectory, trainer.save_freq, ...).
     model:
       path: /models/Qwen3-30B-A3B
       dtype: bf16
@@ -25,10 +26,11 @@ LOONGSAGE_YAML = textwrap.dedent("""\
       ulysses_sequence_parallel_size: 2
     data_source:
       name: math
-      path: ${model.path}/../data/math.parquet
+      dataset:
+        prompt_data_path: ${model.path}/../data/math.parquet
       num_prompts_per_step: 64
       num_trajectories_per_prompt: 8
-      max_response_length: 20480
+      max_response_len_per_trajectory: 20480
     data_sources:
       - ${data_source}
       - name: b
@@ -37,11 +39,11 @@ LOONGSAGE_YAML = textwrap.dedent("""\
         num_prompts_per_step: 5
     trainer:
       mini_batch_size: 128
-      total_training_steps: 200
+      save_freq: 200
     rollout:
       partial: true
       filter: [status]
-      temperature: 1.0
+      retry_limit: 3
     fully_async:
       enable: true
       sliding_window: windowed-fifo
@@ -91,12 +93,12 @@ def test_loongsage_config_loads_unedited(loongsage_file):
     # Unrelated sections survive, interpolations into them resolve.
     assert config.model.dtype == "bf16" and config.actor.ppo_epochs == 1
     a, b, c = config.data_sources
-    assert a.name == "math" and a.path == "/models/Qwen3-30B-A3B/../data/math.parquet"
+    assert a.name == "math" and a.dataset.prompt_data_path == "/models/Qwen3-30B-A3B/../data/math.parquet"
     assert (a.num_prompts_per_step, a.num_trajectories_per_prompt) == (64, 8)
     # `b` inherits B from data_source, sets its own N; `c` the reverse.
     assert (b.name, b.num_prompts_per_step, b.num_trajectories_per_prompt) == ("b", 64, 4)
     assert (c.name, c.num_prompts_per_step, c.num_trajectories_per_prompt) == ("c", 5, 8)
-    assert b.max_response_length == 20480
+    assert b.max_response_len_per_trajectory == 20480
     assert config.fully_async.sliding_window == "windowed-fifo" and config.fully_async.stale_steps == 2.0
     # Keys the file does not set keep their defaults.
     assert config.server.address == "127.0.0.1:50051"

@@ -3,6 +3,7 @@ buffer view; and the built-in latency-aware strategy that uses them. In process,
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 
 from coda_client import PacerClient
 from coda_client import Trajectory as WireTrajectory
@@ -154,9 +155,11 @@ def test_latency_aware_quiet_after_option():
     assert strategy.compute_dispatch_count(0) == 1
     for bad_option in ("quiet_after=1.5", "quiet_after=0", "collect_window=0.5", "collect_window=wide",
                        "adaptive_depth=3"):
-        bad = load_config(overrides=[*BASE, "fully_async.sliding_window=latency-aware",
-                                     f"fully_async.latency_aware.{bad_option}"])
-        with pytest.raises(ValueError, match=bad_option.split("=")[0]):
+        overrides = [*BASE, "fully_async.sliding_window=latency-aware", f"fully_async.latency_aware.{bad_option}"]
+        with pytest.raises(ValueError, match=bad_option.split("=")[0]):  # refused at start-up, in one line
+            load_config(overrides=overrides)
+        bad = OmegaConf.merge(load_config(overrides=overrides[:-1]), OmegaConf.from_dotlist(overrides[-1:]))
+        with pytest.raises(ValueError, match=bad_option.split("=")[0]):  # and by the strategy built without it
             create_strategy(bad)
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.resources
 import logging
-import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -13,10 +12,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
 from .filters import FILTERS, filter_problems, filter_specs, normalize_filters
-from .journal import FSYNC_POLICIES
 from .plugins import load_custom_modules
 from .replay import REPLAY_STRATEGIES
-from .strategy import STRATEGIES, window_size
+from .settings import SCHEMA, lookup, setting, parse_file_mode, parse_host_port, unknown_key_problems  # noqa: F401
+from .strategy import STRATEGIES, options_section, window_size
 
 RESET_MODES_BY_PARTIAL = {True: "abort", False: "wait"}
 _ABSENT = object()
@@ -237,7 +236,7 @@ def _defaults_entry_exists(root: Path, group: Path, entry: Any) -> bool:
     return (base / f"{target.lstrip('/')}.yaml").is_file()
 
 
-SECTIONS = ("fully_async", "data_source", "trainer", "rollout", "server")
+from .settings import SECTIONS  # noqa: E402  (the sections the service reads)
 
 
 def _check_sections(config: DictConfig) -> None:
@@ -269,29 +268,36 @@ def inherit_data_source_defaults(config: DictConfig) -> DictConfig:
 
 
 def validate_config(config: Any) -> None:
-    """Raise ConfigError naming every invalid key, its value and what is allowed."""
-    problems: list[str] = []
+    """Raise ConfigError naming every invalid key, its value and what is allowed: each key against its
+    declaration in the schema (settings.py), unknown keys under the service's sections, the registered
+    strategies' and filters' options, and the rules that tie several keys together."""
+    problems: list[str] = unknown_key_problems(config, strategy_option_sections())
 
     def need(ok: bool, key: str, value: Any, allowed: str) -> None:
         if not ok:
             problems.append(f"{key} = {value!r}: {allowed}")
 
-    stale = config.fully_async.get("stale_steps")
-    need(_is_number(stale) and stale >= 0 and math.isfinite(stale), "fully_async.stale_steps", stale,
-         "must be a finite number >= 0")
-    recheck = config.fully_async.get("gate_recheck_seconds", 1.0)
-    need(_is_number(recheck) and recheck >= 0 and math.isfinite(recheck), "fully_async.gate_recheck_seconds",
-         recheck, "must be a finite number >= 0 (0: re-examine refused groups on state changes only)")
     sources = config.get("data_sources") or []
+    for key in SCHEMA:
+        if key.path.startswith("data_source.") or key.path in ("data_sources", "rollout.filter"):
+            continue  # checked per data source below; the filters check their own
+        value = lookup(config, key.path, _ABSENT)
+        if value is not _ABSENT:
+            problem = key.problem(value)
+            need(problem is None, key.path, value, problem or "")
     need(len(sources) >= 1, "data_sources", list(sources), "must hold at least one data source")
     for i, source in enumerate(sources):
-        b = source.get("num_prompts_per_step")
-        n = source.get("num_trajectories_per_prompt")
-        need(_is_int(b) and b >= 1, f"data_sources[{i}].num_prompts_per_step", b, "must be an integer >= 1")
-        need(_is_int(n) and n >= 1, f"data_sources[{i}].num_trajectories_per_prompt", n,
-             "group size must be an integer >= 1")
+        for key in SCHEMA:
+            if key.path.startswith("data_source.") and key.path != "data_source.dataset.buffer_replay_strategy":
+                value = lookup(source, key.path.removeprefix("data_source."), _ABSENT)
+                problem = key.problem(value) if value is not _ABSENT else None
+                need(problem is None, f"data_sources[{i}].{key.path.removeprefix('data_source.')}", value, problem or "")
+    for section, options in strategy_option_sections().items():  # every registered strategy's, chosen or not
+        for key in options:
+            value = lookup(config, f"{section}.{key.path}", _ABSENT)
+            problem = key.problem(value) if value is not _ABSENT else None
+            need(problem is None, f"{section}.{key.path}", value, problem or "")
     m = config.trainer.get("mini_batch_size")
-    need(_is_int(m) and m >= 1, "trainer.mini_batch_size", m, "must be an integer >= 1")
     if not problems and sources:
         b, n = sources[0].num_prompts_per_step, sources[0].num_trajectories_per_prompt
         need((b * n) % m == 0, "trainer.mini_batch_size", m,
@@ -299,11 +305,6 @@ def validate_config(config: Any) -> None:
     name = config.fully_async.get("sliding_window")
     need(name in STRATEGIES, "fully_async.sliding_window", name, f"registered strategies: {', '.join(STRATEGIES.names())}")
     problems.extend(filter_problems(config.rollout.get("filter"), config))
-    for key in ("partial", "train_on_failed"):
-        need(isinstance(config.rollout.get(key, False), bool), f"rollout.{key}", config.rollout.get(key),
-             "must be true or false")
-    need(isinstance(config.rollout.get("continue_restored", True), bool), "rollout.continue_restored",
-         config.rollout.get("continue_restored"), "must be true or false")
     for i, source in enumerate(sources):
         dataset = source.get("dataset") or {}
         replay = dataset.get("buffer_replay_strategy") if isinstance(dataset, (dict, DictConfig)) else dataset
@@ -314,99 +315,30 @@ def validate_config(config: Any) -> None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
+def strategy_option_sections() -> dict[str, tuple]:
+    """The registered strategies' declared options, by their section (e.g. fully_async.latency_aware)."""
+    sections: dict[str, tuple] = {}
+    for strategy_name in STRATEGIES.names():
+        cls = STRATEGIES.get(strategy_name)
+        options = tuple(getattr(cls, "options", ()) or ())
+        if options:
+            sections[f"fully_async.{options_section(cls, strategy_name)}"] = options
+    return sections
+
+
 def _validate_server(server: Any, need) -> None:
+    """The server keys the schema cannot check one by one: listeners and TLS files that go together."""
     address = server.get("address")
     no_address = address is None or (isinstance(address, str) and address.strip() == "")
     need((isinstance(address, str) and not no_address) or (no_address and bool(server.get("uds_path"))),
          "server.address", address, "must be host:port, e.g. 127.0.0.1:50051 (may be \"\" only when server.uds_path is set)")
-    dirs = server.get("custom_strategy_dirs")
-    need(isinstance(dirs, (list, ListConfig)), "server.custom_strategy_dirs", dirs, "must be a list of directories")
-    for key in ("max_message_bytes", "request_id_cache_size", "remembered_generations", "max_collect_groups",
-                "max_dispatch_candidates", "max_submit_trajectories", "max_id_length", "step_reports_kept",
-                "max_concurrent_rpcs", "max_waiting_calls", "max_waiting_collects", "max_watch_streams",
-                "metrics_max_clients", "watch_queue_events", "incidents_kept"):
-        value = server.get(key)
-        need(_is_int(value) and value >= 1, f"server.{key}", value, "must be an integer >= 1")
-    _validate_transport(server, need)
-    for key in ("max_buffered_groups", "max_held_bytes", "remembered_answer_bytes"):
-        value = server.get(key)
-        need(_is_int(value) and value >= 0, f"server.{key}", value, "must be an integer >= 0 (0: no cap)")
-    retain = server.get("allocator_retain_bytes")
-    need(_is_int(retain) and 0 <= retain <= 2**31 - 1, "server.allocator_retain_bytes", retain,
-         "must be an integer from 0 (the allocator's defaults) to 2147483647")
-    liveness = server.get("worker_liveness_seconds")
-    need(_is_number(liveness) and liveness >= 0 and math.isfinite(liveness), "server.worker_liveness_seconds",
-         liveness, "must be a finite number >= 0 (0: off)")
-    lease = server.get("inflight_lease_seconds")
-    need(_is_number(lease) and lease >= 0 and math.isfinite(lease), "server.inflight_lease_seconds", lease,
-         "must be a finite number >= 0 (0: no lease)")
-    state_dir = server.get("state_dir")
-    # `server.state_dir=` on the command line reads as null: memory only, as "" is.
-    need(state_dir is None or isinstance(state_dir, str), "server.state_dir", state_dir,
-         "must be a directory path, or \"\" for memory only")
-    need(server.get("fsync") in FSYNC_POLICIES, "server.fsync", server.get("fsync"),
-         f"allowed: {', '.join(FSYNC_POLICIES)}")
-    need(server.get("log_format") in ("text", "json"), "server.log_format", server.get("log_format"),
-         "must be text or json")
-    need(isinstance(server.get("log_rpcs"), bool), "server.log_rpcs", server.get("log_rpcs"), "must be true or false")
-    metrics = server.get("metrics_address")
-    need(metrics in ("", None) or parse_host_port(metrics) is not None, "server.metrics_address", metrics,
-         "must be host:port with a port in 0..65535, e.g. 127.0.0.1:9464, or \"\" to disable metrics")
-    for key in ("max_wait_seconds", "shutdown_grace_seconds"):
-        value = server.get(key)
-        need(_is_number(value) and value >= 0 and math.isfinite(value), f"server.{key}", value,
-             "must be a finite number >= 0")
-    for key in ("metrics_require_token", "metrics_tls"):
-        need(isinstance(server.get(key, False), bool), f"server.{key}", server.get(key), "must be true or false")
-    rates = server.get("client_rate_limits") or {}
-    for key in ("dispatch_per_second", "submit_per_second", "burst"):
-        value = rates.get(key, 0)
-        need(_is_number(value) and value >= 0 and math.isfinite(value), f"server.client_rate_limits.{key}", value,
-             "must be a finite number >= 0 (a rate of 0: no limit)")
-
-
-def _validate_transport(server: Any, need) -> None:
-    """Security and listener keys: token file, TLS files, Unix socket, health-only port."""
-    for key in ("auth_token_file", "uds_path", "health_address"):
-        value = server.get(key, "")
-        need(value is None or isinstance(value, str), f"server.{key}", value, "must be a string (\"\" for none)")
     tls = server.get("tls") or {}
     files = {key: tls.get(key) or "" for key in ("cert_file", "key_file", "client_ca_file")}
-    for key, value in files.items():
-        need(isinstance(value, str), f"server.tls.{key}", value, "must be a path string (\"\" for none)")
     if all(isinstance(value, str) for value in files.values()):
         need(bool(files["cert_file"]) == bool(files["key_file"]), "server.tls", files,
              "cert_file and key_file must be set together")
         need(not files["client_ca_file"] or bool(files["cert_file"]), "server.tls.client_ca_file",
              files["client_ca_file"], "mutual TLS needs the server's own cert_file and key_file too")
-    mode = server.get("uds_mode", "0660")
-    need(parse_file_mode(mode) is not None, "server.uds_mode", mode,
-         "must be an octal file mode between \"0000\" and \"0777\", written as a quoted string, e.g. \"0660\"")
-
-
-def parse_file_mode(value: Any) -> Optional[int]:
-    """A file mode from an octal string ("0660", "0o660", "660") or an int (YAML 1.1 reads 0660 as 432); None if invalid."""
-    if isinstance(value, str):
-        digits = value.strip().lower().removeprefix("0o")
-        if not digits or any(c not in "01234567" for c in digits):
-            return None
-        mode = int(digits, 8)
-    elif _is_int(value):
-        mode = value
-    else:
-        return None
-    return mode if 0 <= mode <= 0o777 else None
-
-
-def parse_host_port(value: Any) -> Optional[tuple[str, int]]:
-    """'host:port' (IPv6 as '[::1]:9464') -> (host, port), port in 0..65535; None when it is not one."""
-    if not isinstance(value, str):
-        return None
-    host, sep, port = value.strip().rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        return None
-    return host, int(port)
 
 
 def config_summary(config: Any) -> dict[str, str]:
@@ -422,15 +354,7 @@ def config_summary(config: Any) -> dict[str, str]:
         "window_size": str(window_size(config)),
         "rollout_partial": str(config.rollout.partial).lower(),
         "reset_mode": RESET_MODES_BY_PARTIAL[bool(config.rollout.partial)],
-        "continue_restored": str(config.rollout.get("continue_restored", True)).lower(),
+        "continue_restored": str(setting(config, "rollout.continue_restored")).lower(),
         "filters": ",".join(name for name, _ in filter_specs(config.rollout.filter)),
-        "train_on_failed": str(bool(config.rollout.get("train_on_failed", False))).lower(),
+        "train_on_failed": str(bool(setting(config, "rollout.train_on_failed"))).lower(),
     }
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,6 +1,7 @@
 """Group filters applied on collection: registry, `rollout.filter` parsing, and the built-in `status` and `reward`."""
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Any, Callable, Mapping, Optional
 
@@ -28,7 +29,12 @@ class GroupFilter:
 
     Parameters come from the configuration (`rollout.filter: {name: {threshold: 0.5}}`) as keyword
     arguments of `__init__`, after the configuration itself: `def __init__(self, config=None, *, threshold=0.5)`.
+    A filter may declare them as `options` (`coda_server.core.settings.Key`s, as the service's own keys are
+    declared): they are then checked at start-up by type and range, a misspelt one is refused naming the
+    closest, and an option the configuration leaves out is passed with its declared default.
     """
+
+    options: Optional[tuple] = None  # None: the parameters are checked against __init__'s signature only
 
     def __init__(self, config: Any = None):
         self.config = config
@@ -57,6 +63,8 @@ class FunctionFilter(GroupFilter):
 class StatusFilter(GroupFilter):
     """Drop a group holding a FAILED trajectory."""
 
+    options = ()
+
     def keep(self, group: Mapping[str, Any]) -> bool:
         return not any(t.status == TrajectoryStatus.FAILED for t in group.values())
 
@@ -64,6 +72,8 @@ class StatusFilter(GroupFilter):
 @register_group_filter("reward")
 class RewardFilter(GroupFilter):
     """Drop a group whose rewards are all equal: it carries no advantage signal."""
+
+    options = ()
 
     def keep(self, group: Mapping[str, Any]) -> bool:
         rewards = {t.reward for t in group.values()}
@@ -132,7 +142,20 @@ def filter_problems(spec: Any, config: Any = None) -> list[str]:
 
 
 def _parameter_problem(plugin: Any, params: dict) -> Optional[str]:
-    """Why `params` cannot be given to the filter `plugin`, checked on its signature without calling it."""
+    """Why `params` cannot be given to the filter `plugin`: against its declared options, or checked on its
+    signature without calling it."""
+    options = getattr(plugin, "options", None)
+    if options is not None:
+        names = [key.path for key in options]
+        unknown = [name for name in params if name not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            return (f"the filter does not take these parameters ({', '.join(map(str, unknown))}{hint}); "
+                    f"it takes: {', '.join(names) or 'none'}")
+        wrong = [f"{key.path} {key.problem(params[key.path])}" for key in options
+                 if key.path in params and key.problem(params[key.path]) is not None]
+        return "; ".join(wrong) or None
     try:  # the first parameter is the configuration (a class) or the group (a function)
         inspect.signature(plugin).bind(None, **params)
     except TypeError as exc:
@@ -163,7 +186,8 @@ def create_filters(spec: Any, config: Any = None) -> list[GroupFilter]:
     for name, params in filter_specs(spec):
         plugin = FILTERS.get(name)
         if isinstance(plugin, type):
-            filters.append(plugin(config, **params))
+            declared = {key.path: key.default for key in (getattr(plugin, "options", None) or ())}
+            filters.append(plugin(config, **{**declared, **params}))
         else:
             filters.append(FunctionFilter(name, plugin, params, config))
     return filters

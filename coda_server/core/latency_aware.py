@@ -4,44 +4,15 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from .builtin_strategies import WindowedFifoStrategy
+from .settings import Key, lookup, read_options, setting
 from .strategy import SlidingWindowStrategy, register_sliding_window_strategy
 from .types import TrajectoryStatus
 
 
-def _lookup(section: Any, name: str) -> Any:
-    """`section[name]` of a mapping-like config section, `section.name` of an attribute one, or None."""
-    if section is None:
-        return None
-    return section.get(name, None) if hasattr(section, "get") else getattr(section, name, None)
-
-
-def _raw_option(config: Any, name: str) -> Any:
-    """`fully_async.latency_aware.<name>` from a mapping-like or attribute config, or None."""
-    return _lookup(_lookup(_lookup(config, "fully_async"), "latency_aware"), name)
-
-
-def _option(config: Any, name: str, default: float) -> float:
-    value = _raw_option(config, name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"fully_async.latency_aware.{name} = {value!r}: must be a number")
-    return float(value)
-
-
-def _flag(config: Any, name: str, default: bool) -> bool:
-    value = _raw_option(config, name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValueError(f"fully_async.latency_aware.{name} = {value!r}: must be true or false")
-    return value
-
-
 def _group_size(config: Any) -> int:
     """N of the first data source; a bare config without it (built outside a pacer) gets the default, 8."""
-    value = _lookup(config.data_sources[0], "num_trajectories_per_prompt")
-    return int(value) if value is not None else 8
+    value = lookup(config.data_sources[0], "num_trajectories_per_prompt")
+    return int(value) if value is not None else setting({}, "data_source.num_trajectories_per_prompt")
 
 
 @register_sliding_window_strategy("latency-aware")
@@ -77,18 +48,21 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
     """
 
     ordered_gate = True  # refuses aborted groups; otherwise a window from the oldest in-flight seq
+    # Under fully_async.latency_aware; validated at start-up with the service's own keys (settings.py).
+    options = (
+        Key("quiet_after", "number", 0.75, "Go quiet once this share of B has been consumed in the step",
+            above=0, high=1, allowed="must be a number in (0, 1]"),
+        Key("collect_window", "number", 1.5, "Collect only within this many B of seqs from the oldest in flight",
+            low=1, allowed="must be a number >= 1 (in units of B)"),
+        Key("adaptive_depth", "bool", True, "Resize the depth at each Resume (false: it stays C)"),
+    )
 
     def __init__(self, config: Any):
         super().__init__(config)
-        share = _option(config, "quiet_after", 0.75)
-        if not 0.0 < share <= 1.0:
-            raise ValueError(f"fully_async.latency_aware.quiet_after = {share}: must be in (0, 1]")
-        window = _option(config, "collect_window", 1.5)
-        if not window >= 1.0:
-            raise ValueError(f"fully_async.latency_aware.collect_window = {window}: must be >= 1 (in units of B)")
-        self._quiet_at = max(1, int(round(share * self._batch_size)))
-        self._collect_window = max(1, int(round(window * self._batch_size)))
-        self._adaptive_depth = _flag(config, "adaptive_depth", True)
+        options = read_options(config, "fully_async.latency_aware", self.options)
+        self._quiet_at = max(1, int(round(options["quiet_after"] * self._batch_size)))
+        self._collect_window = max(1, int(round(options["collect_window"] * self._batch_size)))
+        self._adaptive_depth = options["adaptive_depth"]
         self._consumed_in_step = 0
         self.quiet_since: float | None = None  # pacer-clock time the current quiet tail began (for metrics)
         self.depth = self._capacity  # R + Q admitted up to (<= C)

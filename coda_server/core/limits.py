@@ -6,9 +6,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from omegaconf import OmegaConf
-
-from .config import default_config_path
+from .settings import default_server_values
 
 # Request ids (client-made, e.g. UUIDs) and lease ids (server-made) may always be this long, whatever max_id_length.
 OPAQUE_ID_MIN_LIMIT = 128
@@ -16,7 +14,7 @@ OPAQUE_ID_MIN_LIMIT = 128
 DATA_ANSWERS_KEPT = 16
 
 
-# Limits field -> its server.* key. Every default is the shipped conf/default.yaml's, nowhere else.
+# Limits field -> its server.* key. Every default is the schema's (settings.py), nowhere else.
 SERVER_KEYS = {
     "max_id_length": "max_id_length",
     "max_candidates": "max_dispatch_candidates",
@@ -56,8 +54,8 @@ class Limits:
 
     @classmethod
     def from_config(cls, config: Any) -> "Limits":
-        """The limits of a configuration; a key it lacks (or a configuration without `server`) gets the
-        shipped default of conf/default.yaml."""
+        """The limits of a configuration; a key it lacks (or a configuration without `server`) gets its
+        declared default (settings.py)."""
         server = config.get("server") or {}
         defaults = shipped_server_defaults()
         values = {name: server.get(key, defaults[key]) for name, key in SERVER_KEYS.items()}
@@ -75,5 +73,5 @@ class Limits:
 
 @functools.lru_cache(maxsize=1)
 def shipped_server_defaults() -> Mapping[str, Any]:
-    """The `server` section of conf/default.yaml, read once."""
-    return MappingProxyType(dict(OmegaConf.to_container(OmegaConf.load(default_config_path()).server)))
+    """The declared defaults of the `server` keys (settings.py), by name under `server`."""
+    return MappingProxyType(default_server_values())

@@ -28,9 +28,10 @@ from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Jou
                       Submitted)
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
 from .liveness import Liveness
-from .limits import Limits, shipped_server_defaults
+from .limits import Limits
 from .polls import CollectPoll, DispatchPoll, ResetPoll
 from .replay import RestoredGroups, create_replay_strategy
+from .settings import setting
 from .shares import PLAIN, BatchShape, balanced_shares, budget_count, group_tokens
 from .state import COUNTER_NAMES
 from .strategy import BufferView, ThreadSafeStrategy, create_strategy, gate_is_ordered, overridden_hook, window_size
@@ -102,18 +103,17 @@ class Pacer:
         self._window_size = window_size(config)
         self.limits = limits = Limits.from_config(config)
         self.checks = RequestChecks(limits, self._group_sizes)
-        self._default_mode = ResetMode.ABORT if bool(config.rollout.get("partial", True)) else ResetMode.WAIT
+        self._default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
         # Restored groups: kept and re-offered for continuation, or handed to the Reset's caller (the old way).
-        self.continue_restored = bool(config.rollout.get("continue_restored", True))
+        self.continue_restored = bool(setting(config, "rollout.continue_restored"))
         self._restored = RestoredGroups([create_replay_strategy((s.get("dataset") or {}).get("buffer_replay_strategy"),
                                                                 config) for s in config.data_sources])
         # A group still holding a FAILED trajectory after the filters is quarantined, not trained on, unless asked.
-        self._train_on_failed = bool(config.rollout.get("train_on_failed", False))
+        self._train_on_failed = bool(setting(config, "rollout.train_on_failed"))
         self._summary = config_summary(config)
-        self.max_wait_seconds = float((config.get("server") or {}).get(
-            "max_wait_seconds", shipped_server_defaults()["max_wait_seconds"]))
+        self.max_wait_seconds = float(setting(config, "server.max_wait_seconds"))
         # How often held groups are re-examined with nothing changed (the server's timer; 0: never).
-        self.gate_recheck_seconds = float(config.fully_async.get("gate_recheck_seconds", 1.0))
+        self.gate_recheck_seconds = float(setting(config, "fully_async.gate_recheck_seconds"))
 
         self._lock = self._strategy.lock if proxied else threading.RLock()
         self.waits = ThreadWaits(self._lock, lambda: self._clock(), lambda: self.closed)

@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .registry import Registry
+from .settings import setting
 from .types import TrajectoryStatus
 
 STRATEGIES: Registry = Registry("sliding_window strategy", "fully_async.sliding_window")
@@ -49,6 +50,12 @@ class SlidingWindowStrategy(abc.ABC):
     #: after it (the gate opens oldest-first). False (the default) re-asks every refused group each time.
     #: A subclass that overrides `will_collect` must declare it again: it is not inherited past an override.
     ordered_gate: bool = False
+
+    #: The strategy's options, declared like the service's own keys (`coda_server.core.settings.Key`, its
+    #: path relative to the section): they live under `fully_async.<options_section>` (default: the
+    #: registered name with - as _), are validated at start-up and read with `read_options`.
+    options: tuple = ()
+    options_section: str | None = None
 
     def __init__(self, config: Any = None):
         self._running_count = 0
@@ -254,10 +261,15 @@ def create_strategy(config: Any, name: str | None = None) -> ThreadSafeStrategy:
     ConfigError (a ValueError) saying "Unknown sliding_window strategy" and listing the registered ones.
     """
     if name is None:
-        fully_async = config.get("fully_async") if hasattr(config, "get") else config.fully_async
-        name = fully_async.get("sliding_window", "no-window") if fully_async is not None else "no-window"
+        name = setting(config, "fully_async.sliding_window")
     cls = STRATEGIES.get(name)
     return ThreadSafeStrategy(cls(config), name)
+
+
+def options_section(cls: type, name: str) -> str:
+    """The section under `fully_async` holding the options a strategy class declares (its `options`):
+    `options_section` on the class, else its registered name with - as _ (latency-aware: latency_aware)."""
+    return getattr(cls, "options_section", None) or name.replace("-", "_")
 
 
 def window_size(config: Any) -> int:
