@@ -287,12 +287,12 @@ def _packed(np: Any, name: str, trajectories: Sequence[Trajectory], lengths: Any
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def group_count(state_summary: dict[str, str], mini_batch_size: int) -> int:
+def group_count(group_sizes: Sequence[int], mini_batch_size: int) -> int:
     """Groups per mini-batch: mini_batch_size over the server's group size (one size across data sources)."""
-    sizes = {int(s) for s in state_summary.get("num_trajectories_per_prompt", "").split(",") if s}
+    sizes = set(group_sizes)
     if len(sizes) != 1:
-        raise ValueError("the server's data sources have different group sizes "
-                         f"({state_summary.get('num_trajectories_per_prompt')!r}): pass group_size")
+        raise ValueError(f"the server's data sources have different group sizes ({list(group_sizes)}): "
+                         "pass group_size")
     return _groups_per_batch(mini_batch_size, sizes.pop())
 
 
@@ -340,9 +340,9 @@ class BatchShape:
     world_size: int = 1
 
     @classmethod
-    def of(cls, mini_batch_size: int | None, group_size: int | None, state_summary: Any, *,
+    def of(cls, mini_batch_size: int | None, group_size: int | None, server_group_sizes: Any, *,
            token_budget: int | None, rank: int, world_size: int) -> BatchShape:
-        """Checks the trainer's arguments; `state_summary` (a callable giving the server's config summary) is
+        """Checks the trainer's arguments; `server_group_sizes` (a callable giving GetState's group_sizes) is
         called only when the group size must be asked from the server."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, not {world_size!r}")
@@ -355,7 +355,7 @@ class BatchShape:
                 raise ValueError("pass mini_batch_size (trajectories per global mini-batch) or token_budget")
             return cls(0, token_budget, rank, world_size)
         num_groups = (_groups_per_batch(mini_batch_size, group_size) if group_size is not None
-                      else group_count(state_summary(), mini_batch_size))
+                      else group_count(server_group_sizes(), mini_batch_size))
         if token_budget is None and num_groups % world_size:
             raise ValueError(f"mini_batch_size {mini_batch_size} holds {num_groups} groups, which world_size "
                              f"{world_size} does not divide: every rank gets as many whole groups (or pass "
@@ -666,7 +666,7 @@ class AsyncBatchIterator(_IteratorBase):
         if not self._shape_resolved or self.num_batches == STEP:
             state = await self._client.state()
             if not self._shape_resolved:
-                self.shape = BatchShape.of(self.mini_batch_size, None, lambda: state.config_summary,
+                self.shape = BatchShape.of(self.mini_batch_size, None, lambda: state.group_sizes,
                                            **self._shape_arguments)
                 self._shape_resolved = True
             if self.num_batches == STEP:

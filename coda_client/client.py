@@ -417,7 +417,7 @@ class PacerClient(_ClientBase):
                 asked.append(self.state())
             return asked[0]
 
-        shape = BatchShape.of(mini_batch_size, group_size, lambda: server_state().config_summary,
+        shape = BatchShape.of(mini_batch_size, group_size, lambda: server_state().group_sizes,
                               token_budget=token_budget, rank=rank, world_size=world_size)
         if num_batches == STEP:
             num_batches = step_batches(mini_batch_size, server_state(), token_budget)

@@ -560,6 +560,8 @@ class PacerState:
     group_sizes: list[int]
     #: M: trajectories per mini-batch (trainer.mini_batch_size); a step is B * N / M mini-batches.
     mini_batch_size: int
+    #: fully_async.stale_steps: C = int(B * (1 + stale_steps)).
+    stale_steps: float
     # END PacerState fields
 
     @classmethod
@@ -568,7 +570,7 @@ class PacerState:
         return _from_fields(cls, msg, config_summary=dict(msg.config_summary),
                             recent_reports=[StepReport.from_pb(r) for r in msg.recent_reports],
                             recent_incidents=[Incident.from_pb(i) for i in msg.recent_incidents],
-                            group_sizes=list(msg.group_sizes))
+                            group_sizes=list(msg.group_sizes) or _summary_group_sizes(msg.config_summary))
 
 
 @dataclass(frozen=True)
@@ -600,6 +602,11 @@ class JobEndReport:
                             **{name: list(getattr(msg, name)) for name in (
                                 "buffered_prompt_ids", "held_prompt_ids", "in_flight_prompt_ids", "kept_prompt_ids",
                                 "expired_prompt_ids", "quarantined_prompt_ids")})
+
+
+def _summary_group_sizes(summary: Any) -> list[int]:
+    """N per data source from a server that sends no typed group_sizes (older than that field)."""
+    return [int(n) for n in summary.get("num_trajectories_per_prompt", "").split(",") if n]
 
 
 @dataclass(frozen=True)

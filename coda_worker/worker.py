@@ -434,7 +434,7 @@ class AsyncRolloutWorker:
         self._changed = asyncio.Event()
         self._submit_wakeup = asyncio.Event()
         state = await self._retrying("GetState", self.pacer.state)
-        self._group_sizes = [int(n) for n in state.config_summary.get("num_trajectories_per_prompt", "1").split(",")]
+        self._group_sizes = list(state.group_sizes) or [1]
         self.weight_version, self.generation, self._paused = state.weight_version, state.generation, state.paused
         await self._ask_engine_version()
         await self._resume_source()

@@ -6,6 +6,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
 from coda_client._proto import pacer_pb2 as pb
@@ -15,7 +16,7 @@ from coda_server.core.state import COUNTER, GAUGE, STATE_FIELD_NAMES, reported_f
 ROOT = Path(__file__).resolve().parents[1]
 # proto scalar type -> the declaration's annotation
 PROTO_TYPES = {FieldDescriptor.TYPE_UINT64: "int", FieldDescriptor.TYPE_INT64: "int",
-               FieldDescriptor.TYPE_BOOL: "bool", FieldDescriptor.TYPE_STRING: "str"}
+               FieldDescriptor.TYPE_BOOL: "bool", FieldDescriptor.TYPE_STRING: "str", FieldDescriptor.TYPE_DOUBLE: "float"}
 
 
 def proto_fields() -> list[tuple[str, str]]:
@@ -58,3 +59,21 @@ def test_every_gauge_and_counter_has_a_metric_and_the_getstate_conversion_sends_
     assert all(metric.startswith("coda_pacer_") for _, metric, _, _ in PACER_METRICS)
     sent = set(convert.STATE_FIELDS) | {"config_summary", "recent_reports", "recent_incidents"}
     assert sent == set(STATE_FIELD_NAMES)
+
+
+def test_getstate_carries_the_pacing_terms_typed_and_the_client_reads_them(tmp_path):
+    from coda_client import PacerClient
+    from server_harness import ServerProcess
+
+    config = tmp_path / "two.yaml"
+    config.write_text("data_source: {num_prompts_per_step: 6}\ntrainer: {mini_batch_size: 12}\n"
+                      "fully_async: {stale_steps: 0.5}\n"
+                      "data_sources: ['${data_source}', {num_trajectories_per_prompt: 4}]\n")
+    with ServerProcess(tmp_path, config_file=config) as server, PacerClient(server.address, timeout=10) as client:
+        state = client.state()
+        assert (state.prompts_per_step, state.group_sizes, state.stale_steps, state.mini_batch_size) == (
+            6, [8, 4], 0.5, 12)
+        assert state.window_size == 9  # C = int(6 * 1.5)
+        # The mini-batch needs one group size; two data sources differ: the client says so from the typed field.
+        with pytest.raises(ValueError, match=r"different group sizes \(\[8, 4\]\)"):
+            client.batches(mini_batch_size=16)

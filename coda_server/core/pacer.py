@@ -101,6 +101,7 @@ class Pacer:
         self._filters = filters if filters is not None else create_filters(list(config.rollout.filter), config)
         self._group_sizes = [int(s.num_trajectories_per_prompt) for s in config.data_sources]
         self._window_size = window_size(config)
+        self._stale_steps = float(setting(config, "fully_async.stale_steps"))
         self.limits = limits = Limits.from_config(config)
         self.checks = RequestChecks(limits, self._group_sizes)
         self._default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
@@ -784,6 +785,7 @@ class Pacer:
                 last_checkpoint_weight_version=self.last_checkpoint[1] if self.last_checkpoint else -1,
                 last_restore_step=self.last_restore[0] if self.last_restore else -1,
                 last_restore_weight_version=self.last_restore[1] if self.last_restore else -1,
+                stale_steps=self._stale_steps,
                 recent_reports=list(self._reports), recent_incidents=self.incidents.recent(), **self.totals,
                 job_ended=self.job_ended, prompts_per_step=int(self.config.data_sources[0].num_prompts_per_step),
                 group_sizes=list(self._group_sizes), mini_batch_size=int(self.config.trainer.mini_batch_size),

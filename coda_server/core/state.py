@@ -114,6 +114,7 @@ class PacerState:
     group_sizes: list[int] = described("N of each data source, by ds_index.", default_factory=list)
     mini_batch_size: int = described("M: trajectories per mini-batch (trainer.mini_batch_size); a step is "
                                      "B * N / M mini-batches.", default=0)
+    stale_steps: float = described("fully_async.stale_steps: C = int(B * (1 + stale_steps)).", default=0.0)
 
     def invariant_holds(self) -> bool:
         """dispatched = running + collected + filtered + restored + dropped + expired + quarantined,
