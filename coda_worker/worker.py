@@ -381,7 +381,8 @@ class AsyncRolloutWorker:
         self.stats = WorkerStats()
         self.weight_version = 0
         self.engine_weight_version: int | None = None  # what the engine reports loaded; None: it cannot say
-        self._engine_version_asked_at = 0.0
+        self._engine_version_asked_at = 0.0  # when the last answer came
+        self._engine_question: asyncio.Future | None = None  # the question to the engine out now, if any
         self.generation = 0
         self._group_sizes: list[int] = []
         self._groups: dict[str, _Group] = {}
@@ -570,11 +571,16 @@ class AsyncRolloutWorker:
         return self.engine_weight_version if self.engine_weight_version is not None else self.weight_version
 
     async def _ask_engine_version(self) -> int | None:
-        """Asks the engine which weight version it has loaded (when it can say); keeps the last answer."""
+        """Asks the engine which weight version it has loaded (when it can say); keeps the last answer. Callers
+        arriving while a question is out wait for its answer rather than tag with the one before it."""
+        if self._engine_question is None or self._engine_question.done():
+            self._engine_question = asyncio.ensure_future(self._ask_engine_once())
+        return await asyncio.shield(self._engine_question)
+
+    async def _ask_engine_once(self) -> int | None:
         ask = getattr(self.engine, "loaded_weight_version", None)
         if ask is None:
             return None
-        self._engine_version_asked_at = time.monotonic()
         try:
             value = ask()
             if inspect.isawaitable(value):
@@ -583,13 +589,17 @@ class AsyncRolloutWorker:
             logger.warning("%s: could not ask the engine for its weight version: %s", self.worker_id, exc,
                            extra=_fields(worker=self.worker_id))
             return self.engine_weight_version
+        finally:
+            self._engine_version_asked_at = time.monotonic()
         if value is not None:
             self.engine_weight_version = int(value)
         return self.engine_weight_version
 
     async def _tag_version(self) -> int:
         """The version to tag a new request's tokens with; asks the engine again while it lags the pacer."""
-        if (self.engine_weight_version is not None and self.engine_weight_version < self.weight_version
+        if self._engine_question is not None and not self._engine_question.done():
+            await asyncio.shield(self._engine_question)
+        elif (self.engine_weight_version is not None and self.engine_weight_version < self.weight_version
                 and time.monotonic() - self._engine_version_asked_at >= ENGINE_VERSION_RECHECK_SECONDS):
             await self._ask_engine_version()
         return self.tag_version

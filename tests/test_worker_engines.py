@@ -296,7 +296,7 @@ def test_vllm_weight_sync_fails_when_the_engine_reports_another_version():
     recorder = Sequenced({
         "/reset_prefix_cache": reset_answer(True), "/collective_rpc": httpx.Response(200),
         "/update_weight_version": httpx.Response(200, json={"success": True}),
-        "/weight_info": httpx.Response(200, json={"weight_version": None}),
+        "/weight_info": httpx.Response(200, json={"weight_version": "default"}),  # vLLM before any update
     })
 
     async def go():

@@ -250,6 +250,23 @@ def test_segments_are_tagged_with_the_version_the_engine_reports_loaded_not_the_
                for g in after_sync for t in g.trajectories)
 
 
+def test_requests_starting_while_the_engine_is_being_asked_wait_for_its_answer():
+    """A Dispatch answered after Resume(7) starts many trajectories at once while the engine still counts as
+    version 0 here: the first asks the engine, the others must wait for that answer, not tag with the old one."""
+    class SlowlyAnswering(VersionedEngine):
+        async def loaded_weight_version(self) -> int:
+            await asyncio.sleep(0.05)
+            return self.loaded
+
+    async def go():
+        engine = SlowlyAnswering()
+        worker = make_worker(None, engine, prompts(1))
+        worker.engine_weight_version, worker.weight_version, engine.loaded = 0, 7, 7
+        return await asyncio.gather(*(worker._tag_version() for _ in range(8)))
+
+    assert asyncio.run(go()) == [7] * 8
+
+
 def test_a_worker_rides_through_a_graceful_server_restart_and_stop_is_safe_after_it_ended(tmp_path):
     """SHUTDOWN is "the server is going away for now": the worker keeps what it holds, submits it to the
     restarted server and dispatches again; only stop() ends it, and stop() after the end does nothing."""

@@ -113,17 +113,15 @@ class SGLangEngine(HttpEngine):
             raise EngineError(f"{self!r}: /update_weights_from_disk did not load {weights_path}: {str(answer)[:300]}")
 
     async def loaded_weight_version(self) -> int | None:
-        """The weight version the engine reports loaded (`GET /get_weight_version`); None when unset."""
+        """The weight version the engine reports loaded (`GET /get_weight_version`); None while it reports none
+        that is an integer (the server's `--weight-version` defaults to "default")."""
         answer = await self._get("/get_weight_version")
         if not isinstance(answer, dict) or "weight_version" not in answer:
             raise shape_error(self, "no weight_version in the /get_weight_version answer", answer)
-        value = answer["weight_version"]
-        if value is None:
-            return None
         try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise shape_error(self, f"weight_version {value!r} is not an integer version", answer) from None
+            return int(answer["weight_version"])
+        except (TypeError, ValueError):  # None or a name such as "default": no pacer version was recorded
+            return None
 
     async def sync_weights(self, weights_path: str, version: int, *,
                            drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_SECONDS) -> int:

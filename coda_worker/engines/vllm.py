@@ -128,17 +128,15 @@ class VLLMEngine(HttpEngine):
         await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
 
     async def loaded_weight_version(self) -> int | None:
-        """The weight version the engine reports loaded (`GET /weight_info`); None before any was set."""
+        """The weight version the engine reports loaded (`GET /weight_info`); None while it reports none that is an
+        integer (vLLM says "default" before any update)."""
         answer = await self._get("/weight_info")
         if not isinstance(answer, dict) or "weight_version" not in answer:
             raise shape_error(self, "no weight_version in the /weight_info answer", answer)
-        value = answer["weight_version"]
-        if value is None:
-            return None
         try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise shape_error(self, f"weight_version {value!r} is not an integer version", answer) from None
+            return int(answer["weight_version"])
+        except (TypeError, ValueError):  # None or a name such as "default": no pacer version was recorded
+            return None
 
     async def sync_weights(self, weights_path: str, version: int, *,
                            drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_SECONDS) -> int:
