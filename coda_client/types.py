@@ -265,7 +265,8 @@ def _split_answer(response: Any, message_class: Any, group_fields: tuple[str, ..
 
 @dataclass(frozen=True)
 class DispatchResult:
-    """Dispatch answer: admitted ids with their seqs (same order) and the window terms after admission."""
+    """Dispatch answer: admitted ids with their seqs (same order) and the window terms after admission.
+    `admitted_ids`, `first_seq` and `continued` read them under the core's names."""
 
     admitted: list[str]
     seqs: list[int]
@@ -281,6 +282,23 @@ class DispatchResult:
     # candidates: each with its new seq and the trajectories it had when it was restored.
     continuations: list[TrajectoryGroup] = field(default_factory=list)
     job_ended: bool = False  # EndJob ended the job: nothing will be admitted again; stop dispatching
+
+    # The core's names for the same things (coda_server.core.types.DispatchResult), so code reading either
+    # record reads the same: the fields above keep the wire's names (DispatchResponse).
+    @property
+    def admitted_ids(self) -> list[str]:
+        """The admitted prompt ids, in admission order (`admitted`)."""
+        return self.admitted
+
+    @property
+    def first_seq(self) -> int:
+        """The seq of admitted_ids[0] (the others follow it); -1 when nothing was admitted."""
+        return self.seqs[0] if self.seqs else -1
+
+    @property
+    def continued(self) -> list[TrajectoryGroup]:
+        """The restored groups re-offered for continuation (`continuations`)."""
+        return self.continuations
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.DispatchResponse) -> DispatchResult:

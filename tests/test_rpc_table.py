@@ -82,3 +82,18 @@ def test_the_answer_book_keeps_a_book_for_each_remembered_rpc():
     assert set(book.export()) == {rpc.name for rpc in RPCS if rpc.remembered is not None}
     assert remembered_methods() == {"Dispatch": False, "Submit": False, "Collect": True, "Ack": False,
                                     "Reset": True, "Resume": False, "Restore": False, "EndJob": False}
+
+
+def test_core_and_client_dispatch_records_answer_to_the_same_names():
+    from coda_client import wire_forms
+    from coda_client.types import DispatchResult as ClientResult
+    from coda_server import convert
+    from coda_server.core.types import DispatchResult as CoreResult
+
+    core = CoreResult(["p0", "p1", "p2"], 7, paused=False, step=1, weight_version=2, generation=3, running=3,
+                      buffered=0, capacity=8, remaining=5)
+    client = ClientResult.from_pb(pacer_pb2.DispatchResponse.FromString(
+        wire_forms.serialize(convert.dispatch_response(core))))
+    for name in ("admitted_ids", "first_seq", "seqs", "continued", "continuations", "capacity", "remaining"):
+        assert getattr(client, name) == getattr(core, name), name
+    assert (client.admitted_ids, client.first_seq, client.seqs) == (["p0", "p1", "p2"], 7, [7, 8, 9])

@@ -153,6 +153,16 @@ class DispatchResult:
         """The admitted groups with their seqs (a new list on every access)."""
         return [Admitted(prompt_id, seq) for seq, prompt_id in enumerate(self.admitted_ids, self.first_seq)]
 
+    @property
+    def seqs(self) -> list[int]:
+        """The seq of each admitted id, in order (the client's DispatchResult.seqs)."""
+        return list(range(self.first_seq, self.first_seq + len(self.admitted_ids)))
+
+    @property
+    def continuations(self) -> list[TrajectoryGroup]:
+        """The client's name for `continued` (DispatchResponse.continuations)."""
+        return self.continued
+
 
 @dataclass
 class SubmitResult:
