@@ -178,3 +178,29 @@ def test_loongsages_keys_under_the_service_sections_load_as_accepted_and_unused(
     assert config.trainer.micro_batch_size == 8 and config.rollout.sglang_args.tp_size == 8
     declared_unused = {key.path for key in LOONGSAGE_UNUSED}
     assert re.search(r"\bteacher_name\b", LOONGSAGE_SECTIONS) and "data_source.teacher_name" in declared_unused
+
+
+def test_a_custom_strategys_declared_options_are_checked_at_start_up_and_read_typed(scratch_registry):
+    from coda_server.core.settings import Key, read_options
+    from coda_server.core.strategy import SlidingWindowStrategy, register_sliding_window_strategy
+
+    @register_sliding_window_strategy("my-strategy")
+    class MyStrategy(SlidingWindowStrategy):
+        options = (Key("depth", "int", 4, "Groups admitted beyond the running ones", low=1),)
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.depth = read_options(config, "fully_async.my_strategy", self.options)["depth"]
+
+        def compute_dispatch_count(self, buf_qsize: int) -> int:
+            return max(0, self.depth - self._running_count - buf_qsize)
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(overrides=["fully_async.sliding_window=my-strategy", "fully_async.my_strategy.depht=2"])
+    assert "fully_async.my_strategy.depht: unknown key (did you mean fully_async.my_strategy.depth?)" in str(caught.value)
+    with pytest.raises(ConfigError, match=r"fully_async.my_strategy.depth = 0: must be an integer >= 1"):
+        load_config(overrides=["fully_async.sliding_window=my-strategy", "fully_async.my_strategy.depth=0"])
+    from coda_server.core import Pacer
+    pacer = Pacer(load_config(overrides=["fully_async.sliding_window=my-strategy"]))
+    assert pacer.strategy.depth == 4  # the declared default
+    pacer.close()
