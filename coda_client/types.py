@@ -456,26 +456,25 @@ class RestoreResult:
 
 @dataclass(frozen=True)
 class PromptCursor:
-    """The prompts a Dispatch admitted (GetPromptCursor): per (ds_index, epoch) every index below a mark
-    and those above it; prompts without an index by id. `admitted(prompt)` says whether a prompt was."""
+    """The prompts a Dispatch admitted (GetPromptCursor): per (ds_index, epoch) every index below a mark and
+    those above it. `admitted(...)` says whether a prompt was; a prompt without an index (nor a LoongSage-form
+    id) is not tracked, and reads as not admitted."""
 
     marks: dict[tuple[int, int], tuple[int, frozenset[int]]]
-    prompt_ids: frozenset[str]
     restores: int
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.PromptCursor) -> PromptCursor:
         """From the wire message."""
-        return cls({(m.ds_index, m.epoch): (m.below, frozenset(m.above)) for m in msg.marks},
-                   frozenset(msg.prompt_ids), msg.restores)
+        return cls({(m.ds_index, m.epoch): (m.below, frozenset(m.above)) for m in msg.marks}, msg.restores)
 
     def admitted(self, prompt_id: str, ds_index: int = 0, epoch: int | None = None, index: int | None = None) -> bool:
         """Whether a Dispatch admitted this prompt (a ref without an epoch counts as epoch 0; without an
-        index, its LoongSage-form id `epoch{E}_..._prompt{N}` gives both, else its id is looked up)."""
+        index, its LoongSage-form id `epoch{E}_..._prompt{N}` gives both)."""
         if index is None:
             match = LOONGSAGE_PROMPT_ID.fullmatch(prompt_id)
             if match is None:
-                return prompt_id in self.prompt_ids
+                return False
             epoch, index = int(match.group(1)), int(match.group(2))
         mark = self.marks.get((ds_index, 0 if epoch is None else epoch))
         return mark is not None and (index < mark[0] or index in mark[1])

@@ -294,7 +294,7 @@ _BLOB_TAG = _wire.length_delimited_tag(pb.CheckpointResponse.DESCRIPTOR.fields_b
 def prompt_cursor(cursor: dict) -> pb.PromptCursor:
     return pb.PromptCursor(marks=[pb.CursorMark(ds_index=ds, epoch=epoch, below=below, above=above)
                                   for ds, epoch, below, above in cursor["marks"]],
-                           prompt_ids=cursor["ids"], restores=cursor["restores"])
+                           restores=cursor["restores"])
 
 
 def list_workers_response(held: list[HeldGroup], max_groups_per_worker: int = 0) -> pb.ListWorkersResponse:

@@ -127,11 +127,11 @@ def test_the_cursor_keeps_a_low_water_mark_and_gives_back_what_it_unmarks():
     cursor = PromptCursor()
     for i in (0, 1, 3, 5):
         cursor.mark(0, 0, i, f"p{i}")
-    cursor.mark(0, None, None, "loose")
+    cursor.mark(0, None, None, "loose")  # no index: not tracked (every snapshot would grow with the run)
     cursor.mark(0, None, None, "epoch2_ds0_prompt7")  # the LoongSage form carries (epoch, index)
-    assert cursor.export() == {"marks": [(0, 0, 2, [3, 5]), (0, 2, 0, [7])], "ids": ["loose"]}
+    assert cursor.export() == {"marks": [(0, 0, 2, [3, 5]), (0, 2, 0, [7])]}
     cursor.mark(0, 0, 2, "p2")
-    assert cursor.export()["marks"][0] == (0, 0, 4, [5]) and len(cursor) == 7
+    assert cursor.export()["marks"][0] == (0, 0, 4, [5]) and len(cursor) == 6 and not cursor.admitted(0, 0, None, "loose")
     cursor.unmark(0, 0, 1, "p1")
     assert cursor.export()["marks"][0] == (0, 0, 1, [2, 3, 5]) and not cursor.admitted(0, 0, 1, "p1")
     assert PromptCursor.restored(cursor.export()).export() == cursor.export()
@@ -295,8 +295,8 @@ def test_the_cursor_survives_a_server_restart_and_a_fresh_source_skips_what_was_
         cursor = pacer.prompt_cursor()
         source = ListPromptSource([Prompt(f"q{i}", [1], epoch=0, index=i) for i in range(6)]
                                   + [Prompt("epoch1_ds0_prompt3", [1]), Prompt("loose", [1]), Prompt("other", [1])])
-        assert source.resume_from(cursor) == 3
-        assert [p.prompt_id for p in source.take(10)] == ["q3", "q5", "other"]
+        assert source.resume_from(cursor) == 4  # "loose" has no index: not tracked, proposed again
+        assert [p.prompt_id for p in source.take(10)] == ["q3", "q5", "loose", "other"]
         source.give_back([Prompt("q3", [1], epoch=0, index=3)])
         assert source.resume_from(cursor) == 1  # once per Restore count: a second worker sharing it changes nothing
     finally:

@@ -475,14 +475,12 @@ class GetPromptCursorRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PromptCursor(_message.Message):
-    __slots__ = ("marks", "prompt_ids", "restores")
+    __slots__ = ("marks", "restores")
     MARKS_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESTORES_FIELD_NUMBER: _ClassVar[int]
     marks: _containers.RepeatedCompositeFieldContainer[CursorMark]
-    prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     restores: int
-    def __init__(self, marks: _Optional[_Iterable[_Union[CursorMark, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[str]] = ..., restores: _Optional[int] = ...) -> None: ...
+    def __init__(self, marks: _Optional[_Iterable[_Union[CursorMark, _Mapping]]] = ..., restores: _Optional[int] = ...) -> None: ...
 
 class CursorMark(_message.Message):
     __slots__ = ("ds_index", "epoch", "below", "above")

@@ -2,8 +2,9 @@
 
 Prompt sources hand prompts out in (epoch, index) order, several workers at once, so what was admitted is
 nearly a prefix: per (data source, epoch) the cursor keeps a low-water mark (every index below it was
-admitted) and the indices admitted above it. A prompt whose ref carries no index is found by the
-LoongSage form of its id (`epoch{E}_..._prompt{N}`), else remembered by id. The cursor is in every journal
+admitted) and the indices admitted above it, so its size stays that of the gaps, not of the run. A prompt
+whose ref carries no index is placed by the LoongSage form of its id (`epoch{E}_..._prompt{N}`); one with
+neither is not tracked (remembering every id would grow every snapshot with the run). The cursor is in every journal
 snapshot and every trainer checkpoint; a Restore puts back the checkpoint's, less the prompts that were in
 flight then, so those and every prompt admitted after the checkpoint are offered again.
 """
@@ -19,7 +20,6 @@ class PromptCursor:
 
     def __init__(self) -> None:
         self._marks: dict[tuple[int, int], list] = {}  # (ds_index, epoch) -> [below, set of indices >= below]
-        self._ids: set[str] = set()  # admitted prompts that carry no index
         self._count = 0
 
     def __len__(self) -> int:
@@ -38,10 +38,7 @@ class PromptCursor:
     def mark(self, ds_index: int, epoch: Optional[int], index: Optional[int], prompt_id: str) -> None:
         """The prompt was admitted."""
         key = self._key(ds_index, epoch, index, prompt_id)
-        if key is None:
-            if prompt_id not in self._ids:
-                self._ids.add(prompt_id)
-                self._count += 1
+        if key is None:  # not tracked
             return
         mark = self._marks.get(key[:2])
         if mark is None:
@@ -63,9 +60,6 @@ class PromptCursor:
         """The prompt is to be offered again (it was in flight at a checkpoint)."""
         key = self._key(ds_index, epoch, index, prompt_id)
         if key is None:
-            if prompt_id in self._ids:
-                self._ids.discard(prompt_id)
-                self._count -= 1
             return
         mark = self._marks.get(key[:2])
         index = key[2]
@@ -81,14 +75,14 @@ class PromptCursor:
     def admitted(self, ds_index: int, epoch: Optional[int], index: Optional[int], prompt_id: str) -> bool:
         key = self._key(ds_index, epoch, index, prompt_id)
         if key is None:
-            return prompt_id in self._ids
+            return False
         mark = self._marks.get(key[:2])
         return mark is not None and (key[2] < mark[0] or key[2] in mark[1])
 
     def export(self) -> dict[str, Any]:
         """Plain data (for snapshots, checkpoints and the wire): marks as (ds_index, epoch, below, above)."""
-        return {"marks": [(ds, epoch, below, sorted(above)) for (ds, epoch), (below, above) in sorted(self._marks.items())],
-                "ids": sorted(self._ids)}
+        return {"marks": [(ds, epoch, below, sorted(above))
+                          for (ds, epoch), (below, above) in sorted(self._marks.items())]}
 
     @classmethod
     def restored(cls, exported: Optional[dict[str, Any]]) -> "PromptCursor":
@@ -96,8 +90,6 @@ class PromptCursor:
         for ds_index, epoch, below, above in (exported or {}).get("marks", ()):
             cursor._marks[(ds_index, epoch)] = [below, set(above)]
             cursor._count += below + len(above)
-        cursor._ids = set((exported or {}).get("ids", ()))
-        cursor._count += len(cursor._ids)
         return cursor
 
     def copy_without(self, prompts: Iterable[tuple[int, Optional[int], Optional[int], str]]) -> "PromptCursor":
