@@ -8,10 +8,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from google.protobuf.descriptor import FieldDescriptor
+
 from . import wire_forms as _wire
 from ._channel import LONG_POLL_CAP_SECONDS, call_timeout
 from ._proto import pacer_pb2
 from .arrays import ArrayMode
+from .errors import MessageTooLargeError
 from .types import (
     Checkpoint,
     CollectResult,
@@ -43,6 +46,39 @@ class Call(Generic[_T]):
     convert: Callable[[Any], _T]
 
 
+# Integer field types of the wire messages and their ranges, for a message of our own before protobuf's bare
+# "Value out of range".
+_INT32, _INT64 = (-2**31, 2**31 - 1), (-2**63, 2**63 - 1)
+_UINT32, _UINT64 = (0, 2**32 - 1), (0, 2**64 - 1)
+_INTEGER_RANGES = {
+    FieldDescriptor.TYPE_UINT32: ("uint32", *_UINT32), FieldDescriptor.TYPE_FIXED32: ("fixed32", *_UINT32),
+    FieldDescriptor.TYPE_UINT64: ("uint64", *_UINT64), FieldDescriptor.TYPE_FIXED64: ("fixed64", *_UINT64),
+    FieldDescriptor.TYPE_INT32: ("int32", *_INT32), FieldDescriptor.TYPE_SINT32: ("sint32", *_INT32),
+    FieldDescriptor.TYPE_SFIXED32: ("sfixed32", *_INT32), FieldDescriptor.TYPE_INT64: ("int64", *_INT64),
+    FieldDescriptor.TYPE_SINT64: ("sint64", *_INT64), FieldDescriptor.TYPE_SFIXED64: ("sfixed64", *_INT64),
+}
+
+
+def check_integers(message_type: Any, **fields: Any) -> None:
+    """Raises ValueError naming the field and its range when an integer does not fit its wire type."""
+    by_name = message_type.DESCRIPTOR.fields_by_name
+    for name, value in fields.items():
+        field = by_name.get(name)
+        limits = _INTEGER_RANGES.get(field.type) if field is not None and not field.is_repeated else None
+        if limits is None or isinstance(value, bool) or not isinstance(value, int):
+            continue
+        kind, low, high = limits
+        if not low <= value <= high:
+            raise ValueError(f"{name} {value} is out of range: it must be an integer from {low} to {high} "
+                             f"({message_type.DESCRIPTOR.name}.{name} is of type {kind})")
+
+
+def _message(message_type: Any, **fields: Any) -> Any:
+    """The request message, its integer fields checked first (check_integers)."""
+    check_integers(message_type, **fields)
+    return message_type(**fields)
+
+
 def request_id_or_new(request_id: str | None) -> str:
     """The caller's id, or a fresh one: every attempt of this call (channel retries included) shares it,
     so the server applies a mutating call once however often it is delivered."""
@@ -58,7 +94,8 @@ def dispatch(
     if isinstance(candidates, (str, bytes)):
         # A bare string would otherwise be iterated as one candidate per character.
         raise TypeError("candidates must be a list of prompt ids or PromptRefs, not a single string")
-    request = pacer_pb2.DispatchRequest(
+    request = _message(
+        pacer_pb2.DispatchRequest,
         candidates=[PromptRef.of(c).to_pb() for c in candidates],
         wait_seconds=wait,
         request_id=request_id_or_new(request_id),
@@ -72,18 +109,39 @@ def keep_alive(prompt_ids: Sequence[str], *, timeout: float,
     """KeepAlive: renewing a lease twice is harmless, so no request id. `dispatch_seqs`: the fences (see submit)."""
     if isinstance(prompt_ids, (str, bytes)):
         raise TypeError("prompt_ids must be a list of prompt ids, not a single string")
-    return Call("KeepAlive", pacer_pb2.KeepAliveRequest(prompt_ids=list(prompt_ids), dispatch_seqs=dispatch_seqs or {}),
-                timeout, KeepAliveResult.from_pb)
+    request = _message(pacer_pb2.KeepAliveRequest, prompt_ids=list(prompt_ids), dispatch_seqs=dispatch_seqs or {})
+    return Call("KeepAlive", request, timeout, KeepAliveResult.from_pb)
+
+
+# Bytes a trajectory's fields other than its arrays and payload may take on the wire (ids, status, reward,
+# versions, tags), on top of what estimated_submit_bytes counts.
+_TRAJECTORY_OVERHEAD_BYTES = 64
+
+
+def estimated_submit_bytes(trajectories: Sequence[Trajectory]) -> int:
+    """What a Submit of these trajectories takes on the wire, from the arrays' and strings' sizes alone
+    (len() of each, nothing encoded): 4 bytes per token, logprob and mask value, the payload and metadata."""
+    total = 0
+    for t in trajectories:
+        total += (4 * (len(t.token_ids) + len(t.logprobs) + len(t.loss_mask)) + 12 * len(t.segment_lengths)
+                  + len(t.payload or b"") + sum(len(k) + len(v) + 4 for k, v in t.metadata.items())
+                  + len(t.trajectory_id) + len(t.prompt_id) + _TRAJECTORY_OVERHEAD_BYTES)
+    return total
 
 
 def submit(trajectories: Sequence[Trajectory], *, request_id: str | None, timeout: float,
-           dispatch_seqs: Mapping[str, int] | None = None) -> Call[SubmitResult]:
+           dispatch_seqs: Mapping[str, int] | None = None, max_message_bytes: int | None = None) -> Call[SubmitResult]:
     """Submit: all-or-nothing on the server side. The request is encoded here, arrays straight from their
     buffers (see _wire.EncodedSubmitRequest), so an encoding error surfaces before anything is sent.
     `dispatch_seqs` (prompt id -> the seq of the dispatch the caller holds it under) fences the Submit: a
     group handed out again since is refused (STALE_DISPATCH) instead of taking late trajectories."""
     if isinstance(trajectories, Trajectory):
         raise TypeError("trajectories must be a list of Trajectory, not a single Trajectory")
+    if max_message_bytes:
+        trajectories = [_trajectory(t) for t in trajectories]
+        size = estimated_submit_bytes(trajectories)
+        if size > max_message_bytes:
+            raise MessageTooLargeError(len(trajectories), size, max_message_bytes)
     request = _wire.EncodedSubmitRequest((_trajectory(t).encoded_parts() for t in trajectories),
                                          request_id_or_new(request_id), dispatch_seqs)
     return Call("Submit", request, timeout, SubmitResult.from_pb)
@@ -103,7 +161,8 @@ def collect(
     """Collect: a retried Collect must not take a second batch, hence the request id here too. `rank` and
     `world_size` ask for one rank's share of a data-parallel mini-batch; `token_budget` cuts it by tokens. With
     `trainer_step`, the server refuses it unless it is at that step (a trainer restarted from a checkpoint)."""
-    request = pacer_pb2.CollectRequest(
+    request = _message(
+        pacer_pb2.CollectRequest,
         num_groups=num_groups,
         wait_seconds=wait,
         allow_partial=allow_partial,
@@ -114,13 +173,14 @@ def collect(
         token_budget=token_budget,
     )
     if trainer_step is not None:
+        check_integers(pacer_pb2.CollectRequest, trainer_step=trainer_step)
         request.trainer_step = trainer_step
     return Call("Collect", request, call_timeout(timeout, wait), functools.partial(CollectResult.from_pb, arrays_as=arrays))
 
 
 def ack(lease_id: str, *, request_id: str | None, timeout: float) -> Call[int]:
     """Ack: consumes a leased Collect's groups for good; the request id makes a retry harmless."""
-    request = pacer_pb2.AckRequest(lease_id=lease_id, request_id=request_id_or_new(request_id))
+    request = _message(pacer_pb2.AckRequest, lease_id=lease_id, request_id=request_id_or_new(request_id))
     return Call("Ack", request, timeout, lambda response: response.groups)
 
 
@@ -135,7 +195,8 @@ def reset(
     arrays: ArrayMode = "list",
 ) -> Call[ResetResult]:
     """Reset: mode "abort", "wait" or None (the server default); wait None leaves wait_seconds absent."""
-    request = pacer_pb2.ResetRequest(
+    request = _message(
+        pacer_pb2.ResetRequest,
         mode=ResetMode.parse(mode),
         resume=resume,
         weight_version=weight_version,
@@ -151,14 +212,14 @@ def reset(
 
 def resume(weight_version: int, *, request_id: str | None, timeout: float) -> Call[ResumeResult]:
     """Resume: a retry must not increment the step twice, hence the request id."""
-    request = pacer_pb2.ResumeRequest(weight_version=weight_version, request_id=request_id_or_new(request_id))
+    request = _message(pacer_pb2.ResumeRequest, weight_version=weight_version, request_id=request_id_or_new(request_id))
     return Call("Resume", request, timeout, ResumeResult.from_pb)
 
 
 def end_job(mode: ResetMode | str | None, *, wait: float, request_id: str | None,
             timeout: float) -> Call[JobEndReport]:
     """EndJob: ends the job; a retry with the same request id answers the first report."""
-    request = pacer_pb2.EndJobRequest(mode=ResetMode.parse(mode), wait_seconds=wait,
+    request = _message(pacer_pb2.EndJobRequest, mode=ResetMode.parse(mode), wait_seconds=wait,
                                       request_id=request_id_or_new(request_id))
     return Call("EndJob", request, call_timeout(timeout, wait), JobEndReport.from_pb)
 
@@ -177,7 +238,7 @@ def restore(blob: bytes, *, request_id: str | None, timeout: float) -> Call[Rest
     """Restore: a retry must not restore twice (it would discard what ran since), hence the request id."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TypeError(f"restore takes the checkpoint's bytes (or a Checkpoint, or a path), not {type(blob).__name__}")
-    request = pacer_pb2.RestoreRequest(checkpoint=bytes(blob), request_id=request_id_or_new(request_id))
+    request = _message(pacer_pb2.RestoreRequest, checkpoint=bytes(blob), request_id=request_id_or_new(request_id))
     return Call("Restore", request, timeout, RestoreResult.from_pb)
 
 
@@ -188,7 +249,8 @@ def prompt_cursor(*, timeout: float) -> Call[PromptCursor]:
 
 def list_workers(client_id: str | None, max_groups_per_worker: int, *, timeout: float) -> Call[list[WorkerHoldings]]:
     """ListWorkers: read-only, no request id."""
-    request = pacer_pb2.ListWorkersRequest(client_id=client_id or "", max_groups_per_worker=max_groups_per_worker)
+    request = _message(pacer_pb2.ListWorkersRequest, client_id=client_id or "",
+                       max_groups_per_worker=max_groups_per_worker)
     return Call("ListWorkers", request, timeout, lambda msg: [WorkerHoldings.from_pb(w) for w in msg.workers])
 
 

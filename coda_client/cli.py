@@ -1,4 +1,5 @@
-"""`coda-client`: state, health, watch, workers, reset and resume against a running server, for humans and probes."""
+"""`coda-client`: state, health, watch, workers, reset, resume, checkpoint, restore and end-job against a running
+server, for humans (text, the default) and scripts (`--json` on every command)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ import grpc
 from ._channel import TlsConfig, resolve_tls
 from .client import PacerClient
 from .errors import PacerClientError
-from .types import ControlEvent, ControlEventType, PacerState, StepReport, WorkerHoldings
+from .types import ControlEvent, ControlEventType, JobEndReport, PacerState, ResetResult, StepReport, WorkerHoldings
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -41,17 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--server-name", help="name to check the server certificate against (e.g. when dialing an IP)")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    state = commands.add_parser("state", help="print the pacer's counters")
-    state.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    # Every command prints text by default and JSON with --json (one object per line, for scripts).
+    as_json_flag = argparse.ArgumentParser(add_help=False)
+    as_json_flag.add_argument("--json", action="store_true", help="print JSON (one object per line), for scripts")
 
-    health = commands.add_parser("health", help="probe grpc.health.v1; exit 0 only when SERVING")
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return commands.add_parser(name, parents=[as_json_flag], **kwargs)
+
+    command("state", help="print the pacer's counters")
+
+    health = command("health", help="probe grpc.health.v1; exit 0 only when SERVING")
     health.add_argument("--service", default="readiness", help='health service name: "", liveness or readiness')
 
-    watch = commands.add_parser("watch", help="live view of the window, refreshed on every control event")
+    watch = command("watch", help="live view of the window, refreshed on every control event")
     watch.add_argument("--count", type=int, default=0, help="stop after this many frames (0: until SHUTDOWN)")
     watch.add_argument("--interval", type=float, default=1.0, help="refresh at least this often, seconds")
 
-    reset = commands.add_parser("reset", help="step boundary: pause, restore/drop running groups")
+    reset = command("reset", help="step boundary: pause, restore/drop running groups")
     reset.add_argument("--mode", choices=["abort", "wait"], default=None, help="default: the server's rollout.partial")
     reset.add_argument("--wait", type=float, default=None,
                        help="seconds to wait for running groups to assemble; 0: drop the incomplete now; default: "
@@ -59,19 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--resume", action="store_true", help="resume at once with --weight-version")
     reset.add_argument("--weight-version", type=int, default=0)
 
-    workers = commands.add_parser("workers", help="which worker (client id) holds which running groups, since when")
+    workers = command("workers", help="which worker (client id) holds which running groups, since when")
     workers.add_argument("--client", default=None, help="only this client id's groups")
     workers.add_argument("--groups", type=int, default=5, help="groups listed per worker, oldest first (0: all)")
-    workers.add_argument("--json", action="store_true", help="one JSON object per worker, for scripts")
 
-    resume = commands.add_parser("resume", help="step += 1, set the weight version, reopen dispatch")
+    resume = command("resume", help="step += 1, set the weight version, reopen dispatch")
     resume.add_argument("--weight-version", type=int, required=True)
 
-    checkpoint = commands.add_parser("checkpoint", help="write a pacer checkpoint (to keep beside the model's) to PATH")
+    checkpoint = command("checkpoint", help="write a pacer checkpoint (to keep beside the model's) to PATH")
     checkpoint.add_argument("path")
 
-    restore = commands.add_parser("restore", help="bring the server back to the pacer checkpoint in PATH")
+    restore = command("restore", help="bring the server back to the pacer checkpoint in PATH")
     restore.add_argument("path")
+
+    end_job = command("end-job", help="end the job: dispatch closes for good, workers submit and stop")
+    end_job.add_argument("--mode", choices=["abort", "wait"], default=None,
+                         help="what workers do with the groups they hold; default: the server's rollout.partial")
+    end_job.add_argument("--wait", type=float, default=60.0,
+                         help="seconds to wait for the running groups to be assembled (default 60)")
     return parser
 
 
@@ -97,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
         if tls is not None:
             tls.credentials()  # an unreadable certificate file fails here, with a message
         if args.command == "health":
-            return probe_health(args.address, args.service, args.timeout, out, tls=tls)
+            return probe_health(args.address, args.service, args.timeout, out, tls=tls, json_lines=args.json)
         client = PacerClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout,
                              client_id=args.client_id or None)
     except (OSError, ValueError) as error:  # unreadable certificate file, key without certificate, bad client id
@@ -105,27 +117,14 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
         return 2
     try:
         with client:
-            if args.command == "state":
-                state = client.state()
-                out.write((json.dumps(as_json(state), sort_keys=True) if args.json else render_state(state)) + "\n")
-            elif args.command == "watch":
-                run_watch(client, out, count=args.count, interval=args.interval)
-            elif args.command == "reset":
-                result = client.reset(args.mode, wait=args.wait, resume=args.resume,
-                                      weight_version=args.weight_version)
-                out.write(json.dumps(as_json(result), sort_keys=True) + "\n")
-            elif args.command == "resume":
-                out.write(json.dumps(as_json(client.resume(args.weight_version)), sort_keys=True) + "\n")
-            elif args.command == "checkpoint":
-                taken = client.checkpoint(args.path)
-                summary = {f.name: getattr(taken, f.name) for f in dataclasses.fields(taken) if f.name != "blob"}
-                out.write(json.dumps({"path": args.path, "bytes": len(taken.blob), **summary}, sort_keys=True) + "\n")
-            elif args.command == "restore":
-                out.write(json.dumps(as_json(client.restore(args.path)), sort_keys=True) + "\n")
-            elif args.command == "workers":
-                holdings = client.list_workers(args.client, max_groups_per_worker=max(0, args.groups))
-                out.write("".join(json.dumps(as_json(w), sort_keys=True) + "\n" for w in holdings) if args.json
-                          else render_workers(holdings))
+            if args.command == "watch":
+                run_watch(client, out, count=args.count, interval=args.interval, json_lines=args.json)
+                return 0
+            answer, text = run_command(client, args)
+            if args.json:  # one object per line; a list (workers) one line per item
+                items = answer if isinstance(answer, list) else [answer]
+                text = "".join(json.dumps(as_json(item), sort_keys=True) + "\n" for item in items)
+            out.write(text)
     except PacerClientError as error:
         print(f"coda-client: {error}", file=sys.stderr)
         return 1
@@ -134,7 +133,59 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
     return 0
 
 
-def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: Optional[TlsConfig] = None) -> int:
+def run_command(client: PacerClient, args: argparse.Namespace) -> tuple[Any, str]:
+    """Runs one command: (its answer, for --json; its text)."""
+    if args.command == "state":
+        state = client.state()
+        return state, render_state(state) + "\n"
+    if args.command == "reset":
+        result = client.reset(args.mode, wait=args.wait, resume=args.resume, weight_version=args.weight_version)
+        return result, render_reset(result)
+    if args.command == "resume":
+        resumed = client.resume(args.weight_version)
+        return resumed, f"resumed: step {resumed.step}, weight version {resumed.weight_version}\n"
+    if args.command == "checkpoint":
+        taken = client.checkpoint(args.path)
+        summary = {f.name: getattr(taken, f.name) for f in dataclasses.fields(taken) if f.name != "blob"}
+        return ({"path": args.path, "bytes": len(taken.blob), **summary},
+                f"checkpoint of step {taken.step} (weight version {taken.weight_version}) written to {args.path}: "
+                f"{len(taken.blob)} bytes, {taken.buffered_groups} buffered and {taken.kept_groups} kept groups, "
+                f"{taken.in_flight_prompts} prompts in flight\n")
+    if args.command == "restore":
+        restored = client.restore(args.path)
+        return restored, (f"restored step {restored.step} (weight version {restored.weight_version}): "
+                          f"{restored.reinstated_groups} groups back in the buffer, {restored.kept_groups} kept, "
+                          f"{restored.discarded_groups} discarded ({restored.dropped_running} running), "
+                          f"{restored.reoffered_prompts} prompts offered again\n")
+    if args.command == "end-job":
+        report = client.end_job(args.mode, wait=args.wait)
+        return report, render_end_job(report)
+    if args.command == "workers":
+        holdings = client.list_workers(args.client, max_groups_per_worker=max(0, args.groups))
+        return holdings, render_workers(holdings)
+    raise ValueError(f"unknown command {args.command!r}")
+
+
+def render_reset(result: ResetResult) -> str:
+    kept = f", {len(result.kept_prompt_ids)} kept for continuation" if result.kept_prompt_ids else ""
+    return (f"reset: generation {result.generation}, step {result.step}, weight version {result.weight_version}, "
+            f"{'paused' if result.paused else 'resumed'}; {len(result.restored)} groups restored{kept}, "
+            f"{len(result.dropped_prompt_ids)} dropped, {len(result.expired)} expired, "
+            f"{len(result.quarantined)} quarantined; pause delay {result.pause_delay_seconds:.3f}s\n")
+
+
+def render_end_job(report: JobEndReport) -> str:
+    state = report.state
+    return (f"job ended ({_name(report.mode).lower()}) after waiting {report.waited_seconds:.1f}s: "
+            f"{state.consumed} groups trained on; left over {report.left_over}: "
+            f"{len(report.buffered_prompt_ids)} buffered, {report.leased} leased, {len(report.held_prompt_ids)} held, "
+            f"{len(report.in_flight_prompt_ids)} in flight, {len(report.kept_prompt_ids)} kept, "
+            f"{len(report.expired_prompt_ids)} expired, {len(report.quarantined_prompt_ids)} quarantined; "
+            f"dropped {state.dropped}, filtered {state.filtered} in all\n")
+
+
+def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: Optional[TlsConfig] = None,
+                 json_lines: bool = False) -> int:
     """Exit code for orchestration: 0 SERVING, 1 anything else (including unreachable).
 
     Health needs no token; over TLS (`tls`) the server certificate is verified as for any call.
@@ -148,11 +199,12 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as error:
-            out.write(f"{service or '(server)'}: {error.code().name}\n")
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-    out.write(f"{service or '(server)'}: {status}\n")
-    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+            status = error.code().name
+        else:
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    out.write(json.dumps({"service": service, "status": status}) + "\n" if json_lines
+              else f"{service or '(server)'}: {status}\n")
+    return 0 if status == "SERVING" else 1
 
 
 def render_workers(holdings: Sequence[WorkerHoldings]) -> str:
@@ -171,6 +223,7 @@ def render_workers(holdings: Sequence[WorkerHoldings]) -> str:
 
 
 def as_json(value: Any) -> Any:
+    """A command's answer as plain JSON values (dataclasses as objects, enums by name, bytes as hex)."""
     if dataclasses.is_dataclass(value):
         return {f.name: as_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
@@ -214,12 +267,14 @@ def render_report(report: StepReport) -> str:
             f"pause_delay {report.pause_delay:.3f}s")
 
 
-def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: float = 1.0) -> int:
-    """Redraw the window on each control event and at least every `interval` s; returns frames drawn.
+def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: float = 1.0,
+              json_lines: bool = False) -> int:
+    """Redraw the window on each control event and at least every `interval` s; returns frames drawn. With
+    `json_lines`, each frame is one JSON line: the state and the last control event.
 
     A reader thread moves stream events into a queue, so the view refreshes from GetState between events.
     """
-    clear = "\x1b[H\x1b[2J" if out.isatty() else ""
+    clear = "\x1b[H\x1b[2J" if out.isatty() and not json_lines else ""
     events: "queue.Queue[Optional[ControlEvent]]" = queue.Queue()
     frames = 0
     last: Optional[ControlEvent] = None
@@ -235,8 +290,12 @@ def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: flo
                 if event is None:  # the stream ended
                     return frames
                 last = event
-            note = f"last control event: {_name(last.type)}" if last is not None else "waiting for the first event"
-            out.write(f"{clear}{render_state(client.state())}\n{note}\n")
+            if json_lines:
+                out.write(json.dumps({"state": as_json(client.state()),
+                                      "last_event": as_json(last)}, sort_keys=True) + "\n")
+            else:
+                note = f"last control event: {_name(last.type)}" if last is not None else "waiting for the first event"
+                out.write(f"{clear}{render_state(client.state())}\n{note}\n")
             out.flush()
             frames += 1
             if (count and frames >= count) or (last is not None and last.type == ControlEventType.SHUTDOWN):

@@ -185,6 +185,7 @@ class _ClientBase:
         self.target = target
         self.arrays: _arrays.ArrayMode = _arrays.check_mode(arrays)
         self.timeout = float(timeout)
+        self.max_message_bytes = int(max_message_bytes)
         self.client_id = client_id
         self._metadata = call_metadata(token, client_id)
         # Resolved now so a bad certificate path fails at construction, not at the first call.
@@ -203,6 +204,16 @@ class _ClientBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.target!r})"
+
+    def adopt_client_id(self, client_id: str) -> str:
+        """Names a client that has no client id (the worker kit names its client after the worker, so that
+        `coda-client workers`, the server's logs and its liveness watch show the worker's id); a named client
+        keeps its name. Returns the client's id; raises ValueError for an id that is not a valid client id."""
+        with self._lock:
+            if self.client_id is None:
+                self._metadata = (*self._metadata, *call_metadata(None, client_id))
+                self.client_id = client_id
+            return self.client_id
 
     def _new_channel(self) -> Any:
         raise NotImplementedError
@@ -262,7 +273,8 @@ class _ClientBase:
 
     def _submit(self, trajectories: Sequence[Trajectory], request_id: str | None,
                 dispatch_seqs: Mapping[str, int] | None = None) -> Call[Any]:
-        return _calls.submit(trajectories, request_id=request_id, timeout=self.timeout, dispatch_seqs=dispatch_seqs)
+        return _calls.submit(trajectories, request_id=request_id, timeout=self.timeout, dispatch_seqs=dispatch_seqs,
+                             max_message_bytes=self.max_message_bytes)
 
     def _collect(
         self, num_groups: int, wait: float, allow_partial: bool, request_id: str | None, lease: float = 0.0,

@@ -22,6 +22,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "DeadlineExceededError",
+    "MessageTooLargeError",
     "ServerGoneError",
     "translate",
 ]
@@ -79,6 +80,21 @@ class FailedPreconditionError(PacerClientError):
 
 class StaleGenerationError(FailedPreconditionError):
     """FAILED_PRECONDITION with reason STALE_GENERATION: the prompt was dispatched before the last Reset."""
+
+
+class MessageTooLargeError(BadRequestError):
+    """A Submit larger than the client's max_message_bytes, refused before it is encoded (nothing was sent):
+    split it, or raise max_message_bytes (and the server's server.max_message_bytes)."""
+
+    def __init__(self, trajectories: int, size: int, limit: int) -> None:
+        super().__init__(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"a Submit of {trajectories} trajectories takes about {size} bytes, more than max_message_bytes "
+            f"({limit}) lets one message carry; nothing was sent. Submit them in several calls, or raise "
+            f"max_message_bytes (PacerClient(..., max_message_bytes=...)) and the server's "
+            f"server.max_message_bytes",
+            field_violations=(FieldViolation("trajectories", f"about {size} bytes; max_message_bytes is {limit}"),),
+            reason="MESSAGE_TOO_LARGE", metadata={"limit": "max_message_bytes", "value": str(limit)})
 
 
 class ResourceExhaustedError(PacerClientError):

@@ -142,8 +142,11 @@ class PacerServer:
         try:
             self.metrics_port = self.observability.start_metrics(self.auth.check if self.auth is not None else None)
         except OSError as exc:
-            raise BindError(f"cannot serve metrics on {self.config.server.metrics_address}: {exc} "
-                            f"(set server.metrics_address, \"\" disables metrics)") from None
+            host = str(self.config.server.metrics_address).rpartition(":")[0] or "127.0.0.1"
+            raise BindError(f"cannot serve metrics on {self.config.server.metrics_address}: {exc}. Another "
+                            f"coda-server on this machine? Start this one with server.metrics_address={host}:0 "
+                            f"(a free port, named in the start-up line), another port, or server.metrics_address= "
+                            f"(no metrics)") from None
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)

@@ -338,6 +338,8 @@ class AsyncRolloutWorker:
     retried before the trajectory is submitted as FAILED. shutdown_grace: seconds calls keep being retried
     after `stop()` while the server is unreachable (then what is left is dropped, and run() returns).
     on_submitted: optional callback with the trajectories of each acknowledged Submit (metrics, audit).
+    worker_id: the worker's name (default: the client's client_id, else a generated one); a client without a
+    client_id is named after it, so the server's ListWorkers, logs and liveness watch show it.
     """
 
     def __init__(
@@ -370,6 +372,9 @@ class AsyncRolloutWorker:
         self.max_groups = max_groups
         # The pacer's client id names this worker to the server (liveness, ListWorkers) when it has one.
         self.worker_id = worker_id or getattr(pacer, "client_id", None) or default_worker_id()
+        adopt = getattr(pacer, "adopt_client_id", None)
+        if adopt is not None:  # an unnamed client calls as this worker: ListWorkers, logs and liveness show its id
+            adopt(self.worker_id)
         self.dispatch_wait = dispatch_wait
         self.on_resume = on_resume
         self.continue_restored = continue_restored

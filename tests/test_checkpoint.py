@@ -209,11 +209,11 @@ def test_the_command_line_writes_and_restores_a_checkpoint(tmp_path):
         pacer.dispatch(["a"])
         pacer.submit(wire_trajectories("a", 0))
         out, path = io.StringIO(), tmp_path / "pacer.ckpt"
-        assert client_cli.main(["--address", server.address, "checkpoint", str(path)], out=out) == 0
+        assert client_cli.main(["--address", server.address, "checkpoint", str(path), "--json"], out=out) == 0
         assert json.loads(out.getvalue())["buffered_groups"] == 1 and path.stat().st_size > 0
         pacer.collect(1)
         out = io.StringIO()
-        assert client_cli.main(["--address", server.address, "restore", str(path)], out=out) == 0
+        assert client_cli.main(["--address", server.address, "restore", str(path), "--json"], out=out) == 0
         assert json.loads(out.getvalue())["reinstated_groups"] == 1 and pacer.state().buffered == 1
 
 

@@ -159,6 +159,7 @@ def test_metrics_listener_can_be_disabled_and_a_taken_port_stops_start_up(after_
     with pytest.raises(RuntimeError) as caught:
         taken.start()
     assert f"cannot serve metrics on 127.0.0.1:{running.metrics_port}" in str(caught.value)
+    assert "start this one with server.metrics_address=127.0.0.1:0" in str(caught.value).lower()
     taken.close()
 
 

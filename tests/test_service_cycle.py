@@ -176,7 +176,7 @@ def test_command_line_client_against_a_live_server(server):
     code, text = run_cli(*address, "state", "--json")
     state = json.loads(text)
     assert code == 0 and state["step"] == 0 and state["window_size"] == 2 * B and state["strategy"] == "windowed-fifo"
-    code, text = run_cli(*address, "reset", "--mode", "wait", "--resume", "--weight-version", "3")
+    code, text = run_cli(*address, "reset", "--mode", "wait", "--resume", "--weight-version", "3", "--json")
     assert code == 0 and json.loads(text)["weight_version"] == 3
     code, text = run_cli(*address, "resume", "--weight-version", "2")
     assert code == 1  # lower than the current version: refused

@@ -1,0 +1,103 @@
+"""The command line and the client's small edges: text by default and JSON with --json on every command, the
+worker's id in `coda-client workers`, our own messages for out-of-range numbers and oversized Submits."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+
+import numpy as np
+import pytest
+
+from coda_client import AsyncPacerClient, PacerClient, Trajectory, TrajectoryStatus
+from coda_client import cli as client_cli
+from coda_client.errors import BadRequestError, MessageTooLargeError
+from coda_worker import AsyncRolloutWorker, FakeEngine, ListPromptSource, Prompt
+from conftest import core_overrides
+from server_harness import ServerProcess
+
+
+@pytest.fixture
+def server(tmp_path):
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=2)) as process:
+        yield process
+
+
+def run_cli(address: str, *argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return client_cli.main(["--address", address, *argv], out=out), out.getvalue()
+
+
+def test_every_command_prints_text_by_default_and_json_with_the_flag(server, tmp_path):
+    address = server.address
+    commands = [("state",), ("workers",), ("health",), ("reset", "--mode", "wait", "--wait", "0"),
+                ("resume", "--weight-version", "1"), ("checkpoint", str(tmp_path / "a.ckpt")),
+                ("restore", str(tmp_path / "a.ckpt")), ("watch", "--count", "1"), ("end-job", "--wait", "0")]
+    for command in commands:
+        code, text = run_cli(address, *command)
+        assert code == 0, (command, text)
+        assert not text.lstrip().startswith("{"), f"{command[0]} printed JSON without --json: {text!r}"
+    code, text = run_cli(address, "end-job", "--wait", "0")
+    assert "job ended" in text and "left over 0" in text
+    for command in commands:
+        if command[0] in ("reset", "resume"):  # the job has ended: refused, as the server says
+            code, text = run_cli(address, *command, "--json")
+            assert code == 1
+            continue
+        code, text = run_cli(address, *command, "--json")
+        assert code == 0, (command, text)
+        for line in text.splitlines():
+            json.loads(line)
+    assert json.loads(run_cli(address, "end-job", "--json", "--wait", "0")[1])["state"]["job_ended"] is True
+
+
+def test_the_workers_id_shows_in_coda_client_workers(server):
+    async def go() -> str:
+        source = ListPromptSource([Prompt(f"p{i}", [1, 2]) for i in range(100)])
+        slow = FakeEngine(mean_tokens=5000, length_sigma=0, seconds_per_token=0.01)
+        async with AsyncPacerClient(server.address) as pacer:  # the client has no client_id of its own
+            worker = AsyncRolloutWorker(pacer, slow, source, worker_id="rollout-7", max_groups=1)
+            task = asyncio.create_task(worker.run())
+            deadline = time.monotonic() + 20
+            while slow.running < 2:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            listed = await asyncio.to_thread(run_cli, server.address, "workers")
+            worker.stop()
+            await slow.abort([])
+            async with AsyncPacerClient(server.address) as trainer:
+                await trainer.end_job("abort", wait=10)
+            await asyncio.wait_for(task, 20)
+            return listed[1]
+
+    text = asyncio.run(go())
+    assert text.startswith("rollout-7: 1 running") and "(no client id)" not in text
+
+
+def test_out_of_range_numbers_get_a_message_naming_the_field_and_the_range(server):
+    with PacerClient(server.address) as pacer:
+        with pytest.raises(ValueError, match=r"num_groups -1 is out of range: .* 0 to 4294967295 .*uint32"):
+            pacer.collect(-1)
+        with pytest.raises(ValueError, match=r"weight_version 9223372036854775808 is out of range: .*int64"):
+            pacer.resume(2**63)
+        with pytest.raises(ValueError, match=r"max_continuations -2 is out of range"):
+            pacer.dispatch(["a"], max_continuations=-2)
+        with pytest.raises(ValueError, match=r"max_groups_per_worker"):
+            pacer.list_workers(max_groups_per_worker=2**32)
+        assert pacer.state().dispatched == 0  # nothing was sent
+
+
+def test_a_submit_over_the_limit_is_refused_before_it_is_built_naming_max_message_bytes(server):
+    big = np.zeros(300_000_000, dtype=np.int32)  # 1.2 GB as token_ids, 1.2 GB as logprobs: ~2.4 GB on the wire
+    trajectory = Trajectory(trajectory_id="a#0", prompt_id="a", status=TrajectoryStatus.COMPLETED, token_ids=big,
+                            logprobs=big.view(np.float32))
+    with PacerClient(server.address) as pacer:
+        pacer.dispatch(["a"])
+        started = time.monotonic()
+        with pytest.raises(MessageTooLargeError) as refused:
+            pacer.submit([trajectory])
+        assert time.monotonic() - started < 1.0  # nothing encoded (encoding 2.4 GB takes seconds)
+        assert isinstance(refused.value, BadRequestError) and refused.value.reason == "MESSAGE_TOO_LARGE"
+        assert "max_message_bytes (67108864)" in str(refused.value) and "2400000" in str(refused.value)
+        assert pacer.state().submitted == 0
