@@ -86,3 +86,21 @@ def test_the_block_runner_passes_a_block_that_ends_and_fails_one_that_raises_or_
         run(block("raise ValueError('broken')\n"), {})
     with pytest.raises(runner.DocBlockFailed, match="did not end within 3 s"):
         run(block("import time\nwhile True:\n    time.sleep(0.1)\n"), {})
+
+
+def test_the_docs_refer_only_to_files_in_the_repository():
+    """Relative links resolve to files of the repository, and no page sends the reader to a folder it does not
+    ship (the design notes the project was built from are not part of it)."""
+    broken, outside = [], []
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (path.parent / target.split("#")[0]).resolve().exists():
+                broken.append(f"{path.name}: {target}")
+        for phrase in ("design folder", "pacing-semantics", "seed guide", "/work/"):
+            if phrase in text:
+                outside.append(f"{path.name}: {phrase!r}")
+    assert not broken, f"links to files that do not exist: {broken}"
+    assert not outside, f"references to files outside the repository: {outside}"

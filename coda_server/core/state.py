@@ -43,7 +43,7 @@ def described(help_text: str, **default: Any) -> Any:
 
 @dataclass
 class PacerState:
-    """Every counter of the semantics doc, flat, as GetState reports it."""
+    """Every counter of the pacer, flat, as GetState reports it."""
 
     running: int = gauge("coda_pacer_running_groups", "R: groups dispatched and not yet collected out of the "
                          "trajectory queue (GetState running).")
