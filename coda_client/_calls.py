@@ -156,11 +156,12 @@ def _trajectory(value: Any) -> Trajectory:
 def collect(
     num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0,
     arrays: ArrayMode = "list", rank: int = 0, world_size: int = 1, token_budget: int = 0,
-    trainer_step: int | None = None,
+    trainer_step: int | None = None, max_response_bytes: int = 0,
 ) -> Call[CollectResult]:
     """Collect: a retried Collect must not take a second batch, hence the request id here too. `rank` and
     `world_size` ask for one rank's share of a data-parallel mini-batch; `token_budget` cuts it by tokens. With
-    `trainer_step`, the server refuses it unless it is at that step (a trainer restarted from a checkpoint)."""
+    `trainer_step`, the server refuses it unless it is at that step (a trainer restarted from a checkpoint).
+    `max_response_bytes`: the largest answer this client receives, so the server cuts the answer to fit."""
     request = _message(
         pacer_pb2.CollectRequest,
         num_groups=num_groups,
@@ -171,6 +172,7 @@ def collect(
         rank=rank,
         world_size=world_size,
         token_budget=token_budget,
+        max_response_bytes=max(0, max_response_bytes),
     )
     if trainer_step is not None:
         check_integers(pacer_pb2.CollectRequest, trainer_step=trainer_step)
@@ -204,8 +206,8 @@ def reset(
     )
     if wait is not None:
         request.wait_seconds = wait
-    # Absent, a WAIT-mode Reset waits until every running group is assembled, as long as the server allows
-    # (server.max_wait_seconds): the deadline must not cut that short.
+    # Absent, a Reset waits until every running group is assembled, as long as the server allows
+    # (server.max_wait_seconds; server.abort_wait_seconds in ABORT mode): the deadline must not cut that short.
     deadline = call_timeout(timeout, wait) if wait is not None else max(timeout, LONG_POLL_CAP_SECONDS)
     return Call("Reset", request, deadline, functools.partial(ResetResult.from_pb, arrays_as=arrays))
 

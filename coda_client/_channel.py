@@ -44,7 +44,7 @@ def _seconds(value: float) -> str:
     return f"{value:g}s"
 
 
-def service_config(timeout: float = DEFAULT_TIMEOUT_SECONDS) -> dict[str, Any]:
+def service_config(timeout: float = DEFAULT_TIMEOUT_SECONDS, wait_for_ready: bool = False) -> dict[str, Any]:
     """The channel's service config (gRPC A6/A2): per-method timeouts, wait-for-ready, UNAVAILABLE retries."""
     # Only UNAVAILABLE is retried: it means the call never reached a working server (or the server was
     # draining and refused it). Mutating calls carry a request_id the server de-duplicates, so even a
@@ -67,9 +67,11 @@ def service_config(timeout: float = DEFAULT_TIMEOUT_SECONDS) -> dict[str, Any]:
                 continue
             config: dict[str, Any] = {
                 "name": [{"service": SERVICE, "method": m} for m in names],
-                # Queue calls while the sidecar (re)starts instead of failing them at once; the deadline
-                # still bounds the wait.
-                "waitForReady": True,
+                # Off (the default): a call to an address where nothing listens fails after the retries
+                # (about 1.5 s) with UNAVAILABLE naming the target and the OS error, instead of waiting out its
+                # deadline. On (wait_for_ready=True, as the worker kit sets it): calls queue while the server
+                # (re)starts; the deadline still bounds the wait.
+                "waitForReady": wait_for_ready,
             }
             if retried:
                 config["retryPolicy"] = retry_policy
@@ -95,6 +97,7 @@ def channel_options(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     options: ChannelOptions = None,
+    wait_for_ready: bool = False,
 ) -> list[tuple[str, Any]]:
     """gRPC channel arguments; entries in `options` override the defaults key by key."""
     merged: dict[str, Any] = {
@@ -105,7 +108,7 @@ def channel_options(
         # A request larger than the retry buffer (256 KiB by default) is silently not retried; size it
         # so a large Submit is retried like any other call.
         "grpc.per_rpc_retry_buffer_size": max_message_bytes,
-        "grpc.service_config": json.dumps(service_config(timeout), sort_keys=True),
+        "grpc.service_config": json.dumps(service_config(timeout, wait_for_ready), sort_keys=True),
         # Keepalive pings detect a dead server (or a silently dropped connection) during a long watch or
         # long-poll. A gRPC server answers pings more frequent than its
         # grpc.http2.min_ping_interval_without_data_ms (5 min by default) with GOAWAY "too_many_pings";

@@ -21,7 +21,7 @@ import grpc
 from . import _calls
 from .arrays import dtype_of, numpy
 from .errors import ServerGoneError, translate
-from .types import CollectResult, ControlEventType, Trajectory, TrajectoryGroup
+from .types import CollectResult, ControlEventType, PacerState, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -112,7 +112,8 @@ class MiniBatch:
 
     Trajectory b spans tokens cu_seqlens[b]:cu_seqlens[b+1] of token_ids, logprobs and loss_mask. An
     array a trajectory left empty (absent) is filled: logprobs with NaN, loss_mask with 1 (trained on),
-    token_ids with 0. Arrays are read-only; `lease_id` is the Collect lease the iterator acknowledges.
+    token_ids with 0. Arrays are read-only; `lease_ids` are the Collect leases the iterator acknowledges
+    (several when the batch did not fit one answer within the client's message limit), `lease_id` the first.
 
     `token_weight_version` is the weight version each token was generated with (from the trajectories'
     segments; a trajectory without them counts as its end_weight_version throughout). Packed with
@@ -134,10 +135,11 @@ class MiniBatch:
     trajectories: list[Trajectory]  # [B], as received (metadata, payload)
     source_groups: list[TrajectoryGroup]
     lease_id: str = ""
+    lease_ids: tuple[str, ...] = ()
 
     @classmethod
     def from_groups(cls, groups: Sequence[TrajectoryGroup], lease_id: str = "", *,
-                    mask_offpolicy: bool = False) -> MiniBatch:
+                    mask_offpolicy: bool = False, lease_ids: Sequence[str] = ()) -> MiniBatch:
         """Packs groups (their arrays lists or NumPy arrays) into one batch; one copy per column. With
         `mask_offpolicy`, loss_mask is 0 on tokens generated before their trajectory's last weight version."""
         np = numpy()
@@ -166,7 +168,9 @@ class MiniBatch:
             value.flags.writeable = False
         batch = cls(cu_seqlens=cu_seqlens, prompt_id=tuple(t.prompt_id for t in trajectories),
                     trajectory_id=tuple(t.trajectory_id for t in trajectories), trajectories=trajectories,
-                    source_groups=list(groups), lease_id=lease_id, **columns, **per_trajectory)
+                    source_groups=list(groups), lease_id=lease_id or (lease_ids[0] if lease_ids else ""),
+                    lease_ids=tuple(lease_ids) if lease_ids else ((lease_id,) if lease_id else ()),
+                    **columns, **per_trajectory)
         if versions is not None:  # already computed: the cached property's value
             batch.__dict__["token_weight_version"] = versions
         return batch
@@ -174,7 +178,13 @@ class MiniBatch:
     @classmethod
     def from_collect(cls, result: CollectResult, *, mask_offpolicy: bool = False) -> MiniBatch:
         """Packs a Collect answer (best read with arrays="numpy", so its arrays are views already)."""
-        return cls.from_groups(result.groups, result.lease_id, mask_offpolicy=mask_offpolicy)
+        return cls.from_collects([result], mask_offpolicy=mask_offpolicy)
+
+    @classmethod
+    def from_collects(cls, results: Sequence[CollectResult], *, mask_offpolicy: bool = False) -> MiniBatch:
+        """Packs the answers of several Collects into one batch, in order (a batch cut to fit the message limit)."""
+        return cls.from_groups([g for r in results for g in r.groups], mask_offpolicy=mask_offpolicy,
+                               lease_ids=[r.lease_id for r in results if r.lease_id])
 
     @functools.cached_property
     def token_weight_version(self) -> np.ndarray:
@@ -296,6 +306,20 @@ def group_count(group_sizes: Sequence[int], mini_batch_size: int) -> int:
     return _groups_per_batch(mini_batch_size, sizes.pop())
 
 
+def check_reachable(state: PacerState, num_groups: int, mini_batch_size: int) -> None:
+    """ValueError when a mini-batch needs more groups buffered at once than the server can ever hold
+    (GetState's collect_limit): its Collects would wait forever, and the server refuses them."""
+    limit = state.collect_limit
+    if limit and num_groups > limit:
+        summary = state.config_summary
+        raise ValueError(
+            f"mini_batch_size {mini_batch_size} needs {num_groups} groups buffered at once, but the server can "
+            f"never hold more than {limit}: its window is C = int(B * (1 + stale_steps)) = "
+            f"int({summary.get('num_prompts_per_step')} * (1 + {summary.get('stale_steps')})) = {state.window_size} "
+            f"groups (N = {summary.get('num_trajectories_per_prompt')}; a lower server.max_buffered_groups caps it "
+            f"too); use a mini_batch_size of at most {limit} groups' trajectories, or widen the window")
+
+
 def _groups_per_batch(mini_batch_size: int, group_size: int) -> int:
     if group_size <= 0 or mini_batch_size <= 0 or mini_batch_size % group_size:
         raise ValueError(f"mini_batch_size ({mini_batch_size}) must be a positive multiple of the group size "
@@ -401,11 +425,23 @@ class _IteratorBase:
         """Groups of each global mini-batch (with a token budget: at most; 0 is the server's limit)."""
         return self.shape.num_groups
 
-    def _collect_call(self) -> _calls.Call[CollectResult]:
+    def _collect_call(self, num_groups: int | None = None) -> _calls.Call[CollectResult]:
+        """A leased Collect of the batch (or of `num_groups`, the rest of one), cut by the server to fit the client."""
         shape = self.shape
-        return _calls.collect(shape.num_groups, wait=self.poll, allow_partial=False, request_id=None,
-                              timeout=self._client.timeout, lease=self.lease, arrays="numpy", rank=shape.rank,
-                              world_size=shape.world_size, token_budget=shape.token_budget, trainer_step=self.step)
+        return _calls.collect(shape.num_groups if num_groups is None else num_groups, wait=self.poll,
+                              allow_partial=False, request_id=None, timeout=self._client.timeout, lease=self.lease,
+                              arrays="numpy", rank=shape.rank, world_size=shape.world_size,
+                              token_budget=shape.token_budget, trainer_step=self.step,
+                              max_response_bytes=self._client.max_receive_bytes)
+
+    def _rest(self, results: list[CollectResult]) -> int:
+        """Groups still missing from a batch of `results` (0: complete). Only a plain batch is completed by
+        further Collects: a token budget's or a rank's share is what the server cut it to."""
+        if not results:
+            return self.shape.num_groups
+        if self.shape.world_size > 1 or self.shape.token_budget or not results[-1].cut_to_fit:
+            return 0
+        return self.shape.num_groups - sum(len(r.groups) for r in results)
 
     def _wants_more(self) -> bool:
         return not self._closed and (self.num_batches is None or self.delivered < self.num_batches)
@@ -540,19 +576,21 @@ class BatchIterator(_IteratorBase):
                                            else 0):
                     self._present.clear()
                 raise _Away from None
-            raise translate(exc) from exc
+            raise translate(exc, self._client.target) from exc
         finally:
             with self._lock:
                 self._inflight.discard(future)
                 self._acks_inflight.discard(future)
 
     def _prefetch(self) -> MiniBatch:
-        """Collects until a full batch arrives (raises _Stopped when closed, ServerGoneError when the server
-        does not come back)."""
-        while True:
-            result = self._call(self._collect_call())
+        """Collects until a full batch arrived, in several answers when one would not fit the client's message
+        limit (raises _Stopped when closed, ServerGoneError when the server does not come back)."""
+        results: list[CollectResult] = []
+        while missing := self._rest(results):
+            result = self._call(self._collect_call(missing if results else None))
             if result.groups:
-                return MiniBatch.from_collect(result, mask_offpolicy=self.mask_offpolicy)
+                results.append(result)
+        return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -564,7 +602,7 @@ class BatchIterator(_IteratorBase):
         try:
             self.wait_for_ack()
             batch, self._current = self._current, None
-            if batch is not None and batch.lease_id:
+            if batch is not None and batch.lease_ids:
                 self._acking = self._acker.submit(self._acknowledge, batch)
             if self._pending is None or self._closed:
                 raise _Stopped
@@ -593,7 +631,7 @@ class BatchIterator(_IteratorBase):
         means the lease ran out before: the groups will be delivered again."""
         self.wait_for_ack()
         batch, self._current = self._current, None
-        return 0 if batch is None or not batch.lease_id else self._acknowledge(batch)
+        return 0 if batch is None or not batch.lease_ids else self._acknowledge(batch)
 
     def wait_for_ack(self) -> None:
         """Waits until the acknowledgement sent by the last __next__ is done; raises its error, if any."""
@@ -602,8 +640,8 @@ class BatchIterator(_IteratorBase):
             acking.result()
 
     def _acknowledge(self, batch: MiniBatch) -> int:
-        groups = self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout),
-                            survives_close=True)
+        groups = sum(self._call(_calls.ack(lease_id, request_id=None, timeout=self._client.timeout),
+                                survives_close=True) for lease_id in batch.lease_ids)
         self.acknowledged += 1
         return groups
 
@@ -672,6 +710,8 @@ class AsyncBatchIterator(_IteratorBase):
             if self.num_batches == STEP:
                 self.num_batches = step_batches(self.mini_batch_size, state,
                                                 self._shape_arguments["token_budget"])
+            if not self.shape.token_budget:
+                check_reachable(state, self.shape.num_groups, self.mini_batch_size)
         if self._watcher is None:
             self._watch = self._client.watch()
             self._watcher = asyncio.ensure_future(self._watch_events())
@@ -752,10 +792,12 @@ class AsyncBatchIterator(_IteratorBase):
             calls.discard(task)
 
     async def _prefetch(self) -> MiniBatch:
-        while True:
-            result = await self._call(self._collect_call())
+        results: list[CollectResult] = []
+        while missing := self._rest(results):
+            result = await self._call(self._collect_call(missing if results else None))
             if result.groups:
-                return MiniBatch.from_collect(result, mask_offpolicy=self.mask_offpolicy)
+                results.append(result)
+        return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
 
     def __aiter__(self) -> AsyncBatchIterator:
         return self
@@ -766,7 +808,7 @@ class AsyncBatchIterator(_IteratorBase):
             await self._start()
             await self.wait_for_ack()
             batch, self._current = self._current, None
-            if batch is not None and batch.lease_id:
+            if batch is not None and batch.lease_ids:
                 self._acking = asyncio.ensure_future(self._acknowledge(batch))
             if self._pending is None or self._closed:
                 raise _Stopped
@@ -792,7 +834,7 @@ class AsyncBatchIterator(_IteratorBase):
         """Coroutine form of BatchIterator.ack."""
         await self.wait_for_ack()
         batch, self._current = self._current, None
-        return 0 if batch is None or not batch.lease_id else await self._acknowledge(batch)
+        return 0 if batch is None or not batch.lease_ids else await self._acknowledge(batch)
 
     async def wait_for_ack(self) -> None:
         """Coroutine form of BatchIterator.wait_for_ack."""
@@ -801,8 +843,10 @@ class AsyncBatchIterator(_IteratorBase):
             await acking
 
     async def _acknowledge(self, batch: MiniBatch) -> int:
-        groups = await self._call(_calls.ack(batch.lease_id, request_id=None, timeout=self._client.timeout),
-                                  survives_close=True)
+        groups = 0
+        for lease_id in batch.lease_ids:
+            groups += await self._call(_calls.ack(lease_id, request_id=None, timeout=self._client.timeout),
+                                       survives_close=True)
         self.acknowledged += 1
         return groups
 

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--mode", choices=["abort", "wait"], default=None, help="default: the server's rollout.partial")
     reset.add_argument("--wait", type=float, default=None,
                        help="seconds to wait for running groups to assemble; 0: drop the incomplete now; default: "
-                            "the server decides (WAIT mode: until all are assembled, within server.max_wait_seconds)")
+                            "until all are assembled, within server.max_wait_seconds (ABORT mode: within "
+                            "server.abort_wait_seconds, the time workers need to submit their partial trajectories)")
     reset.add_argument("--resume", action="store_true", help="resume at once with --weight-version")
     reset.add_argument("--weight-version", type=int, default=0)
 

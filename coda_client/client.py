@@ -35,6 +35,7 @@ from .batches import (
     BatchIterator,
     STEP,
     BatchShape,
+    check_reachable,
     step_batches,
 )
 from .errors import translate
@@ -82,8 +83,9 @@ if hasattr(os, "register_at_fork"):
 class _StreamBase:
     """Shared state of a watch stream: the gRPC call and whether this side cancelled it."""
 
-    def __init__(self, call: Any) -> None:
+    def __init__(self, call: Any, target: str | None = None) -> None:
         self._call = call
+        self._target = target
         self._cancelled = False
 
     def cancel(self) -> None:
@@ -104,7 +106,7 @@ class ControlStream(_StreamBase):
         except grpc.RpcError as exc:
             if self._cancelled:  # our own cancel (or the client's close): a normal end, not an error
                 raise StopIteration from None
-            raise translate(exc) from exc
+            raise translate(exc, self._target) from exc
         return ControlEvent.from_pb(message)
 
     def __enter__(self) -> ControlStream:
@@ -132,7 +134,7 @@ class AsyncControlStream(_StreamBase):
         except grpc.RpcError as exc:
             if self._cancelled:
                 raise StopAsyncIteration from None
-            raise translate(exc) from exc
+            raise translate(exc, self._target) from exc
         if message is grpc.aio.EOF:
             raise StopAsyncIteration
         return ControlEvent.from_pb(message)
@@ -181,8 +183,10 @@ class _ClientBase:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         arrays: _arrays.ArrayMode = "list",
         client_id: str | None = None,
+        wait_for_ready: bool = False,
     ) -> None:
         self.target = target
+        self.wait_for_ready = wait_for_ready
         self.arrays: _arrays.ArrayMode = _arrays.check_mode(arrays)
         self.timeout = float(timeout)
         self.max_message_bytes = int(max_message_bytes)
@@ -192,8 +196,16 @@ class _ClientBase:
         self._credentials, tls_options = resolve_tls(tls)
         user_options = dict(options.items() if isinstance(options, Mapping) else options or ())
         self._options = channel_options(
-            timeout=self.timeout, max_message_bytes=max_message_bytes, options={**dict(tls_options), **user_options}
+            timeout=self.timeout, max_message_bytes=max_message_bytes, options={**dict(tls_options), **user_options},
+            wait_for_ready=wait_for_ready,
         )
+        # The largest answer this client takes: Collect tells the server, which cuts its answer to fit.
+        merged = dict(self._options)
+        receive = merged.get("grpc.max_receive_message_length", max_message_bytes)
+        self.max_receive_bytes = int(receive) if receive and int(receive) > 0 else 0
+        # The largest request it sends (0: no limit): the worker kit splits its Submits to fit.
+        send = merged.get("grpc.max_send_message_length", max_message_bytes)
+        self.max_send_bytes = int(send) if send and int(send) > 0 else 0
         self._lock = threading.Lock()
         self._channel: Any = None
         self._stub: Any = None
@@ -282,7 +294,7 @@ class _ClientBase:
     ) -> Call[Any]:
         return _calls.collect(
             num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id, timeout=self.timeout,
-            lease=lease, arrays=self.arrays, trainer_step=trainer_step,
+            lease=lease, arrays=self.arrays, trainer_step=trainer_step, max_response_bytes=self.max_receive_bytes,
         )
 
     def _ack(self, lease_id: str, request_id: str | None) -> Call[Any]:
@@ -327,7 +339,10 @@ class PacerClient(_ClientBase):
     token_ids, logprobs and loss_mask: "list" (default) or "numpy" (read-only arrays over the received bytes;
     needs coda-pacer[numpy]). client_id: who is calling (a worker or trainer name), sent with every call as
     `x-coda-client-id` (letters, digits and -_.:@/, at most 128); the server logs it, shows it in its
-    in-flight records and counts per client. Errors raise PacerClientError subclasses.
+    in-flight records and counts per client. wait_for_ready: False (default): a call to an address where
+    nothing listens fails within about 1.5 s with UnavailableError naming the target and the OS error; True:
+    calls wait (within their deadline) for a server that is still starting or restarting, as the worker kit
+    does. Errors raise PacerClientError subclasses.
     """
 
     def _new_channel(self) -> grpc.Channel:
@@ -340,7 +355,7 @@ class PacerClient(_ClientBase):
         try:
             response = rpc(call.request, timeout=call.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise translate(exc) from exc
+            raise translate(exc, self.target) from exc
         return call.convert(response)
 
     def dispatch(
@@ -367,16 +382,19 @@ class PacerClient(_ClientBase):
     def collect(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
     ) -> list[TrajectoryGroup]:
-        """Takes num_groups complete groups, waiting up to `wait` seconds; [] on timeout unless allow_partial."""
+        """Takes num_groups complete groups, waiting up to `wait` seconds; [] on timeout unless allow_partial.
+        Fewer when all of them would not fit this client's max_message_bytes (the rest stay buffered:
+        collect again); FailedPreconditionError (reason MESSAGE_TOO_LARGE) when the oldest alone does not."""
         return self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id).groups
 
     def collect_result(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None,
         lease: float = 0.0, trainer_step: int | None = None,
     ) -> CollectResult:
-        """Like collect(), also telling whether the wait timed out; with `lease` seconds, the groups come
-        back to the buffer unless ack(result.lease_id) is called in time. With `trainer_step` (the steps the
-        trainer has trained), the server refuses the Collect unless it is at that step ("restore first")."""
+        """Like collect(), also telling whether the wait timed out (and `cut_to_fit`: fewer groups, as more
+        would not fit this client's message limit); with `lease` seconds, the groups come back to the buffer
+        unless ack(result.lease_id) is called in time. With `trainer_step` (the steps the trainer has trained),
+        the server refuses the Collect unless it is at that step ("restore first")."""
         return self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step))
 
     def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
@@ -401,7 +419,8 @@ class PacerClient(_ClientBase):
         rank: int = 0, world_size: int = 1, step: int | None = None, reconnect: float = DEFAULT_RECONNECT_SECONDS,
     ) -> BatchIterator:
         """The trainer's iterator (docs/trainer.md): packed mini-batches of `mini_batch_size` trajectories
-        (whole groups; group_size defaults to the server's), each from one leased Collect.
+        (whole groups; group_size defaults to the server's), each from a leased Collect (several when the
+        groups do not fit one answer within this client's max_message_bytes).
 
         `token_budget`: mini-batches cut by tokens instead (the oldest whole groups within that many response
         tokens; `mini_batch_size`, if given, caps the trajectories). `rank` and `world_size`: one rank of a
@@ -433,6 +452,8 @@ class PacerClient(_ClientBase):
                               token_budget=token_budget, rank=rank, world_size=world_size)
         if num_batches == STEP:
             num_batches = step_batches(mini_batch_size, server_state(), token_budget)
+        if not shape.token_budget:  # a batch the window can never fill: say so now, not by waiting forever
+            check_reachable(server_state(), shape.num_groups, mini_batch_size)
         return BatchIterator(self, shape, lease=lease, poll=poll, num_batches=num_batches,
                              mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect)
 
@@ -448,8 +469,9 @@ class PacerClient(_ClientBase):
         """Step boundary: mode "abort", "wait" or None (server default); optionally resumes at once.
 
         `wait`: seconds to wait for running groups to be assembled; 0 drops the incomplete ones at once;
-        None (the default) lets the server decide: in WAIT mode it waits until every running group is
-        assembled (bounded by server.max_wait_seconds), in ABORT mode it does not wait.
+        None (the default) waits until every running group is assembled: in WAIT mode bounded by
+        server.max_wait_seconds, in ABORT mode by server.abort_wait_seconds (30 s by default: the workers
+        abort and submit their partial trajectories, and every running group is restored).
         """
         return self._run(self._reset(mode, wait, resume, weight_version, request_id))
 
@@ -496,7 +518,7 @@ class PacerClient(_ClientBase):
 
     def watch(self) -> ControlStream:
         """Control events, first the current state; iterate it, cancel() it, or close the client to end it."""
-        stream = ControlStream(self._watch_call())
+        stream = ControlStream(self._watch_call(), self.target)
         self._track(stream)
         return stream
 
@@ -531,7 +553,7 @@ class AsyncPacerClient(_ClientBase):
         try:
             response = await rpc(call.request, timeout=call.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise translate(exc) from exc
+            raise translate(exc, self.target) from exc
         return call.convert(response)
 
     async def dispatch(
@@ -639,7 +661,7 @@ class AsyncPacerClient(_ClientBase):
 
     def watch(self) -> AsyncControlStream:
         """Async iterator of control events (`async for event in client.watch()`); cancel() or close() ends it."""
-        stream = AsyncControlStream(self._watch_call())
+        stream = AsyncControlStream(self._watch_call(), self.target)
         self._track(stream)
         return stream
 

@@ -118,7 +118,7 @@ class ServerGoneError(UnavailableError):
 
 
 class DeadlineExceededError(PacerClientError):
-    """DEADLINE_EXCEEDED: no answer in time; calls wait for a ready server, so an unreachable one ends here."""
+    """DEADLINE_EXCEEDED: no answer in time (with wait_for_ready=True, also a server that never became reachable)."""
 
 
 _BY_CODE: dict[grpc.StatusCode, type[PacerClientError]] = {
@@ -145,8 +145,9 @@ def _status_details(rpc_error: grpc.RpcError) -> StatusDetails:
     return StatusDetails()
 
 
-def translate(rpc_error: grpc.RpcError) -> PacerClientError:
-    """Maps a grpc.RpcError (sync or grpc.aio) to the most specific PacerClientError subclass."""
+def translate(rpc_error: grpc.RpcError, target: str | None = None) -> PacerClientError:
+    """Maps a grpc.RpcError (sync or grpc.aio) to the most specific PacerClientError subclass. With `target`, an
+    UNAVAILABLE the server did not send (nothing reachable there) names the address it was sent to."""
     code_fn = getattr(rpc_error, "code", None)
     code = code_fn() if callable(code_fn) else None
     if not isinstance(code, grpc.StatusCode):
@@ -157,6 +158,8 @@ def translate(rpc_error: grpc.RpcError) -> PacerClientError:
     cls = _BY_CODE.get(code, PacerClientError)
     if cls is FailedPreconditionError and status.reason == STALE_GENERATION:
         cls = StaleGenerationError
+    if cls is UnavailableError and target and not status.reason:
+        message = f"cannot reach the pacer at {target}: {message}"
     return cls(
         code,
         message,

@@ -346,6 +346,9 @@ class CollectResult:
     groups: list[TrajectoryGroup]
     timed_out: bool
     lease_id: str = ""  # set for a leased Collect: Ack it, or the groups are delivered again
+    # Fewer groups than asked although they were there: more would not have fit the client's message limit.
+    # They stay buffered, first in line: collect again for the rest.
+    cut_to_fit: bool = False
 
     @classmethod
     def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> CollectResult:
@@ -579,6 +582,10 @@ class PacerState:
     mini_batch_size: int
     #: fully_async.stale_steps: C = int(B * (1 + stale_steps)).
     stale_steps: float
+    #: The most groups a Collect (without allow_partial) may wait for: more can never be buffered at once (the window
+    #: C for the built-in strategies, or server.max_buffered_groups); 0: no bound known. Metric:
+    #: coda_pacer_collect_limit_groups.
+    collect_limit: int
     # END PacerState fields
 
     @classmethod

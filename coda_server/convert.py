@@ -197,7 +197,8 @@ def batch_shape(request: pb.CollectRequest) -> BatchShape:
 
 
 def collect_response(result: CollectResult) -> wire.EncodedAnswer:
-    return wire.EncodedAnswer(pb.CollectResponse(timed_out=result.timed_out, lease_id=result.lease_id),
+    return wire.EncodedAnswer(pb.CollectResponse(timed_out=result.timed_out, lease_id=result.lease_id,
+                                                 cut_to_fit=result.cut_to_fit),
                               {"groups": [group_parts(g) for g in result.groups]})
 
 

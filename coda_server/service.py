@@ -105,7 +105,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
                                            request.allow_partial, request.request_id, request.lease_seconds,
                                            convert.batch_shape(request),
-                                           request.trainer_step if request.HasField("trainer_step") else None)
+                                           request.trainer_step if request.HasField("trainer_step") else None,
+                                           request.max_response_bytes)
         return convert.collect_response(result)
 
     @maps_errors
@@ -114,7 +115,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Reset(self, request: pb.ResetRequest, context) -> wire.EncodedAnswer:
-        # wait_seconds absent is not 0: a WAIT-mode Reset then waits until every running group is assembled.
+        # wait_seconds absent is not 0: the Reset then waits until every running group is assembled (in ABORT
+        # mode within server.abort_wait_seconds), within what the call's deadline allows.
         wait = bounded_wait(request.wait_seconds, context) if request.HasField("wait_seconds") else None
         result = await self._pacer.reset(convert.reset_mode(request.mode), wait,
                                          request.resume, request.weight_version if request.resume else None,

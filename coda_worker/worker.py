@@ -217,6 +217,7 @@ class WorkerStats:
     trajectories_continued: int = 0  # ABORTED trajectories this worker continued after a Reset
     trajectories_failed: int = 0  # the engine failed them (submitted as FAILED)
     trajectories_refused: int = 0  # refused by the server (stale generation, lease ran out): not acknowledged
+    trajectories_too_large: int = 0  # larger than a message may be: submitted as FAILED, saying why
     tokens_generated: int = 0
     submit_calls: int = 0
     submit_retries: int = 0
@@ -317,6 +318,25 @@ class _ThreadedEngine:
 
 
 _CANDIDATE_FIELD = re.compile(r"^candidates\[(\d+)\]")
+# gRPC's own refusal of a message over its limit, on either side ("Sent/Received message larger than max").
+_MESSAGE_LIMIT = re.compile(r"message larger than max", re.IGNORECASE)
+# A Submit's bytes besides its trajectories (request id, framing), and each trajectory's framing in it.
+SUBMIT_OVERHEAD_BYTES = 256
+SUBMIT_FRAMING_BYTES = 6
+
+
+def encoded_size(trajectory: Trajectory) -> int:
+    """Bytes of a trajectory's encoding (its arrays are not copied to measure it)."""
+    return sum(memoryview(part).nbytes for part in trajectory.encoded_parts())
+
+
+class _TooLarge(Exception):
+    """A Submit larger than the server takes (gRPC's message limit): sent again, it would fail again."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+        self.limit_text = f"the server's message limit ({details})"
+
 
 
 class AsyncRolloutWorker:
@@ -336,7 +356,8 @@ class AsyncRolloutWorker:
     keepalive_seconds: how often the in-flight leases of running groups are renewed (None: a third of
     the server's lease, as the server reports it). engine_retries: how often a failed engine call is
     retried before the trajectory is submitted as FAILED. shutdown_grace: seconds calls keep being retried
-    after `stop()` while the server is unreachable (then what is left is dropped, and run() returns).
+    after `stop()` while the server is unreachable (then what is left is dropped, and run() returns), and the
+    longest `stop()` waits for running groups to be acknowledged.
     on_submitted: optional callback with the trajectories of each acknowledged Submit (metrics, audit).
     worker_id: the worker's name (default: the client's client_id, else a generated one); a client without a
     client_id is named after it, so the server's ListWorkers, logs and liveness watch show it.
@@ -409,8 +430,10 @@ class AsyncRolloutWorker:
     # ------------------------------------------------------------------ control from outside
 
     def stop(self) -> None:
-        """Ends the loop: no more dispatching; running groups finish and are submitted. Thread-safe, and safe
-        at any time: before run(), while it runs, and after it ended (then it does nothing)."""
+        """Ends the loop: no more dispatching; running groups finish and are submitted, within `shutdown_grace`
+        seconds: what is not acknowledged by then is given up (logged; the server reclaims those groups when
+        their in-flight lease runs out). Thread-safe, and safe at any time: before run(), while it runs, and
+        after it ended (then it does nothing)."""
         loop = self._loop
         if loop is not None:
             try:
@@ -747,9 +770,22 @@ class AsyncRolloutWorker:
     async def _submit_batch(self, batch: list[tuple[_Group, _Traj]], wire: list[Trajectory] | None = None) -> None:
         if wire is None:
             wire = [await self._to_wire(group, traj) for group, traj in batch]
+        parts = self._parts_that_fit(batch, wire)
+        if parts is not None:  # one Submit would be larger than a message may be: several, each within it
+            for entries, messages in parts:
+                await self._submit_batch(entries, messages)
+            return
         fences = {group.prompt.prompt_id: group.seq for group, _ in batch if group.seq is not None}
         try:
             await self._submit(wire, fences)
+        except _TooLarge as exc:  # larger than the server takes (its limit is below the client's)
+            if len(batch) > 1:
+                half = len(batch) // 2
+                await self._submit_batch(batch[:half], wire[:half])
+                await self._submit_batch(batch[half:], wire[half:])
+            else:
+                await self._submit_batch(batch, [self._too_large(batch[0], wire[0], exc.limit_text)])
+            return
         except (FailedPreconditionError, UnknownPromptError, BadRequestError) as exc:
             if len({group.prompt.prompt_id for group, _ in batch}) > 1:
                 # All-or-nothing: one refused group refuses the batch. Submit group by group instead.
@@ -773,6 +809,46 @@ class AsyncRolloutWorker:
             except Exception:
                 logger.exception("%s: on_submitted failed", self.worker_id, extra=_fields(worker=self.worker_id))
 
+    def _parts_that_fit(self, batch: list[tuple[_Group, _Traj]],
+                        wire: list[Trajectory]) -> list[tuple[list[tuple[_Group, _Traj]], list[Trajectory]]] | None:
+        """None when one Submit of `wire` fits the client's send limit; else the parts, in order, each within
+        it, a trajectory over it alone replaced by a FAILED one saying why (it can never be sent)."""
+        limit = getattr(self.pacer, "max_send_bytes", 0)
+        if not limit:
+            return None
+        sizes = [encoded_size(t) + SUBMIT_FRAMING_BYTES for t in wire]
+        if sum(sizes) + SUBMIT_OVERHEAD_BYTES <= limit:
+            return None
+        parts: list[tuple[list[tuple[_Group, _Traj]], list[Trajectory]]] = []
+        size = SUBMIT_OVERHEAD_BYTES
+        for entry, message, message_size in zip(batch, wire, sizes):
+            if message_size + SUBMIT_OVERHEAD_BYTES > limit:
+                message = self._too_large(entry, message, f"the client's max_message_bytes ({limit} bytes)",
+                                          message_size)
+                message_size = encoded_size(message) + SUBMIT_FRAMING_BYTES
+            if not parts or size + message_size > limit:
+                parts.append(([], []))
+                size = SUBMIT_OVERHEAD_BYTES
+            parts[-1][0].append(entry)
+            parts[-1][1].append(message)
+            size += message_size
+        return parts
+
+    def _too_large(self, entry: tuple[_Group, _Traj], message: Trajectory, limit: str, size: int = 0) -> Trajectory:
+        """The FAILED trajectory submitted instead of one too large to send: the group completes (and the status
+        filter drops it) instead of waiting for a Submit that can never go through."""
+        group, traj = entry
+        reason = (f"trajectory too large to submit: {size or encoded_size(message)} bytes encoded, over {limit}; "
+                  f"raise max_message_bytes on the client and server.max_message_bytes, or shorten max_tokens")
+        logger.error("%s: %s: %s (submitted as FAILED)", self.worker_id, traj.trajectory_id, reason,
+                     extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
+        traj.status = TrajectoryStatus.FAILED
+        self.stats.trajectories_too_large += 1
+        return Trajectory(trajectory_id=message.trajectory_id, prompt_id=message.prompt_id, ds_index=message.ds_index,
+                          status=TrajectoryStatus.FAILED, start_weight_version=message.start_weight_version,
+                          end_weight_version=message.end_weight_version,
+                          metadata={**message.metadata, "error": reason, "finish_reason": "error"})
+
     async def _submit(self, trajectories: list[Trajectory], fences: dict[str, int] | None = None) -> None:
         request_id = str(uuid.uuid4())
         while True:
@@ -782,6 +858,11 @@ class AsyncRolloutWorker:
                 self.stats.submit_calls += 1
                 return
             except ResourceExhaustedError as exc:
+                if _MESSAGE_LIMIT.search(exc.details or "") and not exc.reason:
+                    # gRPC's own message limit (not the server's back-pressure): the same call would fail again.
+                    raise _TooLarge(exc.details) from exc
+                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                    raise
                 # Back-pressure: nothing was applied. Wait as the server asks, then propose the same again.
                 delay = exc.retry_delay if exc.retry_delay is not None else 1.0
                 logger.warning("%s: Submit of %d trajectories refused for now (%s); retrying in %.1f s",
@@ -995,11 +1076,26 @@ class AsyncRolloutWorker:
     # ------------------------------------------------------------------ ending
 
     async def _drain(self) -> None:
-        """Waits until every group started here is acknowledged (or refused)."""
+        """Waits until every group started here is acknowledged (or refused), at most until the grace that
+        stop() began runs out."""
         assert self._changed is not None
         while self._groups:
             self._changed.clear()
-            await self._changed.wait()
+            if self._give_up_at is None:
+                await self._changed.wait()
+                continue
+            remaining = self._give_up_at - time.monotonic()
+            if remaining <= 0:
+                logger.warning("%s: %d groups not acknowledged within the %g s grace, given up: %s", self.worker_id,
+                               len(self._groups), self.shutdown_grace, ", ".join(list(self._groups)[:5]),
+                               extra=_fields(worker=self.worker_id, given_up=len(self._groups)))
+                for group in list(self._groups.values()):  # settled as refused: nothing more of them is sent
+                    self.stats.trajectories_refused += max(0, group.unacknowledged)
+                    group.unacknowledged = 1
+                    self._trajectory_settled(group)
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
 
     def _return_pending(self) -> None:
         if self._pending:
@@ -1074,6 +1170,7 @@ class RolloutWorker:
             engine = threaded = _ThreadedEngine(engine, self.engine_threads)
         try:
             options = dict(self.client_options)
+            options.setdefault("wait_for_ready", True)  # a worker may start before its server: wait for it
             # The worker's id is its client id: the server's ListWorkers and logs name it so, and worker
             # liveness (a watched worker is one holding a control stream under a client id) needs one.
             worker_id = self.worker_options.get("worker_id") or options.get("client_id") or default_worker_id()

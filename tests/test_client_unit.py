@@ -344,8 +344,10 @@ def test_service_config_retries_only_unavailable_on_every_method() -> None:
     named = [(n["service"], n["method"]) for entry in config["methodConfig"] for n in entry["name"]]
     service = pacer_pb2.DESCRIPTOR.services_by_name["RolloutPacer"]
     assert sorted(named) == sorted((service.full_name, m.name) for m in service.methods)  # each method once
+    waiting = _service_config(_channel.channel_options(timeout=12.0, wait_for_ready=True))
+    assert all(entry["waitForReady"] is True for entry in waiting["methodConfig"])
     for entry in config["methodConfig"]:
-        assert entry["waitForReady"] is True
+        assert entry["waitForReady"] is False  # fail fast where nothing listens, unless asked to wait
         assert entry["retryPolicy"] == {
             "maxAttempts": 5,
             "initialBackoff": "0.1s",

@@ -122,8 +122,8 @@ def test_a_wait_reset_without_wait_seconds_waits_until_every_running_group_is_as
     assert answer.report.partial_dropped_incomplete_group_count == 0
 
 
-def test_an_explicit_zero_still_drops_the_incomplete_groups_now_and_abort_does_not_wait(tmp_path):
-    with ServerProcess(tmp_path, *SMALL) as server:
+def test_an_explicit_zero_still_drops_the_incomplete_groups_now_and_abort_waits_at_most_abort_wait_seconds(tmp_path):
+    with ServerProcess(tmp_path, *SMALL, "server.abort_wait_seconds=0.5") as server:
         stub = server.stub()
         dispatch(stub, "p0")
         submit(stub, traj("p0", 0))
@@ -133,7 +133,10 @@ def test_an_explicit_zero_still_drops_the_incomplete_groups_now_and_abort_does_n
         assert answer.report.partial_dropped_incomplete_group_count == 1
         dispatch(stub, "q0")
         answer = stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_ABORT, resume=True, weight_version=2), timeout=20)
-        assert list(answer.dropped_prompt_ids) == ["q0"]  # ABORT without wait_seconds: no wait
+        # ABORT without wait_seconds waits for the partial trajectories, at most server.abort_wait_seconds:
+        # nobody submits q0's here, so it is dropped once that bound ran out.
+        assert list(answer.dropped_prompt_ids) == ["q0"]
+        assert answer.report.pause_delay >= 0.5
 
 
 def test_waiting_is_bounded_by_max_wait_seconds(tmp_path):

@@ -185,7 +185,7 @@ class SubmitResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., groups_completed: _Optional[int] = ...) -> None: ...
 
 class CollectRequest(_message.Message):
-    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds", "rank", "world_size", "token_budget", "trainer_step")
+    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds", "rank", "world_size", "token_budget", "trainer_step", "max_response_bytes")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class CollectRequest(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
     wait_seconds: float
     allow_partial: bool
@@ -204,7 +205,8 @@ class CollectRequest(_message.Message):
     world_size: int
     token_budget: int
     trainer_step: int
-    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., trainer_step: _Optional[int] = ...) -> None: ...
+    max_response_bytes: int
+    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., trainer_step: _Optional[int] = ..., max_response_bytes: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("lease_id", "request_id")
@@ -221,14 +223,16 @@ class AckResponse(_message.Message):
     def __init__(self, groups: _Optional[int] = ...) -> None: ...
 
 class CollectResponse(_message.Message):
-    __slots__ = ("groups", "timed_out", "lease_id")
+    __slots__ = ("groups", "timed_out", "lease_id", "cut_to_fit")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CUT_TO_FIT_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     timed_out: bool
     lease_id: str
-    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., timed_out: _Optional[bool] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    cut_to_fit: bool
+    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., timed_out: _Optional[bool] = ..., lease_id: _Optional[str] = ..., cut_to_fit: _Optional[bool] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("mode", "wait_seconds", "resume", "weight_version", "request_id")
@@ -318,7 +322,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes", "quarantined", "recent_incidents", "restored_kept", "rolled_back", "reinstated", "checkpoints", "restores", "last_checkpoint_step", "last_checkpoint_weight_version", "last_restore_step", "last_restore_weight_version", "job_ended", "prompts_per_step", "group_sizes", "mini_batch_size", "stale_steps")
+    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes", "quarantined", "recent_incidents", "restored_kept", "rolled_back", "reinstated", "checkpoints", "restores", "last_checkpoint_step", "last_checkpoint_weight_version", "last_restore_step", "last_restore_weight_version", "job_ended", "prompts_per_step", "group_sizes", "mini_batch_size", "stale_steps", "collect_limit")
     class ConfigSummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +373,7 @@ class GetStateResponse(_message.Message):
     GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
     MINI_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STALE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_LIMIT_FIELD_NUMBER: _ClassVar[int]
     running: int
     buffered: int
     queued_trajectories: int
@@ -412,7 +417,8 @@ class GetStateResponse(_message.Message):
     group_sizes: _containers.RepeatedScalarFieldContainer[int]
     mini_batch_size: int
     stale_steps: float
-    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., restored_kept: _Optional[int] = ..., rolled_back: _Optional[int] = ..., reinstated: _Optional[int] = ..., checkpoints: _Optional[int] = ..., restores: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., last_checkpoint_weight_version: _Optional[int] = ..., last_restore_step: _Optional[int] = ..., last_restore_weight_version: _Optional[int] = ..., job_ended: _Optional[bool] = ..., prompts_per_step: _Optional[int] = ..., group_sizes: _Optional[_Iterable[int]] = ..., mini_batch_size: _Optional[int] = ..., stale_steps: _Optional[float] = ...) -> None: ...
+    collect_limit: int
+    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., restored_kept: _Optional[int] = ..., rolled_back: _Optional[int] = ..., reinstated: _Optional[int] = ..., checkpoints: _Optional[int] = ..., restores: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., last_checkpoint_weight_version: _Optional[int] = ..., last_restore_step: _Optional[int] = ..., last_restore_weight_version: _Optional[int] = ..., job_ended: _Optional[bool] = ..., prompts_per_step: _Optional[int] = ..., group_sizes: _Optional[_Iterable[int]] = ..., mini_batch_size: _Optional[int] = ..., stale_steps: _Optional[float] = ..., collect_limit: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

@@ -136,8 +136,14 @@ class RolloutPacerServicer:
     def Collect(self, request, context):
         """Takes complete groups from the pipeline buffer for training, oldest priority first.
         A timeout is OK with `timed_out` set. With `lease_seconds`, the groups come back to the buffer
-        unless acknowledged (Ack) in time. Errors: INVALID_ARGUMENT (num_groups 0, negative wait or
-        lease), UNAUTHENTICATED, UNAVAILABLE; and, once for each incident since the previous Collect
+        unless acknowledged (Ack) in time. The answer never exceeds what the caller can receive: it
+        holds fewer groups (`cut_to_fit`) rather than fail in transit and lose them.
+        Errors: INVALID_ARGUMENT (num_groups 0, negative wait or lease; num_groups above what the window
+        can ever hold without allow_partial, naming num_groups, B, N, stale_steps and C: see
+        GetState.collect_limit), FAILED_PRECONDITION reason
+        MESSAGE_TOO_LARGE (the oldest buffered group alone is larger than the caller can receive; nothing
+        is taken, the message names its size and the settings that lift the limit),
+        UNAUTHENTICATED, UNAVAILABLE; and, once for each incident since the previous Collect
         (the groups stay buffered for the next one): FAILED_PRECONDITION reason DIRTY_GROUP (a group
         holding a FAILED trajectory was refused: rollout.filter has no `status`), INTERNAL reason
         STRATEGY_HOOK_FAILED (a strategy hook raised and a group was quarantined).

@@ -33,6 +33,7 @@ from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
 
 log = logging.getLogger("coda_server.leases")
 checkpoint_log = logging.getLogger("coda_server.checkpoints")
+stall_log = logging.getLogger("coda_server.pacing")
 
 # Control events reach the watchers this long after they happen (see _queue_control).
 CONTROL_FANOUT_DELAY_SECONDS = 0.002
@@ -57,6 +58,8 @@ class AsyncPacer:
         self._draining = False
         self._lease_task: Optional[asyncio.Task] = None
         self._recheck_task: Optional[asyncio.Task] = None
+        self._collect_waits: dict[int, list] = {}  # waiting Collects: id -> [started, num_groups, warned]
+        self._next_wait_id = 0
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
         # Called (on the loop) when the journal can no longer write: the server stops advertising readiness.
         self.on_journal_failure: Optional[Callable[[BaseException], None]] = None
@@ -88,6 +91,7 @@ class AsyncPacer:
             await asyncio.sleep(LEASE_TICK_SECONDS)
             if self.recovering or self.pacer.closed:
                 continue
+            self._warn_stalled_collects()
             try:
                 prompts, leases = self.pacer.expire_leases()
             except Exception:  # a broken strategy hook must not stop lease expiry for good
@@ -109,6 +113,33 @@ class AsyncPacer:
             if leases:
                 log.warning("Collect lease(s) %s ran out without Ack: their groups are back in the buffer",
                             ", ".join(leases))
+
+    def _warn_stalled_collects(self) -> None:
+        """Log, once per wait, a Collect that has waited longer than server.collect_stall_warning_seconds while
+        dispatch admits nothing: the trainer waits on the window, which the warning spells out."""
+        threshold = self.pacer.limits.collect_stall_warning_seconds
+        if not threshold or not self._collect_waits:
+            return
+        now = asyncio.get_running_loop().time()
+        stalled = [entry for entry in self._collect_waits.values() if not entry[2] and now - entry[0] >= threshold]
+        if not stalled or self.pacer.admissible_now() > 0:
+            return
+        state = self.pacer.state()
+        summary = state.config_summary
+        for entry in stalled:
+            entry[2] = True
+            stall_log.warning(
+                "a Collect for %d groups has waited %.0f s while dispatch admits nothing: %d buffered, %d running, "
+                "%d leased%s; window C = int(B * (1 + stale_steps)) = int(%s * (1 + %s)) = %d groups (N = %s, "
+                "strategy %s)%s", entry[1], now - entry[0], state.buffered, state.running, state.leased,
+                ", dispatch paused (Reset without resume?)" if state.paused else "",
+                summary.get("num_prompts_per_step"), summary.get("stale_steps"), state.window_size,
+                summary.get("num_trajectories_per_prompt"), state.strategy,
+                "" if state.paused else "; running groups must complete (are workers generating?) or the "
+                "trainer must take what is buffered",
+                extra={"fields": {"num_groups": entry[1], "waited_seconds": round(now - entry[0], 1),
+                                  "buffered": state.buffered, "running": state.running, "leased": state.leased,
+                                  "window_size": state.window_size}})
 
     async def _recheck_gates_periodically(self) -> None:
         """Re-examine held groups every fully_async.gate_recheck_seconds (unless a change just did), so a gate
@@ -188,28 +219,36 @@ class AsyncPacer:
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
-                      trainer_step: Optional[int] = None) -> CollectResult:
+                      trainer_step: Optional[int] = None, max_bytes: int = 0) -> CollectResult:
         async def call() -> CollectResult:
             pacer = self.pacer
             if pacer.closed:  # like every other call; a Collect already waiting is answered timed_out instead
                 raise ShuttingDownError("the pacer is shutting down and takes no new calls")
             groups = pacer.checks.check_collect(num_groups, lease_seconds, shape)
-            return await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds, shape,
-                                                             trainer_step), wait)
+            pacer.check_collect_reachable(groups, allow_partial, shape)
+            wait_id = self._next_wait_id = self._next_wait_id + 1
+            self._collect_waits[wait_id] = [asyncio.get_running_loop().time(), groups, False]
+            try:
+                return await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds,
+                                                                 shape, trainer_step, max_bytes), wait)
+            finally:
+                del self._collect_waits[wait_id]
 
         return await self._applied("Collect", request_id, call)
 
     async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,
                     weight_version: Optional[int] = None, request_id: str = "",
                     until_assembled: Optional[float] = None) -> ResetResult:
-        """`wait=None`: in WAIT mode wait until every running group is assembled, for at most `until_assembled`
-        seconds (default max_wait_seconds; the server passes what the call's deadline allows), else no wait."""
+        """`wait=None`: wait until every running group is assembled, for at most `until_assembled` seconds
+        (default max_wait_seconds; the server passes what the call's deadline allows), and in ABORT mode at
+        most server.abort_wait_seconds."""
         bound = self.max_wait_seconds if until_assembled is None else min(until_assembled, self.max_wait_seconds)
 
         async def call() -> ResetResult:
             effective = self.pacer.begin_reset(mode, resume=resume, weight_version=weight_version)
             try:
-                await self.waits.until(self.pacer.reset_poll(), self.pacer.reset_wait(effective, wait, bound))
+                await self.waits.until(self.pacer.reset_poll(), self.pacer.reset_wait(
+                    effective, wait, bound, self.pacer.limits.abort_wait_seconds))
             except BaseException:
                 self.pacer.abandon_reset()
                 raise

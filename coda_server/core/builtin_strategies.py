@@ -74,6 +74,8 @@ class InflightSeqs:
 class _WindowStrategy(SlidingWindowStrategy):
     """Shared parts: capacity C, batch size B, and the in-flight seq tracker."""
 
+    bounded_by_window = True  # admits at most C - R - Q
+
     def __init__(self, config: Any):
         super().__init__(config)
         self._batch_size = int(config.data_sources[0].num_prompts_per_step)
@@ -101,6 +103,7 @@ class NoWindowStrategy(SlidingWindowStrategy):
     """Keep C groups running or buffered; collect any complete, non-aborted group."""
 
     ordered_gate = True  # refuses aborted groups; otherwise opens oldest-first
+    bounded_by_window = True  # admits at most C - R - Q
 
     def __init__(self, config: Any):
         super().__init__(config)

@@ -61,6 +61,21 @@ class UnknownLeaseError(PacerError):
     reason = "UNKNOWN_LEASE"
 
 
+class MessageTooLargeError(FailedPreconditionError):
+    """The oldest buffered group alone is larger than the answer the caller can receive: nothing was taken."""
+
+    reason = "MESSAGE_TOO_LARGE"
+
+    def __init__(self, prompt_id: str, size: int, limit: int):
+        super().__init__(
+            f"Collect refused, nothing taken: group {prompt_id!r} needs an answer of {size} bytes, over the "
+            f"{limit} bytes the caller can receive; raise the client's max_message_bytes (its "
+            f"grpc.max_receive_message_length) and server.max_message_bytes to at least {size} to collect it",
+            violations=[("num_groups", f"group {prompt_id!r} alone is {size} bytes, over the limit {limit}")])
+        self.size = size
+        self.limit = limit
+
+
 class ResetInProgressError(FailedPreconditionError):
     """A second Reset (or a Resume) arrived while a Reset runs."""
 

@@ -85,3 +85,17 @@ class StepTally:
 
 def bytes_of(trajectories: Iterable[Trajectory]) -> int:
     return sum(t.size_bytes for t in trajectories)
+
+
+# Framing a length-delimited field adds at most a 1-byte tag (field numbers below 16) and a 5-byte length.
+_FIELD_FRAMING_BYTES = 6
+# A group's header fields besides its prompt id: seq, ds_index, epoch, index (tags and varints, at most).
+_GROUP_HEADER_BYTES = 48
+# An answer's fields besides its groups (timed_out, cut_to_fit, a lease id of at most 128 characters).
+ANSWER_OVERHEAD_BYTES = 160
+
+
+def encoded_group_bound(group: TrajectoryGroup) -> int:
+    """An upper bound on the bytes a group adds to an answer (its trajectories are held at their encoded size)."""
+    return (_FIELD_FRAMING_BYTES + _GROUP_HEADER_BYTES + _FIELD_FRAMING_BYTES + len(group.prompt_id.encode())
+            + sum(t.size_bytes + _FIELD_FRAMING_BYTES for t in group.trajectories))

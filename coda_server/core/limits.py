@@ -29,7 +29,13 @@ SERVER_KEYS = {
     "max_buffered_groups": "max_buffered_groups",
     "max_held_bytes": "max_held_bytes",
     "remembered_answer_bytes": "remembered_answer_bytes",
+    "max_message_bytes": "max_message_bytes",
+    "abort_wait_seconds": "abort_wait_seconds",
+    "collect_stall_warning_seconds": "collect_stall_warning_seconds",
 }
+
+
+_SECONDS = ("inflight_lease_seconds", "worker_liveness_seconds", "abort_wait_seconds", "collect_stall_warning_seconds")
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,9 @@ class Limits:
     max_buffered_groups: int  # 0: unbounded
     max_held_bytes: int  # 0: unbounded
     remembered_answer_bytes: int  # trajectory bytes of remembered Collect and Reset answers; 0: only the count bounds
+    max_message_bytes: int  # the largest message the server sends or takes (gRPC's limit, both ways)
+    abort_wait_seconds: float  # an ABORT-mode Reset without a wait waits this long for the partial trajectories
+    collect_stall_warning_seconds: float  # a Collect waiting this long while dispatch admits nothing is logged
 
     @classmethod
     def from_config(cls, config: Any) -> "Limits":
@@ -59,11 +68,17 @@ class Limits:
         server = config.get("server") or {}
         defaults = shipped_server_defaults()
         values = {name: server.get(key, defaults[key]) for name, key in SERVER_KEYS.items()}
-        numbers: dict[str, Any] = {name: int(value) for name, value in values.items()}
-        numbers["inflight_lease_seconds"] = float(values["inflight_lease_seconds"])
-        numbers["worker_liveness_seconds"] = float(values["worker_liveness_seconds"])
+        numbers: dict[str, Any] = {name: float(value) if name in _SECONDS else int(value)
+                                   for name, value in values.items()}
         return cls(max_opaque_id_length=max(numbers["max_id_length"], OPAQUE_ID_MIN_LIMIT),
                    data_answers_kept=min(numbers["answers_kept"], DATA_ANSWERS_KEPT), **numbers)
+
+    def answer_bytes(self, caller_limit: int = 0) -> int:
+        """The largest answer a caller may be sent: what it says it can receive (0: not said), within the
+        server's own max_message_bytes."""
+        if caller_limit > 0:
+            return min(caller_limit, self.max_message_bytes) if self.max_message_bytes else caller_limit
+        return self.max_message_bytes
 
     @classmethod
     def shipped(cls) -> "Limits":

@@ -18,12 +18,12 @@ from .answers import ANSWERED_METHODS, AnswerBook  # noqa: F401  (ANSWERED_METHO
 from .checks import RequestChecks
 from .config import config_summary
 from .cursor import PromptCursor
-from .errors import (FailedPreconditionError, ShuttingDownError, StaleDispatchError, StaleGenerationError,
-                     StrategyHookError)
+from .errors import (FailedPreconditionError, InvalidArgumentError, MessageTooLargeError, ShuttingDownError,
+                     StaleDispatchError, StaleGenerationError, StrategyHookError)
 from .filters import GroupFilter, create_filters
 from .incidents import HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception
 from .incidents import collect_error, hook_error
-from .inflight import InflightGroup, StepTally, bytes_of
+from .inflight import ANSWER_OVERHEAD_BYTES, InflightGroup, StepTally, bytes_of, encoded_group_bound
 from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, StaleRejected,
                       Submitted)
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
@@ -58,6 +58,25 @@ from .types import (
 from .waiting import ThreadWaits
 
 SNAPSHOT_FORMAT = recovery.SNAPSHOT_FORMAT
+
+
+def collect_limit(config: Any, hooks: Any, limits: Limits) -> tuple[int, str]:
+    """The most groups that can ever be buffered at once, and the terms that say why (0, "": no bound known):
+    the window C for a strategy that promises to stay within it, server.max_buffered_groups when set."""
+    bounds: list[tuple[int, str]] = []
+    if getattr(hooks, "bounded_by_window", False):
+        source = config.data_sources[0]
+        B, stale = int(source.num_prompts_per_step), float(config.fully_async.stale_steps)
+        sizes = ",".join(str(int(s.num_trajectories_per_prompt)) for s in config.data_sources)
+        C = window_size(config)
+        bounds.append((C, f"the window holds at most C = int(B * (1 + stale_steps)) = int({B} * (1 + {stale:g})) = "
+                          f"{C} groups running or buffered (B = num_prompts_per_step {B}, N = "
+                          f"num_trajectories_per_prompt {sizes}, stale_steps {stale:g}, strategy "
+                          f"{config.fully_async.sliding_window})"))
+    if limits.max_buffered_groups:
+        bounds.append((limits.max_buffered_groups,
+                       f"server.max_buffered_groups caps the buffer at {limits.max_buffered_groups} groups"))
+    return min(bounds) if bounds else (0, "")
 
 
 class Pacer:
@@ -103,6 +122,8 @@ class Pacer:
         self._window_size = window_size(config)
         self._stale_steps = float(setting(config, "fully_async.stale_steps"))
         self.limits = limits = Limits.from_config(config)
+        # The most groups a Collect may wait for: more can never be buffered at once (0: no bound known).
+        self.collect_limit, self._collect_limit_terms = collect_limit(config, self._hooks, limits)
         self.checks = RequestChecks(limits, self._group_sizes)
         self._default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
         # Restored groups: kept and re-offered for continuation, or handed to the Reset's caller (the old way).
@@ -230,25 +251,28 @@ class Pacer:
 
     def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False, request_id: str = "",
                 lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
-                trainer_step: Optional[int] = None) -> CollectResult:
+                trainer_step: Optional[int] = None, max_bytes: int = 0) -> CollectResult:
         """Take `num_groups` groups, oldest priority first, waiting up to `wait` seconds for them.
 
         Without `allow_partial`, fewer than `num_groups` at the deadline gives nothing and `timed_out`.
         With `lease_seconds` > 0 the groups are leased: they return to the buffer, in their original
         order, unless `ack(lease_id)` comes within that time (at-least-once delivery). `shape` cuts the
-        mini-batch by a token budget and/or hands the caller one rank's share of it (shares.py).
+        mini-batch by a token budget and/or hands the caller one rank's share of it (shares.py). `max_bytes`:
+        the largest answer the caller takes (0: server.max_message_bytes); see `apply_take`.
         """
         num_groups = self.checks.check_collect(num_groups, lease_seconds, shape)
+        self.check_collect_reachable(num_groups, allow_partial, shape)
         self._check_open()  # once: a waiter woken by close() answers with what is there
-        poll = CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step)
+        poll = CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes)
         return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
 
     def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
-                    lease_seconds: float = 0.0, shape: BatchShape = PLAIN) -> CollectResult:
+                    lease_seconds: float = 0.0, shape: BatchShape = PLAIN, max_bytes: int = 0) -> CollectResult:
         """Non-waiting collect: all `num_groups`, or with `allow_partial` whatever is there."""
         num_groups = self.checks.check_collect(num_groups, lease_seconds, shape)
-        return self.answers.once("Collect", request_id,
-                                 self.collect_poll(num_groups, allow_partial, request_id, lease_seconds, shape).give_up)
+        self.check_collect_reachable(num_groups, allow_partial, shape)
+        return self.answers.once("Collect", request_id, self.collect_poll(
+            num_groups, allow_partial, request_id, lease_seconds, shape, max_bytes=max_bytes).give_up)
 
     def ack(self, lease_id: str, request_id: str = "") -> int:
         """The trainer has the leased groups: they are consumed for good. Returns how many."""
@@ -259,13 +283,15 @@ class Pacer:
               weight_version: Optional[int] = None, request_id: str = "") -> ResetResult:
         """Pause, wait up to `wait` for running groups to assemble, restore/drop them, optionally resume.
 
-        `wait=None`: in WAIT mode, wait until every running group is assembled (at most server.max_wait_seconds);
-        in ABORT mode, do not wait. `wait=0`: drop the incomplete groups now.
+        `wait=None`: wait until every running group is assembled: in WAIT mode for at most
+        server.max_wait_seconds, in ABORT mode (the workers submit what they have as ABORTED) for at most
+        server.abort_wait_seconds. `wait=0`: drop the incomplete groups now.
         """
         def call() -> ResetResult:
             effective = self.begin_reset(mode, resume=resume, weight_version=weight_version)
             with self._lock:  # ready, then finished, with no change in between
-                self.waits.until(ResetPoll(self), self.reset_wait(effective, wait, self.max_wait_seconds))
+                self.waits.until(ResetPoll(self), self.reset_wait(effective, wait, self.max_wait_seconds,
+                                                                  self.limits.abort_wait_seconds))
                 return self.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
 
         return self.answers.once("Reset", request_id, call)
@@ -522,10 +548,22 @@ class Pacer:
 
     # ----------------------------------------------------------------- collect
 
+    def check_collect_reachable(self, num_groups: int, allow_partial: bool, shape: BatchShape = PLAIN) -> None:
+        """A Collect that must have `num_groups` buffered at once (no allow_partial, no token budget) is refused
+        when the window can never hold that many: it would wait forever, silently."""
+        if (not allow_partial and not shape.token_budget and self.collect_limit
+                and num_groups > self.collect_limit):
+            raise InvalidArgumentError(
+                f"num_groups {num_groups} can never be buffered at once, so this Collect could never be answered: "
+                f"{self._collect_limit_terms}; ask for at most {self.collect_limit} groups a Collect "
+                f"(a mini-batch of at most {self.collect_limit} x N trajectories), raise the window, or pass "
+                f"allow_partial", violations=[("num_groups", f"must be at most {self.collect_limit} "
+                                                             f"({self._collect_limit_terms})")])
+
     def collect_poll(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
                      lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
-                     trainer_step: Optional[int] = None) -> CollectPoll:
-        return CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step)
+                     trainer_step: Optional[int] = None, max_bytes: int = 0) -> CollectPoll:
+        return CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes)
 
     def check_trainer_step(self, trainer_step: Optional[int]) -> None:
         """A Collect from a trainer at another step than the server's is refused (caller holds the lock): after
@@ -558,28 +596,56 @@ class Pacer:
         return available if partial and available >= shape.world_size else None
 
     def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
-                   shape: BatchShape = PLAIN, num_groups: int = 0) -> CollectResult:
+                   shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0) -> CollectResult:
         """Hand `count` groups from the buffer to the trainer, leased when `lease_seconds` > 0 (caller holds the lock).
         A rank's share (`shape.world_size` > 1) is the oldest one waiting for it, or with `count` > 0 its share of
         a new mini-batch of `count` groups; `num_groups` (what the Collect asked for) tells the ranks of one
-        trainer apart from another's."""
+        trainer apart from another's.
+
+        Fewer (`cut_to_fit`) when the answer would be larger than the caller can receive (`max_bytes`, within
+        server.max_message_bytes): whole groups, oldest first, the rest stay buffered. A first group (or a rank's
+        share) larger than that alone is refused (MessageTooLargeError) before anything is taken."""
         now = self._clock()
+        limit = self.limits.answer_bytes(max_bytes)
+        cut_to_fit = False
         if shape.world_size > 1:
-            lease = self._take_share(count, lease_seconds, shape.key(num_groups), shape, now)
-            result = CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id)
-        elif lease_seconds > 0:
-            lease = self._leases.grant([heapq.heappop(self._buffer) for _ in range(count)], lease_seconds, now)
-            self._notify()
+            lease = self._take_share(count, lease_seconds, shape.key(num_groups), shape, now, limit)
             result = CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id)
         else:
-            groups = [heapq.heappop(self._buffer)[1] for _ in range(count)]
-            self._consume(groups)
-            result = CollectResult(groups, timed_out=timed_out)
+            entries = self._take_fitting(count, limit)
+            cut_to_fit, count = len(entries) < count, len(entries)
+            if lease_seconds > 0:
+                lease = self._leases.grant(entries, lease_seconds, now)
+                self._notify()
+                result = CollectResult([group for _, group in lease.entries], timed_out=timed_out,
+                                       lease_id=lease.lease_id, cut_to_fit=cut_to_fit)
+            else:
+                groups = [group for _, group in entries]
+                self._consume(groups)
+                result = CollectResult(groups, timed_out=timed_out, cut_to_fit=cut_to_fit)
         self._record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
                                shape.world_size, num_groups))
         return result
 
-    def _take_share(self, count: int, lease_seconds: float, key: tuple, shape: BatchShape, now: float) -> CollectLease:
+    def _take_fitting(self, count: int, limit: int) -> list[tuple[tuple, TrajectoryGroup]]:
+        """Pop up to `count` buffer entries, oldest priority first, while their answer stays within `limit`
+        bytes (0: no limit); the first alone over it is put back and refused."""
+        taken: list[tuple[tuple, TrajectoryGroup]] = []
+        size = ANSWER_OVERHEAD_BYTES
+        while len(taken) < count:
+            entry = heapq.heappop(self._buffer)
+            group_size = encoded_group_bound(entry[1])
+            if limit and size + group_size > limit:
+                heapq.heappush(self._buffer, entry)
+                if not taken:
+                    raise MessageTooLargeError(entry[1].prompt_id, group_size + ANSWER_OVERHEAD_BYTES, limit)
+                break
+            size += group_size
+            taken.append(entry)
+        return taken
+
+    def _take_share(self, count: int, lease_seconds: float, key: tuple, shape: BatchShape, now: float,
+                    limit: int = 0) -> CollectLease:
         if not count:
             lease = self._leases.claim(key, shape.rank, now)
             if lease is None:
@@ -588,6 +654,14 @@ class Pacer:
         entries = [heapq.heappop(self._buffer) for _ in range(count)]
         shares = balanced_shares([group_tokens(group) for _, group in entries], shape.world_size,
                                  equal_counts=not shape.token_budget)
+        if limit:  # every rank's share must reach it: refused, nothing taken, when one would not fit
+            sizes = [ANSWER_OVERHEAD_BYTES + sum(encoded_group_bound(entries[i][1]) for i in share) for share in shares]
+            if max(sizes) > limit:
+                for entry in entries:
+                    heapq.heappush(self._buffer, entry)
+                largest = shares[sizes.index(max(sizes))]
+                raise MessageTooLargeError(f"a rank's share ({len(largest)} groups, from "
+                                           f"{entries[largest[0]][1].prompt_id})", max(sizes), limit)
         lease = self._leases.grant_shares(key, [[entries[i] for i in share] for share in shares], shape.rank,
                                           lease_seconds, now)
         self._notify()
@@ -675,12 +749,16 @@ class Pacer:
         return ResetPoll(self)
 
     @staticmethod
-    def reset_wait(mode: ResetMode, wait: Optional[float], until_assembled: float) -> float:
-        """The seconds a Reset waits: `wait` when given; absent, `until_assembled` (the bound on waiting for
-        every running group) in WAIT mode, as a waiting pause does in LoongSage, and no wait in ABORT mode."""
+    def reset_wait(mode: ResetMode, wait: Optional[float], until_assembled: float,
+                   abort_wait: float = 0.0) -> float:
+        """The seconds a Reset waits: `wait` when given; absent, until every running group is assembled, for
+        at most `until_assembled` (the bound on any such wait: server.max_wait_seconds and the call's
+        deadline): in WAIT mode as a waiting pause does in LoongSage; in ABORT mode within `abort_wait` too
+        (server.abort_wait_seconds, the time engines need to abort), as LoongSage's abort gathers the aborted
+        partial trajectories before its boundary clean-up, so every running group is restored."""
         if wait is not None:
             return wait
-        return until_assembled if mode == ResetMode.WAIT else 0.0
+        return until_assembled if mode == ResetMode.WAIT else min(until_assembled, abort_wait)
 
     def finish_reset(self, *, resume: bool = False, weight_version: Optional[int] = None,
                      request_id: str = "") -> ResetResult:
@@ -786,6 +864,7 @@ class Pacer:
                 last_restore_step=self.last_restore[0] if self.last_restore else -1,
                 last_restore_weight_version=self.last_restore[1] if self.last_restore else -1,
                 stale_steps=self._stale_steps,
+                collect_limit=self.collect_limit,
                 recent_reports=list(self._reports), recent_incidents=self.incidents.recent(), **self.totals,
                 job_ended=self.job_ended, prompts_per_step=int(self.config.data_sources[0].num_prompts_per_step),
                 group_sizes=list(self._group_sizes), mini_batch_size=int(self.config.trainer.mini_batch_size),

@@ -50,10 +50,11 @@ class CollectPoll:
     """Answered once the buffer holds the mini-batch asked for (`num_groups`, or a token budget's worth) or a
     rank's share waits; at the deadline, whatever is there with `allow_partial`."""
 
-    __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds", "_shape", "_trainer_step")
+    __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds", "_shape", "_trainer_step",
+                 "_max_bytes")
 
     def __init__(self, pacer: "Pacer", num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float,
-                 shape: BatchShape = PLAIN, trainer_step: Optional[int] = None):
+                 shape: BatchShape = PLAIN, trainer_step: Optional[int] = None, max_bytes: int = 0):
         self._pacer = pacer
         self._num_groups = num_groups
         self._allow_partial = allow_partial
@@ -61,6 +62,7 @@ class CollectPoll:
         self._lease_seconds = lease_seconds
         self._shape = shape
         self._trainer_step = trainer_step  # None: the trainer does not state its step
+        self._max_bytes = max_bytes  # the largest answer the caller takes (0: the server's limit)
 
     def attempt(self) -> Optional[CollectResult]:
         pacer = self._pacer
@@ -69,7 +71,7 @@ class CollectPoll:
             pacer.report_incidents()  # a raising hook or a refused dirty group fails the trainer's Collect, once
             if self._shape.plain:  # the common case, without the shape's bookkeeping
                 if len(pacer._buffer) >= self._num_groups:
-                    return pacer.apply_take(self._num_groups, False, self._request_id, self._lease_seconds)
+                    return self._take(self._num_groups, False)
                 return None
             count = pacer.ready_count(self._num_groups, self._shape)
             return None if count is None else self._take(count, False)
@@ -89,7 +91,7 @@ class CollectPoll:
 
     def _take(self, count: int, timed_out: bool) -> CollectResult:
         return self._pacer.apply_take(count, timed_out, self._request_id, self._lease_seconds, self._shape,
-                                      self._num_groups)
+                                      self._num_groups, self._max_bytes)
 
 
 class ResetPoll:

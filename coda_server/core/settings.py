@@ -160,6 +160,10 @@ SCHEMA: tuple[Key, ...] = (
         low=0, high=2**31 - 1, allowed="must be an integer from 0 (the allocator's defaults) to 2147483647"),
     _seconds("server.max_wait_seconds", 600.0, "Upper bound on any long-poll, in seconds"),
     _seconds("server.shutdown_grace_seconds", 10.0, "On SIGTERM: seconds in-flight RPCs get to finish"),
+    _seconds("server.abort_wait_seconds", 30.0, "Seconds an ABORT-mode Reset without a wait waits for the partial "
+             "trajectories"),
+    _seconds("server.collect_stall_warning_seconds", 60.0, "Seconds a Collect may wait while dispatch admits nothing "
+             "before a warning is logged (0: never)"),
     _count("server.request_id_cache_size", 65536, "Recent request_ids remembered per RPC"),
     _count("server.remembered_answer_bytes", 268435456, "Bytes of trajectories remembered Collect and Reset answers may hold",
            low=0, allowed="must be an integer >= 0 (0: no cap)"),

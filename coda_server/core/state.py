@@ -115,6 +115,9 @@ class PacerState:
     mini_batch_size: int = described("M: trajectories per mini-batch (trainer.mini_batch_size); a step is "
                                      "B * N / M mini-batches.", default=0)
     stale_steps: float = described("fully_async.stale_steps: C = int(B * (1 + stale_steps)).", default=0.0)
+    collect_limit: int = gauge("coda_pacer_collect_limit_groups", "The most groups a Collect (without allow_partial) "
+                               "may wait for: more can never be buffered at once (the window C for the built-in "
+                               "strategies, or server.max_buffered_groups); 0: no bound known.", default=0)
 
     def invariant_holds(self) -> bool:
         """dispatched = running + collected + filtered + restored + dropped + expired + quarantined,

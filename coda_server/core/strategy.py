@@ -56,6 +56,10 @@ class SlidingWindowStrategy(abc.ABC):
     #: registered name with - as _), are validated at start-up and read with `read_options`.
     options: tuple = ()
     options_section: str | None = None
+    #: Optional promise: running plus buffered groups never exceed the window C = int(B * (1 + stale_steps)),
+    #: so a Collect waiting for more than C groups could never be answered and is refused at once
+    #: (INVALID_ARGUMENT). The built-in strategies make it; leave it False if yours may admit beyond C.
+    bounded_by_window: bool = False
 
     def __init__(self, config: Any = None):
         self._running_count = 0

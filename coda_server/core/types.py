@@ -181,6 +181,7 @@ class CollectResult:
     groups: list[TrajectoryGroup]
     timed_out: bool
     lease_id: str = ""  # set when the groups are leased: Ack it, or they are delivered again
+    cut_to_fit: bool = False  # fewer than asked: more would not fit the caller's message limit (still buffered)
 
     def trajectory_bytes(self) -> int:
         """Bytes of the trajectories this answer carries (what remembering it keeps in memory)."""

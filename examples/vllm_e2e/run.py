@@ -244,7 +244,7 @@ def trainer_loop(args: argparse.Namespace, address: str, engine_url: str) -> dic
                     fate.update((prompt_id, "trained") for prompt_id in batch.prompt_id)
             if batches.delivered < batches_per_step:
                 raise RuntimeError(f"step {step}: the batch iterator stopped after {batches.delivered} batches")
-            reset = pacer.reset("abort", wait=120.0)
+            reset = pacer.reset("abort")
             boundary(reset)
             weight_version = step + 1
             sync_weights(engine_url, weight_version)  # stand-in for loading the trained weights into vLLM
@@ -254,7 +254,7 @@ def trainer_loop(args: argparse.Namespace, address: str, engine_url: str) -> dic
                               "partial_ratio": round(reset.report.partial_ratio, 3)})
             log.info("step %d done: %s", step, steps_log[-1])
         # The last boundary stops generation; what the server still holds then is counted, not lost.
-        final = pacer.reset("abort", wait=120.0)
+        final = pacer.reset("abort")
         boundary(final)
         for group in final.restored:
             fate[group.prompt_id] = "held_at_end"

@@ -1,0 +1,75 @@
+"""A wait that cannot end is refused at once (issue 23, item 3): a Collect, or batches(), asking for more groups
+than the window can ever hold; and a trainer waiting on a full window is told so in the server log."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from coda_client import PacerClient, Trajectory, TrajectoryStatus
+from coda_client.errors import BadRequestError
+from conftest import core_overrides
+from server_harness import ServerProcess
+
+CONDITION_TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # B = 8, N = 2, stale_steps 1: C = 16 groups, so a mini-batch of 128 trajectories (64 groups) never fills.
+    with ServerProcess(tmp_path_factory.mktemp("impossible"),
+                       *core_overrides("no-window", B=8, stale=1.0, N=2, M=2)) as running:
+        yield running
+
+
+def test_a_collect_for_more_groups_than_the_window_holds_is_refused_at_once(server):
+    with PacerClient(server.address) as trainer:
+        with pytest.raises(BadRequestError) as refused:
+            trainer.collect(64, wait=10)
+        message = str(refused.value)
+        for term in ("num_groups 64", "C = int(B * (1 + stale_steps)) = int(8 * (1 + 1)) = 16",
+                     "num_trajectories_per_prompt 2", "stale_steps 1"):
+            assert term in message
+        assert trainer.state().collect_limit == 16
+        # Within the window, or with allow_partial, the same wait is fine.
+        assert trainer.collect_result(64, allow_partial=True).timed_out
+        assert trainer.collect_result(16).timed_out
+
+
+def test_batches_that_the_window_can_never_fill_fail_when_asked_for(server):
+    pytest.importorskip("numpy")
+    outcome: dict = {}
+
+    def ask() -> None:
+        with PacerClient(server.address) as trainer:
+            try:
+                trainer.batches(128, num_batches=1, poll=1.0)
+            except ValueError as exc:
+                outcome["error"] = str(exc)
+
+    caller = threading.Thread(target=ask, daemon=True)
+    caller.start()
+    caller.join(CONDITION_TIMEOUT)
+    assert not caller.is_alive(), "batches(128) waits for a mini-batch the window can never fill"
+    assert "mini_batch_size 128 needs 64 groups" in outcome["error"] and "= 16" in outcome["error"]
+
+
+def test_a_collect_waiting_on_a_full_window_is_logged_with_the_windows_terms(tmp_path):
+    overrides = core_overrides("no-window", B=2, stale=0.0, N=1)
+    with ServerProcess(tmp_path, *overrides, "server.collect_stall_warning_seconds=0.2") as server:
+        with PacerClient(server.address) as worker, PacerClient(server.address) as trainer:
+            worker.dispatch(["a", "b"])  # the window (C = 2) is full; nothing is complete
+            answer: dict = {}
+            waiting = threading.Thread(target=lambda: answer.update(groups=trainer.collect(2, wait=60)), daemon=True)
+            waiting.start()
+            deadline = time.monotonic() + CONDITION_TIMEOUT
+            while "while dispatch admits nothing" not in server.log():
+                assert time.monotonic() < deadline, f"no stall warning logged:\n{server.log()}"
+                time.sleep(0.05)
+            line = next(line for line in server.log().splitlines() if "while dispatch admits nothing" in line)
+            assert "Collect for 2 groups" in line and "0 buffered, 2 running" in line and "= 2 groups" in line
+            worker.submit([Trajectory(trajectory_id=f"{p}#0", prompt_id=p, status=TrajectoryStatus.COMPLETED)
+                           for p in ("a", "b")])
+            waiting.join(CONDITION_TIMEOUT)
+            assert [g.prompt_id for g in answer["groups"]] == ["a", "b"]

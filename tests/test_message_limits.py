@@ -1,0 +1,126 @@
+"""No message larger than its receiver takes, nothing consumed that was not delivered (issue 23, item 2).
+
+Collect answers are cut to fit the caller's receive limit (or the server's own), always whole groups; a group
+larger than the limit alone is refused before anything is taken; batches() builds a mini-batch from several
+Collects; the worker kit splits its Submits to fit and submits a trajectory that can never fit as FAILED.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+import pytest
+
+from coda_client import AsyncPacerClient, PacerClient, Trajectory, TrajectoryStatus
+from coda_client._proto import pacer_pb2
+from coda_client.errors import FailedPreconditionError
+from coda_worker.engines import FinishReason, Generation, GenerationRequest, SamplingParams
+from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt
+from conftest import core_overrides
+from server_harness import ServerProcess
+
+KB = 1024
+LIMIT = 1_000_000  # the client's message limit in these tests
+
+
+def payload_trajectories(prompt_id: str, count: int, size: int) -> list[Trajectory]:
+    return [Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id, status=TrajectoryStatus.COMPLETED,
+                       payload=bytes([i]) * size) for i in range(count)]
+
+
+def fill(client: PacerClient, prompt_ids: Sequence[str], size: int, n: int = 2) -> None:
+    client.dispatch(list(prompt_ids))
+    for prompt_id in prompt_ids:
+        client.submit(payload_trajectories(prompt_id, n, size))
+
+
+@pytest.fixture
+def server(tmp_path):
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=4, stale=1.0, N=2)) as process:
+        yield process
+
+
+def test_collect_answers_only_what_fits_the_callers_limit_and_keeps_the_rest(server):
+    with PacerClient(server.address) as filler, PacerClient(server.address, max_message_bytes=LIMIT) as trainer:
+        fill(filler, ["g0", "g1", "g2", "g3"], 200 * KB)  # a group is about 400 KB: two fit in 1 MB
+        first = trainer.collect_result(4)
+        assert [g.prompt_id for g in first.groups] == ["g0", "g1"]
+        assert first.cut_to_fit and not first.timed_out
+        state = trainer.state()
+        assert (state.consumed, state.buffered) == (2, 2)  # nothing taken that was not delivered
+        rest = trainer.collect_result(2)
+        assert [g.prompt_id for g in rest.groups] == ["g2", "g3"] and not rest.cut_to_fit
+        assert [len(t.payload) for g in first.groups + rest.groups for t in g.trajectories] == [200 * KB] * 8
+
+
+def test_a_group_larger_than_the_limit_alone_is_refused_and_stays_buffered(server):
+    with PacerClient(server.address) as filler, PacerClient(server.address, max_message_bytes=LIMIT) as trainer:
+        fill(filler, ["big"], 600 * KB)
+        with pytest.raises(FailedPreconditionError) as refused:
+            trainer.collect_result(1, lease=30.0)
+        assert refused.value.reason == "MESSAGE_TOO_LARGE"
+        assert "'big'" in refused.value.details and "server.max_message_bytes" in refused.value.details
+        assert str(LIMIT) in refused.value.details
+        state = trainer.state()
+        assert (state.buffered, state.consumed, state.leased) == (1, 0, 0)
+        assert len(filler.collect(1)[0].trajectories) == 2  # a client with room for it still gets it
+
+
+def test_the_servers_own_limit_applies_when_the_caller_says_none(tmp_path):
+    overrides = core_overrides("no-window", B=4, stale=1.0, N=2)
+    with ServerProcess(tmp_path, *overrides, f"server.max_message_bytes={LIMIT}") as server:
+        with PacerClient(server.address, max_message_bytes=LIMIT) as client:
+            fill(client, ["g0", "g1", "g2"], 200 * KB)
+        # A caller that receives anything and does not say its limit: the server's limit bounds the answer.
+        channel = grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", -1)])
+        stub = channel.unary_unary("/coda.pacer.v1.RolloutPacer/Collect",
+                                   request_serializer=pacer_pb2.CollectRequest.SerializeToString,
+                                   response_deserializer=pacer_pb2.CollectResponse.FromString)
+        answer = stub(pacer_pb2.CollectRequest(num_groups=3), timeout=30)
+        channel.close()
+        assert [g.prompt_id for g in answer.groups] == ["g0", "g1"] and answer.cut_to_fit
+
+
+def test_batches_builds_one_mini_batch_from_several_collects(server):
+    pytest.importorskip("numpy")
+    with PacerClient(server.address) as filler, PacerClient(server.address, max_message_bytes=LIMIT) as trainer:
+        fill(filler, ["g0", "g1", "g2", "g3"], 200 * KB)
+        with trainer.batches(8, lease=60.0, num_batches=1, poll=1.0) as batches:
+            batch = next(batches)
+            assert [g.prompt_id for g in batch.groups] == ["g0", "g1", "g2", "g3"]
+            assert len(batch.lease_ids) == 2 and batch.lease_id == batch.lease_ids[0]
+        state = trainer.state()
+        assert (state.consumed, state.leased, state.buffered) == (4, 0, 0)  # every lease acknowledged
+
+
+class LongEngine:
+    """An AsyncEngine answering each request at once with as many tokens as its prompt's first id says."""
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        count = min(request.max_tokens, request.input_ids[0])
+        return Generation(list(range(count)), [-0.5] * count, FinishReason.STOP)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        pass
+
+
+def test_worker_splits_submits_to_fit_and_fails_a_trajectory_that_never_can(tmp_path):
+    # 4 trajectories of 40,000 tokens (about 320 KB each with logprobs) end together: one Submit would be
+    # 1.3 MB, over the worker's 1 MB. A trajectory of 150,000 tokens (1.2 MB) can never be sent by it.
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=4, M=4)) as server:
+        async def go():
+            async with AsyncPacerClient(server.address, max_message_bytes=LIMIT) as pacer:
+                source = ListPromptSource([Prompt("fits", [40_000]), Prompt("huge", [150_000])])
+                worker = AsyncRolloutWorker(pacer, LongEngine(), source, max_groups=1, dispatch_wait=0.5,
+                                            sampling=SamplingParams(max_tokens=200_000), shutdown_grace=5.0)
+                return await asyncio.wait_for(worker.run(), 60)
+
+        stats = asyncio.run(go())
+        with PacerClient(server.address) as trainer:  # the default limit (64 MB) takes the whole group
+            state, collected = trainer.state(), trainer.collect(1)
+    assert stats.trajectories_too_large == 4  # every trajectory of the huge group
+    assert stats.submit_calls >= 3  # the fitting group needed two Submits at least
+    assert (state.submitted, state.collected, state.filtered) == (8, 1, 1)  # the FAILED group: dropped by status
+    assert [g.prompt_id for g in collected] == ["fits"]
+    assert [len(t.token_ids) for t in collected[0].trajectories] == [40_000] * 4
