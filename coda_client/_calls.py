@@ -87,10 +87,11 @@ def request_id_or_new(request_id: str | None) -> str:
 
 def dispatch(
     candidates: Iterable[PromptRef | str], *, wait: float, request_id: str | None, timeout: float,
-    max_continuations: int = 0,
+    max_continuations: int = 0, loaded_weight_version: int | None = None,
 ) -> Call[DispatchResult]:
     """Dispatch: candidates are prompt ids or PromptRefs, in preference order; up to `max_continuations`
-    restored groups kept for continuation come first."""
+    restored groups kept for continuation come first. `loaded_weight_version`: what the caller's engine
+    reports loaded (shown by ListWorkers)."""
     if isinstance(candidates, (str, bytes)):
         # A bare string would otherwise be iterated as one candidate per character.
         raise TypeError("candidates must be a list of prompt ids or PromptRefs, not a single string")
@@ -100,16 +101,19 @@ def dispatch(
         wait_seconds=wait,
         request_id=request_id_or_new(request_id),
         max_continuations=max_continuations,
+        loaded_weight_version=loaded_weight_version,
     )
     return Call("Dispatch", request, call_timeout(timeout, wait), DispatchResult.from_pb)
 
 
-def keep_alive(prompt_ids: Sequence[str], *, timeout: float,
-               dispatch_seqs: Mapping[str, int] | None = None) -> Call[KeepAliveResult]:
-    """KeepAlive: renewing a lease twice is harmless, so no request id. `dispatch_seqs`: the fences (see submit)."""
+def keep_alive(prompt_ids: Sequence[str], *, timeout: float, dispatch_seqs: Mapping[str, int] | None = None,
+               loaded_weight_version: int | None = None) -> Call[KeepAliveResult]:
+    """KeepAlive: renewing a lease twice is harmless, so no request id. `dispatch_seqs`: the fences (see submit);
+    `loaded_weight_version`: as for dispatch."""
     if isinstance(prompt_ids, (str, bytes)):
         raise TypeError("prompt_ids must be a list of prompt ids, not a single string")
-    request = _message(pacer_pb2.KeepAliveRequest, prompt_ids=list(prompt_ids), dispatch_seqs=dispatch_seqs or {})
+    request = _message(pacer_pb2.KeepAliveRequest, prompt_ids=list(prompt_ids), dispatch_seqs=dispatch_seqs or {},
+                       loaded_weight_version=loaded_weight_version)
     return Call("KeepAlive", request, timeout, KeepAliveResult.from_pb)
 
 

@@ -214,8 +214,10 @@ def render_workers(holdings: Sequence[WorkerHoldings]) -> str:
         return "no running groups\n"
     lines = []
     for worker in holdings:
+        loaded = (f", engine at weight version {worker.loaded_weight_version}"
+                  if worker.loaded_weight_version is not None else "")
         lines.append(f"{worker.client_id or '(no client id)'}: {worker.running} running, oldest held "
-                     f"{worker.oldest_held_seconds:.1f}s")
+                     f"{worker.oldest_held_seconds:.1f}s{loaded}")
         for g in worker.groups:
             lease = f", lease {g.lease_remaining_seconds:.0f}s left" if g.lease_remaining_seconds is not None else ""
             lines.append(f"  {g.prompt_id} seq {g.seq}: {g.trajectories}/{g.group_size} trajectories, held "

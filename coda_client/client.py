@@ -276,12 +276,14 @@ class _ClientBase:
 
     # Call builders shared by both clients; the public methods only add blocking or awaiting.
     def _dispatch(self, candidates: Iterable[PromptRef | str], wait: float, request_id: str | None,
-                  max_continuations: int = 0) -> Call[Any]:
+                  max_continuations: int = 0, loaded_weight_version: int | None = None) -> Call[Any]:
         return _calls.dispatch(candidates, wait=wait, request_id=request_id, timeout=self.timeout,
-                               max_continuations=max_continuations)
+                               max_continuations=max_continuations, loaded_weight_version=loaded_weight_version)
 
-    def _keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Mapping[str, int] | None = None) -> Call[Any]:
-        return _calls.keep_alive(prompt_ids, timeout=self.timeout, dispatch_seqs=dispatch_seqs)
+    def _keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Mapping[str, int] | None = None,
+                    loaded_weight_version: int | None = None) -> Call[Any]:
+        return _calls.keep_alive(prompt_ids, timeout=self.timeout, dispatch_seqs=dispatch_seqs,
+                                 loaded_weight_version=loaded_weight_version)
 
     def _submit(self, trajectories: Sequence[Trajectory], request_id: str | None,
                 dispatch_seqs: Mapping[str, int] | None = None) -> Call[Any]:
@@ -360,17 +362,20 @@ class PacerClient(_ClientBase):
 
     def dispatch(
         self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
-        max_continuations: int = 0,
+        max_continuations: int = 0, loaded_weight_version: int | None = None,
     ) -> DispatchResult:
         """Proposes prompt groups (ids or PromptRefs); admits the first k allowed. No candidates: a peek.
         With max_continuations, up to that many restored groups kept for continuation come first
-        (result.continuations): continue them and submit all their trajectories again."""
-        return self._run(self._dispatch(candidates, wait, request_id, max_continuations))
+        (result.continuations): continue them and submit all their trajectories again.
+        `loaded_weight_version`: the version the caller's engine reports loaded (ListWorkers shows it)."""
+        return self._run(self._dispatch(candidates, wait, request_id, max_continuations, loaded_weight_version))
 
-    def keep_alive(self, prompt_ids: Sequence[str], *, dispatch_seqs: Mapping[str, int] | None = None) -> KeepAliveResult:
+    def keep_alive(self, prompt_ids: Sequence[str], *, dispatch_seqs: Mapping[str, int] | None = None,
+                   loaded_weight_version: int | None = None) -> KeepAliveResult:
         """Renews the in-flight leases of running groups this worker is still generating (and is the worker's
-        liveness heartbeat). `dispatch_seqs`: fencing tokens, as for submit()."""
-        return self._run(self._keep_alive(prompt_ids, dispatch_seqs))
+        liveness heartbeat). `dispatch_seqs`: fencing tokens, as for submit(); `loaded_weight_version`: as
+        for dispatch()."""
+        return self._run(self._keep_alive(prompt_ids, dispatch_seqs, loaded_weight_version))
 
     def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None,
                dispatch_seqs: Mapping[str, int] | None = None) -> SubmitResult:
@@ -558,15 +563,15 @@ class AsyncPacerClient(_ClientBase):
 
     async def dispatch(
         self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
-        max_continuations: int = 0,
+        max_continuations: int = 0, loaded_weight_version: int | None = None,
     ) -> DispatchResult:
         """Coroutine form of PacerClient.dispatch."""
-        return await self._run(self._dispatch(candidates, wait, request_id, max_continuations))
+        return await self._run(self._dispatch(candidates, wait, request_id, max_continuations, loaded_weight_version))
 
-    async def keep_alive(self, prompt_ids: Sequence[str], *,
-                         dispatch_seqs: Mapping[str, int] | None = None) -> KeepAliveResult:
+    async def keep_alive(self, prompt_ids: Sequence[str], *, dispatch_seqs: Mapping[str, int] | None = None,
+                         loaded_weight_version: int | None = None) -> KeepAliveResult:
         """Coroutine form of PacerClient.keep_alive."""
-        return await self._run(self._keep_alive(prompt_ids, dispatch_seqs))
+        return await self._run(self._keep_alive(prompt_ids, dispatch_seqs, loaded_weight_version))
 
     async def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None,
                      dispatch_seqs: Mapping[str, int] | None = None) -> SubmitResult:

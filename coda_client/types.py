@@ -697,8 +697,11 @@ class WorkerHoldings:
     running: int
     oldest_held_seconds: float
     groups: list[HeldGroup]
+    # The weight version its engine reported loaded on its last Dispatch or KeepAlive; None: never said.
+    loaded_weight_version: int | None = None
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.WorkerHoldings) -> WorkerHoldings:
         """From the wire message."""
-        return _from_fields(cls, msg, groups=[HeldGroup.from_pb(g) for g in msg.groups])
+        return _from_fields(cls, msg, groups=[HeldGroup.from_pb(g) for g in msg.groups],
+                            loaded_weight_version=_optional(msg, "loaded_weight_version"))

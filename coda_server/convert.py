@@ -298,15 +298,20 @@ def prompt_cursor(cursor: dict) -> pb.PromptCursor:
                            restores=cursor["restores"])
 
 
-def list_workers_response(held: list[HeldGroup], max_groups_per_worker: int = 0) -> pb.ListWorkersResponse:
-    """The held groups (oldest first) grouped by client id, ordered by client id."""
-    by_client: dict[str, list[HeldGroup]] = {}
+def list_workers_response(held: list[HeldGroup], max_groups_per_worker: int = 0,
+                          loaded_versions: Optional[dict[str, int]] = None) -> pb.ListWorkersResponse:
+    """The held groups (oldest first) grouped by client id, ordered by client id, with the weight version each
+    worker's engine reported loaded; a worker that reported one is listed even when it holds nothing."""
+    loaded_versions = loaded_versions or {}
+    by_client: dict[str, list[HeldGroup]] = {client: [] for client in loaded_versions}
     for group in held:
         by_client.setdefault(group.client_id, []).append(group)
     response = pb.ListWorkersResponse()
     for client, groups in sorted(by_client.items()):
         worker = response.workers.add(client_id=client, running=len(groups),
-                                      oldest_held_seconds=max(g.held_seconds for g in groups))
+                                      oldest_held_seconds=max((g.held_seconds for g in groups), default=0.0))
+        if client in loaded_versions:
+            worker.loaded_weight_version = loaded_versions[client]
         for g in groups[:max_groups_per_worker or None]:
             entry = worker.groups.add(prompt_id=g.prompt_id, seq=g.seq, ds_index=g.ds_index,
                                       held_seconds=g.held_seconds, trajectories=g.trajectories,

@@ -82,6 +82,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     async def Dispatch(self, request: pb.DispatchRequest, context) -> wire.DispatchResponse:
         caller = client_id(context)
         self._pacer.heard_from(caller)
+        if request.HasField("loaded_weight_version"):
+            self._pacer.note_loaded_version(caller, request.loaded_weight_version)
         result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
                                             bounded_wait(request.wait_seconds, context), request.request_id,
                                             caller, request.max_continuations)
@@ -89,7 +91,10 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
-        self._pacer.heard_from(client_id(context))  # the worker's heartbeat
+        caller = client_id(context)
+        self._pacer.heard_from(caller)  # the worker's heartbeat
+        if request.HasField("loaded_weight_version"):
+            self._pacer.note_loaded_version(caller, request.loaded_weight_version)
         return convert.keep_alive_response(self._pacer.keep_alive(list(request.prompt_ids),
                                                                   dict(request.dispatch_seqs)))
 
@@ -139,7 +144,9 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         if wanted and not CLIENT_ID_PATTERN.fullmatch(wanted):
             raise InvalidArgumentError(f"client_id {wanted[:140]!r} is not a valid client id: {CLIENT_ID_RULE}",
                                        violations=[("client_id", CLIENT_ID_RULE)])
-        return convert.list_workers_response(self._pacer.held_groups(wanted or None), request.max_groups_per_worker)
+        loaded = {c: v for c, v in self._pacer.loaded_versions().items() if not wanted or c == wanted}
+        return convert.list_workers_response(self._pacer.held_groups(wanted or None), request.max_groups_per_worker,
+                                             loaded)
 
     @maps_errors
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> bytes:

@@ -549,8 +549,9 @@ class AsyncRolloutWorker:
         request_id = str(uuid.uuid4())  # one per proposal: a retry that already landed answers the same
         wants = free if self.continue_restored else 0
         refs = [p.ref() for p in candidates]
+        loaded = self._loaded_version_field()
         call = lambda: self.pacer.dispatch(refs, wait=self.dispatch_wait, request_id=request_id,  # noqa: E731
-                                           max_continuations=wants)
+                                           max_continuations=wants, **loaded)
         try:
             result = await self._retrying("Dispatch", call)
         except BadRequestError as exc:
@@ -622,6 +623,12 @@ class AsyncRolloutWorker:
         if value is not None:
             self.engine_weight_version = int(value)
         return self.engine_weight_version
+
+    def _loaded_version_field(self) -> dict[str, int]:
+        """Dispatch's and KeepAlive's report of the version the engine has loaded (the server lists it)."""
+        if self.engine_weight_version is None:
+            return {}
+        return {"loaded_weight_version": self.engine_weight_version}
 
     async def _tag_version(self) -> int:
         """The version to tag a new request's tokens with; asks the engine again while it lags the pacer."""
@@ -1056,7 +1063,8 @@ class AsyncRolloutWorker:
             prompt_ids = [g.prompt.prompt_id for g in held]
             try:
                 answer = await keep_alive(prompt_ids, dispatch_seqs={g.prompt.prompt_id: g.seq for g in held
-                                                                     if g.seq is not None})
+                                                                     if g.seq is not None},
+                                          **self._loaded_version_field())
             except PacerClientError as exc:
                 logger.warning("%s: KeepAlive failed: %s", self.worker_id, exc, extra=_fields(worker=self.worker_id))
                 continue

@@ -109,10 +109,10 @@ def make_worker(pacer, engine, source, **kwargs) -> AsyncRolloutWorker:
 
 @contextlib.asynccontextmanager
 async def running_worker(address: str, source: ListPromptSource | None = None, engine: HeldEngine | None = None,
-                         **kwargs):
+                         client_id: str | None = None, **kwargs):
     """A worker running on a HeldEngine, once its first two groups (4 requests) are held in the engine."""
     engine = engine if engine is not None else HeldEngine()
-    async with AsyncPacerClient(address) as pacer:
+    async with AsyncPacerClient(address, client_id=client_id) as pacer:
         worker = make_worker(pacer, engine, source if source is not None else prompts(10), **kwargs)
         task = asyncio.create_task(worker.run())
         await until(lambda: len(engine.held) == 4, "4 requests held in the engine (2 groups x 2)")
@@ -224,7 +224,8 @@ def test_segments_are_tagged_with_the_version_the_engine_reports_loaded_not_the_
 
     async def go():
         engine = VersionedEngine()
-        async with running_worker(server.address, prompts(40), engine=engine) as (pacer, engine, worker, task):
+        async with running_worker(server.address, prompts(40), engine=engine,
+                                  client_id="versioned-worker") as (pacer, engine, worker, task):
             # RESUME announces 7, but nobody synced the engine: it still runs version 0.
             await pacer.reset("abort", wait=CONDITION_TIMEOUT, resume=True, weight_version=7)
             await until(lambda: worker.weight_version == 7, "the worker to record weight version 7")
@@ -239,6 +240,12 @@ def test_segments_are_tagged_with_the_version_the_engine_reports_loaded_not_the_
                 if any(t.segment_weight_versions == [7] for g in after_sync for t in g.trajectories):
                     break
             assert worker.engine_weight_version == 7
+            # The server knows what the worker's engine runs: Dispatch and KeepAlive carry it, ListWorkers shows it.
+            deadline = time.monotonic() + CONDITION_TIMEOUT
+            while (listed := {w.client_id: w.loaded_weight_version for w in await pacer.list_workers()}
+                   ).get(worker.worker_id) != 7 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert listed[worker.worker_id] == 7
             worker.stop()
             engine.release_all()
             await asyncio.wait_for(task, CONDITION_TIMEOUT)

@@ -112,16 +112,18 @@ class TrajectoryGroup(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., seq: _Optional[int] = ..., ds_index: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("candidates", "wait_seconds", "request_id", "max_continuations")
+    __slots__ = ("candidates", "wait_seconds", "request_id", "max_continuations", "loaded_weight_version")
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     candidates: _containers.RepeatedCompositeFieldContainer[PromptRef]
     wait_seconds: float
     request_id: str
     max_continuations: int
-    def __init__(self, candidates: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., max_continuations: _Optional[int] = ...) -> None: ...
+    loaded_weight_version: int
+    def __init__(self, candidates: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., max_continuations: _Optional[int] = ..., loaded_weight_version: _Optional[int] = ...) -> None: ...
 
 class AdmittedPrompt(_message.Message):
     __slots__ = ("prompt_id", "seq")
@@ -275,7 +277,7 @@ class ResetResponse(_message.Message):
     def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., quarantined: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., kept_prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("prompt_ids", "dispatch_seqs")
+    __slots__ = ("prompt_ids", "dispatch_seqs", "loaded_weight_version")
     class DispatchSeqsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -285,9 +287,11 @@ class KeepAliveRequest(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_SEQS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     dispatch_seqs: _containers.ScalarMap[str, int]
-    def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ..., dispatch_seqs: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    loaded_weight_version: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ..., dispatch_seqs: _Optional[_Mapping[str, int]] = ..., loaded_weight_version: _Optional[int] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("renewed", "unknown_prompt_ids", "lease_seconds", "liveness_seconds")
@@ -617,16 +621,18 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerHoldings, _Mapping]]] = ...) -> None: ...
 
 class WorkerHoldings(_message.Message):
-    __slots__ = ("client_id", "running", "oldest_held_seconds", "groups")
+    __slots__ = ("client_id", "running", "oldest_held_seconds", "groups", "loaded_weight_version")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     OLDEST_HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     running: int
     oldest_held_seconds: float
     groups: _containers.RepeatedCompositeFieldContainer[HeldGroup]
-    def __init__(self, client_id: _Optional[str] = ..., running: _Optional[int] = ..., oldest_held_seconds: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[HeldGroup, _Mapping]]] = ...) -> None: ...
+    loaded_weight_version: int
+    def __init__(self, client_id: _Optional[str] = ..., running: _Optional[int] = ..., oldest_held_seconds: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[HeldGroup, _Mapping]]] = ..., loaded_weight_version: _Optional[int] = ...) -> None: ...
 
 class HeldGroup(_message.Message):
     __slots__ = ("prompt_id", "seq", "ds_index", "held_seconds", "trajectories", "group_size", "lease_remaining_seconds")

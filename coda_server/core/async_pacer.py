@@ -205,6 +205,13 @@ class AsyncPacer:
         if client_id:
             self.pacer.heard_from(client_id)
 
+    def note_loaded_version(self, client_id: str, weight_version: int) -> None:
+        """The weight version `client_id`'s engine reports loaded (ListWorkers shows it)."""
+        self.pacer.note_loaded_version(client_id, weight_version)
+
+    def loaded_versions(self) -> dict[str, int]:
+        return self.pacer.loaded_versions()
+
     def keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Optional[Mapping[str, int]] = None) -> KeepAliveResult:
         """Renews in-flight leases at once (nothing to wait for: it is not journaled)."""
         self.check_ready()

@@ -142,6 +142,7 @@ class Pacer:
         self.answers = AnswerBook(limits, self._lock, self.checks.check_request_id)
         self._leases = Leases(limits.inflight_lease_seconds)
         self._liveness = Liveness(limits.worker_liveness_seconds)
+        self._loaded_versions: dict[str, int] = {}  # client id -> the weight version its engine reports loaded
         self._change_listeners: list[Callable[[], None]] = []
         self._control_listeners: list[Callable[[ControlEvent], None]] = []
         self._consume_listeners: list[Callable[[list[TrajectoryGroup], int, float], None]] = []
@@ -398,6 +399,18 @@ class Pacer:
     def heard_from(self, client_id: str) -> None:
         """A call from `client_id` (a worker's heartbeat, Dispatch or Submit): it is alive."""
         self._liveness.heard(client_id, self._clock())
+
+    def note_loaded_version(self, client_id: str, weight_version: int) -> None:
+        """`client_id`'s engine reports `weight_version` loaded (on its Dispatch or KeepAlive), the version its
+        segments are tagged with. Shown by ListWorkers; not journaled (every worker says it again)."""
+        if client_id:
+            with self._lock:
+                self._loaded_versions[client_id] = weight_version
+
+    def loaded_versions(self) -> dict[str, int]:
+        """The weight version each worker's engine last reported loaded, by client id."""
+        with self._lock:
+            return dict(self._loaded_versions)
 
     def watch_opened(self, client_id: str) -> None:
         """`client_id` opened a control stream: it is a watched worker from now on (see liveness.py)."""
