@@ -58,7 +58,7 @@ _GRPC_TYPES = {(False, False): "unary", (False, True): "server_stream",
 # ------------------------------------------------------------------------------------------ logging
 
 def log_control_event(pacer_state: Callable[[], PacerState]) -> Callable[[ControlEvent], None]:
-    """A Pacer control listener that logs each pause and resume once, with its figures.
+    """A Pacer control listener that logs each pause, resume and the end of the job once, with its figures.
 
     Runs under the pacer lock (it is a control listener): it reads the state, which is re-entrant, and logs.
     SHUTDOWN is logged by the command line, which knows the grace period.
@@ -81,6 +81,14 @@ def log_control_event(pacer_state: Callable[[], PacerState]) -> Callable[[Contro
                      state.buffered, state.capacity,
                      extra=fields(event="resume", step=event.step, weight_version=event.weight_version,
                                   generation=event.generation, buffered=state.buffered, capacity=state.capacity))
+        elif event.type == ControlEventType.JOB_ENDED:
+            state = pacer_state()
+            mode = ResetMode(event.mode).name.lower()
+            log.info("job ended (EndJob, mode %s) at step %d, weight version %d: dispatch closed for good; %d groups "
+                     "running, %d buffered, %d consumed in all", mode, event.step, event.weight_version,
+                     state.running, state.buffered, state.consumed,
+                     extra=fields(event="job_ended", mode=mode, step=event.step, weight_version=event.weight_version,
+                                  running=state.running, buffered=state.buffered, consumed=state.consumed))
 
     return on_event
 

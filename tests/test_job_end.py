@@ -64,6 +64,7 @@ def test_end_job_closes_dispatch_tells_watchers_and_reports_what_was_left(server
         assert report.left_over == 3
         watcher.join(WAIT)
         assert events and events[0].mode == ResetMode.ABORT and events[0].job_ended
+        assert "job ended (EndJob, mode abort) at step 0" in server.log()
 
         # Dispatch closed for good: answered at once (not after its wait), nothing admitted, saying why.
         started = time.monotonic()
