@@ -35,12 +35,14 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> Any:
 
 
 @pytest.fixture(autouse=True)
-def _doc_block_server(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def _doc_block_server(request: pytest.FixtureRequest) -> Any:
     """For a documentation block only: a coda-server on 127.0.0.1:0 (default configuration), its address in
-    PACER_ADDRESS, and the block's working directory."""
+    PACER_ADDRESS, and the block's working directory. Other tests get nothing (and pay nothing)."""
     if request.node.get_closest_marker(MARKER_NAME) is None:
         yield None
         return
+    tmp_path: Path = request.getfixturevalue("tmp_path")
+    monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
     sys.path.insert(0, str(ROOT / "tests"))
     try:
         from server_harness import ServerProcess
