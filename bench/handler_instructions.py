@@ -27,6 +27,7 @@ request into its pass-through views (`full` adds the wrappers and the servicer).
 
     python bench/handler_instructions.py                     # Dispatch (peek, 4 candidates) and Submit (~10 min)
     python bench/handler_instructions.py --rpcs dispatch --layers full --candidates 4
+    python bench/handler_instructions.py --rpcs getstate --layers full,servicer,floor
 
 Needs valgrind (`apt install valgrind`). The counts leave out what gRPC itself does per call and say
 nothing about time by themselves; rpc_throughput.py remains the measure of the issue's targets.
@@ -46,7 +47,7 @@ from typing import Any, Optional
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 LAYERS = ("full", "servicer", "async", "pacer", "refs", "floor")
-RPCS = ("dispatch", "submit")
+RPCS = ("dispatch", "submit", "getstate")
 PREPARED_CALLS = 200  # made (and counted in both runs) before the measured calls: caches and dicts warm
 
 
@@ -89,6 +90,9 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
     if rpc == "submit":
         submit_child(server, capture.handlers["Submit"], layer, calls, measure)
         return
+    if rpc == "getstate":
+        getstate_child(server, capture.handlers["GetState"], layer, calls, measure)
+        return
     handler = capture.handlers["Dispatch"]
     servicer = RolloutPacerServicer(server.async_pacer)
     async_pacer = server.async_pacer
@@ -118,6 +122,37 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
         if measure:
             for i in range(PREPARED_CALLS, total):
                 await one(i)
+
+    asyncio.run(run())
+
+
+def getstate_child(server: Any, handler: Any, layer: str, calls: int, measure: bool) -> None:
+    """GetState calls: `full` and `floor` through the registered handler, `servicer` (and below) through the
+    servicer method on a decoded request."""
+    from observability_overhead import FakeContext
+    from coda_client._proto import pacer_pb2 as pb
+    from coda_server.server import tune_garbage_collector
+    from coda_server.service import RolloutPacerServicer
+
+    servicer = RolloutPacerServicer(server.async_pacer)
+    context = FakeContext()
+    wire = pb.GetStateRequest().SerializeToString()
+    request = pb.GetStateRequest()
+
+    async def one() -> None:
+        if layer in ("full", "floor"):
+            handler.response_serializer(await handler.unary_unary(handler.request_deserializer(wire), context))
+        else:
+            (await servicer.GetState(request, context)).SerializeToString()
+
+    async def run() -> None:
+        tune_garbage_collector()
+        server.async_pacer.bind_loop()
+        for _ in range(PREPARED_CALLS):
+            await one()
+        if measure:
+            for _ in range(calls):
+                await one()
 
     asyncio.run(run())
 
@@ -206,11 +241,14 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"(python {sys.version.split()[0]}, PYTHONHASHSEED=0)")
     figures = [("dispatch", int(c), f"Dispatch, {int(c)} candidates") for c in args.candidates.split(",")]
     figures.append(("submit", 0, "Submit, 64 trajectories"))
+    figures.append(("getstate", 0, "GetState"))
     for rpc, candidates, title in figures:
         if rpc not in rpcs:
             continue
         for layer in layers:
             if layer == "refs" and (candidates == 0 or rpc == "submit"):
+                continue
+            if rpc == "getstate" and layer not in ("full", "servicer", "floor"):
                 continue
             prepared = count_instructions(rpc, layer, candidates, args.calls, measure=False)
             measured = count_instructions(rpc, layer, candidates, args.calls, measure=True)

@@ -98,6 +98,9 @@ class Pacer:
         journal: Optional[Journal] = None,
     ):
         self.config = config
+        # GetState reports these on every call: read once (an OmegaConf lookup costs more than the rest of it).
+        self._prompts_per_step = int(config.data_sources[0].num_prompts_per_step)
+        self._mini_batch_size = int(config.trainer.mini_batch_size)
         self._clock = clock
         self._journal = journal  # where acknowledged changes are recorded; None keeps state in memory only
         self.last_ticket = 0  # journal ticket of the latest recorded change
@@ -879,8 +882,8 @@ class Pacer:
                 stale_steps=self._stale_steps,
                 collect_limit=self.collect_limit,
                 recent_reports=list(self._reports), recent_incidents=self.incidents.recent(), **self.totals,
-                job_ended=self.job_ended, prompts_per_step=int(self.config.data_sources[0].num_prompts_per_step),
-                group_sizes=list(self._group_sizes), mini_batch_size=int(self.config.trainer.mini_batch_size),
+                job_ended=self.job_ended, prompts_per_step=self._prompts_per_step,
+                group_sizes=list(self._group_sizes), mini_batch_size=self._mini_batch_size,
             )
 
     def close(self) -> None:
