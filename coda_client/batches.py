@@ -417,6 +417,9 @@ class _IteratorBase:
         self.acknowledged = 0  # batches acknowledged
         self.reconnect = float(reconnect)  # seconds calls wait for an away server to answer again
         self.server_shut_down = False  # the server announced SHUTDOWN and no server answered again in time
+        # The trainer ended the job (JOB_ENDED): once a Collect finds too few groups, nothing more will come and
+        # the iteration ends instead of polling for ever.
+        self.job_ended = False
         self._current: MiniBatch | None = None
         self._closed = False
 
@@ -506,6 +509,7 @@ class BatchIterator(_IteratorBase):
                 for event in self._watch:
                     self._watching.set()
                     delay = _AWAY_RETRY_INITIAL_SECONDS
+                    self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
                     if event.type == ControlEventType.SHUTDOWN:
                         self._present.clear()
                         self._shutdown.set()
@@ -587,9 +591,12 @@ class BatchIterator(_IteratorBase):
         limit (raises _Stopped when closed, ServerGoneError when the server does not come back)."""
         results: list[CollectResult] = []
         while missing := self._rest(results):
+            job_ended = self.job_ended  # read before the Collect: a batch completed after the end still counts
             result = self._call(self._collect_call(missing if results else None))
             if result.groups:
                 results.append(result)
+            elif job_ended and not results:
+                raise _Stopped  # the job ended and a whole poll brought nothing: no batch will come
         return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
 
     def __iter__(self) -> BatchIterator:
@@ -725,6 +732,7 @@ class AsyncBatchIterator(_IteratorBase):
             try:
                 async for event in self._watch:
                     delay = _AWAY_RETRY_INITIAL_SECONDS
+                    self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
                     if event.type == ControlEventType.SHUTDOWN:
                         self._present.clear()
                         self._shutdown.set()
@@ -794,9 +802,12 @@ class AsyncBatchIterator(_IteratorBase):
     async def _prefetch(self) -> MiniBatch:
         results: list[CollectResult] = []
         while missing := self._rest(results):
+            job_ended = self.job_ended
             result = await self._call(self._collect_call(missing if results else None))
             if result.groups:
                 results.append(result)
+            elif job_ended and not results:
+                raise _Stopped  # as in BatchIterator._prefetch
         return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
 
     def __aiter__(self) -> AsyncBatchIterator:

@@ -187,3 +187,31 @@ def test_end_job_request_ids_answer_a_retry_with_the_first_report(server):
     retry = stub.EndJob(pb.EndJobRequest(mode=pb.RESET_MODE_WAIT, request_id="end-1"))
     assert retry == first and list(first.in_flight_prompt_ids) == ["a"]
     channel.close()
+
+
+def test_the_batch_iterators_end_when_the_job_has_ended_and_nothing_more_comes(server):
+    with PacerClient(server.address) as pacer:
+        pacer.dispatch(["a", "b"])
+        pacer.submit([trajectory("a", 0), trajectory("a", 1), trajectory("b", 0)])  # b stays incomplete
+        seen: list = []
+        batches = pacer.batches(mini_batch_size=2, poll=0.5, lease=60)
+        assert batches.wait_watching(WAIT)
+
+        def train() -> None:
+            with batches:
+                for batch in batches:  # without num_batches: until the job ends and nothing more comes
+                    seen.append(batch.prompt_id[0])
+                    pacer.end_job("wait", wait=0)
+
+        trainer = threading.Thread(target=train, daemon=True)
+        trainer.start()
+        trainer.join(WAIT)
+        assert not trainer.is_alive(), "the iterator kept polling after the job ended"
+        assert seen == ["a"] and batches.job_ended
+
+    async def async_loop() -> list:
+        async with AsyncPacerClient(server.address) as client:
+            async with client.batches(mini_batch_size=2, poll=0.5, lease=60) as batches:
+                return [batch async for batch in batches]
+
+    assert asyncio.run(asyncio.wait_for(async_loop(), WAIT)) == []  # ended before it started: no batch, no hang
