@@ -316,3 +316,38 @@ def test_memory_only_is_an_explicit_choice_said_in_the_start_up_line(tmp_path):
         log = server.log()
     assert 'state in memory only (server.state_dir is "")' in log, log
     assert not (workdir / "coda-state").exists()
+
+
+def test_a_reset_waiting_when_the_server_shuts_down_is_abandoned_not_finished(durable):
+    """A graceful restart in the middle of a WAIT Reset drops nothing: the Reset is abandoned (the trainer
+    retries it on the next server) instead of finishing with the running groups dropped."""
+    import threading
+    import time
+
+    import grpc
+
+    from coda_client._proto import pacer_pb2 as pb
+
+    server = durable()
+    server.client.dispatch(["p0"], request_id="d-0")
+    server.client.submit(group("p0")[:1], request_id="s-0")  # half assembled: the Reset waits for it
+    stub = server.server.stub()
+    outcome: list = []
+
+    def reset() -> None:
+        try:
+            outcome.append(stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_WAIT, request_id="r-1"), timeout=60))
+        except grpc.RpcError as error:
+            outcome.append(error.code())
+
+    caller = threading.Thread(target=reset)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while not server.client.state().resetting:
+        assert time.monotonic() < deadline, "the Reset did not start waiting"
+        time.sleep(0.05)
+    server.restart(kill=False)
+    caller.join(30)
+    assert outcome == [grpc.StatusCode.UNAVAILABLE], outcome
+    state = server.client.state()
+    assert (state.generation, state.running, state.dropped, state.resetting) == (0, 1, 0, False), state

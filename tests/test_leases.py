@@ -89,6 +89,8 @@ def test_a_released_group_is_kept_for_continuation_and_its_old_dispatch_is_fence
     result = pacer.submit([Trajectory("a/t0", "a"), Trajectory("a/t1", "a")], dispatch_seqs={"a": continued.seq})
     assert (result.accepted, result.duplicates, result.groups_completed) == (2, 0, 1)
     assert pacer.state().buffered == 1 and pacer.state().invariant_holds()
+    with pytest.raises(StaleDispatchError):  # complete and collected by now: still w2's group, not w1's
+        pacer.submit([Trajectory("a/t1", "a", reward=5.0)], dispatch_seqs={"a": seq_a})
 
 
 def test_submits_extend_the_lease_and_complete_groups_never_expire():

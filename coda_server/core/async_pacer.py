@@ -259,6 +259,12 @@ class AsyncPacer:
             except BaseException:
                 self.pacer.abandon_reset()
                 raise
+            if self.pacer.closed and not self.pacer.reset_ready():
+                # The server is going away (a restart): finishing now would drop the running groups its workers
+                # will submit to the next server. Abandoned instead; the trainer's retry runs it there.
+                self.pacer.abandon_reset()
+                raise ShuttingDownError("the server shuts down while this Reset waits for running groups; it "
+                                        "was abandoned (nothing dropped): retry it once the server is back")
             return self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
 
         # The reset runs to its end even if the caller goes away: a half-done reset would leave dispatch

@@ -159,6 +159,8 @@ class Pacer:
         # server holds it, then only its content_key() (the body, e.g. its token arrays, is let go).
         self._accepted: dict[str, Trajectory | tuple] = {}
         self._generation_prompts: set[str] = set()
+        # This generation's latest dispatch seq of each prompt: the fence a Submit or KeepAlive is checked against.
+        self._latest_seqs: dict[str, int] = {}
         self._past_generation_prompts: deque[set[str]] = deque(maxlen=limits.remembered_generations)
         self._expired_groups: list[TrajectoryGroup] = []  # reclaimed this generation; the next Reset returns them
         self._expired_prompts: set[str] = set()
@@ -341,9 +343,11 @@ class Pacer:
                 raise self._hook_refused("on_dispatched", exc, "nothing was admitted") from exc
             self._next_seq += len(groups)
             inflight, generation_prompts = self._inflight, self._generation_prompts
+            latest_seqs = self._latest_seqs
             for group in groups:
                 inflight[group.prompt_id] = group
                 generation_prompts.add(group.prompt_id)
+                latest_seqs[group.prompt_id] = group.seq
             mark = self._cursor.mark
             for ref in admitted_refs:
                 mark(ref.ds_index, ref.epoch, ref.index, ref.prompt_id)
@@ -517,13 +521,15 @@ class Pacer:
     def check_fences(self, dispatch_seqs: Mapping[str, int]) -> None:
         """Refuse a Submit from a worker that lost a group: the group was released from it (lease or liveness)
         and handed out again, so its running dispatch has another seq than the one the Submit names."""
-        stale = [(prompt_id, seq, self._inflight[prompt_id].seq) for prompt_id, seq in dispatch_seqs.items()
-                 if prompt_id in self._inflight and self._inflight[prompt_id].seq != seq]
+        latest = self._latest_seqs  # also for a group complete by now: it is another worker's work
+        stale = [(prompt_id, seq, latest[prompt_id]) for prompt_id, seq in dispatch_seqs.items()
+                 if prompt_id in latest and latest[prompt_id] != seq]
         if stale:
             prompt_id, yours, now = stale[0]
             raise StaleDispatchError(
                 f"group {prompt_id!r} was released from its dispatch seq {yours} (its worker went silent or its "
-                f"lease ran out) and is now dispatch seq {now} of another worker; drop this worker's work on it"
+                f"lease ran out) and was dispatched again as seq {now}, to another worker; drop this worker's "
+                f"work on it"
                 + (f" ({len(stale)} groups in all)" if len(stale) > 1 else ""))
 
     def _sort_submit(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:

@@ -98,6 +98,7 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         pacer._accepted.clear()
         pacer._past_generation_prompts.append(pacer._generation_prompts)
         pacer._generation_prompts = set()
+        pacer._latest_seqs = {}
         pacer.generation += 1
         ready_at = pacer._reset_ready_at if pacer._reset_ready_at is not None else now
         pause_delay = max(0.0, ready_at - (pacer._pause_started or ready_at))
