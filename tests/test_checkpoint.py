@@ -8,7 +8,7 @@ from coda_client.errors import BadRequestError, FailedPreconditionError
 from coda_server.core import Pacer, PromptRef, Trajectory, TrajectoryStatus
 from coda_server.core import checkpoints
 from coda_server.core.cursor import PromptCursor
-from coda_server.core.errors import InvalidArgumentError, ResetInProgressError
+from coda_server.core.errors import InvalidArgumentError, JobEndedError, ResetInProgressError
 from coda_server.core.journal import PickledTrajectories
 from conftest import core_overrides, load_core_config
 from server_harness import ServerProcess
@@ -103,6 +103,12 @@ def test_a_restore_that_cannot_apply_changes_nothing():
     pacer.begin_reset()
     before = pacer.state()
     with pytest.raises(ResetInProgressError, match="Reset is running"):
+        pacer.restore(checkpoint)
+    assert pacer.state() == before
+    pacer.abandon_reset()
+    pacer.end_job()
+    before = pacer.state()
+    with pytest.raises(JobEndedError, match="EndJob ended this job"):
         pacer.restore(checkpoint)
     assert pacer.state() == before
 

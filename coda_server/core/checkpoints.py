@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import recovery
 from .cursor import PromptCursor
-from .errors import FailedPreconditionError, InvalidArgumentError, ResetInProgressError
+from .errors import FailedPreconditionError, InvalidArgumentError, JobEndedError, ResetInProgressError
 from .inflight import StepTally, bytes_of
 from .journal import TrajectoryCodec, dumps, loads
 from .types import ControlEventType, ResetMode, RestoreResult
@@ -70,7 +70,7 @@ def take(pacer: "Pacer") -> dict[str, Any]:
             "buffer": buffer,
             "kept": pacer._restored.export(),
             "quarantined": list(pacer._quarantined),
-            "in_flight": [(ds, epoch, index, prompt_id) for ds, epoch, index, prompt_id in reoffered],
+            "in_flight": reoffered,  # (ds_index, epoch, index, prompt_id): offered again after a Restore
             "cursor": pacer._cursor.copy_without(reoffered).export(),
             "strategy": recovery.strategy_state(pacer),  # as the journal's snapshot saves it
         }
@@ -110,6 +110,9 @@ def check(pacer: "Pacer", checkpoint: dict[str, Any]) -> None:
     """Refuse (changing nothing) a checkpoint of another job's settings, or while a Reset runs."""
     if pacer.resetting:
         raise ResetInProgressError("a Reset is running; restore after it ends (nothing was changed)")
+    if pacer.job_ended:
+        raise JobEndedError("Restore refused: EndJob ended this job, and a restored job would dispatch again "
+                            "(nothing was changed); start a new server for a new run from the checkpoint")
     recorded, summary = checkpoint.get("config") or {}, pacer._summary
     changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
                for key in sorted(set(recorded) | set(summary)) if recorded.get(key) != summary.get(key)]
@@ -120,7 +123,7 @@ def check(pacer: "Pacer", checkpoint: dict[str, Any]) -> None:
             f"taken under (nothing was changed)", violations=[("checkpoint", "must be this job's")])
 
 
-def restore(pacer: "Pacer", checkpoint: dict[str, Any], request_id: str = "") -> RestoreResult:
+def restore(pacer: "Pacer", checkpoint: dict[str, Any]) -> RestoreResult:
     """Bring the pacer back to the checkpoint's step: everything held now is discarded and counted, the
     checkpoint's buffer and kept groups are put back as they were, the prompts in flight then (and every
     prompt admitted since) are offered again, and workers are told (PAUSE with ABORT, then RESUME at its weight

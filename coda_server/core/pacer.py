@@ -836,7 +836,7 @@ class Pacer:
 
     def apply_restore(self, checkpoint: dict, request_id: str = "") -> RestoreResult:
         with self._lock:
-            result = checkpoints.restore(self, checkpoint, request_id)
+            result = checkpoints.restore(self, checkpoint)
             if self._journal is not None:
                 # Journalled as a snapshot (nothing is in flight now) holding this answer, as a Reset's end is.
                 self.answers.remember("Restore", request_id, result)
