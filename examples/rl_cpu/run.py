@@ -1,0 +1,725 @@
+"""A policy learns through the service: vLLM (CPU) generates, PyTorch trains, weights sync every step.
+
+    python examples/rl_cpu/run.py                 # fully-async through coda-server, one seed
+    python examples/rl_cpu/run.py --compare       # the synchronous loop and three strategies, 3 seeds each
+    python examples/rl_cpu/run.py --kill-server-at 5
+
+starts, on 127.0.0.1, vLLM's OpenAI-compatible server (CPU build, pinned to core 0) serving the example's tiny
+Llama, and per run coda-server (durable state in the run's directory), worker processes
+(`coda_worker.AsyncRolloutWorker` over `VLLMEngine`) and the trainer in this process (PyTorch on core 1, one
+thread): GRPO-style updates on `batches()` mini-batches; at every step boundary Reset(ABORT), the new weights
+saved and synced into every engine once (`VLLMEngine.sync_weights`), Resume with the new version. The last
+line printed is a JSON summary; a reward curve is written as PNG. Exit code 1 when a trajectory was lost or
+an engine log-probability differs from the trainer's under the token's weight version by 1e-4 or more.
+
+The trainer and the workers need torch and the client: they run in the vLLM venv (setup.sh installs the
+client there); this script re-runs itself under that venv's python when started from another one, and runs
+coda-server with the python it was started from (`--server-python`). `run.py worker ...` is the worker
+process and `run.py plot ...` draws the curve (with matplotlib, in the server's python); neither is for
+direct use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for path in (str(HERE), str(REPO)):  # the checkout's client and the example's modules come first
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import task  # noqa: E402
+
+log = logging.getLogger("rl_cpu")
+DEFAULT_VENV = Path.home() / ".cache" / "coda-pacer" / "vllm-venv"
+DEFAULT_MODEL = Path.home() / ".cache" / "coda-pacer" / "tiny-llama"
+VLLM_START_TIMEOUT_SECONDS = 900.0  # the first start compiles the model (minutes on two cores)
+ENGINE_CORE, TRAINER_CORE = 0, 1
+ASYNC_STRATEGIES = ("no-window", "windowed-fifo", "latency-aware")
+RESET_WAIT_SECONDS = 60.0
+# What may become of a group whose trajectories the server acknowledged ("kept" at a boundary is not final).
+ACCOUNTED_FATES = ("trained", "held_at_end", "handed_back", "dropped_incomplete")
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+def all_cores() -> set[int]:
+    return set(range(os.cpu_count() or 1))
+
+
+def unpinned() -> None:
+    """A child's affinity: every core (the trainer pins itself, and children would inherit that)."""
+    os.sched_setaffinity(0, all_cores())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_vllm(python: str, model: Path, port: int, logs: Path) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    command = ["taskset", "-c", str(ENGINE_CORE), python, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", "512", "--dtype", "float32"]
+    return subprocess.Popen(command, stdout=open(logs / "vllm.log", "wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def wait_for_vllm(process: subprocess.Popen, base_url: str, logs: Path) -> float:
+    started = time.monotonic()
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {process.returncode}; see {logs / 'vllm.log'}:\n"
+                               + (logs / "vllm.log").read_text(errors="replace")[-3000:])
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return time.monotonic() - started
+        except OSError:
+            pass
+        if time.monotonic() - started > VLLM_START_TIMEOUT_SECONDS:
+            raise RuntimeError(f"vLLM not ready after {VLLM_START_TIMEOUT_SECONDS:.0f} s; see {logs / 'vllm.log'}")
+        time.sleep(1.0)
+
+
+def start_coda(args: argparse.Namespace, config: dict, run_dir: Path, port: int) -> subprocess.Popen:
+    """coda-server on 127.0.0.1:port with its state in run_dir/coda-state (a restart finds it there)."""
+    overrides = [
+        f"server.address=127.0.0.1:{port}", "server.metrics_address=", f"server.state_dir={run_dir / 'coda-state'}",
+        f"data_source.num_prompts_per_step={args.prompts_per_step}",
+        f"data_source.num_trajectories_per_prompt={args.group_size}",
+        f"trainer.mini_batch_size={args.mini_batch_size}",
+        f"fully_async.sliding_window={config['strategy']}", f"fully_async.stale_steps={config['stale_steps']}",
+        "rollout.partial=true", "rollout.continue_restored=true",
+    ]
+    process = subprocess.Popen([args.server_python, "-m", "coda_server", *overrides],
+                               stdout=open(run_dir / "coda-server.log", "ab"), stderr=subprocess.STDOUT, cwd=REPO,
+                               start_new_session=True, preexec_fn=unpinned,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("coda-server did not start:\n" + (run_dir / "coda-server.log").read_text(errors="replace"))
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return process
+        except OSError:
+            time.sleep(0.05)
+
+
+def start_worker(args: argparse.Namespace, index: int, pacer: str, engine: str, seed: int, run_dir: Path
+                 ) -> subprocess.Popen:
+    command = [sys.executable, str(Path(__file__).resolve()), "worker", "--pacer", pacer, "--engine", engine,
+               "--index", str(index), "--count", str(args.workers), "--seed", str(seed),
+               "--prompts", str(args.prompts_per_step * (args.steps + 4)), "--max-tokens", str(args.max_tokens),
+               "--max-groups", str(args.max_groups), "--stats", str(run_dir / f"worker-{index}.json")]
+    return subprocess.Popen(command, stdout=open(run_dir / f"worker-{index}.log", "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=unpinned)
+
+
+def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+def sampling(max_tokens: int):
+    from coda_worker.engines import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_token_ids=task.STOP_TOKENS)
+
+
+def worker_main(argv: list[str]) -> int:
+    from coda_client import AsyncPacerClient
+    from coda_worker import AsyncRolloutWorker, ListPromptSource, Prompt
+    from coda_worker.engines import VLLMEngine
+
+    parser = argparse.ArgumentParser(prog="run.py worker")
+    for name in ("--pacer", "--engine", "--stats"):
+        parser.add_argument(name, required=True)
+    for name in ("--index", "--count", "--seed", "--prompts", "--max-tokens", "--max-groups"):
+        parser.add_argument(name, type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    prompts = [Prompt(task.prompt_id(i), task.prompt_tokens(args.seed, i), epoch=0, index=i)
+               for i in range(args.prompts)]
+    source = ListPromptSource(prompts).shard(args.index, args.count)
+    acknowledged: dict[str, str] = {}  # trajectory id -> its prompt id
+
+    def record(trajectories) -> None:
+        for t in trajectories:
+            acknowledged[t.trajectory_id] = t.prompt_id
+
+    async def main() -> dict:
+        async with AsyncPacerClient(args.pacer, client_id=f"worker-{args.index}") as pacer, \
+                VLLMEngine(args.engine, model="tiny") as engine:
+            worker = AsyncRolloutWorker(pacer, engine, source, sampling=sampling(args.max_tokens),
+                                        reward=lambda prompt, tokens: task.reward(tokens),
+                                        max_groups=args.max_groups, worker_id=f"worker-{args.index}",
+                                        on_submitted=record)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
+            stats = await worker.run()
+            return {**stats.as_dict(), "acknowledged": acknowledged}
+
+    Path(args.stats).write_text(json.dumps(asyncio.run(main())))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+class Ledger:
+    """What became of every prompt group (last event wins), for `lost`; and the per-step figures."""
+
+    def __init__(self) -> None:
+        self.fate: dict[str, str] = {}
+        self.steps: list[dict] = []
+        self.staleness: Counter = Counter()
+        self.trained_tokens = 0
+        self.continued_trained = 0
+        self.started = time.monotonic()
+
+    def trained(self, rollouts, prompt_ids, report) -> None:
+        self.fate.update((p, "trained") for p in prompt_ids)
+        self.staleness.update(report.staleness)
+        self.trained_tokens += report.tokens
+        self.continued_trained += sum(rollouts.continued)
+
+    def boundary(self, reset) -> None:
+        for prompt_id in reset.kept_prompt_ids:
+            self.fate[prompt_id] = "kept"
+        for group in [*reset.restored, *reset.expired]:
+            self.fate[group.prompt_id] = "handed_back"
+        for prompt_id in reset.dropped_prompt_ids:
+            self.fate[prompt_id] = "dropped_incomplete"
+
+    def step_done(self, step: int, report) -> None:
+        self.steps.append({"step": step + 1, "seconds": round(time.monotonic() - self.started, 3),
+                           "reward": round(report.reward, 4), "loss": round(report.loss, 4),
+                           "tokens": report.tokens})
+        log.info("step %d: reward %.3f, %.1f s", step + 1, report.reward, self.steps[-1]["seconds"])
+
+
+class EngineSet:
+    """The run's inference engines, driven from the trainer's (blocking) code on one private event loop."""
+
+    def __init__(self, urls: list[str]) -> None:
+        from coda_worker.engines import VLLMEngine
+
+        self._loop = asyncio.new_event_loop()
+        self.engines = [VLLMEngine(url, model="tiny") for url in urls]
+        self.sync_seconds = self.generate_seconds = 0.0
+
+    def sync_weights(self, weights: Path, version: int) -> None:
+        """Loads the weights into every engine once (they refuse while requests generate)."""
+        started = time.monotonic()
+        for engine in self.engines:
+            self._loop.run_until_complete(engine.sync_weights(str(weights), version, drain_timeout=60.0))
+        self.sync_seconds += time.monotonic() - started
+
+    def generate(self, requests: list) -> list:
+        """Runs the requests (spread over the engines) and waits for all of them; a failed call is retried
+        once (an idle keep-alive connection the engine closed fails the next request sent on it)."""
+        from coda_worker.engines import EngineError
+
+        async def one(n: int, request) -> object:
+            try:
+                return await self.engines[n % len(self.engines)].generate(request)
+            except EngineError:
+                retried = dataclasses.replace(request, request_id=request.request_id + "-retry")
+                return await self.engines[n % len(self.engines)].generate(retried)
+
+        async def all_of() -> list:
+            return await asyncio.gather(*(one(n, r) for n, r in enumerate(requests)))
+        started = time.monotonic()
+        try:
+            return self._loop.run_until_complete(all_of())
+        finally:
+            self.generate_seconds += time.monotonic() - started
+
+    def close(self) -> None:
+        for engine in self.engines:
+            self._loop.run_until_complete(engine.aclose())
+        self._loop.close()
+
+
+def train_fully_async(pacer, engines, policy, prompts, ledger, args, *, on_step=None) -> None:
+    """The trainer's loop with coda-server pacing the rollout workers (docs/trainer.md shows it).
+
+    Each step trains on `batches()` mini-batches (whole groups, tokens of older weight versions masked out
+    of the loss), then crosses the step boundary: Reset(ABORT) pauses generation (the workers abort their
+    engine requests and submit the partial trajectories, which the server keeps and re-offers), the new
+    weights go into every engine once, and Resume opens dispatch at the new version.
+    """
+    from policy import Rollouts
+
+    for step in range(args.steps):
+        with pacer.batches(args.mini_batch_size, num_batches=args.batches_per_step, lease=300.0,
+                           mask_offpolicy=True) as batches:
+            for batch in batches:
+                rollouts = Rollouts.from_minibatch(batch, prompts.tokens)
+                report = policy.train(rollouts)
+                ledger.trained(rollouts, batch.prompt_id, report)
+        if on_step is not None:
+            on_step(step)  # --kill-server-at: the server is killed and restarted while workers generate
+        ledger.boundary(pacer.reset("abort", wait=RESET_WAIT_SECONDS))
+        weights = policy.publish(step + 1, args.weights_dir)
+        engines.sync_weights(weights, step + 1)  # into every engine once, however many workers share it
+        pacer.resume(step + 1)
+        ledger.step_done(step, report)
+
+
+def train_synchronous(engines, policy, prompts, ledger, args) -> None:
+    """The synchronous loop (the reference's colocate row): generate B groups, wait for all, train, sync."""
+    from coda_worker.engines import GenerationRequest
+
+    from policy import Rollouts
+
+    params = sampling(args.max_tokens)
+
+    def generate(step: int) -> Rollouts:
+        ids = range(step * args.prompts_per_step, (step + 1) * args.prompts_per_step)
+        requests = [GenerationRequest(f"sync-{step}-{i}-{k}", prompts.tokens(task.prompt_id(i)), args.max_tokens,
+                                      params)
+                    for i in ids for k in range(args.group_size)]
+        answers = engines.generate(requests)
+        return Rollouts(prompts=[list(r.input_ids) for r in requests],
+                        responses=[a.token_ids for a in answers], engine_logprobs=[a.logprobs for a in answers],
+                        token_versions=[[policy.version] * len(a.token_ids) for a in answers],
+                        loss_mask=[[1] * len(a.token_ids) for a in answers],
+                        rewards=[task.reward(a.token_ids) for a in answers],
+                        groups=[(g * args.group_size, (g + 1) * args.group_size)
+                                for g in range(args.prompts_per_step)],
+                        continued=[False] * len(answers))
+
+    for step in range(args.steps):
+        rollouts = generate(step)
+        report = policy.train(rollouts)
+        ledger.trained(rollouts, [], report)
+        weights = policy.publish(step + 1, args.weights_dir)
+        engines.sync_weights(weights, step + 1)
+        ledger.step_done(step, report)
+
+
+class PromptBook:
+    """The prompts of a run, by id (the workers derive the same ones from the seed)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._cache: dict[str, list[int]] = {}
+
+    def tokens(self, prompt_id: str) -> list[int]:
+        if prompt_id not in self._cache:
+            self._cache[prompt_id] = task.prompt_tokens(self.seed, int(prompt_id.rsplit("-", 1)[1]))
+        return self._cache[prompt_id]
+
+
+# ---------------------------------------------------------------------------------------------- one run
+
+def reset_engines(engine_urls: list[str], model: Path) -> None:
+    """Every engine back at the initial weights, as weight version 0."""
+    from coda_worker.engines import VLLMEngine
+
+    async def go() -> None:
+        for url in engine_urls:
+            async with VLLMEngine(url, model="tiny") as engine:
+                await engine.sync_weights(str(model), 0, drain_timeout=60.0)
+
+    asyncio.run(go())
+
+
+def run_one(args: argparse.Namespace, config: dict, seed: int, engine_urls: list[str], model: Path,
+            workdir: Path) -> dict:
+    """One configuration, one seed: a fresh policy, engines at version 0, a fresh coda-server (async)."""
+    from coda_client import PacerClient
+
+    from policy import Policy
+
+    name = f"{config['name']}-seed{seed}"
+    run_dir = workdir / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args.weights_dir = run_dir / "weights"
+    reset_engines(engine_urls, model)
+    policy = Policy(model, lr=args.lr, clip=args.clip, seed=seed, loss=args.loss, tis_cap=args.tis_cap)
+    prompts = PromptBook(seed)
+    ledger = Ledger()
+    engines = EngineSet(engine_urls)
+    cleanup_engines = engines.close
+    log.info("run %s", name)
+    stats: list[dict] = []
+    killed_at = None
+    with ExitStack() as cleanup:
+        if config["kind"] == "sync":
+            ledger.started = time.monotonic()
+            train_synchronous(engines, policy, prompts, ledger, args)
+        else:
+            port = free_port()
+            address = f"127.0.0.1:{port}"
+            coda = [start_coda(args, config, run_dir, port)]
+            cleanup.callback(lambda: stop(coda[0]))
+            workers = [start_worker(args, i, address, engine_urls[i % len(engine_urls)], seed, run_dir)
+                       for i in range(args.workers)]
+            for worker in workers:
+                cleanup.callback(stop, worker, signal.SIGKILL, 5.0)
+
+            with PacerClient(address) as pacer:
+                def maybe_kill(step: int) -> None:
+                    nonlocal killed_at
+                    if args.kill_server_at is None or step + 1 != args.kill_server_at:
+                        return
+                    time.sleep(0.2)  # the workers are generating the next step's groups
+                    log.info("step %d: SIGKILL to coda-server (pid %d), restarting it on %s", step + 1, coda[0].pid,
+                             run_dir / "coda-state")
+                    stop(coda[0], signal.SIGKILL)
+                    coda[0] = start_coda(args, config, run_dir, port)
+                    killed_at = step + 1
+                    wait_until_answering(pacer)
+
+
+                ledger.started = time.monotonic()
+                train_fully_async(pacer, engines, policy, prompts, ledger, args, on_step=maybe_kill)
+                wall = time.monotonic() - ledger.started
+                # The end of the job: the workers abort what they hold, submit it and stop; what the server
+                # still holds then is named in the report, counted, not lost.
+                ended = pacer.end_job("abort", wait=RESET_WAIT_SECONDS)
+                for ids in (ended.buffered_prompt_ids, ended.held_prompt_ids, ended.in_flight_prompt_ids,
+                            ended.kept_prompt_ids, ended.expired_prompt_ids, ended.quarantined_prompt_ids):
+                    ledger.fate.update((p, "held_at_end") for p in ids)
+            for worker in workers:
+                try:
+                    worker.wait(60)
+                except subprocess.TimeoutExpired:
+                    stop(worker)
+            stats = [json.loads((run_dir / f"worker-{i}.json").read_text()) for i in range(args.workers)]
+        wall = time.monotonic() - ledger.started
+    cleanup_engines()
+    audit_seconds = policy.audit()  # after the timed run: the check of tokens of older versions
+    result = result_of(args, config, seed, ledger, stats, wall, killed_at)
+    result.update(max_logprob_diff=policy.max_logprob_diff, max_logprob_diff_continued=policy.max_logprob_diff_continued,
+                  max_logprob_diff_by_staleness={str(k): v for k, v in sorted(policy.diff_by_staleness.items())},
+                  tokens_checked=policy.checked_tokens, train_seconds=round(policy.train_seconds, 2),
+                  sync_seconds=round(engines.sync_seconds, 2), generate_seconds=round(engines.generate_seconds, 2),
+                  audit_seconds=round(audit_seconds, 2))
+    return result
+
+
+def wait_until_answering(pacer, timeout: float = 120.0) -> None:
+    """Polls GetState until the restarted server answers (its channel reconnects with backoff)."""
+    from coda_client.errors import UnavailableError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pacer.state()
+            return
+        except UnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def result_of(args, config, seed, ledger: Ledger, stats: list[dict], wall: float, killed_at) -> dict:
+    acknowledged = {tid: prompt for s in stats for tid, prompt in s["acknowledged"].items()}
+    by_fate = Counter(ledger.fate.get(prompt, "lost") for prompt in acknowledged.values())
+    rewards = [s["reward"] for s in ledger.steps]
+    reached = next((s for s in ledger.steps if s["reward"] >= args.target), None)
+    generated = sum(s["tokens_generated"] for s in stats) if stats else ledger.trained_tokens
+    tail = rewards[-3:]
+    return {
+        "config": config["name"], "seed": seed, "steps": len(ledger.steps),
+        "reward_first": rewards[0] if rewards else None,
+        "reward_final": round(sum(tail) / len(tail), 4) if tail else None,
+        "steps_to_target": reached["step"] if reached else None,
+        "seconds_to_target": reached["seconds"] if reached else None,
+        "wall_seconds": round(wall, 2),
+        # Acknowledged by the server, yet neither trained, nor named at the end, nor handed back: must be 0.
+        "lost": sum(n for fate, n in by_fate.items() if fate not in ACCOUNTED_FATES),
+        "handed_back_or_dropped": by_fate.get("handed_back", 0) + by_fate.get("dropped_incomplete", 0),
+        "trajectories_aborted": sum(s["trajectories_aborted"] for s in stats),
+        "aborted_then_continued": sum(s["trajectories_continued"] for s in stats),
+        "aborted_then_continued_trained": ledger.continued_trained,
+        "staleness_histogram": {str(k): v for k, v in sorted(ledger.staleness.items())},
+        "tokens_generated": generated, "tokens_trained": ledger.trained_tokens,
+        "generated_per_trained_token": round(generated / ledger.trained_tokens, 3) if ledger.trained_tokens else None,
+        "held_at_end": by_fate.get("held_at_end", 0),
+        "server_killed_at_step": killed_at,
+        "curve": ledger.steps,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+def spread(values: list) -> dict:
+    """Median, min and max of the values that exist (None: the target was not reached)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": round(statistics.median(present), 4), "min": round(min(present), 4),
+            "max": round(max(present), 4), "n": len(present)}
+
+
+def mean_staleness(histogram: dict) -> float:
+    total = sum(histogram.values())
+    return sum(int(k) * v for k, v in histogram.items()) / total if total else 0.0
+
+
+def compare_table(results: list[dict]) -> dict:
+    table = {}
+    for name in dict.fromkeys(r["config"] for r in results):
+        runs = [r for r in results if r["config"] == name]
+        table[name] = {
+            "seeds": [r["seed"] for r in runs],
+            "reached_target": sum(r["seconds_to_target"] is not None for r in runs),
+            "seconds_to_target": spread([r["seconds_to_target"] for r in runs]),
+            "steps_to_target": spread([r["steps_to_target"] for r in runs]),
+            "reward_final": spread([r["reward_final"] for r in runs]),
+            "seconds_per_step": spread([r["wall_seconds"] / r["steps"] for r in runs]),
+            "generated_per_trained_token": spread([r["generated_per_trained_token"] for r in runs]),
+            "mean_staleness": spread([mean_staleness(r["staleness_histogram"]) for r in runs]),
+            "trajectories_aborted": spread([r["trajectories_aborted"] for r in runs]),
+            "aborted_then_continued": spread([r["aborted_then_continued"] for r in runs]),
+        }
+    return table
+
+
+def markdown_table(table: dict, speedups: dict) -> str:
+    """The compare table as Markdown: medians with [min, max] over the seeds."""
+    def cell(figure: dict, digits: int = 2) -> str:
+        if figure["median"] is None:
+            return "not reached"
+        return f"{figure['median']:.{digits}f} [{figure['min']:.{digits}f}, {figure['max']:.{digits}f}]"
+
+    lines = ["| configuration | reached 0.9 | seconds to target | steps to target | speedup vs sync | final reward "
+             "| s / step | generated / trained token | mean staleness | aborted | continued |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in table.items():
+        speedup = speedups.get(name)
+        lines.append(" | ".join([
+            f"| {name}", f"{row['reached_target']}/{len(row['seeds'])}", cell(row["seconds_to_target"], 1),
+            cell(row["steps_to_target"], 0), "1 (baseline)" if name == "sync" else
+            (f"{speedup:.2f}x" if speedup else "-"), cell(row["reward_final"], 3), cell(row["seconds_per_step"]),
+            cell(row["generated_per_trained_token"]), cell(row["mean_staleness"]),
+            cell(row["trajectories_aborted"], 0), cell(row["aborted_then_continued"], 0)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def summarize(args, results: list[dict], vllm_seconds: float, wall: float, plot_path: Path | None) -> dict:
+    totals = {
+        "lost": sum(r["lost"] for r in results),
+        "trajectories_aborted": sum(r["trajectories_aborted"] for r in results),
+        "aborted_then_continued": sum(r["aborted_then_continued"] for r in results),
+        "aborted_then_continued_trained": sum(r["aborted_then_continued_trained"] for r in results),
+        "max_logprob_diff": max(r["max_logprob_diff"] for r in results),
+        "max_logprob_diff_continued": max(r["max_logprob_diff_continued"] for r in results),
+    }
+    staleness: Counter = Counter()
+    for r in results:
+        staleness.update({int(k): v for k, v in r["staleness_histogram"].items()})
+    summary = {
+        "target": args.target,
+        "reward_first": results[0]["reward_first"], "reward_final": results[0]["reward_final"],
+        "steps_to_target": results[0]["steps_to_target"], "seconds_to_target": results[0]["seconds_to_target"],
+        **totals,
+        "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},
+        "runs": [{k: v for k, v in r.items() if k != "curve"} for r in results],
+        "vllm_start_seconds": round(vllm_seconds, 1), "wall_seconds": round(wall, 1),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "curve_png": str(plot_path) if plot_path else None,
+    }
+    if args.compare:
+        table = compare_table(results)
+        summary["compare"] = table
+        sync = table.get("sync", {}).get("seconds_to_target", {}).get("median")
+        summary["speedup_vs_sync"] = {
+            name: (round(sync / row["seconds_to_target"]["median"], 3)
+                   if sync and row["seconds_to_target"]["median"] else None)
+            for name, row in table.items() if name != "sync"}
+        summary["compare_markdown"] = markdown_table(table, summary["speedup_vs_sync"])
+    return summary
+
+
+def plot_main(argv: list[str]) -> int:
+    """Draws the reward curves (reward against wall seconds and against steps, one line per configuration)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves_path, out, target = Path(argv[0]), Path(argv[1]), float(argv[2])
+    results = json.loads(curves_path.read_text())
+    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {}
+    for r in results:
+        color = colors.setdefault(r["config"], f"C{len(colors)}")
+        label = r["config"] if sum(x["config"] == r["config"] for x in results[:results.index(r) + 1]) == 1 else None
+        by_time.plot([s["seconds"] for s in r["curve"]], [s["reward"] for s in r["curve"]], color=color, alpha=0.8,
+                     label=label)
+        by_step.plot([s["step"] for s in r["curve"]], [s["reward"] for s in r["curve"]], color=color, alpha=0.8,
+                     label=label)
+    for axis, xlabel in ((by_time, "wall seconds (trainer start to step end)"), (by_step, "training step")):
+        axis.axhline(target, color="grey", linestyle=":", linewidth=1)
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel("mean reward of the trained batch")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.suptitle("tiny Llama on 2 CPU cores: vLLM generates, PyTorch trains (one line per seed)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def vllm_setup(args: argparse.Namespace) -> tuple[str, Path]:
+    """The vLLM venv's python and the model directory, creating either with setup.sh when missing."""
+    python = args.vllm_python or os.environ.get("CODA_VLLM_PYTHON")
+    model = Path(args.model or os.environ.get("CODA_VLLM_MODEL") or DEFAULT_MODEL)
+    if python and (model / "config.json").exists():
+        return python, model
+    venv = Path(python).parent.parent if python else DEFAULT_VENV
+    subprocess.run(["bash", str(HERE / "setup.sh"), str(venv), str(model)], check=True)
+    return str(venv / "bin" / "python"), model
+
+
+def has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="training steps of every run")
+    parser.add_argument("--target", type=float, default=0.9, help="the reward steps_to_target counts up to")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the synchronous loop and the strategies side by side (--seeds each)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default 3 with --compare)")
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--strategy", default="latency-aware", help="without --compare: the strategy, or 'sync'")
+    parser.add_argument("--strategies", default=",".join(ASYNC_STRATEGIES), help="with --compare")
+    parser.add_argument("--stale-steps", type=float, default=1.0)
+    parser.add_argument("--kill-server-at", type=int, default=None,
+                        help="SIGKILL coda-server at this step (while workers generate) and restart it")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="B")
+    parser.add_argument("--group-size", type=int, default=8, help="N")
+    parser.add_argument("--mini-batch-size", type=int, default=64, help="M (trajectories); B*N/M updates a step")
+    parser.add_argument("--max-tokens", type=int, default=64, help="the response budget (the tail's end)")
+    parser.add_argument("--max-groups", type=int, default=8, help="groups each worker generates at once")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--clip", type=float, default=0.2, help="the ratio clip of --loss clip")
+    parser.add_argument("--loss", choices=("clip", "tis"), default="tis",
+                        help="clip: PPO's clipped ratio to the engine's log-probs; tis: truncated importance "
+                             "weights (policy.py)")
+    parser.add_argument("--tis-cap", type=float, default=2.0, help="the truncation of --loss tis")
+    parser.add_argument("--vllm-python", help="python of the vLLM venv (default $CODA_VLLM_PYTHON, else setup.sh)")
+    parser.add_argument("--server-python", default=os.environ.get("CODA_SERVER_PYTHON"),
+                        help="python with coda-server's packages (default: the one this script was started with)")
+    parser.add_argument("--model", help="model directory (default $CODA_VLLM_MODEL or ~/.cache/coda-pacer/tiny-llama)")
+    parser.add_argument("--vllm-port", type=int, default=18124)
+    parser.add_argument("--vllm-url", help="use this running vLLM (VLLM_SERVER_DEV_MODE=1, serving the model as "
+                                           "'tiny', pinned to core 0) instead of starting one")
+    parser.add_argument("--workdir", help="logs, weights and coda state (default: a temporary directory)")
+    parser.add_argument("--plot", help="where the reward curve PNG goes (default WORKDIR/reward-curve.png)")
+    args = parser.parse_args(argv)
+    if args.mini_batch_size <= 0 or (args.prompts_per_step * args.group_size) % args.mini_batch_size:
+        parser.error(f"--mini-batch-size {args.mini_batch_size} must divide B*N = "
+                     f"{args.prompts_per_step * args.group_size}")
+    args.batches_per_step = args.prompts_per_step * args.group_size // args.mini_batch_size
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        return worker_main(argv[1:])
+    if argv and argv[0] == "plot":
+        return plot_main(argv[1:])
+    args = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    wall_started = time.monotonic()
+    python, model = vllm_setup(args)
+    if not has_torch():  # the trainer and the workers run in the vLLM venv
+        os.execv(python, [python, str(Path(__file__).resolve()), *argv, "--vllm-python", python,
+                          "--server-python", args.server_python or sys.executable, "--model", str(model)])
+    args.server_python = args.server_python or sys.executable
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="coda-rl-cpu-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    seeds = [args.seed + i for i in range(args.seeds or (3 if args.compare else 1))]
+    if args.compare:
+        configs = [{"name": "sync", "kind": "sync"}] + [
+            {"name": f"{s}@{args.stale_steps:g}", "kind": "async", "strategy": s, "stale_steps": args.stale_steps}
+            for s in args.strategies.split(",")]
+    elif args.strategy == "sync":
+        configs = [{"name": "sync", "kind": "sync"}]
+    else:
+        configs = [{"name": f"{args.strategy}@{args.stale_steps:g}", "kind": "async", "strategy": args.strategy,
+                    "stale_steps": args.stale_steps}]
+    engine_url = args.vllm_url or f"http://127.0.0.1:{args.vllm_port}"
+    results = []
+    with ExitStack() as cleanup:
+        vllm_seconds = 0.0
+        if not args.vllm_url:
+            vllm = start_vllm(python, model, args.vllm_port, workdir)
+            cleanup.callback(stop, vllm)
+            vllm_seconds = wait_for_vllm(vllm, engine_url, workdir)
+        log.info("vLLM ready in %.0f s; logs in %s", vllm_seconds, workdir)
+        import torch
+
+        os.sched_setaffinity(0, {TRAINER_CORE})  # generation on core 0 (vLLM), training on core 1
+        torch.set_num_threads(1)
+        # Seeds innermost-last: every configuration's first seed runs before any second seed, so a load
+        # change on the machine spreads over all configurations.
+        for seed in seeds:
+            for config in configs:
+                results.append(run_one(args, config, seed, [engine_url], model, workdir))
+                log.info("%s", {k: v for k, v in results[-1].items() if k != "curve"})
+    curves = workdir / "curves.json"
+    curves.write_text(json.dumps(results))
+    plot_path = Path(args.plot) if args.plot else workdir / "reward-curve.png"
+    drawn = subprocess.run([args.server_python, str(Path(__file__).resolve()), "plot", str(curves), str(plot_path),
+                            str(args.target)], preexec_fn=unpinned)
+    summary = summarize(args, results, vllm_seconds, time.monotonic() - wall_started,
+                        plot_path if drawn.returncode == 0 else None)
+    if "compare_markdown" in summary:
+        (workdir / "compare.md").write_text(summary["compare_markdown"])
+    print(json.dumps(summary))
+    unchecked = sum(r["tokens_trained"] - r["tokens_checked"] for r in results)
+    ok = summary["lost"] == 0 and summary["max_logprob_diff"] < 1e-4 and unchecked == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
