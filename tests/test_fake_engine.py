@@ -31,10 +31,12 @@ def test_generation_takes_numpy_arrays_and_the_engines_words():
     assert Generation(np.array([1]), np.array([]), FinishReason.STOP).logprobs == []
 
 
-def test_fake_engine_is_exported_and_satisfies_the_protocols():
+def test_fake_engine_is_exported_and_every_shipped_engine_satisfies_the_protocols():
+    from coda_worker.engines import SGLangEngine, VLLMEngine
+
     assert coda_worker.FakeEngine is FakeEngine
-    engine = FakeEngine()
-    assert isinstance(engine, AsyncEngine) and isinstance(engine, ServedEngine)
+    for engine in (FakeEngine(), VLLMEngine("http://127.0.0.1:1"), SGLangEngine("http://127.0.0.1:1")):
+        assert isinstance(engine, AsyncEngine) and isinstance(engine, ServedEngine), type(engine).__name__
 
 
 def test_fake_engine_is_reproducible_per_seed_and_request_id():
