@@ -19,6 +19,10 @@ from .base import EngineError
 # Generation calls can take as long as a response does; the worker bounds them itself (aborts at a Reset).
 DEFAULT_GENERATE_TIMEOUT_SECONDS = 3600.0
 DEFAULT_CONTROL_TIMEOUT_SECONDS = 30.0
+# Pooled connections are dropped after this idle time: under the 5 s after which vLLM's and SGLang's uvicorn
+# servers close an idle keep-alive connection, so a request is never sent on one the engine is closing (it
+# would fail with ReadError; seen when generation pauses for a weight sync).
+KEEPALIVE_EXPIRY_SECONDS = 4.0
 # How long a weight sync waits for the engine's running requests to drain (an aborted request can take a
 # moment to free its KV blocks) before it refuses, and how often it asks meanwhile.
 DEFAULT_DRAIN_TIMEOUT_SECONDS = 10.0
@@ -47,7 +51,8 @@ class HttpEngine:
             base_url=self.base_url,
             headers=headers,
             transport=transport,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS),
             # No proxy from the environment: an engine is a local or cluster-internal address.
             trust_env=False,
         )

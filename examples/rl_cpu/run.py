@@ -186,7 +186,7 @@ def worker_main(argv: list[str]) -> int:
             worker = AsyncRolloutWorker(pacer, engine, source, sampling=sampling(args.max_tokens),
                                         reward=lambda prompt, tokens: task.reward(tokens),
                                         max_groups=args.max_groups, worker_id=f"worker-{args.index}",
-                                        on_submitted=record)
+                                        on_submitted=record, engine_retries=3)
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
             stats = await worker.run()
             return {**stats.as_dict(), "acknowledged": acknowledged}
@@ -206,6 +206,7 @@ class Ledger:
         self.staleness: Counter = Counter()
         self.trained_tokens = 0
         self.continued_trained = 0
+        self.filtered_groups = 0  # dropped by the server's filter (a FAILED trajectory) or a Reset: counted there
         self.started = time.monotonic()
 
     def trained(self, rollouts, prompt_ids, report) -> None:
@@ -411,6 +412,7 @@ def run_one(args: argparse.Namespace, config: dict, seed: int, engine_urls: list
                 # The end of the job: the workers abort what they hold, submit it and stop; what the server
                 # still holds then is named in the report, counted, not lost.
                 ended = pacer.end_job("abort", wait=RESET_WAIT_SECONDS)
+                ledger.filtered_groups = ended.state.filtered + ended.state.dropped
                 for ids in (ended.buffered_prompt_ids, ended.held_prompt_ids, ended.in_flight_prompt_ids,
                             ended.kept_prompt_ids, ended.expired_prompt_ids, ended.quarantined_prompt_ids):
                     ledger.fate.update((p, "held_at_end") for p in ids)
@@ -450,6 +452,9 @@ def wait_until_answering(pacer, timeout: float = 120.0) -> None:
 def result_of(args, config, seed, ledger: Ledger, stats: list[dict], wall: float, killed_at) -> dict:
     acknowledged = {tid: prompt for s in stats for tid, prompt in s["acknowledged"].items()}
     by_fate = Counter(ledger.fate.get(prompt, "lost") for prompt in acknowledged.values())
+    # Groups the server dropped (its status filter drops a group holding a FAILED trajectory) are counted by
+    # the server, not named: that many groups without a fate are accounted for.
+    unaccounted = sum(1 for p in acknowledged.values() if ledger.fate.get(p, "lost") not in ACCOUNTED_FATES)
     rewards = [s["reward"] for s in ledger.steps]
     reached = next((s for s in ledger.steps if s["reward"] >= args.target), None)
     generated = sum(s["tokens_generated"] for s in stats) if stats else ledger.trained_tokens
@@ -462,7 +467,8 @@ def result_of(args, config, seed, ledger: Ledger, stats: list[dict], wall: float
         "seconds_to_target": reached["seconds"] if reached else None,
         "wall_seconds": round(wall, 2),
         # Acknowledged by the server, yet neither trained, nor named at the end, nor handed back: must be 0.
-        "lost": sum(n for fate, n in by_fate.items() if fate not in ACCOUNTED_FATES),
+        "lost": max(0, unaccounted - args.group_size * ledger.filtered_groups),
+        "groups_dropped_by_server": ledger.filtered_groups,
         "handed_back_or_dropped": by_fate.get("handed_back", 0) + by_fate.get("dropped_incomplete", 0),
         "trajectories_aborted": sum(s["trajectories_aborted"] for s in stats),
         "aborted_then_continued": sum(s["trajectories_continued"] for s in stats),
