@@ -104,3 +104,22 @@ def test_the_docs_refer_only_to_files_in_the_repository():
                 outside.append(f"{path.name}: {phrase!r}")
     assert not broken, f"links to files that do not exist: {broken}"
     assert not outside, f"references to files outside the repository: {outside}"
+
+
+def test_the_trainer_loop_shown_is_the_one_the_rl_example_runs():
+    """docs/trainer.md shows examples/rl_cpu/run.py's train_fully_async loop as it is (a fragment: it needs torch
+    and vLLM); the runnable loop above it runs the same calls against FakeEngine workers."""
+    import ast
+    import textwrap
+
+    source = (ROOT / "examples" / "rl_cpu" / "run.py").read_text(encoding="utf-8")
+    function = next(node for node in ast.parse(source).body
+                    if isinstance(node, ast.FunctionDef) and node.name == "train_fully_async")
+    loop = next(node for node in function.body if isinstance(node, ast.For))
+    region = textwrap.dedent("\n".join(source.splitlines()[loop.lineno - 1:loop.end_lineno]))
+    shown = [code for path, _, words, code in python_fences()
+             if path.name == "trainer.md" and "notest" in words and "examples/rl_cpu/run.py" in code.splitlines()[0]]
+    assert len(shown) == 1, "docs/trainer.md shows examples/rl_cpu/run.py's loop once"
+    assert shown[0].split("\n", 1)[1].rstrip("\n") == region, (
+        "docs/trainer.md's copy of examples/rl_cpu/run.py's train_fully_async loop differs from the example: "
+        "copy the loop again")
