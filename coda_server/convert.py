@@ -228,19 +228,25 @@ STATE_FIELDS = tuple(name for name in STATE_FIELD_NAMES
 
 def state_message(state: PacerState) -> pb.GetStateResponse:
     """The whole GetStateResponse message (EndJob's report carries one)."""
-    return pb.GetStateResponse(config_summary=state.config_summary,
-                               recent_reports=[step_report(r) for r in state.recent_reports],
-                               recent_incidents=[pb.Incident(**dataclasses.asdict(i)) for i in state.recent_incidents],
-                               **{name: getattr(state, name) for name in STATE_FIELDS})
+    message = _state_without_summary(state)
+    message.config_summary.update(state.config_summary)
+    return message
 
 
 def state_response(state: PacerState) -> wire.EncodedAnswer:
     """GetState's answer; the configuration summary, the same in every answer of a server, is encoded once."""
-    return wire.EncodedAnswer(
-        pb.GetStateResponse(recent_reports=[step_report(r) for r in state.recent_reports],
-                            recent_incidents=[pb.Incident(**dataclasses.asdict(i)) for i in state.recent_incidents],
-                            **{name: getattr(state, name) for name in STATE_FIELDS}),
-        {}, _encoded_summary(state.config_summary))
+    return wire.EncodedAnswer(_state_without_summary(state), {}, _encoded_summary(state.config_summary))
+
+
+def _state_without_summary(state: PacerState) -> pb.GetStateResponse:
+    values = {}
+    for name in STATE_FIELDS:  # zeros left out: proto3 does not send them, and upb takes each keyword at a cost
+        value = getattr(state, name)
+        if value:
+            values[name] = value
+    return pb.GetStateResponse(recent_reports=[step_report(r) for r in state.recent_reports],
+                               recent_incidents=[pb.Incident(**dataclasses.asdict(i)) for i in state.recent_incidents],
+                               **values)
 
 
 _ENCODED_SUMMARIES: dict[tuple, bytes] = {}  # a server has one summary (a test process a few)
