@@ -41,7 +41,7 @@ def test_every_command_prints_text_by_default_and_json_with_the_flag(server, tmp
     code, text = run_cli(address, "end-job", "--wait", "0")
     assert "job ended" in text and "left over 0" in text
     for command in commands:
-        if command[0] in ("reset", "resume"):  # the job has ended: refused, as the server says
+        if command[0] in ("reset", "resume", "restore"):  # the job has ended: refused, as the server says
             code, text = run_cli(address, *command, "--json")
             assert code == 1
             continue
