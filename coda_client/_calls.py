@@ -87,10 +87,11 @@ def request_id_or_new(request_id: str | None) -> str:
 
 def dispatch(
     candidates: Iterable[PromptRef | str], *, wait: float, request_id: str | None, timeout: float,
-    max_continuations: int = 0, loaded_weight_version: int | None = None,
+    max_continuations: int | None = None, loaded_weight_version: int | None = None,
 ) -> Call[DispatchResult]:
-    """Dispatch: candidates are prompt ids or PromptRefs, in preference order; up to `max_continuations`
-    restored groups kept for continuation come first. `loaded_weight_version`: what the caller's engine
+    """Dispatch: candidates are prompt ids or PromptRefs, in preference order. Restored groups kept for
+    continuation come first: by default (None) in place of as many candidates, else up to
+    `max_continuations` of them on top (0: none). `loaded_weight_version`: what the caller's engine
     reports loaded (shown by ListWorkers)."""
     if isinstance(candidates, (str, bytes)):
         # A bare string would otherwise be iterated as one candidate per character.
@@ -100,7 +101,7 @@ def dispatch(
         candidates=[PromptRef.of(c).to_pb() for c in candidates],
         wait_seconds=wait,
         request_id=request_id_or_new(request_id),
-        max_continuations=max_continuations,
+        **({} if max_continuations is None else {"max_continuations": max_continuations}),
         loaded_weight_version=loaded_weight_version,
     )
     return Call("Dispatch", request, call_timeout(timeout, wait), DispatchResult.from_pb)

@@ -276,7 +276,7 @@ class _ClientBase:
 
     # Call builders shared by both clients; the public methods only add blocking or awaiting.
     def _dispatch(self, candidates: Iterable[PromptRef | str], wait: float, request_id: str | None,
-                  max_continuations: int = 0, loaded_weight_version: int | None = None) -> Call[Any]:
+                  max_continuations: int | None = None, loaded_weight_version: int | None = None) -> Call[Any]:
         return _calls.dispatch(candidates, wait=wait, request_id=request_id, timeout=self.timeout,
                                max_continuations=max_continuations, loaded_weight_version=loaded_weight_version)
 
@@ -362,12 +362,14 @@ class PacerClient(_ClientBase):
 
     def dispatch(
         self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
-        max_continuations: int = 0, loaded_weight_version: int | None = None,
+        max_continuations: int | None = None, loaded_weight_version: int | None = None,
     ) -> DispatchResult:
         """Proposes prompt groups (ids or PromptRefs); admits the first k allowed. No candidates: a peek.
-        With max_continuations, up to that many restored groups kept for continuation come first
-        (result.continuations): continue them and submit all their trajectories again.
-        `loaded_weight_version`: the version the caller's engine reports loaded (ListWorkers shows it)."""
+        Restored groups kept for continuation come first (result.continuations; continue them and submit all
+        their trajectories again): by default in place of as many candidates, as LoongSage re-offers them
+        before new prompts; max_continuations=n takes up to n on top of the candidates; 0 takes none (a
+        caller that cannot continue a partial group). `loaded_weight_version`: the version the caller's
+        engine reports loaded (ListWorkers shows it)."""
         return self._run(self._dispatch(candidates, wait, request_id, max_continuations, loaded_weight_version))
 
     def keep_alive(self, prompt_ids: Sequence[str], *, dispatch_seqs: Mapping[str, int] | None = None,
@@ -563,7 +565,7 @@ class AsyncPacerClient(_ClientBase):
 
     async def dispatch(
         self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
-        max_continuations: int = 0, loaded_weight_version: int | None = None,
+        max_continuations: int | None = None, loaded_weight_version: int | None = None,
     ) -> DispatchResult:
         """Coroutine form of PacerClient.dispatch."""
         return await self._run(self._dispatch(candidates, wait, request_id, max_continuations, loaded_weight_version))

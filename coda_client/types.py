@@ -42,6 +42,18 @@ class TrajectoryStatus(enum.IntEnum):
     FAILED = 2
     ABORTED = 3
 
+    @classmethod
+    def _missing_(cls, value: object) -> TrajectoryStatus:
+        """LoongSage's values ("completed", "failed", "aborted", or its str enum) and member names, any case."""
+        if isinstance(value, str):
+            member = cls.__members__.get(value.strip().upper())
+            if member is not None and member is not cls.UNSPECIFIED:
+                return member
+            if value.strip().lower() in ("pending", "generating"):
+                raise ValueError(f"trajectory status {value!r} is not a final status: submit completed, failed or "
+                                 f"aborted trajectories")
+        return None  # type: ignore[return-value]  # Enum then raises its usual ValueError
+
 
 class ResetMode(enum.IntEnum):
     """How Reset treats running generation; values equal the proto's RESET_MODE_* numbers."""
@@ -134,6 +146,13 @@ class Trajectory:
     int32, logprobs as numbers stored as float32); what a client returns is lists, or read-only NumPy
     arrays over the received bytes with `arrays="numpy"`. Two trajectories are equal when every field
     is, the arrays compared as their encoded bits (NaN equals the same NaN; a list equals an array).
+
+    Written as LoongSage writes its trajectories too: `status` may be LoongSage's string ("completed",
+    "failed", "aborted", or its str enum), normalised to TrajectoryStatus; and its keyword names are taken
+    as aliases (see LOONGSAGE_NAMES): `start_rollout_weight_version`, `end_rollout_weight_version`,
+    `rollout_log_probs`, `loss_masks`, `tokens` (prompt + response: the response's part, as long as
+    loss_masks or rollout_log_probs, becomes token_ids) and `rollout_weight_versions` (per token: runs
+    of one version become the segments). The same names read the fields back.
     """
 
     trajectory_id: str
@@ -166,6 +185,27 @@ class Trajectory:
         return True
 
     __hash__ = None  # type: ignore[assignment]  # mutable arrays inside
+
+    def __post_init__(self) -> None:
+        if isinstance(self.status, str):  # LoongSage's status strings (its enum is a str enum)
+            object.__setattr__(self, "status", TrajectoryStatus(self.status))
+
+    # LoongSage's names for the same fields, to read them as LoongSage code does.
+    @property
+    def start_rollout_weight_version(self) -> int:
+        return self.start_weight_version
+
+    @property
+    def end_rollout_weight_version(self) -> int:
+        return self.end_weight_version
+
+    @property
+    def rollout_log_probs(self) -> Sequence[float] | Any:
+        return self.logprobs
+
+    @property
+    def loss_masks(self) -> Sequence[int] | Any:
+        return self.loss_mask
 
     def _scalars(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _wire.ARRAY_FIELDS}
@@ -200,6 +240,51 @@ class Trajectory:
 
 
 _ARRAY_NUMBERS = {field.number: name for name, field in _wire.ARRAY_FIELDS.items()}
+
+# LoongSage's Trajectory keyword names (coda.agentflow.trajectory_store) -> this Trajectory's.
+LOONGSAGE_NAMES = {
+    "start_rollout_weight_version": "start_weight_version",
+    "end_rollout_weight_version": "end_weight_version",
+    "rollout_log_probs": "logprobs",
+    "loss_masks": "loss_mask",
+}
+_dataclass_init = Trajectory.__init__
+
+
+def _init_with_loongsage_names(self: Trajectory, **values: Any) -> None:
+    for theirs, ours in LOONGSAGE_NAMES.items():
+        if theirs in values:
+            if ours in values:
+                raise TypeError(f"Trajectory got both {ours!r} and LoongSage's name for it, {theirs!r}")
+            values[ours] = values.pop(theirs)
+    if "tokens" in values:  # LoongSage's prompt + response: the response is the last len(loss_masks) tokens
+        tokens = values.pop("tokens")
+        if "token_ids" in values:
+            raise TypeError("Trajectory got both 'token_ids' (the response) and LoongSage's 'tokens' (prompt + "
+                            "response)")
+        response = max(len(values.get("loss_mask", ())), len(values.get("logprobs", ())))
+        if not response and len(tokens):
+            raise TypeError("LoongSage's 'tokens' is prompt + response: pass 'loss_masks' or 'rollout_log_probs' "
+                            "too (as long as the response), or the response alone as 'token_ids'")
+        values["token_ids"] = list(tokens)[len(tokens) - response:] if response else []
+    if "rollout_weight_versions" in values:  # one version per response token: runs of one version are segments
+        versions = list(values.pop("rollout_weight_versions"))
+        if "segment_lengths" in values or "segment_weight_versions" in values:
+            raise TypeError("Trajectory got both segments and LoongSage's per-token 'rollout_weight_versions'")
+        lengths: list[int] = []
+        segment_versions: list[int] = []
+        for version in versions:
+            if segment_versions and segment_versions[-1] == version:
+                lengths[-1] += 1
+            else:
+                lengths.append(1)
+                segment_versions.append(int(version))
+        values["segment_lengths"], values["segment_weight_versions"] = lengths, segment_versions
+    _dataclass_init(self, **values)
+
+
+_init_with_loongsage_names.__doc__ = _dataclass_init.__doc__
+Trajectory.__init__ = _init_with_loongsage_names  # type: ignore[method-assign]
 
 
 def _number(message_class: Any, name: str) -> int:
@@ -586,6 +671,9 @@ class PacerState:
     #: C for the built-in strategies, or server.max_buffered_groups); 0: no bound known. Metric:
     #: coda_pacer_collect_limit_groups.
     collect_limit: int
+    #: Seconds the longest-kept restored group has waited to be re-offered (0 when none is kept): a kept group nobody
+    #: continues shows here. Metric: coda_pacer_restored_kept_oldest_seconds.
+    restored_kept_oldest_seconds: float
     # END PacerState fields
 
     @classmethod

@@ -27,7 +27,7 @@ def ref(i: int, epoch: int = 0) -> PromptRef:
 
 def generate(pacer: Pacer, indices, version: int, status=TrajectoryStatus.COMPLETED, complete: bool = True) -> list:
     """Dispatch these prompts and submit their trajectories made under `version`; returns the admitted ids."""
-    admitted = pacer.dispatch([ref(i) for i in indices]).admitted_ids
+    admitted = pacer.dispatch([ref(i) for i in indices], max_continuations=0).admitted_ids
     for prompt_id in admitted:
         pacer.submit([Trajectory(f"{prompt_id}#{j}", prompt_id, status=status, start_weight_version=version,
                                  end_weight_version=version, body=(prompt_id, j, version), size_bytes=7)

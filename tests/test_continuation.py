@@ -62,10 +62,11 @@ def test_restored_groups_are_kept_and_re_offered_first_with_their_partial_trajec
     assert [g.prompt_id for g in pacer.collect(1).groups] == ["a"]
 
 
-def test_a_dispatch_that_does_not_ask_gets_no_continuation_and_a_kept_prompt_is_not_a_candidate():
+def test_a_dispatch_that_opts_out_gets_no_continuation_and_a_kept_prompt_is_not_a_candidate():
     pacer = continuing_pacer()
     restore(pacer, "a")
-    assert pacer.dispatch([PromptRef("c")]).continued == []  # max_continuations 0: workers that cannot continue
+    # max_continuations 0: workers that cannot continue (by default a Dispatch gets kept groups first)
+    assert pacer.dispatch([PromptRef("c")], max_continuations=0).continued == []
     before = pacer.state()
     with pytest.raises(InvalidArgumentError) as refused:
         pacer.dispatch([PromptRef("d"), PromptRef("a")])
@@ -78,7 +79,7 @@ def test_a_dispatch_that_does_not_ask_gets_no_continuation_and_a_kept_prompt_is_
 def test_continuations_count_against_the_window_and_wait_while_paused():
     pacer = continuing_pacer()
     restore(pacer, "a", "b")
-    pacer.dispatch([PromptRef("x"), PromptRef("y"), PromptRef("z")])  # C = 4: one slot left
+    pacer.dispatch([PromptRef("x"), PromptRef("y"), PromptRef("z")], max_continuations=0)  # C = 4: one slot left
     result = pacer.dispatch([], max_continuations=2)
     assert [g.prompt_id for g in result.continued] == ["a"] and pacer.state().restored_kept == 1
     assert pacer.dispatch([], max_continuations=2).continued == []  # the window is full

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coda_server import TrajectoryStatus
-from coda_server.core import Pacer, PromptRef, StaleGenerationError, Trajectory
+from coda_server.core import InvalidArgumentError, Pacer, PromptRef, StaleGenerationError, Trajectory
 
 OK, FAILED, ABORTED = TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED
 
@@ -25,6 +25,7 @@ class ModelGroup:
     ds: int
     size: int
     statuses: list = field(default_factory=list)
+    arrival: int = 1 << 62  # order of its first trajectory's arrival (a Reset restores in that order)
 
     @property
     def complete(self) -> bool:
@@ -42,6 +43,7 @@ class Model:
         self.generation_prompts: set[str] = set()
         self.past: deque[set[str]] = deque(maxlen=16)  # server.remembered_generations
         self.paused = False
+        self.arrivals = 0
         self.step = self.weight_version = self.generation = 0
         self.totals = dict.fromkeys(("dispatched", "submitted", "collected", "consumed", "filtered", "restored",
                                      "dropped", "stale_rejected"), 0)
@@ -91,7 +93,10 @@ class Model:
         return pids[:n]
 
     def submit(self, pid: str, statuses: list) -> None:
-        self.inflight[pid].statuses.extend(statuses)
+        group = self.inflight[pid]
+        if not group.statuses and statuses:
+            group.arrival, self.arrivals = self.arrivals, self.arrivals + 1
+        group.statuses.extend(statuses)
         self.totals["submitted"] += len(statuses)
         self.settle()
 
@@ -104,7 +109,7 @@ class Model:
 
     def reset(self, resume: bool, weight_version: int):
         groups = sorted(self.inflight.values(), key=lambda g: g.seq)
-        restored = [g.pid for g in groups if g.complete]
+        restored = [g.pid for g in sorted(groups, key=lambda g: (g.arrival, g.seq)) if g.complete]
         dropped = [g.pid for g in groups if not g.complete]
         self.totals["restored"] += len(restored)
         self.totals["dropped"] += len(dropped)
@@ -177,6 +182,10 @@ def run_sequence(core_config, strategy: str, data) -> None:
         elif op == "collect":
             k = data.draw(st.integers(1, 4), label="k")
             partial = data.draw(st.booleans(), label="partial")
+            if not partial and k > model.C:  # the window can never hold k groups: refused, nothing taken
+                with pytest.raises(InvalidArgumentError, match=f"num_groups {k} can never be buffered"):
+                    pacer.collect_now(k, allow_partial=partial)
+                continue
             got = pacer.collect_now(k, allow_partial=partial)
             assert [g.prompt_id for g in got.groups] == model.collect(k, partial)
         elif op == "reset":

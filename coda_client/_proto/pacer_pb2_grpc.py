@@ -113,7 +113,8 @@ class RolloutPacerServicer:
 
     def Dispatch(self, request, context):
         """Proposes prompt groups to start; admits the first k the pacing strategy allows. Restored groups
-        kept for continuation (rollout.continue_restored) are re-offered first, up to `max_continuations`.
+        kept for continuation (rollout.continue_restored) are re-offered first: by default in place of as
+        many candidates, or up to `max_continuations` (0: none).
         Empty `candidates` is a cheap peek at the window terms. Paused: admits none, `paused` set.
         Errors: INVALID_ARGUMENT (empty or repeated prompt_id, prompt already in flight or kept for
         continuation, unconfigured ds_index, negative wait), UNAUTHENTICATED, UNAVAILABLE.

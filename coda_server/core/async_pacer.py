@@ -193,7 +193,7 @@ class AsyncPacer:
     # ------------------------------------------------------------- operations
 
     async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
-                       client_id: str = "", max_continuations: int = 0) -> DispatchResult:
+                       client_id: str = "", max_continuations: Optional[int] = None) -> DispatchResult:
         async def call() -> DispatchResult:
             return await self.waits.until(
                 self.pacer.dispatch_poll(candidates, request_id, client_id, max_continuations), wait)
@@ -365,7 +365,7 @@ class AsyncPacer:
 
     def state(self) -> PacerState:
         self.check_ready()
-        return self.pacer.state(self.waits.waiting_calls)
+        return self.pacer.state(self.waits.waiting_calls, ages=True)
 
     # ------------------------------------------------------------- watchers
 

@@ -117,7 +117,8 @@ class RequestChecks:
             raise InvalidArgumentError(f"Dispatch refused, nothing admitted: {violations[0][1]}", violations=violations)
 
     def check_max_continuations(self, count: Any) -> None:
-        if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
+        """None (re-offer as many kept groups as candidates) or an integer >= 0."""
+        if count is not None and not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
             raise InvalidArgumentError(f"max_continuations {count!r} must be an integer >= 0",
                                        violations=[("max_continuations", "must be an integer >= 0")])
 

@@ -5,16 +5,17 @@ import math
 from typing import Iterable
 
 from .prompt_ids import loongsage_order
-from .types import PromptRef, StepReport, Trajectory, TrajectoryGroup
+from .types import PromptRef, StepReport, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 _NO_PRIORITY = float("inf")
+_NO_ARRIVAL = 1 << 62  # no trajectory yet
 
 
 class InflightGroup:
     """A dispatched group that has not left the trajectory queue; handed to strategy hooks."""
 
     __slots__ = ("prompt_id", "ds_index", "epoch", "index", "seq", "group_size", "trajectories", "deadline",
-                 "dispatched_at", "held", "client_id")
+                 "dispatched_at", "held", "client_id", "arrival")
 
     def __init__(self, ref: PromptRef, seq: int, group_size: int, now: float, client_id: str = ""):
         self.prompt_id = ref.prompt_id
@@ -28,6 +29,7 @@ class InflightGroup:
         self.held = False  # complete, but the strategy's will_collect refused it so far
         self.deadline = math.inf  # when its in-flight lease runs out (extended by every Submit for it)
         self.client_id = client_id  # who dispatched it (x-coda-client-id; "" when the caller sent none)
+        self.arrival = _NO_ARRIVAL  # order of its first trajectory's arrival in this generation (Reset order)
 
     @property
     def complete(self) -> bool:
@@ -46,6 +48,32 @@ class InflightGroup:
     def to_group(self) -> TrajectoryGroup:
         return TrajectoryGroup(self.prompt_id, self.seq, self.ds_index, list(self.trajectories.values()),
                                self.epoch, self.index, self.dispatched_at)
+
+
+class DispatchedGroup:
+    """A group as `on_dispatched` sees it, in LoongSage's form: its ids and, in `trajectories`, the N pending
+    trajectories of a new group (status UNSPECIFIED, LoongSage's PENDING; trajectory_id "" as the worker names
+    them) or the trajectories a continued group brings back. Built when asked for: a strategy that reads
+    only `prompt_id` and `seq`, as the built-ins do, costs one small object per group."""
+
+    __slots__ = ("prompt_id", "seq", "ds_index", "epoch", "index", "group_size", "dispatched_at", "_brought")
+
+    def __init__(self, group: InflightGroup, brought: "list[Trajectory] | None" = None):
+        self.prompt_id = group.prompt_id
+        self.seq = group.seq
+        self.ds_index = group.ds_index
+        self.epoch = group.epoch
+        self.index = group.index
+        self.group_size = group.group_size
+        self.dispatched_at = group.dispatched_at
+        self._brought = brought
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        if self._brought is not None:
+            return list(self._brought)
+        return [Trajectory("", self.prompt_id, self.ds_index, TrajectoryStatus.UNSPECIFIED)
+                for _ in range(self.group_size)]
 
 
 class StepTally:

@@ -23,7 +23,7 @@ from .errors import (FailedPreconditionError, InvalidArgumentError, MessageTooLa
 from .filters import GroupFilter, create_filters
 from .incidents import HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception
 from .incidents import collect_error, hook_error
-from .inflight import ANSWER_OVERHEAD_BYTES, InflightGroup, StepTally, bytes_of, encoded_group_bound
+from .inflight import ANSWER_OVERHEAD_BYTES, DispatchedGroup, InflightGroup, StepTally, bytes_of, encoded_group_bound
 from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, StaleRejected,
                       Submitted)
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
@@ -131,7 +131,7 @@ class Pacer:
         self._default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
         # Restored groups: kept and re-offered for continuation, or handed to the Reset's caller (the old way).
         self.continue_restored = bool(setting(config, "rollout.continue_restored"))
-        self._restored = RestoredGroups([create_replay_strategy((s.get("dataset") or {}).get("buffer_replay_strategy"),
+        self._restored = RestoredGroups(lambda: self._clock(), [create_replay_strategy((s.get("dataset") or {}).get("buffer_replay_strategy"),
                                                                 config) for s in config.data_sources])
         # A group still holding a FAILED trajectory after the filters is quarantined, not trained on, unless asked.
         self._train_on_failed = bool(setting(config, "rollout.train_on_failed"))
@@ -170,6 +170,7 @@ class Pacer:
         self._call_failures: list[StrategyHookError] = []  # hook failures of the call running now
         self._last_gate_pass = clock()  # when held groups were last re-examined (for the periodic re-check)
         self._next_seq = 0
+        self._arrivals = 0  # groups whose first trajectory came, this generation (InflightGroup.arrival)
         self._strategy_touched = False
         self._cursor = PromptCursor()  # the prompts admitted so far (offered again after a Restore)
         # (step, weight version, wall time) of the last checkpoint taken and restored; None: none yet.
@@ -241,7 +242,7 @@ class Pacer:
     # ----------------------------------------------------------------- in-process calls
 
     def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
-                 client_id: str = "", max_continuations: int = 0) -> DispatchResult:
+                 client_id: str = "", max_continuations: Optional[int] = None) -> DispatchResult:
         """Admit the first k candidates the strategy allows now, after up to `max_continuations` kept restored
         groups; with `wait`, wait up to that long for one slot. `client_id` names who holds the admitted
         groups (`held_groups`)."""
@@ -309,24 +310,32 @@ class Pacer:
     # ----------------------------------------------------------------- dispatch
 
     def dispatch_poll(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "",
-                      max_continuations: int = 0) -> DispatchPoll:
+                      max_continuations: Optional[int] = None) -> DispatchPoll:
         self.checks.check_max_continuations(max_continuations)
         return DispatchPoll(self, candidates, request_id, client_id, max_continuations)
 
     def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "",
-                       max_continuations: int = 0, continued_ids: Optional[Sequence[str]] = None) -> DispatchResult:
-        """Validate the candidates and admit what the strategy allows now (caller holds the lock): first up to
-        `max_continuations` kept restored groups (replay names them: `continued_ids`), then candidates."""
+                       max_continuations: Optional[int] = None,
+                       continued_ids: Optional[Sequence[str]] = None) -> DispatchResult:
+        """Validate the candidates and admit what the strategy allows now (caller holds the lock): first kept
+        restored groups (replay names them: `continued_ids`), then candidates. `max_continuations` None (the
+        default) re-offers kept groups first in place of candidates, as many as the caller proposes (LoongSage's
+        data source hands out its restored groups before new prompts); a number takes up to that many on top
+        (0: none, for a caller that cannot continue a partial group)."""
         if candidates:  # none is a peek at the window
             self.checks.check_candidates(candidates, self._inflight, self._restored)
         allowed = self._admissible_now()
+        wanted = len(candidates) if max_continuations is None else max_continuations
         if continued_ids is not None:
             continued = self._restored.by_ids(continued_ids)
-        elif max_continuations and allowed and self._restored:
-            continued = self._restored.choose(min(allowed, max_continuations), self.step)
+        elif wanted and allowed and self._restored:
+            continued = self._restored.choose(min(allowed, wanted), self.step)
         else:
             continued = []
-        count = min(allowed - len(continued), len(candidates))
+        # By default the kept groups take the place of as many candidates (the caller proposed that much room).
+        proposed = len(candidates) - len(continued) if max_continuations is None and continued_ids is None \
+            else len(candidates)
+        count = min(allowed - len(continued), proposed)
         first_seq = self._next_seq + len(continued)
         admitted_ids: list[str] = []
         if count or continued:
@@ -336,9 +345,12 @@ class Pacer:
             refs = [*(PromptRef(g.prompt_id, g.ds_index, g.epoch, g.index) for g in continued), *admitted_refs]
             groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now, client_id)
                       for seq, ref in enumerate(refs, self._next_seq)]
-            # The strategy hears first: if a custom strategy raises, the pacer is unchanged.
+            # The strategy hears first: if a custom strategy raises, the pacer is unchanged. It sees each group
+            # with its trajectories as LoongSage hands them to on_dispatched: the N pending ones of a new group,
+            # those a continued group brings back.
+            brought = {g.prompt_id: g.trajectories for g in continued}
             try:
-                self._hooks.on_dispatched(groups)
+                self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups])
             except Exception as exc:
                 raise self._hook_refused("on_dispatched", exc, "nothing was admitted") from exc
             self._next_seq += len(groups)
@@ -498,6 +510,8 @@ class Pacer:
             touched: dict[str, InflightGroup] = {}
             for trajectory in fresh:
                 group = touched[trajectory.prompt_id] = self._inflight[trajectory.prompt_id]
+                if not group.trajectories:  # a Reset restores groups in the order their first trajectory came
+                    group.arrival, self._arrivals = self._arrivals, self._arrivals + 1
                 group.trajectories[trajectory.trajectory_id] = trajectory
                 self._accepted[trajectory.trajectory_id] = trajectory
                 self._held_bytes += trajectory.size_bytes
@@ -871,8 +885,10 @@ class Pacer:
                     for g in sorted(self._inflight.values(), key=lambda g: g.seq)
                     if client_id is None or g.client_id == client_id]
 
-    def state(self, waiting_calls: int = 0) -> PacerState:
-        """Every counter, read under the lock; `waiting_calls` is the caller's count of waiting long-polls."""
+    def state(self, waiting_calls: int = 0, ages: bool = False) -> PacerState:
+        """Every counter, read under the lock; `waiting_calls` is the caller's count of waiting long-polls. With
+        `ages`, the clock-dependent gauges too (restored_kept_oldest_seconds; GetState and the metrics ask for
+        them), else 0, so two states taken with nothing changed in between compare equal."""
         with self._lock:
             return PacerState(waiting_calls=waiting_calls,
                 running=len(self._inflight), buffered=len(self._buffer),
@@ -881,6 +897,7 @@ class Pacer:
                 generation=self.generation, paused=self.paused, resetting=self.resetting,
                 strategy=self._strategy.name, config_summary=dict(self._summary),
                 leased=self._leases.leased_groups, held_bytes=self._held_bytes, restored_kept=len(self._restored),
+                restored_kept_oldest_seconds=self._restored.oldest_age() if ages else 0.0,
                 last_checkpoint_step=self.last_checkpoint[0] if self.last_checkpoint else -1,
                 last_checkpoint_weight_version=self.last_checkpoint[1] if self.last_checkpoint else -1,
                 last_restore_step=self.last_restore[0] if self.last_restore else -1,

@@ -17,7 +17,7 @@ class DispatchPoll:
     __slots__ = ("_pacer", "_candidates", "_request_id", "_client_id", "_max_continuations", "_last")
 
     def __init__(self, pacer: "Pacer", candidates: Sequence[PromptRef], request_id: str, client_id: str = "",
-                 max_continuations: int = 0):
+                 max_continuations: Optional[int] = None):
         self._pacer = pacer
         self._candidates = candidates
         self._request_id = request_id

@@ -15,7 +15,7 @@ null is `fifo`) picks which ones go first. Custom strategies register like slidi
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .registry import Registry
 from .types import TrajectoryGroup
@@ -61,10 +61,12 @@ def create_replay_strategy(name: Any, config: Any = None) -> BufferReplayStrateg
 class RestoredGroups:
     """Restored groups kept for continuation, per data source in the order they were restored."""
 
-    def __init__(self, strategies: Sequence[BufferReplayStrategy]):
+    def __init__(self, clock: Callable[[], float], strategies: Sequence[BufferReplayStrategy]):
+        self._clock = clock
         self._strategies = list(strategies)  # one per data source
         self._groups: list[TrajectoryGroup] = []
         self._ids: set[str] = set()
+        self._kept_at: dict[str, float] = {}  # when each was kept: an unclaimed group's age is in GetState
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -75,11 +77,17 @@ class RestoredGroups:
     def keep(self, groups: Iterable[TrajectoryGroup]) -> list[str]:
         """Keep these groups (a Reset restored them); returns their prompt ids."""
         kept = []
+        now = self._clock()
         for group in groups:
             self._groups.append(group)
             self._ids.add(group.prompt_id)
+            self._kept_at[group.prompt_id] = now
             kept.append(group.prompt_id)
         return kept
+
+    def oldest_age(self) -> float:
+        """Seconds the longest-kept group has waited to be re-offered (0 when none waits)."""
+        return max(0.0, self._clock() - min(self._kept_at.values())) if self._kept_at else 0.0
 
     def choose(self, count: int, step: int) -> list[TrajectoryGroup]:
         """Up to `count` groups to re-offer, data source by data source, each in its strategy's order (not taken yet)."""
@@ -112,6 +120,8 @@ class RestoredGroups:
         taken = {g.prompt_id for g in groups}
         self._groups = [g for g in self._groups if g.prompt_id not in taken]
         self._ids -= taken
+        for prompt_id in taken:
+            self._kept_at.pop(prompt_id, None)
 
     def export(self) -> list[TrajectoryGroup]:
         return list(self._groups)
@@ -119,4 +129,5 @@ class RestoredGroups:
     def restore(self, groups: Optional[Iterable[TrajectoryGroup]]) -> None:
         self._groups = []
         self._ids = set()
+        self._kept_at = {}
         self.keep(groups or ())

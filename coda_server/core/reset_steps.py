@@ -71,11 +71,13 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         ready_at_recorded = pacer._reset_ready_at
         restored: list[TrajectoryGroup] = []
         dropped: list[str] = []
-        for group in sorted(pacer._inflight.values(), key=lambda g: g.seq):
+        # Restored in the order their first trajectory arrived, as LoongSage's clean-up drains its trajectory
+        # queue (and so re-offers them); dropped ones in dispatch order.
+        for group in sorted(pacer._inflight.values(), key=lambda g: (g.arrival, g.seq)):
             if group.complete:
                 restored.append(group.to_group())
-            else:
-                dropped.append(group.prompt_id)
+        dropped = [group.prompt_id for group in sorted(pacer._inflight.values(), key=lambda g: g.seq)
+                   if not group.complete]
         pacer.totals["restored"] += len(restored)
         pacer.totals["dropped"] += len(dropped)
         expired, pacer._expired_groups = pacer._expired_groups, []

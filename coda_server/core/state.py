@@ -118,6 +118,9 @@ class PacerState:
     collect_limit: int = gauge("coda_pacer_collect_limit_groups", "The most groups a Collect (without allow_partial) "
                                "may wait for: more can never be buffered at once (the window C for the built-in "
                                "strategies, or server.max_buffered_groups); 0: no bound known.", default=0)
+    restored_kept_oldest_seconds: float = gauge(
+        "coda_pacer_restored_kept_oldest_seconds", "Seconds the longest-kept restored group has waited to be "
+        "re-offered (0 when none is kept): a kept group nobody continues shows here.", default=0.0)
 
     def invariant_holds(self) -> bool:
         """dispatched = running + collected + filtered + restored + dropped + expired + quarantined,
