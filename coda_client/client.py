@@ -203,9 +203,6 @@ class _ClientBase:
         merged = dict(self._options)
         receive = merged.get("grpc.max_receive_message_length", max_message_bytes)
         self.max_receive_bytes = int(receive) if receive and int(receive) > 0 else 0
-        # The largest request it sends (0: no limit): the worker kit splits its Submits to fit.
-        send = merged.get("grpc.max_send_message_length", max_message_bytes)
-        self.max_send_bytes = int(send) if send and int(send) > 0 else 0
         self._lock = threading.Lock()
         self._channel: Any = None
         self._stub: Any = None

@@ -86,7 +86,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
             self._pacer.note_loaded_version(caller, request.loaded_weight_version)
         result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
                                             bounded_wait(request.wait_seconds, context), request.request_id,
-                                            caller, request.max_continuations if request.HasField("max_continuations") else None)
+                                            caller,
+                                            request.max_continuations if request.HasField("max_continuations") else None)
         return convert.dispatch_response(result)
 
     @maps_errors

@@ -48,6 +48,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 
 import grpc
 
+from coda_client._calls import estimated_submit_bytes
 from coda_client.client import AsyncPacerClient
 from .engines.base import AsyncEngine, Engine, EngineError, FinishReason, GenerationRequest, SamplingParams
 from coda_client.errors import (
@@ -320,14 +321,6 @@ class _ThreadedEngine:
 _CANDIDATE_FIELD = re.compile(r"^candidates\[(\d+)\]")
 # gRPC's own refusal of a message over its limit, on either side ("Sent/Received message larger than max").
 _MESSAGE_LIMIT = re.compile(r"message larger than max", re.IGNORECASE)
-# A Submit's bytes besides its trajectories (request id, framing), and each trajectory's framing in it.
-SUBMIT_OVERHEAD_BYTES = 256
-SUBMIT_FRAMING_BYTES = 6
-
-
-def encoded_size(trajectory: Trajectory) -> int:
-    """Bytes of a trajectory's encoding (its arrays are not copied to measure it)."""
-    return sum(memoryview(part).nbytes for part in trajectory.encoded_parts())
 
 
 class _TooLarge(Exception):
@@ -820,22 +813,23 @@ class AsyncRolloutWorker:
                         wire: list[Trajectory]) -> list[tuple[list[tuple[_Group, _Traj]], list[Trajectory]]] | None:
         """None when one Submit of `wire` fits the client's send limit; else the parts, in order, each within
         it, a trajectory over it alone replaced by a FAILED one saying why (it can never be sent)."""
-        limit = getattr(self.pacer, "max_send_bytes", 0)
+        limit = getattr(self.pacer, "max_message_bytes", 0)
         if not limit:
             return None
-        sizes = [encoded_size(t) + SUBMIT_FRAMING_BYTES for t in wire]
-        if sum(sizes) + SUBMIT_OVERHEAD_BYTES <= limit:
+        # The client's own measure (it refuses a Submit over its limit by the same estimate), nothing encoded.
+        sizes = [estimated_submit_bytes([t]) for t in wire]
+        if sum(sizes) <= limit:
             return None
         parts: list[tuple[list[tuple[_Group, _Traj]], list[Trajectory]]] = []
-        size = SUBMIT_OVERHEAD_BYTES
+        size = 0
         for entry, message, message_size in zip(batch, wire, sizes):
-            if message_size + SUBMIT_OVERHEAD_BYTES > limit:
+            if message_size > limit:
                 message = self._too_large(entry, message, f"the client's max_message_bytes ({limit} bytes)",
                                           message_size)
-                message_size = encoded_size(message) + SUBMIT_FRAMING_BYTES
+                message_size = estimated_submit_bytes([message])
             if not parts or size + message_size > limit:
                 parts.append(([], []))
-                size = SUBMIT_OVERHEAD_BYTES
+                size = 0
             parts[-1][0].append(entry)
             parts[-1][1].append(message)
             size += message_size
@@ -845,8 +839,8 @@ class AsyncRolloutWorker:
         """The FAILED trajectory submitted instead of one too large to send: the group completes (and the status
         filter drops it) instead of waiting for a Submit that can never go through."""
         group, traj = entry
-        reason = (f"trajectory too large to submit: {size or encoded_size(message)} bytes encoded, over {limit}; "
-                  f"raise max_message_bytes on the client and server.max_message_bytes, or shorten max_tokens")
+        reason = (f"trajectory too large to submit: about {size or estimated_submit_bytes([message])} bytes, over "
+                  f"{limit}; raise max_message_bytes on the client and server.max_message_bytes, or shorten max_tokens")
         logger.error("%s: %s: %s (submitted as FAILED)", self.worker_id, traj.trajectory_id, reason,
                      extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
         traj.status = TrajectoryStatus.FAILED
