@@ -440,8 +440,8 @@ class _IteratorBase:
     def _rest(self, results: list[CollectResult]) -> int:
         """Groups still missing from a batch of `results` (0: complete). Only a plain batch is completed by
         further Collects: a token budget's or a rank's share is what the server cut it to."""
-        if not results:
-            return self.shape.num_groups
+        if not results:  # a token budget with no cap on groups (num_groups 0) still needs its first Collect
+            return self.shape.num_groups or 1
         if self.shape.world_size > 1 or self.shape.token_budget or not results[-1].cut_to_fit:
             return 0
         return self.shape.num_groups - sum(len(r.groups) for r in results)

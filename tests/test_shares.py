@@ -239,3 +239,40 @@ def test_a_rank_collect_with_a_bad_shape_is_refused_over_grpc(tmp_path):
             pacer._run(_calls.collect(3, wait=0, allow_partial=False, request_id=None, timeout=10, lease=10,
                                       rank=0, world_size=2))
         assert "multiple of world_size" in str(caught.value)
+
+
+def test_async_ranks_share_token_budget_mini_batches(tmp_path):
+    """The async iterator: the group size comes from the server, the mini-batches are cut by tokens and
+    split between two ranks running as tasks of one event loop."""
+    import asyncio
+
+    from coda_client import AsyncPacerClient
+
+    lengths = [400, 10, 20, 30, 40, 50, 60, 70]  # groups of 2: 800, 20, 40, ... tokens
+    prompts = [f"q{i}" for i in range(len(lengths))]
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=8", "data_source.num_trajectories_per_prompt=2",
+                       "trainer.mini_batch_size=4") as server, PacerClient(server.address) as worker:
+        worker.dispatch(prompts)
+        for prompt_id, length in zip(prompts, lengths):
+            worker.submit(_wire_group(prompt_id, length))
+
+        async def rank_loop(rank: int) -> list[tuple[list[str], int]]:
+            taken = []
+            async with AsyncPacerClient(server.address) as pacer:
+                async with pacer.batches(token_budget=1099, rank=rank, world_size=2, num_batches=1, lease=60,
+                                         poll=10) as batches:
+                    async for batch in batches:
+                        taken.append((list(dict.fromkeys(batch.prompt_id)), batch.num_tokens))
+            return taken
+
+        async def both() -> list:
+            return await asyncio.gather(rank_loop(0), rank_loop(1))
+
+        shares = asyncio.run(asyncio.wait_for(both(), 60))
+        (ids0, tokens0), = shares[0]
+        (ids1, tokens1), = shares[1]
+        # The oldest groups within 1,099 tokens (800 + 20 + 40 + 60 + 80 = 1,000; the next, 100, would go over),
+        # split by tokens alone: the long group alone on one rank, the four short ones on the other.
+        assert sorted(ids0 + ids1) == prompts[:5]
+        assert sorted([tokens0, tokens1]) == [200, 800]
+        assert worker.state().buffered == 3
