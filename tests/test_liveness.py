@@ -18,7 +18,7 @@ from conftest import core_overrides
 from server_harness import ServerProcess
 from test_durability_crash import free_port
 
-GRACE = 2.0
+GRACE = 3.0  # seconds: short for the test, long enough for a worker on a busy machine to heartbeat in time
 LEASE = 600.0  # far beyond any wait here: only liveness can release the groups in time
 CALL_TIMEOUT = 60.0
 WORKER = Path(__file__).resolve().parent / "fault_worker.py"
