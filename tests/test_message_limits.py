@@ -124,3 +124,24 @@ def test_worker_splits_submits_to_fit_and_fails_a_trajectory_that_never_can(tmp_
     assert (state.submitted, state.collected, state.filtered) == (8, 1, 1)  # the FAILED group: dropped by status
     assert [g.prompt_id for g in collected] == ["fits"]
     assert [len(t.token_ids) for t in collected[0].trajectories] == [40_000] * 4
+
+
+def test_stop_ends_a_worker_within_its_grace_while_its_submits_are_refused(tmp_path):
+    # server.max_held_bytes of 1 byte: every Submit is refused RESOURCE_EXHAUSTED (back-pressure), for ever.
+    overrides = core_overrides("no-window", B=2, stale=1.0, N=2, M=2)
+    with ServerProcess(tmp_path, *overrides, "server.max_held_bytes=1") as server:
+        async def go():
+            async with AsyncPacerClient(server.address) as pacer:
+                worker = AsyncRolloutWorker(pacer, LongEngine(), ListPromptSource([Prompt("p0", [50])]),
+                                            max_groups=1, dispatch_wait=0.5, shutdown_grace=1.0,
+                                            sampling=SamplingParams(max_tokens=100))
+                task = asyncio.create_task(worker.run())
+                deadline = asyncio.get_running_loop().time() + 30
+                while worker.stats.submit_retries < 1:
+                    assert asyncio.get_running_loop().time() < deadline, "the Submit was never refused"
+                    await asyncio.sleep(0.02)
+                worker.stop()
+                return await asyncio.wait_for(task, 30)  # the grace is 1 s: it ends, it does not retry for ever
+
+        stats = asyncio.run(go())
+    assert stats.trajectories_refused == 2 and stats.groups_done == 1
