@@ -145,3 +145,19 @@ def test_stop_ends_a_worker_within_its_grace_while_its_submits_are_refused(tmp_p
 
         stats = asyncio.run(go())
     assert stats.trajectories_refused == 2 and stats.groups_done == 1
+
+
+def test_a_dispatch_reoffers_only_the_kept_groups_its_answer_can_carry(tmp_path):
+    overrides = core_overrides("no-window", B=4, stale=1.0, N=2, continue_restored=True)
+    with ServerProcess(tmp_path, *overrides, f"server.max_message_bytes={LIMIT}") as server:
+        with PacerClient(server.address, max_message_bytes=LIMIT) as client:
+            client.dispatch(["a", "b"])
+            for prompt_id in ("a", "b"):  # about 600 KB a group: one fits a 1 MB answer, two do not
+                client.submit([Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id,
+                                          status=TrajectoryStatus.ABORTED, payload=b"x" * (300 * KB))
+                               for i in range(2)])
+            client.reset("abort", wait=0, resume=True, weight_version=1)
+            first = client.dispatch(["n0", "n1"])
+            assert [g.prompt_id for g in first.continuations] == ["a"] and first.admitted == ["n0"]
+            second = client.dispatch(["n2"])
+            assert [g.prompt_id for g in second.continuations] == ["b"] and second.admitted == []

@@ -329,7 +329,7 @@ class Pacer:
         if continued_ids is not None:
             continued = self._restored.by_ids(continued_ids)
         elif wanted and allowed and self._restored:
-            continued = self._restored.choose(min(allowed, wanted), self.step)
+            continued = self._fitting_continuations(self._restored.choose(min(allowed, wanted), self.step))
         else:
             continued = []
         # By default the kept groups take the place of as many candidates (the caller proposed that much room).
@@ -388,6 +388,18 @@ class Pacer:
             self._record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued],
                                     self._liveness.watched(client_id)))
         return result
+
+    def _fitting_continuations(self, chosen: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        """The first of the chosen kept groups whose trajectories fit one Dispatch answer (server.max_message_bytes):
+        the rest wait for the next Dispatch. A group too large alone is not handed out; GetState's
+        restored_kept_oldest_seconds shows it waiting."""
+        limit = self.limits.answer_bytes(0)
+        size = ANSWER_OVERHEAD_BYTES
+        for count, group in enumerate(chosen):
+            size += encoded_group_bound(group)
+            if limit and size > limit:
+                return chosen[:count]
+        return chosen
 
     def admissible_now(self) -> int:
         """What a Dispatch would admit now (0 while paused or closed); cheap, unlike re-validating candidates."""
