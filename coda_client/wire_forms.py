@@ -127,10 +127,18 @@ def fields(buffer: memoryview, start: int, end: int) -> Iterator[tuple[int, int,
     try:
         while pos < end:
             field_start = pos
-            key, pos = _varint_at(buffer, pos)
+            key = buffer[pos]  # one-byte keys and sizes (field numbers below 16, values below 128) read inline
+            if key < 0x80:
+                pos += 1
+            else:
+                key, pos = _varint_at(buffer, pos)
             wire_type, value_start = key & 7, pos
             if wire_type == LEN:
-                size, value_start = _varint_at(buffer, pos)
+                size = buffer[pos]
+                if size < 0x80:
+                    value_start = pos + 1
+                else:
+                    size, value_start = _varint_at(buffer, pos)
                 pos = value_start + size
             elif wire_type == _VARINT:
                 _, pos = _varint_at(buffer, pos)
