@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import io
 import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 from .types import PromptRef, ResetMode, Trajectory
 
@@ -233,3 +234,38 @@ class _RestrictedUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"the journal refers to {module}.{name}, which it may not contain")
         return super().find_class(module, name)
 
+
+
+class Recorder:
+    """Records each acknowledged change in the journal (None: state in memory only) and keeps the ticket of the
+    latest one, which a caller waits on to be durable. `suspended()` stops recording while a journal is replayed."""
+
+    __slots__ = ("journal", "last_ticket", "_active")
+
+    def __init__(self, journal: Optional[Journal]):
+        self.journal = journal
+        self.last_ticket = 0
+        self._active = journal  # None while suspended or without a journal
+
+    @property
+    def recording(self) -> bool:
+        """True when changes are written now (a journal, not replaying it)."""
+        return self._active is not None
+
+    def record(self, event: JournalEvent) -> None:
+        if self._active is not None:
+            self.last_ticket = self._active.append(event)
+
+    def snapshot(self, state: dict) -> None:
+        """Replace everything recorded so far with `state` (when recording)."""
+        if self._active is not None:
+            self.last_ticket = self._active.snapshot(state)
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Within the block nothing is recorded (replay re-runs changes the journal already holds)."""
+        active, self._active = self._active, None
+        try:
+            yield
+        finally:
+            self._active = active

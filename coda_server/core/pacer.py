@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from . import checkpoints, collector, job_end, recovery, reset_steps
 from .answers import ANSWERED_METHODS, AnswerBook  # noqa: F401  (ANSWERED_METHODS was defined here)
 from .checks import RequestChecks
+from .clock import PacerClock
 from .config import config_summary
 from .cursor import PromptCursor
 from .errors import (FailedPreconditionError, InvalidArgumentError, MessageTooLargeError, ShuttingDownError,
@@ -24,8 +25,8 @@ from .filters import GroupFilter, create_filters
 from .incidents import HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception
 from .incidents import collect_error, hook_error
 from .inflight import ANSWER_OVERHEAD_BYTES, DispatchedGroup, InflightGroup, StepTally, bytes_of, encoded_group_bound
-from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, StaleRejected,
-                      Submitted)
+from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, Recorder,
+                      StaleRejected, Submitted)
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
 from .liveness import Liveness
 from .limits import Limits
@@ -101,9 +102,8 @@ class Pacer:
         # GetState reports these on every call: read once (an OmegaConf lookup costs more than the rest of it).
         self._prompts_per_step = int(config.data_sources[0].num_prompts_per_step)
         self._mini_batch_size = int(config.trainer.mini_batch_size)
-        self._clock = clock
-        self._journal = journal  # where acknowledged changes are recorded; None keeps state in memory only
-        self.last_ticket = 0  # journal ticket of the latest recorded change
+        self._clock = PacerClock(clock)  # pinned to each event's time while the journal is replayed
+        self.recorder = Recorder(journal)  # where acknowledged changes are recorded; None keeps state in memory only
         self._strategy = strategy if strategy is not None else create_strategy(config)
         # The pacer's lock is the strategy proxy's lock, so holding it is holding both, as every hook requires;
         # the pacer then calls the strategy itself, without the proxy taking the same lock again on every call.
@@ -115,8 +115,8 @@ class Pacer:
         self._on_submitted = overridden_hook(self._hooks, "on_submitted")
         self._on_consumed = overridden_hook(self._hooks, "on_consumed")
         self._on_resume = overridden_hook(self._hooks, "on_resume")
-        try:  # the strategy's clock and buffer view are this pacer's (read through, as recovery swaps the clock)
-            self._hooks._pacer_clock = lambda: self._clock()
+        try:  # the strategy's clock and buffer view are this pacer's (the clock is pinned during replay)
+            self._hooks._pacer_clock = self._clock
             self._hooks._pacer_buffer = BufferView(lambda: self._buffer)
         except AttributeError:  # a strategy with __slots__ and no room for them keeps the defaults
             pass
@@ -131,7 +131,7 @@ class Pacer:
         self._default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
         # Restored groups: kept and re-offered for continuation, or handed to the Reset's caller (the old way).
         self.continue_restored = bool(setting(config, "rollout.continue_restored"))
-        self._restored = RestoredGroups(lambda: self._clock(), [create_replay_strategy((s.get("dataset") or {}).get("buffer_replay_strategy"),
+        self._restored = RestoredGroups(self._clock, [create_replay_strategy((s.get("dataset") or {}).get("buffer_replay_strategy"),
                                                                 config) for s in config.data_sources])
         # A group still holding a FAILED trajectory after the filters is quarantined, not trained on, unless asked.
         self._train_on_failed = bool(setting(config, "rollout.train_on_failed"))
@@ -141,7 +141,7 @@ class Pacer:
         self.gate_recheck_seconds = float(setting(config, "fully_async.gate_recheck_seconds"))
 
         self._lock = self._strategy.lock if proxied else threading.RLock()
-        self.waits = ThreadWaits(self._lock, lambda: self._clock(), lambda: self.closed)
+        self.waits = ThreadWaits(self._lock, self._clock, lambda: self.closed)
         self.answers = AnswerBook(limits, self._lock, self.checks.check_request_id)
         self._leases = Leases(limits.inflight_lease_seconds)
         self._liveness = Liveness(limits.worker_liveness_seconds)
@@ -232,8 +232,7 @@ class Pacer:
             return self._control_event(ControlEventType.STATE)
 
     def _record(self, event: JournalEvent) -> None:
-        if self._journal is not None:
-            self.last_ticket = self._journal.append(event)
+        self.recorder.record(event)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -846,7 +845,17 @@ class Pacer:
 
     @property
     def journal(self) -> Optional[Journal]:
-        return self._journal
+        return self.recorder.journal
+
+    @property
+    def clock(self) -> PacerClock:
+        """The pacer's clock (pinned to each event's time while the journal is replayed)."""
+        return self._clock
+
+    @property
+    def last_ticket(self) -> int:
+        """The journal ticket of the latest recorded change (what a caller waits on to be durable)."""
+        return self.recorder.last_ticket
 
     def export_state(self) -> dict:
         """A consistent copy of everything a Reset leaves behind (nothing is in flight then), for a snapshot."""
@@ -863,10 +872,10 @@ class Pacer:
     def apply_restore(self, checkpoint: dict, request_id: str = "") -> RestoreResult:
         with self._lock:
             result = checkpoints.restore(self, checkpoint)
-            if self._journal is not None:
+            if self.recorder.recording:
                 # Journalled as a snapshot (nothing is in flight now) holding this answer, as a Reset's end is.
                 self.answers.remember("Restore", request_id, result)
-                self.last_ticket = self._journal.snapshot(self.export_state())
+                self.recorder.snapshot(self.export_state())
             return result
 
     def prompt_cursor(self) -> dict:

@@ -112,33 +112,28 @@ def recover(pacer: "Pacer") -> int:
     recorded = (snapshot or {}).get("config")  # None: a new directory, or a snapshot older than the record
     if recorded_events:
         check_recorded_config(pacer, recorded, len(recorded_events))
-    clock = pacer._clock
-    pacer._journal = None  # replaying must not record the events again
-    try:
-        with pacer._lock:
-            if snapshot is not None:
-                try:
-                    import_state(pacer, snapshot)
-                except (KeyError, ValueError) as exc:
-                    raise RecoveryError(f"cannot read the state snapshot in {journal.directory}: {exc}") from None
-            for number, recorded_event in enumerate(recorded_events, 1):
-                try:
-                    event = as_event(recorded_event)
-                    pacer._clock = lambda at=event.at: at  # the replayed call sees the time it first ran at
+    with pacer.recorder.suspended(), pacer._lock:  # replaying must not record the events again
+        if snapshot is not None:
+            try:
+                import_state(pacer, snapshot)
+            except (KeyError, ValueError) as exc:
+                raise RecoveryError(f"cannot read the state snapshot in {journal.directory}: {exc}") from None
+        for number, recorded_event in enumerate(recorded_events, 1):
+            try:
+                event = as_event(recorded_event)
+                with pacer.clock.pinned(event.at):  # the replayed call sees the time it first ran at
                     replay(pacer, event)
-                except Exception as exc:
-                    kind = type(recorded_event).__name__ if not isinstance(recorded_event, tuple) else recorded_event[0]
-                    raise RecoveryError(
-                        f"cannot rebuild the state in {journal.directory}: replaying event {number} of "
-                        f"{len(recorded_events)} ({kind}) failed: {exc}. Was the pacing configuration changed since "
-                        f"the state was written? Start with the configuration it was written with, or move "
-                        f"server.state_dir aside to start afresh") from None
-    finally:
-        pacer._journal, pacer._clock = journal, clock
+            except Exception as exc:
+                kind = type(recorded_event).__name__ if not isinstance(recorded_event, tuple) else recorded_event[0]
+                raise RecoveryError(
+                    f"cannot rebuild the state in {journal.directory}: replaying event {number} of "
+                    f"{len(recorded_events)} ({kind}) failed: {exc}. Was the pacing configuration changed since "
+                    f"the state was written? Start with the configuration it was written with, or move "
+                    f"server.state_dir aside to start afresh") from None
     if not recorded_events and recorded != pacer._summary:
         # Nothing in flight (a new directory, or just after a Reset): put these settings on record now, so a
         # restart before the next Reset replays its events under the settings they were recorded with.
-        pacer.last_ticket = journal.snapshot(export_state(pacer))
+        pacer.recorder.snapshot(export_state(pacer))
     if pacer.resetting:  # the last process died during a Reset's wait: end it (recorded); a retried Reset starts afresh
         pacer.abandon_reset()
     with pacer._lock:

@@ -114,12 +114,12 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         result = ResetResult(restored, dropped, pause_delay, pacer.generation, pacer.step, pacer.weight_version,
                              pacer.paused, report, expired, quarantined, kept)
         pacer._record(ResetFinished(now, ready_at_recorded, resume, weight_version, request_id))
-        if pacer.journal is not None:
+        if pacer.recorder.recording:
             # The step boundary is the natural checkpoint: nothing is in flight, so the snapshot is small. It
             # replaces this Reset's event, so it must hold the answer a retry of this Reset gets (remembered
             # again by the caller's wrapper, which keeps the first).
             pacer.answers.remember("Reset", request_id, result)
-            pacer.last_ticket = pacer.journal.snapshot(pacer.export_state())
+            pacer.recorder.snapshot(pacer.export_state())
         return result
 
 
