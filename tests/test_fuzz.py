@@ -152,6 +152,7 @@ class Group:
     epoch: Optional[int]
     index: Optional[int]
     trajectories: list = field(default_factory=list)  # accepted pb.Trajectory, in order
+    arrival: int = 1 << 62  # order of its first trajectory's arrival (a Reset restores in that order)
 
     @property
     def size(self) -> int:
@@ -250,12 +251,13 @@ class PacerFuzz(RuleBasedStateMachine):
     def start_from_a_known_state(self) -> None:
         """Reset (restoring or dropping whatever earlier runs left) and drain the buffer; the model starts empty."""
         state = self.state()
-        self.stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_ABORT, resume=True, weight_version=state.weight_version),
-                        timeout=20)
+        self.stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_ABORT, wait_seconds=0, resume=True,
+                                        weight_version=state.weight_version), timeout=20)
         while self.stub.Collect(pb.CollectRequest(num_groups=CAP, allow_partial=True), timeout=20).groups:
             pass
         self.base = self.state()
         assert (self.base.running, self.base.buffered, self.base.queued_trajectories, self.base.paused) == (0, 0, 0, False)
+        self.arrivals = 0
         self.generation, self.step, self.weight_version, self.paused = (
             self.base.generation, self.base.step, self.base.weight_version, False)
 
@@ -383,6 +385,8 @@ class PacerFuzz(RuleBasedStateMachine):
         completed = []
         for t in fresh:
             group = self.inflight[t.prompt_id]
+            if not group.trajectories:
+                group.arrival, self.arrivals = self.arrivals, self.arrivals + 1
             group.trajectories.append(t)
             self.accepted[t.trajectory_id] = t
             self.fate[(group.generation, t.trajectory_id)] = None
@@ -452,7 +456,7 @@ class PacerFuzz(RuleBasedStateMachine):
         request = pb.CollectRequest(num_groups=num_groups, wait_seconds=wait, allow_partial=allow_partial,
                                     request_id=self.request_id(rid), lease_seconds=lease)
         valid = 1 <= num_groups <= CAP and not wait_problem(wait) and not wait_problem(lease) and not (
-            request.request_id and opaque_id_problem(request.request_id))
+            request.request_id and opaque_id_problem(request.request_id)) and (allow_partial or num_groups <= WINDOW)
         code, response, message = self.call("Collect", request)
         assert code == (OK if valid else INVALID), (code, message, request)
         if code != OK:
@@ -509,7 +513,7 @@ class PacerFuzz(RuleBasedStateMachine):
         if code != OK:
             return
         by_seq = sorted(self.inflight.values(), key=lambda g: g.seq)
-        restored = [g for g in by_seq if len(g.trajectories) == g.size]
+        restored = [g for g in sorted(by_seq, key=lambda g: (g.arrival, g.seq)) if len(g.trajectories) == g.size]
         dropped = [g for g in by_seq if len(g.trajectories) < g.size]
         self.check_groups(response.restored, restored, "restored")
         assert list(response.dropped_prompt_ids) == [g.prompt_id for g in dropped]
