@@ -308,11 +308,12 @@ async def serve_relay(port_file: Path, server_overrides: list[str]) -> int:
     from coda_server.allocator import retain_freed_memory
     from coda_server.core import load_config
     from coda_server.method_wrapping import WrappingRegistrar
-    from coda_server.server import SERVICE_NAME, server_options
+    from coda_server.server import SERVICE_NAME, server_options, tune_garbage_collector
     from coda_server.wire import EncodedAnswer, EncodedTrajectory, PassthroughCodec, group_parts
 
     config = load_config(overrides=server_overrides)
     retain_freed_memory(int(config.server.allocator_retain_bytes))  # the same process settings as ours
+    tune_garbage_collector()
     queue: list = []
     arrived = asyncio.Condition()
 
