@@ -8,7 +8,6 @@ bytes through the codec) behind a magic line and a format number.
 """
 from __future__ import annotations
 
-import heapq
 import struct
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from . import recovery
 from .cursor import PromptCursor
 from .errors import FailedPreconditionError, InvalidArgumentError, JobEndedError, ResetInProgressError
-from .inflight import StepTally, bytes_of
+from .inflight import bytes_of
 from .journal import TrajectoryCodec, dumps, loads
 from .types import ControlEventType, ResetMode, RestoreResult
 
@@ -51,11 +50,11 @@ def take(pacer: "Pacer") -> dict[str, Any]:
         if pacer.resetting:
             raise ResetInProgressError("a Reset is running; take the checkpoint after it, at the step boundary "
                                        "it ends in")
-        in_flight = sorted(pacer._inflight.values(), key=lambda g: g.seq)
+        in_flight = pacer._inflight.in_dispatch_order()
         reoffered = [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in in_flight]
-        reoffered += [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in pacer._expired_groups]
+        reoffered += [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in pacer._collector.expired]
         # Leased groups were not acknowledged: the trainer that restores this has not trained them.
-        buffer = list(pacer._buffer)
+        buffer = pacer._buffer.export()
         for lease in pacer._leases.collect.values():
             buffer.extend(lease.entries)
         buffer.sort(key=lambda entry: entry[0])
@@ -69,7 +68,7 @@ def take(pacer: "Pacer") -> dict[str, Any]:
             "taken_at": pacer.last_checkpoint[2],
             "buffer": buffer,
             "kept": pacer._restored.export(),
-            "quarantined": list(pacer._quarantined),
+            "quarantined": pacer._collector.quarantined,
             "in_flight": reoffered,  # (ds_index, epoch, index, prompt_id): offered again after a Restore
             "cursor": pacer._cursor.copy_without(reoffered).export(),
             "strategy": recovery.strategy_state(pacer),  # as the journal's snapshot saves it
@@ -135,10 +134,10 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any]) -> RestoreResult:
     now = pacer._clock()
 
     # What is discarded: every group the server holds now, and what a worker still generates.
-    buffered = [group for _, group in pacer._buffer]
+    buffered = pacer._buffer.groups()
     leased = [group for lease in pacer._leases.collect.values() for _, group in lease.entries]
     running = list(pacer._inflight.values())
-    set_aside = [*pacer._restored.export(), *pacer._quarantined, *pacer._expired_groups]
+    set_aside = [*pacer._restored.export(), *pacer._collector.quarantined, *pacer._collector.expired]
     discarded_groups = [*buffered, *leased, *set_aside]
     trajectories = [t for g in discarded_groups for t in g.trajectories]
     trajectories += [t for g in running for t in g.trajectories.values()]
@@ -157,28 +156,19 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any]) -> RestoreResult:
     pacer.totals["dropped"] += len(running)
     pacer.totals["rolled_back"] += len(buffered) + len(leased)
     pacer._leases.lapse_all()  # an Ack of one now fails: its groups are gone
-    pacer._inflight.clear()
-    pacer._held.clear()
+    pacer._inflight.new_generation()  # late Submits of what ran before are refused as stale, as after a Reset
     pacer._leases.forget_running()
-    pacer._complete_inflight = 0
-    pacer._queued_trajectories = 0
-    pacer._accepted.clear()
-    pacer._expired_groups, pacer._expired_prompts, pacer._quarantined = [], set(), []
-    # Late Submits of what ran before are refused as stale, as after a Reset.
-    pacer._past_generation_prompts.append(pacer._generation_prompts)
-    pacer._generation_prompts = set()
     pacer.generation += 1
     # The answers of calls that handed out discarded groups must not hand them out again to a retry.
     pacer.answers.forget("Collect", lambda answer: True)
     pacer.answers.forget("Reset", lambda answer: True)
 
-    pacer._buffer = list(checkpoint["buffer"])
-    heapq.heapify(pacer._buffer)
+    pacer._buffer.replace(checkpoint["buffer"])
     pacer.totals["reinstated"] += len(pacer._buffer)
     pacer._restored.restore(checkpoint["kept"])
-    pacer._quarantined = list(checkpoint["quarantined"])
-    pacer._held_bytes = sum(bytes_of(g.trajectories) for g in
-                            [*(group for _, group in pacer._buffer), *pacer._restored.export(), *pacer._quarantined])
+    pacer._collector.new_generation(checkpoint["quarantined"])
+    pacer._held_bytes.total = sum(bytes_of(g.trajectories) for g in
+                                  [*pacer._buffer.groups(), *pacer._restored.export(), *pacer._collector.quarantined])
     pacer._cursor = PromptCursor.restored(checkpoint["cursor"])
     pacer.step, pacer.weight_version = step, version
     pacer.resetting = False
@@ -186,8 +176,7 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any]) -> RestoreResult:
     pacer._pause_started, pacer._reset_ready_at = (now if pacer.paused else None), None
     pacer.totals["restores"] += 1
     pacer.last_restore = (step, version, float(checkpoint.get("taken_at") or 0.0))
-    pacer._strategy_touched = True
-    pacer._tally = StepTally()  # what the trainer takes from now on is the restored step's
+    pacer._tally.clear()  # what the trainer takes from now on is the restored step's
 
     pacer._emit(ControlEventType.PAUSE, ResetMode.ABORT)  # workers abort what they generate
     if not pacer.paused:

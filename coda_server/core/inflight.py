@@ -1,8 +1,9 @@
-"""The in-flight group (a dispatched prompt assembling its trajectories) and the step tally of what the trainer took."""
+"""The in-flight groups (dispatched prompts assembling their trajectories) and their table, the bytes held, and the step tally."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections import deque
+from typing import Any, Iterable, Mapping, Sequence
 
 from .prompt_ids import loongsage_order
 from .types import PromptRef, StepReport, Trajectory, TrajectoryGroup, TrajectoryStatus
@@ -80,6 +81,10 @@ class StepTally:
     """What the trainer took since the last Reset, for the step report."""
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """A new step starts: nothing taken yet."""
         self.trajectories = 0
         self.partial = 0
         self.span_max = 0
@@ -127,3 +132,169 @@ def encoded_group_bound(group: TrajectoryGroup) -> int:
     """An upper bound on the bytes a group adds to an answer (its trajectories are held at their encoded size)."""
     return (_FIELD_FRAMING_BYTES + _GROUP_HEADER_BYTES + _FIELD_FRAMING_BYTES + len(group.prompt_id.encode())
             + sum(t.size_bytes + _FIELD_FRAMING_BYTES for t in group.trajectories))
+
+
+class HeldBytes:
+    """The bytes of every trajectory the server holds (queued, buffered, leased, kept, quarantined, expired):
+    added when a Submit is accepted, released when the trainer consumes a group or a Reset or Restore lets it go."""
+
+    __slots__ = ("total",)
+
+    def __init__(self, total: int = 0):
+        self.total = total
+
+    def add(self, size: int) -> None:
+        self.total += size
+
+    def release(self, trajectories: Iterable[Trajectory]) -> None:
+        self.total -= bytes_of(trajectories)
+
+
+class InflightTable:
+    """The groups in flight this generation (dispatched, not out of the trajectory queue), with what is counted
+    over them (complete groups, queued trajectories), the accepted trajectories' ids for duplicate detection,
+    the prompts of this and recent generations (stale Submits), the latest dispatch seq of each prompt (the
+    fence), and the prompts whose in-flight lease ran out. Every change to them goes through its methods."""
+
+    __slots__ = ("_groups", "_complete", "_queued", "_accepted", "_generation_prompts", "_latest_seqs",
+                 "_past_generations", "_expired_prompts", "_arrivals", "next_seq")
+
+    def __init__(self, remembered_generations: int):
+        self._groups: dict[str, InflightGroup] = {}
+        self._complete = 0
+        self._queued = 0
+        # This generation's accepted trajectories, by id: the trajectory while the server holds it, then only
+        # its content_key() (the body, e.g. its token arrays, is let go).
+        self._accepted: dict[str, "Trajectory | tuple"] = {}
+        self._generation_prompts: set[str] = set()
+        self._latest_seqs: dict[str, int] = {}
+        self._past_generations: deque[set[str]] = deque(maxlen=remembered_generations)
+        self._expired_prompts: set[str] = set()  # late Submits: LEASE_EXPIRED until dispatched again
+        self._arrivals = 0  # groups whose first trajectory came (InflightGroup.arrival)
+        self.next_seq = 0  # the dispatch seq the next admitted group gets
+
+    # ------------------------------------------------------------- reading
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, prompt_id: object) -> bool:
+        return prompt_id in self._groups
+
+    def get(self, prompt_id: str) -> "InflightGroup | None":
+        return self._groups.get(prompt_id)
+
+    def values(self) -> Iterable[InflightGroup]:
+        return self._groups.values()
+
+    def in_dispatch_order(self) -> list[InflightGroup]:
+        return sorted(self._groups.values(), key=lambda g: g.seq)
+
+    @property
+    def complete_count(self) -> int:
+        return self._complete
+
+    @property
+    def queued_trajectories(self) -> int:
+        return self._queued
+
+    @property
+    def all_assembled(self) -> bool:
+        """Every running group holds all its trajectories (any status)."""
+        return self._complete == len(self._groups)
+
+    @property
+    def remembered_generations(self) -> "int | None":
+        return self._past_generations.maxlen
+
+    def sort_submit(self, checks: Any, trajectories: Sequence[Trajectory]) -> Any:
+        """`checks.sort_submit` against this table (changes nothing)."""
+        return checks.sort_submit(trajectories, self._accepted, self._groups, self._expired_prompts,
+                                  self._generation_prompts, self._past_generations)
+
+    def check_candidates(self, checks: Any, candidates: Sequence[PromptRef], restored: Any) -> None:
+        checks.check_candidates(candidates, self._groups, restored)
+
+    def stale_fences(self, dispatch_seqs: Mapping[str, int]) -> list[tuple[str, int, int]]:
+        """(prompt id, the seq named, the latest seq) of each group dispatched again since the named seq."""
+        latest = self._latest_seqs  # also for a group complete by now: it is another worker's work
+        return [(prompt_id, seq, latest[prompt_id]) for prompt_id, seq in dispatch_seqs.items()
+                if prompt_id in latest and latest[prompt_id] != seq]
+
+    # ------------------------------------------------------------- changing
+
+    def admit(self, groups: Sequence[InflightGroup]) -> None:
+        """Dispatch admitted these groups (seqs from `next_seq` on)."""
+        self.next_seq += len(groups)
+        table, generation_prompts, latest_seqs = self._groups, self._generation_prompts, self._latest_seqs
+        for group in groups:
+            table[group.prompt_id] = group
+            generation_prompts.add(group.prompt_id)
+            latest_seqs[group.prompt_id] = group.seq
+
+    def continued(self, prompt_ids: Iterable[str]) -> None:
+        """Kept groups handed out again: a Submit for them is expected again."""
+        self._expired_prompts.difference_update(prompt_ids)
+
+    def accept(self, fresh: Sequence[Trajectory]) -> tuple[list[InflightGroup], list[InflightGroup], int]:
+        """Add sorted, fresh trajectories to their groups: (groups completed, groups still assembling that
+        got one, bytes added)."""
+        completed: list[InflightGroup] = []
+        touched: dict[str, InflightGroup] = {}
+        accepted, table = self._accepted, self._groups
+        added = 0
+        for trajectory in fresh:
+            group = touched[trajectory.prompt_id] = table[trajectory.prompt_id]
+            if not group.trajectories:  # a Reset restores groups in the order their first trajectory came
+                group.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+            group.trajectories[trajectory.trajectory_id] = trajectory
+            accepted[trajectory.trajectory_id] = trajectory
+            added += trajectory.size_bytes
+            if group.complete:
+                completed.append(group)
+        self._queued += len(fresh)
+        self._complete += len(completed)
+        return completed, [group for group in touched.values() if not group.complete], added
+
+    def remove_complete(self, group: InflightGroup) -> None:
+        """A complete group left the trajectory queue (to the buffer, a filter, or quarantine)."""
+        del self._groups[group.prompt_id]
+        self._complete -= 1
+        self._queued -= len(group.trajectories)
+
+    def expire(self, prompt_id: str, resubmitted: bool) -> InflightGroup:
+        """A running group's lease ran out: out of the table; late Submits for it are refused (LEASE_EXPIRED)
+        until it is dispatched again. `resubmitted`: whoever continues it submits every trajectory anew."""
+        group = self._groups.pop(prompt_id)
+        self._queued -= len(group.trajectories)
+        if resubmitted:
+            for trajectory_id in group.trajectories:
+                self._accepted.pop(trajectory_id, None)
+        self._expired_prompts.add(prompt_id)
+        return group
+
+    def consumed(self, groups: Iterable[TrajectoryGroup]) -> None:
+        """The trainer has these groups: keep only each trajectory's content key (the body is let go)."""
+        accepted = self._accepted
+        for group in groups:
+            for trajectory in group.trajectories:
+                if trajectory.trajectory_id in accepted:
+                    accepted[trajectory.trajectory_id] = trajectory.content_key()
+
+    def new_generation(self) -> None:
+        """A Reset or Restore ends the generation: nothing is in flight; late Submits of it are stale."""
+        self._groups.clear()
+        self._complete = 0
+        self._queued = 0
+        self._accepted.clear()
+        self._past_generations.append(self._generation_prompts)
+        self._generation_prompts = set()
+        self._latest_seqs = {}
+        self._expired_prompts = set()
+
+    def export(self) -> dict:
+        return {"next_seq": self.next_seq, "past_generation_prompts": list(self._past_generations)}
+
+    def restore(self, snapshot: dict) -> None:
+        self.next_seq = snapshot["next_seq"]
+        self._past_generations.extend(snapshot["past_generation_prompts"])

@@ -48,15 +48,15 @@ def refuse_if_ended(pacer: "Pacer", call: str) -> None:
 def report(pacer: "Pacer", waited_seconds: float) -> JobEndReport:
     """Where every group not yet accounted for by the totals is now."""
     with pacer._lock:
-        running = sorted(pacer._inflight.values(), key=lambda g: g.seq)
+        running = pacer._inflight.in_dispatch_order()
         return JobEndReport(
             mode=pacer.job_end_mode, waited_seconds=waited_seconds,
-            buffered_prompt_ids=[group.prompt_id for _, group in sorted(pacer._buffer)],
+            buffered_prompt_ids=[group.prompt_id for _, group in sorted(pacer._buffer.export())],
             leased=pacer._leases.leased_groups,
             held_prompt_ids=[g.prompt_id for g in running if g.complete],
             in_flight_prompt_ids=[g.prompt_id for g in running if not g.complete],
             kept_prompt_ids=[g.prompt_id for g in pacer._restored.export()],
-            expired_prompt_ids=[g.prompt_id for g in pacer._expired_groups],
-            quarantined_prompt_ids=[g.prompt_id for g in pacer._quarantined],
+            expired_prompt_ids=[g.prompt_id for g in pacer._collector.expired],
+            quarantined_prompt_ids=[g.prompt_id for g in pacer._collector.quarantined],
             state=pacer.state(),
         )

@@ -7,13 +7,13 @@ contract (journal.py) and recovery from it (recovery.py), waiting (waiting.py), 
 """
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from collections import deque
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from . import checkpoints, collector, job_end, recovery, reset_steps
+from . import checkpoints, job_end, recovery, reset_steps
+from .collector import Collector
 from .answers import ANSWERED_METHODS, AnswerBook  # noqa: F401  (ANSWERED_METHODS was defined here)
 from .checks import RequestChecks
 from .clock import PacerClock
@@ -24,7 +24,9 @@ from .errors import (FailedPreconditionError, InvalidArgumentError, MessageTooLa
 from .filters import GroupFilter, create_filters
 from .incidents import HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception
 from .incidents import collect_error, hook_error
-from .inflight import ANSWER_OVERHEAD_BYTES, DispatchedGroup, InflightGroup, StepTally, bytes_of, encoded_group_bound
+from .buffer import PipelineBuffer
+from .inflight import (ANSWER_OVERHEAD_BYTES, DispatchedGroup, HeldBytes, InflightGroup, InflightTable, StepTally,
+                       bytes_of, encoded_group_bound)
 from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, Recorder,
                       StaleRejected, Submitted)
 from .leases import CollectLease, Leases  # noqa: F401  (CollectLease was defined here)
@@ -117,7 +119,7 @@ class Pacer:
         self._on_resume = overridden_hook(self._hooks, "on_resume")
         try:  # the strategy's clock and buffer view are this pacer's (the clock is pinned during replay)
             self._hooks._pacer_clock = self._clock
-            self._hooks._pacer_buffer = BufferView(lambda: self._buffer)
+            self._hooks._pacer_buffer = BufferView(lambda: self._buffer.entries)
         except AttributeError:  # a strategy with __slots__ and no room for them keeps the defaults
             pass
         self._filters = filters if filters is not None else create_filters(list(config.rollout.filter), config)
@@ -150,33 +152,14 @@ class Pacer:
         self._control_listeners: list[Callable[[ControlEvent], None]] = []
         self._consume_listeners: list[Callable[[list[TrajectoryGroup], int, float], None]] = []
 
-        self._inflight: dict[str, InflightGroup] = {}
-        self._held: list[tuple[int, str]] = []  # heap of (seq, prompt_id); stale entries skipped lazily
-        self._complete_inflight = 0
-        self._queued_trajectories = 0
-        self._buffer: list[tuple[tuple, TrajectoryGroup]] = []  # heap by priority
-        # This generation's accepted trajectories, by id, for duplicate detection: the trajectory while the
-        # server holds it, then only its content_key() (the body, e.g. its token arrays, is let go).
-        self._accepted: dict[str, Trajectory | tuple] = {}
-        self._generation_prompts: set[str] = set()
-        # This generation's latest dispatch seq of each prompt: the fence a Submit or KeepAlive is checked against.
-        self._latest_seqs: dict[str, int] = {}
-        self._past_generation_prompts: deque[set[str]] = deque(maxlen=limits.remembered_generations)
-        self._expired_groups: list[TrajectoryGroup] = []  # reclaimed this generation; the next Reset returns them
-        self._expired_prompts: set[str] = set()
-        # Complete groups a raising hook or dirty data kept out of the buffer; the next Reset returns them.
-        self._quarantined: list[TrajectoryGroup] = []
+        self._inflight = InflightTable(limits.remembered_generations)
+        self._buffer = PipelineBuffer()
         self.incidents = IncidentLog(limits.incidents_kept)
-        self._call_failures: list[StrategyHookError] = []  # hook failures of the call running now
-        self._last_gate_pass = clock()  # when held groups were last re-examined (for the periodic re-check)
-        self._next_seq = 0
-        self._arrivals = 0  # groups whose first trajectory came, this generation (InflightGroup.arrival)
-        self._strategy_touched = False
         self._cursor = PromptCursor()  # the prompts admitted so far (offered again after a Restore)
         # (step, weight version, wall time) of the last checkpoint taken and restored; None: none yet.
         self.last_checkpoint: Optional[tuple[int, int, float]] = None
         self.last_restore: Optional[tuple[int, int, float]] = None
-        self._held_bytes = 0  # bytes of trajectories queued, buffered or leased
+        self._held_bytes = HeldBytes()  # bytes of trajectories queued, buffered, leased or set aside
 
         self.step = 0
         self.weight_version = 0
@@ -191,6 +174,11 @@ class Pacer:
         self._tally = StepTally()
         self._reports: deque[StepReport] = deque(maxlen=limits.step_reports_kept)
         self.totals = dict.fromkeys(COUNTER_NAMES, 0)  # one per counter of PacerState
+        self._collector = Collector(
+            self._hooks, self._filters, self._inflight, self._buffer, self._held_bytes, self._tally, self.totals,
+            self._restored, self._leases, ordered_gate=self._ordered_gate, train_on_failed=self._train_on_failed,
+            continue_restored=self.continue_restored, strategy_name=self._strategy.name, incident=self._incident,
+            notify=self._notify, clock=self._clock)
 
     # ----------------------------------------------------------------- listeners
 
@@ -322,7 +310,7 @@ class Pacer:
         data source hands out its restored groups before new prompts); a number takes up to that many on top
         (0: none, for a caller that cannot continue a partial group)."""
         if candidates:  # none is a peek at the window
-            self.checks.check_candidates(candidates, self._inflight, self._restored)
+            self._inflight.check_candidates(self.checks, candidates, self._restored)
         allowed = self._admissible_now()
         wanted = len(candidates) if max_continuations is None else max_continuations
         if continued_ids is not None:
@@ -335,7 +323,7 @@ class Pacer:
         proposed = len(candidates) - len(continued) if max_continuations is None and continued_ids is None \
             else len(candidates)
         count = min(allowed - len(continued), proposed)
-        first_seq = self._next_seq + len(continued)
+        first_seq = self._inflight.next_seq + len(continued)
         admitted_ids: list[str] = []
         if count or continued:
             now = self._clock()
@@ -343,7 +331,7 @@ class Pacer:
             group_sizes = self._group_sizes
             refs = [*(PromptRef(g.prompt_id, g.ds_index, g.epoch, g.index) for g in continued), *admitted_refs]
             groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now, client_id)
-                      for seq, ref in enumerate(refs, self._next_seq)]
+                      for seq, ref in enumerate(refs, self._inflight.next_seq)]
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged. It sees each group
             # with its trajectories as LoongSage hands them to on_dispatched: the N pending ones of a new group,
             # those a continued group brings back.
@@ -352,13 +340,7 @@ class Pacer:
                 self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups])
             except Exception as exc:
                 raise self._hook_refused("on_dispatched", exc, "nothing was admitted") from exc
-            self._next_seq += len(groups)
-            inflight, generation_prompts = self._inflight, self._generation_prompts
-            latest_seqs = self._latest_seqs
-            for group in groups:
-                inflight[group.prompt_id] = group
-                generation_prompts.add(group.prompt_id)
-                latest_seqs[group.prompt_id] = group.seq
+            self._inflight.admit(groups)
             mark = self._cursor.mark
             for ref in admitted_refs:
                 mark(ref.ds_index, ref.epoch, ref.index, ref.prompt_id)
@@ -366,15 +348,15 @@ class Pacer:
             if continued:
                 # Handed out again with the trajectories they had; the worker submits all N anew.
                 self._restored.take(continued)
-                self._expired_prompts.difference_update(g.prompt_id for g in continued)
+                self._inflight.continued(g.prompt_id for g in continued)
                 for group in continued:
-                    self._held_bytes -= bytes_of(group.trajectories)
+                    self._held_bytes.release(group.trajectories)
                 continued = [TrajectoryGroup(g.prompt_id, seq, g.ds_index, g.trajectories, g.epoch, g.index, now)
-                             for seq, g in enumerate(continued, self._next_seq - len(groups))]
+                             for seq, g in enumerate(continued, self._inflight.next_seq - len(groups))]
             self._leases.extend(groups, now)
             self.totals["dispatched"] += len(groups)
-            self._strategy_touched = True
-            collector.release_held(self)
+            self._collector.strategy_changed()
+            self._collector.release_held()
             self._notify()
         # Positional: a keyword call to a dataclass builds a kwargs dict and costs about twice as much.
         result = DispatchResult(admitted_ids, first_seq, self.paused, self.step, self.weight_version, self.generation,
@@ -382,7 +364,7 @@ class Pacer:
                                 # unchanged if nothing was admitted
                                 self._admissible_after_change() if count or continued else allowed, continued,
                                 self.job_ended)
-        self._call_failures.clear()  # a group quarantined on the way is reported; the admission stands
+        self._collector.clear_failures()  # a group quarantined on the way is reported; the admission stands
         if count or continued:
             self._record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued],
                                     self._liveness.watched(client_id)))
@@ -462,8 +444,7 @@ class Pacer:
             if not gone or self.closed:
                 return {}
             gone_set = set(gone)
-            groups = sorted((g for g in self._inflight.values() if g.client_id in gone_set and not g.complete),
-                            key=lambda g: g.seq)
+            groups = [g for g in self._inflight.in_dispatch_order() if g.client_id in gone_set and not g.complete]
             if not groups:
                 return {}
             released: dict[str, list[str]] = {}
@@ -485,11 +466,10 @@ class Pacer:
         self.checks.check_keep_alive(prompt_ids)
         with self._lock:
             self._check_open()
-            inflight = self._inflight
+            get = self._inflight.get
             seqs = dispatch_seqs or {}
             # A group handed out again under another dispatch is not the caller's any more: named unknown.
-            running = [inflight[p] for p in prompt_ids
-                       if p in inflight and (p not in seqs or seqs[p] == inflight[p].seq)]
+            running = [g for g in map(get, prompt_ids) if g is not None and seqs.get(g.prompt_id, g.seq) == g.seq]
             self._leases.extend([g for g in running if not g.complete], self._clock())
             known = {g.prompt_id for g in running}
             return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
@@ -504,7 +484,7 @@ class Pacer:
             self._check_open()
             if dispatch_seqs:
                 self.check_fences(dispatch_seqs)
-            self._call_failures.clear()
+            self._collector.clear_failures()
             stale_before = self.totals["stale_rejected"]
             try:
                 fresh, duplicates = self._sort_submit(trajectories)
@@ -517,38 +497,23 @@ class Pacer:
                         self._on_submitted(trajectory)
                 except Exception as exc:
                     raise self._hook_refused("on_submitted", exc, "nothing was accepted") from exc
-            completed: list[InflightGroup] = []
-            touched: dict[str, InflightGroup] = {}
-            for trajectory in fresh:
-                group = touched[trajectory.prompt_id] = self._inflight[trajectory.prompt_id]
-                if not group.trajectories:  # a Reset restores groups in the order their first trajectory came
-                    group.arrival, self._arrivals = self._arrivals, self._arrivals + 1
-                group.trajectories[trajectory.trajectory_id] = trajectory
-                self._accepted[trajectory.trajectory_id] = trajectory
-                self._held_bytes += trajectory.size_bytes
-                if group.complete:
-                    completed.append(group)
-            self._leases.extend([group for group in touched.values() if not group.complete], self._clock())
-            self._queued_trajectories += len(fresh)
-            self._complete_inflight += len(completed)
+            completed, assembling, added_bytes = self._inflight.accept(fresh)
+            self._held_bytes.add(added_bytes)
+            self._leases.extend(assembling, self._clock())
             self.totals["submitted"] += len(fresh)
             self.totals["duplicates"] += duplicates
-            collector.collect_ready(self, completed)
+            self._collector.collect_ready(completed)
             if fresh or duplicates:
                 self._notify()
             result = SubmitResult(len(fresh), duplicates, len(completed))  # accepted, duplicates, groups completed
             self._record(Submitted(self._clock(), list(trajectories), request_id))
-            if self._call_failures:  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
-                failures, self._call_failures = self._call_failures, []
-                raise failures[0]
+            self._collector.raise_failures()  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
             return result
 
     def check_fences(self, dispatch_seqs: Mapping[str, int]) -> None:
         """Refuse a Submit from a worker that lost a group: the group was released from it (lease or liveness)
         and handed out again, so its running dispatch has another seq than the one the Submit names."""
-        latest = self._latest_seqs  # also for a group complete by now: it is another worker's work
-        stale = [(prompt_id, seq, latest[prompt_id]) for prompt_id, seq in dispatch_seqs.items()
-                 if prompt_id in latest and latest[prompt_id] != seq]
+        stale = self._inflight.stale_fences(dispatch_seqs)
         if stale:
             prompt_id, yours, now = stale[0]
             raise StaleDispatchError(
@@ -560,18 +525,17 @@ class Pacer:
     def _sort_submit(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
         """Return (new trajectories, duplicate count) or raise with every problem found; changes nothing
         but the stale count."""
-        sorted_ = self.checks.sort_submit(trajectories, self._accepted, self._inflight, self._expired_prompts,
-                                          self._generation_prompts, self._past_generation_prompts)
+        sorted_ = self._inflight.sort_submit(self.checks, trajectories)
         if sorted_.refused_as_stale:
             self.totals["stale_rejected"] += len(sorted_.stale)
-        sorted_.refuse(self.generation, self._past_generation_prompts.maxlen, self._leases.inflight_seconds)
+        sorted_.refuse(self.generation, self._inflight.remembered_generations, self._leases.inflight_seconds)
         limits = self.limits
         if limits.max_held_bytes or limits.max_buffered_groups:
-            inflight = self._inflight
+            get = self._inflight.get
             self.checks.check_room(
-                self._held_bytes, bytes_of(sorted_.fresh) if limits.max_held_bytes else 0, len(self._buffer),
+                self._held_bytes.total, bytes_of(sorted_.fresh) if limits.max_held_bytes else 0, len(self._buffer),
                 sum(1 for prompt_id, added in sorted_.added_per_group.items()
-                    if len(inflight[prompt_id].trajectories) + added == inflight[prompt_id].group_size))
+                    if len(get(prompt_id).trajectories) + added == get(prompt_id).group_size))
         return sorted_.fresh, sorted_.duplicates
 
     # ----------------------------------------------------------------- hook failures
@@ -636,7 +600,7 @@ class Pacer:
             return 0
         available = len(self._buffer)
         if shape.token_budget:
-            count = budget_count(self._buffer, shape.token_budget, num_groups, shape.world_size)
+            count = budget_count(self._buffer.entries, shape.token_budget, num_groups, shape.world_size)
             return count if count is not None or not partial or available < shape.world_size else available
         if available >= num_groups:
             return num_groups
@@ -659,7 +623,7 @@ class Pacer:
             lease = self._take_share(count, lease_seconds, shape.key(num_groups), shape, now, limit)
             result = CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id)
         else:
-            entries = self._take_fitting(count, limit)
+            entries = self._buffer.pop_fitting(count, limit)
             cut_to_fit, count = len(entries) < count, len(entries)
             if lease_seconds > 0:
                 lease = self._leases.grant(entries, lease_seconds, now)
@@ -674,23 +638,6 @@ class Pacer:
                                shape.world_size, num_groups))
         return result
 
-    def _take_fitting(self, count: int, limit: int) -> list[tuple[tuple, TrajectoryGroup]]:
-        """Pop up to `count` buffer entries, oldest priority first, while their answer stays within `limit`
-        bytes (0: no limit); the first alone over it is put back and refused."""
-        taken: list[tuple[tuple, TrajectoryGroup]] = []
-        size = ANSWER_OVERHEAD_BYTES
-        while len(taken) < count:
-            entry = heapq.heappop(self._buffer)
-            group_size = encoded_group_bound(entry[1])
-            if limit and size + group_size > limit:
-                heapq.heappush(self._buffer, entry)
-                if not taken:
-                    raise MessageTooLargeError(entry[1].prompt_id, group_size + ANSWER_OVERHEAD_BYTES, limit)
-                break
-            size += group_size
-            taken.append(entry)
-        return taken
-
     def _take_share(self, count: int, lease_seconds: float, key: tuple, shape: BatchShape, now: float,
                     limit: int = 0) -> CollectLease:
         if not count:
@@ -698,14 +645,13 @@ class Pacer:
             if lease is None:
                 raise RuntimeError("recovery diverged: no share of a data-parallel mini-batch waits for this rank")
             return lease
-        entries = [heapq.heappop(self._buffer) for _ in range(count)]
+        entries = self._buffer.pop(count)
         shares = balanced_shares([group_tokens(group) for _, group in entries], shape.world_size,
                                  equal_counts=not shape.token_budget)
         if limit:  # every rank's share must reach it: refused, nothing taken, when one would not fit
             sizes = [ANSWER_OVERHEAD_BYTES + sum(encoded_group_bound(entries[i][1]) for i in share) for share in shares]
             if max(sizes) > limit:
-                for entry in entries:
-                    heapq.heappush(self._buffer, entry)
+                self._buffer.push_all(entries)
                 largest = shares[sizes.index(max(sizes))]
                 raise MessageTooLargeError(f"a rank's share ({len(largest)} groups, from "
                                            f"{entries[largest[0]][1].prompt_id})", max(sizes), limit)
@@ -734,13 +680,10 @@ class Pacer:
             except Exception as exc:  # reported; the trainer has the groups all the same
                 self._incident(HOOK_FAILED, "", "on_consumed", describe_exception(exc), "consumed")
         self.totals["consumed"] += len(groups)
-        accepted = self._accepted
         for group in groups:
             self._tally.count_consumed(group)
-            self._held_bytes -= bytes_of(group.trajectories)
-            for trajectory in group.trajectories:
-                if trajectory.trajectory_id in accepted:
-                    accepted[trajectory.trajectory_id] = trajectory.content_key()
+            self._held_bytes.release(group.trajectories)
+        self._inflight.consumed(groups)
         if self._consume_listeners:
             now = self._clock()
             for callback in self._consume_listeners:
@@ -762,7 +705,7 @@ class Pacer:
             return prompt_ids, lapsed
 
     def apply_expiry(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
-        collector.expire(self, prompt_ids, lease_ids)
+        self._collector.expire(prompt_ids, lease_ids)
 
     def recheck_gates(self, min_age: float = 0.0) -> int:
         """Re-examine the held groups (the strategy refused them) although nothing changed: a gate that opens
@@ -771,7 +714,7 @@ class Pacer:
         server (fully_async.gate_recheck_seconds)."""
         with self._lock:
             now = self._clock()
-            if not self._held or self.closed or now - self._last_gate_pass < min_age:
+            if not self._collector.holds_groups or self.closed or now - self._collector.last_gate_pass < min_age:
                 return 0
             released = self.apply_gate_recheck()
             if released:
@@ -779,7 +722,7 @@ class Pacer:
             return released
 
     def apply_gate_recheck(self) -> int:
-        return collector.recheck(self)
+        return self._collector.recheck()
 
     # ----------------------------------------------------------------- reset / resume
 
@@ -895,7 +838,7 @@ class Pacer:
     def running_groups(self) -> list[TrajectoryGroup]:
         """Copies of the groups in flight (dispatched, not yet out of the trajectory queue), in dispatch order."""
         with self._lock:
-            return [group.to_group() for group in sorted(self._inflight.values(), key=lambda g: g.seq)]
+            return [group.to_group() for group in self._inflight.in_dispatch_order()]
 
     def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
         """The running groups (all, or those `client_id` dispatched), oldest first: which worker holds what."""
@@ -903,7 +846,7 @@ class Pacer:
             now = self._clock()
             return [HeldGroup(g.prompt_id, g.seq, g.ds_index, g.client_id, max(0.0, now - g.dispatched_at),
                               len(g.trajectories), g.group_size, max(0.0, g.deadline - now))
-                    for g in sorted(self._inflight.values(), key=lambda g: g.seq)
+                    for g in self._inflight.in_dispatch_order()
                     if client_id is None or g.client_id == client_id]
 
     def state(self, waiting_calls: int = 0, ages: bool = False) -> PacerState:
@@ -913,11 +856,11 @@ class Pacer:
         with self._lock:
             return PacerState(waiting_calls=waiting_calls,
                 running=len(self._inflight), buffered=len(self._buffer),
-                queued_trajectories=self._queued_trajectories, capacity=self._admissible_after_change(),
+                queued_trajectories=self._inflight.queued_trajectories, capacity=self._admissible_after_change(),
                 window_size=self._window_size, step=self.step, weight_version=self.weight_version,
                 generation=self.generation, paused=self.paused, resetting=self.resetting,
                 strategy=self._strategy.name, config_summary=dict(self._summary),
-                leased=self._leases.leased_groups, held_bytes=self._held_bytes, restored_kept=len(self._restored),
+                leased=self._leases.leased_groups, held_bytes=self._held_bytes.total, restored_kept=len(self._restored),
                 restored_kept_oldest_seconds=self._restored.oldest_age() if ages else 0.0,
                 last_checkpoint_step=self.last_checkpoint[0] if self.last_checkpoint else -1,
                 last_checkpoint_weight_version=self.last_checkpoint[1] if self.last_checkpoint else -1,

@@ -6,7 +6,6 @@ steps the live call ran, at the time it first ran, and remembers its answer as t
 """
 from __future__ import annotations
 
-import heapq
 from typing import TYPE_CHECKING, Any, Optional
 
 from .cursor import PromptCursor
@@ -42,16 +41,16 @@ def export_state(pacer: "Pacer") -> dict:
         return {
             "format": SNAPSHOT_FORMAT,
             "step": pacer.step, "weight_version": pacer.weight_version, "generation": pacer.generation,
-            "paused": pacer.paused, "next_seq": pacer._next_seq, "totals": dict(pacer.totals),
-            "buffer": list(pacer._buffer), "past_generation_prompts": list(pacer._past_generation_prompts),
+            "paused": pacer.paused, **pacer._inflight.export(), "totals": dict(pacer.totals),
+            "buffer": pacer._buffer.export(),
             "reports": list(pacer._reports),
             "answers": pacer.answers.export(),
             **pacer._leases.export(),
-            "held_bytes": pacer._held_bytes,
+            "held_bytes": pacer._held_bytes.total,
             "restored_kept": pacer._restored.export(),  # restored groups waiting to be continued
             "incidents": pacer.incidents.export(),
             "config": dict(pacer._summary),  # the pacing settings the state was made under
-            "quarantined": list(pacer._quarantined),  # empty after a Reset; a Restore may put some back
+            "quarantined": pacer._collector.quarantined,  # empty after a Reset; a Restore may put some back
             "cursor": pacer._cursor.export(),  # the prompts admitted so far
             "last_checkpoint": pacer.last_checkpoint, "last_restore": pacer.last_restore,
             # What the strategy learned (its state() hook), under its name: restored only into the same strategy.
@@ -77,19 +76,18 @@ def import_state(pacer: "Pacer", snapshot: dict) -> None:
         raise ValueError(f"it is in format {snapshot.get('format')!r}, written by another version of coda-server; "
                          f"this version reads format {SNAPSHOT_FORMAT} (move server.state_dir aside to start afresh)")
     pacer.step, pacer.weight_version = snapshot["step"], snapshot["weight_version"]
-    pacer.generation, pacer.paused, pacer._next_seq = snapshot["generation"], snapshot["paused"], snapshot["next_seq"]
+    pacer.generation, pacer.paused = snapshot["generation"], snapshot["paused"]
+    pacer._inflight.restore(snapshot)
     pacer.totals.update(snapshot["totals"])
-    pacer._buffer = list(snapshot["buffer"])
-    heapq.heapify(pacer._buffer)
-    pacer._past_generation_prompts.extend(snapshot["past_generation_prompts"])
+    pacer._buffer.replace(snapshot["buffer"])
     pacer._reports.extend(snapshot["reports"])
     pacer.answers.restore(snapshot["answers"])
     pacer._leases.restore(snapshot, pacer._clock())
-    pacer._held_bytes = snapshot["held_bytes"]
+    pacer._held_bytes.total = snapshot["held_bytes"]
     pacer._restored.restore(snapshot.get("restored_kept"))  # absent in snapshots written before continuation
     pacer.incidents.restore(snapshot.get("incidents"))  # absent from snapshots written before incidents existed
     # Absent from snapshots written before checkpoints existed:
-    pacer._quarantined = list(snapshot.get("quarantined") or ())
+    pacer._collector.restore_quarantined(snapshot.get("quarantined") or ())
     pacer._cursor = PromptCursor.restored(snapshot.get("cursor"))
     pacer.last_checkpoint, pacer.last_restore = snapshot.get("last_checkpoint"), snapshot.get("last_restore")
     saved = snapshot.get("strategy")  # absent from snapshots written before strategies kept state

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Optional
 
 from .errors import ResetInProgressError
 from .incidents import HOOK_FAILED, describe_exception
-from .inflight import StepTally, bytes_of
 from .job_end import refuse_if_ended
 from .journal import ResetAbandoned, ResetBegun, ResetFinished, Resumed
 from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, TrajectoryGroup
@@ -47,7 +46,7 @@ def begin(pacer: "Pacer", mode: ResetMode, resume: bool, weight_version: Optiona
 def ready(pacer: "Pacer") -> bool:
     """Step 2's condition: every running group holds all its trajectories (any status)."""
     with pacer._lock:
-        is_ready = pacer._complete_inflight == len(pacer._inflight)
+        is_ready = pacer._inflight.all_assembled
         if is_ready and pacer._reset_ready_at is None and pacer.resetting:
             pacer._reset_ready_at = pacer._clock()
         return is_ready
@@ -73,40 +72,32 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         dropped: list[str] = []
         # Restored in the order their first trajectory arrived, as LoongSage's clean-up drains its trajectory
         # queue (and so re-offers them); dropped ones in dispatch order.
-        for group in sorted(pacer._inflight.values(), key=lambda g: (g.arrival, g.seq)):
+        running = pacer._inflight.in_dispatch_order()
+        for group in sorted(running, key=lambda g: g.arrival):
             if group.complete:
                 restored.append(group.to_group())
-        dropped = [group.prompt_id for group in sorted(pacer._inflight.values(), key=lambda g: g.seq)
-                   if not group.complete]
+        dropped_groups = [group for group in running if not group.complete]
+        dropped = [group.prompt_id for group in dropped_groups]
         pacer.totals["restored"] += len(restored)
         pacer.totals["dropped"] += len(dropped)
-        expired, pacer._expired_groups = pacer._expired_groups, []
-        quarantined, pacer._quarantined = pacer._quarantined, []
-        pacer._expired_prompts = set()
+        expired, quarantined = pacer._collector.set_aside()
         kept: list[str] = []
         restored_here = restored  # the step report counts every group this Reset restored
         if pacer.continue_restored:  # the server keeps them (their bytes stay held) and re-offers them on Dispatch
             kept, restored = pacer._restored.keep(restored), []
         for group in (*restored, *expired, *quarantined):
-            pacer._held_bytes -= bytes_of(group.trajectories)
-        dropped_groups = [pacer._inflight[prompt_id] for prompt_id in dropped]
+            pacer._held_bytes.release(group.trajectories)
         for group in dropped_groups:
-            pacer._held_bytes -= bytes_of(group.trajectories.values())
-        pacer._inflight.clear()
-        pacer._held.clear()
+            pacer._held_bytes.release(group.trajectories.values())
+        pacer._inflight.new_generation()
+        pacer._collector.clear_held()
         pacer._leases.forget_running()
-        pacer._complete_inflight = 0
-        pacer._queued_trajectories = 0
-        pacer._accepted.clear()
-        pacer._past_generation_prompts.append(pacer._generation_prompts)
-        pacer._generation_prompts = set()
-        pacer._latest_seqs = {}
         pacer.generation += 1
         ready_at = pacer._reset_ready_at if pacer._reset_ready_at is not None else now
         pause_delay = max(0.0, ready_at - (pacer._pause_started or ready_at))
         report = pacer._tally.report(pacer.step, len(pacer._buffer), restored_here, dropped_groups, pause_delay)
         pacer._reports.append(report)
-        pacer._tally = StepTally()
+        pacer._tally.clear()
         pacer.resetting = False
         if resume:
             _resume_locked(pacer, weight_version)
