@@ -28,7 +28,7 @@ def scenario(tmp_path_factory):
         pacer.submit([trajectory("p6", 0, 1, 2, ABORTED), trajectory("p6", 1, 2, 2)])  # held by the gate: restored
         first_taken = [g.prompt_id for _ in range(3) for g in pacer.collect(1)]
         first = pacer.reset("abort", wait=0, resume=True, weight_version=3)  # ends step 1, starts step 2
-        pacer.dispatch(["p7"])
+        pacer.dispatch(["p7"], max_continuations=0)  # p6 stays kept
         pacer.submit([trajectory("p7", 0, 1, 3), trajectory("p7", 1, 3, 3)])  # a continued rollout: span 2
         second_taken = [g.prompt_id for _ in range(2) for g in pacer.collect(1)]
         second = pacer.reset("wait", wait=5)  # nothing running: ready at once; stays paused
