@@ -41,3 +41,21 @@ def test_rl_cpu_example_learns_through_the_service_with_consistent_logprobs(tmp_
     assert summary["trajectories_aborted"] > 0 and summary["aborted_then_continued"] > 0
     assert sum(summary["staleness_histogram"].values()) == run["tokens_trained"] > 0
     assert 0.0 <= summary["reward_first"] <= 1.0 and Path(summary["curve_png"]).is_file()
+
+
+def test_rl_cpu_example_rolls_back_to_a_checkpoint_and_trains_nothing_of_a_discarded_version(tmp_path):
+    model = os.environ.get("CODA_VLLM_MODEL") or str(tmp_path / "model")
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "rl_cpu" / "run.py"), "--steps", "5", "--rollback-at", "2",
+         "--model", model, "--vllm-python", VLLM_PYTHON, "--server-python", sys.executable,
+         "--workdir", str(tmp_path / "run"), "--vllm-port", "18233"],
+        capture_output=True, text=True, timeout=1800, cwd=REPO)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    summary = json.loads(completed.stdout.strip().splitlines()[-1])
+    run = summary["runs"][0]
+    rollback = run["rollback"]
+    assert run["steps"] == 5 and summary["lost"] == 0 and run["discarded_version_tokens_trained"] == 0
+    assert rollback["checkpoint_step"] == 2 and rollback["discarded_versions"] == [3, 4]
+    assert rollback["restored"]["step"] == 2 and rollback["restored"]["weight_version"] == 2
+    assert rollback["restored"]["discarded_groups"] > 0 and rollback["restored"]["reoffered_prompts"] > 0
+    assert summary["max_logprob_diff"] < 1e-4

@@ -110,6 +110,23 @@ class Policy:
             shutil.rmtree(old, ignore_errors=True)
         return out
 
+    def save(self, path: Path) -> None:
+        """The trainer's checkpoint: model, optimizer, the current version and the snapshot of every version
+        published so far (what the consistency check reads tokens against)."""
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "version": self.version, "snapshots": self.snapshots}, path)
+
+    def load(self, path: Path) -> None:
+        """Back to a checkpoint of `save`: what was trained after it is gone, versions published after it
+        unknown (a token of one fails the check); tokens waiting for the audit are those of the checkpoint's past."""
+        saved = torch.load(path, weights_only=True)
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.version, self.snapshots = saved["version"], saved["snapshots"]
+        self._reference_version = None
+        self._updates_since_publish = 0
+        self._deferred = [d for d in self._deferred if d[0] in self.snapshots]
+
     @staticmethod
     def _pack(rollouts: Rollouts, rows: list[int]) -> dict[str, torch.Tensor]:
         """Right-padded [rows, length] tensors: input ids, and per position the response token it predicts

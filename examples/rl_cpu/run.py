@@ -3,6 +3,7 @@
     python examples/rl_cpu/run.py                 # fully-async through coda-server, one seed
     python examples/rl_cpu/run.py --compare       # the synchronous loop and three strategies, 3 seeds each
     python examples/rl_cpu/run.py --kill-server-at 5
+    python examples/rl_cpu/run.py --rollback-at 5   # the trainer dies after step 7, restarts from step 5's checkpoint
 
 starts, on 127.0.0.1, vLLM's OpenAI-compatible server (CPU build, pinned to core 0) serving the example's tiny
 Llama, and per run coda-server (durable state in the run's directory), worker processes
@@ -24,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
+import itertools
 import json
 import logging
 import os
@@ -208,8 +211,13 @@ class Ledger:
         self.continued_trained = 0
         self.filtered_groups = 0  # dropped by the server's filter (a FAILED trajectory) or a Reset: counted there
         self.started = time.monotonic()
+        self.discarded_versions: set[int] = set()  # --rollback-at: the versions the rollback threw away
+        self.discarded_version_tokens_trained = 0  # tokens of those trained after it (must stay 0)
 
     def trained(self, rollouts, prompt_ids, report) -> None:
+        if self.discarded_versions:
+            self.discarded_version_tokens_trained += sum(
+                v in self.discarded_versions for versions in rollouts.token_versions for v in versions)
         self.fate.update((p, "trained") for p in prompt_ids)
         self.staleness.update(report.staleness)
         self.trained_tokens += report.tokens
@@ -222,6 +230,17 @@ class Ledger:
             self.fate[group.prompt_id] = "handed_back"
         for prompt_id in reset.dropped_prompt_ids:
             self.fate[prompt_id] = "dropped_incomplete"
+
+    def memory(self) -> dict:
+        """What the trainer knows of its run, saved with its checkpoint (a restarted trainer has only that)."""
+        return {"fate": dict(self.fate), "steps": list(self.steps), "staleness": Counter(self.staleness),
+                "trained_tokens": self.trained_tokens, "continued_trained": self.continued_trained}
+
+    def recall(self, memory: dict) -> None:
+        """Back to what `memory()` returned (read from JSON: the staleness histogram's keys come back as text)."""
+        self.fate, self.steps = dict(memory["fate"]), list(memory["steps"])
+        self.staleness = Counter({int(k): v for k, v in memory["staleness"].items()})
+        self.trained_tokens, self.continued_trained = memory["trained_tokens"], memory["continued_trained"]
 
     def step_done(self, step: int, report) -> None:
         self.steps.append({"step": step + 1, "seconds": round(time.monotonic() - self.started, 3),
@@ -273,19 +292,24 @@ class EngineSet:
         self._loop.close()
 
 
-def train_fully_async(pacer, engines, policy, prompts, ledger, args, *, on_step=None) -> None:
+def train_fully_async(pacer, engines, policy, prompts, ledger, args, *, on_step=None, after_step=None, start=0,
+                      versions=None) -> None:
     """The trainer's loop with coda-server pacing the rollout workers (docs/trainer.md shows it).
 
     Each step trains on `batches()` mini-batches (whole groups, tokens of older weight versions masked out
     of the loss), then crosses the step boundary: Reset(ABORT) pauses generation (the workers abort their
     engine requests and submit the partial trajectories, which the server keeps and re-offers), the new
-    weights go into every engine once, and Resume opens dispatch at the new version.
+    weights go into every engine once, and Resume opens dispatch at the new version. Every Collect states the
+    trainer's step (`batches(step=...)`), so a trainer restarted from a checkpoint without restoring the pacer
+    is refused. `start` and `versions` (the weight versions to publish, in order): where a restarted trainer
+    goes on from; `after_step(steps_done, version)`: --rollback-at's checkpoint, and the trainer's death.
     """
     from policy import Rollouts
 
-    for step in range(args.steps):
+    versions = versions if versions is not None else itertools.count(1)
+    for step in range(start, args.steps):
         with pacer.batches(args.mini_batch_size, num_batches=args.batches_per_step, lease=300.0,
-                           mask_offpolicy=True) as batches:
+                           mask_offpolicy=True, step=step) as batches:
             for batch in batches:
                 rollouts = Rollouts.from_minibatch(batch, prompts.tokens)
                 report = policy.train(rollouts)
@@ -293,10 +317,63 @@ def train_fully_async(pacer, engines, policy, prompts, ledger, args, *, on_step=
         if on_step is not None:
             on_step(step)  # --kill-server-at: the server is killed and restarted while workers generate
         ledger.boundary(pacer.reset("abort", wait=RESET_WAIT_SECONDS))
-        weights = policy.publish(step + 1, args.weights_dir)
-        engines.sync_weights(weights, step + 1)  # into every engine once, however many workers share it
-        pacer.resume(step + 1)
+        version = next(versions)
+        weights = policy.publish(version, args.weights_dir)
+        engines.sync_weights(weights, version)  # into every engine once, however many workers share it
+        pacer.resume(version)
         ledger.step_done(step, report)
+        if after_step is not None:
+            after_step(step + 1, version)  # --rollback-at: the trainer's checkpoint, or its death
+
+
+class TrainerDied(Exception):
+    """--rollback-at: the trainer dies after step K + 2 (raised out of its loop)."""
+
+
+class Rollback:
+    """--rollback-at K: after step K the trainer saves its checkpoint (policy, what it knows of the run) and the
+    pacer's beside it; after step K + 2 it dies. `restart()` is the trainer coming back from that checkpoint:
+    generation paused, the engines given step K's weights back, the pacer restored, the loop going on from
+    step K with new weight versions (the two thrown away are never used again)."""
+
+    def __init__(self, at: int, directory: Path) -> None:
+        self.at, self.directory = at, directory
+        self.figures: dict = {}
+        self._version = 0
+
+    def after_step(self, pacer, policy, ledger, steps_done: int, version: int) -> None:
+        from safetensors.torch import save_file
+
+        if "restored" in self.figures:
+            return
+        if steps_done == self.at:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            policy.save(self.directory / "policy.pt")
+            save_file(policy.snapshots[version], str(self.directory / "model.safetensors"))
+            (self.directory / "ledger.json").write_text(json.dumps(ledger.memory()))
+            taken = pacer.checkpoint(self.directory / "pacer.ckpt")
+            self._version = version
+            self.figures.update(checkpoint_step=steps_done, checkpoint_version=version,
+                                checkpoint_bytes=len(taken.blob), checkpoint_buffered_groups=taken.buffered_groups,
+                                checkpoint_in_flight_prompts=taken.in_flight_prompts)
+        elif steps_done == self.at + 2:
+            self.figures["discarded_versions"] = list(range(self._version + 1, version + 1))
+            raise TrainerDied(f"the trainer dies after step {steps_done}")
+
+    def restart(self, pacer, engines, policy, ledger) -> int:
+        """The trainer back from its step-K checkpoint; returns the step it goes on from."""
+        log.info("the trainer restarts from its step-%d checkpoint", self.at)
+        policy.load(self.directory / "policy.pt")
+        ledger.recall(json.loads((self.directory / "ledger.json").read_text()))
+        ledger.discarded_versions = set(self.figures["discarded_versions"])
+        ledger.boundary(pacer.reset("abort", wait=RESET_WAIT_SECONDS))  # generation pauses ...
+        engines.sync_weights(self.directory, self._version)  # ... the engines get step K's weights back ...
+        restored = pacer.restore(self.directory / "pacer.ckpt")  # ... and the pacer goes back with them
+        log.info("pacer restored: %s", restored)
+        self.figures["restored"] = {name: getattr(restored, name) for name in (
+            "step", "weight_version", "discarded_groups", "discarded_trajectories", "discarded_newer_trajectories",
+            "dropped_running", "reinstated_groups", "kept_groups", "reoffered_prompts")}
+        return restored.step
 
 
 def train_synchronous(engines, policy, prompts, ledger, args) -> None:
@@ -377,7 +454,7 @@ def run_one(args: argparse.Namespace, config: dict, seed: int, engine_urls: list
     cleanup_engines = engines.close
     log.info("run %s", name)
     stats: list[dict] = []
-    killed_at = None
+    killed_at, rollback = None, None
     with ExitStack() as cleanup:
         if config["kind"] == "sync":
             ledger.started = time.monotonic()
@@ -407,7 +484,18 @@ def run_one(args: argparse.Namespace, config: dict, seed: int, engine_urls: list
 
 
                 ledger.started = time.monotonic()
-                train_fully_async(pacer, engines, policy, prompts, ledger, args, on_step=maybe_kill)
+                versions = itertools.count(1)  # never back, even after a rollback
+                after_step = None
+                if args.rollback_at is not None:
+                    rollback = Rollback(args.rollback_at, run_dir / "checkpoint")
+                    after_step = functools.partial(rollback.after_step, pacer, policy, ledger)
+                try:
+                    train_fully_async(pacer, engines, policy, prompts, ledger, args, on_step=maybe_kill,
+                                      after_step=after_step, versions=versions)
+                except TrainerDied:
+                    start = rollback.restart(pacer, engines, policy, ledger)
+                    train_fully_async(pacer, engines, policy, prompts, ledger, args, on_step=maybe_kill,
+                                      after_step=after_step, start=start, versions=versions)
                 wall = time.monotonic() - ledger.started
                 # The end of the job: the workers abort what they hold, submit it and stop; what the server
                 # still holds then is named in the report, counted, not lost.
@@ -431,6 +519,9 @@ def run_one(args: argparse.Namespace, config: dict, seed: int, engine_urls: list
                   tokens_checked=policy.checked_tokens, train_seconds=round(policy.train_seconds, 2),
                   sync_seconds=round(engines.sync_seconds, 2), generate_seconds=round(engines.generate_seconds, 2),
                   audit_seconds=round(audit_seconds, 2))
+    if args.rollback_at is not None:
+        result.update(rollback=rollback.figures if rollback else None,
+                      discarded_version_tokens_trained=ledger.discarded_version_tokens_trained)
     return result
 
 
@@ -638,6 +729,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stale-steps", type=float, default=1.0)
     parser.add_argument("--kill-server-at", type=int, default=None,
                         help="SIGKILL coda-server at this step (while workers generate) and restart it")
+    parser.add_argument("--rollback-at", type=int, default=None,
+                        help="checkpoint the trainer and the pacer after this step; after two more steps the trainer "
+                             "dies and restarts from that checkpoint, restoring the pacer")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--prompts-per-step", type=int, default=8, help="B")
     parser.add_argument("--group-size", type=int, default=8, help="N")
@@ -723,7 +817,8 @@ def main(argv: list[str] | None = None) -> int:
         (workdir / "compare.md").write_text(summary["compare_markdown"])
     print(json.dumps(summary))
     unchecked = sum(r["tokens_trained"] - r["tokens_checked"] for r in results)
-    ok = summary["lost"] == 0 and summary["max_logprob_diff"] < 1e-4 and unchecked == 0
+    trained_discarded = sum(r.get("discarded_version_tokens_trained", 0) for r in results)
+    ok = summary["lost"] == 0 and summary["max_logprob_diff"] < 1e-4 and unchecked == 0 and trained_discarded == 0
     return 0 if ok else 1
 
 
