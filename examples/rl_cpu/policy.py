@@ -114,18 +114,26 @@ class Policy:
         """The trainer's checkpoint: model, optimizer, the current version and the snapshot of every version
         published so far (what the consistency check reads tokens against)."""
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "version": self.version, "snapshots": self.snapshots}, path)
+                    "version": self.version, "snapshots": self.snapshots,
+                    # the check's figures so far, and how many of the tokens waiting for the audit were trained by then
+                    "checked_tokens": self.checked_tokens, "max_logprob_diff": self.max_logprob_diff,
+                    "max_logprob_diff_continued": self.max_logprob_diff_continued,
+                    "diff_by_staleness": dict(self.diff_by_staleness), "deferred": len(self._deferred)}, path)
 
     def load(self, path: Path) -> None:
         """Back to a checkpoint of `save`: what was trained after it is gone, versions published after it
-        unknown (a token of one fails the check); tokens waiting for the audit are those of the checkpoint's past."""
+        unknown (a token of one fails the check), the check's figures those of the checkpoint. (In this process
+        the tokens trained before it still wait for the audit; a trainer restarted in a new one has lost them.)"""
         saved = torch.load(path, weights_only=True)
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.version, self.snapshots = saved["version"], saved["snapshots"]
+        self.checked_tokens, self.max_logprob_diff = saved["checked_tokens"], saved["max_logprob_diff"]
+        self.max_logprob_diff_continued = saved["max_logprob_diff_continued"]
+        self.diff_by_staleness = dict(saved["diff_by_staleness"])
+        self._deferred = self._deferred[:saved["deferred"]]
         self._reference_version = None
         self._updates_since_publish = 0
-        self._deferred = [d for d in self._deferred if d[0] in self.snapshots]
 
     @staticmethod
     def _pack(rollouts: Rollouts, rows: list[int]) -> dict[str, torch.Tensor]:
