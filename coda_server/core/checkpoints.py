@@ -158,7 +158,6 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any]) -> RestoreResult:
     pacer._leases.lapse_all()  # an Ack of one now fails: its groups are gone
     pacer._inflight.new_generation()  # late Submits of what ran before are refused as stale, as after a Reset
     pacer._leases.forget_running()
-    pacer.generation += 1
     # The answers of calls that handed out discarded groups must not hand them out again to a retry.
     pacer.answers.forget("Collect", lambda answer: True)
     pacer.answers.forget("Reset", lambda answer: True)
@@ -170,13 +169,9 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any]) -> RestoreResult:
     pacer._held_bytes.total = sum(bytes_of(g.trajectories) for g in
                                   [*pacer._buffer.groups(), *pacer._restored.export(), *pacer._collector.quarantined])
     pacer._cursor = PromptCursor.restored(checkpoint["cursor"])
-    pacer.step, pacer.weight_version = step, version
-    pacer.resetting = False
-    pacer.paused = bool(checkpoint.get("paused"))
-    pacer._pause_started, pacer._reset_ready_at = (now if pacer.paused else None), None
+    pacer._steps.rolled_back(step, version, bool(checkpoint.get("paused")), now)
     pacer.totals["restores"] += 1
     pacer.last_restore = (step, version, float(checkpoint.get("taken_at") or 0.0))
-    pacer._tally.clear()  # what the trainer takes from now on is the restored step's
 
     pacer._emit(ControlEventType.PAUSE, ResetMode.ABORT)  # workers abort what they generate
     if not pacer.paused:

@@ -29,9 +29,7 @@ def begin(pacer: "Pacer", mode: ResetMode) -> ResetMode:
         mode = pacer._default_mode if mode == ResetMode.UNSPECIFIED else mode
         now = pacer._clock()
         pacer.job_ended, pacer.job_end_mode = True, mode
-        if not pacer.paused:
-            pacer.paused = True
-            pacer._pause_started = now
+        pacer._steps.pause(now)
         pacer._emit(ControlEventType.JOB_ENDED, mode)
         pacer._notify()
         pacer._record(JobEnded(now, mode))
@@ -39,7 +37,7 @@ def begin(pacer: "Pacer", mode: ResetMode) -> ResetMode:
 
 
 def refuse_if_ended(pacer: "Pacer", call: str) -> None:
-    """Reset and Resume after the end: there is no next step (caller holds the lock)."""
+    """Reset and Resume after the end: there is no next step."""
     if pacer.job_ended:
         raise JobEndedError(f"{call} refused: EndJob ended this job; there is no next step. Submit, Collect, Ack and "
                             f"GetState still work")

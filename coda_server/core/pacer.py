@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from . import checkpoints, job_end, recovery, reset_steps
@@ -25,7 +24,7 @@ from .filters import GroupFilter, create_filters
 from .incidents import HOOK_FAILED, QUARANTINED, REFUSED, IncidentLog, describe_exception
 from .incidents import collect_error, hook_error
 from .buffer import PipelineBuffer
-from .inflight import (ANSWER_OVERHEAD_BYTES, DispatchedGroup, HeldBytes, InflightGroup, InflightTable, StepTally,
+from .inflight import (ANSWER_OVERHEAD_BYTES, DispatchedGroup, HeldBytes, InflightGroup, InflightTable,
                        bytes_of, encoded_group_bound)
 from .journal import (Acked, Collected, Dispatched, Expired, GatesRechecked, Journal, JournalEvent, Recorder,
                       StaleRejected, Submitted)
@@ -37,6 +36,7 @@ from .replay import RestoredGroups, create_replay_strategy
 from .settings import setting
 from .shares import PLAIN, BatchShape, balanced_shares, budget_count, group_tokens
 from .state import COUNTER_NAMES
+from .steps import StepBoundary
 from .strategy import BufferView, ThreadSafeStrategy, create_strategy, gate_is_ordered, overridden_hook, window_size
 from .types import (
     CollectResult,
@@ -53,7 +53,6 @@ from .types import (
     ResetResult,
     RestoreResult,
     ResumeResult,
-    StepReport,
     SubmitResult,
     Trajectory,
     TrajectoryGroup,
@@ -107,8 +106,6 @@ class Pacer:
         self._clock = PacerClock(clock)  # pinned to each event's time while the journal is replayed
         self.recorder = Recorder(journal)  # where acknowledged changes are recorded; None keeps state in memory only
         self._strategy = strategy if strategy is not None else create_strategy(config)
-        # The pacer's lock is the strategy proxy's lock, so holding it is holding both, as every hook requires;
-        # the pacer then calls the strategy itself, without the proxy taking the same lock again on every call.
         proxied = isinstance(self._strategy, ThreadSafeStrategy)
         self._hooks = self._strategy.wrapped if proxied else self._strategy
         # With an ordered gate, a re-examination pass stops at the first refusal (see SlidingWindowStrategy).
@@ -142,6 +139,11 @@ class Pacer:
         # How often held groups are re-examined with nothing changed (the server's timer; 0: never).
         self.gate_recheck_seconds = float(setting(config, "fully_async.gate_recheck_seconds"))
 
+        # The one lock (see docs/architecture.md): every public method takes it itself, re-entrantly, so no caller
+        # has to; a caller holds it across several calls to make them one atomic step (a Poll's attempt, a Reset's
+        # wait and finish). The strategy proxy runs under it too: holding it is holding both, as every hook
+        # requires, and the pacer calls the strategy itself without the proxy taking the lock again. (The proxy is
+        # made for this pacer; one passed in, already shared with its other callers, brings the lock they take.)
         self._lock = self._strategy.lock if proxied else threading.RLock()
         self.waits = ThreadWaits(self._lock, self._clock, lambda: self.closed)
         self.answers = AnswerBook(limits, self._lock, self.checks.check_request_id)
@@ -161,21 +163,13 @@ class Pacer:
         self.last_restore: Optional[tuple[int, int, float]] = None
         self._held_bytes = HeldBytes()  # bytes of trajectories queued, buffered, leased or set aside
 
-        self.step = 0
-        self.weight_version = 0
-        self.generation = 0
-        self.paused = False
-        self.resetting = False
+        self._steps = StepBoundary(limits.step_reports_kept)
         self.closed = False
         self.job_ended = False  # EndJob closed dispatch for good (journaled)
         self.job_end_mode = ResetMode.UNSPECIFIED
-        self._pause_started: Optional[float] = None
-        self._reset_ready_at: Optional[float] = None
-        self._tally = StepTally()
-        self._reports: deque[StepReport] = deque(maxlen=limits.step_reports_kept)
         self.totals = dict.fromkeys(COUNTER_NAMES, 0)  # one per counter of PacerState
         self._collector = Collector(
-            self._hooks, self._filters, self._inflight, self._buffer, self._held_bytes, self._tally, self.totals,
+            self._hooks, self._filters, self._inflight, self._buffer, self._held_bytes, self._steps.tally, self.totals,
             self._restored, self._leases, ordered_gate=self._ordered_gate, train_on_failed=self._train_on_failed,
             continue_restored=self.continue_restored, strategy_name=self._strategy.name, incident=self._incident,
             notify=self._notify, clock=self._clock)
@@ -211,8 +205,25 @@ class Pacer:
             callback(event)
 
     def _control_event(self, kind: ControlEventType, mode: ResetMode = ResetMode.UNSPECIFIED) -> ControlEvent:
-        return ControlEvent(kind, mode, self.weight_version, self.step, self.generation, self.paused,
+        steps = self._steps
+        return ControlEvent(kind, mode, steps.weight_version, steps.step, steps.generation, steps.paused,
                             self.totals["restores"], self.job_ended)
+
+    def _tell_resumed(self) -> None:
+        """Dispatch reopened: the strategy's on_resume hook, then watchers hear RESUME."""
+        if self._on_resume is not None:
+            try:
+                self._on_resume(self._steps.weight_version)
+            except Exception as exc:  # reported; the Resume stands (dispatch must reopen)
+                self._incident(HOOK_FAILED, "", "on_resume", describe_exception(exc), "resumed")
+        self._emit(ControlEventType.RESUME)
+
+    # The step boundary's state, read here; it changes only through the StepBoundary's methods.
+    step = property(lambda self: self._steps.step, doc="The trainer's step (Resume adds one).")
+    weight_version = property(lambda self: self._steps.weight_version, doc="The weight version of the last Resume.")
+    generation = property(lambda self: self._steps.generation, doc="Reset and Restore count generations.")
+    paused = property(lambda self: self._steps.paused, doc="Dispatch is paused (Reset, EndJob).")
+    resetting = property(lambda self: self._steps.resetting, doc="A Reset is between its begin and finish.")
 
     def current_state_event(self) -> ControlEvent:
         """The STATE event a new watcher receives first."""
@@ -304,71 +315,73 @@ class Pacer:
     def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "",
                        max_continuations: Optional[int] = None,
                        continued_ids: Optional[Sequence[str]] = None) -> DispatchResult:
-        """Validate the candidates and admit what the strategy allows now (caller holds the lock): first kept
+        """Validate the candidates and admit what the strategy allows now: first kept
         restored groups (replay names them: `continued_ids`), then candidates. `max_continuations` None (the
         default) re-offers kept groups first in place of candidates, as many as the caller proposes (LoongSage's
         data source hands out its restored groups before new prompts); a number takes up to that many on top
         (0: none, for a caller that cannot continue a partial group)."""
-        if candidates:  # none is a peek at the window
-            self._inflight.check_candidates(self.checks, candidates, self._restored)
-        allowed = self._admissible_now()
-        wanted = len(candidates) if max_continuations is None else max_continuations
-        if continued_ids is not None:
-            continued = self._restored.by_ids(continued_ids)
-        elif wanted and allowed and self._restored:
-            continued = self._fitting_continuations(self._restored.choose(min(allowed, wanted), self.step))
-        else:
-            continued = []
-        # By default the kept groups take the place of as many candidates (the caller proposed that much room).
-        proposed = len(candidates) - len(continued) if max_continuations is None and continued_ids is None \
-            else len(candidates)
-        count = min(allowed - len(continued), proposed)
-        first_seq = self._inflight.next_seq + len(continued)
-        admitted_ids: list[str] = []
-        if count or continued:
-            now = self._clock()
-            admitted_refs = list(candidates[:count])  # also the journal's record of this Dispatch
-            group_sizes = self._group_sizes
-            refs = [*(PromptRef(g.prompt_id, g.ds_index, g.epoch, g.index) for g in continued), *admitted_refs]
-            groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now, client_id)
-                      for seq, ref in enumerate(refs, self._inflight.next_seq)]
-            # The strategy hears first: if a custom strategy raises, the pacer is unchanged. It sees each group
-            # with its trajectories as LoongSage hands them to on_dispatched: the N pending ones of a new group,
-            # those a continued group brings back.
-            brought = {g.prompt_id: g.trajectories for g in continued}
-            try:
-                self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups])
-            except Exception as exc:
-                raise self._hook_refused("on_dispatched", exc, "nothing was admitted") from exc
-            self._inflight.admit(groups)
-            mark = self._cursor.mark
-            for ref in admitted_refs:
-                mark(ref.ds_index, ref.epoch, ref.index, ref.prompt_id)
-            admitted_ids = [ref.prompt_id for ref in admitted_refs]
-            if continued:
-                # Handed out again with the trajectories they had; the worker submits all N anew.
-                self._restored.take(continued)
-                self._inflight.continued(g.prompt_id for g in continued)
-                for group in continued:
-                    self._held_bytes.release(group.trajectories)
-                continued = [TrajectoryGroup(g.prompt_id, seq, g.ds_index, g.trajectories, g.epoch, g.index, now)
-                             for seq, g in enumerate(continued, self._inflight.next_seq - len(groups))]
-            self._leases.extend(groups, now)
-            self.totals["dispatched"] += len(groups)
-            self._collector.strategy_changed()
-            self._collector.release_held()
-            self._notify()
-        # Positional: a keyword call to a dataclass builds a kwargs dict and costs about twice as much.
-        result = DispatchResult(admitted_ids, first_seq, self.paused, self.step, self.weight_version, self.generation,
-                                len(self._inflight), len(self._buffer), self._window_size,
-                                # unchanged if nothing was admitted
-                                self._admissible_after_change() if count or continued else allowed, continued,
-                                self.job_ended)
-        self._collector.clear_failures()  # a group quarantined on the way is reported; the admission stands
-        if count or continued:
-            self._record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued],
-                                    self._liveness.watched(client_id)))
-        return result
+        with self._lock:
+            if candidates:  # none is a peek at the window
+                self._inflight.check_candidates(self.checks, candidates, self._restored)
+            allowed = self._admissible_now()
+            wanted = len(candidates) if max_continuations is None else max_continuations
+            if continued_ids is not None:
+                continued = self._restored.by_ids(continued_ids)
+            elif wanted and allowed and self._restored:
+                continued = self._fitting_continuations(self._restored.choose(min(allowed, wanted), self._steps.step))
+            else:
+                continued = []
+            # By default the kept groups take the place of as many candidates (the caller proposed that much room).
+            proposed = len(candidates) - len(continued) if max_continuations is None and continued_ids is None \
+                else len(candidates)
+            count = min(allowed - len(continued), proposed)
+            first_seq = self._inflight.next_seq + len(continued)
+            admitted_ids: list[str] = []
+            if count or continued:
+                now = self._clock()
+                admitted_refs = list(candidates[:count])  # also the journal's record of this Dispatch
+                group_sizes = self._group_sizes
+                refs = [*(PromptRef(g.prompt_id, g.ds_index, g.epoch, g.index) for g in continued), *admitted_refs]
+                groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now, client_id)
+                          for seq, ref in enumerate(refs, self._inflight.next_seq)]
+                # The strategy hears first: if a custom strategy raises, the pacer is unchanged. It sees each group
+                # with its trajectories as LoongSage hands them to on_dispatched: the N pending ones of a new group,
+                # those a continued group brings back.
+                brought = {g.prompt_id: g.trajectories for g in continued}
+                try:
+                    self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups])
+                except Exception as exc:
+                    raise self._hook_refused("on_dispatched", exc, "nothing was admitted") from exc
+                self._inflight.admit(groups)
+                mark = self._cursor.mark
+                for ref in admitted_refs:
+                    mark(ref.ds_index, ref.epoch, ref.index, ref.prompt_id)
+                admitted_ids = [ref.prompt_id for ref in admitted_refs]
+                if continued:
+                    # Handed out again with the trajectories they had; the worker submits all N anew.
+                    self._restored.take(continued)
+                    self._inflight.continued(g.prompt_id for g in continued)
+                    for group in continued:
+                        self._held_bytes.release(group.trajectories)
+                    continued = [TrajectoryGroup(g.prompt_id, seq, g.ds_index, g.trajectories, g.epoch, g.index, now)
+                                 for seq, g in enumerate(continued, self._inflight.next_seq - len(groups))]
+                self._leases.extend(groups, now)
+                self.totals["dispatched"] += len(groups)
+                self._collector.strategy_changed()
+                self._collector.release_held()
+                self._notify()
+            # Positional: a keyword call to a dataclass builds a kwargs dict and costs about twice as much.
+            steps = self._steps
+            result = DispatchResult(admitted_ids, first_seq, steps.paused, steps.step, steps.weight_version, steps.generation,
+                                    len(self._inflight), len(self._buffer), self._window_size,
+                                    # unchanged if nothing was admitted
+                                    self._admissible_after_change() if count or continued else allowed, continued,
+                                    self.job_ended)
+            self._collector.clear_failures()  # a group quarantined on the way is reported; the admission stands
+            if count or continued:
+                self._record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued],
+                                        self._liveness.watched(client_id)))
+            return result
 
     def _fitting_continuations(self, chosen: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         """The first of the chosen kept groups whose trajectories fit one Dispatch answer (server.max_message_bytes):
@@ -388,7 +401,7 @@ class Pacer:
             return self._admissible_now()
 
     def _dispatch_count(self) -> int:
-        if self.paused or self.closed:
+        if self._steps.paused or self.closed:
             return 0
         return max(0, int(self._hooks.compute_dispatch_count(len(self._buffer))))
 
@@ -528,7 +541,7 @@ class Pacer:
         sorted_ = self._inflight.sort_submit(self.checks, trajectories)
         if sorted_.refused_as_stale:
             self.totals["stale_rejected"] += len(sorted_.stale)
-        sorted_.refuse(self.generation, self._inflight.remembered_generations, self._leases.inflight_seconds)
+        sorted_.refuse(self._steps.generation, self._inflight.remembered_generations, self._leases.inflight_seconds)
         limits = self.limits
         if limits.max_held_bytes or limits.max_buffered_groups:
             get = self._inflight.get
@@ -541,7 +554,8 @@ class Pacer:
     # ----------------------------------------------------------------- hook failures
 
     def _incident(self, kind: str, prompt_id: str, hook: str, message: str, action: str = QUARANTINED) -> Incident:
-        incident = Incident(kind, prompt_id, self._strategy.name, hook, message, self.step, self.generation, action)
+        incident = Incident(kind, prompt_id, self._strategy.name, hook, message, self._steps.step,
+                            self._steps.generation, action)
         self.incidents.record(incident)
         return incident
 
@@ -552,10 +566,11 @@ class Pacer:
         return hook_error(self._strategy.name, hook, exc, consequence=consequence)
 
     def report_incidents(self) -> None:
-        """Raise, once, for the incidents the trainer has not been told about (caller holds the lock): a Collect
+        """Raise, once, for the incidents the trainer has not been told about : a Collect
         answers with it before taking anything, so dirty data or a broken strategy never goes unnoticed."""
-        if self.incidents.has_unreported():
-            raise collect_error(*self.incidents.take_unreported())
+        with self._lock:
+            if self.incidents.has_unreported():
+                raise collect_error(*self.incidents.take_unreported())
 
     # ----------------------------------------------------------------- collect
 
@@ -577,38 +592,40 @@ class Pacer:
         return CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes)
 
     def check_trainer_step(self, trainer_step: Optional[int]) -> None:
-        """A Collect from a trainer at another step than the server's is refused (caller holds the lock): after
+        """A Collect from a trainer at another step than the server's is refused: after
         a trainer restarts from a checkpoint, the pacer must be restored to it first."""
-        if trainer_step is None or trainer_step == self.step:
-            return
-        if trainer_step < self.step:
-            hint = (f"the trainer is behind the server (restarted from a checkpoint?): restore first, "
-                    f"PacerClient.restore() with the pacer checkpoint taken with the trainer's step-{trainer_step} "
-                    f"model")
-        else:
-            hint = ("the trainer is ahead of the server (a step boundary without Reset/Resume, or a server that "
-                    "lost its state): restore first, from the pacer checkpoint of the trainer's last model checkpoint")
-        raise FailedPreconditionError(f"the trainer states step {trainer_step}, the server is at step {self.step}; "
-                                      f"{hint}", reason="STEP_MISMATCH",
-                                      violations=[("trainer_step", f"must be the server's step {self.step}")])
+        with self._lock:
+            if trainer_step is None or trainer_step == self._steps.step:
+                return
+            if trainer_step < self._steps.step:
+                hint = (f"the trainer is behind the server (restarted from a checkpoint?): restore first, "
+                        f"PacerClient.restore() with the pacer checkpoint taken with the trainer's step-{trainer_step} "
+                        f"model")
+            else:
+                hint = ("the trainer is ahead of the server (a step boundary without Reset/Resume, or a server that "
+                        "lost its state): restore first, from the pacer checkpoint of the trainer's last model checkpoint")
+            raise FailedPreconditionError(f"the trainer states step {trainer_step}, the server is at step "
+                                          f"{self._steps.step}; "
+                                          f"{hint}", reason="STEP_MISMATCH",
+                                          violations=[("trainer_step", f"must be the server's step {self._steps.step}")])
 
     def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]:
         """Groups the next Collect of this shape takes from the buffer now (0: a rank's share of a mini-batch
-        already taken is waiting), or None when it is not ready; with `partial`, what is there at a deadline
-        (caller holds the lock)."""
-        if shape.world_size > 1 and self._leases.claimable(shape.key(num_groups), shape.rank):
-            return 0
-        available = len(self._buffer)
-        if shape.token_budget:
-            count = budget_count(self._buffer.entries, shape.token_budget, num_groups, shape.world_size)
-            return count if count is not None or not partial or available < shape.world_size else available
-        if available >= num_groups:
-            return num_groups
-        return available if partial and available >= shape.world_size else None
+        already taken is waiting), or None when it is not ready; with `partial`, what is there at a deadline."""
+        with self._lock:
+            if shape.world_size > 1 and self._leases.claimable(shape.key(num_groups), shape.rank):
+                return 0
+            available = len(self._buffer)
+            if shape.token_budget:
+                count = budget_count(self._buffer.entries, shape.token_budget, num_groups, shape.world_size)
+                return count if count is not None or not partial or available < shape.world_size else available
+            if available >= num_groups:
+                return num_groups
+            return available if partial and available >= shape.world_size else None
 
     def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
                    shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0) -> CollectResult:
-        """Hand `count` groups from the buffer to the trainer, leased when `lease_seconds` > 0 (caller holds the lock).
+        """Hand `count` groups from the buffer to the trainer, leased when `lease_seconds` > 0.
         A rank's share (`shape.world_size` > 1) is the oldest one waiting for it, or with `count` > 0 its share of
         a new mini-batch of `count` groups; `num_groups` (what the Collect asked for) tells the ranks of one
         trainer apart from another's.
@@ -616,27 +633,28 @@ class Pacer:
         Fewer (`cut_to_fit`) when the answer would be larger than the caller can receive (`max_bytes`, within
         server.max_message_bytes): whole groups, oldest first, the rest stay buffered. A first group (or a rank's
         share) larger than that alone is refused (MessageTooLargeError) before anything is taken."""
-        now = self._clock()
-        limit = self.limits.answer_bytes(max_bytes)
-        cut_to_fit = False
-        if shape.world_size > 1:
-            lease = self._take_share(count, lease_seconds, shape.key(num_groups), shape, now, limit)
-            result = CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id)
-        else:
-            entries = self._buffer.pop_fitting(count, limit)
-            cut_to_fit, count = len(entries) < count, len(entries)
-            if lease_seconds > 0:
-                lease = self._leases.grant(entries, lease_seconds, now)
-                self._notify()
-                result = CollectResult([group for _, group in lease.entries], timed_out=timed_out,
-                                       lease_id=lease.lease_id, cut_to_fit=cut_to_fit)
+        with self._lock:
+            now = self._clock()
+            limit = self.limits.answer_bytes(max_bytes)
+            cut_to_fit = False
+            if shape.world_size > 1:
+                lease = self._take_share(count, lease_seconds, shape.key(num_groups), shape, now, limit)
+                result = CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id)
             else:
-                groups = [group for _, group in entries]
-                self._consume(groups)
-                result = CollectResult(groups, timed_out=timed_out, cut_to_fit=cut_to_fit)
-        self._record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
-                               shape.world_size, num_groups))
-        return result
+                entries = self._buffer.pop_fitting(count, limit)
+                cut_to_fit, count = len(entries) < count, len(entries)
+                if lease_seconds > 0:
+                    lease = self._leases.grant(entries, lease_seconds, now)
+                    self._notify()
+                    result = CollectResult([group for _, group in lease.entries], timed_out=timed_out,
+                                           lease_id=lease.lease_id, cut_to_fit=cut_to_fit)
+                else:
+                    groups = [group for _, group in entries]
+                    self._consume(groups)
+                    result = CollectResult(groups, timed_out=timed_out, cut_to_fit=cut_to_fit)
+            self._record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
+                                   shape.world_size, num_groups))
+            return result
 
     def _take_share(self, count: int, lease_seconds: float, key: tuple, shape: BatchShape, now: float,
                     limit: int = 0) -> CollectLease:
@@ -681,13 +699,13 @@ class Pacer:
                 self._incident(HOOK_FAILED, "", "on_consumed", describe_exception(exc), "consumed")
         self.totals["consumed"] += len(groups)
         for group in groups:
-            self._tally.count_consumed(group)
+            self._steps.tally.count_consumed(group)
             self._held_bytes.release(group.trajectories)
         self._inflight.consumed(groups)
         if self._consume_listeners:
             now = self._clock()
             for callback in self._consume_listeners:
-                callback(groups, self.weight_version, now)
+                callback(groups, self._steps.weight_version, now)
         self._notify()
 
     def expire_leases(self) -> tuple[list[str], list[str]]:
@@ -705,7 +723,8 @@ class Pacer:
             return prompt_ids, lapsed
 
     def apply_expiry(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
-        self._collector.expire(prompt_ids, lease_ids)
+        with self._lock:
+            self._collector.expire(prompt_ids, lease_ids)
 
     def recheck_gates(self, min_age: float = 0.0) -> int:
         """Re-examine the held groups (the strategy refused them) although nothing changed: a gate that opens
@@ -722,7 +741,8 @@ class Pacer:
             return released
 
     def apply_gate_recheck(self) -> int:
-        return self._collector.recheck()
+        with self._lock:
+            return self._collector.recheck()
 
     # ----------------------------------------------------------------- reset / resume
 
@@ -857,8 +877,8 @@ class Pacer:
             return PacerState(waiting_calls=waiting_calls,
                 running=len(self._inflight), buffered=len(self._buffer),
                 queued_trajectories=self._inflight.queued_trajectories, capacity=self._admissible_after_change(),
-                window_size=self._window_size, step=self.step, weight_version=self.weight_version,
-                generation=self.generation, paused=self.paused, resetting=self.resetting,
+                window_size=self._window_size, step=self._steps.step, weight_version=self._steps.weight_version,
+                generation=self._steps.generation, paused=self._steps.paused, resetting=self._steps.resetting,
                 strategy=self._strategy.name, config_summary=dict(self._summary),
                 leased=self._leases.leased_groups, held_bytes=self._held_bytes.total, restored_kept=len(self._restored),
                 restored_kept_oldest_seconds=self._restored.oldest_age() if ages else 0.0,
@@ -868,7 +888,7 @@ class Pacer:
                 last_restore_weight_version=self.last_restore[1] if self.last_restore else -1,
                 stale_steps=self._stale_steps,
                 collect_limit=self.collect_limit,
-                recent_reports=list(self._reports), recent_incidents=self.incidents.recent(), **self.totals,
+                recent_reports=self._steps.reports, recent_incidents=self.incidents.recent(), **self.totals,
                 job_ended=self.job_ended, prompts_per_step=self._prompts_per_step,
                 group_sizes=list(self._group_sizes), mini_batch_size=self._mini_batch_size,
             )

@@ -40,10 +40,8 @@ def export_state(pacer: "Pacer") -> dict:
     with pacer._lock:
         return {
             "format": SNAPSHOT_FORMAT,
-            "step": pacer.step, "weight_version": pacer.weight_version, "generation": pacer.generation,
-            "paused": pacer.paused, **pacer._inflight.export(), "totals": dict(pacer.totals),
+            **pacer._steps.export(), **pacer._inflight.export(), "totals": dict(pacer.totals),
             "buffer": pacer._buffer.export(),
-            "reports": list(pacer._reports),
             "answers": pacer.answers.export(),
             **pacer._leases.export(),
             "held_bytes": pacer._held_bytes.total,
@@ -75,12 +73,10 @@ def import_state(pacer: "Pacer", snapshot: dict) -> None:
     if snapshot.get("format") != SNAPSHOT_FORMAT:
         raise ValueError(f"it is in format {snapshot.get('format')!r}, written by another version of coda-server; "
                          f"this version reads format {SNAPSHOT_FORMAT} (move server.state_dir aside to start afresh)")
-    pacer.step, pacer.weight_version = snapshot["step"], snapshot["weight_version"]
-    pacer.generation, pacer.paused = snapshot["generation"], snapshot["paused"]
+    pacer._steps.restore(snapshot)
     pacer._inflight.restore(snapshot)
     pacer.totals.update(snapshot["totals"])
     pacer._buffer.replace(snapshot["buffer"])
-    pacer._reports.extend(snapshot["reports"])
     pacer.answers.restore(snapshot["answers"])
     pacer._leases.restore(snapshot, pacer._clock())
     pacer._held_bytes.total = snapshot["held_bytes"]
@@ -135,8 +131,7 @@ def recover(pacer: "Pacer") -> int:
     if pacer.resetting:  # the last process died during a Reset's wait: end it (recorded); a retried Reset starts afresh
         pacer.abandon_reset()
     with pacer._lock:
-        if pacer.paused and not pacer.resetting:
-            pacer._pause_started = pacer._clock()
+        pacer._steps.restart_pause_clock(pacer._clock())
         pacer._leases.restart_clocks(pacer._clock(), pacer._inflight.values())
         pacer._liveness.restart_clocks(pacer._clock())
     return len(recorded_events)
@@ -188,7 +183,7 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
     elif isinstance(event, ResetBegun):
         pacer.begin_reset(event.mode, resume=event.resume, weight_version=event.weight_version)
     elif isinstance(event, ResetFinished):
-        pacer._reset_ready_at = event.ready_at
+        pacer._steps.ready_at = event.ready_at
         remember("Reset", event.request_id,
                  pacer.finish_reset(resume=event.resume, weight_version=event.weight_version,
                                     request_id=event.request_id))

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from .errors import ResetInProgressError
-from .incidents import HOOK_FAILED, describe_exception
 from .job_end import refuse_if_ended
 from .journal import ResetAbandoned, ResetBegun, ResetFinished, Resumed
 from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, TrajectoryGroup
@@ -30,13 +29,7 @@ def begin(pacer: "Pacer", mode: ResetMode, resume: bool, weight_version: Optiona
             pacer.checks.check_weight_version(weight_version, pacer.weight_version)
         mode = pacer._default_mode if mode == ResetMode.UNSPECIFIED else mode
         now = pacer._clock()
-        pacer.resetting = True
-        if not pacer.paused:
-            pacer.paused = True
-            pacer._pause_started = now
-        elif pacer._pause_started is None:
-            pacer._pause_started = now
-        pacer._reset_ready_at = None
+        pacer._steps.begin_reset(now)
         pacer._emit(ControlEventType.PAUSE, mode)
         pacer._notify()
         pacer._record(ResetBegun(now, mode, resume, weight_version))
@@ -47,8 +40,8 @@ def ready(pacer: "Pacer") -> bool:
     """Step 2's condition: every running group holds all its trajectories (any status)."""
     with pacer._lock:
         is_ready = pacer._inflight.all_assembled
-        if is_ready and pacer._reset_ready_at is None and pacer.resetting:
-            pacer._reset_ready_at = pacer._clock()
+        if is_ready:
+            pacer._steps.note_ready(pacer._clock())
         return is_ready
 
 
@@ -63,11 +56,11 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         try:
             pacer._hooks.on_reset()
         except Exception as exc:
-            pacer.resetting = False
+            pacer._steps.abandon_reset()
             pacer._record(ResetAbandoned(now))
             raise pacer._hook_refused("on_reset", exc, "the Reset changed nothing; dispatch stays paused") from exc
         ready(pacer)
-        ready_at_recorded = pacer._reset_ready_at
+        ready_at_recorded = pacer._steps.ready_at
         restored: list[TrajectoryGroup] = []
         dropped: list[str] = []
         # Restored in the order their first trajectory arrived, as LoongSage's clean-up drains its trajectory
@@ -92,13 +85,7 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
         pacer._inflight.new_generation()
         pacer._collector.clear_held()
         pacer._leases.forget_running()
-        pacer.generation += 1
-        ready_at = pacer._reset_ready_at if pacer._reset_ready_at is not None else now
-        pause_delay = max(0.0, ready_at - (pacer._pause_started or ready_at))
-        report = pacer._tally.report(pacer.step, len(pacer._buffer), restored_here, dropped_groups, pause_delay)
-        pacer._reports.append(report)
-        pacer._tally.clear()
-        pacer.resetting = False
+        report, pause_delay = pacer._steps.close_step(now, len(pacer._buffer), restored_here, dropped_groups)
         if resume:
             _resume_locked(pacer, weight_version)
         pacer._notify()
@@ -117,7 +104,7 @@ def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_
 def abandon(pacer: "Pacer") -> None:
     """A Reset that cannot finish (shutdown): leave the pause on, allow a later Reset."""
     with pacer._lock:
-        pacer.resetting = False
+        pacer._steps.abandon_reset()
         pacer._notify()
         pacer._record(ResetAbandoned(pacer._clock()))
 
@@ -137,14 +124,5 @@ def resume(pacer: "Pacer", weight_version: int, request_id: str) -> ResumeResult
 
 
 def _resume_locked(pacer: "Pacer", weight_version: Optional[int]) -> None:
-    pacer.step += 1
-    if weight_version is not None:
-        pacer.weight_version = weight_version
-    pacer.paused = False
-    pacer._pause_started = None
-    if pacer._on_resume is not None:
-        try:
-            pacer._on_resume(pacer.weight_version)
-        except Exception as exc:  # reported; the Resume stands (dispatch must reopen)
-            pacer._incident(HOOK_FAILED, "", "on_resume", describe_exception(exc), "resumed")
-    pacer._emit(ControlEventType.RESUME)
+    pacer._steps.resume(weight_version)
+    pacer._tell_resumed()
