@@ -535,11 +535,12 @@ class RestoreResult:
     kept_groups: int
     reoffered_prompts: int
     checkpoint_taken_at: float
+    discarded_prompt_ids: list[str]  # of the discarded groups
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.RestoreResponse) -> RestoreResult:
         """From the wire message."""
-        return _from_fields(cls, msg)
+        return _from_fields(cls, msg, discarded_prompt_ids=list(msg.discarded_prompt_ids))
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ def test_restore_brings_back_the_step_the_buffer_and_kept_groups_and_discards_wh
     # Discarded: the two buffered groups of version 2, the running e0p8 (one trajectory of version 2) and the
     # kept e0p4 (version 0, put back from the checkpoint).
     assert (result.discarded_groups, result.discarded_newer_trajectories, result.dropped_running) == (4, 5, 1)
+    assert sorted(result.discarded_prompt_ids) == ["e0p4", "e0p6", "e0p7", "e0p8"]
     assert result.reinstated_groups == 3 and result.kept_groups == 1
     # Offered again: e0p5 (in flight at the checkpoint) and e0p6..e0p8 (dispatched after it).
     assert result.reoffered_prompts == 4

@@ -457,7 +457,7 @@ class RestoreRequest(_message.Message):
     def __init__(self, checkpoint: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("step", "weight_version", "generation", "discarded_groups", "discarded_trajectories", "discarded_newer_trajectories", "dropped_running", "reinstated_groups", "kept_groups", "reoffered_prompts", "checkpoint_taken_at")
+    __slots__ = ("step", "weight_version", "generation", "discarded_groups", "discarded_trajectories", "discarded_newer_trajectories", "dropped_running", "reinstated_groups", "kept_groups", "reoffered_prompts", "checkpoint_taken_at", "discarded_prompt_ids")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +469,7 @@ class RestoreResponse(_message.Message):
     KEPT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     REOFFERED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_TAKEN_AT_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     generation: int
@@ -480,7 +481,8 @@ class RestoreResponse(_message.Message):
     kept_groups: int
     reoffered_prompts: int
     checkpoint_taken_at: float
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., discarded_groups: _Optional[int] = ..., discarded_trajectories: _Optional[int] = ..., discarded_newer_trajectories: _Optional[int] = ..., dropped_running: _Optional[int] = ..., reinstated_groups: _Optional[int] = ..., kept_groups: _Optional[int] = ..., reoffered_prompts: _Optional[int] = ..., checkpoint_taken_at: _Optional[float] = ...) -> None: ...
+    discarded_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., discarded_groups: _Optional[int] = ..., discarded_trajectories: _Optional[int] = ..., discarded_newer_trajectories: _Optional[int] = ..., dropped_running: _Optional[int] = ..., reinstated_groups: _Optional[int] = ..., kept_groups: _Optional[int] = ..., reoffered_prompts: _Optional[int] = ..., checkpoint_taken_at: _Optional[float] = ..., discarded_prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetPromptCursorRequest(_message.Message):
     __slots__ = ()

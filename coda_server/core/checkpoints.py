@@ -182,7 +182,8 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any]) -> RestoreResult:
         discarded_groups=len(discarded_groups) + len(running), discarded_trajectories=len(trajectories),
         discarded_newer_trajectories=newer, dropped_running=len(running),
         reinstated_groups=len(pacer._buffer), kept_groups=len(pacer._restored),
-        reoffered_prompts=max(0, before - len(pacer._cursor)), checkpoint_taken_at=pacer.last_restore[2])
+        reoffered_prompts=max(0, before - len(pacer._cursor)), checkpoint_taken_at=pacer.last_restore[2],
+        discarded_prompt_ids=[g.prompt_id for g in discarded_groups] + [g.prompt_id for g in running])
 
 
 def restore_summary(result: RestoreResult) -> str:

@@ -241,6 +241,7 @@ class RestoreResult:
     kept_groups: int  # the checkpoint's groups kept for continuation, kept again
     reoffered_prompts: int  # prompts in flight at the checkpoint or admitted since: offered again
     checkpoint_taken_at: float = 0.0  # when the checkpoint was taken (seconds since the epoch)
+    discarded_prompt_ids: list[str] = field(default_factory=list)  # of the discarded groups, running ones included
 
 
 @dataclass

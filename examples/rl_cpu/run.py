@@ -369,7 +369,10 @@ class Rollback:
         ledger.boundary(pacer.reset("abort", wait=RESET_WAIT_SECONDS))  # generation pauses ...
         engines.sync_weights(self.directory, self._version)  # ... the engines get step K's weights back ...
         restored = pacer.restore(self.directory / "pacer.ckpt")  # ... and the pacer goes back with them
-        log.info("pacer restored: %s", restored)
+        log.info("pacer restored: %s", {k: v for k, v in dataclasses.asdict(restored).items()
+                                          if k != "discarded_prompt_ids"})
+        for prompt_id in restored.discarded_prompt_ids:  # counted by the Restore, offered again: not lost
+            ledger.fate.setdefault(prompt_id, "rolled_back")
         self.figures["restored"] = {name: getattr(restored, name) for name in (
             "step", "weight_version", "discarded_groups", "discarded_trajectories", "discarded_newer_trajectories",
             "dropped_running", "reinstated_groups", "kept_groups", "reoffered_prompts")}
@@ -569,6 +572,9 @@ def result_of(args, config, seed, ledger: Ledger, stats: list[dict], wall: float
         "generated_per_trained_token": round(generated / ledger.trained_tokens, 3) if ledger.trained_tokens else None,
         "held_at_end": by_fate.get("held_at_end", 0),
         "server_killed_at_step": killed_at,
+        # --rollback-at: trajectories whose group the Restore discarded (and counted) and that were not generated
+        # again by the end; not lost: their prompts are offered again
+        "discarded_by_restore": by_fate.get("rolled_back", 0),
         "curve": ledger.steps,
     }
 
