@@ -49,7 +49,7 @@ def test_restore_brings_back_the_step_the_buffer_and_kept_groups_and_discards_wh
     generate(pacer, [4], 0, status=TrajectoryStatus.ABORTED)  # assembled, aborted: kept at the Reset
     pacer.reset(resume=True, weight_version=1)
     generate(pacer, [5], 1, complete=False)  # in flight at the checkpoint
-    buffered_at_k = contents(sorted((g for _, g in pacer._buffer), key=lambda g: g.seq))
+    buffered_at_k = contents(sorted((g for _, g in pacer.buffer), key=lambda g: g.seq))
     blob = checkpoints.encode(pacer.checkpoint(), CODEC)
     assert pacer.state().last_checkpoint_step == 1
 

@@ -7,16 +7,11 @@ from pathlib import Path
 CORE = Path(__file__).resolve().parents[1] / "coda_server" / "core"
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """The core modules `path` imports when it runs (imports under `if TYPE_CHECKING:` do not count)."""
-    tree = ast.parse(path.read_text())
-    checking_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-                     and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-                     for statement in block.body for node in ast.walk(statement)}
+def core_imports(path: Path) -> set[str]:
+    """The core modules `path` imports, at run time or for type checking only (`if TYPE_CHECKING:`): both
+    count, as a module that names another for its annotations depends on it as much."""
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in checking_only:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level == 1 and node.module:
                 found.add(node.module.split(".")[0])
@@ -27,20 +22,73 @@ def runtime_imports(path: Path) -> set[str]:
     return {name for name in found if (CORE / f"{name}.py").exists()}
 
 
-def test_core_modules_import_each_other_without_cycles():
-    graph = {path.stem: runtime_imports(path) for path in CORE.glob("*.py") if path.stem != "__init__"}
-    done: set[str] = set()
+def import_cycles() -> set[frozenset[str]]:
+    """The modules of each import cycle among the core modules (strongly connected groups of more than one)."""
+    graph = {path.stem: core_imports(path) for path in CORE.glob("*.py") if path.stem != "__init__"}
+    reaches: dict[str, set[str]] = {module: set() for module in graph}
+    for module in graph:
+        todo = list(graph[module])
+        while todo:
+            other = todo.pop()
+            if other not in reaches[module]:
+                reaches[module].add(other)
+                todo.extend(graph[other])
+    return {frozenset({module} | {other for other in reaches[module] if module in reaches[other]})
+            for module in graph if module in reaches[module]}
 
-    def visit(module: str, trail: tuple[str, ...]) -> None:
-        assert module not in trail, f"import cycle: {' -> '.join(trail + (module,))}"
-        if module in done:
-            return
-        for imported in sorted(graph[module]):
-            visit(imported, trail + (module,))
-        done.add(module)
 
-    for module in sorted(graph):
-        visit(module, ())
+# The cycles still there: the step-boundary modules are functions of one Pacer that name it for their
+# annotations (pacer.py calls them), and types.py re-exports PacerState, whose record names types' records.
+# The list only shrinks: a new cycle fails, and so does a listed one that is gone (take it off).
+KNOWN_CYCLES = {
+    frozenset({"pacer", "reset_steps", "checkpoints", "recovery", "job_end", "polls"}),
+    frozenset({"state", "types"}),
+}
+
+
+def test_core_modules_import_each_other_without_new_cycles():
+    assert import_cycles() == KNOWN_CYCLES
+
+
+def test_the_cycle_check_counts_imports_made_for_type_checking_only(tmp_path):
+    checked = tmp_path / "checked.py"
+    checked.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .pacer import Pacer\n")
+    assert core_imports(checked) == {"pacer"}
+
+
+def private_reads(path: Path, owner: str) -> list[str]:
+    """`owner._name` (or `x.owner._name`, `x._owner._name`) in `path`: a private attribute of another object."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            value = node.value
+            name = value.id if isinstance(value, ast.Name) else value.attr if isinstance(value, ast.Attribute) else ""
+            if name.lstrip("_") == owner:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reads_or_writes_the_pacers_private_attributes():
+    """The Pacer's state belongs to its owners (the in-flight table, the buffer, the collector, the step
+    boundary...): other modules reach them through its public references and change them by their methods."""
+    found = [hit for path in sorted(CORE.parent.rglob("*.py")) if path != CORE / "pacer.py"
+             for hit in private_reads(path, "pacer")]
+    assert found == []
+
+
+def test_the_private_attribute_check_finds_a_pacer_private(tmp_path):
+    reaching = tmp_path / "reaching.py"
+    reaching.write_text("def f(pacer, self):\n    pacer._inflight.clear()\n    return self._pacer._lock\n")
+    assert len(private_reads(reaching, "pacer")) == 2
+
+
+# Modules still longer than the rule's 500 lines, each capped at its length now: it may only shrink.
+LONG_MODULES = {"pacer.py": 910}
+
+
+def test_no_core_module_is_over_500_lines():
+    lengths = {path.name: len(path.read_text().splitlines()) for path in CORE.glob("*.py")}
+    assert {name: n for name, n in lengths.items() if n > LONG_MODULES.get(name, 500)} == {}
 
 
 def test_every_core_module_says_in_one_line_what_it_owns():

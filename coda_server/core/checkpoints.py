@@ -45,32 +45,32 @@ class CheckpointMismatchError(FailedPreconditionError):
 def take(pacer: "Pacer") -> dict[str, Any]:
     """What the pacer needs to continue from the current step: a consistent copy, taken under the lock
     without pausing anything (the buffer and kept groups are shared, not copied: they are never changed)."""
-    with pacer._lock:
-        pacer._check_open()
+    with pacer.lock:
+        pacer.check_open()
         if pacer.resetting:
             raise ResetInProgressError("a Reset is running; take the checkpoint after it, at the step boundary "
                                        "it ends in")
-        in_flight = pacer._inflight.in_dispatch_order()
+        in_flight = pacer.inflight.in_dispatch_order()
         reoffered = [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in in_flight]
-        reoffered += [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in pacer._collector.expired]
+        reoffered += [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in pacer.collector.expired]
         # Leased groups were not acknowledged: the trainer that restores this has not trained them.
-        buffer = pacer._buffer.export()
-        for lease in pacer._leases.collect.values():
+        buffer = pacer.buffer.export()
+        for lease in pacer.leases.collect.values():
             buffer.extend(lease.entries)
         buffer.sort(key=lambda entry: entry[0])
         pacer.totals["checkpoints"] += 1
         pacer.last_checkpoint = (pacer.step, pacer.weight_version, time.time())
         return {
             "format": CHECKPOINT_FORMAT,
-            "config": dict(pacer._summary),
+            "config": dict(pacer.summary),
             "step": pacer.step, "weight_version": pacer.weight_version, "generation": pacer.generation,
             "paused": pacer.paused,  # taken between a Reset and its Resume: restored paused, the Resume reopens
             "taken_at": pacer.last_checkpoint[2],
             "buffer": buffer,
-            "kept": pacer._restored.export(),
-            "quarantined": pacer._collector.quarantined,
+            "kept": pacer.restored.export(),
+            "quarantined": pacer.collector.quarantined,
             "in_flight": reoffered,  # (ds_index, epoch, index, prompt_id): offered again after a Restore
-            "cursor": pacer._cursor.copy_without(reoffered).export(),
+            "cursor": pacer.cursor.copy_without(reoffered).export(),
             "strategy": recovery.strategy_state(pacer),  # as the journal's snapshot saves it
         }
 
@@ -112,7 +112,7 @@ def check(pacer: "Pacer", checkpoint: dict[str, Any]) -> None:
     if pacer.job_ended:
         raise JobEndedError("Restore refused: EndJob ended this job, and a restored job would dispatch again "
                             "(nothing was changed); start a new server for a new run from the checkpoint")
-    recorded, summary = checkpoint.get("config") or {}, pacer._summary
+    recorded, summary = checkpoint.get("config") or {}, pacer.summary
     changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
                for key in sorted(set(recorded) | set(summary)) if recorded.get(key) != summary.get(key)]
     if changed:
@@ -128,61 +128,61 @@ def restore(pacer: "Pacer", checkpoint: dict[str, Any]) -> RestoreResult:
     prompt admitted since) are offered again, and workers are told (PAUSE with ABORT, then RESUME at its weight
     version unless it was taken while dispatch was paused: then the trainer's Resume reopens it). Caller holds
     the lock."""
-    pacer._check_open()
+    pacer.check_open()
     check(pacer, checkpoint)
     step, version = int(checkpoint["step"]), int(checkpoint["weight_version"])
-    now = pacer._clock()
+    now = pacer.clock()
 
     # What is discarded: every group the server holds now, and what a worker still generates.
-    buffered = pacer._buffer.groups()
-    leased = [group for lease in pacer._leases.collect.values() for _, group in lease.entries]
-    running = list(pacer._inflight.values())
-    set_aside = [*pacer._restored.export(), *pacer._collector.quarantined, *pacer._collector.expired]
+    buffered = pacer.buffer.groups()
+    leased = [group for lease in pacer.leases.collect.values() for _, group in lease.entries]
+    running = list(pacer.inflight.values())
+    set_aside = [*pacer.restored.export(), *pacer.collector.quarantined, *pacer.collector.expired]
     discarded_groups = [*buffered, *leased, *set_aside]
     trajectories = [t for g in discarded_groups for t in g.trajectories]
     trajectories += [t for g in running for t in g.trajectories.values()]
     newer = sum(1 for t in trajectories if max(t.start_weight_version, t.end_weight_version) > version)
-    before = len(pacer._cursor)
+    before = len(pacer.cursor)
 
     strategy_state = checkpoint.get("strategy")
-    hook = getattr(pacer._hooks, "restore", None)
+    hook = getattr(pacer.hooks, "restore", None)
     try:  # the strategy hears first: if it raises, nothing changed
         if strategy_state is not None and callable(hook):
             hook(strategy_state)
-        pacer._hooks.on_reset()  # nothing is in flight after a Restore
+        pacer.hooks.on_reset()  # nothing is in flight after a Restore
     except Exception as exc:
-        raise pacer._hook_refused("restore", exc, "the Restore changed nothing") from exc
+        raise pacer.hook_refused("restore", exc, "the Restore changed nothing") from exc
 
     pacer.totals["dropped"] += len(running)
     pacer.totals["rolled_back"] += len(buffered) + len(leased)
-    pacer._leases.lapse_all()  # an Ack of one now fails: its groups are gone
-    pacer._inflight.new_generation()  # late Submits of what ran before are refused as stale, as after a Reset
-    pacer._leases.forget_running()
+    pacer.leases.lapse_all()  # an Ack of one now fails: its groups are gone
+    pacer.inflight.new_generation()  # late Submits of what ran before are refused as stale, as after a Reset
+    pacer.leases.forget_running()
     # The answers of calls that handed out discarded groups must not hand them out again to a retry.
     pacer.answers.forget("Collect", lambda answer: True)
     pacer.answers.forget("Reset", lambda answer: True)
 
-    pacer._buffer.replace(checkpoint["buffer"])
-    pacer.totals["reinstated"] += len(pacer._buffer)
-    pacer._restored.restore(checkpoint["kept"])
-    pacer._collector.new_generation(checkpoint["quarantined"])
-    pacer._held_bytes.total = sum(bytes_of(g.trajectories) for g in
-                                  [*pacer._buffer.groups(), *pacer._restored.export(), *pacer._collector.quarantined])
-    pacer._cursor = PromptCursor.restored(checkpoint["cursor"])
-    pacer._steps.rolled_back(step, version, bool(checkpoint.get("paused")), now)
+    pacer.buffer.replace(checkpoint["buffer"])
+    pacer.totals["reinstated"] += len(pacer.buffer)
+    pacer.restored.restore(checkpoint["kept"])
+    pacer.collector.new_generation(checkpoint["quarantined"])
+    pacer.held_bytes.total = sum(bytes_of(g.trajectories) for g in
+                                  [*pacer.buffer.groups(), *pacer.restored.export(), *pacer.collector.quarantined])
+    pacer.cursor = PromptCursor.restored(checkpoint["cursor"])
+    pacer.steps.rolled_back(step, version, bool(checkpoint.get("paused")), now)
     pacer.totals["restores"] += 1
     pacer.last_restore = (step, version, float(checkpoint.get("taken_at") or 0.0))
 
-    pacer._emit(ControlEventType.PAUSE, ResetMode.ABORT)  # workers abort what they generate
+    pacer.emit(ControlEventType.PAUSE, ResetMode.ABORT)  # workers abort what they generate
     if not pacer.paused:
-        pacer._emit(ControlEventType.RESUME)  # and load the weights of the checkpoint's version
-    pacer._notify()
+        pacer.emit(ControlEventType.RESUME)  # and load the weights of the checkpoint's version
+    pacer.notify()
     return RestoreResult(
         step=step, weight_version=version, generation=pacer.generation,
         discarded_groups=len(discarded_groups) + len(running), discarded_trajectories=len(trajectories),
         discarded_newer_trajectories=newer, dropped_running=len(running),
-        reinstated_groups=len(pacer._buffer), kept_groups=len(pacer._restored),
-        reoffered_prompts=max(0, before - len(pacer._cursor)), checkpoint_taken_at=pacer.last_restore[2],
+        reinstated_groups=len(pacer.buffer), kept_groups=len(pacer.restored),
+        reoffered_prompts=max(0, before - len(pacer.cursor)), checkpoint_taken_at=pacer.last_restore[2],
         discarded_prompt_ids=[g.prompt_id for g in discarded_groups] + [g.prompt_id for g in running])
 
 

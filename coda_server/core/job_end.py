@@ -20,19 +20,19 @@ if TYPE_CHECKING:
 def begin(pacer: "Pacer", mode: ResetMode) -> ResetMode:
     """Close dispatch for good and tell watchers (once; a second call changes nothing). Returns the mode."""
     mode = pacer.checks.reset_mode(mode)
-    with pacer._lock:
-        pacer._check_open()
+    with pacer.lock:
+        pacer.check_open()
         if pacer.job_ended:
             return pacer.job_end_mode
         if pacer.resetting:
             raise ResetInProgressError("a Reset is running; end the job once it has finished")
-        mode = pacer._default_mode if mode == ResetMode.UNSPECIFIED else mode
-        now = pacer._clock()
+        mode = pacer.default_mode if mode == ResetMode.UNSPECIFIED else mode
+        now = pacer.clock()
         pacer.job_ended, pacer.job_end_mode = True, mode
-        pacer._steps.pause(now)
-        pacer._emit(ControlEventType.JOB_ENDED, mode)
-        pacer._notify()
-        pacer._record(JobEnded(now, mode))
+        pacer.steps.pause(now)
+        pacer.emit(ControlEventType.JOB_ENDED, mode)
+        pacer.notify()
+        pacer.record(JobEnded(now, mode))
         return mode
 
 
@@ -45,16 +45,16 @@ def refuse_if_ended(pacer: "Pacer", call: str) -> None:
 
 def report(pacer: "Pacer", waited_seconds: float) -> JobEndReport:
     """Where every group not yet accounted for by the totals is now."""
-    with pacer._lock:
-        running = pacer._inflight.in_dispatch_order()
+    with pacer.lock:
+        running = pacer.inflight.in_dispatch_order()
         return JobEndReport(
             mode=pacer.job_end_mode, waited_seconds=waited_seconds,
-            buffered_prompt_ids=[group.prompt_id for _, group in sorted(pacer._buffer.export())],
-            leased=pacer._leases.leased_groups,
+            buffered_prompt_ids=[group.prompt_id for _, group in sorted(pacer.buffer.export())],
+            leased=pacer.leases.leased_groups,
             held_prompt_ids=[g.prompt_id for g in running if g.complete],
             in_flight_prompt_ids=[g.prompt_id for g in running if not g.complete],
-            kept_prompt_ids=[g.prompt_id for g in pacer._restored.export()],
-            expired_prompt_ids=[g.prompt_id for g in pacer._collector.expired],
-            quarantined_prompt_ids=[g.prompt_id for g in pacer._collector.quarantined],
+            kept_prompt_ids=[g.prompt_id for g in pacer.restored.export()],
+            expired_prompt_ids=[g.prompt_id for g in pacer.collector.expired],
+            quarantined_prompt_ids=[g.prompt_id for g in pacer.collector.quarantined],
             state=pacer.state(),
         )

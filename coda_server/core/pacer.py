@@ -1,9 +1,11 @@
-"""The Pacer: the pacing rule (dispatch, submit, collect, reset, resume) over one strategy, trajectory queue and buffer.
+"""The Pacer: the pacing rule (dispatch, submit, collect, reset, resume) over one strategy and the owners of its state.
 
-What it leans on, each in its own module: request checks against the `Limits` (checks.py, limits.py),
-request-id answers (answers.py), leases (leases.py), the in-flight group (inflight.py), the journal
-contract (journal.py) and recovery from it (recovery.py), waiting (waiting.py), the step boundary
-(reset_steps.py) and where complete groups go: gate, filters, buffer, quarantine, expiry (collector.py).
+Each piece of state belongs to an owner that changes it only through its methods: the in-flight table and the
+held bytes (inflight.py), the pipeline buffer (buffer.py), the collector (collector.py: gate, filters, quarantine,
+expiry), the step boundary (steps.py), leases, liveness, kept groups, the prompt cursor, answers, incidents, the
+recorder (journal.py) and the clock (clock.py). The Pacer holds a reference to each, is where a call crosses
+them, and owns the one lock (docs/architecture.md). The Reset steps, trainer checkpoints, recovery, the end of a
+job and the waiting calls' polls are in reset_steps.py, checkpoints.py, recovery.py, job_end.py and polls.py.
 """
 from __future__ import annotations
 
@@ -107,16 +109,16 @@ class Pacer:
         self.recorder = Recorder(journal)  # where acknowledged changes are recorded; None keeps state in memory only
         self._strategy = strategy if strategy is not None else create_strategy(config)
         proxied = isinstance(self._strategy, ThreadSafeStrategy)
-        self._hooks = self._strategy.wrapped if proxied else self._strategy
+        self.hooks = self._strategy.wrapped if proxied else self._strategy
         # With an ordered gate, a re-examination pass stops at the first refusal (see SlidingWindowStrategy).
-        self._ordered_gate = gate_is_ordered(self._hooks)
+        self._ordered_gate = gate_is_ordered(self.hooks)
         # The optional hooks: called only when the strategy defines them (on_submitted runs per trajectory).
-        self._on_submitted = overridden_hook(self._hooks, "on_submitted")
-        self._on_consumed = overridden_hook(self._hooks, "on_consumed")
-        self._on_resume = overridden_hook(self._hooks, "on_resume")
+        self._on_submitted = overridden_hook(self.hooks, "on_submitted")
+        self._on_consumed = overridden_hook(self.hooks, "on_consumed")
+        self._on_resume = overridden_hook(self.hooks, "on_resume")
         try:  # the strategy's clock and buffer view are this pacer's (the clock is pinned during replay)
-            self._hooks._pacer_clock = self._clock
-            self._hooks._pacer_buffer = BufferView(lambda: self._buffer.entries)
+            self.hooks._pacer_clock = self._clock
+            self.hooks._pacer_buffer = BufferView(lambda: self.buffer.entries)
         except AttributeError:  # a strategy with __slots__ and no room for them keeps the defaults
             pass
         self._filters = filters if filters is not None else create_filters(list(config.rollout.filter), config)
@@ -125,16 +127,16 @@ class Pacer:
         self._stale_steps = float(setting(config, "fully_async.stale_steps"))
         self.limits = limits = Limits.from_config(config)
         # The most groups a Collect may wait for: more can never be buffered at once (0: no bound known).
-        self.collect_limit, self._collect_limit_terms = collect_limit(config, self._hooks, limits)
+        self.collect_limit, self._collect_limit_terms = collect_limit(config, self.hooks, limits)
         self.checks = RequestChecks(limits, self._group_sizes)
-        self._default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
+        self.default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
         # Restored groups: kept and re-offered for continuation, or handed to the Reset's caller (the old way).
         self.continue_restored = bool(setting(config, "rollout.continue_restored"))
-        self._restored = RestoredGroups(self._clock, [create_replay_strategy((s.get("dataset") or {}).get("buffer_replay_strategy"),
+        self.restored = RestoredGroups(self._clock, [create_replay_strategy((s.get("dataset") or {}).get("buffer_replay_strategy"),
                                                                 config) for s in config.data_sources])
         # A group still holding a FAILED trajectory after the filters is quarantined, not trained on, unless asked.
         self._train_on_failed = bool(setting(config, "rollout.train_on_failed"))
-        self._summary = config_summary(config)
+        self.summary = config_summary(config)
         self.max_wait_seconds = float(setting(config, "server.max_wait_seconds"))
         # How often held groups are re-examined with nothing changed (the server's timer; 0: never).
         self.gate_recheck_seconds = float(setting(config, "fully_async.gate_recheck_seconds"))
@@ -144,96 +146,96 @@ class Pacer:
         # wait and finish). The strategy proxy runs under it too: holding it is holding both, as every hook
         # requires, and the pacer calls the strategy itself without the proxy taking the lock again. (The proxy is
         # made for this pacer; one passed in, already shared with its other callers, brings the lock they take.)
-        self._lock = self._strategy.lock if proxied else threading.RLock()
-        self.waits = ThreadWaits(self._lock, self._clock, lambda: self.closed)
-        self.answers = AnswerBook(limits, self._lock, self.checks.check_request_id)
-        self._leases = Leases(limits.inflight_lease_seconds)
-        self._liveness = Liveness(limits.worker_liveness_seconds)
+        self.lock = self._strategy.lock if proxied else threading.RLock()
+        self.waits = ThreadWaits(self.lock, self._clock, lambda: self.closed)
+        self.answers = AnswerBook(limits, self.lock, self.checks.check_request_id)
+        self.leases = Leases(limits.inflight_lease_seconds)
+        self.liveness = Liveness(limits.worker_liveness_seconds)
         self._loaded_versions: dict[str, int] = {}  # client id -> the weight version its engine reports loaded
         self._change_listeners: list[Callable[[], None]] = []
         self._control_listeners: list[Callable[[ControlEvent], None]] = []
         self._consume_listeners: list[Callable[[list[TrajectoryGroup], int, float], None]] = []
 
-        self._inflight = InflightTable(limits.remembered_generations)
-        self._buffer = PipelineBuffer()
+        self.inflight = InflightTable(limits.remembered_generations)
+        self.buffer = PipelineBuffer()
         self.incidents = IncidentLog(limits.incidents_kept)
-        self._cursor = PromptCursor()  # the prompts admitted so far (offered again after a Restore)
+        self.cursor = PromptCursor()  # the prompts admitted so far (offered again after a Restore)
         # (step, weight version, wall time) of the last checkpoint taken and restored; None: none yet.
         self.last_checkpoint: Optional[tuple[int, int, float]] = None
         self.last_restore: Optional[tuple[int, int, float]] = None
-        self._held_bytes = HeldBytes()  # bytes of trajectories queued, buffered, leased or set aside
+        self.held_bytes = HeldBytes()  # bytes of trajectories queued, buffered, leased or set aside
 
-        self._steps = StepBoundary(limits.step_reports_kept)
+        self.steps = StepBoundary(limits.step_reports_kept)
         self.closed = False
         self.job_ended = False  # EndJob closed dispatch for good (journaled)
         self.job_end_mode = ResetMode.UNSPECIFIED
         self.totals = dict.fromkeys(COUNTER_NAMES, 0)  # one per counter of PacerState
-        self._collector = Collector(
-            self._hooks, self._filters, self._inflight, self._buffer, self._held_bytes, self._steps.tally, self.totals,
-            self._restored, self._leases, ordered_gate=self._ordered_gate, train_on_failed=self._train_on_failed,
-            continue_restored=self.continue_restored, strategy_name=self._strategy.name, incident=self._incident,
-            notify=self._notify, clock=self._clock)
+        self.collector = Collector(
+            self.hooks, self._filters, self.inflight, self.buffer, self.held_bytes, self.steps.tally, self.totals,
+            self.restored, self.leases, ordered_gate=self._ordered_gate, train_on_failed=self._train_on_failed,
+            continue_restored=self.continue_restored, strategy_name=self._strategy.name, incident=self.incident,
+            notify=self.notify, clock=self._clock)
 
     # ----------------------------------------------------------------- listeners
 
     def add_change_listener(self, callback: Callable[[], None]) -> None:
         """`callback()` runs (under the lock, so it must be quick) after every state change."""
-        with self._lock:
+        with self.lock:
             self._change_listeners.append(callback)
 
     def add_control_listener(self, callback: Callable[[ControlEvent], None]) -> None:
         """`callback(event)` runs for every PAUSE / RESUME / SHUTDOWN, in order, under the lock."""
-        with self._lock:
+        with self.lock:
             self._control_listeners.append(callback)
 
     def add_consume_listener(self, callback: Callable[[list[TrajectoryGroup], int, float], None]) -> None:
         """`callback(groups, weight_version, now)` runs (under the lock, so it must be quick) when the trainer
         takes groups; `now` is the pacer clock, the clock of `TrajectoryGroup.dispatched_at` (for metrics)."""
-        with self._lock:
+        with self.lock:
             self._consume_listeners.append(callback)
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
         waits = self.waits
         if waits.blocked:  # notify_all is Python code under the hood: skip it when nobody waits
             waits.wake_all()
         for callback in self._change_listeners:
             callback()
 
-    def _emit(self, kind: ControlEventType, mode: ResetMode = ResetMode.UNSPECIFIED) -> None:
+    def emit(self, kind: ControlEventType, mode: ResetMode = ResetMode.UNSPECIFIED) -> None:
         event = self._control_event(kind, mode)
         for callback in self._control_listeners:
             callback(event)
 
     def _control_event(self, kind: ControlEventType, mode: ResetMode = ResetMode.UNSPECIFIED) -> ControlEvent:
-        steps = self._steps
+        steps = self.steps
         return ControlEvent(kind, mode, steps.weight_version, steps.step, steps.generation, steps.paused,
                             self.totals["restores"], self.job_ended)
 
-    def _tell_resumed(self) -> None:
+    def tell_resumed(self) -> None:
         """Dispatch reopened: the strategy's on_resume hook, then watchers hear RESUME."""
         if self._on_resume is not None:
             try:
-                self._on_resume(self._steps.weight_version)
+                self._on_resume(self.steps.weight_version)
             except Exception as exc:  # reported; the Resume stands (dispatch must reopen)
-                self._incident(HOOK_FAILED, "", "on_resume", describe_exception(exc), "resumed")
-        self._emit(ControlEventType.RESUME)
+                self.incident(HOOK_FAILED, "", "on_resume", describe_exception(exc), "resumed")
+        self.emit(ControlEventType.RESUME)
 
     # The step boundary's state, read here; it changes only through the StepBoundary's methods.
-    step = property(lambda self: self._steps.step, doc="The trainer's step (Resume adds one).")
-    weight_version = property(lambda self: self._steps.weight_version, doc="The weight version of the last Resume.")
-    generation = property(lambda self: self._steps.generation, doc="Reset and Restore count generations.")
-    paused = property(lambda self: self._steps.paused, doc="Dispatch is paused (Reset, EndJob).")
-    resetting = property(lambda self: self._steps.resetting, doc="A Reset is between its begin and finish.")
+    step = property(lambda self: self.steps.step, doc="The trainer's step (Resume adds one).")
+    weight_version = property(lambda self: self.steps.weight_version, doc="The weight version of the last Resume.")
+    generation = property(lambda self: self.steps.generation, doc="Reset and Restore count generations.")
+    paused = property(lambda self: self.steps.paused, doc="Dispatch is paused (Reset, EndJob).")
+    resetting = property(lambda self: self.steps.resetting, doc="A Reset is between its begin and finish.")
 
     def current_state_event(self) -> ControlEvent:
         """The STATE event a new watcher receives first."""
-        with self._lock:
+        with self.lock:
             return self._control_event(ControlEventType.STATE)
 
-    def _record(self, event: JournalEvent) -> None:
+    def record(self, event: JournalEvent) -> None:
         self.recorder.record(event)
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise ShuttingDownError("the pacer is shutting down and takes no new calls")
 
@@ -267,7 +269,7 @@ class Pacer:
         """
         num_groups = self.checks.check_collect(num_groups, lease_seconds, shape)
         self.check_collect_reachable(num_groups, allow_partial, shape)
-        self._check_open()  # once: a waiter woken by close() answers with what is there
+        self.check_open()  # once: a waiter woken by close() answers with what is there
         poll = CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes)
         return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
 
@@ -294,7 +296,7 @@ class Pacer:
         """
         def call() -> ResetResult:
             effective = self.begin_reset(mode, resume=resume, weight_version=weight_version)
-            with self._lock:  # ready, then finished, with no change in between
+            with self.lock:  # ready, then finished, with no change in between
                 self.waits.until(ResetPoll(self), self.reset_wait(effective, wait, self.max_wait_seconds,
                                                                   self.limits.abort_wait_seconds))
                 return self.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
@@ -320,22 +322,22 @@ class Pacer:
         default) re-offers kept groups first in place of candidates, as many as the caller proposes (LoongSage's
         data source hands out its restored groups before new prompts); a number takes up to that many on top
         (0: none, for a caller that cannot continue a partial group)."""
-        with self._lock:
+        with self.lock:
             if candidates:  # none is a peek at the window
-                self._inflight.check_candidates(self.checks, candidates, self._restored)
+                self.inflight.check_candidates(self.checks, candidates, self.restored)
             allowed = self._admissible_now()
             wanted = len(candidates) if max_continuations is None else max_continuations
             if continued_ids is not None:
-                continued = self._restored.by_ids(continued_ids)
-            elif wanted and allowed and self._restored:
-                continued = self._fitting_continuations(self._restored.choose(min(allowed, wanted), self._steps.step))
+                continued = self.restored.by_ids(continued_ids)
+            elif wanted and allowed and self.restored:
+                continued = self._fitting_continuations(self.restored.choose(min(allowed, wanted), self.steps.step))
             else:
                 continued = []
             # By default the kept groups take the place of as many candidates (the caller proposed that much room).
             proposed = len(candidates) - len(continued) if max_continuations is None and continued_ids is None \
                 else len(candidates)
             count = min(allowed - len(continued), proposed)
-            first_seq = self._inflight.next_seq + len(continued)
+            first_seq = self.inflight.next_seq + len(continued)
             admitted_ids: list[str] = []
             if count or continued:
                 now = self._clock()
@@ -343,44 +345,44 @@ class Pacer:
                 group_sizes = self._group_sizes
                 refs = [*(PromptRef(g.prompt_id, g.ds_index, g.epoch, g.index) for g in continued), *admitted_refs]
                 groups = [InflightGroup(ref, seq, group_sizes[ref.ds_index], now, client_id)
-                          for seq, ref in enumerate(refs, self._inflight.next_seq)]
+                          for seq, ref in enumerate(refs, self.inflight.next_seq)]
                 # The strategy hears first: if a custom strategy raises, the pacer is unchanged. It sees each group
                 # with its trajectories as LoongSage hands them to on_dispatched: the N pending ones of a new group,
                 # those a continued group brings back.
                 brought = {g.prompt_id: g.trajectories for g in continued}
                 try:
-                    self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups])
+                    self.hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups])
                 except Exception as exc:
-                    raise self._hook_refused("on_dispatched", exc, "nothing was admitted") from exc
-                self._inflight.admit(groups)
-                mark = self._cursor.mark
+                    raise self.hook_refused("on_dispatched", exc, "nothing was admitted") from exc
+                self.inflight.admit(groups)
+                mark = self.cursor.mark
                 for ref in admitted_refs:
                     mark(ref.ds_index, ref.epoch, ref.index, ref.prompt_id)
                 admitted_ids = [ref.prompt_id for ref in admitted_refs]
                 if continued:
                     # Handed out again with the trajectories they had; the worker submits all N anew.
-                    self._restored.take(continued)
-                    self._inflight.continued(g.prompt_id for g in continued)
+                    self.restored.take(continued)
+                    self.inflight.continued(g.prompt_id for g in continued)
                     for group in continued:
-                        self._held_bytes.release(group.trajectories)
+                        self.held_bytes.release(group.trajectories)
                     continued = [TrajectoryGroup(g.prompt_id, seq, g.ds_index, g.trajectories, g.epoch, g.index, now)
-                                 for seq, g in enumerate(continued, self._inflight.next_seq - len(groups))]
-                self._leases.extend(groups, now)
+                                 for seq, g in enumerate(continued, self.inflight.next_seq - len(groups))]
+                self.leases.extend(groups, now)
                 self.totals["dispatched"] += len(groups)
-                self._collector.strategy_changed()
-                self._collector.release_held()
-                self._notify()
+                self.collector.strategy_changed()
+                self.collector.release_held()
+                self.notify()
             # Positional: a keyword call to a dataclass builds a kwargs dict and costs about twice as much.
-            steps = self._steps
+            steps = self.steps
             result = DispatchResult(admitted_ids, first_seq, steps.paused, steps.step, steps.weight_version, steps.generation,
-                                    len(self._inflight), len(self._buffer), self._window_size,
+                                    len(self.inflight), len(self.buffer), self._window_size,
                                     # unchanged if nothing was admitted
                                     self._admissible_after_change() if count or continued else allowed, continued,
                                     self.job_ended)
-            self._collector.clear_failures()  # a group quarantined on the way is reported; the admission stands
+            self.collector.clear_failures()  # a group quarantined on the way is reported; the admission stands
             if count or continued:
-                self._record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued],
-                                        self._liveness.watched(client_id)))
+                self.record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued],
+                                        self.liveness.watched(client_id)))
             return result
 
     def _fitting_continuations(self, chosen: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
@@ -397,19 +399,19 @@ class Pacer:
 
     def admissible_now(self) -> int:
         """What a Dispatch would admit now (0 while paused or closed); cheap, unlike re-validating candidates."""
-        with self._lock:
+        with self.lock:
             return self._admissible_now()
 
     def _dispatch_count(self) -> int:
-        if self._steps.paused or self.closed:
+        if self.steps.paused or self.closed:
             return 0
-        return max(0, int(self._hooks.compute_dispatch_count(len(self._buffer))))
+        return max(0, int(self.hooks.compute_dispatch_count(len(self.buffer))))
 
     def _admissible_now(self) -> int:
         try:
             return self._dispatch_count()
         except Exception as exc:
-            raise self._hook_refused("compute_dispatch_count", exc, "nothing was admitted") from exc
+            raise self.hook_refused("compute_dispatch_count", exc, "nothing was admitted") from exc
 
     def _admissible_after_change(self) -> int:
         """What a Dispatch would admit now, for an answer (or GetState) that must not fail: a raising
@@ -423,41 +425,41 @@ class Pacer:
 
     def heard_from(self, client_id: str) -> None:
         """A call from `client_id` (a worker's heartbeat, Dispatch or Submit): it is alive."""
-        self._liveness.heard(client_id, self._clock())
+        self.liveness.heard(client_id, self._clock())
 
     def note_loaded_version(self, client_id: str, weight_version: int) -> None:
         """`client_id`'s engine reports `weight_version` loaded (on its Dispatch or KeepAlive), the version its
         segments are tagged with. Shown by ListWorkers; not journaled (every worker says it again)."""
         if client_id:
-            with self._lock:
+            with self.lock:
                 self._loaded_versions[client_id] = weight_version
 
     def loaded_versions(self) -> dict[str, int]:
         """The weight version each worker's engine last reported loaded, by client id."""
-        with self._lock:
+        with self.lock:
             return dict(self._loaded_versions)
 
     def watch_opened(self, client_id: str) -> None:
         """`client_id` opened a control stream: it is a watched worker from now on (see liveness.py)."""
-        self._liveness.stream_opened(client_id, self._clock())
+        self.liveness.stream_opened(client_id, self._clock())
 
     def watch_closed(self, client_id: str) -> None:
-        self._liveness.stream_closed(client_id)
+        self.liveness.stream_closed(client_id)
 
     @property
     def liveness_seconds(self) -> float:
-        return self._liveness.grace
+        return self.liveness.grace
 
     def release_silent_workers(self) -> dict[str, list[str]]:
         """Release the incomplete running groups of watched workers silent for the liveness grace, as an
         expired lease releases them. Returns {client id: released prompt ids}. Called periodically by the server."""
-        with self._lock:
+        with self.lock:
             now = self._clock()
-            gone = self._liveness.silent(now)
+            gone = self.liveness.silent(now)
             if not gone or self.closed:
                 return {}
             gone_set = set(gone)
-            groups = [g for g in self._inflight.in_dispatch_order() if g.client_id in gone_set and not g.complete]
+            groups = [g for g in self.inflight.in_dispatch_order() if g.client_id in gone_set and not g.complete]
             if not groups:
                 return {}
             released: dict[str, list[str]] = {}
@@ -465,7 +467,7 @@ class Pacer:
                 released.setdefault(group.client_id, []).append(group.prompt_id)
             prompt_ids = [group.prompt_id for group in groups]
             self.apply_expiry(prompt_ids, [])
-            self._record(Expired(now, prompt_ids, []))
+            self.record(Expired(now, prompt_ids, []))
             return released
 
     # ----------------------------------------------------------------- keep-alive
@@ -477,56 +479,56 @@ class Pacer:
         Not journaled: a restarted server gives every running group its full lease again anyway.
         """
         self.checks.check_keep_alive(prompt_ids)
-        with self._lock:
-            self._check_open()
-            get = self._inflight.get
+        with self.lock:
+            self.check_open()
+            get = self.inflight.get
             seqs = dispatch_seqs or {}
             # A group handed out again under another dispatch is not the caller's any more: named unknown.
             running = [g for g in map(get, prompt_ids) if g is not None and seqs.get(g.prompt_id, g.seq) == g.seq]
-            self._leases.extend([g for g in running if not g.complete], self._clock())
+            self.leases.extend([g for g in running if not g.complete], self._clock())
             known = {g.prompt_id for g in running}
             return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
-                                   self._leases.inflight_seconds, self._liveness.grace)
+                                   self.leases.inflight_seconds, self.liveness.grace)
 
     # ----------------------------------------------------------------- submit
 
     def apply_submit(self, trajectories: Sequence[Trajectory], request_id: str = "",
                      dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready."""
-        with self._lock:
-            self._check_open()
+        with self.lock:
+            self.check_open()
             if dispatch_seqs:
                 self.check_fences(dispatch_seqs)
-            self._collector.clear_failures()
+            self.collector.clear_failures()
             stale_before = self.totals["stale_rejected"]
             try:
                 fresh, duplicates = self._sort_submit(trajectories)
             except StaleGenerationError:
-                self._record(StaleRejected(self._clock(), self.totals["stale_rejected"] - stale_before))
+                self.record(StaleRejected(self._clock(), self.totals["stale_rejected"] - stale_before))
                 raise
             if self._on_submitted is not None:  # the strategy hears first: if it raises, nothing changed
                 try:
                     for trajectory in fresh:
                         self._on_submitted(trajectory)
                 except Exception as exc:
-                    raise self._hook_refused("on_submitted", exc, "nothing was accepted") from exc
-            completed, assembling, added_bytes = self._inflight.accept(fresh)
-            self._held_bytes.add(added_bytes)
-            self._leases.extend(assembling, self._clock())
+                    raise self.hook_refused("on_submitted", exc, "nothing was accepted") from exc
+            completed, assembling, added_bytes = self.inflight.accept(fresh)
+            self.held_bytes.add(added_bytes)
+            self.leases.extend(assembling, self._clock())
             self.totals["submitted"] += len(fresh)
             self.totals["duplicates"] += duplicates
-            self._collector.collect_ready(completed)
+            self.collector.collect_ready(completed)
             if fresh or duplicates:
-                self._notify()
+                self.notify()
             result = SubmitResult(len(fresh), duplicates, len(completed))  # accepted, duplicates, groups completed
-            self._record(Submitted(self._clock(), list(trajectories), request_id))
-            self._collector.raise_failures()  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
+            self.record(Submitted(self._clock(), list(trajectories), request_id))
+            self.collector.raise_failures()  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
             return result
 
     def check_fences(self, dispatch_seqs: Mapping[str, int]) -> None:
         """Refuse a Submit from a worker that lost a group: the group was released from it (lease or liveness)
         and handed out again, so its running dispatch has another seq than the one the Submit names."""
-        stale = self._inflight.stale_fences(dispatch_seqs)
+        stale = self.inflight.stale_fences(dispatch_seqs)
         if stale:
             prompt_id, yours, now = stale[0]
             raise StaleDispatchError(
@@ -538,37 +540,37 @@ class Pacer:
     def _sort_submit(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
         """Return (new trajectories, duplicate count) or raise with every problem found; changes nothing
         but the stale count."""
-        sorted_ = self._inflight.sort_submit(self.checks, trajectories)
+        sorted_ = self.inflight.sort_submit(self.checks, trajectories)
         if sorted_.refused_as_stale:
             self.totals["stale_rejected"] += len(sorted_.stale)
-        sorted_.refuse(self._steps.generation, self._inflight.remembered_generations, self._leases.inflight_seconds)
+        sorted_.refuse(self.steps.generation, self.inflight.remembered_generations, self.leases.inflight_seconds)
         limits = self.limits
         if limits.max_held_bytes or limits.max_buffered_groups:
-            get = self._inflight.get
+            get = self.inflight.get
             self.checks.check_room(
-                self._held_bytes.total, bytes_of(sorted_.fresh) if limits.max_held_bytes else 0, len(self._buffer),
+                self.held_bytes.total, bytes_of(sorted_.fresh) if limits.max_held_bytes else 0, len(self.buffer),
                 sum(1 for prompt_id, added in sorted_.added_per_group.items()
                     if len(get(prompt_id).trajectories) + added == get(prompt_id).group_size))
         return sorted_.fresh, sorted_.duplicates
 
     # ----------------------------------------------------------------- hook failures
 
-    def _incident(self, kind: str, prompt_id: str, hook: str, message: str, action: str = QUARANTINED) -> Incident:
-        incident = Incident(kind, prompt_id, self._strategy.name, hook, message, self._steps.step,
-                            self._steps.generation, action)
+    def incident(self, kind: str, prompt_id: str, hook: str, message: str, action: str = QUARANTINED) -> Incident:
+        incident = Incident(kind, prompt_id, self._strategy.name, hook, message, self.steps.step,
+                            self.steps.generation, action)
         self.incidents.record(incident)
         return incident
 
-    def _hook_refused(self, hook: str, exc: BaseException, consequence: str) -> StrategyHookError:
+    def hook_refused(self, hook: str, exc: BaseException, consequence: str) -> StrategyHookError:
         """The error of a call a raising hook stopped before it changed anything (recorded as an incident)."""
-        self._incident(HOOK_FAILED, "", hook, describe_exception(exc), REFUSED)
-        self._notify()
+        self.incident(HOOK_FAILED, "", hook, describe_exception(exc), REFUSED)
+        self.notify()
         return hook_error(self._strategy.name, hook, exc, consequence=consequence)
 
     def report_incidents(self) -> None:
         """Raise, once, for the incidents the trainer has not been told about : a Collect
         answers with it before taking anything, so dirty data or a broken strategy never goes unnoticed."""
-        with self._lock:
+        with self.lock:
             if self.incidents.has_unreported():
                 raise collect_error(*self.incidents.take_unreported())
 
@@ -594,10 +596,10 @@ class Pacer:
     def check_trainer_step(self, trainer_step: Optional[int]) -> None:
         """A Collect from a trainer at another step than the server's is refused: after
         a trainer restarts from a checkpoint, the pacer must be restored to it first."""
-        with self._lock:
-            if trainer_step is None or trainer_step == self._steps.step:
+        with self.lock:
+            if trainer_step is None or trainer_step == self.steps.step:
                 return
-            if trainer_step < self._steps.step:
+            if trainer_step < self.steps.step:
                 hint = (f"the trainer is behind the server (restarted from a checkpoint?): restore first, "
                         f"PacerClient.restore() with the pacer checkpoint taken with the trainer's step-{trainer_step} "
                         f"model")
@@ -605,19 +607,19 @@ class Pacer:
                 hint = ("the trainer is ahead of the server (a step boundary without Reset/Resume, or a server that "
                         "lost its state): restore first, from the pacer checkpoint of the trainer's last model checkpoint")
             raise FailedPreconditionError(f"the trainer states step {trainer_step}, the server is at step "
-                                          f"{self._steps.step}; "
+                                          f"{self.steps.step}; "
                                           f"{hint}", reason="STEP_MISMATCH",
-                                          violations=[("trainer_step", f"must be the server's step {self._steps.step}")])
+                                          violations=[("trainer_step", f"must be the server's step {self.steps.step}")])
 
     def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]:
         """Groups the next Collect of this shape takes from the buffer now (0: a rank's share of a mini-batch
         already taken is waiting), or None when it is not ready; with `partial`, what is there at a deadline."""
-        with self._lock:
-            if shape.world_size > 1 and self._leases.claimable(shape.key(num_groups), shape.rank):
+        with self.lock:
+            if shape.world_size > 1 and self.leases.claimable(shape.key(num_groups), shape.rank):
                 return 0
-            available = len(self._buffer)
+            available = len(self.buffer)
             if shape.token_budget:
-                count = budget_count(self._buffer.entries, shape.token_budget, num_groups, shape.world_size)
+                count = budget_count(self.buffer.entries, shape.token_budget, num_groups, shape.world_size)
                 return count if count is not None or not partial or available < shape.world_size else available
             if available >= num_groups:
                 return num_groups
@@ -633,7 +635,7 @@ class Pacer:
         Fewer (`cut_to_fit`) when the answer would be larger than the caller can receive (`max_bytes`, within
         server.max_message_bytes): whole groups, oldest first, the rest stay buffered. A first group (or a rank's
         share) larger than that alone is refused (MessageTooLargeError) before anything is taken."""
-        with self._lock:
+        with self.lock:
             now = self._clock()
             limit = self.limits.answer_bytes(max_bytes)
             cut_to_fit = False
@@ -641,52 +643,52 @@ class Pacer:
                 lease = self._take_share(count, lease_seconds, shape.key(num_groups), shape, now, limit)
                 result = CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id)
             else:
-                entries = self._buffer.pop_fitting(count, limit)
+                entries = self.buffer.pop_fitting(count, limit)
                 cut_to_fit, count = len(entries) < count, len(entries)
                 if lease_seconds > 0:
-                    lease = self._leases.grant(entries, lease_seconds, now)
-                    self._notify()
+                    lease = self.leases.grant(entries, lease_seconds, now)
+                    self.notify()
                     result = CollectResult([group for _, group in lease.entries], timed_out=timed_out,
                                            lease_id=lease.lease_id, cut_to_fit=cut_to_fit)
                 else:
                     groups = [group for _, group in entries]
                     self._consume(groups)
                     result = CollectResult(groups, timed_out=timed_out, cut_to_fit=cut_to_fit)
-            self._record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
+            self.record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
                                    shape.world_size, num_groups))
             return result
 
     def _take_share(self, count: int, lease_seconds: float, key: tuple, shape: BatchShape, now: float,
                     limit: int = 0) -> CollectLease:
         if not count:
-            lease = self._leases.claim(key, shape.rank, now)
+            lease = self.leases.claim(key, shape.rank, now)
             if lease is None:
                 raise RuntimeError("recovery diverged: no share of a data-parallel mini-batch waits for this rank")
             return lease
-        entries = self._buffer.pop(count)
+        entries = self.buffer.pop(count)
         shares = balanced_shares([group_tokens(group) for _, group in entries], shape.world_size,
                                  equal_counts=not shape.token_budget)
         if limit:  # every rank's share must reach it: refused, nothing taken, when one would not fit
             sizes = [ANSWER_OVERHEAD_BYTES + sum(encoded_group_bound(entries[i][1]) for i in share) for share in shares]
             if max(sizes) > limit:
-                self._buffer.push_all(entries)
+                self.buffer.push_all(entries)
                 largest = shares[sizes.index(max(sizes))]
                 raise MessageTooLargeError(f"a rank's share ({len(largest)} groups, from "
                                            f"{entries[largest[0]][1].prompt_id})", max(sizes), limit)
-        lease = self._leases.grant_shares(key, [[entries[i] for i in share] for share in shares], shape.rank,
+        lease = self.leases.grant_shares(key, [[entries[i] for i in share] for share in shares], shape.rank,
                                           lease_seconds, now)
-        self._notify()
+        self.notify()
         return lease
 
     def apply_ack(self, lease_id: str, request_id: str = "") -> int:
-        with self._lock:
-            self._check_open()
-            lease = self._leases.acknowledge(lease_id)
+        with self.lock:
+            self.check_open()
+            lease = self.leases.acknowledge(lease_id)
             self._consume([group for _, group in lease.entries])
             # The caller has the answer it acknowledges: a retry of that Collect cannot come any more, and a
             # remembered answer would keep the consumed trajectories alive.
             self.answers.forget("Collect", lambda answer: answer.lease_id == lease_id)
-            self._record(Acked(self._clock(), lease_id, request_id))
+            self.record(Acked(self._clock(), lease_id, request_id))
             return len(lease.entries)
 
     def _consume(self, groups: list[TrajectoryGroup]) -> None:
@@ -696,53 +698,53 @@ class Pacer:
             try:
                 self._on_consumed(groups)
             except Exception as exc:  # reported; the trainer has the groups all the same
-                self._incident(HOOK_FAILED, "", "on_consumed", describe_exception(exc), "consumed")
+                self.incident(HOOK_FAILED, "", "on_consumed", describe_exception(exc), "consumed")
         self.totals["consumed"] += len(groups)
         for group in groups:
-            self._steps.tally.count_consumed(group)
-            self._held_bytes.release(group.trajectories)
-        self._inflight.consumed(groups)
+            self.steps.tally.count_consumed(group)
+            self.held_bytes.release(group.trajectories)
+        self.inflight.consumed(groups)
         if self._consume_listeners:
             now = self._clock()
             for callback in self._consume_listeners:
-                callback(groups, self._steps.weight_version, now)
-        self._notify()
+                callback(groups, self.steps.weight_version, now)
+        self.notify()
 
     def expire_leases(self) -> tuple[list[str], list[str]]:
         """Reclaim what ran out: in-flight groups (their slots) and Collect leases (back to the buffer).
 
         Returns (expired prompt ids, expired lease ids). Called periodically by the server.
         """
-        with self._lock:
+        with self.lock:
             now = self._clock()
-            prompt_ids = [group.prompt_id for group in self._leases.running_out(now, self._inflight)]
-            lapsed = self._leases.lapsing(now)
+            prompt_ids = [group.prompt_id for group in self.leases.running_out(now, self.inflight)]
+            lapsed = self.leases.lapsing(now)
             if prompt_ids or lapsed:
                 self.apply_expiry(prompt_ids, lapsed)
-                self._record(Expired(now, prompt_ids, lapsed))
+                self.record(Expired(now, prompt_ids, lapsed))
             return prompt_ids, lapsed
 
     def apply_expiry(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
-        with self._lock:
-            self._collector.expire(prompt_ids, lease_ids)
+        with self.lock:
+            self.collector.expire(prompt_ids, lease_ids)
 
     def recheck_gates(self, min_age: float = 0.0) -> int:
         """Re-examine the held groups (the strategy refused them) although nothing changed: a gate that opens
         with time or on an outside flag releases its groups. Skipped when a re-examination ran less than
         `min_age` seconds ago. Returns how many groups left the trajectory queue. Called periodically by the
         server (fully_async.gate_recheck_seconds)."""
-        with self._lock:
+        with self.lock:
             now = self._clock()
-            if not self._collector.holds_groups or self.closed or now - self._collector.last_gate_pass < min_age:
+            if not self.collector.holds_groups or self.closed or now - self.collector.last_gate_pass < min_age:
                 return 0
             released = self.apply_gate_recheck()
             if released:
-                self._record(GatesRechecked(now))
+                self.record(GatesRechecked(now))
             return released
 
     def apply_gate_recheck(self) -> int:
-        with self._lock:
-            return self._collector.recheck()
+        with self.lock:
+            return self.collector.recheck()
 
     # ----------------------------------------------------------------- reset / resume
 
@@ -798,7 +800,7 @@ class Pacer:
         def call() -> JobEndReport:
             self.begin_end_job(mode)
             started = self._clock()
-            with self._lock:
+            with self.lock:
                 self.waits.until(ResetPoll(self), wait)
                 return self.job_end_report(self._clock() - started)
 
@@ -833,7 +835,7 @@ class Pacer:
         return self.answers.once("Restore", request_id, lambda: self.apply_restore(checkpoint, request_id))
 
     def apply_restore(self, checkpoint: dict, request_id: str = "") -> RestoreResult:
-        with self._lock:
+        with self.lock:
             result = checkpoints.restore(self, checkpoint)
             if self.recorder.recording:
                 # Journalled as a snapshot (nothing is in flight now) holding this answer, as a Reset's end is.
@@ -843,8 +845,8 @@ class Pacer:
 
     def prompt_cursor(self) -> dict:
         """The prompts admitted so far (cursor.py), as plain data, with the number of Restores."""
-        with self._lock:
-            return {**self._cursor.export(), "restores": self.totals["restores"]}
+        with self.lock:
+            return {**self.cursor.export(), "restores": self.totals["restores"]}
 
     def recover(self) -> int:
         """Rebuild the state from the journal (see recovery.py); returns the number of events replayed."""
@@ -857,47 +859,47 @@ class Pacer:
 
     def running_groups(self) -> list[TrajectoryGroup]:
         """Copies of the groups in flight (dispatched, not yet out of the trajectory queue), in dispatch order."""
-        with self._lock:
-            return [group.to_group() for group in self._inflight.in_dispatch_order()]
+        with self.lock:
+            return [group.to_group() for group in self.inflight.in_dispatch_order()]
 
     def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
         """The running groups (all, or those `client_id` dispatched), oldest first: which worker holds what."""
-        with self._lock:
+        with self.lock:
             now = self._clock()
             return [HeldGroup(g.prompt_id, g.seq, g.ds_index, g.client_id, max(0.0, now - g.dispatched_at),
                               len(g.trajectories), g.group_size, max(0.0, g.deadline - now))
-                    for g in self._inflight.in_dispatch_order()
+                    for g in self.inflight.in_dispatch_order()
                     if client_id is None or g.client_id == client_id]
 
     def state(self, waiting_calls: int = 0, ages: bool = False) -> PacerState:
         """Every counter, read under the lock; `waiting_calls` is the caller's count of waiting long-polls. With
         `ages`, the clock-dependent gauges too (restored_kept_oldest_seconds; GetState and the metrics ask for
         them), else 0, so two states taken with nothing changed in between compare equal."""
-        with self._lock:
+        with self.lock:
             return PacerState(waiting_calls=waiting_calls,
-                running=len(self._inflight), buffered=len(self._buffer),
-                queued_trajectories=self._inflight.queued_trajectories, capacity=self._admissible_after_change(),
-                window_size=self._window_size, step=self._steps.step, weight_version=self._steps.weight_version,
-                generation=self._steps.generation, paused=self._steps.paused, resetting=self._steps.resetting,
-                strategy=self._strategy.name, config_summary=dict(self._summary),
-                leased=self._leases.leased_groups, held_bytes=self._held_bytes.total, restored_kept=len(self._restored),
-                restored_kept_oldest_seconds=self._restored.oldest_age() if ages else 0.0,
+                running=len(self.inflight), buffered=len(self.buffer),
+                queued_trajectories=self.inflight.queued_trajectories, capacity=self._admissible_after_change(),
+                window_size=self._window_size, step=self.steps.step, weight_version=self.steps.weight_version,
+                generation=self.steps.generation, paused=self.steps.paused, resetting=self.steps.resetting,
+                strategy=self._strategy.name, config_summary=dict(self.summary),
+                leased=self.leases.leased_groups, held_bytes=self.held_bytes.total, restored_kept=len(self.restored),
+                restored_kept_oldest_seconds=self.restored.oldest_age() if ages else 0.0,
                 last_checkpoint_step=self.last_checkpoint[0] if self.last_checkpoint else -1,
                 last_checkpoint_weight_version=self.last_checkpoint[1] if self.last_checkpoint else -1,
                 last_restore_step=self.last_restore[0] if self.last_restore else -1,
                 last_restore_weight_version=self.last_restore[1] if self.last_restore else -1,
                 stale_steps=self._stale_steps,
                 collect_limit=self.collect_limit,
-                recent_reports=self._steps.reports, recent_incidents=self.incidents.recent(), **self.totals,
+                recent_reports=self.steps.reports, recent_incidents=self.incidents.recent(), **self.totals,
                 job_ended=self.job_ended, prompts_per_step=self._prompts_per_step,
                 group_sizes=list(self._group_sizes), mini_batch_size=self._mini_batch_size,
             )
 
     def close(self) -> None:
         """Shut down: waiters return at once with their flags, watchers get SHUTDOWN, new calls fail."""
-        with self._lock:
+        with self.lock:
             if self.closed:
                 return
             self.closed = True
-            self._emit(ControlEventType.SHUTDOWN)
-            self._notify()
+            self.emit(ControlEventType.SHUTDOWN)
+            self.notify()

@@ -27,12 +27,12 @@ class DispatchPoll:
 
     def attempt(self) -> Optional[DispatchResult]:
         pacer = self._pacer
-        with pacer._lock:
+        with pacer.lock:
             if self._last is None:  # the first attempt checks the call; a closed pacer refuses it
-                pacer._check_open()
+                pacer.check_open()
                 candidates = self._candidates
             else:  # re-validating a large candidate list on every change would stall the loop: only with room
-                candidates = self._candidates if pacer._admissible_now() else ()
+                candidates = self._candidates if pacer.admissible_now() else ()
             result = self._last = pacer.apply_dispatch(candidates, self._request_id, self._client_id,
                                                        self._max_continuations)
             ended = result.job_ended  # nothing will ever be admitted: answer now
@@ -40,7 +40,7 @@ class DispatchPoll:
 
     def give_up(self) -> DispatchResult:
         pacer = self._pacer
-        with pacer._lock:
+        with pacer.lock:
             if pacer.closed:  # answered because the pacer is going away: nothing will be admitted
                 return dataclasses.replace(pacer.apply_dispatch((), self._request_id), paused=True, remaining=0)
             return self._last
@@ -66,11 +66,11 @@ class CollectPoll:
 
     def attempt(self) -> Optional[CollectResult]:
         pacer = self._pacer
-        with pacer._lock:
+        with pacer.lock:
             pacer.check_trainer_step(self._trainer_step)  # on every attempt: a Restore may come while it waits
             pacer.report_incidents()  # a raising hook or a refused dirty group fails the trainer's Collect, once
             if self._shape.plain:  # the common case, without the shape's bookkeeping
-                if len(pacer._buffer) >= self._num_groups:
+                if len(pacer.buffer) >= self._num_groups:
                     return self._take(self._num_groups, False)
                 return None
             count = pacer.ready_count(self._num_groups, self._shape)
@@ -78,7 +78,7 @@ class CollectPoll:
 
     def give_up(self) -> CollectResult:
         pacer = self._pacer
-        with pacer._lock:
+        with pacer.lock:
             pacer.check_trainer_step(self._trainer_step)
             pacer.report_incidents()
             count = pacer.ready_count(self._num_groups, self._shape)

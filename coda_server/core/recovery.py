@@ -37,19 +37,19 @@ SNAPSHOT_FORMAT = 2  # 2: DispatchResult keeps admitted prompt ids and the first
 
 def export_state(pacer: "Pacer") -> dict:
     """A consistent copy of everything a Reset leaves behind (nothing is in flight then), for a snapshot."""
-    with pacer._lock:
+    with pacer.lock:
         return {
             "format": SNAPSHOT_FORMAT,
-            **pacer._steps.export(), **pacer._inflight.export(), "totals": dict(pacer.totals),
-            "buffer": pacer._buffer.export(),
+            **pacer.steps.export(), **pacer.inflight.export(), "totals": dict(pacer.totals),
+            "buffer": pacer.buffer.export(),
             "answers": pacer.answers.export(),
-            **pacer._leases.export(),
-            "held_bytes": pacer._held_bytes.total,
-            "restored_kept": pacer._restored.export(),  # restored groups waiting to be continued
+            **pacer.leases.export(),
+            "held_bytes": pacer.held_bytes.total,
+            "restored_kept": pacer.restored.export(),  # restored groups waiting to be continued
             "incidents": pacer.incidents.export(),
-            "config": dict(pacer._summary),  # the pacing settings the state was made under
-            "quarantined": pacer._collector.quarantined,  # empty after a Reset; a Restore may put some back
-            "cursor": pacer._cursor.export(),  # the prompts admitted so far
+            "config": dict(pacer.summary),  # the pacing settings the state was made under
+            "quarantined": pacer.collector.quarantined,  # empty after a Reset; a Restore may put some back
+            "cursor": pacer.cursor.export(),  # the prompts admitted so far
             "last_checkpoint": pacer.last_checkpoint, "last_restore": pacer.last_restore,
             # What the strategy learned (its state() hook), under its name: restored only into the same strategy.
             "strategy": {"name": pacer.strategy.name, "state": strategy_state(pacer)},
@@ -59,13 +59,13 @@ def export_state(pacer: "Pacer") -> dict:
 
 def strategy_state(pacer: "Pacer") -> Any:
     """What the strategy's state() hook returns; None (an incident recorded) when it raises."""
-    hook = getattr(pacer._hooks, "state", None)
+    hook = getattr(pacer.hooks, "state", None)
     if not callable(hook):  # a strategy of its own making, with an attribute of that name: nothing to save
         return None
     try:
         return hook()
     except Exception as exc:  # a broken hook must not cost the snapshot: reported, and the restart relearns
-        pacer._incident(HOOK_FAILED, "", "state", describe_exception(exc), "not saved")
+        pacer.incident(HOOK_FAILED, "", "state", describe_exception(exc), "not saved")
         return None
 
 
@@ -73,22 +73,22 @@ def import_state(pacer: "Pacer", snapshot: dict) -> None:
     if snapshot.get("format") != SNAPSHOT_FORMAT:
         raise ValueError(f"it is in format {snapshot.get('format')!r}, written by another version of coda-server; "
                          f"this version reads format {SNAPSHOT_FORMAT} (move server.state_dir aside to start afresh)")
-    pacer._steps.restore(snapshot)
-    pacer._inflight.restore(snapshot)
+    pacer.steps.restore(snapshot)
+    pacer.inflight.restore(snapshot)
     pacer.totals.update(snapshot["totals"])
-    pacer._buffer.replace(snapshot["buffer"])
+    pacer.buffer.replace(snapshot["buffer"])
     pacer.answers.restore(snapshot["answers"])
-    pacer._leases.restore(snapshot, pacer._clock())
-    pacer._held_bytes.total = snapshot["held_bytes"]
-    pacer._restored.restore(snapshot.get("restored_kept"))  # absent in snapshots written before continuation
+    pacer.leases.restore(snapshot, pacer.clock())
+    pacer.held_bytes.total = snapshot["held_bytes"]
+    pacer.restored.restore(snapshot.get("restored_kept"))  # absent in snapshots written before continuation
     pacer.incidents.restore(snapshot.get("incidents"))  # absent from snapshots written before incidents existed
     # Absent from snapshots written before checkpoints existed:
-    pacer._collector.restore_quarantined(snapshot.get("quarantined") or ())
-    pacer._cursor = PromptCursor.restored(snapshot.get("cursor"))
+    pacer.collector.restore_quarantined(snapshot.get("quarantined") or ())
+    pacer.cursor = PromptCursor.restored(snapshot.get("cursor"))
     pacer.last_checkpoint, pacer.last_restore = snapshot.get("last_checkpoint"), snapshot.get("last_restore")
     saved = snapshot.get("strategy")  # absent from snapshots written before strategies kept state
     if saved and saved.get("state") is not None and saved.get("name") == pacer.strategy.name:
-        pacer._hooks.restore(saved["state"])
+        pacer.hooks.restore(saved["state"])
     pacer.job_ended = bool(snapshot.get("job_ended", False))  # absent from snapshots written before EndJob
     pacer.job_end_mode = snapshot.get("job_end_mode", pacer.job_end_mode)
 
@@ -106,7 +106,7 @@ def recover(pacer: "Pacer") -> int:
     recorded = (snapshot or {}).get("config")  # None: a new directory, or a snapshot older than the record
     if recorded_events:
         check_recorded_config(pacer, recorded, len(recorded_events))
-    with pacer.recorder.suspended(), pacer._lock:  # replaying must not record the events again
+    with pacer.recorder.suspended(), pacer.lock:  # replaying must not record the events again
         if snapshot is not None:
             try:
                 import_state(pacer, snapshot)
@@ -124,16 +124,16 @@ def recover(pacer: "Pacer") -> int:
                     f"{len(recorded_events)} ({kind}) failed: {exc}. Was the pacing configuration changed since "
                     f"the state was written? Start with the configuration it was written with, or move "
                     f"server.state_dir aside to start afresh") from None
-    if not recorded_events and recorded != pacer._summary:
+    if not recorded_events and recorded != pacer.summary:
         # Nothing in flight (a new directory, or just after a Reset): put these settings on record now, so a
         # restart before the next Reset replays its events under the settings they were recorded with.
         pacer.recorder.snapshot(export_state(pacer))
     if pacer.resetting:  # the last process died during a Reset's wait: end it (recorded); a retried Reset starts afresh
         pacer.abandon_reset()
-    with pacer._lock:
-        pacer._steps.restart_pause_clock(pacer._clock())
-        pacer._leases.restart_clocks(pacer._clock(), pacer._inflight.values())
-        pacer._liveness.restart_clocks(pacer._clock())
+    with pacer.lock:
+        pacer.steps.restart_pause_clock(pacer.clock())
+        pacer.leases.restart_clocks(pacer.clock(), pacer.inflight.values())
+        pacer.liveness.restart_clocks(pacer.clock())
     return len(recorded_events)
 
 
@@ -141,7 +141,7 @@ def check_recorded_config(pacer: "Pacer", recorded: Optional[dict], events: int)
     """Refuse to replay events recorded under other pacing settings: that would rebuild a different state."""
     if recorded is None:  # a snapshot older than the record: nothing to compare (replay still checks itself)
         return
-    summary = pacer._summary
+    summary = pacer.summary
     # Keys on one side only were added to (or removed from) the summary by another version; they restate the
     # others (e.g. window_size), so only the keys both record are compared.
     changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
@@ -159,7 +159,7 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
     remember = pacer.answers.remember
     if isinstance(event, Dispatched):
         if event.watched:
-            pacer._liveness.restore([event.client_id], event.at)
+            pacer.liveness.restore([event.client_id], event.at)
         result = pacer.apply_dispatch(event.refs, event.request_id, event.client_id, continued_ids=event.continued)
         if result.admitted_ids != [r.prompt_id for r in event.refs]:
             raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted_ids)} of the "
@@ -183,7 +183,7 @@ def replay(pacer: "Pacer", event: JournalEvent) -> None:
     elif isinstance(event, ResetBegun):
         pacer.begin_reset(event.mode, resume=event.resume, weight_version=event.weight_version)
     elif isinstance(event, ResetFinished):
-        pacer._steps.ready_at = event.ready_at
+        pacer.steps.ready_at = event.ready_at
         remember("Reset", event.request_id,
                  pacer.finish_reset(resume=event.resume, weight_version=event.weight_version,
                                     request_id=event.request_id))
