@@ -58,7 +58,7 @@ ENGINE_CORE, TRAINER_CORE = 0, 1
 ASYNC_STRATEGIES = ("no-window", "windowed-fifo", "latency-aware")
 RESET_WAIT_SECONDS = 60.0
 # What may become of a group whose trajectories the server acknowledged ("kept" at a boundary is not final).
-ACCOUNTED_FATES = ("trained", "held_at_end", "handed_back", "dropped_incomplete")
+ACCOUNTED_FATES = ("trained", "held_at_end", "handed_back", "dropped_incomplete", "rolled_back")
 
 
 # ---------------------------------------------------------------------------------------------- processes
@@ -372,7 +372,8 @@ class Rollback:
         log.info("pacer restored: %s", {k: v for k, v in dataclasses.asdict(restored).items()
                                           if k != "discarded_prompt_ids"})
         for prompt_id in restored.discarded_prompt_ids:  # counted by the Restore, offered again: not lost
-            ledger.fate.setdefault(prompt_id, "rolled_back")
+            if ledger.fate.get(prompt_id) in (None, "kept"):  # "kept" at a boundary is not final
+                ledger.fate[prompt_id] = "rolled_back"
         self.figures["restored"] = {name: getattr(restored, name) for name in (
             "step", "weight_version", "discarded_groups", "discarded_trajectories", "discarded_newer_trajectories",
             "dropped_running", "reinstated_groups", "kept_groups", "reoffered_prompts")}
