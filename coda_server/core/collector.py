@@ -69,7 +69,8 @@ class Collector:
 
     def clear_failures(self) -> None:
         """The failures so far were reported as incidents; the change that met them stands."""
-        self._call_failures.clear()
+        if self._call_failures:
+            self._call_failures.clear()
 
     def raise_failures(self) -> None:
         """Raise the first hook failure of this call, if any (its change stands: the caller hears INTERNAL)."""
@@ -94,13 +95,16 @@ class Collector:
                     heapq.heappush(self._held, (group.seq, group.prompt_id))
         self.release_held()
 
-    def release_held(self) -> None:
-        """Re-examine gate-refused groups, oldest first, for as long as the strategy state keeps changing.
+    def release_held(self, strategy_changed: bool = False) -> None:
+        """Re-examine gate-refused groups, oldest first, for as long as the strategy state keeps changing
+        (`strategy_changed`: it just did).
 
         With an ordered gate a pass ends at the first refusal (later groups would be refused too),
         so its cost follows the groups released, not the groups held.
         """
         held = self._held
+        if strategy_changed:
+            self._strategy_touched = True
         if self._strategy_touched and held:
             self.last_gate_pass = self._clock()
         while self._strategy_touched and held:

@@ -156,11 +156,11 @@ class InflightTable:
     the prompts of this and recent generations (stale Submits), the latest dispatch seq of each prompt (the
     fence), and the prompts whose in-flight lease ran out. Every change to them goes through its methods."""
 
-    __slots__ = ("_groups", "_complete", "_queued", "_accepted", "_generation_prompts", "_latest_seqs",
+    __slots__ = ("groups", "_complete", "_queued", "_accepted", "_generation_prompts", "_latest_seqs",
                  "_past_generations", "_expired_prompts", "_arrivals", "next_seq")
 
     def __init__(self, remembered_generations: int):
-        self._groups: dict[str, InflightGroup] = {}
+        self.groups: dict[str, InflightGroup] = {}  # by prompt id; for reading only (changed by the methods)
         self._complete = 0
         self._queued = 0
         # This generation's accepted trajectories, by id: the trajectory while the server holds it, then only
@@ -176,19 +176,19 @@ class InflightTable:
     # ------------------------------------------------------------- reading
 
     def __len__(self) -> int:
-        return len(self._groups)
+        return len(self.groups)
 
     def __contains__(self, prompt_id: object) -> bool:
-        return prompt_id in self._groups
+        return prompt_id in self.groups
 
     def get(self, prompt_id: str) -> "InflightGroup | None":
-        return self._groups.get(prompt_id)
+        return self.groups.get(prompt_id)
 
     def values(self) -> Iterable[InflightGroup]:
-        return self._groups.values()
+        return self.groups.values()
 
     def in_dispatch_order(self) -> list[InflightGroup]:
-        return sorted(self._groups.values(), key=lambda g: g.seq)
+        return sorted(self.groups.values(), key=lambda g: g.seq)
 
     @property
     def complete_count(self) -> int:
@@ -201,7 +201,7 @@ class InflightTable:
     @property
     def all_assembled(self) -> bool:
         """Every running group holds all its trajectories (any status)."""
-        return self._complete == len(self._groups)
+        return self._complete == len(self.groups)
 
     @property
     def remembered_generations(self) -> "int | None":
@@ -209,11 +209,11 @@ class InflightTable:
 
     def sort_submit(self, checks: Any, trajectories: Sequence[Trajectory]) -> Any:
         """`checks.sort_submit` against this table (changes nothing)."""
-        return checks.sort_submit(trajectories, self._accepted, self._groups, self._expired_prompts,
+        return checks.sort_submit(trajectories, self._accepted, self.groups, self._expired_prompts,
                                   self._generation_prompts, self._past_generations)
 
     def check_candidates(self, checks: Any, candidates: Sequence[PromptRef], restored: Any) -> None:
-        checks.check_candidates(candidates, self._groups, restored)
+        checks.check_candidates(candidates, self.groups, restored)
 
     def stale_fences(self, dispatch_seqs: Mapping[str, int]) -> list[tuple[str, int, int]]:
         """(prompt id, the seq named, the latest seq) of each group dispatched again since the named seq."""
@@ -226,7 +226,7 @@ class InflightTable:
     def admit(self, groups: Sequence[InflightGroup]) -> None:
         """Dispatch admitted these groups (seqs from `next_seq` on)."""
         self.next_seq += len(groups)
-        table, generation_prompts, latest_seqs = self._groups, self._generation_prompts, self._latest_seqs
+        table, generation_prompts, latest_seqs = self.groups, self._generation_prompts, self._latest_seqs
         for group in groups:
             table[group.prompt_id] = group
             generation_prompts.add(group.prompt_id)
@@ -241,7 +241,7 @@ class InflightTable:
         got one, bytes added)."""
         completed: list[InflightGroup] = []
         touched: dict[str, InflightGroup] = {}
-        accepted, table = self._accepted, self._groups
+        accepted, table = self._accepted, self.groups
         added = 0
         for trajectory in fresh:
             group = touched[trajectory.prompt_id] = table[trajectory.prompt_id]
@@ -258,14 +258,14 @@ class InflightTable:
 
     def remove_complete(self, group: InflightGroup) -> None:
         """A complete group left the trajectory queue (to the buffer, a filter, or quarantine)."""
-        del self._groups[group.prompt_id]
+        del self.groups[group.prompt_id]
         self._complete -= 1
         self._queued -= len(group.trajectories)
 
     def expire(self, prompt_id: str, resubmitted: bool) -> InflightGroup:
         """A running group's lease ran out: out of the table; late Submits for it are refused (LEASE_EXPIRED)
         until it is dispatched again. `resubmitted`: whoever continues it submits every trajectory anew."""
-        group = self._groups.pop(prompt_id)
+        group = self.groups.pop(prompt_id)
         self._queued -= len(group.trajectories)
         if resubmitted:
             for trajectory_id in group.trajectories:
@@ -283,7 +283,7 @@ class InflightTable:
 
     def new_generation(self) -> None:
         """A Reset or Restore ends the generation: nothing is in flight; late Submits of it are stale."""
-        self._groups.clear()
+        self.groups.clear()
         self._complete = 0
         self._queued = 0
         self._accepted.clear()

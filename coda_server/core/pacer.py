@@ -107,6 +107,7 @@ class Pacer:
         self._mini_batch_size = int(config.trainer.mini_batch_size)
         self._clock = PacerClock(clock)  # pinned to each event's time while the journal is replayed
         self.recorder = Recorder(journal)  # where acknowledged changes are recorded; None keeps state in memory only
+        self.record: Callable[[JournalEvent], None] = self.recorder.record  # record(event): one acknowledged change
         self._strategy = strategy if strategy is not None else create_strategy(config)
         proxied = isinstance(self._strategy, ThreadSafeStrategy)
         self.hooks = self._strategy.wrapped if proxied else self._strategy
@@ -232,8 +233,6 @@ class Pacer:
         with self.lock:
             return self._control_event(ControlEventType.STATE)
 
-    def record(self, event: JournalEvent) -> None:
-        self.recorder.record(event)
 
     def check_open(self) -> None:
         if self.closed:
@@ -340,7 +339,7 @@ class Pacer:
             first_seq = self.inflight.next_seq + len(continued)
             admitted_ids: list[str] = []
             if count or continued:
-                now = self._clock()
+                now = self._clock.now()
                 admitted_refs = list(candidates[:count])  # also the journal's record of this Dispatch
                 group_sizes = self._group_sizes
                 refs = [*(PromptRef(g.prompt_id, g.ds_index, g.epoch, g.index) for g in continued), *admitted_refs]
@@ -369,13 +368,12 @@ class Pacer:
                                  for seq, g in enumerate(continued, self.inflight.next_seq - len(groups))]
                 self.leases.extend(groups, now)
                 self.totals["dispatched"] += len(groups)
-                self.collector.strategy_changed()
-                self.collector.release_held()
+                self.collector.release_held(strategy_changed=True)
                 self.notify()
             # Positional: a keyword call to a dataclass builds a kwargs dict and costs about twice as much.
             steps = self.steps
             result = DispatchResult(admitted_ids, first_seq, steps.paused, steps.step, steps.weight_version, steps.generation,
-                                    len(self.inflight), len(self.buffer), self._window_size,
+                                    len(self.inflight.groups), len(self.buffer.entries), self._window_size,
                                     # unchanged if nothing was admitted
                                     self._admissible_after_change() if count or continued else allowed, continued,
                                     self.job_ended)
@@ -405,7 +403,7 @@ class Pacer:
     def _dispatch_count(self) -> int:
         if self.steps.paused or self.closed:
             return 0
-        return max(0, int(self.hooks.compute_dispatch_count(len(self.buffer))))
+        return max(0, int(self.hooks.compute_dispatch_count(len(self.buffer.entries))))
 
     def _admissible_now(self) -> int:
         try:
@@ -425,7 +423,7 @@ class Pacer:
 
     def heard_from(self, client_id: str) -> None:
         """A call from `client_id` (a worker's heartbeat, Dispatch or Submit): it is alive."""
-        self.liveness.heard(client_id, self._clock())
+        self.liveness.heard(client_id, self._clock.now())
 
     def note_loaded_version(self, client_id: str, weight_version: int) -> None:
         """`client_id`'s engine reports `weight_version` loaded (on its Dispatch or KeepAlive), the version its
@@ -441,7 +439,7 @@ class Pacer:
 
     def watch_opened(self, client_id: str) -> None:
         """`client_id` opened a control stream: it is a watched worker from now on (see liveness.py)."""
-        self.liveness.stream_opened(client_id, self._clock())
+        self.liveness.stream_opened(client_id, self._clock.now())
 
     def watch_closed(self, client_id: str) -> None:
         self.liveness.stream_closed(client_id)
@@ -454,7 +452,7 @@ class Pacer:
         """Release the incomplete running groups of watched workers silent for the liveness grace, as an
         expired lease releases them. Returns {client id: released prompt ids}. Called periodically by the server."""
         with self.lock:
-            now = self._clock()
+            now = self._clock.now()
             gone = self.liveness.silent(now)
             if not gone or self.closed:
                 return {}
@@ -485,7 +483,7 @@ class Pacer:
             seqs = dispatch_seqs or {}
             # A group handed out again under another dispatch is not the caller's any more: named unknown.
             running = [g for g in map(get, prompt_ids) if g is not None and seqs.get(g.prompt_id, g.seq) == g.seq]
-            self.leases.extend([g for g in running if not g.complete], self._clock())
+            self.leases.extend([g for g in running if not g.complete], self._clock.now())
             known = {g.prompt_id for g in running}
             return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
                                    self.leases.inflight_seconds, self.liveness.grace)
@@ -504,7 +502,7 @@ class Pacer:
             try:
                 fresh, duplicates = self._sort_submit(trajectories)
             except StaleGenerationError:
-                self.record(StaleRejected(self._clock(), self.totals["stale_rejected"] - stale_before))
+                self.record(StaleRejected(self._clock.now(), self.totals["stale_rejected"] - stale_before))
                 raise
             if self._on_submitted is not None:  # the strategy hears first: if it raises, nothing changed
                 try:
@@ -514,14 +512,14 @@ class Pacer:
                     raise self.hook_refused("on_submitted", exc, "nothing was accepted") from exc
             completed, assembling, added_bytes = self.inflight.accept(fresh)
             self.held_bytes.add(added_bytes)
-            self.leases.extend(assembling, self._clock())
+            self.leases.extend(assembling, self._clock.now())
             self.totals["submitted"] += len(fresh)
             self.totals["duplicates"] += duplicates
             self.collector.collect_ready(completed)
             if fresh or duplicates:
                 self.notify()
             result = SubmitResult(len(fresh), duplicates, len(completed))  # accepted, duplicates, groups completed
-            self.record(Submitted(self._clock(), list(trajectories), request_id))
+            self.record(Submitted(self._clock.now(), list(trajectories), request_id))
             self.collector.raise_failures()  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
             return result
 
@@ -548,7 +546,7 @@ class Pacer:
         if limits.max_held_bytes or limits.max_buffered_groups:
             get = self.inflight.get
             self.checks.check_room(
-                self.held_bytes.total, bytes_of(sorted_.fresh) if limits.max_held_bytes else 0, len(self.buffer),
+                self.held_bytes.total, bytes_of(sorted_.fresh) if limits.max_held_bytes else 0, len(self.buffer.entries),
                 sum(1 for prompt_id, added in sorted_.added_per_group.items()
                     if len(get(prompt_id).trajectories) + added == get(prompt_id).group_size))
         return sorted_.fresh, sorted_.duplicates
@@ -617,7 +615,7 @@ class Pacer:
         with self.lock:
             if shape.world_size > 1 and self.leases.claimable(shape.key(num_groups), shape.rank):
                 return 0
-            available = len(self.buffer)
+            available = len(self.buffer.entries)
             if shape.token_budget:
                 count = budget_count(self.buffer.entries, shape.token_budget, num_groups, shape.world_size)
                 return count if count is not None or not partial or available < shape.world_size else available
@@ -636,7 +634,7 @@ class Pacer:
         server.max_message_bytes): whole groups, oldest first, the rest stay buffered. A first group (or a rank's
         share) larger than that alone is refused (MessageTooLargeError) before anything is taken."""
         with self.lock:
-            now = self._clock()
+            now = self._clock.now()
             limit = self.limits.answer_bytes(max_bytes)
             cut_to_fit = False
             if shape.world_size > 1:
@@ -688,7 +686,7 @@ class Pacer:
             # The caller has the answer it acknowledges: a retry of that Collect cannot come any more, and a
             # remembered answer would keep the consumed trajectories alive.
             self.answers.forget("Collect", lambda answer: answer.lease_id == lease_id)
-            self.record(Acked(self._clock(), lease_id, request_id))
+            self.record(Acked(self._clock.now(), lease_id, request_id))
             return len(lease.entries)
 
     def _consume(self, groups: list[TrajectoryGroup]) -> None:
@@ -705,7 +703,7 @@ class Pacer:
             self.held_bytes.release(group.trajectories)
         self.inflight.consumed(groups)
         if self._consume_listeners:
-            now = self._clock()
+            now = self._clock.now()
             for callback in self._consume_listeners:
                 callback(groups, self.steps.weight_version, now)
         self.notify()
@@ -716,7 +714,7 @@ class Pacer:
         Returns (expired prompt ids, expired lease ids). Called periodically by the server.
         """
         with self.lock:
-            now = self._clock()
+            now = self._clock.now()
             prompt_ids = [group.prompt_id for group in self.leases.running_out(now, self.inflight)]
             lapsed = self.leases.lapsing(now)
             if prompt_ids or lapsed:
@@ -734,7 +732,7 @@ class Pacer:
         `min_age` seconds ago. Returns how many groups left the trajectory queue. Called periodically by the
         server (fully_async.gate_recheck_seconds)."""
         with self.lock:
-            now = self._clock()
+            now = self._clock.now()
             if not self.collector.holds_groups or self.closed or now - self.collector.last_gate_pass < min_age:
                 return 0
             released = self.apply_gate_recheck()
@@ -799,10 +797,10 @@ class Pacer:
         """End the job: close dispatch, wait up to `wait` for the running groups to be assembled, report."""
         def call() -> JobEndReport:
             self.begin_end_job(mode)
-            started = self._clock()
+            started = self._clock.now()
             with self.lock:
                 self.waits.until(ResetPoll(self), wait)
-                return self.job_end_report(self._clock() - started)
+                return self.job_end_report(self._clock.now() - started)
 
         return self.answers.once("EndJob", request_id, call)
 
@@ -865,7 +863,7 @@ class Pacer:
     def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
         """The running groups (all, or those `client_id` dispatched), oldest first: which worker holds what."""
         with self.lock:
-            now = self._clock()
+            now = self._clock.now()
             return [HeldGroup(g.prompt_id, g.seq, g.ds_index, g.client_id, max(0.0, now - g.dispatched_at),
                               len(g.trajectories), g.group_size, max(0.0, g.deadline - now))
                     for g in self.inflight.in_dispatch_order()
@@ -877,7 +875,7 @@ class Pacer:
         them), else 0, so two states taken with nothing changed in between compare equal."""
         with self.lock:
             return PacerState(waiting_calls=waiting_calls,
-                running=len(self.inflight), buffered=len(self.buffer),
+                running=len(self.inflight.groups), buffered=len(self.buffer.entries),
                 queued_trajectories=self.inflight.queued_trajectories, capacity=self._admissible_after_change(),
                 window_size=self._window_size, step=self.steps.step, weight_version=self.steps.weight_version,
                 generation=self.steps.generation, paused=self.steps.paused, resetting=self.steps.resetting,
