@@ -83,7 +83,7 @@ def test_the_private_attribute_check_finds_a_pacer_private(tmp_path):
 
 
 # Modules still longer than the rule's 500 lines, each capped at its length now: it may only shrink.
-LONG_MODULES = {"pacer.py": 910}
+LONG_MODULES = {"pacer.py": 905}
 
 
 def test_no_core_module_is_over_500_lines():
