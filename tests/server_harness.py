@@ -56,6 +56,8 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         port_file = self.tmp_path / f"port-{id(self)}.json"
+        # A restarted server's harness object can reuse a freed one's id(): its stale port file would read as ready.
+        port_file.unlink(missing_ok=True)
         env = {**os.environ, **(self.env or {})}
         if self.cwd != REPO_ROOT:  # the code under test is imported from the repository wherever it starts
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
