@@ -129,6 +129,24 @@ class HttpEngine:
                 raise EngineError(f"{self!r}: {refusal} (still refused after {tries} tries in {timeout:g} s)")
             await asyncio.sleep(DRAIN_POLL_SECONDS)
 
+    async def _reported_weight_version(self, path: str) -> int | None:
+        """The `weight_version` a GET of `path` reports, as an integer; None while it is none (the engines say
+        "default" before any update)."""
+        answer = await self._get(path)
+        if not isinstance(answer, dict) or "weight_version" not in answer:
+            raise shape_error(self, f"no weight_version in the {path} answer", answer)
+        try:
+            return int(answer["weight_version"])
+        except (TypeError, ValueError):  # None or a name such as "default": no pacer version was recorded
+            return None
+
+    async def _confirm_loaded(self, version: int) -> int:
+        """The version the engine reports loaded after a sync, which must be `version`."""
+        loaded = await self.loaded_weight_version()
+        if loaded != int(version):
+            raise EngineError(f"{self!r}: the engine reports weight version {loaded} loaded after syncing {version}")
+        return loaded
+
     async def aclose(self) -> None:
         """Closes the connection pool."""
         await self._http.aclose()

@@ -115,13 +115,7 @@ class SGLangEngine(HttpEngine):
     async def loaded_weight_version(self) -> int | None:
         """The weight version the engine reports loaded (`GET /get_weight_version`); None while it reports none
         that is an integer (the server's `--weight-version` defaults to "default")."""
-        answer = await self._get("/get_weight_version")
-        if not isinstance(answer, dict) or "weight_version" not in answer:
-            raise shape_error(self, "no weight_version in the /get_weight_version answer", answer)
-        try:
-            return int(answer["weight_version"])
-        except (TypeError, ValueError):  # None or a name such as "default": no pacer version was recorded
-            return None
+        return await self._reported_weight_version("/get_weight_version")
 
     async def sync_weights(self, weights_path: str, version: int, *,
                            drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_SECONDS) -> int:
@@ -141,7 +135,4 @@ class SGLangEngine(HttpEngine):
             self.flush_cache, drain_timeout,
             "the radix cache could not be flushed after the weight update: a request started during the sync, "
             "and the cache holds KV computed under the old weights")
-        loaded = await self.loaded_weight_version()
-        if loaded != int(version):
-            raise EngineError(f"{self!r}: the engine reports weight version {loaded} loaded after syncing {version}")
-        return loaded
+        return await self._confirm_loaded(version)

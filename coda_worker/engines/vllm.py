@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._http import DEFAULT_DRAIN_TIMEOUT_SECONDS, HttpEngine, shape_error
-from .base import EngineError, FinishReason, Generation, GenerationRequest
+from .base import FinishReason, Generation, GenerationRequest
 
 __all__ = ["VLLMEngine"]
 
@@ -130,13 +130,7 @@ class VLLMEngine(HttpEngine):
     async def loaded_weight_version(self) -> int | None:
         """The weight version the engine reports loaded (`GET /weight_info`); None while it reports none that is an
         integer (vLLM says "default" before any update)."""
-        answer = await self._get("/weight_info")
-        if not isinstance(answer, dict) or "weight_version" not in answer:
-            raise shape_error(self, "no weight_version in the /weight_info answer", answer)
-        try:
-            return int(answer["weight_version"])
-        except (TypeError, ValueError):  # None or a name such as "default": no pacer version was recorded
-            return None
+        return await self._reported_weight_version("/weight_info")
 
     async def sync_weights(self, weights_path: str, version: int, *,
                            drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_SECONDS) -> int:
@@ -159,7 +153,4 @@ class VLLMEngine(HttpEngine):
             "the prefix cache could not be emptied after the reload: a request started during the sync, and "
             "the cache holds KV computed under the old weights")
         await self.update_weight_version(version)
-        loaded = await self.loaded_weight_version()
-        if loaded != int(version):
-            raise EngineError(f"{self!r}: the engine reports weight version {loaded} loaded after syncing {version}")
-        return loaded
+        return await self._confirm_loaded(version)
