@@ -37,23 +37,20 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for path in (str(HERE), str(REPO)):  # the checkout's client and the example's modules come first
+for path in (str(HERE.parent / "vllm_e2e"), str(HERE), str(REPO)):  # the checkout's client, the examples' modules
     if path not in sys.path:
         sys.path.insert(0, path)
 
 import task  # noqa: E402
+from vllm_process import DEFAULT_MODEL, DEFAULT_VENV, start_vllm, wait_for_vllm  # noqa: E402
 
 log = logging.getLogger("rl_cpu")
-DEFAULT_VENV = Path.home() / ".cache" / "coda-pacer" / "vllm-venv"
-DEFAULT_MODEL = Path.home() / ".cache" / "coda-pacer" / "tiny-llama"
-VLLM_START_TIMEOUT_SECONDS = 900.0  # the first start compiles the model (minutes on two cores)
 ENGINE_CORE, TRAINER_CORE = 0, 1
 ASYNC_STRATEGIES = ("no-window", "windowed-fifo", "latency-aware")
 RESET_WAIT_SECONDS = 60.0
@@ -78,31 +75,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_vllm(python: str, model: Path, port: int, logs: Path) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
-    command = ["taskset", "-c", str(ENGINE_CORE), python, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "512", "--dtype", "float32"]
-    return subprocess.Popen(command, stdout=open(logs / "vllm.log", "wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
 
 
-def wait_for_vllm(process: subprocess.Popen, base_url: str, logs: Path) -> float:
-    started = time.monotonic()
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {process.returncode}; see {logs / 'vllm.log'}:\n"
-                               + (logs / "vllm.log").read_text(errors="replace")[-3000:])
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as answer:
-                if answer.status == 200:
-                    return time.monotonic() - started
-        except OSError:
-            pass
-        if time.monotonic() - started > VLLM_START_TIMEOUT_SECONDS:
-            raise RuntimeError(f"vLLM not ready after {VLLM_START_TIMEOUT_SECONDS:.0f} s; see {logs / 'vllm.log'}")
-        time.sleep(1.0)
 
 
 def start_coda(args: argparse.Namespace, config: dict, run_dir: Path, port: int) -> subprocess.Popen:
@@ -799,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as cleanup:
         vllm_seconds = 0.0
         if not args.vllm_url:
-            vllm = start_vllm(python, model, args.vllm_port, workdir)
+            vllm = start_vllm(python, model, args.vllm_port, workdir, cores=[ENGINE_CORE])
             cleanup.callback(stop, vllm)
             vllm_seconds = wait_for_vllm(vllm, engine_url, workdir)
         log.info("vLLM ready in %.0f s; logs in %s", vllm_seconds, workdir)

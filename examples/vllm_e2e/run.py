@@ -37,11 +37,9 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from coda_client import PacerClient  # noqa: E402
 from coda_client.batches import MiniBatch  # noqa: E402
+from vllm_process import DEFAULT_MODEL, DEFAULT_VENV, start_vllm, wait_for_vllm  # noqa: E402
 
 log = logging.getLogger("coda_example")
-DEFAULT_VENV = Path.home() / ".cache" / "coda-pacer" / "vllm-venv"
-DEFAULT_MODEL = Path.home() / ".cache" / "coda-pacer" / "tiny-llama"
-VLLM_START_TIMEOUT_SECONDS = 900.0  # the first start compiles the model (about 3.5 minutes here)
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -60,31 +58,8 @@ def vllm_setup(args: argparse.Namespace) -> tuple[str, Path]:
     return str(DEFAULT_VENV / "bin" / "python"), model
 
 
-def start_vllm(python: str, model: Path, port: int, logs: Path) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
-               "tiny", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--dtype", "float32"]
-    return subprocess.Popen(command, stdout=open(logs / "vllm.log", "wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
 
 
-def wait_for_vllm(process: subprocess.Popen, base_url: str, logs: Path) -> float:
-    started = time.monotonic()
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {process.returncode}; see {logs / 'vllm.log'}:\n"
-                               + (logs / "vllm.log").read_text(errors="replace")[-3000:])
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as answer:
-                if answer.status == 200:
-                    return time.monotonic() - started
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() - started > VLLM_START_TIMEOUT_SECONDS:
-            raise RuntimeError(f"vLLM did not become healthy in {VLLM_START_TIMEOUT_SECONDS:.0f} s; "
-                               f"see {logs / 'vllm.log'}")
-        time.sleep(1.0)
 
 
 def start_coda(args: argparse.Namespace, logs: Path) -> tuple[subprocess.Popen, str]:

@@ -1,0 +1,47 @@
+"""The vLLM server process the examples generate with: where its venv and model live, start it, wait until healthy."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_VENV = Path.home() / ".cache" / "coda-pacer" / "vllm-venv"
+DEFAULT_MODEL = Path.home() / ".cache" / "coda-pacer" / "tiny-llama"
+VLLM_START_TIMEOUT_SECONDS = 900.0  # the first start compiles the model (minutes on two cores)
+
+
+def start_vllm(python: str, model: Path, port: int, logs: Path, *, cores: Sequence[int] = ()) -> subprocess.Popen:
+    """vLLM's OpenAI server for `model` on 127.0.0.1:port, logging to logs/vllm.log; pinned to `cores` if given.
+
+    VLLM_SERVER_DEV_MODE exposes /collective_rpc, which the weight sync's reload goes through."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    pinned = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
+    command = [*pinned, python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
+               "--dtype", "float32"]
+    return subprocess.Popen(command, stdout=open(logs / "vllm.log", "wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def wait_for_vllm(process: subprocess.Popen, base_url: str, logs: Path) -> float:
+    """Seconds until vLLM answers /health; raises with its log's tail if it exits or is not ready in time."""
+    started = time.monotonic()
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {process.returncode}; see {logs / 'vllm.log'}:\n"
+                               + (logs / "vllm.log").read_text(errors="replace")[-3000:])
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return time.monotonic() - started
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() - started > VLLM_START_TIMEOUT_SECONDS:
+            raise RuntimeError(f"vLLM did not become healthy in {VLLM_START_TIMEOUT_SECONDS:.0f} s; "
+                               f"see {logs / 'vllm.log'}")
+        time.sleep(1.0)
