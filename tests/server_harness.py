@@ -18,6 +18,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_SECONDS = 30.0
 
 
+def until(condition, what: str, timeout: float = 30.0, poll: float = 0.02):
+    """`condition()`'s first truthy value, polled every `poll` seconds; fails naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
 class ServerProcess:
     """A coda-server subprocess; `address` is host:port once `start()` returned."""
 

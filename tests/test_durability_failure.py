@@ -4,7 +4,6 @@ again the server is ready again by itself, with nothing lost."""
 from __future__ import annotations
 
 import resource
-import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -13,18 +12,9 @@ from google.rpc import error_details_pb2
 
 from coda_client._proto import pacer_pb2 as pb
 from conftest import core_overrides
-from server_harness import ServerProcess
+from server_harness import ServerProcess, until
 from test_durability_crash import free_port
 
-
-def until(condition, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def group(prompt_id: str) -> list[pb.Trajectory]:

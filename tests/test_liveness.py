@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -15,7 +14,7 @@ import pytest
 from coda_client import PacerClient
 from coda_client._proto import pacer_pb2 as pb, pacer_pb2_grpc
 from conftest import core_overrides
-from server_harness import ServerProcess
+from server_harness import ServerProcess, until
 from test_durability_crash import free_port
 
 GRACE = 3.0  # seconds: short for the test, long enough for a worker on a busy machine to heartbeat in time
@@ -25,15 +24,6 @@ WORKER = Path(__file__).resolve().parent / "fault_worker.py"
 OVERRIDES = (*core_overrides("no-window", B=2, stale=1.0, N=2, filters="[]"),
              f"server.worker_liveness_seconds={GRACE}", f"server.inflight_lease_seconds={LEASE}")
 
-
-def until(condition, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def start_worker(address: str, worker_id: str, seconds_per_token: float = 1000.0) -> subprocess.Popen:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
-from coda_client import PacerClient, ResetMode, Trajectory, TrajectoryStatus
+from coda_client import PacerClient, Trajectory, TrajectoryStatus
 from coda_client._proto import pacer_pb2 as pb
 from conftest import core_overrides
-from server_harness import REPO_ROOT, ServerProcess
+from server_harness import REPO_ROOT, ServerProcess, until
 
 N = 2
 WAIT_SECONDS = 60.0
@@ -42,15 +41,6 @@ def wire_trajectory(prompt_id: str, j: int) -> pb.Trajectory:
     return pb.Trajectory(trajectory_id=f"{prompt_id}/t{j}", prompt_id=prompt_id, status=pb.TRAJECTORY_STATUS_COMPLETED,
                          reward=float(j), token_ids=[1, 2, 3], logprobs=[-0.1, -0.2, -0.3])
 
-
-def until(condition, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class Caller:
