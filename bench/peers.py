@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
 import socket
 import statistics
@@ -106,8 +105,18 @@ def timed_run(submit_all: Callable[[], None], collect_all: Callable[[], int], pa
             "wall_s": ended - started}
 
 
+def terminate(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within 30 s."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 # ------------------------------------------------------------------------------------------------ drivers
 # Each runs in the peer's own Python (`--driver NAME`) and prints one JSON line of figures.
+
 
 def drive_ours(groups: list, workdir: Path) -> dict:
     sys.path.insert(0, str(REPO_ROOT))
@@ -147,11 +156,7 @@ def drive_ours(groups: list, workdir: Path) -> dict:
         figures["server_peak_rss_mb"] = peak_rss_mb(server.pid)
         return figures
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        terminate(server)
 
 
 def drive_ray(groups: list, workdir: Path) -> dict:
@@ -257,11 +262,7 @@ def drive_reverb(groups: list, workdir: Path) -> dict:
         figures["server_peak_rss_mb"] = peak_rss_mb(server.pid)
         return figures
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        terminate(server)
 
 
 def drive_atropos(groups: list, workdir: Path) -> dict:
@@ -324,11 +325,7 @@ def drive_atropos(groups: list, workdir: Path) -> dict:
         figures["server_peak_rss_mb"] = peak_rss_mb(server.pid)
         return figures
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        terminate(server)
 
 
 DRIVERS = {"ours": drive_ours, "ray": drive_ray, "reverb": drive_reverb, "atropos": drive_atropos}
