@@ -105,6 +105,11 @@ def timed_run(submit_all: Callable[[], None], collect_all: Callable[[], int], pa
             "wall_s": ended - started}
 
 
+def array_bytes(groups: list) -> int:
+    """The array bytes of the workload's groups (each a list of (token_ids, logprobs, loss_mask))."""
+    return sum(t.nbytes + l.nbytes + m.nbytes for g in groups for t, l, m in g)
+
+
 def terminate(process: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL if the process has not exited within 30 s."""
     process.send_signal(signal.SIGTERM)
@@ -122,7 +127,7 @@ def drive_ours(groups: list, workdir: Path) -> dict:
     sys.path.insert(0, str(REPO_ROOT))
     from coda_client import PacerClient, Trajectory, TrajectoryStatus
 
-    payload = sum(t.nbytes + l.nbytes + m.nbytes for g in groups for t, l, m in g)
+    payload = array_bytes(groups)
     port_file = workdir / "ours.port.json"
     log = open(workdir / "ours.log", "wb")
     server = subprocess.Popen([sys.executable, "-m", "coda_server", "--port-file", str(port_file),
@@ -162,7 +167,7 @@ def drive_ours(groups: list, workdir: Path) -> dict:
 def drive_ray(groups: list, workdir: Path) -> dict:
     import ray
 
-    payload = sum(t.nbytes + l.nbytes + m.nbytes for g in groups for t, l, m in g)
+    payload = array_bytes(groups)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(workdir / "ray"),
              object_store_memory=max(512 << 20, 3 * payload))
 
@@ -224,7 +229,7 @@ server.wait()
 def drive_reverb(groups: list, workdir: Path) -> dict:
     import reverb
 
-    payload = sum(t.nbytes + l.nbytes + m.nbytes for g in groups for t, l, m in g)
+    payload = array_bytes(groups)
     port, ready = free_port(), workdir / "reverb.ready"
     log = open(workdir / "reverb.log", "wb")
     server = subprocess.Popen([sys.executable, "-c", REVERB_SERVER, str(port), str(ready)], stdout=log, stderr=log)
@@ -270,7 +275,7 @@ def drive_atropos(groups: list, workdir: Path) -> dict:
 
     import atroposlib.api.server  # noqa: F401  (fails here, with the reason, when the package is missing)
 
-    payload = sum(t.nbytes + l.nbytes + m.nbytes for g in groups for t, l, m in g)
+    payload = array_bytes(groups)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(workdir / "atropos.log", "wb")

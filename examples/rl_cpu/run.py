@@ -48,7 +48,7 @@ for path in (str(HERE.parent / "vllm_e2e"), str(HERE), str(REPO)):  # the checko
         sys.path.insert(0, path)
 
 import task  # noqa: E402
-from vllm_process import DEFAULT_MODEL, DEFAULT_VENV, start_vllm, wait_for_vllm  # noqa: E402
+from vllm_process import DEFAULT_MODEL, DEFAULT_VENV, start_vllm, stop, wait_for_vllm  # noqa: E402
 
 log = logging.getLogger("rl_cpu")
 ENGINE_CORE, TRAINER_CORE = 0, 1
@@ -112,19 +112,6 @@ def start_worker(args: argparse.Namespace, index: int, pacer: str, engine: str, 
                "--max-groups", str(args.max_groups), "--stats", str(run_dir / f"worker-{index}.json")]
     return subprocess.Popen(command, stdout=open(run_dir / f"worker-{index}.log", "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=unpinned)
-
-
-def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
 
 
 # ---------------------------------------------------------------------------------------------- worker

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from coda_client import PacerClient  # noqa: E402
 from coda_client.batches import MiniBatch  # noqa: E402
-from vllm_process import DEFAULT_MODEL, DEFAULT_VENV, start_vllm, wait_for_vllm  # noqa: E402
+from vllm_process import DEFAULT_MODEL, DEFAULT_VENV, start_vllm, stop, wait_for_vllm  # noqa: E402
 
 log = logging.getLogger("coda_example")
 
@@ -91,19 +91,6 @@ def start_worker(args: argparse.Namespace, index: int, pacer: str, engine: str, 
                "--stats", str(logs / f"worker-{index}.json")]
     return subprocess.Popen(command, stdout=open(logs / f"worker-{index}.log", "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
 
 
 # ---------------------------------------------------------------------------------------------- worker

@@ -1,7 +1,8 @@
-"""The vLLM server process the examples generate with: where its venv and model live, start it, wait until healthy."""
+"""The processes the examples start: vLLM (where its venv and model live, start it, wait until healthy) and stopping any."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 import urllib.error
@@ -45,3 +46,17 @@ def wait_for_vllm(process: subprocess.Popen, base_url: str, logs: Path) -> float
             raise RuntimeError(f"vLLM did not become healthy in {VLLM_START_TIMEOUT_SECONDS:.0f} s; "
                                f"see {logs / 'vllm.log'}")
         time.sleep(1.0)
+
+
+def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
+    """Sends `sig` to the process's group (each is started in a session of its own), then SIGKILL after `timeout`."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
