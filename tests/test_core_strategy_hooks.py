@@ -115,6 +115,31 @@ def test_a_strategy_without_the_hooks_is_not_asked_and_now_works_alone():
     assert alone.now() > 0 and len(alone.buffer) == 0
 
 
+def test_the_pacer_owns_the_one_lock_and_the_strategy_proxy_runs_under_it():
+    from coda_server.core.strategy import ThreadSafeStrategy
+    config = load_config(overrides=BASE)
+    made = Pacer(config)  # the proxy create_strategy makes for it is given the pacer's lock
+    assert made.strategy.lock is made.lock
+    proxy = ThreadSafeStrategy(LatencyAwareStrategy(config), "latency-aware")
+    own = proxy.lock
+    adopting = Pacer(config, strategy=proxy)  # a proxy passed in runs under the pacer's lock from then on
+    assert proxy.lock is adopting.lock and adopting.lock is not own
+    with pytest.raises(ValueError, match="another pacer's lock"):
+        Pacer(config, strategy=proxy)  # one proxy, two pacers: its hooks could run under either lock alone
+
+
+def test_a_strategy_is_attached_to_the_pacers_clock_and_buffer_through_its_public_attach():
+    class Attached(Recorder):
+        def attach(self, clock, buffer) -> None:
+            self.calls.append(("attach", clock(), len(buffer)))
+            super().attach(clock, buffer)
+
+    pacer, strategy, clock = pacer_with(Attached)
+    assert strategy.calls == [("attach", 100.0, 0)]
+    clock.now = 101.0
+    assert strategy.now() == 101.0
+
+
 def test_the_proxy_forwards_the_hooks_under_its_lock():
     proxy = create_strategy(load_config(overrides=[*BASE, "fully_async.sliding_window=latency-aware"]))
     assert isinstance(proxy.wrapped, LatencyAwareStrategy)

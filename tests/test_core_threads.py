@@ -89,8 +89,10 @@ def build(core_config, name, B=8, stale=1.0, N=4):
     config = core_config(name, B=B, stale=stale, N=N, M=2 * N)
     limit = B if name == "fixed-capacity" else int(B * (1 + stale))
     strategy = ThreadSafeStrategy(checked(STRATEGIES.get(name), limit)(config), name)
-    strategy.wrapped.proxy_lock = strategy.lock
-    return Pacer(config, strategy=strategy), strategy.wrapped, limit
+    pacer = Pacer(config, strategy=strategy)
+    strategy.wrapped.proxy_lock = strategy.lock  # the pacer's own lock, which the proxy runs under once adopted
+    assert strategy.lock is pacer.lock
+    return pacer, strategy.wrapped, limit
 
 
 def run_threads(threads):

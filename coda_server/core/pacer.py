@@ -37,7 +37,7 @@ from .polls import CollectPoll, DispatchPoll, ResetPoll
 from .replay import RestoredGroups, create_replay_strategy
 from .settings import setting
 from .shares import PLAIN, BatchShape, balanced_shares, budget_count, group_tokens
-from .state import COUNTER_NAMES
+from .state import COUNTER_NAMES, PacerState
 from .steps import StepBoundary
 from .strategy import BufferView, ThreadSafeStrategy, create_strategy, gate_is_ordered, overridden_hook, window_size
 from .types import (
@@ -49,7 +49,6 @@ from .types import (
     Incident,
     JobEndReport,
     KeepAliveResult,
-    PacerState,
     PromptRef,
     ResetMode,
     ResetResult,
@@ -108,8 +107,16 @@ class Pacer:
         self._clock = PacerClock(clock)  # pinned to each event's time while the journal is replayed
         self.recorder = Recorder(journal)  # where acknowledged changes are recorded; None keeps state in memory only
         self.record: Callable[[JournalEvent], None] = self.recorder.record  # record(event): one acknowledged change
-        self._strategy = strategy if strategy is not None else create_strategy(config)
+        # The one lock (see docs/architecture.md), the Pacer's own: every public method takes it itself,
+        # re-entrantly, so no caller has to; a caller holds it across several calls to make them one atomic step
+        # (a Poll's attempt, a Reset's wait and finish). The strategy proxy runs under it too (given it, or
+        # adopting it with `run_under`): holding it is holding both, as every hook requires, and the pacer calls
+        # the strategy itself without the proxy taking the lock again.
+        self.lock = threading.RLock()
+        self._strategy = strategy if strategy is not None else create_strategy(config, lock=self.lock)
         proxied = isinstance(self._strategy, ThreadSafeStrategy)
+        if proxied:
+            self._strategy.run_under(self.lock)
         self.hooks = self._strategy.wrapped if proxied else self._strategy
         # With an ordered gate, a re-examination pass stops at the first refusal (see SlidingWindowStrategy).
         self._ordered_gate = gate_is_ordered(self.hooks)
@@ -117,11 +124,6 @@ class Pacer:
         self._on_submitted = overridden_hook(self.hooks, "on_submitted")
         self._on_consumed = overridden_hook(self.hooks, "on_consumed")
         self._on_resume = overridden_hook(self.hooks, "on_resume")
-        try:  # the strategy's clock and buffer view are this pacer's (the clock is pinned during replay)
-            self.hooks._pacer_clock = self._clock
-            self.hooks._pacer_buffer = BufferView(lambda: self.buffer.entries)
-        except AttributeError:  # a strategy with __slots__ and no room for them keeps the defaults
-            pass
         self._filters = filters if filters is not None else create_filters(list(config.rollout.filter), config)
         self._group_sizes = [int(s.num_trajectories_per_prompt) for s in config.data_sources]
         self._window_size = window_size(config)
@@ -142,12 +144,6 @@ class Pacer:
         # How often held groups are re-examined with nothing changed (the server's timer; 0: never).
         self.gate_recheck_seconds = float(setting(config, "fully_async.gate_recheck_seconds"))
 
-        # The one lock (see docs/architecture.md): every public method takes it itself, re-entrantly, so no caller
-        # has to; a caller holds it across several calls to make them one atomic step (a Poll's attempt, a Reset's
-        # wait and finish). The strategy proxy runs under it too: holding it is holding both, as every hook
-        # requires, and the pacer calls the strategy itself without the proxy taking the lock again. (The proxy is
-        # made for this pacer; one passed in, already shared with its other callers, brings the lock they take.)
-        self.lock = self._strategy.lock if proxied else threading.RLock()
         self.waits = ThreadWaits(self.lock, self._clock, lambda: self.closed)
         self.answers = AnswerBook(limits, self.lock, self.checks.check_request_id)
         self.leases = Leases(limits.inflight_lease_seconds)
@@ -159,6 +155,9 @@ class Pacer:
 
         self.inflight = InflightTable(limits.remembered_generations)
         self.buffer = PipelineBuffer()
+        attach = getattr(self.hooks, "attach", None)  # a strategy not derived from SlidingWindowStrategy may lack it
+        if attach is not None:  # the strategy's clock and buffer view are this pacer's (the clock pinned in replay)
+            attach(self._clock, BufferView(lambda: self.buffer.entries))
         self.incidents = IncidentLog(limits.incidents_kept)
         self.cursor = PromptCursor()  # the prompts admitted so far (offered again after a Restore)
         # (step, weight version, wall time) of the last checkpoint taken and restored; None: none yet.

@@ -117,18 +117,28 @@ class SlidingWindowStrategy(abc.ABC):
         """Take back what `state()` returned, on a fresh instance built from the same configuration (after a
         restart) or on this one (a Restore of a checkpoint, `on_reset()` follows). Default: nothing to take back."""
 
-    # The pacer binds these to itself when it adopts the strategy; class defaults serve a strategy used alone.
-    _pacer_clock: Callable[[], float] = staticmethod(time.monotonic)
-    _pacer_buffer: "BufferView | None" = None
+    # What `attach` sets; the class defaults serve a strategy used alone (monotonic time, an empty buffer).
+    _attached_clock: Callable[[], float] = staticmethod(time.monotonic)
+    _attached_buffer: "BufferView | None" = None
+
+    def attach(self, clock: Callable[[], float], buffer: "BufferView") -> None:
+        """Called once by the pacer that adopts the strategy: `now()` reads `clock` (the pacer's, pinned to
+        each recorded change's time while the journal is replayed) and `buffer` views its pipeline buffer.
+        An override must call `super().attach(clock, buffer)`."""
+        try:
+            self._attached_clock = clock
+            self._attached_buffer = buffer
+        except AttributeError:  # a strategy with __slots__ and no room for them keeps the defaults
+            pass
 
     def now(self) -> float:
         """Seconds on the pacer's clock: monotonic time in the server, simulated time in coda-sim."""
-        return self._pacer_clock()
+        return self._attached_clock()
 
     @property
     def buffer(self) -> "BufferView":
         """A read-only view of the pipeline buffer: the complete groups waiting for the trainer."""
-        return self._pacer_buffer if self._pacer_buffer is not None else BufferView(lambda: [])
+        return self._attached_buffer if self._attached_buffer is not None else BufferView(lambda: [])
 
 
 class BufferView:
@@ -182,14 +192,28 @@ def gate_is_ordered(strategy: Any) -> bool:
 class ThreadSafeStrategy(SlidingWindowStrategy):
     """Proxy that runs every strategy call under one re-entrant lock, as `create_strategy` returns it.
 
-    It is a `SlidingWindowStrategy` itself (as LoongSage's proxy is), so `isinstance` checks hold.
+    It is a `SlidingWindowStrategy` itself (as LoongSage's proxy is), so `isinstance` checks hold. The lock is
+    its own until a pacer adopts the proxy (`run_under`): from then on it is the pacer's lock.
     """
 
-    def __init__(self, strategy: SlidingWindowStrategy, name: str):
+    def __init__(self, strategy: SlidingWindowStrategy, name: str, lock: "threading.RLock | None" = None):
         # No super().__init__(): the state (_running_count included) lives in the wrapped strategy.
         self._strategy = strategy
         self.name = name
-        self.lock = threading.RLock()
+        self.lock = lock if lock is not None else threading.RLock()
+        self._adopted = lock is not None
+
+    def run_under(self, lock: Any) -> None:
+        """Take `lock` (the adopting pacer's) for every call from now on, so that holding the pacer's lock is
+        holding the strategy's, as every hook requires. A proxy serves one pacer: a second one is refused."""
+        if self._adopted and lock is not self.lock:
+            raise ValueError(f"strategy {self.name!r} already runs under another pacer's lock; give each pacer a "
+                             f"strategy of its own (create_strategy)")
+        self.lock, self._adopted = lock, True
+
+    def attach(self, clock: Callable[[], float], buffer: "BufferView") -> None:
+        with self.lock:
+            self._strategy.attach(clock, buffer)
 
     @property
     def wrapped(self) -> SlidingWindowStrategy:
@@ -257,8 +281,9 @@ class ThreadSafeStrategy(SlidingWindowStrategy):
             return getattr(self._strategy, item)
 
 
-def create_strategy(config: Any, name: str | None = None) -> ThreadSafeStrategy:
-    """Build the strategy `config.fully_async.sliding_window` (or `name`) names, wrapped thread-safe.
+def create_strategy(config: Any, name: str | None = None, lock: Any = None) -> ThreadSafeStrategy:
+    """Build the strategy `config.fully_async.sliding_window` (or `name`) names, wrapped thread-safe (under
+    `lock` when given: a pacer passes its own).
 
     `config` is any object with `config.data_sources[0].num_prompts_per_step`,
     `config.fully_async.stale_steps` and `.get()`, e.g. an OmegaConf DictConfig. An unknown name raises
@@ -267,7 +292,7 @@ def create_strategy(config: Any, name: str | None = None) -> ThreadSafeStrategy:
     if name is None:
         name = setting(config, "fully_async.sliding_window")
     cls = STRATEGIES.get(name)
-    return ThreadSafeStrategy(cls(config), name)
+    return ThreadSafeStrategy(cls(config), name, lock)
 
 
 def options_section(cls: type, name: str) -> str:
