@@ -14,7 +14,7 @@ from . import wire
 from .core import checkpoints
 from .core.errors import InvalidArgumentError, ResourceExhaustedError
 from .core.shares import PLAIN, BatchShape
-from .core.state import STATE_FIELD_NAMES
+from .core.state import STATE_FIELD_NAMES, PacerState
 from .core.types import (
     CollectResult,
     ControlEvent,
@@ -22,7 +22,6 @@ from .core.types import (
     HeldGroup,
     JobEndReport,
     KeepAliveResult,
-    PacerState,
     PromptRef,
     ResetMode,
     ResetResult,

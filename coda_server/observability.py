@@ -31,8 +31,8 @@ from coda_client._proto import pacer_pb2
 from .core.async_pacer import AsyncPacer
 from .core.settings import parse_host_port, setting
 from .core.errors import NotReadyError
-from .core.state import COUNTER, GAUGE, reported_fields
-from .core.types import ControlEvent, ControlEventType, PacerState, ResetMode, StepReport, TrajectoryGroup
+from .core.state import COUNTER, GAUGE, PacerState, reported_fields
+from .core.types import ControlEvent, ControlEventType, ResetMode, StepReport, TrajectoryGroup
 from .admission import Admission, client_id
 from .logs import AccessLog, fields
 from .metrics_listener import start_metrics_listener

@@ -12,6 +12,7 @@ from .errors import NotReadyError, ShuttingDownError, StateDirUnwritableError
 from .journal import Journal, TrajectoryCodec
 from .pacer import Pacer
 from .shares import PLAIN, BatchShape
+from .state import PacerState
 from .types import (
     CollectResult,
     ControlEvent,
@@ -19,7 +20,6 @@ from .types import (
     HeldGroup,
     JobEndReport,
     KeepAliveResult,
-    PacerState,
     PromptRef,
     ResetMode,
     ResetResult,

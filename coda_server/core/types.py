@@ -323,7 +323,3 @@ class Incident:
     step: int = 0
     generation: int = 0
     action: str = "quarantined"  # or "refused": the call failed and changed nothing
-
-
-# PacerState, the GetState record, is declared with how each field is reported in state.py.
-from .state import PacerState  # noqa: E402,F401
