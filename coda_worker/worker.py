@@ -106,13 +106,24 @@ ENGINE_VERSION_RECHECK_SECONDS = 0.2
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt group to generate: its id, its token ids and where it comes from (its buffer priority)."""
+    """A prompt group to generate: its id, its token ids and where it comes from (its buffer priority).
+
+    max_tokens: this prompt's response budget, when prompts differ in how long an answer may run (None:
+    the worker's `sampling.max_tokens`); like that one, it bounds a trajectory's whole response,
+    continuations included.
+    """
 
     prompt_id: str
     input_ids: Sequence[int]
     ds_index: int = 0
     epoch: int | None = None
     index: int | None = None
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"prompt {self.prompt_id!r}: max_tokens {self.max_tokens!r} must be an integer >= 1 "
+                             "or None (the worker's sampling.max_tokens)")
 
     def ref(self) -> PromptRef:
         return PromptRef(self.prompt_id, self.ds_index, self.epoch, self.index)
@@ -667,7 +678,8 @@ class AsyncRolloutWorker:
             logger.error("%s: restored group %r is not in this worker's prompt source; submitting it as it came",
                          self.worker_id, restored.prompt_id, extra=_fields(worker=self.worker_id))
             base = Prompt(restored.prompt_id, [], restored.ds_index)
-        prompt = Prompt(base.prompt_id, base.input_ids, restored.ds_index, restored.epoch, restored.index)
+        prompt = Prompt(base.prompt_id, base.input_ids, restored.ds_index, restored.epoch, restored.index,
+                        base.max_tokens)
         resumed = {t.trajectory_id: _Traj.resumed(t) for t in restored.trajectories}
         fresh = [_Traj(trajectory_id_of(prompt.prompt_id, i)) for i in range(self._group_size(prompt.ds_index))]
         trajectories = [*resumed.values(), *(t for t in fresh if t.trajectory_id not in resumed)]
@@ -691,7 +703,8 @@ class AsyncRolloutWorker:
     async def _run_trajectory(self, group: _Group, traj: _Traj) -> None:
         attempts = 0
         while not traj.done:
-            remaining = self.sampling.max_tokens - len(traj.token_ids)
+            budget = group.prompt.max_tokens if group.prompt.max_tokens is not None else self.sampling.max_tokens
+            remaining = budget - len(traj.token_ids)
             if group.abort_requested:
                 traj.status, traj.finish = TrajectoryStatus.ABORTED, FinishReason.ABORT
                 break

@@ -418,6 +418,34 @@ def test_restored_groups_are_continued_from_their_partial_tokens_under_the_new_w
     assert stats.groups_continued == 2 and stats.trajectories_continued == 4
 
 
+def test_a_prompt_with_its_own_budget_bounds_its_responses_continuations_included(tmp_path):
+    budgets = {"p0": 4, "p1": None}  # p1: the worker's sampling.max_tokens (16)
+    source = ListPromptSource([Prompt(f"p{i}", [100 + i, 7, 7], max_tokens=budgets[f"p{i}"]) for i in range(2)])
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4, continue_restored=True)) as server:
+        async def go():
+            async with running_worker(server.address, source) as (pacer, engine, worker, task):
+                await pacer.reset("abort", wait=CONDITION_TIMEOUT, resume=True, weight_version=1)
+                engine.auto_release = True
+                engine.release_all()
+                groups = await pacer.collect(2, wait=CONDITION_TIMEOUT)
+                await asyncio.wait_for(task, CONDITION_TIMEOUT)
+            return engine, groups
+
+        engine, groups = asyncio.run(go())
+    asked = {}
+    for request in engine.requests:
+        asked.setdefault(request.request_id.split("#")[0].rsplit("-", 1)[-1], []).append(request.max_tokens)
+    # First requests ask for the whole budget; the continuations (3 tokens in) for what is left of it.
+    assert asked == {"p0": [4, 4, 4 - FIRST_TOKENS, 4 - FIRST_TOKENS], "p1": [16, 16, 16 - FIRST_TOKENS, 16 - FIRST_TOKENS]}
+    lengths = {g.prompt_id: sorted(len(t.token_ids) for t in g.trajectories) for g in groups}
+    assert lengths == {"p0": [4, 4], "p1": [FIRST_TOKENS * 2 + LATER_TOKENS] * 2}
+
+
+def test_a_prompt_budget_below_one_token_is_refused():
+    with pytest.raises(ValueError, match="prompt 'p0': max_tokens 0 must be an integer >= 1 or None"):
+        Prompt("p0", [1, 2], max_tokens=0)
+
+
 @pytest.mark.parametrize("keepalive", [True, False])
 def test_keep_alive_holds_the_leases_of_groups_still_generating(tmp_path, keepalive):
     lease = 1.0
