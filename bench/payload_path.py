@@ -30,9 +30,10 @@ median(ours) / median(floor).
 
 With --concurrent (issue 29): 8 worker processes submit long-tailed groups while 4 trainer ranks iterate
 batches(512, rank=r, world_size=4), against our server and against a relay (a gRPC server with our server's
-options and Submit parsing that queues each Submit's encoded trajectories and answers each Collect with the
-next groups, nothing else), alternately: aggregate MB/s in and out as ratios, token imbalance across ranks
-per step (max/mean), each rank's time in next() (the prefetch gap; --step-seconds adds a training step).
+options and Submit parsing that queues each Submit's encoded trajectories and answers each Collect, and each
+CollectStream in messages split as ours splits them, with the next groups, nothing else), alternately:
+aggregate MB/s in and out as ratios, token imbalance across ranks per step (max/mean), each rank's time in
+next() (the prefetch gap; --step-seconds adds a training step).
 
     python bench/payload_path.py             # 3 repeats, about 40 s on an idle machine
     python bench/payload_path.py --concurrent --repeats 3   # the many-writers, many-readers run
@@ -235,8 +236,9 @@ def prefetch_gaps(pacer: PacerClient, batches: int) -> list[float]:
 # ------------------------------------------------------------------------------- many writers, many readers
 # --concurrent: WRITERS worker processes submit while RANKS trainer ranks iterate batches(rank=r, world_size=RANKS)
 # of the global DP_MINI_BATCH, against our server and against a relay: a gRPC server with our server's options and
-# Submit parsing that keeps each Submit's encoded trajectories in a queue and answers each Collect with the next
-# groups (num_groups / world_size of them, in arrival order, no balancing), nothing else. Same clients, same bytes.
+# Submit parsing that keeps each Submit's encoded trajectories in a queue and answers each Collect (and CollectStream,
+# what batches() calls, in messages split as ours splits them) with the next groups (num_groups / world_size of
+# them, in arrival order, no balancing), nothing else. Same clients, same bytes.
 
 WRITERS, RANKS = 8, 4
 DP_MINI_BATCH = 512  # the global mini-batch: 32 groups of 16, 8 groups per rank
@@ -309,7 +311,7 @@ async def serve_relay(port_file: Path, server_overrides: list[str]) -> int:
     from coda_server.core import load_config
     from coda_server.method_wrapping import WrappingRegistrar
     from coda_server.server import SERVICE_NAME, server_options, tune_garbage_collector
-    from coda_server.wire import EncodedAnswer, EncodedTrajectory, PassthroughCodec, group_parts
+    from coda_server.wire import EncodedAnswer, EncodedTrajectory, PassthroughCodec, group_parts, split_answer
 
     config = load_config(overrides=server_overrides)
     retain_freed_memory(int(config.server.allocator_retain_bytes))  # the same process settings as ours
@@ -329,15 +331,22 @@ async def serve_relay(port_file: Path, server_overrides: list[str]) -> int:
             return pb.SubmitResponse(accepted=len(bodies), groups_completed=1)
 
         async def Collect(self, request, context):
+            message, groups = await self._take(request)
+            return EncodedAnswer(message, {"groups": groups})
+
+        async def CollectStream(self, request, context):  # what batches() calls: split as our server splits
+            for answer in split_answer(*await self._take(request)):
+                yield answer
+
+        async def _take(self, request):
             count = request.num_groups // max(1, request.world_size)
             async with arrived:
                 try:
                     await asyncio.wait_for(arrived.wait_for(lambda: len(queue) >= count), request.wait_seconds)
                 except asyncio.TimeoutError:
-                    return EncodedAnswer(pb.CollectResponse(timed_out=True), {})
+                    return pb.CollectResponse(timed_out=True), []
                 taken, queue[:count] = queue[:count], []
-            return EncodedAnswer(pb.CollectResponse(lease_id="relay"),
-                                 {"groups": [group_parts(p, 0, 0, None, None, bodies) for p, bodies in taken]})
+            return pb.CollectResponse(lease_id="relay"), [group_parts(p, 0, 0, None, None, bodies) for p, bodies in taken]
 
         async def Ack(self, request, context):
             return pb.AckResponse()

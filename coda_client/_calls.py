@@ -15,6 +15,7 @@ from ._channel import LONG_POLL_CAP_SECONDS, call_timeout
 from ._proto import pacer_pb2
 from .arrays import ArrayMode
 from .errors import MessageTooLargeError
+from .protocol import RPC_BY_NAME
 from .types import (
     Checkpoint,
     CollectResult,
@@ -38,12 +39,18 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class Call(Generic[_T]):
-    """One unary call, ready to send: stub method name, request, deadline and response converter."""
+    """One call with one request, ready to send: stub method name, request, deadline and response converter
+    (given the answer message, or the list of messages of a server-streaming RPC)."""
 
     method: str
     request: Any
     timeout: float
     convert: Callable[[Any], _T]
+
+    @property
+    def streamed(self) -> bool:
+        """Its answer comes as a stream of messages (the RPC table's server-streaming RPCs)."""
+        return RPC_BY_NAME[self.method].streaming
 
 
 # Integer field types of the wire messages and their ranges, for a message of our own before protobuf's bare
@@ -161,12 +168,13 @@ def _trajectory(value: Any) -> Trajectory:
 def collect(
     num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0,
     arrays: ArrayMode = "list", rank: int = 0, world_size: int = 1, token_budget: int = 0,
-    trainer_step: int | None = None, max_response_bytes: int = 0,
+    trainer_step: int | None = None, max_response_bytes: int = 0, streamed: bool = False,
 ) -> Call[CollectResult]:
     """Collect: a retried Collect must not take a second batch, hence the request id here too. `rank` and
     `world_size` ask for one rank's share of a data-parallel mini-batch; `token_budget` cuts it by tokens. With
     `trainer_step`, the server refuses it unless it is at that step (a trainer restarted from a checkpoint).
-    `max_response_bytes`: the largest answer this client receives, so the server cuts the answer to fit."""
+    `max_response_bytes`: the largest answer this client receives, so the server cuts the answer to fit.
+    `streamed`: through CollectStream, the same answer in messages of a few MiB (received faster when large)."""
     request = _message(
         pacer_pb2.CollectRequest,
         num_groups=num_groups,
@@ -182,6 +190,9 @@ def collect(
     if trainer_step is not None:
         check_integers(pacer_pb2.CollectRequest, trainer_step=trainer_step)
         request.trainer_step = trainer_step
+    if streamed:
+        return Call("CollectStream", request, call_timeout(timeout, wait),
+                    functools.partial(CollectResult.from_stream, arrays_as=arrays))
     return Call("Collect", request, call_timeout(timeout, wait), functools.partial(CollectResult.from_pb, arrays_as=arrays))
 
 

@@ -14,9 +14,10 @@ import grpc
 from .protocol import RPCS, SERVICE  # noqa: F401  (SERVICE was defined here)
 
 # The method configs, from the RPC table: long-polls (their deadline grows with the requested wait, see
-# call_timeout), streams (no deadline) and the rest; each retried on UNAVAILABLE only if it is retry-safe.
+# call_timeout; CollectStream's streamed answer too), streams (no deadline) and the rest; each retried on
+# UNAVAILABLE only if it is retry-safe.
 LONG_POLL_METHODS = tuple(rpc.name for rpc in RPCS if rpc.long_poll)
-STREAM_METHODS = tuple(rpc.name for rpc in RPCS if rpc.streaming)
+STREAM_METHODS = tuple(rpc.name for rpc in RPCS if rpc.streaming and not rpc.long_poll)
 SHORT_METHODS = tuple(rpc.name for rpc in RPCS if not (rpc.long_poll or rpc.streaming))
 
 DEFAULT_TIMEOUT_SECONDS = 30.0

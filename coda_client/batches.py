@@ -429,13 +429,14 @@ class _IteratorBase:
         return self.shape.num_groups
 
     def _collect_call(self, num_groups: int | None = None) -> _calls.Call[CollectResult]:
-        """A leased Collect of the batch (or of `num_groups`, the rest of one), cut by the server to fit the client."""
+        """A leased Collect of the batch (or of `num_groups`, the rest of one), cut by the server to fit the client;
+        through CollectStream, whose messages of a few MiB arrive faster than one large answer."""
         shape = self.shape
         return _calls.collect(shape.num_groups if num_groups is None else num_groups, wait=self.poll,
                               allow_partial=False, request_id=None, timeout=self._client.timeout, lease=self.lease,
                               arrays="numpy", rank=shape.rank, world_size=shape.world_size,
                               token_budget=shape.token_budget, trainer_step=self.step,
-                              max_response_bytes=self._client.max_receive_bytes)
+                              max_response_bytes=self._client.max_receive_bytes, streamed=True)
 
     def _rest(self, results: list[CollectResult]) -> int:
         """Groups still missing from a batch of `results` (0: complete). Only a plain batch is completed by
@@ -562,11 +563,13 @@ class BatchIterator(_IteratorBase):
                 raise _Stopped
             if self._shutdown.is_set():
                 raise _Away
-            future = getattr(stub, call.method).future(call.request, timeout=call.timeout,
-                                                       metadata=self._client._metadata)
+            rpc = getattr(stub, call.method)
+            # A streamed answer's call is a future too: cancel() cuts it short like a unary call's.
+            future = (rpc if call.streamed else rpc.future)(call.request, timeout=call.timeout,
+                                                             metadata=self._client._metadata)
             (self._acks_inflight if survives_close else self._inflight).add(future)
         try:
-            return call.convert(future.result())
+            return call.convert(list(future) if call.streamed else future.result())
         except grpc.FutureCancelledError:
             if self._closed and not survives_close:
                 raise _Stopped from None

@@ -353,6 +353,8 @@ class PacerClient(_ClientBase):
         rpc = getattr(self._stub_for_process(), call.method)
         try:
             response = rpc(call.request, timeout=call.timeout, metadata=self._metadata)
+            if call.streamed:  # the answer's messages, every one received
+                response = list(response)
         except grpc.RpcError as exc:
             raise translate(exc, self.target) from exc
         return call.convert(response)
@@ -555,7 +557,11 @@ class AsyncPacerClient(_ClientBase):
     async def _run(self, call: Call[_T]) -> _T:
         rpc = getattr(self._stub_for_process(), call.method)
         try:
-            response = await rpc(call.request, timeout=call.timeout, metadata=self._metadata)
+            if call.streamed:  # the answer's messages, every one received
+                response = [message async for message in rpc(call.request, timeout=call.timeout,
+                                                                metadata=self._metadata)]
+            else:
+                response = await rpc(call.request, timeout=call.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise translate(exc, self.target) from exc
         return call.convert(response)

@@ -38,7 +38,7 @@ class Rpc:
     # or harmless to apply twice.
     retry_safe: bool
     long_poll: bool = False  # may wait (wait_seconds): the client stretches its deadline by the wait
-    streaming: bool = False  # server-streaming: no per-call deadline
+    streaming: bool = False  # server-streaming: no per-call deadline unless it is a long-poll
     # Admission (docs/scaling.md): the kind of call it counts as when it does not wait, and when it waits
     # (wait_seconds > 0); None: a control call, never refused for lack of room.
     admission: tuple[Optional[str], Optional[str]] = (None, None)
@@ -59,6 +59,10 @@ RPCS: tuple[Rpc, ...] = (
         rate_limit_key="submit_per_second", remembered="answer", request_form="submit"),
     Rpc("Collect", mutating=True, retry_safe=True, long_poll=True, admission=(None, "waiting_collect"),
         remembered="data", response_form="views"),
+    # Collect's answer in messages of a few MiB (what batches() uses); its answers are Collect's, remembered by
+    # the core under Collect, so a retry of either with the same request_id gets the same answer.
+    Rpc("CollectStream", mutating=True, retry_safe=True, long_poll=True, streaming=True,
+        admission=(None, "waiting_collect"), response_form="views"),
     Rpc("Ack", mutating=True, retry_safe=True, remembered="answer"),
     Rpc("Reset", mutating=True, retry_safe=True, long_poll=True, remembered="data", response_form="views"),
     Rpc("Resume", mutating=True, retry_safe=True, remembered="answer"),

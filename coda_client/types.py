@@ -441,6 +441,15 @@ class CollectResult:
         msg, groups = _split_answer(msg, pacer_pb2.CollectResponse, ("groups",), arrays_as)
         return _from_fields(cls, msg, **groups)
 
+    @classmethod
+    def from_stream(cls, messages: Sequence[Any], arrays_as: arrays.ArrayMode = "list") -> CollectResult:
+        """From CollectStream's messages (as from_pb takes them): one answer, their groups joined in order."""
+        if not messages:
+            raise ValueError("CollectStream ended without an answer message")
+        results = [cls.from_pb(message, arrays_as) for message in messages]
+        first = results[0]
+        return cls([g for r in results for g in r.groups], first.timed_out, first.lease_id, first.cut_to_fit)
+
 
 @dataclass(frozen=True)
 class StepReport:

@@ -239,8 +239,8 @@ def serialize(message: Any) -> bytes:
 
 def passthrough_stub(channel: Any) -> Any:
     """The generated RolloutPacer stub, with the methods that carry trajectories taking raw bytes: Submit
-    sends an encoded request as it is, Collect and Reset answers arrive undecoded (types.py reads them,
-    viewing the arrays in place)."""
+    sends an encoded request as it is, Collect, CollectStream and Reset answers arrive undecoded (types.py
+    reads them, viewing the arrays in place)."""
     from ._proto import pacer_pb2_grpc
 
     stub = pacer_pb2_grpc.RolloutPacerStub(channel)
@@ -251,4 +251,6 @@ def passthrough_stub(channel: Any) -> Any:
     for method in ("Collect", "Reset"):
         setattr(stub, method, channel.unary_unary(f"/{service}/{method}", request_serializer=serialize,
                                                   response_deserializer=None, _registered_method=True))
+    stub.CollectStream = channel.unary_stream(f"/{service}/CollectStream", request_serializer=serialize,
+                                              response_deserializer=None, _registered_method=True)
     return stub

@@ -201,6 +201,13 @@ def collect_response(result: CollectResult) -> wire.EncodedAnswer:
                               {"groups": [group_parts(g) for g in result.groups]})
 
 
+def collect_stream(result: CollectResult, message_bytes: int = wire.STREAM_MESSAGE_BYTES) -> list[wire.EncodedAnswer]:
+    """Collect's answer as CollectStream's messages (wire.split_answer)."""
+    return wire.split_answer(pb.CollectResponse(timed_out=result.timed_out, lease_id=result.lease_id,
+                                                cut_to_fit=result.cut_to_fit),
+                             [group_parts(g) for g in result.groups], message_bytes)
+
+
 def step_report(report: StepReport, message_class: type = pb.StepReport) -> pb.StepReport:
     return message_class(**dataclasses.asdict(report))
 

@@ -22,7 +22,7 @@ from . import convert, wire
 from .admission import client_id
 from .core.async_pacer import AsyncPacer
 from .core.errors import InvalidArgumentError, PacerError
-from .core.types import ControlEvent
+from .core.types import CollectResult, ControlEvent
 from .status import status_for
 
 # Answer a long-poll this long before the caller's deadline, so the answer arrives in time.
@@ -108,12 +108,19 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Collect(self, request: pb.CollectRequest, context) -> wire.EncodedAnswer:
-        result = await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
-                                           request.allow_partial, request.request_id, request.lease_seconds,
-                                           convert.batch_shape(request),
-                                           request.trainer_step if request.HasField("trainer_step") else None,
-                                           request.max_response_bytes)
-        return convert.collect_response(result)
+        return convert.collect_response(await self._collect(request, context))
+
+    @maps_errors
+    async def CollectStream(self, request: pb.CollectRequest, context) -> AsyncIterator[wire.EncodedAnswer]:
+        for message in convert.collect_stream(await self._collect(request, context)):
+            yield message
+
+    async def _collect(self, request: pb.CollectRequest, context) -> CollectResult:
+        return await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
+                                         request.allow_partial, request.request_id, request.lease_seconds,
+                                         convert.batch_shape(request),
+                                         request.trainer_step if request.HasField("trainer_step") else None,
+                                         request.max_response_bytes)
 
     @maps_errors
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:

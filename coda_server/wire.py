@@ -198,8 +198,38 @@ class EncodedAnswer:
         for name, groups in self.groups.items():
             tag = _wire.length_delimited_tag(fields[name].number)
             for group in groups:
-                parts += [tag, _wire.varint(sum(len(p) if isinstance(p, bytes) else p.nbytes for p in group)), *group]
+                parts += [tag, _wire.varint(parts_size(group)), *group]
         return b"".join(parts)
+
+
+def parts_size(parts: list[Any]) -> int:
+    """Bytes of encoded parts (bytes and memoryviews) joined."""
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+
+
+# A streamed answer's messages hold whole groups up to about this many bytes (a larger group goes alone):
+# Python gRPC receives a message of a few MB at about twice the rate per byte of a 50 MB one
+# (bench/collect_transport.py, docs/protocol.md "CollectStream").
+STREAM_MESSAGE_BYTES = 4 * 2**20
+
+
+def split_answer(message: Any, groups: list[list[Any]], message_bytes: int = STREAM_MESSAGE_BYTES) -> list[EncodedAnswer]:
+    """An answer carrying `groups` (each its encoded parts) as a stream's messages: the groups whole and in order,
+    a message closed when the next group would take it over `message_bytes`, each message with `message`'s other
+    fields (CollectStream's flags and lease); an answer without groups is one message."""
+    messages: list[EncodedAnswer] = []
+    batch: list[list[Any]] = []
+    size = 0
+    for parts in groups:
+        group_size = parts_size(parts)
+        if batch and size + group_size > message_bytes:
+            messages.append(EncodedAnswer(message, {"groups": batch}))
+            batch, size = [], 0
+        batch.append(parts)
+        size += group_size
+    if batch or not messages:
+        messages.append(EncodedAnswer(message, {"groups": batch}))
+    return messages
 
 
 _RETIRED_NUMBERS = {Trajectory.DESCRIPTOR.fields_by_name[name].number: name for name in _wire.RETIRED_FIELDS}

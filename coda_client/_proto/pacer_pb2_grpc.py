@@ -50,6 +50,11 @@ class RolloutPacerStub:
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectRequest.SerializeToString,
                 response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectResponse.FromString,
                 _registered_method=True)
+        self.CollectStream = channel.unary_stream(
+                '/coda.pacer.v1.RolloutPacer/CollectStream',
+                request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectRequest.SerializeToString,
+                response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectResponse.FromString,
+                _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/coda.pacer.v1.RolloutPacer/Ack',
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.AckRequest.SerializeToString,
@@ -148,6 +153,18 @@ class RolloutPacerServicer:
         (the groups stay buffered for the next one): FAILED_PRECONDITION reason DIRTY_GROUP (a group
         holding a FAILED trajectory was refused: rollout.filter has no `status`), INTERNAL reason
         STRATEGY_HOOK_FAILED (a strategy hook raised and a group was quarantined).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectStream(self, request, context):
+        """Collect with its answer sent as a stream of CollectResponse messages: the same request, the same
+        answer (the same groups, lease, cut_to_fit and errors as Collect), its groups spread over messages
+        of a few MiB, whole and in order; every message carries the answer's timed_out, lease_id and
+        cut_to_fit. The client joins them into one answer. For large answers: Python gRPC receives a
+        message of tens of MB at less than half the rate per byte of a few-MB one (docs/protocol.md).
+        A retry with the same request_id gets the same answer as a Collect with it would.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -276,6 +293,11 @@ def add_RolloutPacerServicer_to_server(servicer, server):
             ),
             'Collect': grpc.unary_unary_rpc_method_handler(
                     servicer.Collect,
+                    request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectRequest.FromString,
+                    response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectResponse.SerializeToString,
+            ),
+            'CollectStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.CollectStream,
                     request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectRequest.FromString,
                     response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectResponse.SerializeToString,
             ),
@@ -415,6 +437,33 @@ class RolloutPacer:
             request,
             target,
             '/coda.pacer.v1.RolloutPacer/Collect',
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectRequest.SerializeToString,
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/coda.pacer.v1.RolloutPacer/CollectStream',
             coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectRequest.SerializeToString,
             coda_dot_pacer_dot_v1_dot_pacer__pb2.CollectResponse.FromString,
             options,
