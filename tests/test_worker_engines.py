@@ -355,3 +355,38 @@ def test_sampling_params_refuse_bad_values_with_what_is_allowed():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match=r"top_p 1.5 must be in \(0, 1\]"):
         SamplingParams(top_p=1.5)
+
+
+def test_calls_in_flight_are_spread_over_connection_pools_of_at_most_16():
+    """One httpx pool scans all its connections on every call; the adapter keeps pools small and fills the
+    one with the most room, so 40 calls in flight on max_connections=40 sit 16, 16 and 8 to a pool."""
+    arrived = []
+
+    async def go():
+        release = asyncio.Event()
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            arrived.append(request)
+            await release.wait()
+            return httpx.Response(200, json=VLLM_ANSWER)
+
+        async with VLLMEngine("http://vllm.test:8000", transport=httpx.MockTransport(handler),
+                              max_connections=40) as engine:
+            calls = [asyncio.create_task(engine.generate(REQUEST)) for _ in range(40)]
+            for _ in range(1000):
+                if len(arrived) == 40:
+                    break
+                await asyncio.sleep(0.005)
+            in_flight = sorted(engine._pool_calls)
+            release.set()
+            answers = await asyncio.gather(*calls)
+        return in_flight, answers
+
+    in_flight, answers = run(go())
+    assert len(arrived) == 40 and in_flight == [8, 16, 16]
+    assert all(a.token_ids == [40, 41, 42] for a in answers)
+
+
+def test_max_connections_below_one_is_refused():
+    with pytest.raises(ValueError, match="max_connections 0 must be >= 1"):
+        VLLMEngine("http://vllm.test:8000", max_connections=0)
