@@ -8,7 +8,6 @@ import pytest
 from coda_client import PromptRef
 from coda_server.core import Pacer, load_config
 from coda_server.core.latency_aware import LatencyAwareStrategy
-from coda_server.core.recovery import import_state
 from test_durability_crash import B, N
 from test_durability_restart import durable, group  # noqa: F401  (the fixture)
 
@@ -63,7 +62,8 @@ def test_state_round_trips_into_a_fresh_strategy_and_only_the_same_strategy_take
     snapshot = pacer.export_state()
     assert snapshot["strategy"] == {"name": "latency-aware", "state": learned.state()}
     other = Pacer(config)
-    import_state(other, {**snapshot, "strategy": {"name": "windowed-fifo", "state": learned.state()}})
+    with other.lock:
+        other.snapshots.load({**snapshot, "strategy": {"name": "windowed-fifo", "state": learned.state()}})
     assert other.strategy.depth == 3 * B  # another strategy's state is not taken
 
 

@@ -2,25 +2,33 @@
 
 A trainer that saves its model at step k takes a pacer checkpoint beside it; after a crash (or a deliberate
 rollback) it restores that checkpoint, and the pacer continues from k as if the steps after it had never
-run. Written as functions over one Pacer's state, as its own methods would be (like reset_steps.py). The
-blob is the journal's encoding (journal.dumps: pickled plain data, trajectories in the transport's own
-bytes through the codec) behind a magic line and a format number.
+run. `Checkpoints` is built by the Pacer over the owners a checkpoint reads and a Restore changes, passed
+explicitly; it keeps when the last checkpoint was taken and restored. The blob is the journal's encoding
+(journal.dumps: pickled plain data, trajectories in the transport's own bytes through the codec) behind a
+magic line and a format number.
 """
 from __future__ import annotations
 
 import struct
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Optional
 
-from . import recovery
+from .answers import AnswerBook
+from .buffer import PipelineBuffer
+from .clock import PacerClock
+from .collector import Collector
 from .cursor import PromptCursor
 from .errors import FailedPreconditionError, InvalidArgumentError, JobEndedError, ResetInProgressError
-from .inflight import bytes_of
+from .incidents import HookFailures
+from .inflight import HeldBytes, InflightTable, bytes_of
+from .job_end import Lifecycle
 from .journal import TrajectoryCodec, dumps, loads
+from .leases import Leases
+from .replay import RestoredGroups
+from .signals import Signals
+from .steps import StepBoundary
 from .types import ControlEventType, ResetMode, RestoreResult
-
-if TYPE_CHECKING:
-    from .pacer import Pacer
 
 CHECKPOINT_FORMAT = 1
 MAGIC = b"coda-pacer checkpoint\n"
@@ -39,40 +47,7 @@ class CheckpointMismatchError(FailedPreconditionError):
     reason = "CHECKPOINT_MISMATCH"
 
 
-# ------------------------------------------------------------------ taking one
-
-
-def take(pacer: "Pacer") -> dict[str, Any]:
-    """What the pacer needs to continue from the current step: a consistent copy, taken under the lock
-    without pausing anything (the buffer and kept groups are shared, not copied: they are never changed)."""
-    with pacer.lock:
-        pacer.check_open()
-        if pacer.resetting:
-            raise ResetInProgressError("a Reset is running; take the checkpoint after it, at the step boundary "
-                                       "it ends in")
-        in_flight = pacer.inflight.in_dispatch_order()
-        reoffered = [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in in_flight]
-        reoffered += [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in pacer.collector.expired]
-        # Leased groups were not acknowledged: the trainer that restores this has not trained them.
-        buffer = pacer.buffer.export()
-        for lease in pacer.leases.collect.values():
-            buffer.extend(lease.entries)
-        buffer.sort(key=lambda entry: entry[0])
-        pacer.totals["checkpoints"] += 1
-        pacer.last_checkpoint = (pacer.step, pacer.weight_version, time.time())
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "config": dict(pacer.summary),
-            "step": pacer.step, "weight_version": pacer.weight_version, "generation": pacer.generation,
-            "paused": pacer.paused,  # taken between a Reset and its Resume: restored paused, the Resume reopens
-            "taken_at": pacer.last_checkpoint[2],
-            "buffer": buffer,
-            "kept": pacer.restored.export(),
-            "quarantined": pacer.collector.quarantined,
-            "in_flight": reoffered,  # (ds_index, epoch, index, prompt_id): offered again after a Restore
-            "cursor": pacer.cursor.copy_without(reoffered).export(),
-            "strategy": recovery.strategy_state(pacer),  # as the journal's snapshot saves it
-        }
+# ------------------------------------------------------------------ the blob
 
 
 def encode(checkpoint: dict[str, Any], codec: TrajectoryCodec) -> bytes:
@@ -102,88 +77,147 @@ def decode(blob: bytes, codec: TrajectoryCodec) -> dict[str, Any]:
     return checkpoint
 
 
-# ------------------------------------------------------------------ restoring one
+class Checkpoints:
+    """Takes a checkpoint (`take`) and brings the pacer back to one (`restore`); keeps (step, weight version,
+    wall time) of the last checkpoint taken and of the last one restored (None: none yet), for GetState."""
 
+    def __init__(self, lock: threading.RLock, lifecycle: Lifecycle, steps: StepBoundary, inflight: InflightTable,
+                 collector: Collector, buffer: PipelineBuffer, leases: Leases, restored: RestoredGroups,
+                 cursor: PromptCursor, held_bytes: HeldBytes, totals: dict, answers: AnswerBook, hooks: Any,
+                 signals: Signals, failures: HookFailures, clock: PacerClock, summary: dict,
+                 strategy_state: Callable[[], Any]):
+        self._lock, self._lifecycle, self._steps, self._inflight = lock, lifecycle, steps, inflight
+        self._collector, self._buffer, self._leases, self._restored = collector, buffer, leases, restored
+        self._cursor, self._held_bytes, self._totals, self._answers = cursor, held_bytes, totals, answers
+        self._hooks, self._signals, self._failures, self._clock = hooks, signals, failures, clock
+        self._summary = summary  # the pacing settings: a checkpoint restores only under the same
+        self._strategy_state = strategy_state  # what the strategy's state() hook returns, as the snapshot saves it
+        self.last_checkpoint: Optional[tuple[int, int, float]] = None
+        self.last_restore: Optional[tuple[int, int, float]] = None
 
-def check(pacer: "Pacer", checkpoint: dict[str, Any]) -> None:
-    """Refuse (changing nothing) a checkpoint of another job's settings, or while a Reset runs."""
-    if pacer.resetting:
-        raise ResetInProgressError("a Reset is running; restore after it ends (nothing was changed)")
-    if pacer.job_ended:
-        raise JobEndedError("Restore refused: EndJob ended this job, and a restored job would dispatch again "
-                            "(nothing was changed); start a new server for a new run from the checkpoint")
-    recorded, summary = checkpoint.get("config") or {}, pacer.summary
-    changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
-               for key in sorted(set(recorded) | set(summary)) if recorded.get(key) != summary.get(key)]
-    if changed:
-        raise CheckpointMismatchError(
-            f"the checkpoint was taken under other pacing settings ({', '.join(changed)}): it is another job's, "
-            f"or the configuration changed since; restore it on a server started with the settings it was "
-            f"taken under (nothing was changed)", violations=[("checkpoint", "must be this job's")])
+    def take(self) -> dict[str, Any]:
+        """What the pacer needs to continue from the current step: a consistent copy, taken under the lock
+        without pausing anything (the buffer and kept groups are shared, not copied: they are never changed)."""
+        with self._lock:
+            self._lifecycle.check_open()
+            steps = self._steps
+            if steps.resetting:
+                raise ResetInProgressError("a Reset is running; take the checkpoint after it, at the step boundary "
+                                           "it ends in")
+            in_flight = self._inflight.in_dispatch_order()
+            reoffered = [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in in_flight]
+            reoffered += [(g.ds_index, g.epoch, g.index, g.prompt_id) for g in self._collector.expired]
+            # Leased groups were not acknowledged: the trainer that restores this has not trained them.
+            buffer = self._buffer.export()
+            for lease in self._leases.collect.values():
+                buffer.extend(lease.entries)
+            buffer.sort(key=lambda entry: entry[0])
+            self._totals["checkpoints"] += 1
+            self.last_checkpoint = (steps.step, steps.weight_version, time.time())
+            return {
+                "format": CHECKPOINT_FORMAT,
+                "config": dict(self._summary),
+                "step": steps.step, "weight_version": steps.weight_version, "generation": steps.generation,
+                "paused": steps.paused,  # taken between a Reset and its Resume: restored paused, the Resume reopens
+                "taken_at": self.last_checkpoint[2],
+                "buffer": buffer,
+                "kept": self._restored.export(),
+                "quarantined": self._collector.quarantined,
+                "in_flight": reoffered,  # (ds_index, epoch, index, prompt_id): offered again after a Restore
+                "cursor": self._cursor.copy_without(reoffered).export(),
+                "strategy": self._strategy_state(),  # as the journal's snapshot saves it
+            }
 
+    def check(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse (changing nothing) a checkpoint of another job's settings, or while a Reset runs."""
+        if self._steps.resetting:
+            raise ResetInProgressError("a Reset is running; restore after it ends (nothing was changed)")
+        if self._lifecycle.job_ended:
+            raise JobEndedError("Restore refused: EndJob ended this job, and a restored job would dispatch again "
+                                "(nothing was changed); start a new server for a new run from the checkpoint")
+        recorded, summary = checkpoint.get("config") or {}, self._summary
+        changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
+                   for key in sorted(set(recorded) | set(summary)) if recorded.get(key) != summary.get(key)]
+        if changed:
+            raise CheckpointMismatchError(
+                f"the checkpoint was taken under other pacing settings ({', '.join(changed)}): it is another job's, "
+                f"or the configuration changed since; restore it on a server started with the settings it was "
+                f"taken under (nothing was changed)", violations=[("checkpoint", "must be this job's")])
 
-def restore(pacer: "Pacer", checkpoint: dict[str, Any]) -> RestoreResult:
-    """Bring the pacer back to the checkpoint's step: everything held now is discarded and counted, the
-    checkpoint's buffer and kept groups are put back as they were, the prompts in flight then (and every
-    prompt admitted since) are offered again, and workers are told (PAUSE with ABORT, then RESUME at its weight
-    version unless it was taken while dispatch was paused: then the trainer's Resume reopens it). Caller holds
-    the lock."""
-    pacer.check_open()
-    check(pacer, checkpoint)
-    step, version = int(checkpoint["step"]), int(checkpoint["weight_version"])
-    now = pacer.clock()
+    def restore(self, checkpoint: dict[str, Any]) -> RestoreResult:
+        """Bring the pacer back to the checkpoint's step: everything held now is discarded and counted, the
+        checkpoint's buffer and kept groups are put back as they were, the prompts in flight then (and every
+        prompt admitted since) are offered again, and workers are told (PAUSE with ABORT, then RESUME at its
+        weight version unless it was taken while dispatch was paused: then the trainer's Resume reopens it)."""
+        with self._lock:
+            self._lifecycle.check_open()
+            self.check(checkpoint)
+            return self._restore(checkpoint)
 
-    # What is discarded: every group the server holds now, and what a worker still generates.
-    buffered = pacer.buffer.groups()
-    leased = [group for lease in pacer.leases.collect.values() for _, group in lease.entries]
-    running = list(pacer.inflight.values())
-    set_aside = [*pacer.restored.export(), *pacer.collector.quarantined, *pacer.collector.expired]
-    discarded_groups = [*buffered, *leased, *set_aside]
-    trajectories = [t for g in discarded_groups for t in g.trajectories]
-    trajectories += [t for g in running for t in g.trajectories.values()]
-    newer = sum(1 for t in trajectories if max(t.start_weight_version, t.end_weight_version) > version)
-    before = len(pacer.cursor)
+    def _restore(self, checkpoint: dict[str, Any]) -> RestoreResult:
+        step, version = int(checkpoint["step"]), int(checkpoint["weight_version"])
+        now = self._clock()
+        buffer, leases, restored, collector, totals = (self._buffer, self._leases, self._restored, self._collector,
+                                                       self._totals)
 
-    strategy_state = checkpoint.get("strategy")
-    hook = getattr(pacer.hooks, "restore", None)
-    try:  # the strategy hears first: if it raises, nothing changed
-        if strategy_state is not None and callable(hook):
-            hook(strategy_state)
-        pacer.hooks.on_reset()  # nothing is in flight after a Restore
-    except Exception as exc:
-        raise pacer.hook_refused("restore", exc, "the Restore changed nothing") from exc
+        # What is discarded: every group the server holds now, and what a worker still generates.
+        buffered = buffer.groups()
+        leased = [group for lease in leases.collect.values() for _, group in lease.entries]
+        running = list(self._inflight.values())
+        set_aside = [*restored.export(), *collector.quarantined, *collector.expired]
+        discarded_groups = [*buffered, *leased, *set_aside]
+        trajectories = [t for g in discarded_groups for t in g.trajectories]
+        trajectories += [t for g in running for t in g.trajectories.values()]
+        newer = sum(1 for t in trajectories if max(t.start_weight_version, t.end_weight_version) > version)
+        before = len(self._cursor)
 
-    pacer.totals["dropped"] += len(running)
-    pacer.totals["rolled_back"] += len(buffered) + len(leased)
-    pacer.leases.lapse_all()  # an Ack of one now fails: its groups are gone
-    pacer.inflight.new_generation()  # late Submits of what ran before are refused as stale, as after a Reset
-    pacer.leases.forget_running()
-    # The answers of calls that handed out discarded groups must not hand them out again to a retry.
-    pacer.answers.forget("Collect", lambda answer: True)
-    pacer.answers.forget("Reset", lambda answer: True)
+        strategy_state = checkpoint.get("strategy")
+        hook = getattr(self._hooks, "restore", None)
+        try:  # the strategy hears first: if it raises, nothing changed
+            if strategy_state is not None and callable(hook):
+                hook(strategy_state)
+            self._hooks.on_reset()  # nothing is in flight after a Restore
+        except Exception as exc:
+            raise self._failures.refused("restore", exc, "the Restore changed nothing") from exc
 
-    pacer.buffer.replace(checkpoint["buffer"])
-    pacer.totals["reinstated"] += len(pacer.buffer)
-    pacer.restored.restore(checkpoint["kept"])
-    pacer.collector.new_generation(checkpoint["quarantined"])
-    pacer.held_bytes.total = sum(bytes_of(g.trajectories) for g in
-                                  [*pacer.buffer.groups(), *pacer.restored.export(), *pacer.collector.quarantined])
-    pacer.cursor = PromptCursor.restored(checkpoint["cursor"])
-    pacer.steps.rolled_back(step, version, bool(checkpoint.get("paused")), now)
-    pacer.totals["restores"] += 1
-    pacer.last_restore = (step, version, float(checkpoint.get("taken_at") or 0.0))
+        totals["dropped"] += len(running)
+        totals["rolled_back"] += len(buffered) + len(leased)
+        leases.lapse_all()  # an Ack of one now fails: its groups are gone
+        self._inflight.new_generation()  # late Submits of what ran before are refused as stale, as after a Reset
+        leases.forget_running()
+        # The answers of calls that handed out discarded groups must not hand them out again to a retry.
+        self._answers.forget("Collect", lambda answer: True)
+        self._answers.forget("Reset", lambda answer: True)
 
-    pacer.emit(ControlEventType.PAUSE, ResetMode.ABORT)  # workers abort what they generate
-    if not pacer.paused:
-        pacer.emit(ControlEventType.RESUME)  # and load the weights of the checkpoint's version
-    pacer.notify()
-    return RestoreResult(
-        step=step, weight_version=version, generation=pacer.generation,
-        discarded_groups=len(discarded_groups) + len(running), discarded_trajectories=len(trajectories),
-        discarded_newer_trajectories=newer, dropped_running=len(running),
-        reinstated_groups=len(pacer.buffer), kept_groups=len(pacer.restored),
-        reoffered_prompts=max(0, before - len(pacer.cursor)), checkpoint_taken_at=pacer.last_restore[2],
-        discarded_prompt_ids=[g.prompt_id for g in discarded_groups] + [g.prompt_id for g in running])
+        buffer.replace(checkpoint["buffer"])
+        totals["reinstated"] += len(buffer)
+        restored.restore(checkpoint["kept"])
+        collector.new_generation(checkpoint["quarantined"])
+        self._held_bytes.total = sum(bytes_of(g.trajectories) for g in
+                                     [*buffer.groups(), *restored.export(), *collector.quarantined])
+        self._cursor.restore(checkpoint["cursor"])
+        steps = self._steps
+        steps.rolled_back(step, version, bool(checkpoint.get("paused")), now)
+        totals["restores"] += 1
+        self.last_restore = (step, version, float(checkpoint.get("taken_at") or 0.0))
+
+        self._signals.emit(ControlEventType.PAUSE, ResetMode.ABORT)  # workers abort what they generate
+        if not steps.paused:
+            self._signals.emit(ControlEventType.RESUME)  # and load the weights of the checkpoint's version
+        self._signals.notify()
+        return RestoreResult(
+            step=step, weight_version=version, generation=steps.generation,
+            discarded_groups=len(discarded_groups) + len(running), discarded_trajectories=len(trajectories),
+            discarded_newer_trajectories=newer, dropped_running=len(running),
+            reinstated_groups=len(buffer), kept_groups=len(restored),
+            reoffered_prompts=max(0, before - len(self._cursor)), checkpoint_taken_at=self.last_restore[2],
+            discarded_prompt_ids=[g.prompt_id for g in discarded_groups] + [g.prompt_id for g in running])
+
+    def export(self) -> dict:
+        return {"last_checkpoint": self.last_checkpoint, "last_restore": self.last_restore}
+
+    def restore_marks(self, snapshot: dict) -> None:
+        self.last_checkpoint, self.last_restore = snapshot.get("last_checkpoint"), snapshot.get("last_restore")
 
 
 def restore_summary(result: RestoreResult) -> str:

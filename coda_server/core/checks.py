@@ -14,6 +14,7 @@ from .errors import (
 )
 from .limits import Limits
 from .shares import PLAIN, BatchShape
+from .strategy import window_size
 from .types import PromptRef, ResetMode, Trajectory, TrajectoryStatus
 
 VALID_STATUSES = (TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED)
@@ -264,3 +265,38 @@ class RequestChecks:
             raise InvalidArgumentError(f"reset mode {mode!r} is not allowed; use ABORT or WAIT",
                                        violations=[("mode", "must be ABORT, WAIT or unspecified (server default)")])
         return mode
+
+
+class CollectLimit:
+    """The most groups that can ever be buffered at once (`limit`, 0: no bound known), and the terms that say
+    why: the window C for a strategy that promises to stay within it, server.max_buffered_groups when set. A
+    Collect that must wait for more could never be answered, so it is refused at once."""
+
+    __slots__ = ("limit", "terms")
+
+    def __init__(self, config: Any, hooks: Any, limits: Limits):
+        bounds: list[tuple[int, str]] = []
+        if getattr(hooks, "bounded_by_window", False):
+            source = config.data_sources[0]
+            B, stale = int(source.num_prompts_per_step), float(config.fully_async.stale_steps)
+            sizes = ",".join(str(int(s.num_trajectories_per_prompt)) for s in config.data_sources)
+            C = window_size(config)
+            bounds.append((C, f"the window holds at most C = int(B * (1 + stale_steps)) = int({B} * (1 + {stale:g})) "
+                              f"= {C} groups running or buffered (B = num_prompts_per_step {B}, N = "
+                              f"num_trajectories_per_prompt {sizes}, stale_steps {stale:g}, strategy "
+                              f"{config.fully_async.sliding_window})"))
+        if limits.max_buffered_groups:
+            bounds.append((limits.max_buffered_groups,
+                           f"server.max_buffered_groups caps the buffer at {limits.max_buffered_groups} groups"))
+        self.limit, self.terms = min(bounds) if bounds else (0, "")
+
+    def check(self, num_groups: int, allow_partial: bool, shape: BatchShape = PLAIN) -> None:
+        """A Collect that must have `num_groups` buffered at once (no allow_partial, no token budget) is refused
+        when that many can never be: it would wait forever, silently."""
+        limit = self.limit
+        if not allow_partial and not shape.token_budget and limit and num_groups > limit:
+            raise InvalidArgumentError(
+                f"num_groups {num_groups} can never be buffered at once, so this Collect could never be answered: "
+                f"{self.terms}; ask for at most {limit} groups a Collect (a mini-batch of at most {limit} x N "
+                f"trajectories), raise the window, or pass allow_partial",
+                violations=[("num_groups", f"must be at most {limit} ({self.terms})")])

@@ -87,10 +87,15 @@ class PromptCursor:
     @classmethod
     def restored(cls, exported: Optional[dict[str, Any]]) -> "PromptCursor":
         cursor = cls()
-        for ds_index, epoch, below, above in (exported or {}).get("marks", ()):
-            cursor._marks[(ds_index, epoch)] = [below, set(above)]
-            cursor._count += below + len(above)
+        cursor.restore(exported)
         return cursor
+
+    def restore(self, exported: Optional[dict[str, Any]]) -> None:
+        """Become the cursor `export()` described (a snapshot's, a checkpoint's); None: nothing admitted."""
+        self._marks, self._count = {}, 0
+        for ds_index, epoch, below, above in (exported or {}).get("marks", ()):
+            self._marks[(ds_index, epoch)] = [below, set(above)]
+            self._count += below + len(above)
 
     def copy_without(self, prompts: Iterable[tuple[int, Optional[int], Optional[int], str]]) -> "PromptCursor":
         """A copy with these (ds_index, epoch, index, prompt_id) unmarked."""

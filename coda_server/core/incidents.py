@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from .errors import DirtyGroupError, PacerError, StrategyHookError
 from .types import Incident, Trajectory, TrajectoryStatus
@@ -54,6 +54,32 @@ class IncidentLog:
         self._recent.extend(exported.get("recent", ()))
         self._unreported.extend(exported.get("unreported", ()))
         self.unreported_dropped = int(exported.get("unreported_dropped", 0))
+
+
+class HookFailures:
+    """Reports what went wrong in the strategy or the data: each incident stamped with the strategy's name and
+    the step it came in, into the log; for a call a raising hook stopped, also that call's error."""
+
+    __slots__ = ("_log", "_strategy", "_steps", "_notify")
+
+    def __init__(self, log: IncidentLog, strategy: str, steps: Any, notify: Callable[[], None]):
+        self._log = log
+        self._strategy = strategy
+        self._steps = steps  # the StepBoundary: the step and generation an incident is stamped with
+        self._notify = notify
+
+    def incident(self, kind: str, prompt_id: str, hook: str, message: str, action: str = QUARANTINED) -> Incident:
+        steps = self._steps
+        incident = Incident(kind, prompt_id, self._strategy, hook, message, steps.step, steps.generation, action)
+        self._log.record(incident)
+        return incident
+
+    def refused(self, hook: str, exc: BaseException, consequence: str) -> StrategyHookError:
+        """The error of a call a raising hook stopped before it changed anything (recorded as an incident; a
+        waiting Collect is woken to report it)."""
+        self.incident(HOOK_FAILED, "", hook, describe_exception(exc), REFUSED)
+        self._notify()
+        return hook_error(self._strategy, hook, exc, consequence=consequence)
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -5,8 +5,9 @@ import math
 from collections import deque
 from typing import Any, Iterable, Mapping, Sequence
 
+from .errors import StaleDispatchError
 from .prompt_ids import loongsage_order
-from .types import PromptRef, StepReport, Trajectory, TrajectoryGroup, TrajectoryStatus
+from .types import HeldGroup, PromptRef, StepReport, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 _NO_PRIORITY = float("inf")
 _NO_ARRIVAL = 1 << 62  # no trajectory yet
@@ -134,6 +135,16 @@ def encoded_group_bound(group: TrajectoryGroup) -> int:
             + sum(t.size_bytes + _FIELD_FRAMING_BYTES for t in group.trajectories))
 
 
+def fitting_answer(groups: Sequence[TrajectoryGroup], limit: int) -> Sequence[TrajectoryGroup]:
+    """The first of `groups` whose trajectories fit one answer of `limit` bytes (0: no limit)."""
+    size = ANSWER_OVERHEAD_BYTES
+    for count, group in enumerate(groups):
+        size += encoded_group_bound(group)
+        if limit and size > limit:
+            return groups[:count]
+    return groups
+
+
 class HeldBytes:
     """The bytes of every trajectory the server holds (queued, buffered, leased, kept, quarantined, expired):
     added when a Submit is accepted, released when the trainer consumes a group or a Reset or Restore lets it go."""
@@ -220,6 +231,24 @@ class InflightTable:
         latest = self._latest_seqs  # also for a group complete by now: it is another worker's work
         return [(prompt_id, seq, latest[prompt_id]) for prompt_id, seq in dispatch_seqs.items()
                 if prompt_id in latest and latest[prompt_id] != seq]
+
+    def check_fences(self, dispatch_seqs: Mapping[str, int]) -> None:
+        """Refuse a Submit from a worker that lost a group: the group was released from it (lease or liveness)
+        and handed out again, so its running dispatch has another seq than the one the Submit names."""
+        stale = self.stale_fences(dispatch_seqs)
+        if stale:
+            prompt_id, yours, now = stale[0]
+            raise StaleDispatchError(
+                f"group {prompt_id!r} was released from its dispatch seq {yours} (its worker went silent or its "
+                f"lease ran out) and was dispatched again as seq {now}, to another worker; drop this worker's "
+                f"work on it"
+                + (f" ({len(stale)} groups in all)" if len(stale) > 1 else ""))
+
+    def held(self, client_id: "str | None", now: float) -> list[HeldGroup]:
+        """The running groups (all, or those `client_id` dispatched), oldest first: which worker holds what."""
+        return [HeldGroup(g.prompt_id, g.seq, g.ds_index, g.client_id, max(0.0, now - g.dispatched_at),
+                          len(g.trajectories), g.group_size, max(0.0, g.deadline - now))
+                for g in self.in_dispatch_order() if client_id is None or g.client_id == client_id]
 
     # ------------------------------------------------------------- changing
 

@@ -18,6 +18,9 @@ class Liveness:
         self.grace = grace_seconds  # 0: off (only leases bound running groups)
         self._last_heard: dict[str, float] = {}
         self._streams: dict[str, int] = {}  # open control streams per client id
+        # client id -> the weight version its engine reports loaded (ListWorkers; not journaled: every worker
+        # says it again on its next Dispatch or KeepAlive)
+        self.loaded_versions: dict[str, int] = {}
 
     def stream_opened(self, client_id: str, now: float) -> None:
         if not client_id or not self.grace:

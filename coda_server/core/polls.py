@@ -2,13 +2,42 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence
+import threading
+from typing import Optional, Protocol, Sequence, Sized
 
 from .shares import PLAIN, BatchShape
 from .types import CollectResult, DispatchResult, PromptRef
 
-if TYPE_CHECKING:
-    from .pacer import Pacer
+
+class Admitting(Protocol):
+    """What a Dispatch waits on: the calls of the pacer's public face it makes (the Pacer is one)."""
+
+    lock: threading.RLock
+    closed: bool
+
+    def check_open(self) -> None: ...
+    def admissible_now(self) -> int: ...
+    def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "",
+                       max_continuations: Optional[int] = None) -> DispatchResult: ...
+
+
+class Collecting(Protocol):
+    """What a Collect waits on: the calls of the pacer's public face it makes (the Pacer is one)."""
+
+    lock: threading.RLock
+    buffer: Sized  # the pipeline buffer: len() is the groups waiting
+
+    def check_trainer_step(self, trainer_step: Optional[int]) -> None: ...
+    def report_incidents(self) -> None: ...
+    def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]: ...
+    def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
+                   shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0) -> CollectResult: ...
+
+
+class Assembling(Protocol):
+    """What a Reset (or EndJob) waits on: every running group assembled."""
+
+    def reset_ready(self) -> bool: ...
 
 
 class DispatchPoll:
@@ -16,7 +45,7 @@ class DispatchPoll:
 
     __slots__ = ("_pacer", "_candidates", "_request_id", "_client_id", "_max_continuations", "_last")
 
-    def __init__(self, pacer: "Pacer", candidates: Sequence[PromptRef], request_id: str, client_id: str = "",
+    def __init__(self, pacer: Admitting, candidates: Sequence[PromptRef], request_id: str, client_id: str = "",
                  max_continuations: Optional[int] = None):
         self._pacer = pacer
         self._candidates = candidates
@@ -53,7 +82,7 @@ class CollectPoll:
     __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds", "_shape", "_trainer_step",
                  "_max_bytes")
 
-    def __init__(self, pacer: "Pacer", num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float,
+    def __init__(self, pacer: Collecting, num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float,
                  shape: BatchShape = PLAIN, trainer_step: Optional[int] = None, max_bytes: int = 0):
         self._pacer = pacer
         self._num_groups = num_groups
@@ -99,7 +128,7 @@ class ResetPoll:
 
     __slots__ = ("_pacer",)
 
-    def __init__(self, pacer: "Pacer"):
+    def __init__(self, pacer: Assembling):
         self._pacer = pacer
 
     def attempt(self) -> Optional[bool]:

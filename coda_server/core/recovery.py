@@ -1,17 +1,25 @@
-"""Recovery: the snapshot a Pacer exports and imports, the recorded-config check, and the replay of journal events.
+"""Recovery: the pacer's snapshot (export and import), the recorded-config check, the replay of journal events.
 
-These functions work on one Pacer's state, as its own methods would; they live here so that the
-pacing rule (pacer.py) reads without them. Replay re-runs each recorded change through the same
-steps the live call ran, at the time it first ran, and remembers its answer as the live call did.
+`Snapshot` reads and writes the owners a snapshot holds; `Recovery` rebuilds the state from the journal,
+replaying each recorded change through the same steps the live call ran (given to it as the calls it
+replays), at the time it first ran, and remembering its answer as the live call did. The Pacer builds both
+over its owners, passed explicitly.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
+from .answers import AnswerBook
+from .buffer import PipelineBuffer
+from .checkpoints import Checkpoints
+from .clock import PacerClock
+from .collector import Collector
 from .cursor import PromptCursor
 from .errors import RecoveryError, StrategyHookError
-from .incidents import HOOK_FAILED, describe_exception
-from .shares import BatchShape
+from .incidents import HOOK_FAILED, HookFailures, IncidentLog, describe_exception
+from .inflight import HeldBytes, InflightTable
+from .job_end import Lifecycle
 from .journal import (
     Acked,
     Collected,
@@ -20,6 +28,7 @@ from .journal import (
     GatesRechecked,
     JobEnded,
     JournalEvent,
+    Recorder,
     ResetAbandoned,
     ResetBegun,
     ResetFinished,
@@ -28,172 +37,198 @@ from .journal import (
     Submitted,
     as_event,
 )
-
-if TYPE_CHECKING:
-    from .pacer import Pacer
+from .leases import Leases
+from .liveness import Liveness
+from .replay import RestoredGroups
+from .reset_steps import BoundaryCalls
+from .shares import BatchShape
+from .steps import StepBoundary
 
 SNAPSHOT_FORMAT = 2  # 2: DispatchResult keeps admitted prompt ids and the first seq
 
 
-def export_state(pacer: "Pacer") -> dict:
-    """A consistent copy of everything a Reset leaves behind (nothing is in flight then), for a snapshot."""
-    with pacer.lock:
-        return {
-            "format": SNAPSHOT_FORMAT,
-            **pacer.steps.export(), **pacer.inflight.export(), "totals": dict(pacer.totals),
-            "buffer": pacer.buffer.export(),
-            "answers": pacer.answers.export(),
-            **pacer.leases.export(),
-            "held_bytes": pacer.held_bytes.total,
-            "restored_kept": pacer.restored.export(),  # restored groups waiting to be continued
-            "incidents": pacer.incidents.export(),
-            "config": dict(pacer.summary),  # the pacing settings the state was made under
-            "quarantined": pacer.collector.quarantined,  # empty after a Reset; a Restore may put some back
-            "cursor": pacer.cursor.export(),  # the prompts admitted so far
-            "last_checkpoint": pacer.last_checkpoint, "last_restore": pacer.last_restore,
-            # What the strategy learned (its state() hook), under its name: restored only into the same strategy.
-            "strategy": {"name": pacer.strategy.name, "state": strategy_state(pacer)},
-            "job_ended": pacer.job_ended, "job_end_mode": pacer.job_end_mode,
-        }
+class Snapshot:
+    """Everything a Reset leaves behind (nothing is in flight then), exported from the owners and imported back."""
 
+    def __init__(self, lock: threading.RLock, steps: StepBoundary, inflight: InflightTable, totals: dict,
+                 buffer: PipelineBuffer, answers: AnswerBook, leases: Leases, held_bytes: HeldBytes,
+                 restored: RestoredGroups, incidents: IncidentLog, collector: Collector, cursor: PromptCursor,
+                 checkpoints: Checkpoints, lifecycle: Lifecycle, hooks: Any, failures: HookFailures,
+                 clock: PacerClock, summary: dict, strategy_name: str):
+        self._lock, self._steps, self._inflight, self._totals = lock, steps, inflight, totals
+        self._buffer, self._answers, self._leases, self._held_bytes = buffer, answers, leases, held_bytes
+        self._restored, self._incidents, self._collector, self._cursor = restored, incidents, collector, cursor
+        self._checkpoints, self._lifecycle, self._hooks, self._failures = checkpoints, lifecycle, hooks, failures
+        self._clock, self.summary, self._strategy_name = clock, summary, strategy_name
 
-def strategy_state(pacer: "Pacer") -> Any:
-    """What the strategy's state() hook returns; None (an incident recorded) when it raises."""
-    hook = getattr(pacer.hooks, "state", None)
-    if not callable(hook):  # a strategy of its own making, with an attribute of that name: nothing to save
-        return None
-    try:
-        return hook()
-    except Exception as exc:  # a broken hook must not cost the snapshot: reported, and the restart relearns
-        pacer.incident(HOOK_FAILED, "", "state", describe_exception(exc), "not saved")
-        return None
+    def export(self) -> dict:
+        """A consistent copy, taken under the lock."""
+        with self._lock:
+            return {
+                "format": SNAPSHOT_FORMAT,
+                **self._steps.export(), **self._inflight.export(), "totals": dict(self._totals),
+                "buffer": self._buffer.export(),
+                "answers": self._answers.export(),
+                **self._leases.export(),
+                "held_bytes": self._held_bytes.total,
+                "restored_kept": self._restored.export(),  # restored groups waiting to be continued
+                "incidents": self._incidents.export(),
+                "config": dict(self.summary),  # the pacing settings the state was made under
+                "quarantined": self._collector.quarantined,  # empty after a Reset; a Restore may put some back
+                "cursor": self._cursor.export(),  # the prompts admitted so far
+                **self._checkpoints.export(),
+                # What the strategy learned (its state() hook), under its name: restored only into the same strategy.
+                "strategy": {"name": self._strategy_name, "state": self.strategy_state()},
+                **self._lifecycle.export(),
+            }
 
-
-def import_state(pacer: "Pacer", snapshot: dict) -> None:
-    if snapshot.get("format") != SNAPSHOT_FORMAT:
-        raise ValueError(f"it is in format {snapshot.get('format')!r}, written by another version of coda-server; "
-                         f"this version reads format {SNAPSHOT_FORMAT} (move server.state_dir aside to start afresh)")
-    pacer.steps.restore(snapshot)
-    pacer.inflight.restore(snapshot)
-    pacer.totals.update(snapshot["totals"])
-    pacer.buffer.replace(snapshot["buffer"])
-    pacer.answers.restore(snapshot["answers"])
-    pacer.leases.restore(snapshot, pacer.clock())
-    pacer.held_bytes.total = snapshot["held_bytes"]
-    pacer.restored.restore(snapshot.get("restored_kept"))  # absent in snapshots written before continuation
-    pacer.incidents.restore(snapshot.get("incidents"))  # absent from snapshots written before incidents existed
-    # Absent from snapshots written before checkpoints existed:
-    pacer.collector.restore_quarantined(snapshot.get("quarantined") or ())
-    pacer.cursor = PromptCursor.restored(snapshot.get("cursor"))
-    pacer.last_checkpoint, pacer.last_restore = snapshot.get("last_checkpoint"), snapshot.get("last_restore")
-    saved = snapshot.get("strategy")  # absent from snapshots written before strategies kept state
-    if saved and saved.get("state") is not None and saved.get("name") == pacer.strategy.name:
-        pacer.hooks.restore(saved["state"])
-    pacer.job_ended = bool(snapshot.get("job_ended", False))  # absent from snapshots written before EndJob
-    pacer.job_end_mode = snapshot.get("job_end_mode", pacer.job_end_mode)
-
-
-def recover(pacer: "Pacer") -> int:
-    """Rebuild the pacer's state from its journal: the snapshot, then the events replayed in order.
-
-    The strategy is a fresh instance that hears every dispatch and collection since the last Reset
-    again, custom strategies included. Returns the number of events replayed.
-    """
-    journal = pacer.journal
-    if journal is None:
-        return 0
-    snapshot, recorded_events = journal.load()
-    recorded = (snapshot or {}).get("config")  # None: a new directory, or a snapshot older than the record
-    if recorded_events:
-        check_recorded_config(pacer, recorded, len(recorded_events))
-    with pacer.recorder.suspended(), pacer.lock:  # replaying must not record the events again
-        if snapshot is not None:
-            try:
-                import_state(pacer, snapshot)
-            except (KeyError, ValueError) as exc:
-                raise RecoveryError(f"cannot read the state snapshot in {journal.directory}: {exc}") from None
-        for number, recorded_event in enumerate(recorded_events, 1):
-            try:
-                event = as_event(recorded_event)
-                with pacer.clock.pinned(event.at):  # the replayed call sees the time it first ran at
-                    replay(pacer, event)
-            except Exception as exc:
-                kind = type(recorded_event).__name__ if not isinstance(recorded_event, tuple) else recorded_event[0]
-                raise RecoveryError(
-                    f"cannot rebuild the state in {journal.directory}: replaying event {number} of "
-                    f"{len(recorded_events)} ({kind}) failed: {exc}. Was the pacing configuration changed since "
-                    f"the state was written? Start with the configuration it was written with, or move "
-                    f"server.state_dir aside to start afresh") from None
-    if not recorded_events and recorded != pacer.summary:
-        # Nothing in flight (a new directory, or just after a Reset): put these settings on record now, so a
-        # restart before the next Reset replays its events under the settings they were recorded with.
-        pacer.recorder.snapshot(export_state(pacer))
-    if pacer.resetting:  # the last process died during a Reset's wait: end it (recorded); a retried Reset starts afresh
-        pacer.abandon_reset()
-    with pacer.lock:
-        pacer.steps.restart_pause_clock(pacer.clock())
-        pacer.leases.restart_clocks(pacer.clock(), pacer.inflight.values())
-        pacer.liveness.restart_clocks(pacer.clock())
-    return len(recorded_events)
-
-
-def check_recorded_config(pacer: "Pacer", recorded: Optional[dict], events: int) -> None:
-    """Refuse to replay events recorded under other pacing settings: that would rebuild a different state."""
-    if recorded is None:  # a snapshot older than the record: nothing to compare (replay still checks itself)
-        return
-    summary = pacer.summary
-    # Keys on one side only were added to (or removed from) the summary by another version; they restate the
-    # others (e.g. window_size), so only the keys both record are compared.
-    changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
-               for key in sorted(set(recorded) & set(summary)) if recorded.get(key) != summary.get(key)]
-    if changed:
-        raise RecoveryError(
-            f"the state in {pacer.journal.directory} has {events} events since its last snapshot, recorded under "
-            f"other pacing settings ({', '.join(changed)}); start with the settings they were recorded with "
-            f"(to change settings, restart after a Reset, when nothing is replayed), or move server.state_dir "
-            f"aside to start afresh")
-
-
-def replay(pacer: "Pacer", event: JournalEvent) -> None:
-    """Apply one recorded change again, through the step the live call ran, and remember its answer."""
-    remember = pacer.answers.remember
-    if isinstance(event, Dispatched):
-        if event.watched:
-            pacer.liveness.restore([event.client_id], event.at)
-        result = pacer.apply_dispatch(event.refs, event.request_id, event.client_id, continued_ids=event.continued)
-        if result.admitted_ids != [r.prompt_id for r in event.refs]:
-            raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted_ids)} of the "
-                               f"{len(event.refs)} groups it admitted before the restart")
-        remember("Dispatch", event.request_id, result)
-    elif isinstance(event, Submitted):
+    def strategy_state(self) -> Any:
+        """What the strategy's state() hook returns; None (an incident recorded) when it raises."""
+        hook = getattr(self._hooks, "state", None)
+        if not callable(hook):  # a strategy of its own making, with an attribute of that name: nothing to save
+            return None
         try:
-            remember("Submit", event.request_id, pacer.apply_submit(event.trajectories, event.request_id))
-        except StrategyHookError:  # the live call raised it too, after its change: the change is replayed
-            pass
-    elif isinstance(event, StaleRejected):
-        pacer.totals["stale_rejected"] += event.count
-    elif isinstance(event, Collected):
-        remember("Collect", event.request_id,
-                 pacer.apply_take(event.count, event.timed_out, event.request_id, event.lease_seconds,
-                                  BatchShape(event.token_budget, event.rank, event.world_size), event.num_groups))
-    elif isinstance(event, Acked):
-        remember("Ack", event.request_id, pacer.apply_ack(event.lease_id, event.request_id))
-    elif isinstance(event, Expired):
-        pacer.apply_expiry(event.prompt_ids, event.lease_ids)
-    elif isinstance(event, ResetBegun):
-        pacer.begin_reset(event.mode, resume=event.resume, weight_version=event.weight_version)
-    elif isinstance(event, ResetFinished):
-        pacer.steps.ready_at = event.ready_at
-        remember("Reset", event.request_id,
-                 pacer.finish_reset(resume=event.resume, weight_version=event.weight_version,
-                                    request_id=event.request_id))
-    elif isinstance(event, ResetAbandoned):
-        pacer.abandon_reset()
-    elif isinstance(event, GatesRechecked):
-        pacer.apply_gate_recheck()
-    elif isinstance(event, JobEnded):
-        pacer.begin_end_job(event.mode)
-    elif isinstance(event, Resumed):
-        remember("Resume", event.request_id, pacer.apply_resume(event.weight_version, event.request_id))
-    else:
-        raise ValueError(f"unknown journal event {event!r:.80}")
+            return hook()
+        except Exception as exc:  # a broken hook must not cost the snapshot: reported, and the restart relearns
+            self._failures.incident(HOOK_FAILED, "", "state", describe_exception(exc), "not saved")
+            return None
+
+    def load(self, snapshot: dict) -> None:
+        """Put every owner back as the snapshot has it (caller holds the lock)."""
+        if snapshot.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"it is in format {snapshot.get('format')!r}, written by another version of coda-server; "
+                             f"this version reads format {SNAPSHOT_FORMAT} (move server.state_dir aside to start "
+                             f"afresh)")
+        self._steps.restore(snapshot)
+        self._inflight.restore(snapshot)
+        self._totals.update(snapshot["totals"])
+        self._buffer.replace(snapshot["buffer"])
+        self._answers.restore(snapshot["answers"])
+        self._leases.restore(snapshot, self._clock())
+        self._held_bytes.total = snapshot["held_bytes"]
+        self._restored.restore(snapshot.get("restored_kept"))  # absent in snapshots written before continuation
+        self._incidents.restore(snapshot.get("incidents"))  # absent from snapshots written before incidents existed
+        # Absent from snapshots written before checkpoints existed:
+        self._collector.restore_quarantined(snapshot.get("quarantined") or ())
+        self._cursor.restore(snapshot.get("cursor"))
+        self._checkpoints.restore_marks(snapshot)
+        saved = snapshot.get("strategy")  # absent from snapshots written before strategies kept state
+        if saved and saved.get("state") is not None and saved.get("name") == self._strategy_name:
+            self._hooks.restore(saved["state"])
+        self._lifecycle.restore(snapshot)
+
+
+class Recovery:
+    """Rebuilds the state from the journal: the snapshot, then every event since, replayed through the calls
+    that made it (`dispatch`, `submit`, `take`, `ack`: the Pacer's apply steps; the step boundary's calls)."""
+
+    def __init__(self, lock: threading.RLock, recorder: Recorder, snapshot: Snapshot, boundary: BoundaryCalls,
+                 steps: StepBoundary, inflight: InflightTable, leases: Leases, liveness: Liveness,
+                 collector: Collector, answers: AnswerBook, totals: dict, clock: PacerClock, *,
+                 dispatch: Callable[..., Any], submit: Callable[..., Any], take: Callable[..., Any],
+                 ack: Callable[..., Any]):
+        self._lock, self._recorder, self._snapshot, self._boundary = lock, recorder, snapshot, boundary
+        self._steps, self._inflight, self._leases, self._liveness = steps, inflight, leases, liveness
+        self._collector, self._answers, self._totals, self._clock = collector, answers, totals, clock
+        self._dispatch, self._submit, self._take, self._ack = dispatch, submit, take, ack
+
+    def recover(self) -> int:
+        """Rebuild the state: the snapshot, then the events replayed in order. The strategy is a fresh instance
+        that hears every dispatch and collection since the last Reset again, custom strategies included.
+        Returns the number of events replayed."""
+        journal = self._recorder.journal
+        if journal is None:
+            return 0
+        snapshot, recorded_events = journal.load()
+        recorded = (snapshot or {}).get("config")  # None: a new directory, or a snapshot older than the record
+        if recorded_events:
+            self.check_recorded_config(recorded, len(recorded_events))
+        with self._recorder.suspended(), self._lock:  # replaying must not record the events again
+            if snapshot is not None:
+                try:
+                    self._snapshot.load(snapshot)
+                except (KeyError, ValueError) as exc:
+                    raise RecoveryError(f"cannot read the state snapshot in {journal.directory}: {exc}") from None
+            for number, recorded_event in enumerate(recorded_events, 1):
+                try:
+                    event = as_event(recorded_event)
+                    with self._clock.pinned(event.at):  # the replayed call sees the time it first ran at
+                        self.replay(event)
+                except Exception as exc:
+                    kind = type(recorded_event).__name__ if not isinstance(recorded_event, tuple) else recorded_event[0]
+                    raise RecoveryError(
+                        f"cannot rebuild the state in {journal.directory}: replaying event {number} of "
+                        f"{len(recorded_events)} ({kind}) failed: {exc}. Was the pacing configuration changed "
+                        f"since the state was written? Start with the configuration it was written with, or move "
+                        f"server.state_dir aside to start afresh") from None
+        if not recorded_events and recorded != self._snapshot.summary:
+            # Nothing in flight (a new directory, or just after a Reset): put these settings on record now, so a
+            # restart before the next Reset replays its events under the settings they were recorded with.
+            self._recorder.snapshot(self._snapshot.export())
+        if self._steps.resetting:  # the last process died during a Reset's wait: end it (recorded); a retry starts afresh
+            self._boundary.abandon()
+        with self._lock:
+            now = self._clock()
+            self._steps.restart_pause_clock(now)
+            self._leases.restart_clocks(now, self._inflight.values())
+            self._liveness.restart_clocks(now)
+        return len(recorded_events)
+
+    def check_recorded_config(self, recorded: Optional[dict], events: int) -> None:
+        """Refuse to replay events recorded under other pacing settings: that would rebuild a different state."""
+        if recorded is None:  # a snapshot older than the record: nothing to compare (replay still checks itself)
+            return
+        summary = self._snapshot.summary
+        # Keys on one side only were added to (or removed from) the summary by another version; they restate the
+        # others (e.g. window_size), so only the keys both record are compared.
+        changed = [f"{key} {recorded.get(key)!r} -> {summary.get(key)!r}"
+                   for key in sorted(set(recorded) & set(summary)) if recorded.get(key) != summary.get(key)]
+        if changed:
+            raise RecoveryError(
+                f"the state in {self._recorder.journal.directory} has {events} events since its last snapshot, "
+                f"recorded under other pacing settings ({', '.join(changed)}); start with the settings they were "
+                f"recorded with (to change settings, restart after a Reset, when nothing is replayed), or move "
+                f"server.state_dir aside to start afresh")
+
+    def replay(self, event: JournalEvent) -> None:
+        """Apply one recorded change again, through the step the live call ran, and remember its answer."""
+        remember, boundary = self._answers.remember, self._boundary
+        if isinstance(event, Dispatched):
+            if event.watched:
+                self._liveness.restore([event.client_id], event.at)
+            result = self._dispatch(event.refs, event.request_id, event.client_id, continued_ids=event.continued)
+            if result.admitted_ids != [r.prompt_id for r in event.refs]:
+                raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted_ids)} of the "
+                                   f"{len(event.refs)} groups it admitted before the restart")
+            remember("Dispatch", event.request_id, result)
+        elif isinstance(event, Submitted):
+            try:
+                remember("Submit", event.request_id, self._submit(event.trajectories, event.request_id))
+            except StrategyHookError:  # the live call raised it too, after its change: the change is replayed
+                pass
+        elif isinstance(event, StaleRejected):
+            self._totals["stale_rejected"] += event.count
+        elif isinstance(event, Collected):
+            remember("Collect", event.request_id,
+                     self._take(event.count, event.timed_out, event.request_id, event.lease_seconds,
+                                BatchShape(event.token_budget, event.rank, event.world_size), event.num_groups))
+        elif isinstance(event, Acked):
+            remember("Ack", event.request_id, self._ack(event.lease_id, event.request_id))
+        elif isinstance(event, Expired):
+            self._collector.expire(event.prompt_ids, event.lease_ids)
+        elif isinstance(event, ResetBegun):
+            boundary.begin(event.mode, resume=event.resume, weight_version=event.weight_version)
+        elif isinstance(event, ResetFinished):
+            self._steps.ready_at = event.ready_at
+            remember("Reset", event.request_id, boundary.finish(resume=event.resume, weight_version=event.weight_version,
+                                                                 request_id=event.request_id))
+        elif isinstance(event, ResetAbandoned):
+            boundary.abandon()
+        elif isinstance(event, GatesRechecked):
+            self._collector.recheck()
+        elif isinstance(event, JobEnded):
+            boundary.end_job(event.mode)
+        elif isinstance(event, Resumed):
+            remember("Resume", event.request_id, boundary.resume(event.weight_version, event.request_id))
+        else:
+            raise ValueError(f"unknown journal event {event!r:.80}")

@@ -1,128 +1,191 @@
-"""The Reset and Resume steps of the Pacer: pause, restore complete groups, drop incomplete ones, close the step, resume.
+"""The step boundary's calls: a Reset's steps (pause, restore, drop, close the step), Resume and EndJob.
 
-Written as functions over one Pacer's state, as its own methods would be (the Pacer's `begin_reset`,
-`reset_ready`, `finish_reset`, `abandon_reset` and `apply_resume` call them), so that pacer.py reads as
-the dispatch-submit-collect cycle and this module as the step boundary.
+`BoundaryCalls` is built by the Pacer over the owners these calls cross, passed explicitly; the Pacer's
+`begin_reset`, `reset_ready`, `finish_reset`, `abandon_reset`, `apply_resume` and `begin_end_job` call it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import threading
+from typing import Any, Callable, Optional
 
+from .answers import AnswerBook
+from .buffer import PipelineBuffer
+from .checks import RequestChecks
+from .clock import PacerClock
+from .collector import Collector
 from .errors import ResetInProgressError
-from .job_end import refuse_if_ended
-from .journal import ResetAbandoned, ResetBegun, ResetFinished, Resumed
+from .incidents import HOOK_FAILED, HookFailures, describe_exception
+from .inflight import HeldBytes, InflightTable
+from .job_end import Lifecycle
+from .journal import JobEnded, Recorder, ResetAbandoned, ResetBegun, ResetFinished, Resumed
+from .leases import Leases
+from .replay import RestoredGroups
+from .signals import Signals
+from .steps import StepBoundary
 from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, TrajectoryGroup
 
-if TYPE_CHECKING:
-    from .pacer import Pacer
+
+def reset_wait(mode: ResetMode, wait: Optional[float], until_assembled: float, abort_wait: float = 0.0) -> float:
+    """The seconds a Reset waits: `wait` when given; absent, until every running group is assembled, for at most
+    `until_assembled` (the bound on any such wait: server.max_wait_seconds and the call's deadline): in WAIT mode
+    as a waiting pause does in LoongSage; in ABORT mode within `abort_wait` too (server.abort_wait_seconds, the
+    time engines need to abort), as LoongSage's abort gathers the aborted partial trajectories before its
+    boundary clean-up, so every running group is restored."""
+    if wait is not None:
+        return wait
+    return until_assembled if mode == ResetMode.WAIT else min(until_assembled, abort_wait)
 
 
-def begin(pacer: "Pacer", mode: ResetMode, resume: bool, weight_version: Optional[int]) -> ResetMode:
-    """Step 1: pause dispatch and tell watchers. Returns the effective mode."""
-    mode = pacer.checks.reset_mode(mode)
-    with pacer.lock:
-        pacer.check_open()
-        refuse_if_ended(pacer, "Reset")
-        if pacer.resetting:
-            raise ResetInProgressError("a Reset is already running; wait for it to finish")
-        if resume:
-            pacer.checks.check_weight_version(weight_version, pacer.weight_version)
-        mode = pacer.default_mode if mode == ResetMode.UNSPECIFIED else mode
-        now = pacer.clock()
-        pacer.steps.begin_reset(now)
-        pacer.emit(ControlEventType.PAUSE, mode)
-        pacer.notify()
-        pacer.record(ResetBegun(now, mode, resume, weight_version))
-        return mode
+class BoundaryCalls:
+    """Reset (begin, ready, finish, abandon), Resume and the end of the job, over the owners they change. Each
+    method takes the pacer's lock itself (re-entrantly)."""
 
+    def __init__(self, lock: threading.RLock, lifecycle: Lifecycle, checks: RequestChecks, steps: StepBoundary,
+                 inflight: InflightTable, collector: Collector, restored: RestoredGroups, held_bytes: HeldBytes,
+                 leases: Leases, buffer: PipelineBuffer, totals: dict, hooks: Any, signals: Signals,
+                 failures: HookFailures, recorder: Recorder, answers: AnswerBook, clock: PacerClock, *,
+                 default_mode: ResetMode, continue_restored: bool, on_resume: Optional[Callable[[int], None]],
+                 snapshot: Callable[[], dict]):
+        self._lock, self._lifecycle, self._checks, self._steps = lock, lifecycle, checks, steps
+        self._inflight, self._collector, self._restored, self._held_bytes = inflight, collector, restored, held_bytes
+        self._leases, self._buffer, self._totals, self._hooks = leases, buffer, totals, hooks
+        self._signals, self._failures, self._recorder, self._answers = signals, failures, recorder, answers
+        self._clock = clock
+        self.default_mode = default_mode  # rollout.partial: ABORT, else WAIT
+        self.continue_restored = continue_restored  # the server keeps restored groups and re-offers them
+        self._on_resume = on_resume  # the strategy's optional hook, None when it does not define one
+        self._snapshot = snapshot  # the pacer's export_state
 
-def ready(pacer: "Pacer") -> bool:
-    """Step 2's condition: every running group holds all its trajectories (any status)."""
-    with pacer.lock:
-        is_ready = pacer.inflight.all_assembled
-        if is_ready:
-            pacer.steps.note_ready(pacer.clock())
-        return is_ready
+    def begin(self, mode: ResetMode = ResetMode.UNSPECIFIED, *, resume: bool = False,
+              weight_version: Optional[int] = None) -> ResetMode:
+        """Step 1: pause dispatch and tell watchers. Returns the effective mode."""
+        mode = self._checks.reset_mode(mode)
+        with self._lock:
+            self._lifecycle.check_open()
+            self._lifecycle.refuse_if_ended("Reset")
+            steps = self._steps
+            if steps.resetting:
+                raise ResetInProgressError("a Reset is already running; wait for it to finish")
+            if resume:
+                self._checks.check_weight_version(weight_version, steps.weight_version)
+            mode = self.default_mode if mode == ResetMode.UNSPECIFIED else mode
+            now = self._clock()
+            steps.begin_reset(now)
+            self._signals.emit(ControlEventType.PAUSE, mode)
+            self._signals.notify()
+            self._recorder.record(ResetBegun(now, mode, resume, weight_version))
+            return mode
 
+    def ready(self) -> bool:
+        """Step 2's condition: every running group holds all its trajectories (any status)."""
+        with self._lock:
+            is_ready = self._inflight.all_assembled
+            if is_ready:
+                self._steps.note_ready(self._clock())
+            return is_ready
 
-def finish(pacer: "Pacer", resume: bool, weight_version: Optional[int], request_id: str) -> ResetResult:
-    """Steps 3-6: restore complete groups, drop incomplete ones, clear, close the step, optionally resume."""
-    with pacer.lock:
-        if not pacer.resetting:
-            raise ResetInProgressError("finish_reset without begin_reset")
-        now = pacer.clock()
-        # The strategy hears first: if its on_reset raises, nothing is restored or cleared, the Reset ends
-        # (dispatch stays paused) and a later Reset may try again.
-        try:
-            pacer.hooks.on_reset()
-        except Exception as exc:
-            pacer.steps.abandon_reset()
-            pacer.record(ResetAbandoned(now))
-            raise pacer.hook_refused("on_reset", exc, "the Reset changed nothing; dispatch stays paused") from exc
-        ready(pacer)
-        ready_at_recorded = pacer.steps.ready_at
-        restored: list[TrajectoryGroup] = []
-        dropped: list[str] = []
-        # Restored in the order their first trajectory arrived, as LoongSage's clean-up drains its trajectory
-        # queue (and so re-offers them); dropped ones in dispatch order.
-        running = pacer.inflight.in_dispatch_order()
-        for group in sorted(running, key=lambda g: g.arrival):
-            if group.complete:
-                restored.append(group.to_group())
-        dropped_groups = [group for group in running if not group.complete]
-        dropped = [group.prompt_id for group in dropped_groups]
-        pacer.totals["restored"] += len(restored)
-        pacer.totals["dropped"] += len(dropped)
-        expired, quarantined = pacer.collector.set_aside()
-        kept: list[str] = []
-        restored_here = restored  # the step report counts every group this Reset restored
-        if pacer.continue_restored:  # the server keeps them (their bytes stay held) and re-offers them on Dispatch
-            kept, restored = pacer.restored.keep(restored), []
-        for group in (*restored, *expired, *quarantined):
-            pacer.held_bytes.release(group.trajectories)
-        for group in dropped_groups:
-            pacer.held_bytes.release(group.trajectories.values())
-        pacer.inflight.new_generation()
-        pacer.collector.clear_held()
-        pacer.leases.forget_running()
-        report, pause_delay = pacer.steps.close_step(now, len(pacer.buffer), restored_here, dropped_groups)
-        if resume:
-            _resume_locked(pacer, weight_version)
-        pacer.notify()
-        result = ResetResult(restored, dropped, pause_delay, pacer.generation, pacer.step, pacer.weight_version,
-                             pacer.paused, report, expired, quarantined, kept)
-        pacer.record(ResetFinished(now, ready_at_recorded, resume, weight_version, request_id))
-        if pacer.recorder.recording:
-            # The step boundary is the natural checkpoint: nothing is in flight, so the snapshot is small. It
-            # replaces this Reset's event, so it must hold the answer a retry of this Reset gets (remembered
-            # again by the caller's wrapper, which keeps the first).
-            pacer.answers.remember("Reset", request_id, result)
-            pacer.recorder.snapshot(pacer.export_state())
-        return result
+    def finish(self, *, resume: bool = False, weight_version: Optional[int] = None,
+               request_id: str = "") -> ResetResult:
+        """Steps 3-6: restore complete groups, drop incomplete ones, clear, close the step, optionally resume."""
+        with self._lock:
+            steps, inflight, totals, held_bytes = self._steps, self._inflight, self._totals, self._held_bytes
+            if not steps.resetting:
+                raise ResetInProgressError("finish_reset without begin_reset")
+            now = self._clock()
+            # The strategy hears first: if its on_reset raises, nothing is restored or cleared, the Reset ends
+            # (dispatch stays paused) and a later Reset may try again.
+            try:
+                self._hooks.on_reset()
+            except Exception as exc:
+                steps.abandon_reset()
+                self._recorder.record(ResetAbandoned(now))
+                raise self._failures.refused("on_reset", exc, "the Reset changed nothing; dispatch stays paused") from exc
+            self.ready()
+            ready_at_recorded = steps.ready_at
+            # Restored in the order their first trajectory arrived, as LoongSage's clean-up drains its trajectory
+            # queue (and so re-offers them); dropped ones in dispatch order.
+            running = inflight.in_dispatch_order()
+            restored = [group.to_group() for group in sorted(running, key=lambda g: g.arrival) if group.complete]
+            dropped_groups = [group for group in running if not group.complete]
+            dropped = [group.prompt_id for group in dropped_groups]
+            totals["restored"] += len(restored)
+            totals["dropped"] += len(dropped)
+            expired, quarantined = self._collector.set_aside()
+            kept: list[str] = []
+            restored_here: list[TrajectoryGroup] = restored  # the step report counts every group this Reset restored
+            if self.continue_restored:  # the server keeps them (their bytes stay held) and re-offers them on Dispatch
+                kept, restored = self._restored.keep(restored), []
+            for group in (*restored, *expired, *quarantined):
+                held_bytes.release(group.trajectories)
+            for running_group in dropped_groups:
+                held_bytes.release(running_group.trajectories.values())
+            inflight.new_generation()
+            self._collector.clear_held()
+            self._leases.forget_running()
+            report, pause_delay = steps.close_step(now, len(self._buffer), restored_here, dropped_groups)
+            if resume:
+                self._resume_locked(weight_version)
+            self._signals.notify()
+            result = ResetResult(restored, dropped, pause_delay, steps.generation, steps.step, steps.weight_version,
+                                 steps.paused, report, expired, quarantined, kept)
+            self._recorder.record(ResetFinished(now, ready_at_recorded, resume, weight_version, request_id))
+            if self._recorder.recording:
+                # The step boundary is the natural checkpoint: nothing is in flight, so the snapshot is small. It
+                # replaces this Reset's event, so it must hold the answer a retry of this Reset gets (remembered
+                # again by the caller's wrapper, which keeps the first).
+                self._answers.remember("Reset", request_id, result)
+                self._recorder.snapshot(self._snapshot())
+            return result
 
+    def abandon(self) -> None:
+        """A Reset that cannot finish (shutdown): leave the pause on, allow a later Reset."""
+        with self._lock:
+            self._steps.abandon_reset()
+            self._signals.notify()
+            self._recorder.record(ResetAbandoned(self._clock()))
 
-def abandon(pacer: "Pacer") -> None:
-    """A Reset that cannot finish (shutdown): leave the pause on, allow a later Reset."""
-    with pacer.lock:
-        pacer.steps.abandon_reset()
-        pacer.notify()
-        pacer.record(ResetAbandoned(pacer.clock()))
+    def resume(self, weight_version: int, request_id: str = "") -> ResumeResult:
+        """step += 1, record the weight version, reopen dispatch, tell watchers."""
+        with self._lock:
+            self._lifecycle.check_open()
+            self._lifecycle.refuse_if_ended("Resume")
+            steps = self._steps
+            if steps.resetting:
+                raise ResetInProgressError("a Reset is running; it resumes when it finishes (Reset with resume=true)")
+            self._checks.check_weight_version(weight_version, steps.weight_version)
+            self._resume_locked(weight_version)
+            self._signals.notify()
+            self._recorder.record(Resumed(self._clock(), weight_version, request_id))
+            return ResumeResult(steps.step, steps.weight_version)
 
+    def _resume_locked(self, weight_version: Optional[int]) -> None:
+        self._steps.resume(weight_version)
+        self.tell_resumed()
 
-def resume(pacer: "Pacer", weight_version: int, request_id: str) -> ResumeResult:
-    """step += 1, record the weight version, reopen dispatch, tell watchers."""
-    with pacer.lock:
-        pacer.check_open()
-        refuse_if_ended(pacer, "Resume")
-        if pacer.resetting:
-            raise ResetInProgressError("a Reset is running; it resumes when it finishes (Reset with resume=true)")
-        pacer.checks.check_weight_version(weight_version, pacer.weight_version)
-        _resume_locked(pacer, weight_version)
-        pacer.notify()
-        pacer.record(Resumed(pacer.clock(), weight_version, request_id))
-        return ResumeResult(pacer.step, pacer.weight_version)
+    def tell_resumed(self) -> None:
+        """Dispatch reopened: the strategy's on_resume hook, then watchers hear RESUME."""
+        if self._on_resume is not None:
+            try:
+                self._on_resume(self._steps.weight_version)
+            except Exception as exc:  # reported; the Resume stands (dispatch must reopen)
+                self._failures.incident(HOOK_FAILED, "", "on_resume", describe_exception(exc), "resumed")
+        self._signals.emit(ControlEventType.RESUME)
 
-
-def _resume_locked(pacer: "Pacer", weight_version: Optional[int]) -> None:
-    pacer.steps.resume(weight_version)
-    pacer.tell_resumed()
+    def end_job(self, mode: ResetMode = ResetMode.UNSPECIFIED) -> ResetMode:
+        """Close dispatch for good and tell watchers JOB_ENDED (once; a second call changes nothing)."""
+        mode = self._checks.reset_mode(mode)
+        with self._lock:
+            lifecycle = self._lifecycle
+            lifecycle.check_open()
+            if lifecycle.job_ended:
+                return lifecycle.job_end_mode
+            if self._steps.resetting:
+                raise ResetInProgressError("a Reset is running; end the job once it has finished")
+            mode = self.default_mode if mode == ResetMode.UNSPECIFIED else mode
+            now = self._clock()
+            lifecycle.end_job(mode)
+            self._steps.pause(now)
+            self._signals.emit(ControlEventType.JOB_ENDED, mode)
+            self._signals.notify()
+            self._recorder.record(JobEnded(now, mode))
+            return mode

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Sequence
 
+from .errors import FailedPreconditionError
 from .inflight import InflightGroup, StepTally
 from .types import StepReport, TrajectoryGroup
 
@@ -86,6 +87,22 @@ class StepBoundary:
         """After a restart the old process's clock is gone: a pause (outside a Reset) is timed from `now`."""
         if self.paused and not self.resetting:
             self._pause_started = now
+
+    def check_trainer_step(self, trainer_step: Optional[int]) -> None:
+        """A Collect from a trainer at another step than the server's is refused: after a trainer restarts
+        from a checkpoint, the pacer must be restored to it first."""
+        if trainer_step is None or trainer_step == self.step:
+            return
+        if trainer_step < self.step:
+            hint = (f"the trainer is behind the server (restarted from a checkpoint?): restore first, "
+                    f"PacerClient.restore() with the pacer checkpoint taken with the trainer's step-{trainer_step} "
+                    f"model")
+        else:
+            hint = ("the trainer is ahead of the server (a step boundary without Reset/Resume, or a server that "
+                    "lost its state): restore first, from the pacer checkpoint of the trainer's last model checkpoint")
+        raise FailedPreconditionError(f"the trainer states step {trainer_step}, the server is at step {self.step}; "
+                                      f"{hint}", reason="STEP_MISMATCH",
+                                      violations=[("trainer_step", f"must be the server's step {self.step}")])
 
     def export(self) -> dict:
         return {"step": self.step, "weight_version": self.weight_version, "generation": self.generation,

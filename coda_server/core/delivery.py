@@ -1,0 +1,113 @@
+"""Delivery to the trainer: buffered groups handed out (at once, leased, or as ranks' shares), Acked, consumed."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .answers import AnswerBook
+from .buffer import PipelineBuffer
+from .errors import MessageTooLargeError
+from .incidents import HOOK_FAILED, HookFailures, describe_exception
+from .inflight import ANSWER_OVERHEAD_BYTES, HeldBytes, InflightTable, encoded_group_bound
+from .leases import CollectLease, Leases
+from .limits import Limits
+from .shares import BatchShape, balanced_shares, budget_count, group_tokens
+from .signals import Signals
+from .steps import StepBoundary
+from .types import CollectResult, TrajectoryGroup
+
+
+class Delivery:
+    """Takes groups from the buffer for a Collect (whole mini-batches, within the answer's byte limit), leases
+    them or splits them into ranks' shares, and, once the trainer has them for good (a Collect without lease,
+    an Ack), counts them consumed and lets their bodies go. Its callers hold the pacer's lock."""
+
+    def __init__(self, buffer: PipelineBuffer, leases: Leases, inflight: InflightTable, steps: StepBoundary,
+                 held_bytes: HeldBytes, totals: dict, answers: AnswerBook, signals: Signals, failures: HookFailures,
+                 limits: Limits, on_consumed: Optional[Callable[[list[TrajectoryGroup]], Any]]):
+        self._buffer, self._leases, self._inflight, self._steps = buffer, leases, inflight, steps
+        self._held_bytes, self._totals, self._answers, self._signals = held_bytes, totals, answers, signals
+        self._failures, self._limits = failures, limits
+        self._on_consumed = on_consumed  # the strategy's optional hook, None when it does not define one
+
+    def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]:
+        """Groups the next Collect of this shape takes from the buffer now (0: a rank's share of a mini-batch
+        already taken is waiting), or None when it is not ready; with `partial`, what is there at a deadline."""
+        if shape.world_size > 1 and self._leases.claimable(shape.key(num_groups), shape.rank):
+            return 0
+        entries = self._buffer.entries
+        available = len(entries)
+        if shape.token_budget:
+            count = budget_count(entries, shape.token_budget, num_groups, shape.world_size)
+            return count if count is not None or not partial or available < shape.world_size else available
+        if available >= num_groups:
+            return num_groups
+        return available if partial and available >= shape.world_size else None
+
+    def take(self, count: int, timed_out: bool, lease_seconds: float, shape: BatchShape, num_groups: int,
+             max_bytes: int, now: float) -> tuple[CollectResult, int]:
+        """The answer handing `count` groups to the trainer, and how many it took (fewer when cut to fit)."""
+        limit = self._limits.answer_bytes(max_bytes)
+        if shape.world_size > 1:
+            lease = self._take_share(count, lease_seconds, shape.key(num_groups), shape, now, limit)
+            return CollectResult([group for _, group in lease.entries], timed_out=timed_out,
+                                 lease_id=lease.lease_id), count
+        entries = self._buffer.pop_fitting(count, limit)
+        cut_to_fit, count = len(entries) < count, len(entries)
+        if lease_seconds > 0:
+            lease = self._leases.grant(entries, lease_seconds, now)
+            self._signals.notify()
+            return CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id,
+                                 cut_to_fit=cut_to_fit), count
+        groups = [group for _, group in entries]
+        self.consume(groups, now)
+        return CollectResult(groups, timed_out=timed_out, cut_to_fit=cut_to_fit), count
+
+    def _take_share(self, count: int, lease_seconds: float, key: tuple, shape: BatchShape, now: float,
+                    limit: int = 0) -> CollectLease:
+        if not count:
+            lease = self._leases.claim(key, shape.rank, now)
+            if lease is None:
+                raise RuntimeError("recovery diverged: no share of a data-parallel mini-batch waits for this rank")
+            return lease
+        entries = self._buffer.pop(count)
+        shares = balanced_shares([group_tokens(group) for _, group in entries], shape.world_size,
+                                 equal_counts=not shape.token_budget)
+        if limit:  # every rank's share must reach it: refused, nothing taken, when one would not fit
+            sizes = [ANSWER_OVERHEAD_BYTES + sum(encoded_group_bound(entries[i][1]) for i in share) for share in shares]
+            if max(sizes) > limit:
+                self._buffer.push_all(entries)
+                largest = shares[sizes.index(max(sizes))]
+                raise MessageTooLargeError(f"a rank's share ({len(largest)} groups, from "
+                                           f"{entries[largest[0]][1].prompt_id})", max(sizes), limit)
+        lease = self._leases.grant_shares(key, [[entries[i] for i in share] for share in shares], shape.rank,
+                                          lease_seconds, now)
+        self._signals.notify()
+        return lease
+
+    def ack(self, lease_id: str, now: float) -> int:
+        """The trainer has the leased groups: they are consumed. Returns how many."""
+        lease = self._leases.acknowledge(lease_id)
+        self.consume([group for _, group in lease.entries], now)
+        # The caller has the answer it acknowledges: a retry of that Collect cannot come any more, and a
+        # remembered answer would keep the consumed trajectories alive.
+        self._answers.forget("Collect", lambda answer: answer.lease_id == lease_id)
+        return len(lease.entries)
+
+    def consume(self, groups: list[TrajectoryGroup], now: float) -> None:
+        """The trainer has these groups for good: count them, free their bytes (the pacer keeps only each
+        trajectory's content key, for duplicate detection), tell listeners."""
+        if self._on_consumed is not None:
+            try:
+                self._on_consumed(groups)
+            except Exception as exc:  # reported; the trainer has the groups all the same
+                self._failures.incident(HOOK_FAILED, "", "on_consumed", describe_exception(exc), "consumed")
+        self._totals["consumed"] += len(groups)
+        tally, held_bytes = self._steps.tally, self._held_bytes
+        for group in groups:
+            tally.count_consumed(group)
+            held_bytes.release(group.trajectories)
+        self._inflight.consumed(groups)
+        signals = self._signals
+        if signals.hears_consumed:
+            signals.consumed(groups, self._steps.weight_version, now)
+        signals.notify()

@@ -1,0 +1,86 @@
+"""Submit's intake: trajectories sorted all-or-nothing, accepted into their groups, complete ones to the collector."""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from .buffer import PipelineBuffer
+from .checks import RequestChecks
+from .clock import PacerClock
+from .collector import Collector
+from .errors import StaleGenerationError
+from .incidents import HookFailures
+from .inflight import HeldBytes, InflightTable, bytes_of
+from .journal import Recorder, StaleRejected, Submitted
+from .leases import Leases
+from .limits import Limits
+from .signals import Signals
+from .steps import StepBoundary
+from .types import SubmitResult, Trajectory
+
+
+class Intake:
+    """Accepts a Submit's trajectories all-or-nothing: refused whole (malformed, unknown, stale, expired, no
+    room, a fence crossed, the strategy's on_submitted raising) with nothing changed but the stale count;
+    else into their groups, each complete group to the collector, the waiters woken, the change recorded.
+    Its callers hold the pacer's lock."""
+
+    def __init__(self, checks: RequestChecks, limits: Limits, inflight: InflightTable, held_bytes: HeldBytes,
+                 leases: Leases, buffer: PipelineBuffer, collector: Collector, steps: StepBoundary, totals: dict,
+                 signals: Signals, failures: HookFailures, recorder: Recorder, clock: PacerClock,
+                 on_submitted: Optional[Callable[[Trajectory], Any]]):
+        self._checks, self._limits, self._inflight, self._held_bytes = checks, limits, inflight, held_bytes
+        self._leases, self._buffer, self._collector, self._steps = leases, buffer, collector, steps
+        self._totals, self._notify, self._failures = totals, signals.notify, failures
+        self._record, self._clock = recorder.record, clock
+        self._on_submitted = on_submitted  # the strategy's optional hook, None when it does not define one
+
+    def accept(self, trajectories: Sequence[Trajectory], request_id: str,
+               dispatch_seqs: Optional[Mapping[str, int]]) -> SubmitResult:
+        """See `Pacer.apply_submit`."""
+        if dispatch_seqs:
+            self._inflight.check_fences(dispatch_seqs)
+        collector, totals = self._collector, self._totals
+        collector.clear_failures()
+        stale_before = totals["stale_rejected"]
+        try:
+            fresh, duplicates = self._sort(trajectories)
+        except StaleGenerationError:
+            self._record(StaleRejected(self._clock.now(), totals["stale_rejected"] - stale_before))
+            raise
+        on_submitted = self._on_submitted
+        if on_submitted is not None:  # the strategy hears first: if it raises, nothing changed
+            try:
+                for trajectory in fresh:
+                    on_submitted(trajectory)
+            except Exception as exc:
+                raise self._failures.refused("on_submitted", exc, "nothing was accepted") from exc
+        completed, assembling, added_bytes = self._inflight.accept(fresh)
+        self._held_bytes.add(added_bytes)
+        self._leases.extend(assembling, self._clock.now())
+        totals["submitted"] += len(fresh)
+        totals["duplicates"] += duplicates
+        collector.collect_ready(completed)
+        if fresh or duplicates:
+            self._notify()
+        result = SubmitResult(len(fresh), duplicates, len(completed))  # accepted, duplicates, groups completed
+        self._record(Submitted(self._clock.now(), list(trajectories), request_id))
+        collector.raise_failures()  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
+        return result
+
+    def _sort(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
+        """Return (new trajectories, duplicate count) or raise with every problem found; changes nothing
+        but the stale count."""
+        inflight = self._inflight
+        sorted_ = inflight.sort_submit(self._checks, trajectories)
+        if sorted_.refused_as_stale:
+            self._totals["stale_rejected"] += len(sorted_.stale)
+        sorted_.refuse(self._steps.generation, inflight.remembered_generations, self._leases.inflight_seconds)
+        limits = self._limits
+        if limits.max_held_bytes or limits.max_buffered_groups:
+            get = inflight.get
+            self._checks.check_room(
+                self._held_bytes.total, bytes_of(sorted_.fresh) if limits.max_held_bytes else 0,
+                len(self._buffer.entries),
+                sum(1 for prompt_id, added in sorted_.added_per_group.items()
+                    if len(get(prompt_id).trajectories) + added == get(prompt_id).group_size))
+        return sorted_.fresh, sorted_.duplicates

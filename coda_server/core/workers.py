@@ -1,0 +1,91 @@
+"""The workers as the pacer sees them: who holds what, keep-alives, liveness, engines' weight versions, silent ones."""
+from __future__ import annotations
+
+import threading
+from typing import Mapping, Optional, Sequence
+
+from .checks import RequestChecks
+from .clock import PacerClock
+from .collector import Collector
+from .inflight import InflightTable
+from .job_end import Lifecycle
+from .journal import Expired, Recorder
+from .leases import Leases
+from .liveness import Liveness
+from .types import HeldGroup, KeepAliveResult
+
+
+class Workers:
+    """The calls about workers rather than groups, over the owners they read and change. Each takes the pacer's
+    lock itself, but for the liveness notes (`heard_from`, `watch_opened`, `watch_closed`): single dictionary
+    writes made without it, on every call's path (docs/architecture.md)."""
+
+    def __init__(self, lock: threading.RLock, lifecycle: Lifecycle, checks: RequestChecks, inflight: InflightTable,
+                 leases: Leases, liveness: Liveness, collector: Collector, recorder: Recorder, clock: PacerClock):
+        self._lock, self._lifecycle, self._checks, self._inflight = lock, lifecycle, checks, inflight
+        self._leases, self._liveness, self._collector = leases, liveness, collector
+        self._record, self._clock = recorder.record, clock
+
+    def heard_from(self, client_id: str) -> None:
+        """A call from `client_id` (a worker's heartbeat, Dispatch or Submit): it is alive."""
+        self._liveness.heard(client_id, self._clock.now())
+
+    def watch_opened(self, client_id: str) -> None:
+        """`client_id` opened a control stream: it is a watched worker from now on (see liveness.py)."""
+        self._liveness.stream_opened(client_id, self._clock.now())
+
+    def watch_closed(self, client_id: str) -> None:
+        self._liveness.stream_closed(client_id)
+
+    def note_loaded_version(self, client_id: str, weight_version: int) -> None:
+        """`client_id`'s engine reports `weight_version` loaded (on its Dispatch or KeepAlive), the version its
+        segments are tagged with. Shown by ListWorkers; not journaled (every worker says it again)."""
+        if client_id:
+            with self._lock:
+                self._liveness.loaded_versions[client_id] = weight_version
+
+    def loaded_versions(self) -> dict[str, int]:
+        """The weight version each worker's engine last reported loaded, by client id."""
+        with self._lock:
+            return dict(self._liveness.loaded_versions)
+
+    def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
+        """The running groups (all, or those `client_id` dispatched), oldest first: which worker holds what."""
+        with self._lock:
+            return self._inflight.held(client_id, self._clock.now())
+
+    def keep_alive(self, prompt_ids: Sequence[str],
+                   dispatch_seqs: Optional[Mapping[str, int]] = None) -> KeepAliveResult:
+        """Renew the in-flight lease of these running groups (their worker is alive and generating).
+
+        Not journaled: a restarted server gives every running group its full lease again anyway.
+        """
+        self._checks.check_keep_alive(prompt_ids)
+        with self._lock:
+            self._lifecycle.check_open()
+            get = self._inflight.get
+            seqs = dispatch_seqs or {}
+            # A group handed out again under another dispatch is not the caller's any more: named unknown.
+            running = [g for g in map(get, prompt_ids) if g is not None and seqs.get(g.prompt_id, g.seq) == g.seq]
+            self._leases.extend([g for g in running if not g.complete], self._clock.now())
+            known = {g.prompt_id for g in running}
+            return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
+                                   self._leases.inflight_seconds, self._liveness.grace)
+
+    def release_silent_workers(self) -> dict[str, list[str]]:
+        """Release the incomplete running groups of watched workers silent for the liveness grace, as an
+        expired lease releases them. Returns {client id: released prompt ids}. Called periodically by the server."""
+        with self._lock:
+            now = self._clock.now()
+            gone = set(self._liveness.silent(now))
+            if not gone or self._lifecycle.closed:
+                return {}
+            groups = [g for g in self._inflight.in_dispatch_order() if g.client_id in gone and not g.complete]
+            released: dict[str, list[str]] = {}
+            for group in groups:
+                released.setdefault(group.client_id, []).append(group.prompt_id)
+            if groups:
+                prompt_ids = [group.prompt_id for group in groups]
+                self._collector.expire(prompt_ids, [])
+                self._record(Expired(now, prompt_ids, []))
+            return released
