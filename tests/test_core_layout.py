@@ -114,3 +114,35 @@ def test_the_core_runs_without_grpc():
     # coda_server/__init__.py imports only the core, so importing a core module loads nothing else.
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def holders_of(pacer: object) -> list[str]:
+    """The core objects the Pacer holds (its owners and the objects that cross them) that hold the Pacer itself."""
+    def attributes(obj: object) -> dict:
+        slots = [name for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())]
+        return {**getattr(obj, "__dict__", {}), **{name: getattr(obj, name) for name in slots if hasattr(obj, name)}}
+
+    return [f"{name}.{attr}" for name, held in vars(pacer).items()
+            if any(cls.__module__.startswith("coda_server.core.") for cls in type(held).__mro__)
+            for attr, value in attributes(held).items() if value is pacer]
+
+
+def test_the_owners_and_the_objects_that_cross_them_are_given_owners_never_the_pacer():
+    from coda_server.core import Pacer, load_config
+    pacer = Pacer(load_config())
+    assert {"admission", "intake", "delivery", "workers", "boundary", "checkpoints", "snapshots", "recovery",
+            "collector", "signals", "lifecycle"} <= set(vars(pacer))
+    assert holders_of(pacer) == []
+
+
+def test_the_holder_check_finds_an_object_given_the_pacer():
+    from coda_server.core import Pacer, load_config
+    from coda_server.core.job_end import Lifecycle
+
+    class Reaching(Lifecycle):
+        __slots__ = ("pacer",)
+
+    pacer = Pacer(load_config())
+    pacer.lifecycle = Reaching()
+    pacer.lifecycle.pacer = pacer
+    assert holders_of(pacer) == ["lifecycle.pacer"]
