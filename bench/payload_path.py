@@ -17,7 +17,8 @@ fresh server:
 * Collect-to-NumPy: the trainer takes the 4 mini-batches with `PacerClient(arrays="numpy").collect_result`
   (leased, then acknowledged) and gets every trajectory's arrays as NumPy views; floor: serializing an
   identical CollectResponse (8 groups of 16) and parsing it as a view plus the NumPy views, in this process.
-  The same figure is also given through `batches()` (packed into flat columns: one more copy);
+  The same figure is also given for what `batches()` does per mini-batch (a leased CollectStream, the same
+  answer in messages of a few MiB, packed into flat columns: one more copy);
 * prefetch gap: the groups submitted again, the trainer iterates `batches(128)` with a 2 s sleep standing
   in for each training step; the gap is the time from the end of a step to the next batch in hand.
 
@@ -59,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rpc_throughput import FLOOR_PASSTHROUGH_ENV, ServerProcess, machine_busy_ticks  # noqa: E402  (same directory)
 
 from coda_client import MiniBatch, PacerClient, Trajectory, TrajectoryStatus  # noqa: E402
+from coda_client import _calls  # noqa: E402
 from coda_client import wire_forms as _wire  # noqa: E402
 from coda_server import wire  # noqa: E402
 
@@ -188,9 +190,16 @@ def submit_all(pacer: PacerClient, groups: list[list], round_: int, floor: bool 
 
 
 def collect_ours_one(pacer: PacerClient, packed: bool, kept: list) -> tuple[float, int]:
-    """Seconds for the trainer to take one leased mini-batch into NumPy arrays and acknowledge it."""
+    """Seconds for the trainer to take one leased mini-batch into NumPy arrays and acknowledge it: as views
+    (collect_result, a Collect), or packed as batches() takes each (its leased CollectStream, its packing;
+    without its background thread, so that nothing of ours runs while the floor is measured)."""
     started = time.perf_counter()
-    result = pacer.collect_result(MINI_BATCH // GROUP_SIZE, wait=10, lease=60)
+    if packed:
+        result = pacer._run(_calls.collect(MINI_BATCH // GROUP_SIZE, wait=10, allow_partial=False, request_id=None,
+                                           timeout=pacer.timeout, lease=60, arrays="numpy",
+                                           max_response_bytes=pacer.max_receive_bytes, streamed=True))
+    else:
+        result = pacer.collect_result(MINI_BATCH // GROUP_SIZE, wait=10, lease=60)
     assert len(result.groups) == MINI_BATCH // GROUP_SIZE, result.timed_out
     if packed:
         batch = MiniBatch.from_collect(result)
