@@ -12,7 +12,8 @@ channel options), in one run, alternately, at the sizes of the payload bench:
 Per size and direction: MB/s of the call alone (bytes in hand), and for Collect also the views
 (CollectResult.from_pb) and the packed batch (MiniBatch.from_collects); "8 x one group": the mini-batch fetched
 as one-group Collects, all in flight at once; "stream": the mini-batch as one server-streaming call (what
-CollectStream does) with 1/4, 1/2, 1, 2 or 4 groups' worth per message. Beside each, the CPU the client process
+CollectStream does) with 1/4, 1/2, 1, 2 or 4 groups' worth per message; last, our own server (`python -m
+coda_server`) answering the mini-batch through Collect and through CollectStream, alternately. Beside each, the CPU the client process
 (all its threads) and the server process spent per 100 MB, which load from elsewhere on the machine disturbs
 less than wall time. Server variants: the grpc.aio server (our server's) and the sync thread-pool server, to tell
 the aio write path's cost from the transport's (the streams on the aio server only).
@@ -45,7 +46,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from payload_path import GROUP_SIZE, MINI_BATCH, collect_response, make_arrays, overrides  # noqa: E402
 
-from coda_client import CollectResult, MiniBatch  # noqa: E402
+from coda_client import CollectResult, MiniBatch, PacerClient, _calls  # noqa: E402
 from coda_client._channel import channel_options  # noqa: E402
 from coda_client._proto import pacer_pb2 as pb  # noqa: E402
 
@@ -303,6 +304,44 @@ def measure(server: Server, repeats: int, encoded: dict[int, Any], profile: Path
                    server_cpu[name][0] * 1e3 * 1e8 / server_cpu[name][1]) for name in cases}
 
 
+def measure_ours(workdir: Path, repeats: int, tokens: int) -> dict[str, tuple[float, float, float]]:
+    """Our server (`python -m coda_server`, shipped defaults, state in memory) holding one mini-batch at a time,
+    taken by a leased Collect (one 50 MB answer) or by batches()'s leased CollectStream, alternately, and packed."""
+    import payload_path
+
+    arrays = make_arrays(MINI_BATCH, tokens, seed=1)
+    groups = [arrays[i:i + GROUP_SIZE] for i in range(0, len(arrays), GROUP_SIZE)]
+    server = payload_path.ServerProcess("ours", workdir, None, overrides(len(groups))).start()
+    rates: dict[str, list[float]] = {"ours: Collect, packed": [], "ours: CollectStream, packed": []}
+    cpu: dict[str, list[float]] = {name: [] for name in rates}
+    server_cpu: dict[str, list[float]] = {name: [0.0, 0] for name in rates}
+    try:
+        server.wait_ready()
+        with PacerClient(server.address, arrays="numpy", timeout=120) as pacer:
+            for round_ in range(2 * repeats + 2):  # two rounds of warm-up
+                name = list(rates)[round_ % 2]
+                payload_path.submit_all(pacer, groups, round_)
+                client_started, server_started = time.process_time(), server.cpu_seconds()
+                started = time.perf_counter()
+                result = pacer._run(_calls.collect(len(groups), wait=10, allow_partial=False, request_id=None,
+                                                   timeout=120, lease=60, arrays="numpy",
+                                                   streamed="Stream" in name))
+                batch = MiniBatch.from_collect(result)
+                seconds, client_seconds = time.perf_counter() - started, time.process_time() - client_started
+                server_seconds = server.cpu_seconds() - server_started
+                size = batch.token_ids.nbytes + batch.logprobs.nbytes + batch.loss_mask.nbytes
+                pacer.ack(result.lease_id)
+                if round_ >= 2:
+                    rates[name].append(size / 1e6 / seconds)
+                    cpu[name].append(client_seconds * 1e11 / size)
+                    server_cpu[name][0] += server_seconds
+                    server_cpu[name][1] += size
+    finally:
+        server.stop()
+    return {name: (statistics.median(rates[name]), statistics.median(cpu[name]),
+                   server_cpu[name][0] * 1e11 / server_cpu[name][1]) for name in rates}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -324,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
                 results[kind] = measure(server, args.repeats, encoded, args.profile)
             finally:
                 server.stop()
+        results[kinds[0]].update(measure_ours(Path(tmp), args.repeats, args.tokens))
     print(f"\nMB/s of message bytes; CPU ms per 100 MB of the client (all its threads; median) and of the "
-          f"server (over the run); medians over {args.repeats} repeats (6.3 MB cases: 8 calls per repeat)")
+          f"server (over the run); medians over {args.repeats} repeats (6.3 MB cases: 8 calls per repeat; "
+          f"\"ours\": our server, MB/s and client CPU of the array bytes, below the first server's columns)")
     print(f"{'':34}" + "".join(f"{k + ' MB/s':>11}{'client':>8}{'server':>8}" for k in kinds))
     for name in results[kinds[0]]:
         print(f"{name:34}" + "".join("{:11.0f}{:8.0f}{:8.0f}".format(*results[k].get(name, (nan, nan, nan)))

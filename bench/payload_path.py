@@ -44,6 +44,7 @@ next() (the prefetch gap; --step-seconds adds a training step).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -52,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -152,11 +154,35 @@ def collect_floor_one(response: Any, kept: list) -> float:
 
 # ------------------------------------------------------------------------------------------- ours
 
-def submit_ours_one(pacer: PacerClient, prompt_id: str, arrays: list, round_: int) -> float:
+class CpuMeter:
+    """CPU seconds of this process (all its threads: the client's gRPC ones too) and of our server, summed over
+    the calls timed with it: a figure load from elsewhere on the machine disturbs less than wall time."""
+
+    def __init__(self, server: ServerProcess):
+        self.server = server
+        self.client_seconds = self.server_seconds = 0.0
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        client, server = time.process_time(), self.server.cpu_seconds()
+        try:
+            yield
+        finally:
+            self.client_seconds += time.process_time() - client
+            self.server_seconds += self.server.cpu_seconds() - server
+
+    def per_100_mb(self, payload: int) -> tuple[float, float]:
+        """(client, server) CPU milliseconds per 100 MB of arrays."""
+        return self.client_seconds * 1e11 / payload, self.server_seconds * 1e11 / payload
+
+
+def submit_ours_one(pacer: PacerClient, prompt_id: str, arrays: list, round_: int,
+                    meter: CpuMeter | None = None) -> float:
     trajectories = trajectories_of(prompt_id, arrays, round_)  # the caller's own values, built untimed
-    started = time.perf_counter()
-    result = pacer.submit(trajectories)
-    elapsed = time.perf_counter() - started
+    with meter.measuring() if meter else contextlib.nullcontext():
+        started = time.perf_counter()
+        result = pacer.submit(trajectories)
+        elapsed = time.perf_counter() - started
     assert result.accepted == len(arrays) and result.groups_completed == 1, result
     return elapsed
 
@@ -169,7 +195,7 @@ def submit_sink_one(sink: PacerClient, prompt_id: str, arrays: list, round_: int
 
 
 def submit_all(pacer: PacerClient, groups: list[list], round_: int, floor: bool = False,
-               sink: PacerClient | None = None) -> dict[str, list[float]]:
+               sink: PacerClient | None = None, meter: CpuMeter | None = None) -> dict[str, list[float]]:
     """Submits every group (ours), each next to its floor when `floor` and to the empty-handler server
     when `sink` is given, the order rotating group by group: the seconds of each Submit, by kind."""
     prompts = [f"p{g}-r{round_}" for g in range(len(groups))]
@@ -178,7 +204,7 @@ def submit_all(pacer: PacerClient, groups: list[list], round_: int, floor: bool 
     seconds: dict[str, list[float]] = {"ours": [], "floor": [], "sink": []}
     kept: list = []
     for g, (prompt_id, arrays) in enumerate(zip(prompts, groups)):
-        measures = {"ours": lambda: submit_ours_one(pacer, prompt_id, arrays, round_)}
+        measures = {"ours": lambda: submit_ours_one(pacer, prompt_id, arrays, round_, meter)}
         if floor:
             measures["floor"] = lambda: submit_floor_one(g, arrays, kept)
         if sink is not None:
@@ -213,7 +239,8 @@ def collect_ours_one(pacer: PacerClient, packed: bool, kept: list) -> tuple[floa
     return time.perf_counter() - started, size
 
 
-def collect_all(pacer: PacerClient, batches: int, packed: bool, response: Any = None) -> tuple[float, float, int]:
+def collect_all(pacer: PacerClient, batches: int, packed: bool, response: Any = None,
+                meter: CpuMeter | None = None) -> tuple[float, float, int]:
     """Takes every mini-batch (ours), each next to its floor when `response` is given."""
     ours = floor_seconds = 0.0
     size = 0
@@ -222,7 +249,8 @@ def collect_all(pacer: PacerClient, batches: int, packed: bool, response: Any = 
     for b in range(batches):
         if response is not None and b % 2:
             floor_seconds += collect_floor_one(response, floor_kept)
-        seconds, batch_size = collect_ours_one(pacer, packed, kept)
+        with meter.measuring() if meter else contextlib.nullcontext():
+            seconds, batch_size = collect_ours_one(pacer, packed, kept)
         ours += seconds
         size += batch_size
         if response is not None and not b % 2:
@@ -498,16 +526,17 @@ def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
                 PacerClient(sink_server.address, timeout=120) as sink:
             pacer.state()
             rss_before = rss_bytes(server.process.pid)
-            submit_seconds = submit_all(pacer, groups, 0, floor=True, sink=sink)
+            meters = {phase: CpuMeter(server) for phase in ("submit", "views", "packed")}
+            submit_seconds = submit_all(pacer, groups, 0, floor=True, sink=sink, meter=meters["submit"])
             state = pacer.state()
             rss_held = rss_bytes(server.process.pid)
             response = collect_response(groups[:MINI_BATCH // GROUP_SIZE], 0)
-            collect_seconds, floor_collect, collected = collect_all(pacer, batches, False, response)
+            collect_seconds, floor_collect, collected = collect_all(pacer, batches, False, response, meters["views"])
             assert collected == payload, (collected, payload)
             rss_consumed = rss_bytes(server.process.pid)  # everything acknowledged: nothing is held any more
             del response
             submit_all(pacer, groups, 1)
-            packed_seconds, _, _ = collect_all(pacer, batches, True)
+            packed_seconds, _, _ = collect_all(pacer, batches, True, meter=meters["packed"])
             submit_all(pacer, groups, 2)
             gaps = prefetch_gaps(pacer, batches)
     finally:
@@ -530,6 +559,8 @@ def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
         "rss_before_mb": rss_before / 1e6,
         "gaps_ms": [g * 1000 for g in gaps],
         "gap_median_ms": statistics.median(gaps) * 1000,
+        **{f"cpu_{phase}_{side}_ms": value for phase, meter in meters.items()
+           for side, value in zip(("client", "server"), meter.per_100_mb(payload))},
     }
 
 
@@ -566,6 +597,12 @@ def report(runs: list[dict], busy: float) -> bool:
     print(f"batches() (packed) / Submit-from-NumPy, ours: {packed_vs_submit:.2f}  target >= "
           f"{TARGETS['packed_vs_submit']} {'PASS' if packed_ok else 'FAIL'} (per repeat: "
           + ", ".join(f"{r['collect_packed_mb_s'] / r['submit_mb_s']:.2f}" for r in runs) + ")")
+    cpu = {phase: (med[f"cpu_{phase}_client_ms"], med[f"cpu_{phase}_server_ms"]) for phase in ("submit", "views", "packed")}
+    print("CPU ms per 100 MB of arrays, client (this process, all threads) + server, median over the repeats (load "
+          "from elsewhere disturbs it less than wall time): " + "; ".join(
+              f"{name} {cpu[phase][0]:.0f} + {cpu[phase][1]:.0f}" for name, phase in
+              (("Submit", "submit"), ("Collect views", "views"), ("batches() packed", "packed")))
+          + f"; Submit / batches() packed, in CPU: {sum(cpu['submit']) / sum(cpu['packed']):.2f}")
     rss_ok = med["rss_per_held_byte"] <= TARGETS["rss_per_held_byte"]
     print(f"\nserver RSS per held byte: {med['rss_per_held_byte']:.2f}  (RSS growth "
           f"{med['rss_growth_bytes'] / 1e6:.0f} MB for held_bytes {med['held_bytes'] / 1e6:.0f} MB; server RSS "
