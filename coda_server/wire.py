@@ -207,8 +207,8 @@ def parts_size(parts: list[Any]) -> int:
     return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
 
-# A streamed answer's messages hold whole groups up to about this many bytes (a larger group goes alone):
-# Python gRPC receives a message of a few MB at about twice the rate per byte of a 50 MB one
+# A streamed answer's messages hold whole groups up to about this many bytes (a larger group goes alone): up to
+# a 6.3 MB group a message, the per-byte cost is flat; at 12 MB and more a message it rises, on both sides
 # (bench/collect_transport.py, docs/protocol.md "CollectStream").
 STREAM_MESSAGE_BYTES = 4 * 2**20
 

@@ -162,8 +162,9 @@ class RolloutPacerServicer:
         """Collect with its answer sent as a stream of CollectResponse messages: the same request, the same
         answer (the same groups, lease, cut_to_fit and errors as Collect), its groups spread over messages
         of a few MiB, whole and in order; every message carries the answer's timed_out, lease_id and
-        cut_to_fit. The client joins them into one answer. For large answers: Python gRPC receives a
-        message of tens of MB at less than half the rate per byte of a few-MB one (docs/protocol.md).
+        cut_to_fit. The client joins them into one answer. For large answers: one message of tens of MB
+        moves slower per byte through Python gRPC than few-MB messages, which the client reads while the
+        server still sends (docs/protocol.md).
         A retry with the same request_id gets the same answer as a Collect with it would.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
