@@ -10,8 +10,9 @@ figures repeat to within a few hundred instructions, so two versions of the code
 
 Layers (each includes the ones below it):
 
-* `full`: request bytes -> the registered handler's deserializer, wrappers (observability, admission, the
-  guard, the pass-through codec) and servicer -> response bytes
+* `full`: request bytes -> the registered handler's deserializer, the handler server.py registers
+  (observability, admission, the guard, error mapping: rpc_handlers.py; the pass-through codec) and the
+  servicer -> response bytes
   (logging is not configured here, so the access log stays off: observability_overhead.py measures it);
 * `servicer`: `RolloutPacerServicer.Dispatch` (or `.Submit`) on a decoded request, plus serializing the response;
 * `async`: `AsyncPacer.dispatch` (`.submit`) on converted candidates (trajectories), request-id answers included;
@@ -60,8 +61,8 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
     from coda_client._proto import pacer_pb2_grpc
     from coda_server import convert
     from coda_server.core.config import load_config
-    from coda_server.guard import MalformedRequestGuard
     from coda_server.method_wrapping import WrappingRegistrar
+    from coda_server.rpc_handlers import RpcHandlers
     from coda_server.server import SERVICE_NAME, PacerServer, tune_garbage_collector
     from coda_server.service import RolloutPacerServicer
     from coda_server.wire import PassthroughCodec
@@ -82,11 +83,10 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
     capture = Capture()
     if layer == "floor":
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(rpc_throughput.FloorServicer(), capture)
-    else:  # the wrappers server.py registers, in its order
-        wrappers = [server.observability.rpc_observer, server.admission, MalformedRequestGuard(),
-                    PassthroughCodec(SERVICE_NAME)]
+    else:  # the handlers server.py registers
+        handlers = RpcHandlers(server.observability.rpc_observer, server.admission, PassthroughCodec(SERVICE_NAME))
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(RolloutPacerServicer(server.async_pacer),
-                                                          WrappingRegistrar(capture, wrappers))
+                                                          WrappingRegistrar(capture, [handlers]))
     if rpc == "submit":
         submit_child(server, capture.handlers["Submit"], layer, calls, measure)
         return

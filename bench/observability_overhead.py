@@ -3,7 +3,7 @@
 For one unary call the RPC observer counts the start, reads the clock, and at the end counts the status
 code, observes the handling time and (with server.log_rpcs and level INFO) notes one access-log line; the
 access log formats and writes its lines in batches. This bench runs exactly that bookkeeping
-(`_MethodObserver.begin` / `end`, plus the batch writes, amortized) on a Submit request: with the log line
+(`MethodObserver.begin` / `end`, plus the batch writes, amortized) on a Submit request: with the log line
 off, in text and in JSON (written to a file), and, for comparison, a line logged the ordinary way through
 `logging` (one record per call), best of 7 repeats:
 
@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from coda_client._proto import pacer_pb2 as pb
 from coda_server.logs import TEXT_FORMAT, AccessLog, JsonFormatter, rpc_log
-from coda_server.observability import GrpcServerMetrics, _MethodObserver
+from coda_server.observability import GrpcServerMetrics, MethodObserver
 
 REPEATS = 7
 
@@ -48,7 +48,7 @@ class FakeContext:
         return ()
 
 
-async def per_call_seconds(observer: _MethodObserver, access_log: AccessLog | None, calls: int) -> float:
+async def per_call_seconds(observer: MethodObserver, access_log: AccessLog | None, calls: int) -> float:
     """Best of REPEATS: CPU seconds per call, including the access log's batch writes."""
     request = pb.SubmitRequest(request_id="5f0c7a4e-1111-2222-3333-444455556666")
     context = FakeContext()
@@ -84,14 +84,14 @@ async def main_async(calls: int) -> None:
         root.handlers[:] = [handler]
         print(f"{'bookkeeping per RPC':<44} {'us/call':>8}")
         root.setLevel("WARNING")
-        seconds = await per_call_seconds(_MethodObserver(metrics, "unary", method, None), None, calls)
+        seconds = await per_call_seconds(MethodObserver(metrics, "unary", method, None), None, calls)
         print(f"{'metrics only (log line off)':<44} {seconds * 1e6:8.1f}")
         root.setLevel("INFO")
         for label, log_format, formatter in (("metrics + text access-log line", "text", logging.Formatter(TEXT_FORMAT)),
                                              ("metrics + JSON access-log line", "json", JsonFormatter())):
             handler.setFormatter(formatter)
             access_log = AccessLog(log_format, max_pending=calls + 1)
-            seconds = await per_call_seconds(_MethodObserver(metrics, "unary", method, access_log), access_log, calls)
+            seconds = await per_call_seconds(MethodObserver(metrics, "unary", method, access_log), access_log, calls)
             print(f"{label:<44} {seconds * 1e6:8.1f}")
         for label, formatter in (("(one logging record per call, text)", logging.Formatter(TEXT_FORMAT)),
                                  ("(one logging record per call, JSON)", JsonFormatter())):

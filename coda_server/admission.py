@@ -1,11 +1,12 @@
 """Admission of every call by its kind, the caller's client id, and optional per-client rate limits.
 
-One method wrapper (see method_wrapping), applied at registration, decides for each call before the
-handler runs:
+Each method's handler (built once per method by rpc_handlers.py) asks it for each call before the
+servicer runs:
 
 * **Who calls**: the optional `x-coda-client-id` metadata (coda_client: `PacerClient(client_id=...)`),
   checked against the client's own rule (letters, digits and -_.:@/, at most 128 characters); a malformed id
-  is answered INVALID_ARGUMENT. `client_id(context)` gives it to the other wrappers and the servicer.
+  is answered INVALID_ARGUMENT. `read_caller(context)` reads it once per call; `client_id(context)` gives it
+  to the servicer.
 * **Per-client rate limits** (`server.client_rate_limits.*`, off by default): a token bucket per client
   id and method; over it, RESOURCE_EXHAUSTED (reason RATE_LIMITED) with the delay until the next token.
 * **Room by kind of call** (`CALL_LIMITS`): long-lived streams, long-polls and the workers' short calls
@@ -28,7 +29,6 @@ from coda_client.protocol import CLIENT_ID_METADATA_KEY, CLIENT_ID_PATTERN, CLIE
 
 from .core.errors import InvalidArgumentError, ResourceExhaustedError
 from .core.settings import setting
-from .method_wrapping import admitting
 from .status import status_for
 
 HEALTH = "/grpc.health.v1.Health/"
@@ -50,6 +50,10 @@ class CallLimit:
     retry_after: float  # seconds, before jitter
     in_progress: int = 0
     refused: int = 0
+
+    def release(self) -> None:
+        """A call admitted against this limit has ended."""
+        self.in_progress -= 1
 
 
 def call_limits(server_config: Any) -> dict[str, CallLimit]:
@@ -81,30 +85,27 @@ RATE_LIMITED = {method_path(rpc.name): rpc.rate_limit_key for rpc in RPCS if rpc
 _client_id: contextvars.ContextVar[Optional[tuple[str, bool]]] = contextvars.ContextVar("coda_client_id", default=None)
 
 
-def _read_client_id(context: grpc.aio.ServicerContext) -> tuple[str, bool]:
+def read_caller(context: grpc.aio.ServicerContext) -> tuple[str, bool]:
+    """The caller's client id ("" when it sent none) and whether it is well formed, read from the metadata;
+    kept for the rest of the call (every call runs in its own task), where `client_id` finds it."""
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_METADATA_KEY:
             text = value if isinstance(value, str) else value.decode("utf-8", "replace")
-            return (text, True) if CLIENT_ID_PATTERN.fullmatch(text) else ("", False)
-    return "", True
+            known = (text, True) if CLIENT_ID_PATTERN.fullmatch(text) else ("", False)
+            break
+    else:
+        known = _NO_CLIENT_ID
+    _client_id.set(known)
+    return known
+
+
+_NO_CLIENT_ID = ("", True)
 
 
 def client_id(context: grpc.aio.ServicerContext) -> str:
-    """The caller's client id ("" when it sent none, or a malformed one, which admission refuses).
-
-    Read from the metadata once per call: every call runs in its own task, so the answer is kept in a
-    context variable the other wrappers and the servicer see.
-    """
+    """The caller's client id ("" when it sent none, or a malformed one, which admission refuses)."""
     known = _client_id.get()
-    if known is None:
-        known = _read_client_id(context)
-        _client_id.set(known)
-    return known[0]
-
-
-def _client_id_is_valid(context: grpc.aio.ServicerContext) -> bool:
-    client_id(context)
-    return _client_id.get()[1]
+    return (known if known is not None else read_caller(context))[0]
 
 
 BAD_CLIENT_ID = InvalidArgumentError(
@@ -168,37 +169,45 @@ def rate_limits(server_config: Any) -> dict[str, RateLimit]:
     return limits
 
 
-# ---------------------------------------------------------------------------------------------- wrapper
+# -------------------------------------------------------------------------------------------- admission
 
 def _refusal(limit_key: str, reason: str, message: str, retry_after: float, **metadata: str) -> grpc.Status:
     return status_for(ResourceExhaustedError(message, retry_after=retry_after, reason=reason,
                                              metadata={"limit": limit_key, **metadata}))
 
 
+# What a call's handler asks admission: (refusal, the limit it counts against, to release when it ends).
+Admit = Callable[[Any, str], tuple[Optional[grpc.Status], Optional[CallLimit]]]
+
+
 class Admission:
-    """The method wrapper: client id check, per-client rate limit, then room for the call's kind."""
+    """Per method: the client id check, the per-client rate limit, then room for the call's kind."""
 
     def __init__(self, server_config: Any, jitter: Callable[[], float] = random.random):
         self.limits = call_limits(server_config)
         self.rate_limits = rate_limits(server_config)
         self._jitter = jitter
+        self.bad_client_id = status_for(BAD_CLIENT_ID)  # the same refusal every time: built once
 
-    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def admitter(self, method: str) -> Optional[Admit]:
+        """`admit(request, caller)` for `method`, called once the caller's id is known to be well formed; None
+        for a method with nothing to check (a control call without a rate limit). A call admitted against a
+        limit must `release()` it when it ends, however it ends."""
         kinds = CALL_KINDS.get(method, (None, None))
         quiet, waiting = (self.limits[k] if k is not None else None for k in kinds)
         rate = self.rate_limits.get(method)
+        if quiet is None and waiting is None and rate is None:
+            return None
 
-        def admit(request: Any, context: grpc.aio.ServicerContext) -> tuple[Optional[grpc.Status], Any]:
-            if not _client_id_is_valid(context):
-                return status_for(BAD_CLIENT_ID), None
+        def admit(request: Any, caller: str) -> tuple[Optional[grpc.Status], Optional[CallLimit]]:
             limit = waiting if waiting is not quiet and getattr(request, "wait_seconds", 0) > 0 else quiet
             if rate is not None:
-                delay = rate.take(client_id(context))
+                delay = rate.take(caller)
                 if delay > 0:
                     return _refusal(rate.key, "RATE_LIMITED",
-                                    f"client {client_id(context) or '(no client id)'} is over {rate.key} = {rate.rate:g} "
+                                    f"client {caller or '(no client id)'} is over {rate.key} = {rate.rate:g} "
                                     f"calls per second (burst {rate.burst:g}); retry in {delay:.2f}s", delay,
-                                    client=client_id(context)), None
+                                    client=caller), None
             if limit is None:
                 return None, None
             if limit.in_progress >= limit.limit:
@@ -210,9 +219,4 @@ class Admission:
             limit.in_progress += 1
             return None, limit
 
-        return admitting(handler, admit, _release)
-
-
-def _release(limit: Optional[CallLimit]) -> None:
-    if limit is not None:
-        limit.in_progress -= 1
+        return admit

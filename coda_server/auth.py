@@ -94,8 +94,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._last_log = float("-inf")
 
     def wrap_refusals(self, wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]) -> None:
-        """Build refusal handlers with `wrap(method, handler)` too (the wrappers every handler gets), so
-        refused calls are counted and logged like the others."""
+        """Build refusal handlers with `wrap(method, handler)` (observation: rpc_handlers.RpcHandlers.observed),
+        so refused calls are counted and logged like the others."""
         self._wrap = wrap
         self._refusals.clear()
 

@@ -3,11 +3,11 @@
 * `Observability` is what `PacerServer` owns: a per-server `CollectorRegistry` (never the global one),
   the RPC observer, the access log, the pacer collector and histograms, and the `/metrics` HTTP listener
   on `server.metrics_address`.
-* `RpcObserver` wraps every method handler at registration (see method_wrapping) and counts and times
-  every RPC under the standard gRPC server metric names (`grpc_server_started_total`,
+* `RpcObserver` gives every method handler (built once per method by rpc_handlers.py) a `MethodObserver`
+  that counts and times every RPC under the standard gRPC server metric names (`grpc_server_started_total`,
   `grpc_server_handled_total`, `grpc_server_handling_seconds`), noting one line per RPC in the access log
-  (logger `coda_server.rpc`, see logs.AccessLog). It is the outermost wrapper, and authentication builds
-  its refusals with the same wrappers, so refused calls (e.g. UNAUTHENTICATED) are counted and logged too.
+  (logger `coda_server.rpc`, see logs.AccessLog). It brackets everything else the handler does, and
+  authentication's refusals are observed too, so refused calls (e.g. UNAUTHENTICATED) are counted and logged.
 * `PacerCollector` reads `PacerState` at scrape time: gauges and counters named `coda_pacer_*`, with the
   latest step report. Consumption histograms are fed by `Pacer.add_consume_listener`.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import inspect
 import itertools
 import logging
 import time
@@ -33,7 +32,7 @@ from .core.settings import parse_host_port, setting
 from .core.errors import NotReadyError
 from .core.state import COUNTER, GAUGE, PacerState, reported_fields
 from .core.types import ControlEvent, ControlEventType, ResetMode, StepReport, TrajectoryGroup
-from .admission import Admission, client_id
+from .admission import Admission
 from .logs import AccessLog, fields
 from .metrics_listener import start_metrics_listener
 
@@ -212,8 +211,8 @@ class ClientCallMetrics:
                                 "server.metrics_max_clients).", value=len(self._labels) - 1)
 
 
-class _MethodObserver:
-    """One method's metrics and access log; `begin`/`end` bracket each call."""
+class MethodObserver:
+    """One method's metrics and access log; `begin`/`end` bracket each call (rpc_handlers.py calls them)."""
 
     __slots__ = ("service", "method", "_stats", "_access_log", "_clients")
 
@@ -224,18 +223,18 @@ class _MethodObserver:
         self.service, self.method = _split_method(full_method)
         self._stats = metrics.method(kind, self.service, self.method)
 
-    def begin(self, context: grpc.aio.ServicerContext) -> tuple[float, str, str]:
-        """Count the start; returns the start time, the peer and the client id (read now: once a call is
-        cancelled, its context must not be asked for the peer, which reads the finished C call and can
-        crash the process)."""
+    def begin(self, context: grpc.aio.ServicerContext) -> tuple[float, str]:
+        """Count the start; returns the start time and the peer (read now: once a call is cancelled, its
+        context must not be asked for the peer, which reads the finished C call and can crash the process)."""
         self._stats.started += 1
         access_log = self._access_log
         peer = context.peer() if access_log is not None and access_log.enabled() else ""
-        return time.perf_counter(), peer, client_id(context)
+        return time.perf_counter(), peer
 
-    def end(self, begun: tuple[float, str, str], context: grpc.aio.ServicerContext, request: Any,
-            error: Optional[BaseException]) -> None:
-        started, peer, caller = begun
+    def end(self, begun: tuple[float, str], context: grpc.aio.ServicerContext, request: Any,
+            error: Optional[BaseException], caller: str = "") -> None:
+        """Count the end with the status code the client sees; `caller` is the call's client id."""
+        started, peer = begun
         elapsed = time.perf_counter() - started
         code = _status_code(context, error)
         self._stats.observe(code, elapsed)
@@ -247,11 +246,9 @@ class _MethodObserver:
 
 
 class RpcObserver:
-    """Counts, times and logs every RPC; handles all four method kinds, async generators and coroutines.
-
-    A method wrapper (see method_wrapping): unknown methods never reach it (gRPC answers UNIMPLEMENTED),
-    so they are not counted (no label explosion).
-    """
+    """Counts, times and logs every RPC: hands each method its `MethodObserver` (rpc_handlers.py builds every
+    method's handler around one). Unknown methods never reach it (gRPC answers UNIMPLEMENTED), so they are
+    not counted (no label explosion)."""
 
     def __init__(self, metrics: GrpcServerMetrics, access_log: Optional[AccessLog] = None,
                  clients: Optional[ClientCallMetrics] = None):
@@ -259,58 +256,9 @@ class RpcObserver:
         self._access_log = access_log
         self._clients = clients
 
-    def wrap(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def method(self, full_method: str, handler: grpc.RpcMethodHandler) -> MethodObserver:
         kind = _GRPC_TYPES[(bool(handler.request_streaming), bool(handler.response_streaming))]
-        observer = _MethodObserver(self._metrics, kind, full_method, self._access_log, self._clients)
-        inner, observe, make = {
-            "unary": (handler.unary_unary, _observe_response, grpc.unary_unary_rpc_method_handler),
-            "server_stream": (handler.unary_stream, _observe_stream, grpc.unary_stream_rpc_method_handler),
-            "client_stream": (handler.stream_unary, _observe_response, grpc.stream_unary_rpc_method_handler),
-            "bidi_stream": (handler.stream_stream, _observe_stream, grpc.stream_stream_rpc_method_handler),
-        }[kind]
-        behavior = observe(inner, observer, unary_request=not handler.request_streaming)
-        if behavior is None:  # a synchronous handler (run in a thread by gRPC): left as it is
-            return handler
-        return make(behavior, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
-
-
-def _observe_response(inner: Callable, observer: _MethodObserver, *, unary_request: bool) -> Optional[Callable]:
-    """Wrap a coroutine handler that returns one response. None (leave unwrapped) for a sync handler."""
-    if not inspect.iscoroutinefunction(inner):
-        return None
-
-    async def behavior(request, context):
-        begun = observer.begin(context)
-        error: Optional[BaseException] = None
-        try:
-            return await inner(request, context)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            observer.end(begun, context, request if unary_request else None, error)
-
-    return behavior
-
-
-def _observe_stream(inner: Callable, observer: _MethodObserver, *, unary_request: bool) -> Optional[Callable]:
-    """Wrap a streaming-response handler: an async generator, or a coroutine writing with context.write()."""
-    if inspect.isasyncgenfunction(inner):
-        async def generator(request, context):
-            begun = observer.begin(context)
-            error: Optional[BaseException] = None
-            try:
-                async for response in inner(request, context):
-                    yield response
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                observer.end(begun, context, request if unary_request else None, error)
-
-        return generator
-    return _observe_response(inner, observer, unary_request=unary_request)
+        return MethodObserver(self._metrics, kind, full_method, self._access_log, self._clients)
 
 
 # ------------------------------------------------------------------------------------ pacer metrics

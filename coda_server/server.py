@@ -19,10 +19,10 @@ from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
 from .core.sqlite_journal import SqliteJournal
 from .core.pacer import Pacer
-from .guard import MalformedRequestGuard
 from .method_wrapping import WrappingRegistrar
 from .metrics_listener import check_metrics_security
 from .observability import Observability
+from .rpc_handlers import RpcHandlers
 from .service import RolloutPacerServicer
 from .wire import PassthroughCodec
 from .transport import BindError  # re-exported: the CLI and tests import it from here
@@ -118,14 +118,14 @@ class PacerServer:
             interceptors=[self.auth] if self.auth is not None else None,
             options=server_options(self.config),
         )
-        # Every method handler is wrapped once, at registration: observability outermost (it counts, times
-        # and logs every call, refused ones included), then admission (client id, rate limits, room by kind
-        # of call), then the guard answering INVALID_ARGUMENT for request bytes that do not decode.
-        # Innermost, the pass-through (de)serializers of the messages carrying trajectories (wire.py).
-        registrar = WrappingRegistrar(self.server, [self.observability.rpc_observer, self.admission,
-                                                    MalformedRequestGuard(), PassthroughCodec(SERVICE_NAME)])
+        # Every method's handler is built once, at registration, as one coroutine (rpc_handlers.py): observed
+        # (counted, timed, logged, refused calls included), admitted (client id, rate limits, room by kind of
+        # call), refused INVALID_ARGUMENT if its request bytes do not decode, its core errors mapped to status
+        # codes; with the pass-through (de)serializers of the messages carrying trajectories (wire.py).
+        handlers = RpcHandlers(self.observability.rpc_observer, self.admission, PassthroughCodec(SERVICE_NAME))
+        registrar = WrappingRegistrar(self.server, [handlers])
         if self.auth is not None:
-            self.auth.wrap_refusals(registrar.wrap)
+            self.auth.wrap_refusals(handlers.observed)
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(
             RolloutPacerServicer(self.async_pacer, int(self.config.server.max_message_bytes)), registrar)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)

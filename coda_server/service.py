@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import types
 from typing import Any, AsyncIterator, Callable, Optional
 
 import grpc
@@ -33,7 +34,8 @@ def maps_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a core PacerError into the status code of the architecture's table, with rich details.
 
     Wraps unary handlers (coroutines) and streaming ones (async generators) alike; every RPC method of
-    the servicer must carry it (tests/test_service_status.py checks)."""
+    the servicer must carry it (tests/test_service_status.py checks). The registered handlers run the method
+    under it and map the errors themselves (rpc_handlers.py); the mark keeps direct calls mapped too."""
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -55,6 +57,16 @@ def maps_errors(method: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.maps_errors = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def without_error_mapping(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The servicer method under `maps_errors`, bound to the same servicer, for a caller that maps PacerError
+    itself (each method's handler does, rpc_handlers.py: a coroutine level fewer per call); any other
+    callable as it is."""
+    servicer = getattr(method, "__self__", None)
+    if servicer is None or not getattr(method, "maps_errors", False):
+        return method
+    return types.MethodType(method.__wrapped__, servicer)
 
 
 def bounded_wait(requested: float, context: grpc.aio.ServicerContext) -> float:

@@ -128,6 +128,23 @@ def test_every_pacer_rpc_refuses_a_missing_or_wrong_token(server):
     assert (state.dispatched, state.step, state.weight_version, state.paused) == (0, 0, 0, False)
 
 
+def test_an_unauthenticated_call_is_refused_before_its_request_or_caller_is_read(server):
+    """Neither the request bytes (they do not decode) nor the client id (malformed) is looked at: a caller
+    without the token learns nothing but UNAUTHENTICATED, and takes no admission slot."""
+    call = server.channel().unary_unary(f"/{pb.DESCRIPTOR.services_by_name['RolloutPacer'].full_name}/Submit",
+                                        request_serializer=None, response_deserializer=lambda b: b)
+    for token in (None, "Bearer " + TOKEN[::-1]):
+        metadata = (("x-coda-client-id", "not a valid id!"),) + ((("authorization", token),) if token else ())
+        code, _, reason = refusal(call, b"\xff\xff\xff", metadata=metadata)
+        assert code == grpc.StatusCode.UNAUTHENTICATED, reason
+    # With the token, the same call is read: its client id, then its bytes.
+    authorized = (("authorization", "Bearer " + TOKEN),)
+    code, _, reason = refusal(call, b"\xff\xff\xff", metadata=authorized + (("x-coda-client-id", "not a valid id!"),))
+    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CLIENT_ID")
+    code, _, reason = refusal(call, b"\xff\xff\xff", metadata=authorized)
+    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_REQUEST")
+
+
 def test_health_and_reflection_need_no_token(server):
     channel = server.channel()
     health = health_pb2_grpc.HealthStub(channel)
