@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from .answers import AnswerBook
 from .buffer import PipelineBuffer
@@ -20,7 +20,7 @@ from .clock import PacerClock
 from .collector import Collector
 from .cursor import PromptCursor
 from .errors import FailedPreconditionError, InvalidArgumentError, JobEndedError, ResetInProgressError
-from .incidents import HookFailures
+from .incidents import HOOK_FAILED, HookFailures, describe_exception
 from .inflight import HeldBytes, InflightTable, bytes_of
 from .job_end import Lifecycle
 from .journal import TrajectoryCodec, dumps, loads
@@ -77,6 +77,19 @@ def decode(blob: bytes, codec: TrajectoryCodec) -> dict[str, Any]:
     return checkpoint
 
 
+def strategy_state(hooks: Any, failures: HookFailures) -> Any:
+    """What the strategy's state() hook returns, for a checkpoint or a snapshot; None (an incident recorded) when
+    it raises."""
+    hook = getattr(hooks, "state", None)
+    if not callable(hook):  # a strategy of its own making, with an attribute of that name: nothing to save
+        return None
+    try:
+        return hook()
+    except Exception as exc:  # a broken hook must not cost the snapshot: reported, and the restart relearns
+        failures.incident(HOOK_FAILED, "", "state", describe_exception(exc), "not saved")
+        return None
+
+
 class Checkpoints:
     """Takes a checkpoint (`take`) and brings the pacer back to one (`restore`); keeps (step, weight version,
     wall time) of the last checkpoint taken and of the last one restored (None: none yet), for GetState."""
@@ -84,14 +97,12 @@ class Checkpoints:
     def __init__(self, lock: threading.RLock, lifecycle: Lifecycle, steps: StepBoundary, inflight: InflightTable,
                  collector: Collector, buffer: PipelineBuffer, leases: Leases, restored: RestoredGroups,
                  cursor: PromptCursor, held_bytes: HeldBytes, totals: dict, answers: AnswerBook, hooks: Any,
-                 signals: Signals, failures: HookFailures, clock: PacerClock, summary: dict,
-                 strategy_state: Callable[[], Any]):
+                 signals: Signals, failures: HookFailures, clock: PacerClock, summary: dict):
         self._lock, self._lifecycle, self._steps, self._inflight = lock, lifecycle, steps, inflight
         self._collector, self._buffer, self._leases, self._restored = collector, buffer, leases, restored
         self._cursor, self._held_bytes, self._totals, self._answers = cursor, held_bytes, totals, answers
         self._hooks, self._signals, self._failures, self._clock = hooks, signals, failures, clock
         self._summary = summary  # the pacing settings: a checkpoint restores only under the same
-        self._strategy_state = strategy_state  # what the strategy's state() hook returns, as the snapshot saves it
         self.last_checkpoint: Optional[tuple[int, int, float]] = None
         self.last_restore: Optional[tuple[int, int, float]] = None
 
@@ -125,7 +136,7 @@ class Checkpoints:
                 "quarantined": self._collector.quarantined,
                 "in_flight": reoffered,  # (ds_index, epoch, index, prompt_id): offered again after a Restore
                 "cursor": self._cursor.copy_without(reoffered).export(),
-                "strategy": self._strategy_state(),  # as the journal's snapshot saves it
+                "strategy": strategy_state(self._hooks, self._failures),  # as the journal's snapshot saves it
             }
 
     def check(self, checkpoint: dict[str, Any]) -> None:

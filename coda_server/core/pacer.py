@@ -144,7 +144,7 @@ class Pacer:
         self.checkpoints = Checkpoints(
             self.lock, self.lifecycle, steps, self.inflight, self.collector, buffer, self.leases, self.restored,
             self.cursor, self.held_bytes, self.totals, self.answers, hooks, signals, self.failures, self._clock,
-            self.summary, lambda: self.snapshots.strategy_state())
+            self.summary)
         self.snapshots = Snapshot(
             self.lock, steps, self.inflight, self.totals, buffer, self.answers, self.leases, self.held_bytes,
             self.restored, self.incidents, self.collector, self.cursor, self.checkpoints, self.lifecycle, hooks,

@@ -12,12 +12,12 @@ from typing import Any, Callable, Optional
 
 from .answers import AnswerBook
 from .buffer import PipelineBuffer
-from .checkpoints import Checkpoints
+from .checkpoints import Checkpoints, strategy_state
 from .clock import PacerClock
 from .collector import Collector
 from .cursor import PromptCursor
 from .errors import RecoveryError, StrategyHookError
-from .incidents import HOOK_FAILED, HookFailures, IncidentLog, describe_exception
+from .incidents import HookFailures, IncidentLog
 from .inflight import HeldBytes, InflightTable
 from .job_end import Lifecycle
 from .journal import (
@@ -78,20 +78,9 @@ class Snapshot:
                 "cursor": self._cursor.export(),  # the prompts admitted so far
                 **self._checkpoints.export(),
                 # What the strategy learned (its state() hook), under its name: restored only into the same strategy.
-                "strategy": {"name": self._strategy_name, "state": self.strategy_state()},
+                "strategy": {"name": self._strategy_name, "state": strategy_state(self._hooks, self._failures)},
                 **self._lifecycle.export(),
             }
-
-    def strategy_state(self) -> Any:
-        """What the strategy's state() hook returns; None (an incident recorded) when it raises."""
-        hook = getattr(self._hooks, "state", None)
-        if not callable(hook):  # a strategy of its own making, with an attribute of that name: nothing to save
-            return None
-        try:
-            return hook()
-        except Exception as exc:  # a broken hook must not cost the snapshot: reported, and the restart relearns
-            self._failures.incident(HOOK_FAILED, "", "state", describe_exception(exc), "not saved")
-            return None
 
     def load(self, snapshot: dict) -> None:
         """Put every owner back as the snapshot has it (caller holds the lock)."""
