@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -81,9 +82,10 @@ class AccessLog:
         self._timer: Optional[asyncio.TimerHandle] = None
         self._second = -1  # the whole second _second_text spells (text format)
         self._second_text = ""
+        # Whether lines are written now (the logger's level may change while serving); asked on every call,
+        # so a C-level partial: no Python frame of its own.
+        self.enabled: Callable[[], bool] = functools.partial(logger.isEnabledFor, logging.INFO)
 
-    def enabled(self) -> bool:
-        return self._logger.isEnabledFor(logging.INFO)
 
     def note(self, service: str, method: str, code: str, elapsed: float, request_id: str, peer: str,
              client_id: str = "") -> None:

@@ -160,6 +160,9 @@ def _split_method(full_method: str) -> tuple[str, str]:
     return service or "unknown", method
 
 
+_SUCCESS = (None, grpc.StatusCode.OK)  # what context.code() says of a call that set no other code
+
+
 def _status_code(context: grpc.aio.ServicerContext, error: Optional[BaseException]) -> str:
     """The code the client sees: what the handler set or aborted with, else OK / CANCELLED / UNKNOWN."""
     code = context.code()
@@ -198,7 +201,7 @@ class ClientCallMetrics:
         return label
 
     def count(self, client_id: str, method: str, code: str) -> None:
-        key = (self.label(client_id), method, code)
+        key = (self._labels.get(client_id) or self.label(client_id), method, code)
         self._calls[key] = self._calls.get(key, 0) + 1
 
     def collect(self) -> Iterable[Any]:
@@ -236,7 +239,8 @@ class MethodObserver:
         """Count the end with the status code the client sees; `caller` is the call's client id."""
         started, peer = begun
         elapsed = time.perf_counter() - started
-        code = _status_code(context, error)
+        # The usual ending (answered, no code set) without the general case's calls.
+        code = "OK" if error is None and context.code() in _SUCCESS else _status_code(context, error)
         self._stats.observe(code, elapsed)
         if self._clients is not None:
             self._clients.count(caller, self.method, code)

@@ -113,7 +113,7 @@ def _unary_request(inner: Callable[..., Any], observer: MethodObserver, admit: O
             raise
         finally:
             if limit is not None:
-                limit.release()
+                limit.in_progress -= 1  # CallLimit.release(), without a call of its own
             end(begun, context, request, error, caller)
 
     return behavior
@@ -149,7 +149,7 @@ def _unary_request_generator(inner: Callable[..., Any], observer: MethodObserver
             raise
         finally:
             if limit is not None:
-                limit.release()
+                limit.in_progress -= 1  # CallLimit.release(), without a call of its own
             end(begun, context, request, error, caller)
 
     return generator

@@ -93,11 +93,14 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     @maps_errors
     async def Dispatch(self, request: pb.DispatchRequest, context) -> wire.DispatchResponse:
         caller = client_id(context)
-        self._pacer.heard_from(caller)
-        if request.HasField("loaded_weight_version"):
-            self._pacer.note_loaded_version(caller, request.loaded_weight_version)
-        result = await self._pacer.dispatch(convert.prompt_refs(request.candidates),
-                                            bounded_wait(request.wait_seconds, context), request.request_id,
+        if caller:
+            self._pacer.heard_from(caller)
+            if request.HasField("loaded_weight_version"):
+                self._pacer.note_loaded_version(caller, request.loaded_weight_version)
+        # The usual calls, a peek (no candidates) and a call that does not wait, skip the calls they do not need.
+        candidates, wait = request.candidates, request.wait_seconds
+        result = await self._pacer.dispatch(convert.prompt_refs(candidates) if candidates else [],
+                                            bounded_wait(wait, context) if wait else 0.0, request.request_id,
                                             caller,
                                             request.max_continuations if request.HasField("max_continuations") else None)
         return convert.dispatch_response(result)

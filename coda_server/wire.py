@@ -17,6 +17,7 @@ packed run per array) first, so what is held, checked and written back is always
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import grpc
@@ -160,8 +161,7 @@ def _split_trajectory(encoded: memoryview) -> SubmittedTrajectory:
     return SubmittedTrajectory(Trajectory.FromString(b"".join(rest)), runs, encoded, tuple(retired))
 
 
-def _as_encoded(message: bytes) -> bytes:
-    return message
+_SERIALIZE = operator.methodcaller("SerializeToString")
 
 
 def group_parts(prompt_id: str, seq: int, ds_index: int, epoch: Optional[int], index: Optional[int],
@@ -290,7 +290,8 @@ class PassthroughCodec:
     an EncodedAnswer), are serialized as what they are; "encoded" answers (WatchControl events, encoded once for all watchers) are sent as they are."""
 
     REQUEST_DESERIALIZERS = {"submit": parse_submit}
-    RESPONSE_SERIALIZERS = {"views": _wire.serialize, "assembled": _wire.serialize, "encoded": _as_encoded}
+    # methodcaller: the answer's own SerializeToString, without a Python frame; None: bytes are sent as they are.
+    RESPONSE_SERIALIZERS = {"views": _SERIALIZE, "assembled": _SERIALIZE, "encoded": None}
 
     def __init__(self, service: str):
         self._forms = {f"/{service}/{rpc.name}": rpc for rpc in RPCS}

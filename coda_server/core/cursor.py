@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
-from .prompt_ids import loongsage_order
+from .prompt_ids import LOONGSAGE_PROMPT_ID, loongsage_order
+from .types import PromptRef
 
 
 class PromptCursor:
@@ -37,24 +38,35 @@ class PromptCursor:
 
     def mark(self, ds_index: int, epoch: Optional[int], index: Optional[int], prompt_id: str) -> None:
         """The prompt was admitted."""
-        key = self._key(ds_index, epoch, index, prompt_id)
-        if key is None:  # not tracked
-            return
-        mark = self._marks.get(key[:2])
-        if mark is None:
-            mark = self._marks[key[:2]] = [0, set()]
-        index = key[2]
-        if index < mark[0] or index in mark[1]:
-            return
-        self._count += 1
-        if index != mark[0]:
-            mark[1].add(index)
-            return
-        below, above = index + 1, mark[1]
-        while below in above:  # the admitted indices now reach further: fold them into the mark
-            above.discard(below)
-            below += 1
-        mark[0] = below
+        self.mark_all((PromptRef(prompt_id, ds_index, epoch, index),))
+
+    def mark_all(self, refs: Iterable[PromptRef]) -> None:
+        """These prompts were admitted. Every admission runs this: one call per Dispatch, each prompt's key
+        worked out in place (as `_key` does)."""
+        marks = self._marks
+        for ref in refs:
+            epoch, index = ref.epoch, ref.index
+            if index is None:
+                order = LOONGSAGE_PROMPT_ID.fullmatch(ref.prompt_id)
+                if order is None:  # not tracked
+                    continue
+                epoch, index = int(order.group(1)), int(order.group(2))
+            elif epoch is None:
+                epoch = 0
+            mark = marks.get((ref.ds_index, epoch))
+            if mark is None:
+                mark = marks[(ref.ds_index, epoch)] = [0, set()]
+            if index < mark[0] or index in mark[1]:
+                continue
+            self._count += 1
+            if index != mark[0]:
+                mark[1].add(index)
+                continue
+            below, above = index + 1, mark[1]
+            while below in above:  # the admitted indices now reach further: fold them into the mark
+                above.discard(below)
+                below += 1
+            mark[0] = below
 
     def unmark(self, ds_index: int, epoch: Optional[int], index: Optional[int], prompt_id: str) -> None:
         """The prompt is to be offered again (it was in flight at a checkpoint)."""

@@ -72,13 +72,12 @@ class Admission:
             # those a continued group brings back.
             brought = {g.prompt_id: g.trajectories for g in continued}
             try:
-                self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups])
+                self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups]
+                                          if brought else [DispatchedGroup(group) for group in groups])
             except Exception as exc:
                 raise self._failures.refused("on_dispatched", exc, "nothing was admitted") from exc
             inflight.admit(groups)
-            mark = self._cursor.mark
-            for ref in admitted_refs:
-                mark(ref.ds_index, ref.epoch, ref.index, ref.prompt_id)
+            self._cursor.mark_all(admitted_refs)
             admitted_ids = [ref.prompt_id for ref in admitted_refs]
             if continued:
                 # Handed out again with the trajectories they had; the worker submits all N anew.

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from coda_client.protocol import LOONGSAGE_PROMPT_ID as _LOONGSAGE_PROMPT_ID  # plain data, as the RPC table
+from coda_client.protocol import LOONGSAGE_PROMPT_ID  # plain data, as the RPC table
 
 
 def loongsage_order(prompt_id: str) -> Optional[tuple[int, int]]:
     """(epoch, prompt number) of a LoongSage-form prompt id, or None when the id is not in that form."""
-    match = _LOONGSAGE_PROMPT_ID.fullmatch(prompt_id)
+    match = LOONGSAGE_PROMPT_ID.fullmatch(prompt_id)
     if match is None:
         return None
     return int(match.group(1)), int(match.group(2))
