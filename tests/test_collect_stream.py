@@ -14,6 +14,7 @@ from coda_server.core import types as core
 from coda_server.wire import EncodedTrajectory
 from conftest import core_overrides
 from ops_harness import MetricsServer
+from server_harness import until
 
 MB = 1_000_000
 STREAM = "/coda.pacer.v1.RolloutPacer/CollectStream"
@@ -92,6 +93,18 @@ def test_batches_collect_through_the_stream(server):
         assert (state.consumed, state.leased, state.buffered) == (4, 0, 0)
     scrape = server.scrape_until(lambda s: s.rpc("CollectStream") >= 1)
     assert (scrape.rpc("CollectStream"), scrape.rpc("Collect")) == (1, 0)
+
+
+def test_closing_the_iterator_cuts_its_waiting_stream_and_takes_nothing(server):
+    pytest.importorskip("numpy")
+    with PacerClient(server.address, arrays="numpy") as client:
+        batches = client.batches(4, lease=60.0, poll=60.0)
+        until(lambda: client.state().waiting_calls == 1, "the iterator's CollectStream to wait on the server")
+        batches.close()
+        until(lambda: client.state().waiting_calls == 0, "the server to see the stream cancelled", timeout=10)
+        fill(client, ["g0", "g1"], 1000)
+        state = client.state()
+        assert (state.buffered, state.leased, state.consumed) == (2, 0, 0)
 
 
 def test_the_async_client_joins_a_streamed_answer(server):
