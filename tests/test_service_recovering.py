@@ -78,6 +78,7 @@ def test_watch_control_and_metrics_while_the_state_is_rebuilt(tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{server.listeners.tcp_port}") as channel:
             stub = pacer_pb2_grpc.RolloutPacerStub(channel)
             for call in (lambda: next(iter(stub.WatchControl(pb.WatchControlRequest(), timeout=BOUND))),
+                         lambda: next(iter(stub.CollectStream(pb.CollectRequest(num_groups=1), timeout=BOUND))),
                          lambda: stub.GetState(pb.GetStateRequest(), timeout=BOUND)):
                 with pytest.raises(grpc.RpcError) as caught:
                     call()
@@ -111,4 +112,4 @@ def test_every_rpc_of_the_service_maps_core_errors_to_status_codes():
                 if not getattr(getattr(RolloutPacerServicer, method.name), "maps_errors", False)]
     assert unmapped == []
     streaming = [method.name for method in service.methods if method.server_streaming]
-    assert streaming == ["WatchControl"]  # the streaming case is covered above, over real gRPC
+    assert sorted(streaming) == ["CollectStream", "WatchControl"]  # both covered above, over real gRPC
