@@ -125,3 +125,26 @@ def test_unordered_gate_is_re_asked_for_every_refused_group(core_config, cls):
     pacer.dispatch([PromptRef("allow-g3"), PromptRef("allow-g0")])
     assert [g.prompt_id for g in pacer.collect_now(3).groups] == ["g0", "g2", "g3"]
     assert pacer.state().running == 4  # g1 and the three allow-* groups
+
+
+def test_on_dispatched_gets_loongsage_form_groups_unless_the_strategy_promises_to_read_only_ids(core_config):
+    """The built-ins read only the ids: they get the in-flight groups themselves (no copy per admitted group);
+    an override of on_dispatched that does not repeat the promise gets each group's N pending trajectories."""
+    from coda_server.core.strategy import dispatched_ids_only
+
+    for cls in (NoWindowStrategy, WindowGatedStrategy, WindowedFifoStrategy, CountingFifo):
+        assert dispatched_ids_only(object.__new__(cls))
+
+    class ReadsTrajectories(WindowedFifoStrategy):
+        seen: list = []
+
+        def on_dispatched(self, groups):
+            ReadsTrajectories.seen.extend((g.prompt_id, len(g.trajectories)) for g in groups)
+            super().on_dispatched(groups)
+
+    assert not dispatched_ids_only(object.__new__(ReadsTrajectories))
+    assert not dispatched_ids_only(object.__new__(type("Inherits", (ReadsTrajectories,), {})))
+    config = core_config("windowed-fifo", B=8, stale=1.0, N=3)
+    pacer = Pacer(config, strategy=ThreadSafeStrategy(ReadsTrajectories(config), "reads-trajectories"))
+    pacer.dispatch([PromptRef("d0"), PromptRef("d1")])
+    assert ReadsTrajectories.seen == [("d0", 3), ("d1", 3)]  # a group's N pending trajectories, not its received ones

@@ -82,6 +82,8 @@ class _WindowStrategy(SlidingWindowStrategy):
         self._capacity = window_size(config)
         self._seqs = InflightSeqs()
 
+    dispatched_ids_only = True  # on_dispatched reads each group's prompt_id
+
     def on_dispatched(self, groups: Sequence[Any]) -> None:
         self._seqs.add_all([group.prompt_id for group in groups])
         super().on_dispatched(groups)

@@ -18,6 +18,7 @@ from .liveness import Liveness
 from .replay import RestoredGroups
 from .signals import Signals
 from .steps import StepBoundary
+from .strategy import dispatched_ids_only
 from .types import DispatchResult, PromptRef, TrajectoryGroup
 
 
@@ -37,6 +38,9 @@ class Admission:
         self._liveness, self._totals, self._notify, self._failures = liveness, totals, signals.notify, failures
         self._record, self._clock = recorder.record, clock
         self._group_sizes, self._window_size = group_sizes, window_size
+        # The built-in strategies read only the ids in on_dispatched: they get the in-flight groups themselves,
+        # without a LoongSage-form copy of each (a Python object per admitted group).
+        self._ids_only = dispatched_ids_only(hooks)
 
     def admit(self, candidates: Sequence[PromptRef], request_id: str, client_id: str,
               max_continuations: Optional[int], continued_ids: Optional[Sequence[str]]) -> DispatchResult:
@@ -70,10 +74,12 @@ class Admission:
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged. It sees each group
             # with its trajectories as LoongSage hands them to on_dispatched: the N pending ones of a new group,
             # those a continued group brings back.
-            brought = {g.prompt_id: g.trajectories for g in continued}
             try:
-                self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups]
-                                          if brought else [DispatchedGroup(group) for group in groups])
+                if self._ids_only:
+                    self._hooks.on_dispatched(groups)
+                else:
+                    brought = {g.prompt_id: g.trajectories for g in continued}
+                    self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups])
             except Exception as exc:
                 raise self._failures.refused("on_dispatched", exc, "nothing was admitted") from exc
             inflight.admit(groups)

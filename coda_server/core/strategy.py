@@ -51,6 +51,12 @@ class SlidingWindowStrategy(abc.ABC):
     #: A subclass that overrides `will_collect` must declare it again: it is not inherited past an override.
     ordered_gate: bool = False
 
+    #: Optional promise: `on_dispatched` reads only each group's `prompt_id` and `seq` (and how many there
+    #: are), as the built-ins' does. The Pacer then hands it the in-flight groups themselves instead of a
+    #: LoongSage-form copy of each (`trajectories` is then not the pending list). Not inherited past an
+    #: override of `on_dispatched`, like `ordered_gate`.
+    dispatched_ids_only: bool = True
+
     #: The strategy's options, declared like the service's own keys (`coda_server.core.settings.Key`, its
     #: path relative to the section): they live under `fully_async.<options_section>` (default: the
     #: registered name with - as _), are validated at start-up and read with `read_options`.
@@ -182,11 +188,21 @@ def gate_is_ordered(strategy: Any) -> bool:
     The promise counts only if it was declared by the class that defines that `will_collect` or
     by a subclass of it, so overriding the gate of a built-in does not inherit the built-in's promise.
     """
+    return _promised(strategy, "ordered_gate", "will_collect")
+
+
+def dispatched_ids_only(strategy: Any) -> bool:
+    """True when `strategy` promises `dispatched_ids_only` for the `on_dispatched` it actually uses (the
+    same rule as `gate_is_ordered`)."""
+    return _promised(strategy, "dispatched_ids_only", "on_dispatched")
+
+
+def _promised(strategy: Any, promise: str, hook: str) -> bool:
     mro = type(strategy).__mro__
-    promiser = next((k for k in mro if "ordered_gate" in vars(k)), None)
-    gate = next((k for k in mro if "will_collect" in vars(k)), None)
-    return (promiser is not None and gate is not None and vars(promiser)["ordered_gate"] is True
-            and issubclass(promiser, gate))
+    promiser = next((k for k in mro if promise in vars(k)), None)
+    definer = next((k for k in mro if hook in vars(k)), None)
+    return (promiser is not None and definer is not None and vars(promiser)[promise] is True
+            and issubclass(promiser, definer))
 
 
 class ThreadSafeStrategy(SlidingWindowStrategy):
