@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_rl_cpu_example_learns_through_the_service_with_consistent_logprobs(tmp_path):
-    model = os.environ.get("CODA_VLLM_MODEL") or str(tmp_path / "model")
+    model = os.environ.get("CODA_RL_MODEL") or str(tmp_path / "model")
     completed = subprocess.run(
         [sys.executable, str(REPO / "examples" / "rl_cpu" / "run.py"), "--steps", "4", "--model", model,
          "--vllm-python", VLLM_PYTHON, "--server-python", sys.executable, "--workdir", str(tmp_path / "run"),
@@ -41,10 +41,18 @@ def test_rl_cpu_example_learns_through_the_service_with_consistent_logprobs(tmp_
     assert summary["trajectories_aborted"] > 0 and summary["aborted_then_continued"] > 0
     assert sum(summary["staleness_histogram"].values()) == run["tokens_trained"] > 0
     assert 0.0 <= summary["reward_first"] <= 1.0 and Path(summary["curve_png"]).is_file()
+    # Where each step's seconds went: the trainer's update, the boundary (Reset, weight sync, Resume), the rest
+    # (waiting for a batch), and the engine's generation rate; they add up to the step.
+    curve = json.loads((tmp_path / "run" / "curves.json").read_text())[0]["curve"]
+    assert len(curve) == 4
+    for step in curve:
+        assert {"train", "reset", "sync", "resume", "other"} <= set(step["phases"])
+        assert abs(sum(step["phases"].values()) - step["step_seconds"]) < 0.05 and step["engine_tokens_per_second"] > 0
+    assert run["seconds_per_step_by_phase"]["step"] > 0
 
 
 def test_rl_cpu_example_rolls_back_to_a_checkpoint_and_trains_nothing_of_a_discarded_version(tmp_path):
-    model = os.environ.get("CODA_VLLM_MODEL") or str(tmp_path / "model")
+    model = os.environ.get("CODA_RL_MODEL") or str(tmp_path / "model")
     completed = subprocess.run(
         [sys.executable, str(REPO / "examples" / "rl_cpu" / "run.py"), "--steps", "5", "--rollback-at", "2",
          "--model", model, "--vllm-python", VLLM_PYTHON, "--server-python", sys.executable,

@@ -22,6 +22,8 @@ from transformers import LlamaForCausalLM
 # they differ on stale tokens: clip gives a token whose ratio left [1 - eps, 1 + eps] in its advantage's
 # direction no gradient, tis weighs it by its ratio, truncated at cap.
 LOSSES = ("clip", "tis")
+# The most padded positions (rows x the longest row) one forward and backward of an update takes at once.
+CHUNK_POSITIONS = 4096
 
 
 @dataclass
@@ -173,51 +175,77 @@ class Policy:
         with torch.no_grad():
             return self._logprobs(self.reference, ids)
 
+    @staticmethod
+    def _chunks(rollouts: Rollouts, rows: list[int]) -> list[list[int]]:
+        """The rows in chunks of similar length (longest first), each at most CHUNK_POSITIONS padded positions
+        (or one row): padding every row to the batch's longest response would spend most of the update on pads
+        when lengths are long-tailed."""
+        ordered = sorted(rows, key=lambda i: len(rollouts.prompts[i]) + len(rollouts.responses[i]), reverse=True)
+        chunks: list[list[int]] = []
+        for i in ordered:
+            if chunks:
+                first = chunks[-1][0]
+                width = len(rollouts.prompts[first]) + len(rollouts.responses[first])
+                if (len(chunks[-1]) + 1) * width <= CHUNK_POSITIONS:
+                    chunks[-1].append(i)
+                    continue
+            chunks.append([i])
+        return chunks
+
     def train(self, rollouts: Rollouts) -> StepReport:
         """One GRPO-style update: group-normalised advantages, a clipped importance ratio against the engine's
-        log-probabilities, the loss over the tokens loss_mask keeps; then the consistency check."""
+        log-probabilities, the loss over the tokens loss_mask keeps; then the consistency check. The forward and
+        backward run in chunks of rows of similar length, the gradients adding up to the whole batch's."""
         started = time.monotonic()
         rows = [i for i, r in enumerate(rollouts.responses) if r]
         advantages = torch.zeros(len(rollouts.rewards))
         for start, stop in rollouts.groups:
             rewards = torch.tensor(rollouts.rewards[start:stop], dtype=torch.float32)
             advantages[start:stop] = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
-        packed = self._pack(rollouts, rows)
-        response, engine = packed["response"], packed["engine"]
-        current = self._logprobs(self.model, packed["ids"])
-        advantage = advantages[rows].unsqueeze(-1)
-        if self.loss == "clip":  # PPO's clipped ratio against the engine's (behaviour) log-probabilities
-            ratio = torch.exp(current - engine)
-            per_token = -torch.minimum(ratio * advantage, ratio.clamp(1 - self.clip, 1 + self.clip) * advantage)
-        else:  # "tis": the policy gradient weighted by the truncated importance ratio to the behaviour policy
-            weight = torch.exp(current.detach() - engine).clamp(max=self.tis_cap)
-            per_token = -weight * advantage * current
-        kept = packed["mask"] & response & torch.isfinite(engine)
-        loss = per_token[kept].sum() / max(int(kept.sum()), 1)
+        chunks = [(chunk, self._pack(rollouts, chunk)) for chunk in self._chunks(rollouts, rows)]
+        kept_of = [packed["mask"] & packed["response"] & torch.isfinite(packed["engine"]) for _, packed in chunks]
+        kept_total = max(sum(int(kept.sum()) for kept in kept_of), 1)  # the loss is the mean over all kept tokens
+        self.optimizer.zero_grad()
+        loss_value, tokens, staleness = 0.0, 0, Counter()
+        for (chunk, packed), kept in zip(chunks, kept_of):
+            response, engine = packed["response"], packed["engine"]
+            current = self._logprobs(self.model, packed["ids"])
+            advantage = advantages[chunk].unsqueeze(-1)
+            if self.loss == "clip":  # PPO's clipped ratio against the engine's (behaviour) log-probabilities
+                ratio = torch.exp(current - engine)
+                per_token = -torch.minimum(ratio * advantage, ratio.clamp(1 - self.clip, 1 + self.clip) * advantage)
+            else:  # "tis": the policy gradient weighted by the truncated importance ratio to the behaviour policy
+                weight = torch.exp(current.detach() - engine).clamp(max=self.tis_cap)
+                per_token = -weight * advantage * current
+            loss = per_token[kept].sum() / kept_total
+            loss.backward()
+            loss_value += float(loss)
+            self._check(rollouts, chunk, packed, current.detach())
+            staleness.update((self.version - packed["version"][response]).tolist())
+            tokens += int(response.sum())
+        self.optimizer.step()
+        self._updates_since_publish += 1
+        self.train_seconds += time.monotonic() - started
+        return StepReport(loss=loss_value, reward=sum(rollouts.rewards) / len(rollouts.rewards),
+                          tokens=tokens, tokens_in_loss=sum(int(kept.sum()) for kept in kept_of), staleness=staleness)
 
-        # The check, over every token (masked ones too): the engine's log-probability against the trainer's
-        # under the weights of the token's version. The training forward is that version's when nothing was
-        # updated since it was published; tokens of any other version are checked by audit() after the run
-        # (an instrument, not training: a trainer in production would not recompute old versions).
+    def _check(self, rollouts: Rollouts, rows: list[int], packed: dict[str, torch.Tensor],
+               current: torch.Tensor) -> None:
+        """The check, over every token (masked ones too): the engine's log-probability against the trainer's
+        under the weights of the token's version. The training forward is that version's when nothing was
+        updated since it was published; tokens of any other version are checked by audit() after the run
+        (an instrument, not training: a trainer in production would not recompute old versions)."""
+        response, engine = packed["response"], packed["engine"]
         continued = torch.tensor([bool(rollouts.continued[i]) if i < len(rollouts.continued) else False
                                   for i in rows])
         for version in packed["version"][response].unique().tolist():
             at = response & (packed["version"] == version)
             if version == self.version and self._updates_since_publish == 0:
-                self._record_diffs(self.version - version, (current.detach() - engine).abs(), at, continued)
+                self._record_diffs(self.version - version, (current - engine).abs(), at, continued)
             else:
                 members = at.any(dim=1)
                 self._deferred.append((version, self.version - version, packed["ids"][members], engine[members],
                                        at[members], continued[members]))
-        staleness = Counter((self.version - packed["version"][response]).tolist())
-
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        self._updates_since_publish += 1
-        self.train_seconds += time.monotonic() - started
-        return StepReport(loss=float(loss), reward=sum(rollouts.rewards) / len(rollouts.rewards),
-                          tokens=int(response.sum()), tokens_in_loss=int(kept.sum()), staleness=staleness)
 
     def _record_diffs(self, staleness: int, diff: torch.Tensor, at: torch.Tensor, continued: torch.Tensor) -> None:
         diff = torch.nan_to_num(diff, nan=float("inf"))

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -48,10 +49,13 @@ for path in (str(HERE.parent / "vllm_e2e"), str(HERE), str(REPO)):  # the checko
         sys.path.insert(0, path)
 
 import task  # noqa: E402
-from vllm_process import DEFAULT_MODEL, DEFAULT_VENV, start_vllm, stop, wait_for_vllm  # noqa: E402
+from vllm_process import DEFAULT_VENV, start_vllm, stop, wait_for_vllm  # noqa: E402
 
 log = logging.getLogger("rl_cpu")
 ENGINE_CORE, TRAINER_CORE = 0, 1
+# The example's model (setup.sh writes it): hidden size 256, 4 layers, 2.9M parameters, so that a step's
+# training costs about what its generation does, as with large models on GPUs (docs/rl-cpu.md).
+DEFAULT_MODEL = Path.home() / ".cache" / "coda-pacer" / "rl-llama"
 ASYNC_STRATEGIES = ("no-window", "windowed-fifo", "latency-aware")
 RESET_WAIT_SECONDS = 60.0
 # What may become of a group whose trajectories the server acknowledged ("kept" at a boundary is not final).
@@ -135,7 +139,8 @@ def worker_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    prompts = [Prompt(task.prompt_id(i), task.prompt_tokens(args.seed, i), epoch=0, index=i)
+    prompts = [Prompt(task.prompt_id(i), task.prompt_tokens(args.seed, i), epoch=0, index=i,
+                      max_tokens=task.response_budget(args.seed, i, args.max_tokens))
                for i in range(args.prompts)]
     source = ListPromptSource(prompts).shard(args.index, args.count)
     acknowledged: dict[str, str] = {}  # trajectory id -> its prompt id
@@ -174,6 +179,13 @@ class Ledger:
         self.started = time.monotonic()
         self.discarded_versions: set[int] = set()  # --rollback-at: the versions the rollback threw away
         self.discarded_version_tokens_trained = 0  # tokens of those trained after it (must stay 0)
+        # Where a step's seconds go: `clocks()` gives each phase's seconds so far (a step records the growth);
+        # `engine_tokens()` the engines' own count of generated tokens; the trained responses' lengths.
+        self.clocks: Callable[[], dict[str, float]] = dict
+        self.engine_tokens: Callable[[], float] = lambda: 0.0
+        self._at_last_step: tuple[float, dict[str, float], float] | None = None
+        self._lengths: list[int] = []
+        self._ran_out = 0  # trained responses that ran to their budget (no stop token)
 
     def trained(self, rollouts, prompt_ids, report) -> None:
         if self.discarded_versions:
@@ -183,6 +195,8 @@ class Ledger:
         self.staleness.update(report.staleness)
         self.trained_tokens += report.tokens
         self.continued_trained += sum(rollouts.continued)
+        self._lengths += [len(r) for r in rollouts.responses]
+        self._ran_out += sum(task.ran_to_budget(r) for r in rollouts.responses)
 
     def boundary(self, reset) -> None:
         for prompt_id in reset.kept_prompt_ids:
@@ -203,11 +217,56 @@ class Ledger:
         self.staleness = Counter({int(k): v for k, v in memory["staleness"].items()})
         self.trained_tokens, self.continued_trained = memory["trained_tokens"], memory["continued_trained"]
 
+    def start(self) -> None:
+        """The run's clock starts (and the first step's)."""
+        self.started = time.monotonic()
+        self._at_last_step = (self.started, self.clocks(), self.engine_tokens())
+
     def step_done(self, step: int, report) -> None:
-        self.steps.append({"step": step + 1, "seconds": round(time.monotonic() - self.started, 3),
-                           "reward": round(report.reward, 4), "loss": round(report.loss, 4),
-                           "tokens": report.tokens})
-        log.info("step %d: reward %.3f, %.1f s", step + 1, report.reward, self.steps[-1]["seconds"])
+        now, clocks, tokens = time.monotonic(), self.clocks(), self.engine_tokens()
+        then, then_clocks, then_tokens = self._at_last_step or (self.started, {}, 0.0)
+        seconds = now - then
+        phases = {name: value - then_clocks.get(name, 0.0) for name, value in clocks.items()}
+        phases["other"] = seconds - sum(phases.values())  # fully-async: mostly the trainer waiting for a batch
+        lengths, self._lengths = sorted(self._lengths), []
+        ran_out, self._ran_out = self._ran_out, 0
+        self._at_last_step = (now, clocks, tokens)
+        self.steps.append({
+            "step": step + 1, "seconds": round(now - self.started, 3), "reward": round(report.reward, 4),
+            "loss": round(report.loss, 4), "tokens": report.tokens, "step_seconds": round(seconds, 3),
+            "phases": {name: round(value, 3) for name, value in phases.items()},
+            "engine_tokens_per_second": round((tokens - then_tokens) / seconds, 1) if seconds > 0 else None,
+            "length_mean": round(statistics.mean(lengths), 1) if lengths else 0.0,
+            "length_max": lengths[-1] if lengths else 0,
+            "at_budget": round(ran_out / len(lengths), 3) if lengths else 0.0})
+        log.info("step %d: reward %.3f, %.1f s (%s; engine %.0f tokens/s), length mean %.1f max %d, "
+                 "%.2f at budget", step + 1, report.reward, self.steps[-1]["seconds"],
+                 ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), self.steps[-1]["engine_tokens_per_second"] or 0,
+                 self.steps[-1]["length_mean"], self.steps[-1]["length_max"], self.steps[-1]["at_budget"])
+
+
+class TimedPacer:
+    """A PacerClient whose Reset and Resume calls are timed (the step boundary's share of a step)."""
+
+    def __init__(self, pacer) -> None:
+        self._pacer = pacer
+        self.seconds = {"reset": 0.0, "resume": 0.0}
+
+    def __getattr__(self, name: str):
+        return getattr(self._pacer, name)
+
+    def _timed(self, phase: str, call, *args, **kwargs):
+        started = time.monotonic()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.seconds[phase] += time.monotonic() - started
+
+    def reset(self, *args, **kwargs):
+        return self._timed("reset", self._pacer.reset, *args, **kwargs)
+
+    def resume(self, *args, **kwargs):
+        return self._timed("resume", self._pacer.resume, *args, **kwargs)
 
 
 class EngineSet:
@@ -246,6 +305,18 @@ class EngineSet:
             return self._loop.run_until_complete(all_of())
         finally:
             self.generate_seconds += time.monotonic() - started
+
+    def generated_tokens(self) -> float:
+        """The engines' own count of generated tokens so far (vLLM's /metrics), for tokens/s per step."""
+        import urllib.request
+
+        total = 0.0
+        for engine in self.engines:
+            with urllib.request.urlopen(f"{engine.base_url}/metrics", timeout=5) as answer:
+                for line in answer.read().decode().splitlines():
+                    if line.startswith("vllm:generation_tokens_total"):
+                        total += float(line.rsplit(" ", 1)[1])
+        return total
 
     def close(self) -> None:
         for engine in self.engines:
@@ -351,8 +422,8 @@ def train_synchronous(engines, policy, prompts, ledger, args) -> None:
 
     def generate(step: int) -> Rollouts:
         ids = range(step * args.prompts_per_step, (step + 1) * args.prompts_per_step)
-        requests = [GenerationRequest(f"sync-{step}-{i}-{k}", prompts.tokens(task.prompt_id(i)), args.max_tokens,
-                                      params)
+        requests = [GenerationRequest(f"sync-{step}-{i}-{k}", prompts.tokens(task.prompt_id(i)),
+                                      task.response_budget(prompts.seed, i, args.max_tokens), params)
                     for i in ids for k in range(args.group_size)]
         answers = engines.generate(requests)
         return Rollouts(prompts=[list(r.input_ids) for r in requests],
@@ -416,13 +487,17 @@ def run_one(args: argparse.Namespace, config: dict, seed: int, engine_urls: list
     prompts = PromptBook(seed)
     ledger = Ledger()
     engines = EngineSet(engine_urls)
+    timed: dict[str, float] = {}  # the pacer's Reset and Resume seconds (fully-async)
+    ledger.clocks = lambda: {"generate": engines.generate_seconds, "train": policy.train_seconds,
+                             "sync": engines.sync_seconds, **timed}
+    ledger.engine_tokens = engines.generated_tokens
     cleanup_engines = engines.close
     log.info("run %s", name)
     stats: list[dict] = []
     killed_at, rollback = None, None
     with ExitStack() as cleanup:
         if config["kind"] == "sync":
-            ledger.started = time.monotonic()
+            ledger.start()
             train_synchronous(engines, policy, prompts, ledger, args)
         else:
             port = free_port()
@@ -434,7 +509,9 @@ def run_one(args: argparse.Namespace, config: dict, seed: int, engine_urls: list
             for worker in workers:
                 cleanup.callback(stop, worker, signal.SIGKILL, 5.0)
 
-            with PacerClient(address) as pacer:
+            with PacerClient(address) as client:
+                pacer = TimedPacer(client)
+                timed = pacer.seconds
                 def maybe_kill(step: int) -> None:
                     nonlocal killed_at
                     if args.kill_server_at is None or step + 1 != args.kill_server_at:
@@ -448,7 +525,7 @@ def run_one(args: argparse.Namespace, config: dict, seed: int, engine_urls: list
                     wait_until_answering(pacer)
 
 
-                ledger.started = time.monotonic()
+                ledger.start()
                 versions = itertools.count(1)  # never back, even after a rollback
                 after_step = None
                 if args.rollback_at is not None:
@@ -505,6 +582,21 @@ def wait_until_answering(pacer, timeout: float = 120.0) -> None:
             time.sleep(0.2)
 
 
+def phase_means(steps: list[dict]) -> dict:
+    """A run's step on average: seconds per phase, the engines' tokens/s; the trained responses' lengths and the
+    share that ran to the budget over the first and the last five steps (the tail, and whether it lasts)."""
+    if not steps:
+        return {}
+    names = dict.fromkeys(name for s in steps for name in s["phases"])
+    means: dict = {name: round(statistics.mean(s["phases"].get(name, 0.0) for s in steps), 3) for name in names}
+    means["step"] = round(statistics.mean(s["step_seconds"] for s in steps), 3)
+    means["engine_tokens_per_second"] = round(statistics.mean(s["engine_tokens_per_second"] or 0 for s in steps))
+    for key in ("length_mean", "at_budget"):
+        means[f"{key}_first_5"] = round(statistics.mean(s[key] for s in steps[:5]), 3)
+        means[f"{key}_last_5"] = round(statistics.mean(s[key] for s in steps[-5:]), 3)
+    return means
+
+
 def result_of(args, config, seed, ledger: Ledger, stats: list[dict], wall: float, killed_at) -> dict:
     acknowledged = {tid: prompt for s in stats for tid, prompt in s["acknowledged"].items()}
     by_fate = Counter(ledger.fate.get(prompt, "lost") for prompt in acknowledged.values())
@@ -533,6 +625,7 @@ def result_of(args, config, seed, ledger: Ledger, stats: list[dict], wall: float
         "tokens_generated": generated, "tokens_trained": ledger.trained_tokens,
         "generated_per_trained_token": round(generated / ledger.trained_tokens, 3) if ledger.trained_tokens else None,
         "held_at_end": by_fate.get("held_at_end", 0),
+        "seconds_per_step_by_phase": phase_means(ledger.steps),
         "server_killed_at_step": killed_at,
         # --rollback-at: trajectories whose group the Restore discarded (and counted) and that were not generated
         # again by the end; not lost: their prompts are offered again
@@ -656,7 +749,7 @@ def plot_main(argv: list[str]) -> int:
         axis.set_ylabel("mean reward of the trained batch")
         axis.grid(alpha=0.3)
         axis.legend()
-    fig.suptitle("tiny Llama on 2 CPU cores: vLLM generates, PyTorch trains (one line per seed)")
+    fig.suptitle("the example's Llama on 2 CPU cores: vLLM generates, PyTorch trains (one line per seed)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return 0
@@ -667,7 +760,7 @@ def plot_main(argv: list[str]) -> int:
 def vllm_setup(args: argparse.Namespace) -> tuple[str, Path]:
     """The vLLM venv's python and the model directory, creating either with setup.sh when missing."""
     python = args.vllm_python or os.environ.get("CODA_VLLM_PYTHON")
-    model = Path(args.model or os.environ.get("CODA_VLLM_MODEL") or DEFAULT_MODEL)
+    model = Path(args.model or os.environ.get("CODA_RL_MODEL") or DEFAULT_MODEL)
     if python and (model / "config.json").exists():
         return python, model
     venv = Path(python).parent.parent if python else DEFAULT_VENV
@@ -686,7 +779,7 @@ def has_torch() -> bool:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="training steps of every run")
+    parser.add_argument("--steps", type=int, default=24, help="training steps of every run")
     parser.add_argument("--target", type=float, default=0.9, help="the reward steps_to_target counts up to")
     parser.add_argument("--compare", action="store_true",
                         help="run the synchronous loop and the strategies side by side (--seeds each)")
@@ -704,7 +797,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prompts-per-step", type=int, default=8, help="B")
     parser.add_argument("--group-size", type=int, default=8, help="N")
     parser.add_argument("--mini-batch-size", type=int, default=64, help="M (trajectories); B*N/M updates a step")
-    parser.add_argument("--max-tokens", type=int, default=64, help="the response budget (the tail's end)")
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="the largest response budget (the tail's end; task.response_budget draws each prompt's)")
     parser.add_argument("--max-groups", type=int, default=8, help="groups each worker generates at once")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--clip", type=float, default=0.2, help="the ratio clip of --loss clip")
@@ -715,7 +809,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vllm-python", help="python of the vLLM venv (default $CODA_VLLM_PYTHON, else setup.sh)")
     parser.add_argument("--server-python", default=os.environ.get("CODA_SERVER_PYTHON"),
                         help="python with coda-server's packages (default: the one this script was started with)")
-    parser.add_argument("--model", help="model directory (default $CODA_VLLM_MODEL or ~/.cache/coda-pacer/tiny-llama)")
+    parser.add_argument("--model", help="model directory (default $CODA_RL_MODEL or ~/.cache/coda-pacer/rl-llama, "
+                                        "which setup.sh writes)")
     parser.add_argument("--vllm-port", type=int, default=18124)
     parser.add_argument("--vllm-url", help="use this running vLLM (VLLM_SERVER_DEV_MODE=1, serving the model as "
                                            "'tiny', pinned to core 0) instead of starting one")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Makes what examples/rl_cpu needs, offline (nothing from a model hub): the vLLM venv and the tiny model (as
-# examples/vllm_e2e/setup.sh does), then the client and worker kit installed into that venv, where the
+# Makes what examples/rl_cpu needs, offline (nothing from a model hub): the vLLM venv and the example's model (as
+# examples/vllm_e2e/setup.sh does, a larger one: hidden size 256, 4 layers, 2.9M parameters), then the client and worker kit installed into that venv, where the
 # trainer (torch) and the workers run. The install must not move any of the venv's packages: a dry run
 # lists what it would install, and anything but coda-pacer itself stops the script.
 #
@@ -10,9 +10,9 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 venv="${1:-${CODA_VLLM_VENV:-$HOME/.cache/coda-pacer/vllm-venv}}"
-model="${2:-${CODA_VLLM_MODEL:-$HOME/.cache/coda-pacer/tiny-llama}}"
+model="${2:-${CODA_RL_MODEL:-$HOME/.cache/coda-pacer/rl-llama}}"
 
-bash "$repo/examples/vllm_e2e/setup.sh" "$venv" "$model"
+bash "$repo/examples/vllm_e2e/setup.sh" "$venv" "$model" --hidden-size 256 --layers 4
 
 if ! "$venv/bin/python" -c "import coda_worker.engines.vllm" 2>/dev/null; then
     report="$(mktemp)"
@@ -29,4 +29,4 @@ PY
     rm -f "$report"
     "$venv/bin/pip" install --quiet --no-deps -e "$repo"
 fi
-echo "setup: ready: CODA_VLLM_PYTHON=$venv/bin/python CODA_VLLM_MODEL=$model" >&2
+echo "setup: ready: CODA_VLLM_PYTHON=$venv/bin/python CODA_RL_MODEL=$model" >&2
