@@ -161,15 +161,26 @@ def dispatch_response(result: DispatchResult) -> Union[pb.DispatchResponse, wire
         entry = add()
         entry.prompt_id = prompt_id
         entry.seq = seq
-    message.paused = result.paused
-    message.step = result.step
-    message.weight_version = result.weight_version
-    message.generation = result.generation
-    message.running = result.running
-    message.buffered = result.buffered
-    message.capacity = result.capacity
-    message.remaining = result.remaining
-    message.job_ended = result.job_ended
+    # Only the fields that differ from their default are set: a field set costs a call into the message, and
+    # most answers are not paused nor ended, many at step 0 or with nothing buffered.
+    if result.paused:
+        message.paused = True
+    if result.step:
+        message.step = result.step
+    if result.weight_version:
+        message.weight_version = result.weight_version
+    if result.generation:
+        message.generation = result.generation
+    if result.running:
+        message.running = result.running
+    if result.buffered:
+        message.buffered = result.buffered
+    if result.capacity:
+        message.capacity = result.capacity
+    if result.remaining:
+        message.remaining = result.remaining
+    if result.job_ended:
+        message.job_ended = True
     if result.continued:  # restored groups re-offered: their trajectories go out as the bytes held
         return wire.EncodedAnswer(message, {"continuations": [group_parts(g) for g in result.continued]})
     return message

@@ -96,10 +96,14 @@ class RequestChecks:
                                        violations=[("candidates", f"at most {limit} candidates per call")])
         violations: list[tuple[str, str]] = []
         seen: set[str] = set()
-        datasets = self._datasets
+        datasets, max_length = self._datasets, self.limits.max_id_length
         for i, ref in enumerate(candidates):
             prompt_id, ds_index = ref.prompt_id, ref.ds_index
-            problem = self.id_problem(prompt_id)
+            # A well-formed id, the usual case, is told here without id_problem's call (it says what is wrong).
+            if prompt_id.__class__ is str and 0 < len(prompt_id) <= max_length and prompt_id.isprintable():
+                problem = None
+            else:
+                problem = self.id_problem(prompt_id)
             if problem is None:
                 if prompt_id in seen:
                     problem = f"prompt {prompt_id!r} is named twice in this request"

@@ -224,7 +224,7 @@ class InflightTable:
                                   self._generation_prompts, self._past_generations)
 
     def check_candidates(self, checks: Any, candidates: Sequence[PromptRef], restored: Any) -> None:
-        checks.check_candidates(candidates, self.groups, restored)
+        checks.check_candidates(candidates, self.groups, restored.ids)
 
     def stale_fences(self, dispatch_seqs: Mapping[str, int]) -> list[tuple[str, int, int]]:
         """(prompt id, the seq named, the latest seq) of each group dispatched again since the named seq."""

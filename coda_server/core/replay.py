@@ -15,7 +15,7 @@ null is `fifo`) picks which ones go first. Custom strategies register like slidi
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Optional, Sequence
 
 from .registry import Registry
 from .types import TrajectoryGroup
@@ -73,6 +73,12 @@ class RestoredGroups:
 
     def __contains__(self, prompt_id: object) -> bool:
         return prompt_id in self._ids
+
+    @property
+    def ids(self) -> AbstractSet[str]:
+        """The kept groups' prompt ids (read-only, live): a Dispatch checks each candidate against it without
+        a call per candidate."""
+        return self._ids
 
     def keep(self, groups: Iterable[TrajectoryGroup]) -> list[str]:
         """Keep these groups (a Reset restored them); returns their prompt ids."""
