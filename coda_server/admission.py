@@ -90,8 +90,14 @@ def read_caller(context: grpc.aio.ServicerContext) -> tuple[str, bool]:
     kept for the rest of the call (every call runs in its own task), where `client_id` finds it."""
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_METADATA_KEY:
-            text = value if isinstance(value, str) else value.decode("utf-8", "replace")
-            known = (text, True) if CLIENT_ID_PATTERN.fullmatch(text) else ("", False)
+            known = _KNOWN_CALLERS.get(value)
+            if known is None:  # a caller not seen yet (or forgotten): checked against the rule
+                text = value if isinstance(value, str) else value.decode("utf-8", "replace")
+                known = (text, True) if CLIENT_ID_PATTERN.fullmatch(text) else ("", False)
+                if known[1]:
+                    if len(_KNOWN_CALLERS) >= MAX_KNOWN_CALLERS:
+                        _KNOWN_CALLERS.clear()
+                    _KNOWN_CALLERS[value] = known
             break
     else:
         known = _NO_CLIENT_ID
@@ -100,6 +106,10 @@ def read_caller(context: grpc.aio.ServicerContext) -> tuple[str, bool]:
 
 
 _NO_CLIENT_ID = ("", True)
+# Well-formed client ids already seen, as read_caller answers them: the same workers call again and again,
+# so most calls skip the rule's regular expression. Forgotten all at once past MAX_KNOWN_CALLERS.
+_KNOWN_CALLERS: dict[Any, tuple[str, bool]] = {}
+MAX_KNOWN_CALLERS = 65536
 
 
 def client_id(context: grpc.aio.ServicerContext) -> str:
