@@ -77,6 +77,10 @@ class RequestChecks:
 
     def check_request_id(self, request_id: Any) -> None:
         """A non-empty request_id is kept in the replay cache: bound its length and refuse control characters."""
+        # Every remembered call checks one: the usual well-formed id is told without id_problem's call.
+        if request_id.__class__ is str and 0 < len(request_id) <= self.limits.max_opaque_id_length \
+                and request_id.isprintable():
+            return
         problem = self.id_problem(request_id, self.limits.max_opaque_id_length)
         if problem:
             raise InvalidArgumentError(f"request_id {problem}", violations=[("request_id", problem)])
