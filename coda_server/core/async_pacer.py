@@ -330,7 +330,7 @@ class AsyncPacer:
         """Run `call` once per request_id, and answer only when what it changed is durable. While the journal
         cannot write, nothing is applied: the call is refused UNAVAILABLE (STATE_DIR_UNWRITABLE), to retry."""
         self.check_ready()
-        journal = self.pacer.journal
+        journal = self.pacer.recorder.journal  # the attribute itself: Pacer.journal is a property (a call)
         if journal is not None and journal.error is not None:
             raise self._unwritable(journal)
         result = await self.pacer.answers.once_awaited(method, request_id, call, outlives_caller=outlives_caller)
