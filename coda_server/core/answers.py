@@ -57,6 +57,10 @@ class AnswerBook:
         """The remembered answers of `method`, by request_id: read-only and live."""
         return MappingProxyType(self._answers[method])
 
+    def under_way(self, method: str, request_id: str) -> bool:
+        """A call of `method` with this request_id is running now (`once_awaited`): a retry must await it."""
+        return (method, request_id) in self._running
+
     def once(self, method: str, request_id: str, call: Callable[[], R]) -> R:
         """In-process callers: the remembered answer of `request_id`, else `call()`'s, remembered."""
         if not request_id:

@@ -194,6 +194,17 @@ class AsyncPacer:
 
     async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
                        client_id: str = "", max_continuations: Optional[int] = None) -> DispatchResult:
+        pacer = self.pacer
+        if wait <= 0 and not pacer.answers.under_way("Dispatch", request_id):
+            # The usual call, which does not wait: nothing suspends before its answer, so no retry of it can
+            # arrive meanwhile and it needs neither once_awaited nor the wait's coroutines (a few per call).
+            journal = self._applicable()
+            result = pacer.answers.once("Dispatch", request_id, lambda: self.waits.now(
+                pacer.dispatch_poll(candidates, request_id, client_id, max_continuations)))
+            if journal is not None:
+                await self._durable(journal)
+            return result
+
         async def call() -> DispatchResult:
             return await self.waits.until(
                 self.pacer.dispatch_poll(candidates, request_id, client_id, max_continuations), wait)
@@ -329,14 +340,20 @@ class AsyncPacer:
                        outlives_caller: bool = False) -> Any:
         """Run `call` once per request_id, and answer only when what it changed is durable. While the journal
         cannot write, nothing is applied: the call is refused UNAVAILABLE (STATE_DIR_UNWRITABLE), to retry."""
-        self.check_ready()
-        journal = self.pacer.recorder.journal  # the attribute itself: Pacer.journal is a property (a call)
-        if journal is not None and journal.error is not None:
-            raise self._unwritable(journal)
+        journal = self._applicable()
         result = await self.pacer.answers.once_awaited(method, request_id, call, outlives_caller=outlives_caller)
         if journal is not None:  # state in memory: nothing to wait for
             await self._durable(journal)
         return result
+
+    def _applicable(self) -> Optional[Journal]:
+        """The journal (None: state in memory), once a call may be applied: the state is recovered and the
+        journal can write (else UNAVAILABLE, STATE_DIR_UNWRITABLE: nothing is applied, retry)."""
+        self.check_ready()
+        journal = self.pacer.recorder.journal  # the attribute itself: Pacer.journal is a property (a call)
+        if journal is not None and journal.error is not None:
+            raise self._unwritable(journal)
+        return journal
 
     def _unwritable(self, journal: Journal) -> StateDirUnwritableError:
         if self.on_journal_failure is not None:

@@ -92,6 +92,12 @@ class LoopWaits:
     def clamp(self, wait: float) -> float:
         return min(max(0.0, float(wait)), self.max_wait_seconds)
 
+    @staticmethod
+    def now(poll: Poll[R]) -> R:
+        """`until(poll, 0)` without a coroutine: the answer of a call that does not wait."""
+        result = poll.attempt()
+        return result if result is not None else poll.give_up()
+
     async def until(self, poll: Poll[R], wait: float) -> R:
         """As ThreadWaits.until, for at most max_wait_seconds."""
         result = poll.attempt()
