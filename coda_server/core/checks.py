@@ -261,8 +261,8 @@ class RequestChecks:
             return
         if not isinstance(weight_version, int) or isinstance(weight_version, bool) or weight_version < current:
             behind = ("" if not isinstance(weight_version, int) or isinstance(weight_version, bool) else
-                      f"; the server is at a newer weight version than the trainer: a trainer restarted from an older "
-                      f"checkpoint must restore first (PacerClient.restore with the pacer checkpoint saved with it)")
+                      "; the server is at a newer weight version than the trainer: a trainer restarted from an older "
+                      "checkpoint must restore first (PacerClient.restore with the pacer checkpoint saved with it)")
             raise InvalidArgumentError(f"weight_version {weight_version!r} must be an integer >= the current "
                                        f"{current}{behind}", violations=[("weight_version", f"must be >= {current}")])
 
