@@ -202,13 +202,7 @@ class Client:
 
 def collect_once(client: Client, groups: int, stage: str) -> tuple[float, int]:
     started = time.perf_counter()
-    data = client.collect(pb.CollectRequest(num_groups=groups), timeout=120)
-    if stage == "call":
-        return time.perf_counter() - started, len(data)
-    result = CollectResult.from_pb(data, "numpy")
-    if stage == "packed":
-        MiniBatch.from_collects([result])
-    return time.perf_counter() - started, len(data)
+    return finish_stage([client.collect(pb.CollectRequest(num_groups=groups), timeout=120)], stage, started)
 
 
 def collect_split(client: Client, stage: str) -> tuple[float, int]:
@@ -216,14 +210,7 @@ def collect_split(client: Client, stage: str) -> tuple[float, int]:
     started = time.perf_counter()
     futures = [client.collect.future(pb.CollectRequest(num_groups=1), timeout=120)
                for _ in range(MINI_BATCH // GROUP_SIZE)]
-    datas = [f.result() for f in futures]
-    size = sum(len(d) for d in datas)
-    if stage == "call":
-        return time.perf_counter() - started, size
-    results = [CollectResult.from_pb(d, "numpy") for d in datas]
-    if stage == "packed":
-        MiniBatch.from_collects(results)
-    return time.perf_counter() - started, size
+    return finish_stage([f.result() for f in futures], stage, started)
 
 
 def collect_stream(client: Client, per_message: int, stage: str) -> tuple[float, int]:
@@ -231,13 +218,17 @@ def collect_stream(client: Client, per_message: int, stage: str) -> tuple[float,
     started = time.perf_counter()
     request = (pb.CollectRequest(num_groups=per_message) if per_message > 0
                else pb.CollectRequest(num_groups=1, world_size=-per_message))
-    datas = list(client.stream(request, timeout=120))
+    return finish_stage(list(client.stream(request, timeout=120)), stage, started)
+
+
+def finish_stage(datas: list[bytes], stage: str, started: float) -> tuple[float, int]:
+    """The received answers taken as far as `stage` (call: received; views: NumPy views; packed: a
+    MiniBatch), then (seconds since `started`, bytes received)."""
     size = sum(len(d) for d in datas)
-    if stage == "call":
-        return time.perf_counter() - started, size
-    results = [CollectResult.from_pb(d, "numpy") for d in datas]
-    if stage == "packed":
-        MiniBatch.from_collects(results)
+    if stage != "call":
+        results = [CollectResult.from_pb(d, "numpy") for d in datas]
+        if stage == "packed":
+            MiniBatch.from_collects(results)
     return time.perf_counter() - started, size
 
 
