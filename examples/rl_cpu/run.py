@@ -49,7 +49,7 @@ for path in (str(HERE.parent / "vllm_e2e"), str(HERE), str(REPO)):  # the checko
         sys.path.insert(0, path)
 
 import task  # noqa: E402
-from vllm_process import DEFAULT_VENV, start_vllm, stop, wait_for_vllm  # noqa: E402
+from vllm_process import DEFAULT_VENV, run_worker, start_vllm, stop, wait_for_vllm, worker_arguments  # noqa: E402
 
 log = logging.getLogger("rl_cpu")
 ENGINE_CORE, TRAINER_CORE = 0, 1
@@ -127,40 +127,15 @@ def sampling(max_tokens: int):
 
 
 def worker_main(argv: list[str]) -> int:
-    from coda_client import AsyncPacerClient
-    from coda_worker import AsyncRolloutWorker, ListPromptSource, Prompt
-    from coda_worker.engines import VLLMEngine
+    from coda_worker import ListPromptSource, Prompt
 
-    parser = argparse.ArgumentParser(prog="run.py worker")
-    for name in ("--pacer", "--engine", "--stats"):
-        parser.add_argument(name, required=True)
-    for name in ("--index", "--count", "--seed", "--prompts", "--max-tokens", "--max-groups"):
-        parser.add_argument(name, type=int, required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = worker_arguments(argv, extra_integers=("--seed",))
     prompts = [Prompt(task.prompt_id(i), task.prompt_tokens(args.seed, i), epoch=0, index=i,
                       max_tokens=task.response_budget(args.seed, i, args.max_tokens))
                for i in range(args.prompts)]
-    source = ListPromptSource(prompts).shard(args.index, args.count)
-    acknowledged: dict[str, str] = {}  # trajectory id -> its prompt id
-
-    def record(trajectories) -> None:
-        for t in trajectories:
-            acknowledged[t.trajectory_id] = t.prompt_id
-
-    async def main() -> dict:
-        async with AsyncPacerClient(args.pacer, client_id=f"worker-{args.index}") as pacer, \
-                VLLMEngine(args.engine, model="tiny") as engine:
-            worker = AsyncRolloutWorker(pacer, engine, source, sampling=sampling(args.max_tokens),
-                                        reward=lambda prompt, tokens: task.reward(tokens),
-                                        max_groups=args.max_groups, worker_id=f"worker-{args.index}",
-                                        on_submitted=record, engine_retries=3)
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
-            stats = await worker.run()
-            return {**stats.as_dict(), "acknowledged": acknowledged}
-
-    Path(args.stats).write_text(json.dumps(asyncio.run(main())))
+    run_worker(args, ListPromptSource(prompts).shard(args.index, args.count),
+               lambda engine: {"sampling": sampling(args.max_tokens), "engine_retries": 3,
+                               "reward": lambda prompt, tokens: task.reward(tokens)})
     return 0
 
 

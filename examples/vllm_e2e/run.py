@@ -15,7 +15,6 @@ last line printed is a JSON summary.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -37,7 +36,8 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from coda_client import PacerClient  # noqa: E402
 from coda_client.batches import MiniBatch  # noqa: E402
-from vllm_process import DEFAULT_MODEL, DEFAULT_VENV, start_vllm, stop, wait_for_vllm  # noqa: E402
+from vllm_process import (  # noqa: E402
+    DEFAULT_MODEL, DEFAULT_VENV, run_worker, start_vllm, stop, wait_for_vllm, worker_arguments)
 
 log = logging.getLogger("coda_example")
 
@@ -112,37 +112,13 @@ def reward_of(prompt, tokens) -> float:
 
 
 def worker_main(argv: list[str]) -> int:
-    from coda_client import AsyncPacerClient
-    from coda_worker.engines import SamplingParams, VLLMEngine
-    from coda_worker.worker import AsyncRolloutWorker, ListPromptSource
+    from coda_worker.engines import SamplingParams
+    from coda_worker.worker import ListPromptSource
 
-    parser = argparse.ArgumentParser(prog="run.py worker")
-    for name in ("--pacer", "--engine", "--stats"):
-        parser.add_argument(name, required=True)
-    for name in ("--index", "--count", "--prompts", "--max-tokens", "--max-groups"):
-        parser.add_argument(name, type=int, required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    source = ListPromptSource(example_prompts(args.prompts)).shard(args.index, args.count)
-    acknowledged: dict[str, str] = {}  # trajectory id -> its prompt id
-
-    def record(trajectories) -> None:
-        for t in trajectories:
-            acknowledged[t.trajectory_id] = t.prompt_id
-
-    async def main() -> dict:
-        async with AsyncPacerClient(args.pacer, client_id=f"worker-{args.index}") as pacer, \
-                VLLMEngine(args.engine, model="tiny") as engine:
-            worker = AsyncRolloutWorker(
-                pacer, engine, source, sampling=SamplingParams(max_tokens=args.max_tokens, temperature=1.0),
-                reward=reward_of, max_groups=args.max_groups, worker_id=f"worker-{args.index}",
-                on_resume=engine.update_weight_version, on_submitted=record)
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
-            stats = await worker.run()
-            return {**stats.as_dict(), "acknowledged": acknowledged}
-
-    Path(args.stats).write_text(json.dumps(asyncio.run(main())))
+    args = worker_arguments(argv)
+    run_worker(args, ListPromptSource(example_prompts(args.prompts)).shard(args.index, args.count),
+               lambda engine: {"sampling": SamplingParams(max_tokens=args.max_tokens, temperature=1.0),
+                               "reward": reward_of, "on_resume": engine.update_weight_version})
     return 0
 
 

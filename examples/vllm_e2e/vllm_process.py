@@ -1,14 +1,20 @@
-"""The processes the examples start: vLLM (where its venv and model live, start it, wait until healthy) and stopping any."""
+"""The processes the examples start: vLLM (where its venv and model live, start it, wait until healthy), a rollout
+worker process's body, and stopping any."""
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import logging
 import os
 import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 DEFAULT_VENV = Path.home() / ".cache" / "coda-pacer" / "vllm-venv"
 DEFAULT_MODEL = Path.home() / ".cache" / "coda-pacer" / "tiny-llama"
@@ -60,3 +66,45 @@ def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
+
+
+def worker_arguments(argv: Sequence[str], *, extra_integers: Sequence[str] = ()) -> argparse.Namespace:
+    """A worker process's command line (`run.py worker ...`): where the pacer and the engine are, its shard
+    (--index of --count), --prompts, --max-tokens, --max-groups and --stats (where its stats go), plus
+    `extra_integers`; with the examples' logging set up."""
+    parser = argparse.ArgumentParser(prog="run.py worker")
+    for name in ("--pacer", "--engine", "--stats"):
+        parser.add_argument(name, required=True)
+    for name in ("--index", "--count", "--prompts", "--max-tokens", "--max-groups", *extra_integers):
+        parser.add_argument(name, type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return args
+
+
+def run_worker(args: argparse.Namespace, source: Any, worker_options: Callable[[Any], dict]) -> None:
+    """One AsyncRolloutWorker over VLLMEngine (`args` from worker_arguments; its other options
+    `worker_options(engine)`) until its source is done or SIGTERM stops it; writes its stats and every trajectory the server acknowledged (id -> prompt id: what the trainer
+    checks for loss) as JSON to args.stats."""
+    from coda_client import AsyncPacerClient
+    from coda_worker import AsyncRolloutWorker
+    from coda_worker.engines import VLLMEngine
+
+    acknowledged: dict[str, str] = {}
+
+    def record(trajectories: Any) -> None:
+        for t in trajectories:
+            acknowledged[t.trajectory_id] = t.prompt_id
+
+    async def main() -> dict:
+        async with AsyncPacerClient(args.pacer, client_id=f"worker-{args.index}") as pacer, \
+                VLLMEngine(args.engine, model="tiny") as engine:
+            worker = AsyncRolloutWorker(pacer, engine, source, max_groups=args.max_groups,
+                                        worker_id=f"worker-{args.index}", on_submitted=record,
+                                        **worker_options(engine))
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
+            stats = await worker.run()
+            return {**stats.as_dict(), "acknowledged": acknowledged}
+
+    Path(args.stats).write_text(json.dumps(asyncio.run(main())))
