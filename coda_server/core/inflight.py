@@ -202,10 +202,6 @@ class InflightTable:
         return sorted(self.groups.values(), key=lambda g: g.seq)
 
     @property
-    def complete_count(self) -> int:
-        return self._complete
-
-    @property
     def queued_trajectories(self) -> int:
         return self._queued
 
