@@ -85,8 +85,8 @@ class Scenario:
 
 def scenarios(candidates: int) -> dict[str, Scenario]:
     return {
-        "peek": Scenario("peek", "Dispatch, no candidates (peek)", 0.8),
-        "dispatch": Scenario("dispatch", f"Dispatch, {candidates} candidates, all admitted", 0.8),
+        "peek": Scenario("peek", "Dispatch, no candidates (peek)", 0.9),
+        "dispatch": Scenario("dispatch", f"Dispatch, {candidates} candidates, all admitted", 0.9),
         "submit": Scenario("submit", f"Submit, {GROUP_SIZE} traj x {TOKENS_PER_TRAJECTORY} tokens", 0.6),
         "getstate": Scenario("getstate", "GetState", 0.8),
     }
