@@ -18,6 +18,7 @@ packed run per array) first, so what is held, checked and written back is always
 from __future__ import annotations
 
 import operator
+import zlib
 from typing import Any, Optional
 
 import grpc
@@ -60,20 +61,30 @@ class EncodedTrajectory:
         return bytes(self.encoded)
 
     def fingerprint(self) -> int:
-        """A digest of the trajectory's content (64-bit, this process only; what duplicate detection keeps
-        once the trajectory has left the server). Field order and the order of the metadata entries do not
-        change it; every value does."""
+        """A digest of the trajectory's content (what duplicate detection keeps once the trajectory has left
+        the server). Field order and the order of the metadata entries do not change it; every value does, up
+        to a CRC-32 collision of the arrays and payload. Computed once; safe to call from any thread (the CRC
+        runs without the GIL, so the Ack's digests can be made off the event loop: AsyncPacer.collect)."""
         if self._fingerprint is None:
             scalars, runs = _wire.split_message(self.encoded, pacer_pb2.Trajectory, _RUN_NAMES)
+            # CRC-32 of the arrays (zlib: several times SipHash's speed, and it releases the GIL), with each
+            # run's length so bytes moved from one array to another change the digest too.
+            crc = 0
+            lengths = []
+            for name in _RUN_NAMES.values():
+                for run in runs[name]:
+                    crc = zlib.crc32(run, crc)
+                    lengths.append(len(run))
+                lengths.append(-1)
             self._fingerprint = hash((scalars.trajectory_id, scalars.prompt_id, scalars.ds_index, scalars.status,
                                       scalars.reward, scalars.start_weight_version, scalars.end_weight_version,
-                                      scalars.num_turns, tuple(sorted(scalars.metadata.items())),
-                                      *(tuple(runs[name]) for name in _RUN_NAMES.values())))
+                                      scalars.num_turns, tuple(sorted(scalars.metadata.items())), crc,
+                                      tuple(lengths)))
         return self._fingerprint
 
 
 # The fields the server never decodes, by number: the arrays, and the payload (opaque to the server,
-# possibly large). A Submit keeps them as slices of the request; a fingerprint hashes them in place.
+# possibly large). A Submit keeps them as slices of the request; a fingerprint digests them in place.
 _RUN_NAMES = {**{field.number: name for name, field in _wire.ARRAY_FIELDS.items()},
               pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["payload"].number: "payload"}
 

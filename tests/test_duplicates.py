@@ -6,7 +6,9 @@ content key: the body is let go, also by the remembered answer of the acknowledg
 """
 from __future__ import annotations
 
+import asyncio
 import gc
+import threading
 import weakref
 
 import numpy as np
@@ -16,6 +18,7 @@ from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectorySta
 from coda_client.errors import BadRequestError
 from coda_server import wire
 from coda_server.core import InvalidArgumentError, Pacer, PromptRef, Trajectory, load_config
+from coda_server.core.async_pacer import AsyncPacer
 from server_harness import ServerProcess
 
 
@@ -73,6 +76,44 @@ def test_while_the_group_is_held_the_same_rules_apply() -> None:
         pacer.submit(_group("h", content="z")[:1])
 
 
+class ThreadNotingBody(Body):
+    """A body that notes which thread digests it, caching its fingerprint as EncodedTrajectory does."""
+
+    def __init__(self, content: str):
+        super().__init__(content)
+        self.digested_in: list[int] = []
+        self._fingerprint = None
+
+    def fingerprint(self) -> int:
+        if self._fingerprint is None:
+            self.digested_in.append(threading.get_ident())
+            self._fingerprint = hash(self.content)
+        return self._fingerprint
+
+
+def test_a_leased_collects_content_keys_are_computed_off_the_event_loop_before_its_ack() -> None:
+    facade = AsyncPacer(_pacer())
+    sent = [Trajectory(f"a/{i}", "a", body=ThreadNotingBody(f"x{i}"), size_bytes=10) for i in range(2)]
+
+    async def run() -> int:
+        facade.bind_loop()
+        try:
+            await facade.dispatch([PromptRef("a")])
+            await facade.submit(sent)
+            result = await facade.collect(1, lease_seconds=30)
+            assert result.lease_id
+            await facade.ack(result.lease_id)
+            again = await facade.submit([Trajectory("a/0", "a", body=Body("x0"), size_bytes=10)])
+            assert again.duplicates == 1  # the kept key is the body's digest
+            return threading.get_ident()
+        finally:
+            facade.drain()
+
+    loop_thread = asyncio.run(run())
+    for trajectory in sent:  # digested once each, in a thread of its own, by the time the Ack kept the keys
+        assert len(trajectory.body.digested_in) == 1 and trajectory.body.digested_in[0] != loop_thread
+
+
 def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content() -> None:
     def encoded(**fields) -> wire.EncodedTrajectory:
         values = dict(trajectory_id="t", prompt_id="p", status=1, token_ids=[1, 2], logprobs=[-0.5, -1.0],
@@ -88,6 +129,10 @@ def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content() -> No
     for different in (encoded(token_ids=[1, 3]), encoded(logprobs=[-0.5, float("nan")]), encoded(payload=b"\x01"),
                       encoded(metadata={"a": "1"}), encoded(loss_mask=[1, 1]), encoded(num_turns=2)):
         assert different != reference
+    # The same bytes in the same order, split differently between two neighbouring arrays: not the same content.
+    whole = encoded(loss_mask=[1, 2], segment_lengths=[])
+    moved = encoded(loss_mask=[1], segment_lengths=[2])
+    assert whole != moved
 
 
 def _fields_of(data: bytes) -> list[bytes]:

@@ -27,6 +27,7 @@ from .types import (
     ResumeResult,
     SubmitResult,
     Trajectory,
+    TrajectoryGroup,
 )
 from .waiting import LoopWaits
 from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
@@ -59,6 +60,7 @@ class AsyncPacer:
         self._lease_task: Optional[asyncio.Task] = None
         self._recheck_task: Optional[asyncio.Task] = None
         self._collect_waits: dict[int, list] = {}  # waiting Collects: id -> [started, num_groups, warned]
+        self._keying: dict[str, asyncio.Future] = {}  # lease id -> its content keys being computed (_key_off_loop)
         self._next_wait_id = 0
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
         # Called (on the loop) when the journal can no longer write: the server stops advertising readiness.
@@ -252,7 +254,24 @@ class AsyncPacer:
             finally:
                 del self._collect_waits[wait_id]
 
-        return await self._applied("Collect", request_id, call)
+        result = await self._applied("Collect", request_id, call)
+        if result.lease_id and result.groups and result.lease_id not in self._keying:
+            self._key_off_loop(result.lease_id, result.groups)
+        return result
+
+    def _key_off_loop(self, lease_id: str, groups: list) -> None:
+        """Compute the leased trajectories' content keys (what the Ack keeps of each for duplicate detection: a
+        digest of its body, which the body caches) in a thread, while the answer is sent and the trainer trains:
+        digesting a mini-batch's arrays on the loop would stall every other call for tens of milliseconds."""
+        keying = asyncio.ensure_future(asyncio.to_thread(_compute_content_keys, groups))
+        self._keying[lease_id] = keying
+        keying.add_done_callback(lambda done: self._keyed(lease_id, done))
+
+    def _keyed(self, lease_id: str, done: asyncio.Future) -> None:
+        self._keying.pop(lease_id, None)
+        if not done.cancelled() and done.exception() is not None:  # the Ack computes them itself, and reports
+            log.warning("content keys of lease %s could not be computed ahead of its Ack: %s", lease_id,
+                        done.exception())
 
     async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,
                     weight_version: Optional[int] = None, request_id: str = "",
@@ -283,6 +302,10 @@ class AsyncPacer:
         return await self._applied("Reset", request_id, call, outlives_caller=True)
 
     async def ack(self, lease_id: str, request_id: str = "") -> int:
+        keying = self._keying.get(lease_id)
+        if keying is not None:  # its content keys are being computed off the loop: let them finish there
+            await asyncio.wait((keying,))
+
         async def call() -> int:
             self.pacer.checks.check_lease_id(lease_id)
             return self.pacer.apply_ack(lease_id, request_id)
@@ -422,3 +445,9 @@ class AsyncPacer:
         for task in (self._lease_task, self._recheck_task):
             if task is not None:
                 task.cancel()
+
+
+def _compute_content_keys(groups: Sequence[TrajectoryGroup]) -> None:
+    for group in groups:
+        for trajectory in group.trajectories:
+            trajectory.content_key()
