@@ -26,8 +26,9 @@ MB/s counts array bytes (token ids, logprobs, loss mask: 12 bytes per token). Fl
 request by request, alternately (the order rotating), so load from elsewhere hits both alike. Submit
 figures are the median over every Submit of every repeat (one group, 6.3 MB, each: the floor's time per
 request varies by a factor of two with the state of this process's allocator, which the median of a few
-per-repeat sums did not smooth); the other figures are medians over the repeats. Ratios are
-median(ours) / median(floor).
+per-repeat sums did not smooth); so are the Collect figures, over every mini-batch of every repeat (a
+repeat's first mini-batches meet a fresh server, as its first Submits do; each repeat's total is printed
+too); the other figures are medians over the repeats. Ratios are median(ours) / median(floor).
 
 With --concurrent (issue 29): 8 worker processes submit long-tailed groups while 4 trainer ranks iterate
 batches(512, rank=r, world_size=4), against our server and against a relay (a gRPC server with our server's
@@ -240,21 +241,23 @@ def collect_ours_one(pacer: PacerClient, packed: bool, kept: list) -> tuple[floa
 
 
 def collect_all(pacer: PacerClient, batches: int, packed: bool, response: Any = None,
-                meter: CpuMeter | None = None) -> tuple[float, float, int]:
-    """Takes every mini-batch (ours), each next to its floor when `response` is given."""
-    ours = floor_seconds = 0.0
+                meter: CpuMeter | None = None) -> tuple[list[float], list[float], int]:
+    """Takes every mini-batch (ours), each next to its floor when `response` is given: the seconds of each
+    (ours, floor) and the array bytes taken."""
+    ours: list[float] = []
+    floor_seconds: list[float] = []
     size = 0
     kept: list = []
     floor_kept: list = []
     for b in range(batches):
         if response is not None and b % 2:
-            floor_seconds += collect_floor_one(response, floor_kept)
+            floor_seconds.append(collect_floor_one(response, floor_kept))
         with meter.measuring() if meter else contextlib.nullcontext():
             seconds, batch_size = collect_ours_one(pacer, packed, kept)
-        ours += seconds
+        ours.append(seconds)
         size += batch_size
         if response is not None and not b % 2:
-            floor_seconds += collect_floor_one(response, floor_kept)
+            floor_seconds.append(collect_floor_one(response, floor_kept))
     return ours, floor_seconds, size
 
 
@@ -536,7 +539,7 @@ def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
             rss_consumed = rss_bytes(server.process.pid)  # everything acknowledged: nothing is held any more
             del response
             submit_all(pacer, groups, 1)
-            packed_seconds, _, _ = collect_all(pacer, batches, True, meter=meters["packed"])
+            packed_seconds = collect_all(pacer, batches, True, meter=meters["packed"])[0]
             submit_all(pacer, groups, 2)
             gaps = prefetch_gaps(pacer, batches)
     finally:
@@ -548,9 +551,13 @@ def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
         # Per Submit (one group each): the report takes the median over every Submit of every repeat.
         "group_mb": payload / 1e6 / len(groups),
         "submit_seconds": submit_seconds,
-        "collect_mb_s": payload / 1e6 / collect_seconds,
-        "collect_packed_mb_s": payload / 1e6 / packed_seconds,
-        "collect_floor_mb_s": payload / 1e6 / floor_collect,
+        # Per mini-batch (MINI_BATCH trajectories each): the report takes the median over every mini-batch of
+        # every repeat, as for Submits; each repeat's total is printed beside it.
+        "batch_mb": payload / 1e6 / batches,
+        "collect_seconds": {"views": collect_seconds, "packed": packed_seconds, "floor": floor_collect},
+        "collect_mb_s": payload / 1e6 / sum(collect_seconds),
+        "collect_packed_mb_s": payload / 1e6 / sum(packed_seconds),
+        "collect_floor_mb_s": payload / 1e6 / sum(floor_collect),
         "held_bytes": state.held_bytes,
         "rss_growth_bytes": rss_held - rss_before,
         "rss_per_held_byte": (rss_held - rss_before) / state.held_bytes,
@@ -566,11 +573,16 @@ def one_repeat(repeat: int, arrays: list, workdir: Path) -> dict:
 
 def report(runs: list[dict], busy: float) -> bool:
     med = {key: statistics.median(r[key] for r in runs) for key in runs[0]
-           if key not in ("repeat", "gaps_ms", "submit_seconds")}
+           if key not in ("repeat", "gaps_ms", "submit_seconds", "collect_seconds")}
     for kind, key in (("ours", "submit_mb_s"), ("floor", "submit_floor_mb_s"), ("sink", "submit_sink_mb_s")):
         med[key] = runs[0]["group_mb"] / statistics.median(t for r in runs for t in r["submit_seconds"][kind])
         for r in runs:
             r[key] = r["group_mb"] / statistics.median(r["submit_seconds"][kind])
+    # Collects as Submits: the median over every mini-batch of every repeat (a repeat's first mini-batches meet a
+    # fresh server's and this process's allocator state, as its first Submits do); each repeat's total below.
+    totals = {key: [r[key] for r in runs] for key in ("collect_mb_s", "collect_packed_mb_s", "collect_floor_mb_s")}
+    for kind, key in (("views", "collect_mb_s"), ("packed", "collect_packed_mb_s"), ("floor", "collect_floor_mb_s")):
+        med[key] = runs[0]["batch_mb"] / statistics.median(t for r in runs for t in r["collect_seconds"][kind])
     submit_ratio = med["submit_mb_s"] / med["submit_floor_mb_s"]
     collect_ratio = med["collect_mb_s"] / med["collect_floor_mb_s"]
     packed_ratio = med["collect_packed_mb_s"] / med["collect_floor_mb_s"]
@@ -596,7 +608,8 @@ def report(runs: list[dict], busy: float) -> bool:
     packed_ok = packed_vs_submit >= TARGETS["packed_vs_submit"]
     print(f"batches() (packed) / Submit-from-NumPy, ours: {packed_vs_submit:.2f}  target >= "
           f"{TARGETS['packed_vs_submit']} {'PASS' if packed_ok else 'FAIL'} (per repeat: "
-          + ", ".join(f"{r['collect_packed_mb_s'] / r['submit_mb_s']:.2f}" for r in runs) + ")")
+          + ", ".join(f"{packed / r['submit_mb_s']:.2f}" for packed, r in zip(totals["collect_packed_mb_s"], runs))
+          + " with each repeat's packed total)")
     cpu = {phase: (med[f"cpu_{phase}_client_ms"], med[f"cpu_{phase}_server_ms"]) for phase in ("submit", "views", "packed")}
     print("CPU ms per 100 MB of arrays, client (this process, all threads) + server, median over the repeats (load "
           "from elsewhere disturbs it less than wall time): " + "; ".join(
@@ -613,8 +626,8 @@ def report(runs: list[dict], busy: float) -> bool:
     print(f"prefetch gap: {med['gap_median_ms']:.1f} ms after a {STEP_SECONDS:.0f} s step = {100 * gap_fraction:.2f}% "
           f"(every gap, ms: {[round(g, 1) for r in runs for g in r['gaps_ms']]})  target < 5% "
           f"{'PASS' if gap_ok else 'FAIL'}")
-    print("\nper repeat: " + "; ".join(
-        f"collect {r['collect_mb_s']:.0f}/{r['collect_floor_mb_s']:.0f}, submit {r['submit_mb_s']:.0f}/"
+    print("\nper repeat (collect: the repeat's totals; packed as batches() takes them): " + "; ".join(
+        f"collect {r['collect_mb_s']:.0f}/{r['collect_floor_mb_s']:.0f}, packed {r['collect_packed_mb_s']:.0f}, submit {r['submit_mb_s']:.0f}/"
         f"{r['submit_floor_mb_s']:.0f} (empty handler {r['submit_sink_mb_s']:.0f}), rss/held {r['rss_per_held_byte']:.2f}" for r in runs))
     return all(ok for *_, ok in rows) and rss_ok and gap_ok and packed_ok
 
