@@ -36,7 +36,7 @@ class Admission:
         self._restored, self._cursor, self._held_bytes, self._leases = restored, cursor, held_bytes, leases
         self._collector, self._steps, self._buffer, self._lifecycle = collector, steps, buffer, lifecycle
         self._liveness, self._totals, self._notify, self._failures = liveness, totals, signals.notify, failures
-        self._record, self._clock = recorder.record, clock
+        self._recorder, self._record, self._clock = recorder, recorder.record, clock
         self._group_sizes, self._window_size = group_sizes, window_size
         # The built-in strategies read only the ids in on_dispatched: they get the in-flight groups themselves,
         # without a LoongSage-form copy of each (a Python object per admitted group).
@@ -104,7 +104,7 @@ class Admission:
                                 self.admissible_after_change() if count or continued else allowed, continued,
                                 self._lifecycle.job_ended)
         self._collector.clear_failures()  # a group quarantined on the way is reported; the admission stands
-        if count or continued:
+        if (count or continued) and self._recorder.recording:  # a server without a journal builds no record
             self._record(Dispatched(now, admitted_refs, request_id, client_id, [g.prompt_id for g in continued],
                                     self._liveness.watched(client_id)))
         return result

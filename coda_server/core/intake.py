@@ -31,7 +31,7 @@ class Intake:
         self._checks, self._limits, self._inflight, self._held_bytes = checks, limits, inflight, held_bytes
         self._leases, self._buffer, self._collector, self._steps = leases, buffer, collector, steps
         self._totals, self._notify, self._failures = totals, signals.notify, failures
-        self._record, self._clock = recorder.record, clock
+        self._recorder, self._record, self._clock = recorder, recorder.record, clock
         self._on_submitted = on_submitted  # the strategy's optional hook, None when it does not define one
 
     def accept(self, trajectories: Sequence[Trajectory], request_id: str,
@@ -63,7 +63,8 @@ class Intake:
         if fresh or duplicates:
             self._notify()
         result = SubmitResult(len(fresh), duplicates, len(completed))  # accepted, duplicates, groups completed
-        self._record(Submitted(self._clock.now(), list(trajectories), request_id))
+        if self._recorder.recording:  # a server without a journal builds no record (a copy of the batch)
+            self._record(Submitted(self._clock.now(), list(trajectories), request_id))
         collector.raise_failures()  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
         return result
 
