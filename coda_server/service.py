@@ -89,6 +89,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         self._max_message_bytes = max_message_bytes
         self._last_event: Optional[ControlEvent] = None
         self._last_encoded = b""
+        self._state_answers = convert.StateAnswers()  # the last GetState answer, sent again while nothing changed
 
     @maps_errors
     async def Dispatch(self, request: pb.DispatchRequest, context) -> wire.DispatchResponse:
@@ -158,8 +159,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return convert.resume_response(result)
 
     @maps_errors
-    async def GetState(self, request: pb.GetStateRequest, context) -> wire.EncodedAnswer:
-        return convert.state_response(self._pacer.state())
+    async def GetState(self, request: pb.GetStateRequest, context) -> convert.Serialized:
+        return self._state_answers.answer(self._pacer.state())
 
     @maps_errors
     async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
