@@ -29,7 +29,7 @@ def test_the_trim_threshold_and_the_top_pad_are_both_set():
     assert allocator.retain_freed_memory(1 << 25, mallopt=lambda param, value: calls.append((param, value)) or 1)
     assert calls == [(allocator.M_TRIM_THRESHOLD, 1 << 25), (allocator.M_TOP_PAD, 1 << 25),
                      (allocator.M_MMAP_THRESHOLD, 1 << 25)]
-    calls.clear()  # glibc refuses an mmap threshold over 32 MiB: the kept heap then serves blocks up to that
+    calls.clear()  # older glibc refuses an mmap threshold over 32 MiB: blocks up to that come from the kept heap
     assert allocator.retain_freed_memory(1 << 27, mallopt=lambda param, value: calls.append((param, value)) or 1)
     assert calls[-1] == (allocator.M_MMAP_THRESHOLD, allocator.MAX_MMAP_THRESHOLD)
 
