@@ -20,7 +20,7 @@ from typing import Callable, Optional
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
-# The largest mmap threshold every glibc takes on 64-bit (HEAP_MAX_SIZE / 2; before 2.35 mallopt refuses more).
+# The largest mmap threshold every glibc takes on 64-bit (HEAP_MAX_SIZE / 2; older versions refuse more).
 MAX_MMAP_THRESHOLD = 32 * 2**20
 # mallopt takes a C int.
 MAX_RETAIN_BYTES = 2**31 - 1
