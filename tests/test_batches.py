@@ -84,6 +84,24 @@ def test_groups_with_list_arrays_pack_the_same() -> None:
         assert getattr(lists, name).tobytes() == getattr(arrays, name).tobytes(), name
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only: elsewhere columns come from NumPy")
+def test_a_large_column_lives_in_a_mapping_of_its_own_without_huge_pages() -> None:
+    import mmap
+
+    length = (4 << 20) // 4 + 1  # just over 4 MiB of int32: NumPy would ask for transparent huge pages here
+    groups = [TrajectoryGroup("big", trajectories=[_trajectory("big", 0, length), _trajectory("big", 1, 5)])]
+    batch = MiniBatch.from_groups(groups)
+
+    def in_own_mapping(column: np.ndarray) -> bool:
+        return isinstance(getattr(column.base, "obj", None), mmap.mmap)  # frombuffer: a memoryview of the mapping
+
+    assert in_own_mapping(batch.token_ids) and in_own_mapping(batch.logprobs) and in_own_mapping(batch.loss_mask)
+    expected = np.concatenate([np.arange(length, dtype=np.int32), np.arange(5, dtype=np.int32) + 100])
+    assert batch.token_ids.dtype == np.int32 and np.array_equal(batch.token_ids, expected)
+    assert not batch.token_ids.flags.writeable and batch.num_tokens == length + 5
+    assert not in_own_mapping(_batch().token_ids)  # small columns: NumPy's own memory
+
+
 def test_absent_loss_mask_is_ones() -> None:
     batch = MiniBatch.from_groups([TrajectoryGroup("m", trajectories=[_trajectory("m", 0, 3, mask=False)])])
     assert batch.loss_mask.tolist() == [1, 1, 1]
