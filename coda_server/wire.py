@@ -251,21 +251,30 @@ def array_problem(trajectory: SubmittedTrajectory) -> Optional[str]:
     """What is wrong with a submitted trajectory's arrays, or None: a retired field number (a sender built
     from an older pacer.proto), a run that is not a whole number of values, or non-empty arrays of
     different lengths."""
-    retired = sorted(set(trajectory.retired))
-    if retired:
+    if trajectory.retired:
+        retired = sorted(set(trajectory.retired))
         return (f"uses field number {retired[0]}, which pacer.proto has retired (token_ids and loss_mask "
                 f"were varint int32 fields 6 and 8; they are packed sfixed32 now): build the client from the "
                 f"current pacer.proto, whose arrays are fields {_ARRAYS_NOW}")
-    runs = {name: trajectory.runs.get(name, _NO_RUN) for name in _wire.ARRAY_FIELDS}
-    counts = {name: array_count(name, run) for name, run in runs.items()}
-    broken = [name for name, count in counts.items() if count < 0]
-    if broken:
-        return f"{broken[0]} is not a valid packed array (it ends inside a number)"
-    per_token = {name: counts[name] for name in PER_TOKEN_ARRAYS}
-    if len({count for count in per_token.values() if count}) > 1:
+    runs = trajectory.runs
+    counts = {}
+    for name, width in _ARRAY_WIDTHS:  # every trajectory is checked on arrival: one pass, no intermediate dicts
+        run = runs.get(name)
+        size = len(run) if run is not None else 0
+        if size % width:
+            return f"{name} is not a valid packed array (it ends inside a number)"
+        counts[name] = size // width
+    logprobs, loss_mask = counts["logprobs"], counts["loss_mask"]
+    first = counts["token_ids"] or logprobs or loss_mask  # every non-empty one must have its length
+    if (logprobs and logprobs != first) or (loss_mask and loss_mask != first):
         return ("non-empty token_ids, logprobs and loss_mask must have equal lengths; got "
-                + ", ".join(f"{name}={count}" for name, count in per_token.items()))
-    return _segments_problem(runs, counts)
+                + ", ".join(f"{name}={counts[name]}" for name in PER_TOKEN_ARRAYS))
+    if counts["segment_lengths"] or counts["segment_weight_versions"]:
+        return _segments_problem({name: runs.get(name, _NO_RUN) for name in _wire.ARRAY_FIELDS}, counts)
+    return None
+
+
+_ARRAY_WIDTHS = tuple((name, _wire.ITEM_SIZES[name]) for name in _wire.ARRAY_FIELDS)
 
 
 # The arrays with one value per response token; the segment arrays have one per segment.
