@@ -158,26 +158,24 @@ class RequestChecks:
         sorting = SubmitSorting()
         violations, fresh, added_per_group = sorting.violations, sorting.fresh, sorting.added_per_group
         in_batch: dict[str, Trajectory] = {}
+        max_id = self.limits.max_id_length
         for i, t in enumerate(trajectories):
-            field_name = f"trajectories[{i}]"
-            before = len(violations)
-            for name in ("trajectory_id", "prompt_id"):
-                problem = self.id_problem(getattr(t, name))
-                if problem:
-                    violations.append((f"{field_name}.{name}", problem))
-            if t.status not in VALID_STATUSES:
-                violations.append((f"{field_name}.status",
-                                   f"status {t.status!r} is not allowed; use COMPLETED, FAILED or ABORTED"))
-            if not isinstance(t.reward, (int, float)) or not math.isfinite(t.reward):
-                violations.append((f"{field_name}.reward", f"reward {t.reward!r} must be a finite number"))
-            if len(violations) > before:
-                continue
+            tid, pid, reward = t.trajectory_id, t.prompt_id, t.reward
+            # The usual trajectory is told well formed in one test (every submitted one is checked on the loop);
+            # anything else gets the checks that name what is wrong.
+            if not (tid.__class__ is str and pid.__class__ is str and 0 < len(tid) <= max_id
+                    and 0 < len(pid) <= max_id and tid.isprintable() and pid.isprintable()
+                    and t.status in VALID_STATUSES and reward.__class__ is float and reward - reward == 0.0):
+                problems = self._trajectory_problems(i, t)
+                if problems:
+                    violations += problems
+                    continue
             earlier = accepted.get(t.trajectory_id) or in_batch.get(t.trajectory_id)
             if earlier is not None:
                 if t.same_content(earlier):
                     sorting.duplicates += 1
                 else:
-                    violations.append((f"{field_name}.trajectory_id",
+                    violations.append((f"trajectories[{i}].trajectory_id",
                                        f"trajectory {t.trajectory_id!r} was already accepted with different content"))
                 continue
             group = inflight.get(t.prompt_id)
@@ -185,7 +183,7 @@ class RequestChecks:
                 if t.prompt_id in expired_prompts:
                     sorting.expired.append(t.prompt_id)
                 elif t.prompt_id in generation_prompts:
-                    violations.append((f"{field_name}.prompt_id", f"the group of prompt {t.prompt_id!r} is already "
+                    violations.append((f"trajectories[{i}].prompt_id", f"the group of prompt {t.prompt_id!r} is already "
                                        f"complete and collected; it takes no more trajectories"))
                 elif any(t.prompt_id in past for past in past_generations):
                     sorting.stale.append(t.prompt_id)
@@ -193,18 +191,33 @@ class RequestChecks:
                     sorting.unknown.append(t.prompt_id)
                 continue
             if t.ds_index != group.ds_index:
-                violations.append((f"{field_name}.ds_index", f"ds_index {t.ds_index!r} differs from the prompt's "
+                violations.append((f"trajectories[{i}].ds_index", f"ds_index {t.ds_index!r} differs from the prompt's "
                                    f"ds_index {group.ds_index}"))
                 continue
             added = added_per_group.get(t.prompt_id, 0) + 1
             if len(group.trajectories) + added > group.group_size:
-                violations.append((f"{field_name}.prompt_id", f"group {t.prompt_id!r} would hold more than its "
+                violations.append((f"trajectories[{i}].prompt_id", f"group {t.prompt_id!r} would hold more than its "
                                    f"{group.group_size} trajectories"))
                 continue
             added_per_group[t.prompt_id] = added
             in_batch[t.trajectory_id] = t
             fresh.append(t)
         return sorting
+
+    def _trajectory_problems(self, i: int, t: Trajectory) -> list[tuple[str, str]]:
+        """Every violation of a submitted trajectory's ids, status and reward, by field."""
+        field_name = f"trajectories[{i}]"
+        problems = []
+        for name in ("trajectory_id", "prompt_id"):
+            problem = self.id_problem(getattr(t, name))
+            if problem:
+                problems.append((f"{field_name}.{name}", problem))
+        if t.status not in VALID_STATUSES:
+            problems.append((f"{field_name}.status",
+                             f"status {t.status!r} is not allowed; use COMPLETED, FAILED or ABORTED"))
+        if not isinstance(t.reward, (int, float)) or not math.isfinite(t.reward):
+            problems.append((f"{field_name}.reward", f"reward {t.reward!r} must be a finite number"))
+        return problems
 
     def check_room(self, held_bytes: int, incoming_bytes: int, buffered: int, completing: int) -> None:
         """Refuse a Submit that would overfill the byte budget or the pipeline buffer (retryable)."""
