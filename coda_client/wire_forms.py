@@ -93,12 +93,22 @@ ITEM_SIZES: dict[str, int] = {name: int(dtype[2:]) for name, dtype in DTYPES.ite
 
 def varint(value: int) -> bytes:
     """The base-128 varint encoding of a non-negative integer."""
+    # Sizes of fields (one per trajectory and group in every Submit and Collect) are mostly below 2**21.
+    if value < 0x80:
+        return _ONE_BYTE[value]
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
+    if value < 0x200000:
+        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14))
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
         out.append(byte | (0x80 if value else 0))
         if not value:
             return bytes(out)
+
+
+_ONE_BYTE = [bytes((value,)) for value in range(0x80)]
 
 
 def length_delimited_tag(number: int) -> bytes:

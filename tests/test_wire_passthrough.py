@@ -164,3 +164,15 @@ def test_an_unknown_group_field_is_kept_and_framing_errors_are_value_errors():
     for broken in (b"\x0a\x05ab", b"\x08\xff", _varint(99 << 3 | 3) + b"\x08\x01"):
         with pytest.raises(ValueError):
             list(_wire.fields(memoryview(broken), 0, len(broken)))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.integers(0, 2**21 + 5), st.integers(0, 2**64 - 1)))
+def test_varint_encodes_as_protobuf_does(value):
+    from google.protobuf.internal import encoder
+
+    from coda_client import wire_forms
+
+    assert wire_forms.varint(value) == encoder._VarintBytes(value)
+    for edge in (0, 0x7F, 0x80, 0x3FFF, 0x4000, 0x1FFFFF, 0x200000, 2**63):
+        assert wire_forms.varint(edge) == encoder._VarintBytes(edge)
