@@ -263,7 +263,7 @@ class AsyncPacer:
         """Compute the leased trajectories' content keys (what the Ack keeps of each for duplicate detection: a
         digest of its body, which the body caches) in a thread, while the answer is sent and the trainer trains:
         digesting a mini-batch's arrays on the loop would stall every other call for tens of milliseconds."""
-        keying = asyncio.ensure_future(asyncio.to_thread(_compute_content_keys, groups))
+        keying = asyncio.get_running_loop().run_in_executor(None, _compute_content_keys, groups)
         self._keying[lease_id] = keying
         keying.add_done_callback(lambda done: self._keyed(lease_id, done))
 
