@@ -29,6 +29,13 @@ request into its pass-through views (`full` adds the wrappers and the servicer).
     python bench/handler_instructions.py                     # Dispatch (peek, 4 candidates) and Submit (~10 min)
     python bench/handler_instructions.py --rpcs dispatch --layers full --candidates 4
     python bench/handler_instructions.py --rpcs getstate --layers full,servicer,floor
+    python bench/handler_instructions.py --rpcs dispatch --candidates 0 --layers full --variant no-metrics
+        # what one per-call feature costs: the `full` figure without it (or, access-log, with the access log on)
+
+Variants (`--variant`, `full` layer): `shipped` (the default), `no-metrics` (the observer counts, times and logs
+nothing), `no-client-metrics` (no per-client call counts), `no-admission`, `no-guard` (the generated parser
+alone), `no-client-id` (the client id metadata not read), `access-log` (the access log on, as a server on its
+defaults writes it, to /dev/null: a line noted per call, formatted and written in batches).
 
 Needs valgrind (`apt install valgrind`). The counts leave out what gRPC itself does per call and say
 nothing about time by themselves; rpc_throughput.py remains the measure of the issue's targets.
@@ -50,6 +57,32 @@ REPO_ROOT = BENCH_DIR.parent
 LAYERS = ("full", "servicer", "async", "pacer", "refs", "floor")
 RPCS = ("dispatch", "submit", "getstate")
 PREPARED_CALLS = 200  # made (and counted in both runs) before the measured calls: caches and dicts warm
+VARIANTS = ("shipped", "no-metrics", "no-client-metrics", "no-admission", "no-guard", "no-client-id", "access-log")
+VARIANT_ENV = "CODA_BENCH_VARIANT"
+
+
+def apply_variant(variant: str) -> None:
+    """Take one per-call feature out of the handlers about to be built (or put the access log in)."""
+    from coda_server import admission, observability, rpc_handlers
+
+    if variant == "no-metrics":
+        observability.MethodObserver.begin = lambda self, context: (0.0, "")
+        observability.MethodObserver.end = lambda self, *args, **kwargs: None
+    elif variant == "no-client-metrics":
+        observability.ClientCallMetrics.count = lambda self, *args: None
+    elif variant == "no-admission":
+        admission.Admission.admitter = lambda self, method: None
+    elif variant == "no-guard":
+        rpc_handlers.safe_deserializer = lambda deserializer, method: deserializer
+    elif variant == "no-client-id":
+        rpc_handlers.read_caller = lambda context: ("", True)
+    elif variant == "access-log":
+        import logging
+
+        from coda_server.logs import configure_logging
+
+        logging.getLogger().addHandler(logging.StreamHandler(open(os.devnull, "w")))
+        configure_logging("text", "INFO")
 
 
 def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> None:
@@ -78,6 +111,7 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
         def add_generic_rpc_handlers(self, generic_handlers: Any) -> None:
             pass
 
+    apply_variant(os.environ.get(VARIANT_ENV, "shipped"))
     config = load_config(overrides=[*rpc_throughput.OUR_OVERRIDES, "server.metrics_address="])
     server = PacerServer(config)
     capture = Capture()
@@ -124,6 +158,7 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
                 await one(i)
 
     asyncio.run(run())
+    flush_access_log(server)
 
 
 def getstate_child(server: Any, handler: Any, layer: str, calls: int, measure: bool) -> None:
@@ -155,6 +190,7 @@ def getstate_child(server: Any, handler: Any, layer: str, calls: int, measure: b
                 await one()
 
     asyncio.run(run())
+    flush_access_log(server)
 
 
 def submit_child(server: Any, handler: Any, layer: str, calls: int, measure: bool) -> None:
@@ -201,13 +237,22 @@ def submit_child(server: Any, handler: Any, layer: str, calls: int, measure: boo
         assert submitted == made * rpc_throughput.GROUP_SIZE, f"{submitted} trajectories accepted of {made} Submits"
 
     asyncio.run(run())
+    flush_access_log(server)
 
 
-def count_instructions(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> int:
+def flush_access_log(server: Any) -> None:
+    """Write the access-log lines still noted (variant access-log), so that every call's line is counted."""
+    if server.observability.access_log is not None:
+        server.observability.access_log.flush()
+
+
+def count_instructions(rpc: str, layer: str, candidates: int, calls: int, measure: bool,
+                       variant: str = "shipped") -> int:
     command = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
                sys.executable, str(Path(__file__).resolve()), "--child", rpc, layer, str(candidates), str(calls),
                "1" if measure else "0"]
-    env = {**os.environ, "PYTHONHASHSEED": "0"}  # same string hashes, same dict layouts: repeatable counts
+    # Same string hashes, same dict layouts: repeatable counts.
+    env = {**os.environ, "PYTHONHASHSEED": "0", VARIANT_ENV: variant}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
     if done.returncode != 0 or found is None:
@@ -221,6 +266,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated, from {', '.join(LAYERS)}")
     parser.add_argument("--candidates", default="0,4", help="comma-separated candidate counts per Dispatch")
     parser.add_argument("--calls", type=int, default=1000, help="measured calls per figure")
+    parser.add_argument("--variant", default="shipped", choices=VARIANTS,
+                        help="a per-call feature taken out (or the access log put in), see above")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -238,7 +285,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("valgrind is not installed (apt install valgrind); it counts the instructions", file=sys.stderr)
         return 2
     print(f"instructions per call, {args.calls} calls after {PREPARED_CALLS} unmeasured ones "
-          f"(python {sys.version.split()[0]}, PYTHONHASHSEED=0)")
+          f"(python {sys.version.split()[0]}, PYTHONHASHSEED=0, variant {args.variant})")
     figures = [("dispatch", int(c), f"Dispatch, {int(c)} candidates") for c in args.candidates.split(",")]
     figures.append(("submit", 0, "Submit, 64 trajectories"))
     figures.append(("getstate", 0, "GetState"))
@@ -250,8 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 continue
             if rpc == "getstate" and layer not in ("full", "servicer", "floor"):
                 continue
-            prepared = count_instructions(rpc, layer, candidates, args.calls, measure=False)
-            measured = count_instructions(rpc, layer, candidates, args.calls, measure=True)
+            prepared = count_instructions(rpc, layer, candidates, args.calls, measure=False, variant=args.variant)
+            measured = count_instructions(rpc, layer, candidates, args.calls, measure=True, variant=args.variant)
             print(f"  {title:<24} {layer:<9} {(measured - prepared) / args.calls:>10,.0f}", flush=True)
     return 0
 
