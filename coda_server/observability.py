@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 import grpc
+from google.protobuf import descriptor_pool
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
@@ -160,6 +161,15 @@ def _split_method(full_method: str) -> tuple[str, str]:
     return service or "unknown", method
 
 
+def _request_has_request_id(service: str, method: str) -> bool:
+    """Whether the method's request message declares a request_id (a method not described here: perhaps)."""
+    try:
+        described = descriptor_pool.Default().FindMethodByName(f"{service}.{method}")
+    except KeyError:
+        return True
+    return "request_id" in described.input_type.fields_by_name
+
+
 _SUCCESS = (None, grpc.StatusCode.OK)  # what context.code() says of a call that set no other code
 
 
@@ -217,7 +227,7 @@ class ClientCallMetrics:
 class MethodObserver:
     """One method's metrics and access log; `begin`/`end` bracket each call (rpc_handlers.py calls them)."""
 
-    __slots__ = ("service", "method", "_stats", "_access_log", "_clients")
+    __slots__ = ("service", "method", "_stats", "_access_log", "_clients", "_request_ids")
 
     def __init__(self, metrics: GrpcServerMetrics, kind: str, full_method: str,
                  access_log: Optional[AccessLog] = None, clients: Optional[ClientCallMetrics] = None):
@@ -225,6 +235,8 @@ class MethodObserver:
         self._clients = clients
         self.service, self.method = _split_method(full_method)
         self._stats = metrics.method(kind, self.service, self.method)
+        # Asking a request without the field (GetState's) raises and catches an AttributeError: a microsecond.
+        self._request_ids = _request_has_request_id(self.service, self.method)
 
     def begin(self, context: grpc.aio.ServicerContext) -> tuple[float, str]:
         """Count the start; returns the start time and the peer (read now: once a call is cancelled, its
@@ -245,7 +257,7 @@ class MethodObserver:
         if self._clients is not None:
             self._clients.count(caller, self.method, code)
         if peer:
-            request_id = getattr(request, "request_id", "") if request is not None else ""
+            request_id = getattr(request, "request_id", "") if request is not None and self._request_ids else ""
             self._access_log.note(self.service, self.method, code, elapsed, request_id, peer, caller)
 
 

@@ -120,3 +120,45 @@ def test_other_handlers_get_ordinary_records_and_levels_are_respected(logger):
     assert records[0].fields["method"] == "GetState" and records[0].levelno == logging.INFO
     assert quiet.stream.getvalue() == ""
     assert "GetState OK 1.500ms" in stream.getvalue()
+
+
+def test_the_observer_asks_a_request_for_its_request_id_only_if_its_message_declares_one(logger):
+    from coda_client._proto import pacer_pb2 as pb
+    from coda_server.observability import GrpcServerMetrics, MethodObserver
+    from prometheus_client import CollectorRegistry
+
+    logger, handler, stream = logger
+    access_log = AccessLog("text", logger=logger)
+    metrics = GrpcServerMetrics(CollectorRegistry())
+
+    class Context:
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:5000"
+
+        def code(self) -> None:
+            return None
+
+    class Watched:
+        """A request that records the attributes asked of it (a missing one raises, as a message's does)."""
+
+        def __init__(self, request):
+            self.request, self.asked = request, []
+
+        def __getattr__(self, name):
+            self.asked.append(name)
+            return getattr(self.request, name)
+
+    async def one_call_each() -> tuple[Watched, Watched]:
+        context = Context()
+        dispatch, get_state = Watched(pb.DispatchRequest(request_id="abc")), Watched(pb.GetStateRequest())
+        for method, request in (("Dispatch", dispatch), ("GetState", get_state)):
+            observer = MethodObserver(metrics, "unary", f"/coda.pacer.v1.RolloutPacer/{method}", access_log)
+            observer.end(observer.begin(context), context, request, None)
+        access_log.flush()
+        return dispatch, get_state
+
+    dispatch, get_state = asyncio.run(one_call_each())
+    assert dispatch.asked == ["request_id"] and get_state.asked == []
+    lines = stream.getvalue().splitlines()
+    assert "Dispatch OK" in lines[0] and "request_id=abc" in lines[0]
+    assert "GetState OK" in lines[1] and "request_id" not in lines[1]
