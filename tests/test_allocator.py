@@ -43,9 +43,8 @@ def test_zero_leaves_the_allocator_alone_and_a_refusal_is_reported():
         assert "refused" in allocator.describe(1 << 20, False)
 
 
-# Frees 24 MiB of 64 KiB blocks (below glibc's mmap threshold: they come from the heap) and reports how
-# much of it the process still holds: glibc's defaults hand it back, a retain setting keeps it.
-_FREED_AND_KEPT = textwrap.dedent("""
+# What both scripts below start with: glibc's malloc and free, the process's RSS, the setting from argv[1].
+_WITH_SETTING = textwrap.dedent("""
     import ctypes, sys
     from coda_server import allocator
     libc = ctypes.CDLL(None)
@@ -54,6 +53,11 @@ _FREED_AND_KEPT = textwrap.dedent("""
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
     allocator.retain_freed_memory(int(sys.argv[1]))
+""")
+
+# Frees 24 MiB of 64 KiB blocks (below glibc's mmap threshold: they come from the heap) and reports how
+# much of it the process still holds: glibc's defaults hand it back, a retain setting keeps it.
+_FREED_AND_KEPT = _WITH_SETTING + textwrap.dedent("""
     blocks = []
     for _ in range(384):
         block = libc.malloc(65536)
@@ -79,15 +83,7 @@ def test_glibc_keeps_freed_memory_only_when_asked():
 
 # Allocates, touches and frees one 6 MiB block (a large message: over glibc's first mmap threshold) and
 # reports how much of it the process handed back to the kernel when it was freed.
-_LARGE_BLOCK_RETURNED = textwrap.dedent("""
-    import ctypes, sys
-    from coda_server import allocator
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
-    libc.free.argtypes = (ctypes.c_void_p,)
-    def rss():
-        return int(open("/proc/self/statm").read().split()[1]) * 4096
-    allocator.retain_freed_memory(int(sys.argv[1]))
+_LARGE_BLOCK_RETURNED = _WITH_SETTING + textwrap.dedent("""
     block = libc.malloc(6 << 20)
     ctypes.memset(block, 1, 6 << 20)
     before_free = rss()
