@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -54,34 +51,25 @@ TITLES = {"peek": "Dispatch, no candidates (peek)", "dispatch": "Dispatch, {cand
           "getstate": "GetState"}
 
 
-class CountedServer:
+class CountedServer(rpc_throughput.ServerProcess):
     """A floor or our server (rpc_throughput.py's commands) under callgrind, counting only when told to."""
 
+    start_timeout = START_TIMEOUT_SECONDS
+    stop_timeout = 120.0  # callgrind writes its last dump at exit
+
     def __init__(self, name: str, workdir: Path, overrides: list[str]):
-        self.name = name
-        self.port_file = workdir / f"{name}.port.json"
+        super().__init__(name, workdir, None, overrides)
         self.out_file = workdir / f"{name}.callgrind"
-        self.log_path = workdir / f"{name}.log"
-        command = rpc_throughput.ServerProcess(name, workdir, None, overrides).command()
-        self.command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                        f"--callgrind-out-file={self.out_file}", *command]
-        self.process: Optional[subprocess.Popen] = None
-        self.address = ""
+        self.env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts as the other server's run
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH_DIR.parent), self.env.get("PYTHONPATH")]))
+
+    def command(self) -> list[str]:
+        return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={self.out_file}",
+                *super().command()]
 
     def start(self) -> "CountedServer":
-        env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts as the other server's run
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH_DIR.parent), env.get("PYTHONPATH")]))
-        self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(self.command, cwd=BENCH_DIR.parent, stdout=self._log,
-                                        stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while not self.port_file.exists():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.process.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} server did not start in {START_TIMEOUT_SECONDS}s:\n{self.log()}")
-            time.sleep(0.2)
-        self.address = json.loads(self.port_file.read_text())["address"]
+        super().start()
+        self.wait_ready()
         return self
 
     def counting(self, on: bool) -> None:
@@ -100,22 +88,6 @@ class CountedServer:
             found = re.findall(r"^(?:summary|totals): (\d+)", part.read_text(errors="replace"), re.MULTILINE)
             total += max(map(int, found), default=0)
         return total
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-3000:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(30)
-        self._log.close()
 
 
 async def make_calls(address: str, scenario: str, calls: int, inflight: int, candidates: int, tag: str) -> None:

@@ -175,6 +175,11 @@ def profile_serve(name: str, profile_path: Path, port_file: Path, overrides: lis
 class ServerProcess:
     """One server subprocess (floor or ours), optionally under cProfile."""
 
+    # How long it may take to start and to stop, and its environment (None: this process's).
+    start_timeout = START_TIMEOUT_SECONDS
+    stop_timeout = 15.0
+    env: Optional[dict] = None
+
     def __init__(self, name: str, workdir: Path, profile_dir: Optional[Path], overrides: list[str]):
         self.name = name
         self.overrides = overrides
@@ -200,16 +205,17 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(self.command(), cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.command(), cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=self.env)
         return self
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        deadline = time.monotonic() + self.start_timeout
         while not self.port_file.exists():
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} server exited with {self.process.returncode}:\n{self.log()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} server did not start in {START_TIMEOUT_SECONDS}s:\n{self.log()}")
+                raise RuntimeError(f"{self.name} server did not start in {self.start_timeout}s:\n{self.log()}")
             time.sleep(0.02)
         self.address = json.loads(self.port_file.read_text())["address"]
 
@@ -239,7 +245,7 @@ class ServerProcess:
             return
         self.process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(30 if self.profile_path else 15)
+            self.process.wait(30 if self.profile_path else self.stop_timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(10)
