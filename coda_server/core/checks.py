@@ -57,6 +57,12 @@ class SubmitSorting:
                                     f"trajectories are returned by the next Reset")
 
 
+def well_formed_id(value: Any, limit: int) -> bool:
+    """The usual id, told in one test: a non-empty printable str of at most `limit` characters (anything else
+    goes to RequestChecks.id_problem, which says what is wrong)."""
+    return value.__class__ is str and 0 < len(value) <= limit and value.isprintable()
+
+
 class RequestChecks:
     """Refuses malformed requests with InvalidArgumentError naming every violation; holds no pacing state."""
 
@@ -67,6 +73,8 @@ class RequestChecks:
     def id_problem(self, value: Any, limit: Optional[int] = None) -> Optional[str]:
         """What is wrong with an id (None: nothing); `limit` defaults to server.max_id_length."""
         limit = self.limits.max_id_length if limit is None else limit
+        if well_formed_id(value, limit):
+            return None
         if not isinstance(value, str) or not value:
             return "must be a non-empty string"
         if len(value) > limit:
@@ -78,8 +86,7 @@ class RequestChecks:
     def check_request_id(self, request_id: Any) -> None:
         """A non-empty request_id is kept in the replay cache: bound its length and refuse control characters."""
         # Every remembered call checks one: the usual well-formed id is told without id_problem's call.
-        if request_id.__class__ is str and 0 < len(request_id) <= self.limits.max_opaque_id_length \
-                and request_id.isprintable():
+        if well_formed_id(request_id, self.limits.max_opaque_id_length):
             return
         problem = self.id_problem(request_id, self.limits.max_opaque_id_length)
         if problem:
@@ -163,9 +170,8 @@ class RequestChecks:
             tid, pid, reward = t.trajectory_id, t.prompt_id, t.reward
             # The usual trajectory is told well formed in one test (every submitted one is checked on the loop);
             # anything else gets the checks that name what is wrong.
-            if not (tid.__class__ is str and pid.__class__ is str and 0 < len(tid) <= max_id
-                    and 0 < len(pid) <= max_id and tid.isprintable() and pid.isprintable()
-                    and t.status in VALID_STATUSES and reward.__class__ is float and reward - reward == 0.0):
+            if not (well_formed_id(tid, max_id) and well_formed_id(pid, max_id) and t.status in VALID_STATUSES
+                    and reward.__class__ is float and reward - reward == 0.0):
                 problems = self._trajectory_problems(i, t)
                 if problems:
                     violations += problems
