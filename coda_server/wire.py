@@ -117,7 +117,6 @@ class ParsedSubmit:
 
 
 _SUBMIT_TRAJECTORIES = pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number
-_NO_RUN = memoryview(b"")
 
 
 class _UnusualForm(Exception):
@@ -258,23 +257,18 @@ def array_problem(trajectory: SubmittedTrajectory) -> Optional[str]:
                 f"current pacer.proto, whose arrays are fields {_ARRAYS_NOW}")
     runs = trajectory.runs
     counts = {}
-    for name, width in _ARRAY_WIDTHS:  # every trajectory is checked on arrival: one pass, no intermediate dicts
+    for name in _wire.ARRAY_FIELDS:  # every trajectory is checked on arrival: one pass, no intermediate dicts
         run = runs.get(name)
-        size = len(run) if run is not None else 0
-        if size % width:
+        count = array_count(name, run) if run is not None else 0
+        if count < 0:
             return f"{name} is not a valid packed array (it ends inside a number)"
-        counts[name] = size // width
+        counts[name] = count
     logprobs, loss_mask = counts["logprobs"], counts["loss_mask"]
     first = counts["token_ids"] or logprobs or loss_mask  # every non-empty one must have its length
     if (logprobs and logprobs != first) or (loss_mask and loss_mask != first):
         return ("non-empty token_ids, logprobs and loss_mask must have equal lengths; got "
                 + ", ".join(f"{name}={counts[name]}" for name in PER_TOKEN_ARRAYS))
-    if counts["segment_lengths"] or counts["segment_weight_versions"]:
-        return _segments_problem({name: runs.get(name, _NO_RUN) for name in _wire.ARRAY_FIELDS}, counts)
-    return None
-
-
-_ARRAY_WIDTHS = tuple((name, _wire.ITEM_SIZES[name]) for name in _wire.ARRAY_FIELDS)
+    return _segments_problem(runs, counts)
 
 
 # The arrays with one value per response token; the segment arrays have one per segment.
