@@ -90,8 +90,7 @@ class LoopWaits:
         """Every waiter attempts again; call on the loop's thread."""
         waiters, self._waiters = self._waiters, set()
         for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+            _wake(waiter)
 
     def clamp(self, wait: float) -> float:
         return min(max(0.0, float(wait)), self.max_wait_seconds)
