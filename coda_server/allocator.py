@@ -1,14 +1,11 @@
 """How much freed memory the C allocator keeps for the next large message (glibc's mallopt).
 
-Every large message costs fresh memory on its way: a Submit arrives as many small gRPC slices that the gRPC
-runtime copies into one `bytes`, and each message of a Collect answer is joined into one `bytes` that gRPC
-copies again. With glibc's defaults the blocks of a whole message get mmaps of their own and every free at the
-top of the heap above a small threshold is handed back to the kernel, so each message faults its pages in
-anew, which costs more than the copies: on `bench/payload_path.py` the server's Submit throughput was about 30%
-higher with 8 MiB kept, and its CPU for `batches()` fell from about 160 to 115 ms per 100 MB once blocks up to
-that size came from the kept heap (docs/operations.md, "Memory"). The cost is resident memory: up to about
-twice `server.allocator_retain_bytes` of freed memory may stay in the process's RSS, and memory freed in the
-middle of the heap (held trajectories the trainer took) stays reusable but resident.
+Every large Submit arrives as many small gRPC slices that the gRPC runtime copies, grows and copies again
+into one `bytes` before our code sees it. With glibc's defaults each free at the top of the heap above
+a small threshold is handed back to the kernel, so the next message faults the same pages in again:
+on `bench/payload_path.py` the server's Submit throughput was about 30% higher with 8 MiB kept
+(docs/operations.md, "Memory"). The cost is resident memory: up to about twice
+`server.allocator_retain_bytes` of freed memory may stay in the process's RSS.
 """
 from __future__ import annotations
 
@@ -19,9 +16,6 @@ from typing import Callable, Optional
 # glibc's <malloc.h> parameter numbers (stable ABI since glibc 2.0).
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
-M_MMAP_THRESHOLD = -3
-# The largest mmap threshold every glibc takes on 64-bit (HEAP_MAX_SIZE / 2; older versions refuse more).
-MAX_MMAP_THRESHOLD = 32 * 2**20
 # mallopt takes a C int.
 MAX_RETAIN_BYTES = 2**31 - 1
 
@@ -39,8 +33,7 @@ def _glibc_mallopt() -> Optional[Callable[[int, int], int]]:
 
 def retain_freed_memory(retain_bytes: int, mallopt: Optional[Callable[[int, int], int]] = None) -> bool:
     """Asks the allocator to keep up to `retain_bytes` of freed memory at the top of the heap (trim
-    threshold), to grow the heap by that much at a time (top pad) and to serve blocks up to that size (at most
-    32 MiB) from the heap (mmap threshold). 0 leaves the allocator's defaults.
+    threshold) and to grow the heap by that much at a time (top pad). 0 leaves the allocator's defaults.
     Returns whether the setting is in effect (`describe` says it in words, for the start-up log)."""
     if not retain_bytes:
         return False
@@ -49,11 +42,10 @@ def retain_freed_memory(retain_bytes: int, mallopt: Optional[Callable[[int, int]
     mallopt = mallopt or _glibc_mallopt()
     if mallopt is None:
         return False
-    # The mmap threshold too: a message up to what is kept comes from the kept heap and goes back to it (glibc
-    # would otherwise fix the threshold at 128 KiB once the others are set, mapping and faulting in every
-    # message anew); a larger one still gets an mmap of its own, returned to the kernel when freed.
-    return all(mallopt(param, value) for param, value in ((M_TRIM_THRESHOLD, retain_bytes), (M_TOP_PAD, retain_bytes),
-                                                          (M_MMAP_THRESHOLD, min(retain_bytes, MAX_MMAP_THRESHOLD))))
+    # Setting either also stops glibc's sliding mmap threshold: blocks over 128 KiB (a whole message) stay
+    # in mmaps of their own, returned to the kernel exactly when freed, while the small slices gRPC
+    # receives a message in come from the heap that is now kept.
+    return all(mallopt(param, retain_bytes) for param in (M_TRIM_THRESHOLD, M_TOP_PAD))
 
 
 def describe(retain_bytes: int, applied: bool) -> str:

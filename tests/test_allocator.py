@@ -27,11 +27,7 @@ def test_a_bad_value_names_the_key_and_the_allowed_range(value):
 def test_the_trim_threshold_and_the_top_pad_are_both_set():
     calls = []
     assert allocator.retain_freed_memory(1 << 25, mallopt=lambda param, value: calls.append((param, value)) or 1)
-    assert calls == [(allocator.M_TRIM_THRESHOLD, 1 << 25), (allocator.M_TOP_PAD, 1 << 25),
-                     (allocator.M_MMAP_THRESHOLD, 1 << 25)]
-    calls.clear()  # older glibc refuses an mmap threshold over 32 MiB: blocks up to that come from the kept heap
-    assert allocator.retain_freed_memory(1 << 27, mallopt=lambda param, value: calls.append((param, value)) or 1)
-    assert calls[-1] == (allocator.M_MMAP_THRESHOLD, allocator.MAX_MMAP_THRESHOLD)
+    assert calls == [(allocator.M_TRIM_THRESHOLD, 1 << 25), (allocator.M_TOP_PAD, 1 << 25)]
 
 
 def test_zero_leaves_the_allocator_alone_and_a_refusal_is_reported():
@@ -43,8 +39,9 @@ def test_zero_leaves_the_allocator_alone_and_a_refusal_is_reported():
         assert "refused" in allocator.describe(1 << 20, False)
 
 
-# What both scripts below start with: glibc's malloc and free, the process's RSS, the setting from argv[1].
-_WITH_SETTING = textwrap.dedent("""
+# Frees 24 MiB of 64 KiB blocks (below glibc's mmap threshold: they come from the heap) and reports how
+# much of it the process still holds: glibc's defaults hand it back, a retain setting keeps it.
+_FREED_AND_KEPT = textwrap.dedent("""
     import ctypes, sys
     from coda_server import allocator
     libc = ctypes.CDLL(None)
@@ -53,11 +50,6 @@ _WITH_SETTING = textwrap.dedent("""
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
     allocator.retain_freed_memory(int(sys.argv[1]))
-""")
-
-# Frees 24 MiB of 64 KiB blocks (below glibc's mmap threshold: they come from the heap) and reports how
-# much of it the process still holds: glibc's defaults hand it back, a retain setting keeps it.
-_FREED_AND_KEPT = _WITH_SETTING + textwrap.dedent("""
     blocks = []
     for _ in range(384):
         block = libc.malloc(65536)
@@ -79,29 +71,6 @@ def test_glibc_keeps_freed_memory_only_when_asked():
 
     assert returned_to_kernel(0) > 16 << 20  # defaults: most of the 24 MiB goes back
     assert returned_to_kernel(64 << 20) < 4 << 20  # kept for the next message
-
-
-# Allocates, touches and frees one 6 MiB block (a large message: over glibc's first mmap threshold) and
-# reports how much of it the process handed back to the kernel when it was freed.
-_LARGE_BLOCK_RETURNED = _WITH_SETTING + textwrap.dedent("""
-    block = libc.malloc(6 << 20)
-    ctypes.memset(block, 1, 6 << 20)
-    before_free = rss()
-    libc.free(block)
-    print(before_free - rss())
-""")
-
-
-@pytest.mark.skipif(not GLIBC, reason="glibc only: elsewhere the setting has no effect")
-def test_a_large_message_is_served_from_the_kept_heap_when_it_fits():
-    def returned_to_kernel(retain: int) -> int:
-        out = subprocess.run([sys.executable, "-c", _LARGE_BLOCK_RETURNED, str(retain)], capture_output=True,
-                             text=True, check=True)
-        return int(out.stdout)
-
-    assert returned_to_kernel(0) >= 5 << 20  # defaults: a block of its own (mmap), unmapped when freed
-    assert returned_to_kernel(8 << 20) < 1 << 20  # kept: the next message of that size faults nothing in
-    assert returned_to_kernel(4 << 20) >= 5 << 20  # larger than what is kept: still a block of its own
 
 
 def test_the_server_says_at_start_up_what_applied(tmp_path):
