@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coda_client._proto import pacer_pb2, pacer_pb2_grpc
 
 from . import auth, transport
-from .allocator import retain_freed_memory
+from .allocator import HeapTrimmer, in_a_thread, retain_freed_memory
 from .admission import Admission, call_limits
 from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
@@ -103,11 +103,17 @@ class PacerServer:
         self.ports: list[int] = []
         self.metrics_port: Optional[int] = None  # bound port of the /metrics listener; None when disabled
         self.allocator_retains = False  # whether server.allocator_retain_bytes applied (set by start)
+        self.heap_trimmer: Optional[HeapTrimmer] = None  # returns freed heap pages once held bytes fall (start)
 
     async def start(self) -> list[int]:
         """Bind, start serving and turn readiness on; returns the bound port(s)."""
         tune_garbage_collector()
-        self.allocator_retains = retain_freed_memory(int(self.config.server.allocator_retain_bytes))
+        retain_bytes = int(self.config.server.allocator_retain_bytes)
+        self.allocator_retains = retain_freed_memory(retain_bytes)
+        if self.allocator_retains:
+            loop = asyncio.get_running_loop()
+            self.heap_trimmer = HeapTrimmer(retain_bytes, start=lambda run: loop.call_soon_threadsafe(in_a_thread, run))
+            self.async_pacer.pacer.held_bytes.watch(self.heap_trimmer.held_bytes_changed)
         # A descriptor per connection: at most one per worker (its stream, long-poll and Submits share it).
         transport.raise_open_file_limit(int(self.config.server.max_watch_streams) + CONTROL_CALL_ROOM)
         self.async_pacer.bind_loop()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from .errors import StaleDispatchError
 from .prompt_ids import loongsage_order
@@ -149,16 +149,25 @@ class HeldBytes:
     """The bytes of every trajectory the server holds (queued, buffered, leased, kept, quarantined, expired):
     added when a Submit is accepted, released when the trainer consumes a group or a Reset or Restore lets it go."""
 
-    __slots__ = ("total",)
+    __slots__ = ("total", "_watcher")
 
     def __init__(self, total: int = 0):
         self.total = total
+        self._watcher: Optional[Callable[[int], None]] = None
+
+    def watch(self, watcher: Optional[Callable[[int], None]]) -> None:
+        """Calls `watcher(total)` after every change (the server's heap trimmer follows the held bytes)."""
+        self._watcher = watcher
 
     def add(self, size: int) -> None:
         self.total += size
+        if self._watcher is not None:
+            self._watcher(self.total)
 
     def release(self, trajectories: Iterable[Trajectory]) -> None:
         self.total -= bytes_of(trajectories)
+        if self._watcher is not None:
+            self._watcher(self.total)
 
 
 class InflightTable:
