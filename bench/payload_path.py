@@ -438,7 +438,7 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
         got = [results.get(timeout=600) for _ in processes]
         for process in processes:
             process.join(60)
-        peak_rss = server.peak_rss_mb()
+        peak_rss, server_cpu = server.peak_rss_mb(), server.cpu_seconds()
     finally:
         server.stop()
     writers = [g for g in got if g[0] == "writer"]
@@ -453,7 +453,7 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
         "out_mb_s": bytes_out / 1e6 / (max(r[3] for g in ranks for r in g[4]) - began),
         "bytes_in": bytes_in, "bytes_out": bytes_out, "imbalance": imbalance,
         "gaps_ms": {g[1]: [1000 * r[0] for r in g[4]] for g in ranks}, "server_peak_rss_mb": peak_rss,
-        "rss_before_mb": rss_before / 1e6,
+        "rss_before_mb": rss_before / 1e6, "server_cpu_s": server_cpu,
     }
 
 
@@ -507,6 +507,9 @@ def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, j
               f"{max(gaps):.1f}; relay median {statistics.median(relay_gaps):.1f} max {max(relay_gaps):.1f}")
     print(f"server peak RSS: ours {med('ours', 'server_peak_rss_mb'):.0f} MB, relay "
           f"{med('relay', 'server_peak_rss_mb'):.0f} MB")
+    # CPU is disturbed less than wall time by load from elsewhere: the steadier figure of what each server costs.
+    print(f"server CPU s (start-up included): ours {med('ours', 'server_cpu_s'):.2f}, relay "
+          f"{med('relay', 'server_cpu_s'):.2f}, relay / ours {med('relay', 'server_cpu_s') / med('ours', 'server_cpu_s'):.2f}")
     if json_path:
         json_path.write_text(json.dumps({"runs": runs, "busy_percent": busy}, indent=2))
     return 0 if ok else 1
