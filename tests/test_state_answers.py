@@ -2,23 +2,35 @@
 the same bytes, and every change in between shows in the next answer."""
 from __future__ import annotations
 
-import dataclasses
-
 from coda_client._proto import pacer_pb2 as pb
 from coda_server import convert
+from coda_server.core.state import PacerState
+from coda_server.core.types import PromptRef
 from server_harness import ServerProcess
 
 
 def test_an_unchanged_state_is_answered_with_the_bytes_already_encoded_and_a_changed_one_anew(core_pacer):
     answers = convert.StateAnswers()
-    state = dataclasses.replace(core_pacer().state(), running=2)
-    first = answers.answer(state)
+    pacer = core_pacer()
+    fields = {**pacer.state_fields(), "running": 2}
+    first = answers.answer(fields)
     assert pb.GetStateResponse.FromString(first.SerializeToString()).running == 2
-    assert answers.answer(dataclasses.replace(state)) is first  # equal, though another object: not encoded again
-    changed = answers.answer(dataclasses.replace(state, running=3))
+    assert answers.answer(dict(fields)) is first  # equal, though another object: not encoded again
+    changed = answers.answer({**fields, "running": 3})
     assert changed is not first
     assert pb.GetStateResponse.FromString(changed.SerializeToString()).running == 3
-    assert answers.answer(dataclasses.replace(state, running=3, recent_incidents=[])) is changed
+    assert answers.answer({**fields, "running": 3, "recent_incidents": []}) is changed
+
+
+def test_state_fields_are_the_state_and_compare_equal_until_something_changes(core_pacer):
+    pacer = core_pacer()
+    fields = pacer.state_fields()
+    assert PacerState(**fields) == pacer.state()
+    assert pacer.state_fields() == fields
+    pacer.dispatch([PromptRef("p0")])
+    changed = pacer.state_fields()
+    assert changed != fields
+    assert (changed["running"], changed["dispatched"]) == (1, 1)
 
 
 def test_getstate_over_grpc_shows_each_change_made_between_two_calls(tmp_path):

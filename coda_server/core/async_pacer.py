@@ -407,6 +407,11 @@ class AsyncPacer:
         self.check_ready()
         return self.pacer.state(self.waits.waiting_calls, ages=True)
 
+    def state_fields(self) -> dict[str, Any]:
+        """`state()`'s fields by name (Pacer.state_fields): cheaper to compare than a PacerState to build."""
+        self.check_ready()
+        return self.pacer.state_fields(self.waits.waiting_calls, ages=True)
+
     # ------------------------------------------------------------- watchers
 
     def open_watch(self, client_id: str = "") -> Watcher:

@@ -41,7 +41,7 @@ from .reset_steps import BoundaryCalls, reset_wait
 from .settings import setting
 from .shares import PLAIN, BatchShape
 from .signals import Signals
-from .state import COUNTER_NAMES, PacerState
+from .state import COUNTER_NAMES, PacerState, StateReader
 from .steps import StepBoundary
 from .strategy import BufferView, ThreadSafeStrategy, create_strategy, gate_is_ordered, overridden_hook, window_size
 from .types import (CollectResult, ControlEvent, ControlEventType, DispatchResult, JobEndReport, PromptRef, ResetMode,
@@ -170,6 +170,13 @@ class Pacer:
             self.lock, self.recorder, self.snapshots, self.boundary, steps, self.inflight, self.leases,
             self.liveness, self.collector, self.answers, self.totals, self._clock, dispatch=self.apply_dispatch,
             submit=self.apply_submit, take=self.apply_take, ack=self.apply_ack)
+        # state_fields(waiting_calls, ages): PacerState's fields by name (GetState compares them with its last).
+        self.state_fields = StateReader(
+            self.lock, steps, self.checkpoints, self.inflight, buffer, self.admission, self.leases, self.held_bytes,
+            self.restored, self.incidents, self.totals, self.lifecycle, dict(
+            window_size=self._window_size, strategy=self._strategy.name, config_summary=self.summary,
+            stale_steps=self._stale_steps, collect_limit=self.collect_limit, prompts_per_step=self._prompts_per_step,
+            group_sizes=self._group_sizes, mini_batch_size=self._mini_batch_size)).fields
 
     # ----------------------------------------------------------------- listeners and read-only views
 
@@ -467,28 +474,8 @@ class Pacer:
             return [group.to_group() for group in self.inflight.in_dispatch_order()]
 
     def state(self, waiting_calls: int = 0, ages: bool = False) -> PacerState:
-        """Every counter, read under the lock; `waiting_calls` is the caller's count of waiting long-polls. With
-        `ages`, the clock-dependent gauges too (restored_kept_oldest_seconds; GetState and the metrics ask for
-        them), else 0, so two states taken with nothing changed in between compare equal."""
-        with self.lock:
-            steps, last_checkpoint, last_restore = self.steps, self.checkpoints.last_checkpoint, self.checkpoints.last_restore
-            return PacerState(waiting_calls=waiting_calls,
-                running=len(self.inflight.groups), buffered=len(self.buffer.entries),
-                queued_trajectories=self.inflight.queued_trajectories, capacity=self.admission.admissible_after_change(),
-                window_size=self._window_size, step=steps.step, weight_version=steps.weight_version,
-                generation=steps.generation, paused=steps.paused, resetting=steps.resetting,
-                strategy=self._strategy.name, config_summary=dict(self.summary),
-                leased=self.leases.leased_groups, held_bytes=self.held_bytes.total, restored_kept=len(self.restored),
-                restored_kept_oldest_seconds=self.restored.oldest_age() if ages else 0.0,
-                last_checkpoint_step=last_checkpoint[0] if last_checkpoint else -1,
-                last_checkpoint_weight_version=last_checkpoint[1] if last_checkpoint else -1,
-                last_restore_step=last_restore[0] if last_restore else -1,
-                last_restore_weight_version=last_restore[1] if last_restore else -1,
-                stale_steps=self._stale_steps, collect_limit=self.collect_limit,
-                recent_reports=steps.reports, recent_incidents=self.incidents.recent(), **self.totals,
-                job_ended=self.lifecycle.job_ended, prompts_per_step=self._prompts_per_step,
-                group_sizes=list(self._group_sizes), mini_batch_size=self._mini_batch_size,
-            )
+        """Every counter, read under the lock (`state_fields`: see StateReader.fields)."""
+        return PacerState(**self.state_fields(waiting_calls, ages))
 
     def close(self) -> None:
         """Shut down: waiters return at once with their flags, watchers get SHUTDOWN, new calls fail."""
