@@ -201,8 +201,11 @@ class AsyncPacer:
             # The usual call, which does not wait: nothing suspends before its answer, so no retry of it can
             # arrive meanwhile and it needs neither once_awaited nor the wait's coroutines (a few per call).
             journal = self._applicable()
-            result = pacer.answers.once("Dispatch", request_id, lambda: self.waits.now(
-                pacer.dispatch_poll(candidates, request_id, client_id, max_continuations)))
+            if candidates or max_continuations is not None:
+                result = pacer.answers.once("Dispatch", request_id, lambda: self.waits.now(
+                    pacer.dispatch_poll(candidates, request_id, client_id, max_continuations)))
+            else:  # a peek: the window as it is (see Pacer.peek)
+                result = pacer.peek(request_id)
             if journal is not None:
                 await self._durable(journal)
             return result

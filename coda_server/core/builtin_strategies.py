@@ -112,7 +112,8 @@ class NoWindowStrategy(SlidingWindowStrategy):
         self._capacity = window_size(config)
 
     def compute_dispatch_count(self, buf_qsize: int) -> int:
-        return max(0, self._capacity - self._running_count - buf_qsize)
+        free = self._capacity - self._running_count - buf_qsize
+        return free if free > 0 else 0  # not max(0, ...): asked on every Dispatch, and max() parses keywords
 
 
 @register_sliding_window_strategy("window-gated")

@@ -61,7 +61,9 @@ class Admission:
         # By default the kept groups take the place of as many candidates (the caller proposed that much room).
         proposed = len(candidates) - len(continued) if max_continuations is None and continued_ids is None \
             else len(candidates)
-        count = min(allowed - len(continued), proposed)
+        count = allowed - len(continued)
+        if proposed < count:  # min(), without the builtin's keyword parsing
+            count = proposed
         first_seq = inflight.next_seq + len(continued)
         admitted_ids: list[str] = []
         if count or continued:
@@ -109,10 +111,25 @@ class Admission:
                                     self._liveness.watched(client_id)))
         return result
 
+    def peek(self) -> DispatchResult:
+        """`admit` without candidates, kept groups or their count (a peek at the window): nothing is admitted,
+        so the answer is the window as it is, without admission's bookkeeping. A closed pacer refuses it."""
+        self._lifecycle.check_open()
+        allowed = self.admissible_now()
+        steps = self._steps
+        result = DispatchResult([], self._inflight.next_seq, steps.paused, steps.step, steps.weight_version,
+                                steps.generation, len(self._inflight.groups), len(self._buffer.entries),
+                                self._window_size, allowed, [], self._lifecycle.job_ended)
+        self._collector.clear_failures()
+        return result
+
     def _dispatch_count(self) -> int:
         if self._steps.paused or self._lifecycle.closed:
             return 0
-        return max(0, int(self._hooks.compute_dispatch_count(len(self._buffer.entries))))
+        count = self._hooks.compute_dispatch_count(len(self._buffer.entries))
+        if count.__class__ is not int:  # a custom strategy may answer a float or a NumPy integer
+            count = int(count)
+        return count if count > 0 else 0  # not max(): a builtin parsing keywords costs several times more
 
     def admissible_now(self) -> int:
         """What a Dispatch would admit now (0 while paused or closed); a raising compute_dispatch_count refuses."""

@@ -229,6 +229,8 @@ class Pacer:
         """Admit the first k candidates the strategy allows now, after up to `max_continuations` kept restored
         groups; with `wait`, wait up to that long for one slot. `client_id` names who holds the admitted
         groups (`held_groups`)."""
+        if not candidates and max_continuations is None:  # a peek: answered at once, whatever the wait
+            return self.peek(request_id)
         poll = self.dispatch_poll(candidates, request_id, client_id, max_continuations)
         return self.answers.once("Dispatch", request_id, lambda: self.waits.until(poll, wait))
 
@@ -311,6 +313,12 @@ class Pacer:
                       max_continuations: Optional[int] = None) -> DispatchPoll:
         self.checks.check_max_continuations(max_continuations)
         return DispatchPoll(self, candidates, request_id, client_id, max_continuations)
+
+    def peek(self, request_id: str = "") -> DispatchResult:
+        """`dispatch` without candidates or `max_continuations`: the window as it is (Admission.peek), at once (a
+        poll's first attempt answers it), under the lock taken once, remembered under `request_id` alike."""
+        with self.lock:
+            return self.answers.once("Dispatch", request_id, self.admission.peek)
 
     def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "",
                        max_continuations: Optional[int] = None,
