@@ -113,7 +113,10 @@ class HeapTrimmer:
             fell_from, self._high_mark = self._high_mark, total
             self._trimming = True
             self.trims += 1
-            self._start(lambda: self._trim(fell_from, total))
+            try:
+                self._start(lambda: self._trim(fell_from, total))
+            except RuntimeError:  # the event loop has closed (shutting down): nothing left to trim for
+                self._trimming = False
 
     def _trim(self, fell_from: int, fell_to: int) -> None:
         try:

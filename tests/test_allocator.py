@@ -125,6 +125,19 @@ def test_a_trim_starts_once_held_bytes_fall_to_half_their_high_mark_by_what_is_k
     assert len(runs) == 2
 
 
+def test_a_release_after_the_event_loop_closed_still_succeeds_without_a_trim():
+    def closed_loop(run):
+        raise RuntimeError("Event loop is closed")
+
+    trimmer = allocator.HeapTrimmer(1 << 20, malloc_trim=lambda pad: 1, start=closed_loop)
+    trimmer.held_bytes_changed(8 << 20)
+    trimmer.held_bytes_changed(0)  # the core's release goes on; the trimmer is ready for the next fall
+    assert trimmer.trims == 1
+    trimmer.held_bytes_changed(8 << 20)
+    trimmer.held_bytes_changed(0)
+    assert trimmer.trims == 2
+
+
 # Frees 24 MiB of 1 MiB blocks from the heap, under a block that keeps the top of the heap in use (as a newer
 # Submit does), then lets HeapTrimmer follow held bytes falling from 24 MiB to 0; prints what the free and
 # then the trim handed back to the kernel.
