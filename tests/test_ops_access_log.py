@@ -11,10 +11,11 @@ import pytest
 from coda_server.logs import TEXT_FORMAT, AccessLog, JsonFormatter
 
 CALLS = [
-    # (service, method, code, elapsed seconds, request_id, peer)
-    ("coda.pacer.v1.RolloutPacer", "Dispatch", "OK", 0.000412, "abc", "ipv4:127.0.0.1:5000"),
-    ("coda.pacer.v1.RolloutPacer", "GetState", "OK", 0.0015, "", "ipv6:[::1]:5001"),
-    ("coda.pacer.v1.RolloutPacer", "Submit", "INVALID_ARGUMENT", 1.25, 'quote"and\\slash', "unix:/tmp/x \u00e9"),
+    # (service, method, code, elapsed seconds, request_id, peer, client_id)
+    ("coda.pacer.v1.RolloutPacer", "Dispatch", "OK", 0.000412, "abc", "ipv4:127.0.0.1:5000", "worker-7"),
+    ("coda.pacer.v1.RolloutPacer", "GetState", "OK", 0.0015, "", "ipv6:[::1]:5001", ""),
+    ("coda.pacer.v1.RolloutPacer", "Submit", "INVALID_ARGUMENT", 1.25, 'quote"and\\slash', "unix:/tmp/x \u00e9", ""),
+    ("coda.pacer.v1.RolloutPacer", "KeepAlive", "OK", 0.0009999, "", "ipv4:127.0.0.1:5002", "w-2"),
 ]
 
 
@@ -34,12 +35,15 @@ def logger():
 def expected_lines(logger: logging.Logger, formatter: logging.Formatter, calls, times) -> list[str]:
     """What logging itself writes for these calls: the reference the access log must match."""
     lines = []
-    for (service, method, code, elapsed, request_id, peer), created in zip(calls, times):
+    for (service, method, code, elapsed, request_id, peer, client_id), created in zip(calls, times):
         text = f"{method} {code} {elapsed * 1000.0:.3f}ms" + (f" request_id={request_id}" if request_id else "")
+        text += f" client={client_id}" if client_id else ""
         values = {"event": "rpc", "service": service, "method": method, "code": code,
                   "duration_ms": round(elapsed * 1000.0, 3)}
         if request_id:
             values["request_id"] = request_id
+        if client_id:
+            values["client_id"] = client_id
         values["peer"] = peer
         record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, "%s peer=%s", (text, peer), None,
                                    extra={"fields": values})
@@ -52,8 +56,8 @@ def expected_lines(logger: logging.Logger, formatter: logging.Formatter, calls, 
 def test_batched_lines_equal_what_logging_writes(logger, log_format, formatter):
     logger, handler, stream = logger
     handler.setFormatter(formatter)
-    times = iter([1767607201.002, 1767607201.999, 1767607202.5])  # two in one second, one in the next
-    noted_at = [1767607201.002, 1767607201.999, 1767607202.5]
+    noted_at = [1767607201.002, 1767607201.999, 1767607202.5, 1767607202.0004]  # two in one second, two in the next
+    times = iter(noted_at)
     access_log = AccessLog(log_format, logger=logger, clock=lambda: next(times))
 
     async def note_all() -> None:
@@ -65,7 +69,7 @@ def test_batched_lines_equal_what_logging_writes(logger, log_format, formatter):
     asyncio.run(note_all())
     assert stream.getvalue().splitlines() == expected_lines(logger, formatter, CALLS, noted_at)
     if log_format == "json":
-        assert [json.loads(line)["request_id"] for line in stream.getvalue().splitlines()[::2]] == ["abc", CALLS[2][4]]
+        assert [json.loads(line)["request_id"] for line in stream.getvalue().splitlines()[:3:2]] == ["abc", CALLS[2][4]]
 
 
 def test_lines_are_written_without_an_explicit_flush(logger):
