@@ -5,7 +5,7 @@ import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from coda_client import wire_forms as _wire
 from coda_client._proto import pacer_pb2 as pb
@@ -269,22 +269,22 @@ class Serialized:
 
 
 class StateAnswers:
-    """GetState's answers of one server: while the state's fields compare equal to those last answered (nothing
-    changed in between, the usual case for a trainer or a monitor polling it), the last answer's bytes are sent
-    again, without building the PacerState. Comparing the fields (a dict, compared in C) costs a fraction of
-    building the state and encoding its answer."""
+    """GetState's answers of one server: while a reading of the state (core/state.py's StateReader) compares equal
+    to the one last answered (nothing changed in between, the usual case for a trainer or a monitor polling it),
+    the last answer's bytes are sent again, without building the PacerState. Comparing two readings (tuples,
+    compared in C) costs a small fraction of building the state and encoding its answer."""
 
-    __slots__ = ("_fields", "_answer")
+    __slots__ = ("_reading", "_answer")
 
     def __init__(self) -> None:
-        self._fields: Optional[dict[str, Any]] = None
+        self._reading: Optional[tuple] = None
         self._answer = Serialized(b"")
 
-    def answer(self, fields: dict[str, Any]) -> Serialized:
-        """The answer of the state with these fields (`Pacer.state_fields`)."""
-        if fields != self._fields:
-            self._answer = Serialized(state_response(PacerState(**fields)).SerializeToString())
-            self._fields = fields
+    def answer(self, reading: tuple, state_of: Callable[[tuple], PacerState]) -> Serialized:
+        """The answer of the state read as `reading`, which `state_of` turns into the PacerState."""
+        if reading != self._reading:
+            self._answer = Serialized(state_response(state_of(reading)).SerializeToString())
+            self._reading = reading
         return self._answer
 
 

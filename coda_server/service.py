@@ -160,7 +160,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def GetState(self, request: pb.GetStateRequest, context) -> convert.Serialized:
-        return self._state_answers.answer(self._pacer.state_fields())
+        return self._state_answers.answer(self._pacer.read_state(), self._pacer.state_of)
 
     @maps_errors
     async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:

@@ -2,9 +2,10 @@
 the same bytes, and every change in between shows in the next answer."""
 from __future__ import annotations
 
+import dataclasses
+
 from coda_client._proto import pacer_pb2 as pb
 from coda_server import convert
-from coda_server.core.state import PacerState
 from coda_server.core.types import PromptRef
 from server_harness import ServerProcess
 
@@ -12,25 +13,32 @@ from server_harness import ServerProcess
 def test_an_unchanged_state_is_answered_with_the_bytes_already_encoded_and_a_changed_one_anew(core_pacer):
     answers = convert.StateAnswers()
     pacer = core_pacer()
-    fields = {**pacer.state_fields(), "running": 2}
-    first = answers.answer(fields)
+    made = []
+
+    def state_of(reading):  # the running count is the reading's second field
+        made.append(reading)
+        return dataclasses.replace(pacer.state_of(reading), running=reading[1])
+
+    reading = pacer.read_state()
+    first = answers.answer((0, 2, *reading[2:]), state_of)
     assert pb.GetStateResponse.FromString(first.SerializeToString()).running == 2
-    assert answers.answer(dict(fields)) is first  # equal, though another object: not encoded again
-    changed = answers.answer({**fields, "running": 3})
-    assert changed is not first
+    assert answers.answer((0, 2, *reading[2:]), state_of) is first  # equal, though another object: not encoded again
+    changed = answers.answer((0, 3, *reading[2:]), state_of)
+    assert changed is not first and len(made) == 2
     assert pb.GetStateResponse.FromString(changed.SerializeToString()).running == 3
-    assert answers.answer({**fields, "running": 3, "recent_incidents": []}) is changed
+    assert answers.answer((0, 3, *reading[2:]), state_of) is changed
 
 
-def test_state_fields_are_the_state_and_compare_equal_until_something_changes(core_pacer):
+def test_a_reading_is_the_state_and_readings_compare_equal_until_something_changes(core_pacer):
     pacer = core_pacer()
-    fields = pacer.state_fields()
-    assert PacerState(**fields) == pacer.state()
-    assert pacer.state_fields() == fields
+    reading = pacer.read_state()
+    assert pacer.state_of(reading) == pacer.state()
+    assert pacer.read_state() == reading
     pacer.dispatch([PromptRef("p0")])
-    changed = pacer.state_fields()
-    assert changed != fields
-    assert (changed["running"], changed["dispatched"]) == (1, 1)
+    changed = pacer.read_state()
+    assert changed != reading
+    assert (pacer.state_of(changed).running, pacer.state_of(changed).dispatched) == (1, 1)
+    assert pacer.state_of(pacer.read_state(waiting_calls=3)).waiting_calls == 3
 
 
 def test_getstate_over_grpc_shows_each_change_made_between_two_calls(tmp_path):

@@ -67,6 +67,7 @@ class AsyncPacer:
         self.on_journal_failure: Optional[Callable[[BaseException], None]] = None
         pacer.add_change_listener(self._on_change)
         pacer.add_control_listener(self._on_control)
+        self.state_of: Callable[[tuple], PacerState] = pacer.state_of  # the PacerState of a reading (read_state)
 
     @property
     def max_wait_seconds(self) -> float:
@@ -410,10 +411,11 @@ class AsyncPacer:
         self.check_ready()
         return self.pacer.state(self.waits.waiting_calls, ages=True)
 
-    def state_fields(self) -> dict[str, Any]:
-        """`state()`'s fields by name (Pacer.state_fields): cheaper to compare than a PacerState to build."""
+    def read_state(self) -> tuple:
+        """What `state()` is made of, as a reading (Pacer.read_state; `state_of(reading)` is the state):
+        cheaper to compare with an earlier reading than a PacerState to build."""
         self.check_ready()
-        return self.pacer.state_fields(self.waits.waiting_calls, ages=True)
+        return self.pacer.read_state(self.waits.waiting_calls, ages=True)
 
     # ------------------------------------------------------------- watchers
 

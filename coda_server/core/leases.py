@@ -138,7 +138,8 @@ class Leases:
 
     @property
     def leased_groups(self) -> int:
-        return sum(len(lease.entries) for lease in self.collect.values())
+        collect = self.collect  # read by every GetState: no generator when nothing is leased
+        return sum([len(lease.entries) for lease in collect.values()]) if collect else 0
 
     # ----------------------------------------------------------------- restart
 

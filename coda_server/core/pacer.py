@@ -170,13 +170,14 @@ class Pacer:
             self.lock, self.recorder, self.snapshots, self.boundary, steps, self.inflight, self.leases,
             self.liveness, self.collector, self.answers, self.totals, self._clock, dispatch=self.apply_dispatch,
             submit=self.apply_submit, take=self.apply_take, ack=self.apply_ack)
-        # state_fields(waiting_calls, ages): PacerState's fields by name (GetState compares them with its last).
-        self.state_fields = StateReader(
+        # read_state(waiting_calls, ages): a reading of the state (StateReader), as a PacerState by `state_of`.
+        self.state_reader = StateReader(
             self.lock, steps, self.checkpoints, self.inflight, buffer, self.admission, self.leases, self.held_bytes,
             self.restored, self.incidents, self.totals, self.lifecycle, dict(
             window_size=self._window_size, strategy=self._strategy.name, config_summary=self.summary,
             stale_steps=self._stale_steps, collect_limit=self.collect_limit, prompts_per_step=self._prompts_per_step,
-            group_sizes=self._group_sizes, mini_batch_size=self._mini_batch_size)).fields
+            group_sizes=self._group_sizes, mini_batch_size=self._mini_batch_size))
+        self.read_state, self.state_of = self.state_reader.read, self.state_reader.state
 
     # ----------------------------------------------------------------- listeners and read-only views
 
@@ -482,8 +483,9 @@ class Pacer:
             return [group.to_group() for group in self.inflight.in_dispatch_order()]
 
     def state(self, waiting_calls: int = 0, ages: bool = False) -> PacerState:
-        """Every counter, read under the lock (`state_fields`: see StateReader.fields)."""
-        return PacerState(**self.state_fields(waiting_calls, ages))
+        """Every counter, read under the lock; `waiting_calls` is the caller's count of waiting long-polls. With
+        `ages`, the clock-dependent gauges too (GetState and the metrics ask for them), else 0 (StateReader.read)."""
+        return self.state_of(self.read_state(waiting_calls, ages))
 
     def close(self) -> None:
         """Shut down: waiters return at once with their flags, watchers get SHUTDOWN, new calls fail."""
