@@ -30,6 +30,10 @@ M_MMAP_THRESHOLD = -3
 MAX_MMAP_THRESHOLD = 32 * 2**20
 # mallopt takes a C int.
 MAX_RETAIN_BYTES = 2**31 - 1
+# A trim once the bytes held fall to this fraction of their high mark: a drain, not the ebb and flow of a step
+# (held bytes swing by half when the trainer takes a step of a window twice as large), where the heap's free
+# pages are reused by the next Submits and trimming them would only fault them in again.
+TRIM_BELOW_FRACTION = 8
 
 
 def _glibc_mallopt() -> Optional[Callable[[int, int], int]]:
@@ -84,9 +88,9 @@ def _glibc_malloc_trim() -> Optional[Callable[[int], int]]:
 
 
 class HeapTrimmer:
-    """Hands the heap's free pages back to the kernel once the trajectories held have fallen to half their high
-    mark (and by at least what is kept): the kept heap then serves messages without faulting, yet memory that
-    held trajectories the trainer has taken does not stay resident after a drain. glibc's malloc_trim runs in a
+    """Hands the heap's free pages back to the kernel once the trajectories held have fallen to an eighth of their
+    high mark (and by at least what is kept): the kept heap then serves messages without faulting, yet memory
+    that held trajectories the trainer has taken does not stay resident after a drain. glibc's malloc_trim runs in a
     thread of its own (it walks the whole heap), at most one at a time."""
 
     def __init__(self, retain_bytes: int, malloc_trim: Optional[Callable[[int], int]] = None,
@@ -108,7 +112,7 @@ class HeapTrimmer:
         """Follows the bytes held (HeldBytes.watch); starts a trim when they have fallen far enough."""
         if total > self._high_mark:
             self._high_mark = total
-        elif (total <= self._high_mark // 2 and self._high_mark - total >= self._retain_bytes
+        elif (total <= self._high_mark // TRIM_BELOW_FRACTION and self._high_mark - total >= self._retain_bytes
               and not self._trimming and self._malloc_trim is not None):
             fell_from, self._high_mark = self._high_mark, total
             self._trimming = True

@@ -105,23 +105,26 @@ def test_a_large_message_is_served_from_the_kept_heap_when_it_fits():
     assert returned_to_kernel(4 << 20) >= 5 << 20  # larger than what is kept: still a block of its own
 
 
-def test_a_trim_starts_once_held_bytes_fall_to_half_their_high_mark_by_what_is_kept():
-    trims, runs = [], []
+def test_a_trim_starts_once_held_bytes_fall_to_an_eighth_of_their_high_mark_by_what_is_kept():
+    assert allocator.TRIM_BELOW_FRACTION == 8
+    runs = []
+    too_little = allocator.HeapTrimmer(4 << 20, malloc_trim=lambda pad: 1, start=runs.append)
+    too_little.held_bytes_changed(3 << 20)
+    too_little.held_bytes_changed(0)  # fell by less than what is kept: the top of the heap keeps that anyway
+    assert runs == []
+
+    trims = []
     trimmer = allocator.HeapTrimmer(4 << 20, malloc_trim=lambda pad: trims.append(pad) or 1, start=runs.append)
-    for total in (6 << 20, 3 << 20):  # half, but only 3 MiB fell: less than what is kept
-        trimmer.held_bytes_changed(total)
-    for total in (40 << 20, 30 << 20, 21 << 20):  # still above half of 40 MiB
+    for total in (80 << 20, 40 << 20, 60 << 20, 20 << 20, 11 << 20):  # a step's ebb and flow, still above 10 MiB
         trimmer.held_bytes_changed(total)
     assert runs == []
-    trimmer.held_bytes_changed(20 << 20)
+    trimmer.held_bytes_changed(10 << 20)
     assert len(runs) == 1 and trimmer.trims == 1
-    trimmer.held_bytes_changed(1 << 20)  # the first trim has not run yet: at most one at a time
+    trimmer.held_bytes_changed(0)  # the first trim has not run yet: at most one at a time
     assert len(runs) == 1
     runs[0]()
     assert trims == [4 << 20]  # the top of the heap keeps what the setting keeps anyway
-    trimmer.held_bytes_changed(11 << 20)  # the high mark is 20 MiB, where the trim started
-    assert len(runs) == 1
-    trimmer.held_bytes_changed(10 << 20)
+    trimmer.held_bytes_changed(0)  # the high mark is 10 MiB, where the trim started: fell by 10 MiB
     assert len(runs) == 2
 
 
