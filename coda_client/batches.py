@@ -6,6 +6,7 @@ docs/trainer.md). Needs NumPy (`pip install 'coda-pacer[numpy]'`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -13,6 +14,7 @@ import mmap
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -303,14 +305,78 @@ def _packed(np: Any, name: str, trajectories: Sequence[Trajectory], lengths: Any
 
 
 def _fresh_column(np: Any, length: int, dtype: Any) -> Any:
-    """An empty column in an anonymous mapping of its own, unmapped when the array goes. NumPy would ask
-    the kernel for transparent huge pages for an array this large, and with the usual `defrag=madvise` the
-    kernel compacts memory to find them while the column is first written: packing stalled now and then for
-    up to ~130 ms instead of ~20 (bench/payload_path.py)."""
+    """An empty column in an anonymous mapping of its own, given back to `COLUMN_MAPPINGS` when the array
+    (and every view of it) goes. NumPy would ask the kernel for transparent huge pages for an array this large,
+    and with the usual `defrag=madvise` the kernel compacts memory to find them while the column is first
+    written: packing stalled now and then for up to ~130 ms instead of ~20 (bench/payload_path.py)."""
     nbytes = length * dtype.itemsize
     if nbytes < _OWN_MAPPING_BYTES or not _LINUX:
         return np.empty(length, dtype=dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=_MAP_FLAGS), dtype=dtype)
+    mapping = COLUMN_MAPPINGS.take(nbytes)
+    column = np.frombuffer(mapping, dtype=dtype, count=length)
+    weakref.finalize(column, COLUMN_MAPPINGS.give_back, mapping).atexit = False
+    return column
+
+
+class ColumnMappings:
+    """The mappings of packed columns whose arrays are gone, kept for the next mini-batch's columns: a new
+    mapping costs its pages zeroed and charged by the kernel (MAP_POPULATE), about two thirds of packing a
+    column, while a kept one is only written over (`bench/payload_path.py`). It keeps at most as many as were
+    in use at once at the most (`peak`; a step's mini-batches that a trainer holds together), so the memory kept
+    idle never exceeds what the trainer itself held; `clear()` lets them go. A mapping is reused for a column of
+    at least half its size. Safe from any thread: the finalizers that give mappings back run wherever the last
+    view of a column goes."""
+
+    def __init__(self) -> None:
+        self._free: collections.deque[mmap.mmap] = collections.deque()
+        self._lock = threading.Lock()  # the counts only (nothing allocated under it: a finalizer may run anywhere)
+        self.in_use = 0  # mappings whose column is alive
+        self.peak = 0  # the most in use at once since the last clear()
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        """A kept mapping of `nbytes` to twice that (the smallest), else a new one of `nbytes`."""
+        with self._lock:
+            self.in_use += 1
+            if self.in_use > self.peak:
+                self.peak = self.in_use
+        fits = [m for m in list(self._free) if nbytes <= len(m) <= 2 * nbytes]
+        for mapping in sorted(fits, key=len):
+            try:
+                self._free.remove(mapping)  # another thread may have taken it meanwhile
+            except ValueError:
+                continue
+            if _unviewed(mapping):
+                return mapping
+        return mmap.mmap(-1, nbytes, flags=_MAP_FLAGS)
+
+    def give_back(self, mapping: mmap.mmap) -> None:
+        with self._lock:
+            self.in_use -= 1
+        self._free.append(mapping)
+        while len(self._free) > self.peak:
+            try:
+                self._free.popleft()  # the oldest goes: unmapped once nothing refers to it
+            except IndexError:
+                break
+
+    def kept_bytes(self) -> int:
+        return sum(len(m) for m in list(self._free))
+
+    def clear(self) -> None:
+        """Lets every kept mapping go (unmapped at once: nothing else refers to them) and starts counting anew."""
+        with self._lock:
+            self.peak = self.in_use
+        self._free.clear()
+
+
+def _unviewed(mapping: mmap.mmap) -> bool:
+    """Whether nothing views the mapping any more (a resize to its own size refuses while a buffer is exported):
+    a column's finalizer gives it back when the column goes, but an array made from its `.base` would outlive it."""
+    try:
+        mapping.resize(len(mapping))
+    except (BufferError, OSError, SystemError):
+        return False
+    return True
 
 
 # MAP_POPULATE: the kernel supplies every page in the one call, instead of one fault per page as it is written.
@@ -319,6 +385,7 @@ _LINUX = sys.platform.startswith("linux")
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE if _LINUX else 0
 # Smaller columns come from the allocator as usual (NumPy asks for huge pages only from 4 MiB on).
 _OWN_MAPPING_BYTES = 4 * 2**20
+COLUMN_MAPPINGS = ColumnMappings()
 
 
 def group_count(group_sizes: Sequence[int], mini_batch_size: int) -> int:

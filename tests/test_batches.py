@@ -102,6 +102,62 @@ def test_a_large_column_lives_in_a_mapping_of_its_own_without_huge_pages() -> No
     assert not in_own_mapping(_batch().token_ids)  # small columns: NumPy's own memory
 
 
+def _big_batch(length: int = (4 << 20) // 4 + 1, first: int = 0) -> MiniBatch:
+    return MiniBatch.from_groups([TrajectoryGroup("big", trajectories=[_trajectory("big", first, length)])])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only: elsewhere columns come from NumPy")
+def test_a_gone_columns_mapping_serves_the_next_batch_and_one_still_viewed_never_does() -> None:
+    import gc
+    import weakref
+
+    def mapping_of(column: np.ndarray):
+        return column.base.obj  # frombuffer: a memoryview of the mapping
+
+    first = _big_batch()
+    kept = weakref.ref(mapping_of(first.token_ids))
+    del first
+    gc.collect()
+    second = _big_batch(first=1)
+    assert mapping_of(second.token_ids) is kept()  # written over, not a new mapping zeroed by the kernel
+    assert np.array_equal(second.token_ids, np.arange((4 << 20) // 4 + 1, dtype=np.int32) + 100)
+
+    viewed = second.token_ids[10:20]  # a view keeps its column, and so the mapping, from reuse
+    view_of_base = np.frombuffer(second.logprobs.base, dtype=np.float32)  # an array over the mapping itself
+    held_mappings = {id(mapping_of(second.token_ids)), id(mapping_of(second.logprobs))}
+    del second
+    gc.collect()
+    third = _big_batch(first=2)
+    assert id(mapping_of(third.token_ids)) not in held_mappings and id(mapping_of(third.logprobs)) not in held_mappings
+    assert viewed.tolist() == list(range(110, 120)) and view_of_base[1] == -1.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only: elsewhere columns come from NumPy")
+def test_no_more_mappings_are_kept_than_were_in_use_at_once_and_clear_lets_them_go() -> None:
+    import gc
+
+    from coda_client.batches import COLUMN_MAPPINGS
+
+    COLUMN_MAPPINGS.clear()
+    held = [_big_batch(), _big_batch()]  # 3 large columns each
+    assert COLUMN_MAPPINGS.in_use == 6 and COLUMN_MAPPINGS.peak == 6
+    column_bytes = held[0].token_ids.nbytes
+    del held
+    gc.collect()
+    assert COLUMN_MAPPINGS.in_use == 0 and COLUMN_MAPPINGS.kept_bytes() == 6 * column_bytes
+    batches = [_big_batch() for _ in range(3)]  # 6 reused, 3 new: 9 in use at once now
+    assert COLUMN_MAPPINGS.peak == 9 and COLUMN_MAPPINGS.kept_bytes() == 0
+    del batches
+    gc.collect()
+    assert COLUMN_MAPPINGS.kept_bytes() == 9 * column_bytes
+    COLUMN_MAPPINGS.clear()
+    assert COLUMN_MAPPINGS.kept_bytes() == 0 and COLUMN_MAPPINGS.peak == 0
+    one = _big_batch()  # counting anew: one batch's columns at most are kept after it goes
+    del one
+    gc.collect()
+    assert COLUMN_MAPPINGS.peak == 3 and COLUMN_MAPPINGS.kept_bytes() == 3 * column_bytes
+
+
 def test_absent_loss_mask_is_ones() -> None:
     batch = MiniBatch.from_groups([TrajectoryGroup("m", trajectories=[_trajectory("m", 0, 3, mask=False)])])
     assert batch.loss_mask.tolist() == [1, 1, 1]
