@@ -24,6 +24,17 @@ def test_in_process_a_retry_gets_the_first_answer_even_of_a_call_that_changed_no
     assert [g.prompt_id for g in pacer.collect_now(1, request_id="c-2").groups] == ["a"]
 
 
+def test_answers_are_bounded_by_their_count_per_method_the_oldest_forgotten_first(core_pacer):
+    pacer = core_pacer("no-window", B=1, stale=0.0, N=1, extra=("server.request_id_cache_size=2",))
+    for request_id in ("peek-a", "peek-b", "peek-c"):
+        assert pacer.dispatch([], request_id=request_id).remaining == 1
+    pacer.dispatch([PromptRef("a")])  # the window is full now
+    assert pacer.dispatch([], request_id="peek-c").remaining == 1  # remembered
+    assert pacer.dispatch([], request_id="peek-a").remaining == 0  # forgotten: it runs again
+    assert pacer.dispatch([], request_id="peek-b").remaining == 0  # pushed out by peek-a's new answer
+    assert list(pacer.answers.of("Dispatch")) == ["peek-a", "peek-b"]
+
+
 def test_in_process_a_failed_call_is_not_remembered_and_its_retry_runs_again(core_pacer):
     pacer = core_pacer("no-window", B=1, stale=0.0, N=1)
     with pytest.raises(InvalidArgumentError):

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, TypeVar
 
 from coda_client.protocol import remembered_methods
 
+from .checks import well_formed_id
 from .limits import Limits
 
 R = TypeVar("R")
@@ -42,7 +43,8 @@ class AnswerBook:
                  methods: Mapping[str, bool] = REMEMBERED_METHODS):
         """`methods`: the remembered methods -> whether their answers carry trajectories (the RPC table's)."""
         self._lock = lock  # the pacer's lock: answers change together with the state they answer for
-        self._check_request_id = check_request_id
+        self._check_request_id = check_request_id  # says what is wrong with an id that is not well formed
+        self._id_limit = limits.max_opaque_id_length  # the usual well-formed id is told here, without that call
         self._answers: dict[str, OrderedDict] = {method: OrderedDict() for method in methods}
         self._kept = {method: limits.data_answers_kept if carries_data else limits.answers_kept
                       for method, carries_data in methods.items()}
@@ -65,13 +67,15 @@ class AnswerBook:
         """In-process callers: the remembered answer of `request_id`, else `call()`'s, remembered."""
         if not request_id:
             return call()
-        self._check_request_id(request_id)
+        if not well_formed_id(request_id, self._id_limit):
+            self._check_request_id(request_id)
         with self._lock:
-            answer = self._answers[method].get(request_id)
+            answers = self._answers[method]
+            answer = answers.get(request_id)
             if answer is not None:
                 return answer
             result = call()
-            self.remember(method, request_id, result)
+            self._keep(method, answers, request_id, result)  # remember(), under the lock already held
             return result
 
     async def once_awaited(self, method: str, request_id: str, call: Callable[[], Awaitable[R]], *,
@@ -85,7 +89,8 @@ class AnswerBook:
         """
         if not request_id:
             return await (asyncio.shield(asyncio.ensure_future(call())) if outlives_caller else call())
-        self._check_request_id(request_id)
+        if not well_formed_id(request_id, self._id_limit):
+            self._check_request_id(request_id)
         answer = self._answers[method].get(request_id)  # a single dict read is atomic: no lock to see it
         if answer is not None:
             return answer
@@ -131,16 +136,22 @@ class AnswerBook:
         if not request_id:
             return
         with self._lock:
-            answers = self._answers[method]
-            if request_id in answers:
-                return
-            answers[request_id] = result
-            if method in self._bytes:
-                self._bytes[method] += _trajectory_bytes(result)
-            while len(answers) > self._kept[method] or (
-                    method in self._bytes and self._byte_budget and len(answers) > 1
-                    and self._bytes[method] > self._byte_budget):
+            self._keep(method, self._answers[method], request_id, result)
+
+    def _keep(self, method: str, answers: OrderedDict, request_id: str, result: Any) -> None:
+        """`remember` under the lock, `answers` being `method`'s."""
+        if request_id in answers:
+            return
+        answers[request_id] = result
+        kept = self._kept[method]
+        if method in self._bytes:
+            self._bytes[method] += _trajectory_bytes(result)
+            while len(answers) > kept or (
+                    self._byte_budget and len(answers) > 1 and self._bytes[method] > self._byte_budget):
                 self._dropped(method, answers.popitem(last=False)[1])
+        else:  # answers without trajectories: bounded by their count alone (no bytes to count down)
+            while len(answers) > kept:
+                answers.popitem(last=False)
 
     def remembered_bytes(self) -> int:
         """Trajectory bytes of the remembered Collect and Reset answers."""

@@ -376,7 +376,8 @@ class AsyncPacer:
     def _applicable(self) -> Optional[Journal]:
         """The journal (None: state in memory), once a call may be applied: the state is recovered and the
         journal can write (else UNAVAILABLE, STATE_DIR_UNWRITABLE: nothing is applied, retry)."""
-        self.check_ready()
+        if self.recovering:  # check_ready's test first: no call of it on every call
+            self.check_ready()
         journal = self.pacer.recorder.journal  # the attribute itself: Pacer.journal is a property (a call)
         if journal is not None and journal.error is not None:
             raise self._unwritable(journal)

@@ -123,25 +123,22 @@ class Admission:
         self._collector.clear_failures()
         return result
 
-    def _dispatch_count(self) -> int:
+    def admissible_now(self, refusing: bool = True) -> int:
+        """What a Dispatch would admit now (0 while paused or closed); a raising compute_dispatch_count refuses
+        (or, not `refusing`, reads as 0)."""
         if self._steps.paused or self._lifecycle.closed:
             return 0
-        count = self._hooks.compute_dispatch_count(len(self._buffer.entries))
-        if count.__class__ is not int:  # a custom strategy may answer a float or a NumPy integer
-            count = int(count)
-        return count if count > 0 else 0  # not max(): a builtin parsing keywords costs several times more
-
-    def admissible_now(self) -> int:
-        """What a Dispatch would admit now (0 while paused or closed); a raising compute_dispatch_count refuses."""
         try:
-            return self._dispatch_count()
+            count = self._hooks.compute_dispatch_count(len(self._buffer.entries))
+            if count.__class__ is not int:  # a custom strategy may answer a float or a NumPy integer
+                count = int(count)
         except Exception as exc:
+            if not refusing:
+                return 0
             raise self._failures.refused("compute_dispatch_count", exc, "nothing was admitted") from exc
+        return count if count > 0 else 0  # not max(): a builtin parsing keywords costs several times more
 
     def admissible_after_change(self) -> int:
         """What a Dispatch would admit now, for an answer (or GetState) that must not fail: a raising
         compute_dispatch_count reads as 0 here; the next Dispatch fails with it and records it."""
-        try:
-            return self._dispatch_count()
-        except Exception:
-            return 0
+        return self.admissible_now(refusing=False)
