@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from coda_client._proto import pacer_pb2 as pb
 from coda_server import convert
+from coda_server.core.state import StateReader
 from coda_server.core.types import PromptRef
 from server_harness import ServerProcess
 
@@ -54,3 +57,14 @@ def test_getstate_over_grpc_shows_each_change_made_between_two_calls(tmp_path):
         assert (before.running, after.running) == (0, 1)
         assert after.capacity == before.capacity - 1
         assert after.strategy == before.strategy and after.config_summary == before.config_summary
+
+
+def test_a_reader_that_would_leave_a_field_of_the_state_unread_is_refused_when_built(core_pacer):
+    pacer = core_pacer()
+    owners = (pacer.lock, pacer.steps, pacer.checkpoints, pacer.inflight, pacer.buffer, pacer.admission, pacer.leases,
+              pacer.held_bytes, pacer.restored, pacer.incidents, pacer.totals, pacer.lifecycle)
+    fixed = {name: getattr(pacer.state(), name) for name in ("window_size", "strategy", "config_summary", "stale_steps",
+                                                             "collect_limit", "prompts_per_step", "group_sizes")}
+    with pytest.raises(RuntimeError, match="mini_batch_size"):
+        StateReader(*owners, fixed)
+    assert StateReader(*owners, {**fixed, "mini_batch_size": 4}).read() == pacer.read_state()

@@ -165,6 +165,9 @@ class StateReader:
         self._buffer, self._admission, self._leases, self._held_bytes = buffer, admission, leases, held_bytes
         self._restored, self._incidents, self._totals, self._lifecycle = restored, incidents, totals, lifecycle
         self._fixed = dict(fixed)
+        unread = set(STATE_FIELD_NAMES) - {*READ_FIELD_NAMES, *totals, *self._fixed}
+        if unread:  # a field added to PacerState must be read here, or every state would show its default
+            raise RuntimeError(f"StateReader reads no value for the PacerState fields {sorted(unread)}")
 
     def read(self, waiting_calls: int = 0, ages: bool = False) -> tuple:
         """A reading: READ_FIELD_NAMES' values, then the totals'. `waiting_calls` is the caller's count of waiting
