@@ -374,7 +374,7 @@ def _unviewed(mapping: mmap.mmap) -> bool:
     a column's finalizer gives it back when the column goes, but an array made from its `.base` would outlive it."""
     try:
         mapping.resize(len(mapping))
-    except (BufferError, OSError, SystemError):
+    except Exception:  # BufferError: still viewed; anything else (a Python that cannot resize it): not provably free
         return False
     return True
 
