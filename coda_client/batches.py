@@ -24,7 +24,7 @@ import grpc
 
 from . import _calls
 from .arrays import dtype_of, numpy
-from .errors import ServerGoneError, translate
+from .errors import PacerClientError, ServerGoneError, translate
 from .types import CollectResult, ControlEventType, PacerState, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -513,6 +513,8 @@ class _IteratorBase:
         self.job_ended = False
         self._current: MiniBatch | None = None
         self._closed = False
+        # Collects go through CollectStream until a server older than it says it has none (then Collect).
+        self._streamed = True
 
     @property
     def num_groups(self) -> int:
@@ -527,7 +529,24 @@ class _IteratorBase:
                               allow_partial=False, request_id=None, timeout=self._client.timeout, lease=self.lease,
                               arrays="numpy", rank=shape.rank, world_size=shape.world_size,
                               token_budget=shape.token_budget, trainer_step=self.step,
-                              max_response_bytes=self._client.max_receive_bytes, streamed=True)
+                              max_response_bytes=self._client.max_receive_bytes, streamed=self._streamed)
+
+    def _without_stream(self, exc: Exception) -> bool:
+        """Whether a failed Collect says the server has no CollectStream (it is older than this client): then
+        plain batches come through Collect from now on (True). A rank's share or a token budget is refused
+        instead: such a server may not know them, and would silently hand each rank the whole mini-batch."""
+        if not self._streamed or getattr(exc, "code", None) != grpc.StatusCode.UNIMPLEMENTED:
+            return False
+        if self.shape.world_size > 1 or self.shape.token_budget:
+            raise PacerClientError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"the server at {self._client.target} has no CollectStream: it is older than this client, and may not "
+                "know rank shares (rank, world_size) or token budgets either, which it would ignore; upgrade the "
+                "server (a plain batches(mini_batch_size) works with it, through Collect)") from exc
+        log.warning("batches: the server at %s has no CollectStream (older than this client); collecting through "
+                    "Collect, which receives large batches more slowly", self._client.target)
+        self._streamed = False
+        return True
 
     def _rest(self, results: list[CollectResult]) -> int:
         """Groups still missing from a batch of `results` (0: complete). Only a plain batch is completed by
@@ -686,7 +705,12 @@ class BatchIterator(_IteratorBase):
         results: list[CollectResult] = []
         while missing := self._rest(results):
             job_ended = self.job_ended  # read before the Collect: a batch completed after the end still counts
-            result = self._call(self._collect_call(missing if results else None))
+            try:
+                result = self._call(self._collect_call(missing if results else None))
+            except PacerClientError as exc:
+                if not self._without_stream(exc):
+                    raise
+                result = self._call(self._collect_call(missing if results else None))  # nothing was taken
             if result.groups:
                 results.append(result)
             elif job_ended and not results:
@@ -897,7 +921,12 @@ class AsyncBatchIterator(_IteratorBase):
         results: list[CollectResult] = []
         while missing := self._rest(results):
             job_ended = self.job_ended
-            result = await self._call(self._collect_call(missing if results else None))
+            try:
+                result = await self._call(self._collect_call(missing if results else None))
+            except PacerClientError as exc:
+                if not self._without_stream(exc):
+                    raise
+                result = await self._call(self._collect_call(missing if results else None))  # nothing was taken
             if result.groups:
                 results.append(result)
             elif job_ended and not results:

@@ -156,3 +156,89 @@ def test_a_streamed_answer_joins_into_one_result():
                                    timed_out=False, lease_id="L", cut_to_fit=True)
     with pytest.raises(ValueError, match="without an answer"):
         CollectResult.from_stream([])
+
+
+class ServerWithoutStream:
+    """A server older than CollectStream, as a client meets it: a gRPC proxy on 127.0.0.1:0 forwarding every
+    RolloutPacer method's bytes to a real server, except CollectStream, which it does not have (UNIMPLEMENTED,
+    from gRPC itself)."""
+
+    def __init__(self, target: str):
+        from concurrent import futures
+
+        from coda_client.protocol import RPCS, SERVICE, method_path
+
+        self._channel = grpc.insecure_channel(target)
+        handlers = {}
+        for rpc in RPCS:
+            if rpc.name == "CollectStream":
+                continue
+            if rpc.streaming:
+                forward = self._channel.unary_stream(method_path(rpc.name))
+                handlers[rpc.name] = grpc.unary_stream_rpc_method_handler(
+                    lambda request, context, forward=forward: forward(request, metadata=context.invocation_metadata()))
+            else:
+                forward = self._channel.unary_unary(method_path(rpc.name))
+                handlers[rpc.name] = grpc.unary_unary_rpc_method_handler(
+                    lambda request, context, forward=forward: forward(request, metadata=context.invocation_metadata()))
+        self._server = grpc.server(futures.ThreadPoolExecutor(16))
+        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def __enter__(self) -> "ServerWithoutStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.stop(0)
+        self._channel.close()
+
+
+def test_batches_from_a_server_without_collect_stream_come_through_collect(tmp_path, caplog):
+    with MetricsServer(tmp_path, *core_overrides("no-window", B=4, stale=1.0, N=2)) as process, \
+            ServerWithoutStream(process.address) as older:
+        with PacerClient(older.address, timeout=30) as client:
+            fill(client, ["a", "b", "c", "d"], 1000)
+            with pytest.raises(Exception) as refused:  # the proxy really has no CollectStream
+                stream_messages(older.address, pb.CollectRequest(num_groups=1))
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            with caplog.at_level("WARNING", logger="coda_client.batches"):
+                with client.batches(4, num_batches=2) as batches:
+                    got = [[t.trajectory_id for t in batch.trajectories] for batch in batches]
+            assert sorted(i for ids in got for i in ids) == sorted(f"{p}#{i}" for p in "abcd" for i in range(2))
+            assert "has no CollectStream" in caplog.text
+            until(lambda: client.state().leased == 0 and client.state().consumed == 4,
+                  "every batch acknowledged")
+
+
+def test_a_rank_share_from_a_server_without_collect_stream_is_refused_not_misread(tmp_path):
+    from coda_client.errors import PacerClientError
+
+    with MetricsServer(tmp_path, *core_overrides("no-window", B=4, stale=1.0, N=2)) as process, \
+            ServerWithoutStream(process.address) as older:
+        with PacerClient(older.address, timeout=30) as client:
+            fill(client, ["a", "b", "c", "d"], 1000)
+            with client.batches(4, rank=0, world_size=2, num_batches=1) as batches:
+                with pytest.raises(PacerClientError) as refused:
+                    next(batches)
+            assert refused.value.code == grpc.StatusCode.UNIMPLEMENTED
+            assert "upgrade the server" in str(refused.value) and "world_size" in str(refused.value)
+            assert client.state().buffered == 4 and client.state().leased == 0  # nothing was taken
+
+
+def test_async_batches_from_a_server_without_collect_stream_come_through_collect(tmp_path):
+    import asyncio
+
+    async def run(address: str) -> list[str]:
+        async with AsyncPacerClient(address, timeout=30) as client:
+            ids = []
+            async with client.batches(4, num_batches=2) as batches:
+                async for batch in batches:
+                    ids += [t.trajectory_id for t in batch.trajectories]
+            return ids
+
+    with MetricsServer(tmp_path, *core_overrides("no-window", B=4, stale=1.0, N=2)) as process, \
+            ServerWithoutStream(process.address) as older:
+        with PacerClient(older.address, timeout=30) as client:
+            fill(client, ["a", "b", "c", "d"], 1000)
+        assert sorted(asyncio.run(run(older.address))) == sorted(f"{p}#{i}" for p in "abcd" for i in range(2))
