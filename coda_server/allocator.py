@@ -104,10 +104,6 @@ class HeapTrimmer:
         self._trimming = False
         self.trims = 0  # trims started
 
-    @property
-    def available(self) -> bool:
-        return self._malloc_trim is not None
-
     def held_bytes_changed(self, total: int) -> None:
         """Follows the bytes held (HeldBytes.watch); starts a trim when they have fallen far enough."""
         if total > self._high_mark:
