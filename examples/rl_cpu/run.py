@@ -108,11 +108,16 @@ def start_coda(args: argparse.Namespace, config: dict, run_dir: Path, port: int)
             time.sleep(0.05)
 
 
+def worker_prompts(args: argparse.Namespace) -> int:
+    """How many prompts the workers' source holds: task.prompt_id(0) up to this, epoch 0, index i."""
+    return args.prompts_per_step * (args.steps + 4)
+
+
 def start_worker(args: argparse.Namespace, index: int, pacer: str, engine: str, seed: int, run_dir: Path
                  ) -> subprocess.Popen:
     command = [sys.executable, str(Path(__file__).resolve()), "worker", "--pacer", pacer, "--engine", engine,
                "--index", str(index), "--count", str(args.workers), "--seed", str(seed),
-               "--prompts", str(args.prompts_per_step * (args.steps + 4)), "--max-tokens", str(args.max_tokens),
+               "--prompts", str(worker_prompts(args)), "--max-tokens", str(args.max_tokens),
                "--max-groups", str(args.max_groups), "--stats", str(run_dir / f"worker-{index}.json")]
     return subprocess.Popen(command, stdout=open(run_dir / f"worker-{index}.log", "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=unpinned)
@@ -387,6 +392,17 @@ class Rollback:
         return restored.step
 
 
+def rolled_back_undispatched(cursor, ledger, prompts: int) -> None:
+    """The prompts the rollback took back and no worker dispatched again by the end, as the server's prompt cursor
+    tells: admitted after the checkpoint (their groups trained by the trainer that died, whose fates the restarted
+    trainer never knew, or discarded by the Restore), they are offered again, so the cursor no longer lists them
+    as admitted. Rolled back, not lost. A group the server lost would still be listed as admitted."""
+    for index in range(prompts):
+        prompt_id = task.prompt_id(index)
+        if ledger.fate.get(prompt_id) in (None, "kept") and not cursor.admitted(prompt_id, 0, 0, index):
+            ledger.fate[prompt_id] = "rolled_back"
+
+
 def train_synchronous(engines, policy, prompts, ledger, args) -> None:
     """The synchronous loop (the reference's colocate row): generate B groups, wait for all, train, sync."""
     from coda_worker.engines import GenerationRequest
@@ -521,6 +537,8 @@ def run_one(args: argparse.Namespace, config: dict, seed: int, engine_urls: list
                 for ids in (ended.buffered_prompt_ids, ended.held_prompt_ids, ended.in_flight_prompt_ids,
                             ended.kept_prompt_ids, ended.expired_prompt_ids, ended.quarantined_prompt_ids):
                     ledger.fate.update((p, "held_at_end") for p in ids)
+                if args.rollback_at is not None:
+                    rolled_back_undispatched(pacer.prompt_cursor(), ledger, worker_prompts(args))
             for worker in workers:
                 try:
                     worker.wait(60)
@@ -602,8 +620,9 @@ def result_of(args, config, seed, ledger: Ledger, stats: list[dict], wall: float
         "held_at_end": by_fate.get("held_at_end", 0),
         "seconds_per_step_by_phase": phase_means(ledger.steps),
         "server_killed_at_step": killed_at,
-        # --rollback-at: trajectories whose group the Restore discarded (and counted) and that were not generated
-        # again by the end; not lost: their prompts are offered again
+        # --rollback-at: trajectories whose group the rollback took back (the Restore discarded it, or the trainer
+        # that died had trained it after the checkpoint) and that were not generated again by the end; not lost:
+        # their prompts are offered again
         "discarded_by_restore": by_fate.get("rolled_back", 0),
         "curve": ledger.steps,
     }
