@@ -87,8 +87,7 @@ class RpcHandlers:
 def _refusal(request: Any, caller: str, valid: bool, admit: Optional[Callable[..., Any]],
              bad_client_id: grpc.Status) -> tuple[Optional[grpc.Status], Any]:
     """(the status refusing the call or None, the admission slot taken or None): a malformed client id, then
-    admission, then a request that did not decode (steps 2-4 of the module's list). The unary handler, the usual
-    call, has these steps written out in itself (a Python call fewer per call); keep the two alike."""
+    admission, then a request that did not decode (steps 2-4 of the module's list)."""
     if not valid:
         return bad_client_id, None
     refusal, limit = admit(request, caller) if admit is not None else (None, None)
@@ -108,15 +107,7 @@ def _unary_request(inner: Callable[..., Any], observer: MethodObserver, admit: O
         limit = error = None
         try:
             try:
-                # _refusal, written out: a malformed client id, then admission, then a request that did not decode.
-                if not valid:
-                    refusal = bad_client_id
-                elif admit is not None:
-                    refusal, limit = admit(request, caller)
-                else:
-                    refusal = None
-                if refusal is None and request.__class__ is Malformed:
-                    refusal = status_for(request.error)
+                refusal, limit = _refusal(request, caller, valid, admit, bad_client_id)
                 if refusal is not None:
                     await context.abort_with_status(refusal)
                 return await inner(request, context)
