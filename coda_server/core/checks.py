@@ -106,13 +106,12 @@ class RequestChecks:
             raise InvalidArgumentError(f"{len(candidates)} candidates in one Dispatch; at most {limit} are allowed",
                                        violations=[("candidates", f"at most {limit} candidates per call")])
         datasets, max_length = self._datasets, self.limits.max_id_length
-        # The usual request, every candidate well formed (well_formed_id's rule, written out: a call per candidate
-        # would cost more than the rest of the test), named once, new and configured, told in one pass; the loop
-        # below says what is wrong with each candidate of any other.
+        # The usual request, every candidate well formed, named once, new and configured, told in one pass; the
+        # loop below says what is wrong with each candidate of any other.
         seen: set[str] = set()
         for ref in candidates:
             prompt_id, ds_index = ref.prompt_id, ref.ds_index
-            if not (prompt_id.__class__ is str and 0 < len(prompt_id) <= max_length and prompt_id.isprintable()
+            if not (well_formed_id(prompt_id, max_length)
                     and prompt_id not in seen and prompt_id not in inflight and prompt_id not in kept
                     and ds_index.__class__ is int and 0 <= ds_index < datasets):
                 break
