@@ -84,10 +84,8 @@ class RequestChecks:
         return None
 
     def check_request_id(self, request_id: Any) -> None:
-        """A non-empty request_id is kept in the replay cache: bound its length and refuse control characters."""
-        # Every remembered call checks one: the usual well-formed id is told without id_problem's call.
-        if well_formed_id(request_id, self.limits.max_opaque_id_length):
-            return
+        """A non-empty request_id is kept in the replay cache: bound its length and refuse control characters.
+        (AnswerBook, which keeps them, calls it only for an id that well_formed_id does not pass.)"""
         problem = self.id_problem(request_id, self.limits.max_opaque_id_length)
         if problem:
             raise InvalidArgumentError(f"request_id {problem}", violations=[("request_id", problem)])
