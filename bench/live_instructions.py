@@ -19,6 +19,7 @@ what is done once per batch of calls (the access log's write, every 50 ms) weigh
     python bench/live_instructions.py                          # peek and GetState, about 4 minutes
     python bench/live_instructions.py --scenarios dispatch --calls 2000
     python bench/live_instructions.py --server-arg server.log_rpcs=false
+    python bench/live_instructions.py --scenarios peek --keep /tmp/live   # then callgrind_annotate /tmp/live/*/*.callgrind*
 
 Needs valgrind (`apt install valgrind`, which brings `callgrind_control`).
 """
@@ -142,6 +143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--candidates", type=int, default=4, help="candidates per Dispatch of the dispatch scenario")
     parser.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for our server (repeatable), as rpc_throughput.py --server-arg")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="keep the callgrind out files in DIR (for callgrind_annotate) instead of a temporary one")
     args = parser.parse_args(argv)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in scenarios if s not in TARGETS]
@@ -156,7 +159,11 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.inflight} in flight; our server: {' '.join(overrides)}")
     print(f"{'scenario':<40} {'floor':>9} {'ours':>9} {'ratio':>6} {'target':>6}")
     ok = True
-    with tempfile.TemporaryDirectory(prefix="coda-live-instructions-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="coda-live-instructions-") as scratch:
+        tmp = scratch
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.keep)
         for scenario in scenarios:
             figures = {}
             for name in ("floor", "ours"):

@@ -6,10 +6,17 @@ itself does not see, so they are built into the handlers when the services are r
 (rpc_handlers.py): `WrappingRegistrar` stands in for the server in the generated `add_*Servicer_to_server`
 functions (and in reflection's `enable_server_reflection`) and hands the server wrapped handlers. Only
 authentication stays an interceptor, so that a refused request is never decoded.
+
+Only the services named `by_name` are registered by name with the server; any other (health, reflection) is
+served through a generic handler. grpc.aio keeps a task per method registered by name waiting for that method's
+next call, and on every call that arrives, whatever its method, waits on all of them again
+(`asyncio.wait(FIRST_COMPLETED)`, a done callback added and removed on each): the health service's three
+methods registered by name cost every peek about 20,000 instructions (bench/live_instructions.py), for methods
+called once a second at most. The generated registration adds a generic handler for every service anyway.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Collection, Optional, Protocol, Sequence
 
 import grpc
 
@@ -22,9 +29,11 @@ class MethodWrapper(Protocol):
 class WrappingRegistrar:
     """Registers services on `server` with every method handler wrapped by `wrappers` (outermost first)."""
 
-    def __init__(self, server: Any, wrappers: Sequence[MethodWrapper]):
+    def __init__(self, server: Any, wrappers: Sequence[MethodWrapper], by_name: Optional[Collection[str]] = None):
+        """`by_name`: the services whose methods are registered by name (see the module's docstring); None: all."""
         self._server = server
         self._wrappers = tuple(wrappers)
+        self._by_name = None if by_name is None else frozenset(by_name)
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         for wrapper in reversed(self._wrappers):
@@ -34,8 +43,11 @@ class WrappingRegistrar:
     # The two registration calls generated code makes on a server.
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self._server.add_registered_method_handlers(
-            service, {name: self.wrap(f"/{service}/{name}", handler) for name, handler in handlers.items()})
+        wrapped = {name: self.wrap(f"/{service}/{name}", handler) for name, handler in handlers.items()}
+        if self._by_name is None or service in self._by_name:
+            self._server.add_registered_method_handlers(service, wrapped)
+        else:
+            self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
 
     def add_generic_rpc_handlers(self, generic_handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self._server.add_generic_rpc_handlers(tuple(_WrappedGenericHandler(self, g) for g in generic_handlers))
