@@ -129,8 +129,8 @@ class PacerServer:
         # call), refused INVALID_ARGUMENT if its request bytes do not decode, its core errors mapped to status
         # codes; with the pass-through (de)serializers of the messages carrying trajectories (wire.py).
         handlers = RpcHandlers(self.observability.rpc_observer, self.admission, PassthroughCodec(SERVICE_NAME))
-        # Only the pacer's own methods are registered by name: each such method costs every call (method_wrapping).
-        registrar = WrappingRegistrar(self.server, [handlers], by_name=[SERVICE_NAME])
+        # No method registered by name: each one would cost every call a done callback (method_wrapping).
+        registrar = WrappingRegistrar(self.server, [handlers], by_name=())
         if self.auth is not None:
             self.auth.wrap_refusals(handlers.observed)
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(

@@ -1,10 +1,14 @@
 """Which services the server registers with gRPC by name, and that the others are still served, wrapped."""
 from __future__ import annotations
 
-import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+import asyncio
 
-from coda_client._proto import pacer_pb2_grpc
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import coda_server.server as server_module
+from coda_client._proto import pacer_pb2 as pb, pacer_pb2_grpc
+from coda_server.core import load_config
 from coda_server.method_wrapping import WrappingRegistrar
 from coda_server.server import SERVICE_NAME
 
@@ -58,15 +62,59 @@ def served(server, method):
     return None
 
 
-def test_only_the_pacer_is_registered_by_name_and_health_is_served_generically_still_wrapped():
+def test_no_service_is_registered_by_name_and_each_method_is_served_generically_wrapped():
+    server, marking = registered(())
+    assert server.by_name == {}
+    for service, method in ((SERVICE_NAME, "Dispatch"), (SERVICE_NAME, "GetState"), (HEALTH_SERVICE, "Check"),
+                            (HEALTH_SERVICE, "Watch")):
+        handler = served(server, f"/{service}/{method}")
+        assert handler is not None and handler is marking.wrapped[f"/{service}/{method}"]
+    assert served(server, f"/{SERVICE_NAME}/NoSuchMethod") is None
+
+
+def test_only_the_services_named_are_registered_by_name():
     server, marking = registered([SERVICE_NAME])
     assert list(server.by_name) == [SERVICE_NAME]
     assert server.by_name[SERVICE_NAME]["Dispatch"] is marking.wrapped[f"/{SERVICE_NAME}/Dispatch"]
-    for method in ("Check", "Watch"):
-        handler = served(server, f"/{HEALTH_SERVICE}/{method}")
-        assert handler is not None and handler is marking.wrapped[f"/{HEALTH_SERVICE}/{method}"]
+    handler = served(server, f"/{HEALTH_SERVICE}/Check")
+    assert handler is not None and handler is marking.wrapped[f"/{HEALTH_SERVICE}/Check"]
 
 
 def test_without_a_list_every_service_is_registered_by_name():
     server, _ = registered(None)
     assert set(server.by_name) == {SERVICE_NAME, HEALTH_SERVICE}
+
+
+def test_the_server_registers_no_method_by_name_and_answers_through_its_generic_handlers(monkeypatch):
+    by_name = []
+    make_server = grpc.aio.server
+
+    def recording_server(*args, **kwargs):
+        server = make_server(*args, **kwargs)
+        register = server.add_registered_method_handlers
+
+        def add_registered_method_handlers(service, handlers):
+            by_name.append(service)
+            register(service, handlers)
+
+        server.add_registered_method_handlers = add_registered_method_handlers
+        return server
+
+    monkeypatch.setattr(server_module.grpc.aio, "server", recording_server)
+    config = load_config(overrides=["server.address=127.0.0.1:0", "server.metrics_address=", "server.state_dir="])
+
+    async def serve_one_call():
+        server = server_module.PacerServer(config)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.listeners.tcp_port}") as channel:
+                state = await pacer_pb2_grpc.RolloutPacerStub(channel).GetState(pb.GetStateRequest(), timeout=30)
+                health_answer = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="readiness"), timeout=30)
+        finally:
+            await server.stop(0)
+        return state, health_answer
+
+    state, health_answer = asyncio.run(serve_one_call())
+    assert by_name == []
+    assert state.strategy and health_answer.status == health_pb2.HealthCheckResponse.SERVING
