@@ -145,6 +145,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="an override for our server (repeatable), as rpc_throughput.py --server-arg")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
                         help="keep the callgrind out files in DIR (for callgrind_annotate) instead of a temporary one")
+    parser.add_argument("--floor-generic", action="store_true",
+                        help="the floor registers no method by name either, as our server (rpc_throughput.py's option)")
     args = parser.parse_args(argv)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in scenarios if s not in TARGETS]
@@ -155,8 +157,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{' and '.join(missing)} not found (apt install valgrind)", file=sys.stderr)
         return 2
     overrides = rpc_throughput.OUR_OVERRIDES + args.server_arg
+    if args.floor_generic:
+        os.environ[rpc_throughput.FLOOR_GENERIC_ENV] = "1"  # read by the floor's process only
     print(f"instructions per call of the whole server process (callgrind), {args.calls} calls after {args.warmup}, "
           f"{args.inflight} in flight; our server: {' '.join(overrides)}")
+    if args.floor_generic:
+        print("floor: no method registered by name, served by generic handlers as our server's are (--floor-generic)")
     print(f"{'scenario':<40} {'floor':>9} {'ours':>9} {'ratio':>6} {'target':>6}")
     ok = True
     with tempfile.TemporaryDirectory(prefix="coda-live-instructions-") as scratch:

@@ -53,6 +53,7 @@ from coda_client._proto import pacer_pb2_grpc
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILE_ENV = "CODA_BENCH_PROFILE"
 FLOOR_PASSTHROUGH_ENV = "CODA_BENCH_FLOOR_PASSTHROUGH"
+FLOOR_GENERIC_ENV = "CODA_BENCH_FLOOR_GENERIC"
 SERVICE = "/coda.pacer.v1.RolloutPacer/"
 CALL_TIMEOUT_SECONDS = 60.0
 START_TIMEOUT_SECONDS = 60.0
@@ -125,12 +126,15 @@ async def serve_floor(port_file: Path, overrides: list[str]) -> int:
     retain_freed_memory(int(config.server.allocator_retain_bytes))  # the same process settings as ours
     server = grpc.aio.server(options=server_options(config))
     registrar = server
-    if os.environ.get(FLOOR_PASSTHROUGH_ENV):  # --floor-passthrough: parse Submit as our server does
+    if os.environ.get(FLOOR_PASSTHROUGH_ENV) or os.environ.get(FLOOR_GENERIC_ENV):
         from coda_server.method_wrapping import WrappingRegistrar
         from coda_server.server import SERVICE_NAME
         from coda_server.wire import PassthroughCodec
 
-        registrar = WrappingRegistrar(server, [PassthroughCodec(SERVICE_NAME)])
+        # --floor-passthrough: parse Submit as our server does; --floor-generic: no method registered by name,
+        # as our server registers them (coda_server/method_wrapping.py)
+        wrappers = [PassthroughCodec(SERVICE_NAME)] if os.environ.get(FLOOR_PASSTHROUGH_ENV) else []
+        registrar = WrappingRegistrar(server, wrappers, by_name=() if os.environ.get(FLOOR_GENERIC_ENV) else None)
     pacer_pb2_grpc.add_RolloutPacerServicer_to_server(FloorServicer(), registrar)
     port = server.add_insecure_port(str(config.server.address))
     await server.start()
@@ -752,6 +756,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the floor parses Submit into the same pass-through views as our server (coda_server/"
                              "wire.py) instead of decoding every token: shows how much of the Submit ratio that "
                              "parse accounts for")
+    parser.add_argument("--floor-generic", action="store_true",
+                        help="the floor registers no method by name either, as our server does (coda_server/"
+                             "method_wrapping.py): what our server's per-call features cost on the same routing")
     parser.add_argument("--serve-floor", metavar="PORT_FILE", help=argparse.SUPPRESS)
     parser.add_argument("--profile-serve", choices=("floor", "ours"), help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
@@ -786,6 +793,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.floor_passthrough:
         os.environ[FLOOR_PASSTHROUGH_ENV] = "1"  # read by the floor subprocess only
         print("floor: parses Submit into pass-through views, as our server does (--floor-passthrough)")
+    if args.floor_generic:
+        os.environ[FLOOR_GENERIC_ENV] = "1"  # read by the floor subprocess only
+        print("floor: no method registered by name, served by generic handlers as our server's are (--floor-generic)")
     if profile_dir:
         print(f"PROFILING: both servers run under cProfile ({profile_dir}); the figures below are NOT valid "
               f"measurements of either server")
