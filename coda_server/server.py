@@ -57,7 +57,8 @@ def server_options(config: Any) -> list[tuple[str, Any]]:
         # Calls that arrived but that the event loop has not picked up yet: beyond 1,000 of them gRPC drops
         # new ones at random, beyond 3,000 all of them, with CANCELLED (a burst of a few thousand watchers
         # opening at once lost some that way). Admission (admission.py) is what limits calls, with our own
-        # answer: let the queue hold every call its limits could admit, plus the control calls.
+        # answer: let the queue hold every call its limits could admit, plus the control calls. Every method
+        # shares the one queue (none is registered by name, see method_wrapping).
         ("grpc.server.max_pending_requests", admitted_calls(config)),
         ("grpc.server.max_pending_requests_hard_limit", admitted_calls(config)),
     ]
