@@ -48,7 +48,6 @@ class ProtoTrajectories:
 
 _STATUSES = {int(status): status for status in TrajectoryStatus}
 _NO_METADATA: Mapping[str, str] = MappingProxyType({})
-_MetadataEntry = pb.Trajectory.MetadataEntry
 
 
 class WireMetadata(Mapping):
@@ -63,11 +62,7 @@ class WireMetadata(Mapping):
 
     def _map(self) -> dict[str, str]:
         if self._decoded is None:
-            decoded = {}
-            for raw in self._entries:  # a later entry for the same key wins, as protobuf's map parsing does
-                entry = _MetadataEntry.FromString(raw)
-                decoded[entry.key] = entry.value
-            self._decoded = decoded
+            self._decoded = wire.decoded_metadata(self._entries)
         return self._decoded
 
     def __getitem__(self, key: str) -> str:
@@ -127,7 +122,7 @@ def trajectories(submitted: Sequence[wire.SubmittedTrajectory]) -> list[Trajecto
             start_weight_version=m.start_weight_version,
             end_weight_version=m.end_weight_version,
             num_turns=m.num_turns,
-            body=wire.EncodedTrajectory(data),
+            body=wire.EncodedTrajectory(data, submitted_trajectory),
             size_bytes=len(data),
             metadata=WireMetadata(m.metadata) if m.metadata else _NO_METADATA,
             num_tokens=wire.array_count("token_ids", token_ids) if token_ids else 0,

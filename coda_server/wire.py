@@ -41,13 +41,15 @@ StepReport = _wire.StepReport
 class EncodedTrajectory:
     """A trajectory's body as the server holds it: its encoded bytes, a slice of the Submit request that
     brought it (no copy; the request's bytes stay alive while one of its trajectories is held). Collect and
-    Reset answers, and the journal, write these bytes as they are."""
+    Reset answers, and the journal, write these bytes as they are. `parsed`: what the Submit's parse read of
+    it (SubmittedTrajectory), kept until the fingerprint is computed so that it need not read the bytes again."""
 
-    __slots__ = ("encoded", "_fingerprint")
+    __slots__ = ("encoded", "_fingerprint", "_parsed")
 
-    def __init__(self, encoded: memoryview):
+    def __init__(self, encoded: memoryview, parsed: Optional["SubmittedTrajectory"] = None):
         self.encoded = encoded
         self._fingerprint: Optional[int] = None
+        self._parsed = parsed
 
     def __len__(self) -> int:
         return len(self.encoded)
@@ -66,21 +68,39 @@ class EncodedTrajectory:
         to a CRC-32 collision of the arrays and payload. Computed once; safe to call from any thread (the CRC
         runs without the GIL, so the Ack's digests can be made off the event loop: AsyncPacer.collect)."""
         if self._fingerprint is None:
-            scalars, runs = _wire.split_message(self.encoded, pacer_pb2.Trajectory, _RUN_NAMES)
+            # The Submit's parse when there is one (a second walk over the framing cost twice the CRC itself);
+            # read_trajectory reads the bytes as that parse does, so both give the same digest.
+            parsed = self._parsed or read_trajectory(self.encoded)
+            scalars, runs = parsed.fields, parsed.runs
             # CRC-32 of the arrays (zlib: several times SipHash's speed, and it releases the GIL), with each
             # run's length so bytes moved from one array to another change the digest too.
             crc = 0
             lengths = []
             for name in _RUN_NAMES.values():
-                for run in runs[name]:
+                run = runs.get(name)
+                if run is not None:
                     crc = zlib.crc32(run, crc)
                     lengths.append(len(run))
                 lengths.append(-1)
             self._fingerprint = hash((scalars.trajectory_id, scalars.prompt_id, scalars.ds_index, scalars.status,
                                       scalars.reward, scalars.start_weight_version, scalars.end_weight_version,
-                                      scalars.num_turns, tuple(sorted(scalars.metadata.items())), crc,
+                                      scalars.num_turns, tuple(sorted(decoded_metadata(scalars.metadata).items())), crc,
                                       tuple(lengths)))
+            self._parsed = None  # the parse holds views of the request: let them go with the digest made
         return self._fingerprint
+
+
+def decoded_metadata(entries: Any) -> dict[str, str]:
+    """A trajectory's metadata map from its encoded entries as a view holds them (`repeated bytes`); a later
+    entry for the same key wins, as protobuf's map parsing does."""
+    decoded = {}
+    for raw in entries:
+        entry = _METADATA_ENTRY.FromString(raw)
+        decoded[entry.key] = entry.value
+    return decoded
+
+
+_METADATA_ENTRY = pacer_pb2.Trajectory.MetadataEntry
 
 
 # The fields the server never decodes, by number: the arrays, and the payload (opaque to the server,

@@ -135,6 +135,28 @@ def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content() -> No
     assert whole != moved
 
 
+def test_the_fingerprint_from_the_submits_parse_is_the_one_read_from_the_bytes() -> None:
+    """The servicer's bodies carry what the Submit's parse read (convert.trajectories), so the digest need not
+    walk the bytes again; it must come out as the digest read from the bytes alone, and let the parse go."""
+    from coda_client import wire_forms as _wire
+    from coda_server import convert
+
+    sent = [WireTrajectory(trajectory_id=f"t{i}", prompt_id="p", status=WireStatus.COMPLETED, reward=0.5 * i,
+                           token_ids=list(range(i + 1)), logprobs=[-0.25] * (i + 1), num_turns=i,
+                           metadata={"z": str(i), "a": "x"} if i % 2 else {}, payload=b"\x07" * i)
+            for i in range(4)]
+    tag = _wire.length_delimited_tag(wire.pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number)
+    request = b"".join(tag + _wire.varint(len(body)) + body for body in (b"".join(t.encoded_parts()) for t in sent))
+    converted = convert.trajectories(wire.parse_submit(request).trajectories)
+    for trajectory in converted:
+        body = trajectory.body
+        assert body._parsed is not None
+        from_bytes = wire.EncodedTrajectory(memoryview(bytes(body.encoded)))
+        assert body.fingerprint() == from_bytes.fingerprint()
+        assert body._parsed is None  # the views of the request are let go once digested
+    assert len({t.body.fingerprint() for t in converted}) == len(sent)
+
+
 def _fields_of(data: bytes) -> list[bytes]:
     from coda_client import wire_forms as _wire
 
