@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -61,6 +62,9 @@ class AsyncPacer:
         self._recheck_task: Optional[asyncio.Task] = None
         self._collect_waits: dict[int, list] = {}  # waiting Collects: id -> [started, num_groups, warned]
         self._keying: dict[str, asyncio.Future] = {}  # lease id -> its content keys being computed (_key_off_loop)
+        # One thread computes them, whatever the number of leases at once: the digests hold the GIL between their
+        # CRCs, and each thread more wanting it back makes the loop hand it over more often.
+        self._keys_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coda-content-keys")
         self._next_wait_id = 0
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
         # Called (on the loop) when the journal can no longer write: the server stops advertising readiness.
@@ -267,7 +271,7 @@ class AsyncPacer:
         """Compute the leased trajectories' content keys (what the Ack keeps of each for duplicate detection: a
         digest of its body, which the body caches) in a thread, while the answer is sent and the trainer trains:
         digesting a mini-batch's arrays on the loop would stall every other call for tens of milliseconds."""
-        keying = asyncio.get_running_loop().run_in_executor(None, _compute_content_keys, groups)
+        keying = asyncio.get_running_loop().run_in_executor(self._keys_thread, _compute_content_keys, groups)
         self._keying[lease_id] = keying
         keying.add_done_callback(lambda done: self._keyed(lease_id, done))
 
@@ -456,6 +460,7 @@ class AsyncPacer:
         for task in (self._lease_task, self._recheck_task):
             if task is not None:
                 task.cancel()
+        self._keys_thread.shutdown(wait=False)  # keys being computed are finished; an Ack computes any others itself
 
 
 def _compute_content_keys(groups: Sequence[TrajectoryGroup]) -> None:
