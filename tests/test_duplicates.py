@@ -114,6 +114,30 @@ def test_a_leased_collects_content_keys_are_computed_off_the_event_loop_before_i
         assert len(trajectory.body.digested_in) == 1 and trajectory.body.digested_in[0] != loop_thread
 
 
+def test_a_submits_content_keys_are_computed_off_the_event_loop_without_waiting_for_a_collect() -> None:
+    """Keyed as soon as accepted, so a body holds what its Submit's parse read of it for milliseconds, not until the
+    trainer takes it."""
+    facade = AsyncPacer(_pacer())
+    sent = [Trajectory(f"k/{i}", "k", body=ThreadNotingBody(f"y{i}"), size_bytes=10) for i in range(2)]
+
+    async def run() -> int:
+        facade.bind_loop()
+        try:
+            await facade.dispatch([PromptRef("k")])
+            await facade.submit(sent)
+            for _ in range(1000):  # bounded: the keys thread has nothing else to do
+                if all(t.body.digested_in for t in sent):
+                    break
+                await asyncio.sleep(0.005)
+            return threading.get_ident()
+        finally:
+            facade.drain()
+
+    loop_thread = asyncio.run(run())
+    for trajectory in sent:
+        assert trajectory.body.digested_in and trajectory.body.digested_in[0] != loop_thread
+
+
 def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content() -> None:
     def encoded(**fields) -> wire.EncodedTrajectory:
         values = dict(trajectory_id="t", prompt_id="p", status=1, token_ids=[1, 2], logprobs=[-0.5, -1.0],

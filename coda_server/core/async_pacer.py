@@ -62,8 +62,9 @@ class AsyncPacer:
         self._recheck_task: Optional[asyncio.Task] = None
         self._collect_waits: dict[int, list] = {}  # waiting Collects: id -> [started, num_groups, warned]
         self._keying: dict[str, asyncio.Future] = {}  # lease id -> its content keys being computed (_key_off_loop)
-        # One thread computes them, whatever the number of leases at once: the digests hold the GIL between their
-        # CRCs, and each thread more wanting it back makes the loop hand it over more often.
+        # One thread computes them (_key_ahead, _key_off_loop), whatever the number of Submits and leases at once:
+        # the digests hold the GIL between their CRCs, and each thread more wanting it back makes the loop hand it
+        # over more often.
         self._keys_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coda-content-keys")
         self._next_wait_id = 0
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
@@ -241,9 +242,18 @@ class AsyncPacer:
     async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "",
                      dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:
         async def call() -> SubmitResult:
-            return self.pacer.apply_submit(trajectories, request_id, dispatch_seqs)
+            result = self.pacer.apply_submit(trajectories, request_id, dispatch_seqs)
+            self._key_ahead(trajectories)
+            return result
 
         return await self._applied("Submit", request_id, call)
+
+    def _key_ahead(self, trajectories: Sequence[Trajectory]) -> None:
+        """Start computing accepted trajectories' content keys in the keys thread now, not at their Collect: a body
+        lets go of what its Submit's parse read of it once digested (wire.EncodedTrajectory), so that is held for
+        milliseconds instead of until the trainer takes it, and the Ack rarely waits for a digest."""
+        if not self._draining:
+            self._keys_thread.submit(_compute_keys_of, trajectories)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
@@ -461,6 +471,14 @@ class AsyncPacer:
             if task is not None:
                 task.cancel()
         self._keys_thread.shutdown(wait=False)  # keys being computed are finished; an Ack computes any others itself
+
+
+def _compute_keys_of(trajectories: Sequence[Trajectory]) -> None:
+    try:
+        for trajectory in trajectories:
+            trajectory.content_key()
+    except Exception:  # computed again, and reported, by the Collect's keying or the Ack
+        log.debug("content keys could not be computed ahead of the Collect", exc_info=True)
 
 
 def _compute_content_keys(groups: Sequence[TrajectoryGroup]) -> None:
