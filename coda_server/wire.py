@@ -66,7 +66,7 @@ class EncodedTrajectory:
         """A digest of the trajectory's content (what duplicate detection keeps once the trajectory has left
         the server). Field order and the order of the metadata entries do not change it; every value does, up
         to a CRC-32 collision of the arrays and payload. Computed once; safe to call from any thread (the CRC
-        runs without the GIL, so the Ack's digests can be made off the event loop: AsyncPacer.collect)."""
+        runs without the GIL, so the digests are made off the event loop: AsyncPacer's keys thread)."""
         if self._fingerprint is None:
             # The Submit's parse when there is one (a second walk over the framing cost twice the CRC itself);
             # read_trajectory reads the bytes as that parse does, so both give the same digest.
@@ -84,8 +84,8 @@ class EncodedTrajectory:
                 lengths.append(-1)
             self._fingerprint = hash((scalars.trajectory_id, scalars.prompt_id, scalars.ds_index, scalars.status,
                                       scalars.reward, scalars.start_weight_version, scalars.end_weight_version,
-                                      scalars.num_turns, tuple(sorted(decoded_metadata(scalars.metadata).items())), crc,
-                                      tuple(lengths)))
+                                      scalars.num_turns, tuple(sorted(decoded_metadata(scalars.metadata).items())),
+                                      crc, tuple(lengths)))
             self._parsed = None  # the parse holds views of the request: let them go with the digest made
         return self._fingerprint
 
