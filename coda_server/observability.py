@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import grpc
 from google.protobuf import descriptor_pool
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -147,9 +147,7 @@ class GrpcServerMetrics:
             started.add_metric(labels, stats.started)
             for code, count in list(stats.handled.items()):
                 handled.add_metric((*labels, code), count)
-            cumulative = list(itertools.accumulate(list(stats.buckets)))
-            handling.add_metric(labels, [(floatToGoString(le), n) for le, n in zip(HANDLING_BUCKETS, cumulative)]
-                                + [("+Inf", cumulative[-1])], stats.seconds)
+            handling.add_metric(labels, cumulative_buckets(HANDLING_BUCKETS, stats.buckets), stats.seconds)
         yield started
         yield handled
         yield handling
@@ -375,23 +373,47 @@ class AdmissionCollector:
 
 
 class ConsumptionMetrics:
-    """Histograms observed when the trainer takes groups (a Pacer consume listener)."""
+    """Histograms of what the trainer takes (a Pacer consume listener), as plain numbers read at scrape time like
+    GrpcServerMetrics': a prometheus_client Histogram takes a lock and several Python calls per observation, and
+    the staleness one is observed per trajectory (a group's trajectories are counted by start version at once)."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.dispatch_to_collect = Histogram(
-            "coda_pacer_dispatch_to_collect_seconds",
-            "Seconds from Dispatch admitting a group to the trainer taking it with Collect.",
-            buckets=DISPATCH_TO_COLLECT_BUCKETS, registry=registry)
-        self.staleness = Histogram(
-            "coda_pacer_staleness_versions",
-            "Per consumed trajectory: the weight version when the trainer took it minus its start_weight_version.",
-            buckets=STALENESS_BUCKETS, registry=registry)
+        self._waits = [0] * (len(DISPATCH_TO_COLLECT_BUCKETS) + 1)  # groups per bucket (not cumulative), last +Inf
+        self._waits_seconds = 0.0
+        self._staleness = [0] * (len(STALENESS_BUCKETS) + 1)  # trajectories per bucket
+        self._staleness_versions = 0
+        registry.register(self)
 
     def on_consumed(self, groups: list[TrajectoryGroup], weight_version: int, now: float) -> None:
         for group in groups:
-            self.dispatch_to_collect.observe(max(0.0, now - group.dispatched_at))
+            waited = max(0.0, now - group.dispatched_at)
+            self._waits[bisect.bisect_left(DISPATCH_TO_COLLECT_BUCKETS, waited)] += 1  # bucket i: <= le[i]
+            self._waits_seconds += waited
+            started: dict[int, int] = {}  # start weight version -> trajectories (usually one version a group)
             for trajectory in group.trajectories:
-                self.staleness.observe(weight_version - trajectory.start_weight_version)
+                version = trajectory.start_weight_version
+                started[version] = started.get(version, 0) + 1
+            for version, count in started.items():
+                staleness = weight_version - version
+                self._staleness[bisect.bisect_left(STALENESS_BUCKETS, staleness)] += count
+                self._staleness_versions += staleness * count
+
+    def collect(self) -> Iterable[Any]:
+        waits = HistogramMetricFamily("coda_pacer_dispatch_to_collect_seconds",
+                                      "Seconds from Dispatch admitting a group to the trainer taking it with Collect.")
+        waits.add_metric((), cumulative_buckets(DISPATCH_TO_COLLECT_BUCKETS, self._waits), self._waits_seconds)
+        staleness = HistogramMetricFamily("coda_pacer_staleness_versions", "Per consumed trajectory: the weight "
+                                          "version when the trainer took it minus its start_weight_version.")
+        staleness.add_metric((), cumulative_buckets(STALENESS_BUCKETS, self._staleness), self._staleness_versions)
+        yield waits
+        yield staleness
+
+
+def cumulative_buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]]:
+    """A histogram's Prometheus buckets, (le, cumulative count) with +Inf last, from its per-bucket counts (a
+    copy is read: another thread may be counting)."""
+    cumulative = list(itertools.accumulate(list(counts)))
+    return [(floatToGoString(le), n) for le, n in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
 
 
 # ---------------------------------------------------------------------------------------- wiring
