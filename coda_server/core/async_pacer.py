@@ -4,9 +4,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Optional, Sequence
 
 from . import checkpoints
 from .errors import NotReadyError, ShuttingDownError, StateDirUnwritableError
@@ -28,7 +29,6 @@ from .types import (
     ResumeResult,
     SubmitResult,
     Trajectory,
-    TrajectoryGroup,
 )
 from .waiting import LoopWaits
 from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
@@ -253,7 +253,7 @@ class AsyncPacer:
         lets go of what its Submit's parse read of it once digested (wire.EncodedTrajectory), so that is held for
         milliseconds instead of until the trainer takes it, and the Ack rarely waits for a digest."""
         if not self._draining:
-            self._keys_thread.submit(_compute_keys_of, trajectories)
+            self._keys_thread.submit(_compute_content_keys, trajectories).add_done_callback(_keyed_ahead)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
@@ -281,7 +281,8 @@ class AsyncPacer:
         """Compute the leased trajectories' content keys (what the Ack keeps of each for duplicate detection: a
         digest of its body, which the body caches) in a thread, while the answer is sent and the trainer trains:
         digesting a mini-batch's arrays on the loop would stall every other call for tens of milliseconds."""
-        keying = asyncio.get_running_loop().run_in_executor(self._keys_thread, _compute_content_keys, groups)
+        keying = asyncio.get_running_loop().run_in_executor(
+            self._keys_thread, _compute_content_keys, itertools.chain.from_iterable(g.trajectories for g in groups))
         self._keying[lease_id] = keying
         keying.add_done_callback(lambda done: self._keyed(lease_id, done))
 
@@ -473,15 +474,11 @@ class AsyncPacer:
         self._keys_thread.shutdown(wait=False)  # keys being computed are finished; an Ack computes any others itself
 
 
-def _compute_keys_of(trajectories: Sequence[Trajectory]) -> None:
-    try:
-        for trajectory in trajectories:
-            trajectory.content_key()
-    except Exception:  # computed again, and reported, by the Collect's keying or the Ack
-        log.debug("content keys could not be computed ahead of the Collect", exc_info=True)
+def _compute_content_keys(trajectories: Iterable[Trajectory]) -> None:
+    for trajectory in trajectories:
+        trajectory.content_key()
 
 
-def _compute_content_keys(groups: Sequence[TrajectoryGroup]) -> None:
-    for group in groups:
-        for trajectory in group.trajectories:
-            trajectory.content_key()
+def _keyed_ahead(done: concurrent.futures.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:  # computed again, and reported, by the Collect or Ack
+        log.debug("content keys could not be computed ahead of the Collect: %s", done.exception())
