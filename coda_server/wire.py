@@ -62,6 +62,10 @@ class EncodedTrajectory:
     def SerializeToString(self) -> bytes:  # noqa: N802 (what the message classes call it)
         return bytes(self.encoded)
 
+    def fingerprinted(self) -> bool:
+        """Whether `fingerprint()` is computed already (then it costs nothing)."""
+        return self._fingerprint is not None
+
     def fingerprint(self) -> int:
         """A digest of the trajectory's content (what duplicate detection keeps once the trajectory has left
         the server). Field order and the order of the metadata entries do not change it; every value does, up

@@ -138,6 +138,107 @@ def test_a_submits_content_keys_are_computed_off_the_event_loop_without_waiting_
         assert trajectory.body.digested_in and trajectory.body.digested_in[0] != loop_thread
 
 
+class PendingDigestBody(Body):
+    """A body whose digest is not computed until asked (as EncodedTrajectory's, which AsyncPacer's keys thread
+    computes): `fingerprinted()` says whether it is."""
+
+    def __init__(self, content: str):
+        super().__init__(content)
+        self._fingerprint = None
+
+    def fingerprinted(self) -> bool:
+        return self._fingerprint is not None
+
+    def fingerprint(self) -> int:
+        if self._fingerprint is None:
+            self._fingerprint = hash(self.content)
+        return self._fingerprint
+
+
+def _filtering_pacer() -> Pacer:
+    """Groups of 2 whose rewards are all equal are dropped by the `reward` filter."""
+    return Pacer(load_config(overrides=["data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=2",
+                                        "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
+                                        "rollout.filter=[status,reward]"]))
+
+
+def test_a_group_a_filter_dropped_keeps_only_its_key_once_digested() -> None:
+    """A filter-dropped group's bodies (the Submit's bytes they are slices of) are let go, not held until the step
+    ends: as soon as their digests are made, at the next call that sweeps (a Submit, an Ack)."""
+    pacer = _filtering_pacer()
+    pacer.dispatch([PromptRef("d"), PromptRef("e")])
+    sent = [Trajectory(f"d/{i}", "d", reward=1.0, body=PendingDigestBody(f"x{i}"), size_bytes=10) for i in range(2)]
+    pacer.submit(sent)
+    assert pacer.state().filtered == 1
+    bodies = [weakref.ref(t.body) for t in sent]
+    [trajectory.body.fingerprint() for trajectory in sent]  # what the keys thread does
+    del sent
+    pacer.submit([Trajectory("e/0", "e", reward=0.0, body=PendingDigestBody("e0"), size_bytes=10)])  # sweeps
+    gc.collect()
+    assert [ref() for ref in bodies] == [None, None]
+    assert pacer.submit([Trajectory("d/0", "d", reward=1.0, body=Body("x0"), size_bytes=10)]).duplicates == 1
+    with pytest.raises(InvalidArgumentError, match="already accepted with different content"):
+        pacer.submit([Trajectory("d/1", "d", reward=1.0, body=Body("changed"), size_bytes=10)])
+
+
+def test_a_dropped_groups_bodies_wait_for_their_digests_then_past_the_bound_are_digested_at_once(monkeypatch) -> None:
+    from coda_server.core import inflight
+
+    pacer = _filtering_pacer()
+    pacer.dispatch([PromptRef("d")])
+    sent = [Trajectory(f"d/{i}", "d", reward=1.0, body=PendingDigestBody(f"x{i}"), size_bytes=10) for i in range(2)]
+    bodies = [weakref.ref(t.body) for t in sent]
+    pacer.submit(sent)
+    del sent
+    gc.collect()
+    assert all(ref() is not None for ref in bodies)  # digests not made: not computed on the caller's thread
+    assert not any(ref().fingerprinted() for ref in bodies)
+    monkeypatch.setattr(inflight, "MAX_AWAITING_KEYS", 1)
+    pacer.dispatch([PromptRef("e")])
+    pacer.submit([Trajectory("e/0", "e", reward=0.0, body=PendingDigestBody("e0"), size_bytes=10)])  # sweeps
+    gc.collect()
+    assert [ref() is None for ref in bodies] == [True, False]  # the oldest digested at once, the other waits
+
+
+def test_a_dropped_groups_submit_bytes_are_let_go_through_the_keys_thread() -> None:
+    """End to end in process: real Submit bytes, parsed and converted as the servicer does, keyed by AsyncPacer's
+    thread; once a filter dropped their group, nothing in the pacer holds the request's bytes."""
+    from coda_client import wire_forms as _wire
+    from coda_server import convert
+
+    class Request(bytearray):  # a buffer that can be referred to weakly
+        pass
+
+    def request(prompt_id: str, reward: float) -> Request:
+        tag = _wire.length_delimited_tag(wire.pacer_pb2.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number)
+        bodies = [b"".join(WireTrajectory(trajectory_id=f"{prompt_id}/{i}", prompt_id=prompt_id, reward=reward,
+                                          status=WireStatus.COMPLETED, token_ids=list(range(100)),
+                                          logprobs=[-0.5] * 100).encoded_parts()) for i in range(2)]
+        return Request(b"".join(tag + _wire.varint(len(body)) + body for body in bodies))
+
+    facade = AsyncPacer(_filtering_pacer())
+    unsent = [request("d", 1.0)]
+    watched = weakref.ref(unsent[0])
+
+    async def run() -> int:
+        facade.bind_loop()
+        try:
+            await facade.dispatch([PromptRef("d"), PromptRef("e")])
+            await facade.submit(convert.trajectories(wire.parse_submit(unsent.pop()).trajectories))
+            assert facade.pacer.state().filtered == 1
+            await asyncio.get_running_loop().run_in_executor(facade._keys_thread, lambda: None)  # its digests made
+            kept = request("e", 0.0)
+            await facade.submit(convert.trajectories(wire.parse_submit(kept).trajectories)[:1])
+            again = await facade.submit(convert.trajectories(wire.parse_submit(request("d", 1.0)).trajectories))
+            return again.duplicates
+        finally:
+            facade.drain()
+
+    assert asyncio.run(run()) == 2  # still recognised by its key
+    gc.collect()
+    assert watched() is None
+
+
 def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content() -> None:
     def encoded(**fields) -> wire.EncodedTrajectory:
         values = dict(trajectory_id="t", prompt_id="p", status=1, token_ids=[1, 2], logprobs=[-0.5, -1.0],

@@ -170,6 +170,7 @@ class Collector:
                 self._totals["filtered"] += 1
                 self._tally.filtered += 1
                 self._held_bytes.release(group.trajectories.values())
+                self._inflight.left(group.trajectories.values())
                 return
         failed = None if self._train_on_failed else failed_trajectory(group.trajectories.values())
         if failed is not None:  # dirty data is never trained on silently (LoongSage stops on it)

@@ -11,6 +11,9 @@ from .types import HeldGroup, PromptRef, StepReport, Trajectory, TrajectoryGroup
 
 _NO_PRIORITY = float("inf")
 _NO_ARRIVAL = 1 << 62  # no trajectory yet
+# Trajectories that left the server waiting for their content key (computed off the event loop) before their
+# bodies are let go; past this many the oldest keys are computed at once.
+MAX_AWAITING_KEYS = 4096
 
 
 class InflightGroup:
@@ -177,7 +180,7 @@ class InflightTable:
     fence), and the prompts whose in-flight lease ran out. Every change to them goes through its methods."""
 
     __slots__ = ("groups", "_complete", "_queued", "_accepted", "_generation_prompts", "_latest_seqs",
-                 "_past_generations", "_expired_prompts", "_arrivals", "next_seq")
+                 "_past_generations", "_expired_prompts", "_arrivals", "next_seq", "_awaiting_keys")
 
     def __init__(self, remembered_generations: int):
         self.groups: dict[str, InflightGroup] = {}  # by prompt id; for reading only (changed by the methods)
@@ -186,6 +189,7 @@ class InflightTable:
         # This generation's accepted trajectories, by id: the trajectory while the server holds it, then only
         # its content_key() (the body, e.g. its token arrays, is let go).
         self._accepted: dict[str, "Trajectory | tuple"] = {}
+        self._awaiting_keys: list[Trajectory] = []  # trajectories that left, kept whole until their key is ready
         self._generation_prompts: set[str] = set()
         self._latest_seqs: dict[str, int] = {}
         self._past_generations: deque[set[str]] = deque(maxlen=remembered_generations)
@@ -275,6 +279,7 @@ class InflightTable:
         got one, bytes added)."""
         completed: list[InflightGroup] = []
         touched: dict[str, InflightGroup] = {}
+        self._sweep_awaiting_keys()  # those that left by an earlier call have their keys by now, as a rule
         accepted, table = self._accepted, self.groups
         added = 0
         for trajectory in fresh:
@@ -307,13 +312,30 @@ class InflightTable:
         self._expired_prompts.add(prompt_id)
         return group
 
-    def consumed(self, groups: Iterable[TrajectoryGroup]) -> None:
-        """The trainer has these groups: keep only each trajectory's content key (the body is let go)."""
+    def left(self, trajectories: Iterable[Trajectory]) -> None:
+        """These trajectories have left the server (the trainer has them, or a filter dropped their group): keep
+        only each one's content key, so that its body, and the Submit's bytes it is a slice of, are let go. A key
+        whose digest is still being computed (off the event loop) is taken by a later sweep."""
         accepted = self._accepted
-        for group in groups:
-            for trajectory in group.trajectories:
-                if trajectory.trajectory_id in accepted:
-                    accepted[trajectory.trajectory_id] = trajectory.content_key()
+        self._awaiting_keys.extend(t for t in trajectories if t.trajectory_id in accepted)
+        self._sweep_awaiting_keys()
+
+    def _sweep_awaiting_keys(self) -> None:
+        """Replace by its content key each trajectory that left whose key is ready; past MAX_AWAITING_KEYS
+        waiting, compute the oldest keys now (memory stays bounded when the digests fall behind)."""
+        accepted = self._accepted
+        waiting = []
+        for trajectory in self._awaiting_keys:
+            if accepted.get(trajectory.trajectory_id) is not trajectory:  # forgotten since (a new generation)
+                continue
+            key = trajectory.content_key_if_ready()
+            if key is None:
+                waiting.append(trajectory)
+            else:
+                accepted[trajectory.trajectory_id] = key
+        for trajectory in waiting[:max(0, len(waiting) - MAX_AWAITING_KEYS)]:
+            accepted[trajectory.trajectory_id] = trajectory.content_key()
+        self._awaiting_keys = waiting[-MAX_AWAITING_KEYS:] if waiting else []
 
     def new_generation(self) -> None:
         """A Reset or Restore ends the generation: nothing is in flight; late Submits of it are stale."""
@@ -321,6 +343,7 @@ class InflightTable:
         self._complete = 0
         self._queued = 0
         self._accepted.clear()
+        self._awaiting_keys = []
         self._past_generations.append(self._generation_prompts)
         self._generation_prompts = set()
         self._latest_seqs = {}

@@ -57,7 +57,8 @@ class Trajectory:
     payload ...), opaque to the core and handed back to the trainer as it came. `size_bytes` feeds
     the byte cap. Duplicate detection compares `content_key()`s: a body that offers `fingerprint()`
     (a hashable digest of its content, e.g. coda_server.wire.EncodedTrajectory) is represented by it, so
-    the pacer can forget the body once the trajectory has left; any other body is compared with ==.
+    the pacer can forget the body once the trajectory has left (and `fingerprinted()`, if it offers it, says
+    whether that digest is computed yet); any other body is compared with ==.
     `metadata` (the worker's string map) and `num_tokens` (length of its token ids) are there for
     strategies and filters to read; so are LoongSage's names `start_rollout_weight_version` /
     `end_rollout_weight_version`.
@@ -89,6 +90,12 @@ class Trajectory:
     def same_content(self, other: "Trajectory | tuple") -> bool:
         """True when `other` (a trajectory, or the content_key() kept of one) is a harmless re-send of this one."""
         return self.content_key() == (other if isinstance(other, tuple) else other.content_key())
+
+    def content_key_if_ready(self) -> Optional[tuple]:
+        """`content_key()` when it costs nothing now, else None: a body whose `fingerprinted()` says its digest
+        is not computed yet (AsyncPacer computes them in a thread of its own)."""
+        fingerprinted = getattr(self.body, "fingerprinted", None)
+        return None if callable(fingerprinted) and not fingerprinted() else self.content_key()
 
     def content_key(self) -> tuple:
         """Everything a re-send must repeat to be a duplicate, without the body where it has a fingerprint:
