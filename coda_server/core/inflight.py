@@ -11,9 +11,6 @@ from .types import HeldGroup, PromptRef, StepReport, Trajectory, TrajectoryGroup
 
 _NO_PRIORITY = float("inf")
 _NO_ARRIVAL = 1 << 62  # no trajectory yet
-# Trajectories that left the server waiting for their content key (computed off the event loop) before their
-# bodies are let go; past this many the oldest keys are computed at once.
-MAX_AWAITING_KEYS = 4096
 
 
 class InflightGroup:
@@ -279,7 +276,7 @@ class InflightTable:
         got one, bytes added)."""
         completed: list[InflightGroup] = []
         touched: dict[str, InflightGroup] = {}
-        self._sweep_awaiting_keys()  # those that left by an earlier call have their keys by now, as a rule
+        self._sweep_awaiting_keys()
         accepted, table = self._accepted, self.groups
         added = 0
         for trajectory in fresh:
@@ -315,27 +312,26 @@ class InflightTable:
     def left(self, trajectories: Iterable[Trajectory]) -> None:
         """These trajectories have left the server (the trainer has them, or a filter dropped their group): keep
         only each one's content key, so that its body, and the Submit's bytes it is a slice of, are let go. A key
-        whose digest is still being computed (off the event loop) is taken by a later sweep."""
-        accepted = self._accepted
-        self._awaiting_keys.extend(t for t in trajectories if t.trajectory_id in accepted)
+        whose digest is still being made (off the event loop) is taken at the next sweep."""
         self._sweep_awaiting_keys()
+        accepted, awaiting = self._accepted, self._awaiting_keys
+        for trajectory in trajectories:
+            if trajectory.trajectory_id in accepted:
+                key = trajectory.content_key_if_ready()
+                if key is None:
+                    awaiting.append(trajectory)
+                else:
+                    accepted[trajectory.trajectory_id] = key
 
     def _sweep_awaiting_keys(self) -> None:
-        """Replace by its content key each trajectory that left whose key is ready; past MAX_AWAITING_KEYS
-        waiting, compute the oldest keys now (memory stays bounded when the digests fall behind)."""
-        accepted = self._accepted
-        waiting = []
-        for trajectory in self._awaiting_keys:
-            if accepted.get(trajectory.trajectory_id) is not trajectory:  # forgotten since (a new generation)
-                continue
-            key = trajectory.content_key_if_ready()
-            if key is None:
-                waiting.append(trajectory)
-            else:
-                accepted[trajectory.trajectory_id] = key
-        for trajectory in waiting[:max(0, len(waiting) - MAX_AWAITING_KEYS)]:
-            accepted[trajectory.trajectory_id] = trajectory.content_key()
-        self._awaiting_keys = waiting[-MAX_AWAITING_KEYS:] if waiting else []
+        """Take the keys of the trajectories that left by an earlier call: made by now as a rule, else made here,
+        so what waits is never more than what left since the last Submit, Collect or Ack."""
+        if self._awaiting_keys:
+            accepted = self._accepted
+            for trajectory in self._awaiting_keys:
+                if accepted.get(trajectory.trajectory_id) is trajectory:  # not forgotten since
+                    accepted[trajectory.trajectory_id] = trajectory.content_key()
+            self._awaiting_keys = []
 
     def new_generation(self) -> None:
         """A Reset or Restore ends the generation: nothing is in flight; late Submits of it are stale."""
