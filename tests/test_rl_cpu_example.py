@@ -29,11 +29,18 @@ pytestmark = pytest.mark.skipif(
 def test_rl_cpu_example_learns_through_the_service_with_consistent_logprobs(tmp_path):
     model = os.environ.get("CODA_RL_MODEL") or str(tmp_path / "model")
     completed = subprocess.run(
-        # no-window keeps C groups generating, so every boundary of a 4-step run cuts some; latency-aware (the
+        # A boundary must find groups generating, early enough that their continuation is trained. With C = 2B
+        # (stale steps 1) the engine, faster than a training step here, had the window full of finished groups
+        # at most boundaries (0 running; only the last cut any, and whether one was continued before the run
+        # stopped was a race; with stale steps 3, C = 4B, the first boundary found 16 running but the window
+        # full in one run of two). With no-window and stale steps 7, C = 8B = 64: the first boundaries come long
+        # before the engine has finished the 72 groups the window then allows, so the workers' 16 slots are busy
+        # and the cut trajectories are continued in the next steps. latency-aware (the
         # default) learns a shallow depth while the first steps' responses are short and may let the window
-        # drain before a boundary (its 24-step runs cut hundreds, docs/rl-cpu.md).
+        # drain (its 24-step runs cut hundreds, docs/rl-cpu.md).
         [sys.executable, str(REPO / "examples" / "rl_cpu" / "run.py"), "--steps", "4", "--model", model,
-         "--strategy", "no-window", "--vllm-python", VLLM_PYTHON, "--server-python", sys.executable,
+         "--strategy", "no-window", "--stale-steps", "7", "--vllm-python", VLLM_PYTHON,
+         "--server-python", sys.executable,
          "--workdir", str(tmp_path / "run"), "--vllm-port", "18232"],
         capture_output=True, text=True, timeout=1800, cwd=REPO)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
