@@ -145,3 +145,40 @@ def test_another_worker_continues_the_groups_a_dead_worker_left(tmp_path):
     assert sorted(g.prompt_id for g in groups) == ["p0", "p1"]
     assert {t.metadata["worker"] for g in groups for t in g.trajectories} == {"heir"}
     assert all(len(g.trajectories) == 2 for g in groups)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_engines_reported_version_is_listed_while_its_worker_is_believed_alive():
+    """ListWorkers lists a worker that reported the version its engine runs even while it holds nothing, so a
+    trainer can wait for every engine to load new weights; a dead worker listed there at its old version for good
+    would hold such a trainer back. A watched worker's report goes when it is taken as gone; a caller that is not
+    watched, inflight_lease_seconds after it last said it."""
+    from coda_server.core import Pacer, load_config
+
+    clock = FakeClock()
+    pacer = Pacer(load_config(overrides=[*core_overrides("no-window", B=2, stale=1.0, N=2, filters="[]"),
+                                         "server.worker_liveness_seconds=20", "server.inflight_lease_seconds=300"]),
+                  clock=clock)
+    pacer.watch_opened("kit-worker")
+    pacer.note_loaded_version("kit-worker", 3)
+    pacer.note_loaded_version("raw-client", 3)
+    assert pacer.loaded_versions() == {"kit-worker": 3, "raw-client": 3}
+    clock.now += 200  # the kit worker heartbeats; the raw client says nothing more
+    pacer.heard_from("kit-worker")
+    assert pacer.loaded_versions() == {"kit-worker": 3, "raw-client": 3}
+    clock.now += 101  # past the lease bound for the raw client's report; the kit worker is still heard from
+    pacer.heard_from("kit-worker")
+    assert pacer.loaded_versions() == {"kit-worker": 3}
+    pacer.note_loaded_version("raw-client", 4)  # said again: listed again
+    assert pacer.loaded_versions() == {"kit-worker": 3, "raw-client": 4}
+    pacer.watch_closed("kit-worker")
+    clock.now += 21  # silent past the liveness grace: taken as gone
+    pacer.release_silent_workers()
+    assert pacer.loaded_versions() == {"raw-client": 4}

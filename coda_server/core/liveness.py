@@ -18,9 +18,9 @@ class Liveness:
         self.grace = grace_seconds  # 0: off (only leases bound running groups)
         self._last_heard: dict[str, float] = {}
         self._streams: dict[str, int] = {}  # open control streams per client id
-        # client id -> the weight version its engine reports loaded (ListWorkers; not journaled: every worker
-        # says it again on its next Dispatch or KeepAlive)
-        self.loaded_versions: dict[str, int] = {}
+        # client id -> (the weight version its engine reports loaded, when it said so) for ListWorkers; not
+        # journaled: every worker says it again on its next Dispatch or KeepAlive
+        self._loaded: dict[str, tuple[int, float]] = {}
 
     def stream_opened(self, client_id: str, now: float) -> None:
         if not client_id or not self.grace:
@@ -52,7 +52,21 @@ class Liveness:
         gone = [client_id for client_id, heard in list(self._last_heard.items()) if heard <= cutoff]
         for client_id in gone:
             del self._last_heard[client_id]
+            self._loaded.pop(client_id, None)  # a gone worker's engine runs no version
         return gone
+
+    def note_loaded(self, client_id: str, weight_version: int, now: float) -> None:
+        self._loaded[client_id] = (weight_version, now)
+
+    def loaded(self, now: float, unwatched_for: float) -> dict[str, int]:
+        """The weight version each worker's engine last reported loaded, by client id, while it is believable: a
+        watched worker's until it is taken as gone (`silent`), another caller's for `unwatched_for` seconds after
+        it last said it (0: for ever). A dead worker listed at an old version would hold back a trainer waiting
+        for every engine to load the new weights."""
+        cutoff = now - unwatched_for if unwatched_for else float("-inf")
+        for client_id in [c for c, (_, said) in self._loaded.items() if said < cutoff and c not in self._last_heard]:
+            del self._loaded[client_id]
+        return {client_id: version for client_id, (version, _) in self._loaded.items()}
 
     def restore(self, client_ids: Iterable[str], now: float) -> None:
         """Replay: these clients were watched when they dispatched."""

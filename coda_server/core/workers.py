@@ -42,12 +42,13 @@ class Workers:
         segments are tagged with. Shown by ListWorkers; not journaled (every worker says it again)."""
         if client_id:
             with self._lock:
-                self._liveness.loaded_versions[client_id] = weight_version
+                self._liveness.note_loaded(client_id, weight_version, self._clock.now())
 
     def loaded_versions(self) -> dict[str, int]:
-        """The weight version each worker's engine last reported loaded, by client id."""
+        """The weight version each worker's engine last reported loaded, by client id: a watched worker's until it
+        is taken as gone, another caller's for server.inflight_lease_seconds after it last said it."""
         with self._lock:
-            return dict(self._liveness.loaded_versions)
+            return self._liveness.loaded(self._clock.now(), self._leases.inflight_seconds)
 
     def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
         """The running groups (all, or those `client_id` dispatched), oldest first: which worker holds what."""
