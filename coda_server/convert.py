@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Callable, Iterable, Optional, Sequence, Union
+
+from google.protobuf.message import DecodeError
 
 from coda_client import wire_forms as _wire
 from coda_client._proto import pacer_pb2 as pb
@@ -50,38 +52,6 @@ _STATUSES = {int(status): status for status in TrajectoryStatus}
 _NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 
-class WireMetadata(Mapping):
-    """A trajectory's metadata map for strategies and filters to read, decoded from the pass-through view's raw
-    entries only when first read (the server itself never reads it)."""
-
-    __slots__ = ("_entries", "_decoded")
-
-    def __init__(self, entries: Sequence[bytes]):
-        self._entries = entries
-        self._decoded: Optional[dict[str, str]] = None
-
-    def _map(self) -> dict[str, str]:
-        if self._decoded is None:
-            self._decoded = wire.decoded_metadata(self._entries)
-        return self._decoded
-
-    def __getitem__(self, key: str) -> str:
-        return self._map()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._map())
-
-    def __len__(self) -> int:
-        return len(self._map())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, WireMetadata):
-            return list(self._entries) == list(other._entries) or self._map() == other._map()
-        return Mapping.__eq__(self, other)
-
-    __hash__ = None  # type: ignore[assignment]  # a mapping
-
-
 # Called through the class: upb looks an attribute up among the message's fields before its methods, so
 # `c.HasField` costs more than the call itself.
 _has_field = pb.PromptRef.HasField
@@ -106,11 +76,17 @@ def trajectories(submitted: Sequence[wire.SubmittedTrajectory]) -> list[Trajecto
     converted = []
     violations = []
     for i, submitted_trajectory in enumerate(submitted):
+        m, data = submitted_trajectory.fields, submitted_trajectory.encoded
         problem = wire.array_problem(submitted_trajectory)
+        metadata = _NO_METADATA
+        if problem is None and m.metadata:  # decoded now: an entry the trainer's parser refuses must not get in
+            try:
+                metadata = submitted_trajectory.metadata = wire.decoded_metadata(m.metadata)
+            except DecodeError:
+                problem = "metadata must map UTF-8 strings to UTF-8 strings; an entry does not decode as one"
         if problem:
             violations.append((f"trajectories[{i}]", problem))
             continue
-        m, data = submitted_trajectory.fields, submitted_trajectory.encoded
         token_ids = submitted_trajectory.runs.get("token_ids")
         converted.append(Trajectory(
             trajectory_id=m.trajectory_id,
@@ -124,7 +100,7 @@ def trajectories(submitted: Sequence[wire.SubmittedTrajectory]) -> list[Trajecto
             num_turns=m.num_turns,
             body=wire.EncodedTrajectory(data, submitted_trajectory),
             size_bytes=len(data),
-            metadata=WireMetadata(m.metadata) if m.metadata else _NO_METADATA,
+            metadata=metadata,
             num_tokens=wire.array_count("token_ids", token_ids) if token_ids else 0,
         ))
     if violations:

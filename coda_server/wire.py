@@ -88,7 +88,8 @@ class EncodedTrajectory:
                 lengths.append(-1)
             self._fingerprint = hash((scalars.trajectory_id, scalars.prompt_id, scalars.ds_index, scalars.status,
                                       scalars.reward, scalars.start_weight_version, scalars.end_weight_version,
-                                      scalars.num_turns, tuple(sorted(decoded_metadata(scalars.metadata).items())),
+                                      scalars.num_turns, tuple(sorted((parsed.metadata if parsed.metadata is not None
+                                                                       else decoded_metadata(scalars.metadata)).items())),
                                       crc, tuple(lengths)))
             self._parsed = None  # the parse holds views of the request: let them go with the digest made
         return self._fingerprint
@@ -96,7 +97,8 @@ class EncodedTrajectory:
 
 def decoded_metadata(entries: Any) -> dict[str, str]:
     """A trajectory's metadata map from its encoded entries as a view holds them (`repeated bytes`); a later
-    entry for the same key wins, as protobuf's map parsing does."""
+    entry for the same key wins, as protobuf's map parsing does. DecodeError when an entry is not a string-to-
+    string entry (e.g. a key or value that is not UTF-8)."""
     decoded = {}
     for raw in entries:
         entry = _METADATA_ENTRY.FromString(raw)
@@ -119,13 +121,14 @@ class SubmittedTrajectory:
     copied), its whole encoded bytes (`encoded`, what the server holds) and the retired field numbers it
     uses (`retired`: a sender built from an older pacer.proto)."""
 
-    __slots__ = ("fields", "runs", "encoded", "retired")
+    __slots__ = ("fields", "runs", "encoded", "retired", "metadata")
 
     def __init__(self, fields: Any, runs: dict[str, memoryview], encoded: memoryview, retired: tuple[int, ...] = ()):
         self.fields = fields
         self.runs = runs
         self.encoded = encoded
         self.retired = retired
+        self.metadata: Optional[dict[str, str]] = None  # the metadata map, once decoded (checked at Submit)
 
 
 class ParsedSubmit:

@@ -6,6 +6,8 @@ Over gRPC: a malformed packed array is INVALID_ARGUMENT, and such requests come 
 """
 from __future__ import annotations
 
+import uuid
+
 import grpc
 import pytest
 from hypothesis import given, settings
@@ -131,7 +133,35 @@ def test_a_malformed_packed_array_is_invalid_argument_and_changes_nothing(server
             channel.unary_unary("/coda.pacer.v1.RolloutPacer/Submit")(_submit(trajectory), timeout=10)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in caught.value.details()
         assert pacer.state() == before
-        pacer.reset("abort", resume=True, weight_version=before.weight_version)
+        pacer.reset("abort", wait=0, resume=True, weight_version=before.weight_version)
+
+
+@pytest.mark.parametrize("entry", [
+    _field(1, 2, b"\xff\xfe") + _field(2, 2, b"x"),  # a key that is not UTF-8
+    _field(1, 2, b"k") + _field(2, 2, b"\xc3"),  # a value cut inside a character
+    b"\x0a\x05k",  # an entry whose key runs past its end
+])
+def test_a_metadata_entry_the_trainer_could_not_parse_is_refused_at_submit(server, entry):
+    """The server passes metadata through; an entry that is no string-to-string entry (another language's client,
+    a hand-built message) would be accepted and then fail every Collect of its group in the trainer's parser."""
+    with PacerClient(server.address) as pacer:
+        pacer.dispatch(["meta"])
+        before = pacer.state()
+        head = _field(1, 2, b"meta/0") + _field(2, 2, b"meta") + _field(4, 0, b"\x01")
+        with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary("/coda.pacer.v1.RolloutPacer/Submit")(_submit(head + _field(12, 2, entry)), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "trajectories[0] metadata must map UTF-8 strings to UTF-8 strings" in caught.value.details()
+        assert pacer.state() == before
+        good = head + _field(12, 2, _field(1, 2, "clé".encode()) + _field(2, 2, b"v"))
+        request = _field(1, 2, good) + _field(2, 2, f"meta-{uuid.uuid4().hex}".encode())  # _submit's id is taken
+        with grpc.insecure_channel(server.address) as channel:
+            answer = pb.SubmitResponse.FromString(
+                channel.unary_unary("/coda.pacer.v1.RolloutPacer/Submit")(request, timeout=10))
+        assert answer.accepted == 1
+        [group] = pacer.collect(1, wait=5)
+        assert dict(group.trajectories[0].metadata) == {"clé": "v"}
+        pacer.reset("abort", wait=0, resume=True, weight_version=before.weight_version)
 
 
 def test_unusual_encodings_reach_the_trainer_intact(server):
