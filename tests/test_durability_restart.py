@@ -152,7 +152,7 @@ def test_pacing_settings_may_change_at_a_restart_after_a_reset(durable):
     first = durable()
     first.client.dispatch(["p0", "p1"], request_id="d-0")
     first.client.submit(group("p0"), request_id="s-0")
-    first.client.reset("abort", resume=True, weight_version=1)  # the snapshot: nothing left to replay
+    first.client.reset("abort", wait=0, resume=True, weight_version=1)  # the snapshot: nothing left to replay
     assert first.server.terminate() == 0
     changed = [o for o in first.overrides if not o.startswith("data_source.num_prompts_per_step")]
     second = ServerProcess(first.tmp_path, *changed, f"data_source.num_prompts_per_step={B // 2}").start()
@@ -245,8 +245,8 @@ def test_request_id_answers_survive_a_restart(durable, stop):
     }
     pacer.submit(group("p1"), request_id="s-2")
     first["collect"] = pacer.collect_result(2, request_id="c-1")
-    first["reset"] = pacer.reset("abort", resume=True, weight_version=3, request_id="r-1")
-    first["resume"] = pacer.reset("abort", resume=True, weight_version=4, request_id="r-2")
+    first["reset"] = pacer.reset("abort", wait=0, resume=True, weight_version=3, request_id="r-1")
+    first["resume"] = pacer.reset("abort", wait=0, resume=True, weight_version=4, request_id="r-2")
     assert first["collect"].groups and first["reset"].dropped_prompt_ids == ["p2"]
     before = pacer.state()
 
@@ -256,8 +256,8 @@ def test_request_id_answers_survive_a_restart(durable, stop):
     assert pacer.submit(group("p0"), request_id="s-1") == first["submit"]  # accepted again, not "duplicates"
     retried = pacer.collect_result(2, request_id="c-1")
     assert delivered(retried.groups) == delivered(first["collect"].groups) and retried == first["collect"]
-    assert pacer.reset("abort", resume=True, weight_version=3, request_id="r-1") == first["reset"]
-    assert pacer.reset("abort", resume=True, weight_version=4, request_id="r-2") == first["resume"]
+    assert pacer.reset("abort", wait=0, resume=True, weight_version=3, request_id="r-1") == first["reset"]
+    assert pacer.reset("abort", wait=0, resume=True, weight_version=4, request_id="r-2") == first["resume"]
     assert comparable(pacer.state()) == comparable(before)
     # A new request_id is a new call.
     assert pacer.dispatch(["p0"], request_id="d-2").admitted == ["p0"]
@@ -269,7 +269,7 @@ def test_a_snapshot_in_another_format_is_refused_in_one_line_and_kept(durable):
 
     first = durable()
     first.client.dispatch(["p0", "p1"], request_id="d-0")
-    first.client.reset("abort", resume=True, weight_version=1)  # writes a snapshot
+    first.client.reset("abort", wait=0, resume=True, weight_version=1)  # writes a snapshot
     first.client.dispatch(["q0"], request_id="d-1")
     assert first.server.terminate() == 0
     database = first.state_dir / "pacer.sqlite3"

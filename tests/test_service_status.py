@@ -108,7 +108,7 @@ def test_trajectory_for_never_dispatched_prompt_is_not_found(server):
 def test_prompt_from_before_the_last_reset_is_stale_generation(server):
     stub = server.stub()
     dispatch(stub, "old")
-    stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_ABORT, resume=True, weight_version=1))
+    stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_ABORT, wait_seconds=0, resume=True, weight_version=1))
     with pytest.raises(grpc.RpcError) as caught:
         stub.Submit(pb.SubmitRequest(trajectories=trajectories("old", 1)))
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
