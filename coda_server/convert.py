@@ -81,7 +81,7 @@ def trajectories(submitted: Sequence[wire.SubmittedTrajectory]) -> list[Trajecto
         metadata = _NO_METADATA
         if problem is None and m.metadata:  # decoded now: an entry the trainer's parser refuses must not get in
             try:
-                metadata = submitted_trajectory.metadata = wire.decoded_metadata(m.metadata)
+                metadata = submitted_trajectory.metadata_map()
             except DecodeError:
                 problem = "metadata must map UTF-8 strings to UTF-8 strings; an entry does not decode as one"
         if problem:

@@ -88,8 +88,7 @@ class EncodedTrajectory:
                 lengths.append(-1)
             self._fingerprint = hash((scalars.trajectory_id, scalars.prompt_id, scalars.ds_index, scalars.status,
                                       scalars.reward, scalars.start_weight_version, scalars.end_weight_version,
-                                      scalars.num_turns, tuple(sorted((parsed.metadata if parsed.metadata is not None
-                                                                       else decoded_metadata(scalars.metadata)).items())),
+                                      scalars.num_turns, tuple(sorted(parsed.metadata_map().items())),
                                       crc, tuple(lengths)))
             self._parsed = None  # the parse holds views of the request: let them go with the digest made
         return self._fingerprint
@@ -121,14 +120,21 @@ class SubmittedTrajectory:
     copied), its whole encoded bytes (`encoded`, what the server holds) and the retired field numbers it
     uses (`retired`: a sender built from an older pacer.proto)."""
 
-    __slots__ = ("fields", "runs", "encoded", "retired", "metadata")
+    __slots__ = ("fields", "runs", "encoded", "retired", "_metadata")
 
     def __init__(self, fields: Any, runs: dict[str, memoryview], encoded: memoryview, retired: tuple[int, ...] = ()):
         self.fields = fields
         self.runs = runs
         self.encoded = encoded
         self.retired = retired
-        self.metadata: Optional[dict[str, str]] = None  # the metadata map, once decoded (checked at Submit)
+        self._metadata: Optional[dict[str, str]] = None
+
+    def metadata_map(self) -> dict[str, str]:
+        """The metadata map, decoded once (`decoded_metadata`: DecodeError for an entry that is not one); the
+        Submit's check and the fingerprint both read it."""
+        if self._metadata is None:
+            self._metadata = decoded_metadata(self.fields.metadata)
+        return self._metadata
 
 
 class ParsedSubmit:
