@@ -69,8 +69,8 @@ class EncodedTrajectory:
     def fingerprint(self) -> int:
         """A digest of the trajectory's content (what duplicate detection keeps once the trajectory has left
         the server). Field order and the order of the metadata entries do not change it; every value does, up
-        to a CRC-32 collision of the arrays and payload. Computed once; safe to call from any thread (the CRC
-        runs without the GIL, so the digests are made off the event loop: AsyncPacer's keys thread)."""
+        to a CRC-32 collision of the arrays and payload. Computed once (AsyncPacer makes it as the Submit is
+        accepted); safe to call from any thread (AsyncPacer's keys thread makes those a journal's replay left)."""
         if self._fingerprint is None:
             # The Submit's parse when there is one (a second walk over the framing cost twice the CRC itself);
             # read_trajectory reads the bytes as that parse does, so both give the same digest.

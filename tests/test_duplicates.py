@@ -18,7 +18,7 @@ from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectorySta
 from coda_client.errors import BadRequestError
 from coda_server import wire
 from coda_server.core import InvalidArgumentError, Pacer, PromptRef, Trajectory, load_config
-from coda_server.core.async_pacer import AsyncPacer
+from coda_server.core.async_pacer import KEY_ON_LOOP_MAX_BYTES, AsyncPacer
 from server_harness import ServerProcess
 
 
@@ -84,6 +84,9 @@ class ThreadNotingBody(Body):
         self.digested_in: list[int] = []
         self._fingerprint = None
 
+    def fingerprinted(self) -> bool:
+        return self._fingerprint is not None
+
     def fingerprint(self) -> int:
         if self._fingerprint is None:
             self.digested_in.append(threading.get_ident())
@@ -91,7 +94,57 @@ class ThreadNotingBody(Body):
         return self._fingerprint
 
 
-def test_a_leased_collects_content_keys_are_computed_off_the_event_loop_before_its_ack() -> None:
+def test_a_submits_content_keys_are_computed_once_as_it_is_accepted() -> None:
+    """Up to KEY_ON_LOOP_MAX_BYTES, keyed on the loop as the Submit is accepted, so a body holds what its Submit's parse read of it for no longer
+    than the call; the Collect and the Ack find the keys made (no digest again, none in the keys thread)."""
+    facade = AsyncPacer(_pacer())
+    sent = [Trajectory(f"k/{i}", "k", body=ThreadNotingBody(f"y{i}"), size_bytes=10) for i in range(2)]
+
+    async def run() -> int:
+        facade.bind_loop()
+        try:
+            await facade.dispatch([PromptRef("k")])
+            await facade.submit(sent)
+            assert [len(t.body.digested_in) for t in sent] == [1, 1]  # by the time the Submit answered
+            result = await facade.collect(1, lease_seconds=30)
+            await facade.ack(result.lease_id)
+            again = await facade.submit([Trajectory("k/0", "k", body=Body("y0"), size_bytes=10)])
+            assert again.duplicates == 1  # the kept key is the body's digest
+            return threading.get_ident()
+        finally:
+            facade.drain()
+
+    loop_thread = asyncio.run(run())
+    for trajectory in sent:
+        assert trajectory.body.digested_in == [loop_thread]
+
+
+def test_a_large_submits_content_keys_are_computed_off_the_event_loop_without_waiting_for_a_collect() -> None:
+    """Over KEY_ON_LOOP_MAX_BYTES the digests (CRCs of large arrays, which run without the GIL) are made in the keys
+    thread, beside the loop, as soon as the Submit is accepted."""
+    facade = AsyncPacer(_pacer())
+    size = KEY_ON_LOOP_MAX_BYTES // 2 + 1  # the two of them just over the limit
+    sent = [Trajectory(f"k/{i}", "k", body=ThreadNotingBody(f"y{i}"), size_bytes=size) for i in range(2)]
+
+    async def run() -> int:
+        facade.bind_loop()
+        try:
+            await facade.dispatch([PromptRef("k")])
+            await facade.submit(sent)
+            # The keys thread is one worker taking its work in order: this runs once the Submit's digests are made.
+            await asyncio.get_running_loop().run_in_executor(facade._keys_thread, lambda: None)
+            return threading.get_ident()
+        finally:
+            facade.drain()
+
+    loop_thread = asyncio.run(run())
+    for trajectory in sent:
+        assert len(trajectory.body.digested_in) == 1 and trajectory.body.digested_in[0] != loop_thread
+
+
+def test_a_leased_collects_missing_content_keys_are_computed_off_the_event_loop_before_its_ack() -> None:
+    """Trajectories accepted without their keys made (an embedding's Pacer.submit, a journal's replay) have them
+    computed in the keys thread while the answer goes out, not on the loop, and the Ack waits for them."""
     facade = AsyncPacer(_pacer())
     sent = [Trajectory(f"a/{i}", "a", body=ThreadNotingBody(f"x{i}"), size_bytes=10) for i in range(2)]
 
@@ -99,12 +152,13 @@ def test_a_leased_collects_content_keys_are_computed_off_the_event_loop_before_i
         facade.bind_loop()
         try:
             await facade.dispatch([PromptRef("a")])
-            await facade.submit(sent)
+            facade.pacer.submit(sent)  # accepted in process, not through AsyncPacer.submit: nothing keyed yet
+            assert [t.body.digested_in for t in sent] == [[], []]
             result = await facade.collect(1, lease_seconds=30)
             assert result.lease_id
             await facade.ack(result.lease_id)
             again = await facade.submit([Trajectory("a/0", "a", body=Body("x0"), size_bytes=10)])
-            assert again.duplicates == 1  # the kept key is the body's digest
+            assert again.duplicates == 1
             return threading.get_ident()
         finally:
             facade.drain()
@@ -114,33 +168,9 @@ def test_a_leased_collects_content_keys_are_computed_off_the_event_loop_before_i
         assert len(trajectory.body.digested_in) == 1 and trajectory.body.digested_in[0] != loop_thread
 
 
-def test_a_submits_content_keys_are_computed_off_the_event_loop_without_waiting_for_a_collect() -> None:
-    """Keyed as soon as accepted, so a body holds what its Submit's parse read of it for milliseconds, not until the
-    trainer takes it."""
-    facade = AsyncPacer(_pacer())
-    sent = [Trajectory(f"k/{i}", "k", body=ThreadNotingBody(f"y{i}"), size_bytes=10) for i in range(2)]
-
-    async def run() -> int:
-        facade.bind_loop()
-        try:
-            await facade.dispatch([PromptRef("k")])
-            await facade.submit(sent)
-            for _ in range(1000):  # bounded: the keys thread has nothing else to do
-                if all(t.body.digested_in for t in sent):
-                    break
-                await asyncio.sleep(0.005)
-            return threading.get_ident()
-        finally:
-            facade.drain()
-
-    loop_thread = asyncio.run(run())
-    for trajectory in sent:
-        assert trajectory.body.digested_in and trajectory.body.digested_in[0] != loop_thread
-
-
 class PendingDigestBody(Body):
-    """A body whose digest is not computed until asked (as EncodedTrajectory's, which AsyncPacer's keys thread
-    computes): `fingerprinted()` says whether it is."""
+    """A body whose digest is not computed until asked (as EncodedTrajectory's, which AsyncPacer computes as a Submit
+    is accepted): `fingerprinted()` says whether it is."""
 
     def __init__(self, content: str):
         super().__init__(content)
@@ -171,7 +201,7 @@ def test_a_group_a_filter_dropped_keeps_only_its_key_once_digested() -> None:
     pacer.submit(sent)
     assert pacer.state().filtered == 1
     bodies = [weakref.ref(t.body) for t in sent]
-    [trajectory.body.fingerprint() for trajectory in sent]  # what the keys thread does
+    [trajectory.body.fingerprint() for trajectory in sent]  # what AsyncPacer's Submit does
     del sent
     pacer.submit([Trajectory("e/0", "e", reward=0.0, body=PendingDigestBody("e0"), size_bytes=10)])  # sweeps
     gc.collect()
@@ -182,8 +212,8 @@ def test_a_group_a_filter_dropped_keeps_only_its_key_once_digested() -> None:
 
 
 def test_a_dropped_groups_bodies_wait_for_their_digests_until_the_next_call_at_most() -> None:
-    """Not digested on the caller's thread when they leave (the keys thread does that); if the digest is still not
-    made at the next Submit, that call makes it, so what waits is bounded (a journal's replay has no keys thread)."""
+    """Not digested when they leave (in the server the Submit made them already); if the digest is not made by the
+    next Submit, that call makes it, so what waits is bounded (a journal's replay does not make them)."""
     pacer = _filtering_pacer()
     pacer.dispatch([PromptRef("d"), PromptRef("e")])
     sent = [Trajectory(f"d/{i}", "d", reward=1.0, body=PendingDigestBody(f"x{i}"), size_bytes=10) for i in range(2)]
@@ -198,9 +228,9 @@ def test_a_dropped_groups_bodies_wait_for_their_digests_until_the_next_call_at_m
     assert pacer.submit([Trajectory("d/1", "d", reward=1.0, body=Body("x1"), size_bytes=10)]).duplicates == 1
 
 
-def test_a_dropped_groups_submit_bytes_are_let_go_through_the_keys_thread() -> None:
+def test_a_dropped_groups_submit_bytes_are_let_go() -> None:
     """End to end in process: real Submit bytes, parsed and converted as the servicer does, keyed by AsyncPacer's
-    thread; once a filter dropped their group, nothing in the pacer holds the request's bytes."""
+    Submit; once a filter dropped their group, nothing in the pacer holds the request's bytes."""
     from coda_client import wire_forms as _wire
     from coda_server import convert
 
@@ -224,7 +254,6 @@ def test_a_dropped_groups_submit_bytes_are_let_go_through_the_keys_thread() -> N
             await facade.dispatch([PromptRef("d"), PromptRef("e")])
             await facade.submit(convert.trajectories(wire.parse_submit(unsent.pop()).trajectories))
             assert facade.pacer.state().filtered == 1
-            await asyncio.get_running_loop().run_in_executor(facade._keys_thread, lambda: None)  # its digests made
             kept = request("e", 0.0)
             await facade.submit(convert.trajectories(wire.parse_submit(kept).trajectories)[:1])
             again = await facade.submit(convert.trajectories(wire.parse_submit(request("d", 1.0)).trajectories))

@@ -29,6 +29,7 @@ from .types import (
     ResumeResult,
     SubmitResult,
     Trajectory,
+    TrajectoryGroup,
 )
 from .waiting import LoopWaits
 from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
@@ -41,6 +42,9 @@ stall_log = logging.getLogger("coda_server.pacing")
 CONTROL_FANOUT_DELAY_SECONDS = 0.002
 # How often lease deadlines are checked; leases are meant in seconds to minutes, so this is plenty.
 LEASE_TICK_SECONDS = 0.25
+# A Submit of at most this many encoded bytes has its content keys computed on the loop, a larger one in the keys
+# thread (_key_ahead). At 1 MiB the loop spends about 0.5 ms on them; bench/README.md, "Issue 29, tenth round".
+KEY_ON_LOOP_MAX_BYTES = 1 << 20
 
 
 class AsyncPacer:
@@ -62,7 +66,8 @@ class AsyncPacer:
         self._recheck_task: Optional[asyncio.Task] = None
         self._collect_waits: dict[int, list] = {}  # waiting Collects: id -> [started, num_groups, warned]
         self._keying: dict[str, asyncio.Future] = {}  # lease id -> its content keys being computed (_key_off_loop)
-        # One thread computes them (_key_ahead, _key_off_loop), whatever the number of Submits and leases at once:
+        # One thread computes the keys of large Submits (_key_ahead) and those a Submit did not make (_key_off_loop),
+        # whatever the number of Submits and leases at once:
         # the digests hold the GIL between their CRCs, and each thread more wanting it back makes the loop hand it
         # over more often.
         self._keys_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coda-content-keys")
@@ -249,10 +254,21 @@ class AsyncPacer:
         return await self._applied("Submit", request_id, call)
 
     def _key_ahead(self, trajectories: Sequence[Trajectory]) -> None:
-        """Start computing accepted trajectories' content keys in the keys thread now, not at their Collect: a body
-        lets go of what its Submit's parse read of it once digested (wire.EncodedTrajectory), so that is held for
-        milliseconds instead of until the trainer takes it, and the Ack rarely waits for a digest."""
-        if not self._draining:
+        """Compute a Submit's content keys as it is accepted, not at its Collect: a body lets go of what the Submit's
+        parse read of it once digested (wire.EncodedTrajectory), and the Collect and Ack find the keys made.
+
+        A Submit of up to KEY_ON_LOOP_MAX_BYTES is keyed here on the loop: its digests cost less than handing them to
+        the keys thread, which takes the GIL back after each CRC and so makes the loop wait. A larger one is keyed
+        in that thread: its CRCs (most of the work there) run beside the loop, without the GIL."""
+        size = 0
+        for trajectory in trajectories:
+            size += trajectory.size_bytes
+        if size <= KEY_ON_LOOP_MAX_BYTES:
+            try:
+                _compute_content_keys(trajectories)
+            except Exception as exc:  # computed again, and reported, by the Collect or Ack
+                log.debug("content keys could not be computed as the Submit was accepted: %s", exc)
+        elif not self._draining:
             self._keys_thread.submit(_compute_content_keys, trajectories).add_done_callback(_keyed_ahead)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
@@ -273,7 +289,7 @@ class AsyncPacer:
                 del self._collect_waits[wait_id]
 
         result = await self._applied("Collect", request_id, call)
-        if result.lease_id and result.groups and result.lease_id not in self._keying:
+        if result.lease_id and result.groups and result.lease_id not in self._keying and not _all_keyed(result.groups):
             self._key_off_loop(result.lease_id, result.groups)
         return result
 
@@ -482,3 +498,12 @@ def _compute_content_keys(trajectories: Iterable[Trajectory]) -> None:
 def _keyed_ahead(done: concurrent.futures.Future) -> None:
     if not done.cancelled() and done.exception() is not None:  # computed again, and reported, by the Collect or Ack
         log.debug("content keys could not be computed ahead of the Collect: %s", done.exception())
+
+
+def _all_keyed(groups: Sequence[TrajectoryGroup]) -> bool:
+    """Every trajectory of these groups has its content key made (as a Submit makes them; not a journal's replay)."""
+    for group in groups:
+        for trajectory in group.trajectories:
+            if not trajectory.content_key_ready():
+                return False
+    return True

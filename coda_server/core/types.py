@@ -91,11 +91,15 @@ class Trajectory:
         """True when `other` (a trajectory, or the content_key() kept of one) is a harmless re-send of this one."""
         return self.content_key() == (other if isinstance(other, tuple) else other.content_key())
 
-    def content_key_if_ready(self) -> Optional[tuple]:
-        """`content_key()` when it costs nothing now, else None: a body whose `fingerprinted()` says its digest
-        is not computed yet (AsyncPacer computes them in a thread of its own)."""
+    def content_key_ready(self) -> bool:
+        """Whether `content_key()` costs nothing now: False for a body whose `fingerprinted()` says its digest is
+        not computed yet (AsyncPacer computes them as a Submit is accepted, or in a thread of its own)."""
         fingerprinted = getattr(self.body, "fingerprinted", None)
-        return None if callable(fingerprinted) and not fingerprinted() else self.content_key()
+        return not callable(fingerprinted) or fingerprinted()
+
+    def content_key_if_ready(self) -> Optional[tuple]:
+        """`content_key()` when it costs nothing now (`content_key_ready`), else None."""
+        return self.content_key() if self.content_key_ready() else None
 
     def content_key(self) -> tuple:
         """Everything a re-send must repeat to be a duplicate, without the body where it has a fingerprint:
