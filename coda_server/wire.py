@@ -70,7 +70,8 @@ class EncodedTrajectory:
         """A digest of the trajectory's content (what duplicate detection keeps once the trajectory has left
         the server). Field order and the order of the metadata entries do not change it; every value does, up
         to a CRC-32 collision of the arrays and payload. Computed once (AsyncPacer makes it as the Submit is
-        accepted); safe to call from any thread (AsyncPacer's keys thread makes those a journal's replay left)."""
+        accepted); safe to call from any thread (AsyncPacer's keys thread makes those of Submits over 1 MiB and
+        of a journal's replay)."""
         if self._fingerprint is None:
             # The Submit's parse when there is one (a second walk over the framing cost twice the CRC itself);
             # read_trajectory reads the bytes as that parse does, so both give the same digest.
