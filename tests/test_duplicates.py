@@ -18,7 +18,8 @@ from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectorySta
 from coda_client.errors import BadRequestError
 from coda_server import wire
 from coda_server.core import InvalidArgumentError, Pacer, PromptRef, Trajectory, load_config
-from coda_server.core.async_pacer import KEY_ON_LOOP_MAX_BYTES, AsyncPacer
+from coda_server.core.async_pacer import AsyncPacer
+from coda_server.core.content_keys import KEY_ON_LOOP_MAX_BYTES
 from server_harness import ServerProcess
 
 
@@ -132,7 +133,7 @@ def test_a_large_submits_content_keys_are_computed_off_the_event_loop_without_wa
             await facade.dispatch([PromptRef("k")])
             await facade.submit(sent)
             # The keys thread is one worker taking its work in order: this runs once the Submit's digests are made.
-            await asyncio.get_running_loop().run_in_executor(facade._keys_thread, lambda: None)
+            await asyncio.get_running_loop().run_in_executor(facade.content_keys.thread, lambda: None)
             return threading.get_ident()
         finally:
             facade.drain()

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
-import itertools
 import logging
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence
 
 from . import checkpoints
+from .content_keys import ContentKeys
 from .errors import NotReadyError, ShuttingDownError, StateDirUnwritableError
 from .journal import Journal, TrajectoryCodec
 from .pacer import Pacer
@@ -29,7 +28,6 @@ from .types import (
     ResumeResult,
     SubmitResult,
     Trajectory,
-    TrajectoryGroup,
 )
 from .waiting import LoopWaits
 from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
@@ -42,9 +40,6 @@ stall_log = logging.getLogger("coda_server.pacing")
 CONTROL_FANOUT_DELAY_SECONDS = 0.002
 # How often lease deadlines are checked; leases are meant in seconds to minutes, so this is plenty.
 LEASE_TICK_SECONDS = 0.25
-# A Submit of at most this many encoded bytes has its content keys computed on the loop, a larger one in the keys
-# thread (_key_ahead). At 1 MiB the loop spends about 0.5 ms on them; bench/README.md, "Issue 29, tenth round".
-KEY_ON_LOOP_MAX_BYTES = 1 << 20
 
 
 class AsyncPacer:
@@ -65,12 +60,7 @@ class AsyncPacer:
         self._lease_task: Optional[asyncio.Task] = None
         self._recheck_task: Optional[asyncio.Task] = None
         self._collect_waits: dict[int, list] = {}  # waiting Collects: id -> [started, num_groups, warned]
-        self._keying: dict[str, asyncio.Future] = {}  # lease id -> its content keys being computed (_key_off_loop)
-        # One thread computes the keys of large Submits (_key_ahead) and those a Submit did not make (_key_off_loop),
-        # whatever the number of Submits and leases at once:
-        # the digests hold the GIL between their CRCs, and each thread more wanting it back makes the loop hand it
-        # over more often.
-        self._keys_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coda-content-keys")
+        self.content_keys = ContentKeys()
         self._next_wait_id = 0
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
         # Called (on the loop) when the journal can no longer write: the server stops advertising readiness.
@@ -248,28 +238,10 @@ class AsyncPacer:
                      dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:
         async def call() -> SubmitResult:
             result = self.pacer.apply_submit(trajectories, request_id, dispatch_seqs)
-            self._key_ahead(trajectories)
+            self.content_keys.after_submit(trajectories)
             return result
 
         return await self._applied("Submit", request_id, call)
-
-    def _key_ahead(self, trajectories: Sequence[Trajectory]) -> None:
-        """Compute a Submit's content keys as it is accepted, not at its Collect: a body lets go of what the Submit's
-        parse read of it once digested (wire.EncodedTrajectory), and the Collect and Ack find the keys made.
-
-        A Submit of up to KEY_ON_LOOP_MAX_BYTES is keyed here on the loop: its digests cost less than handing them to
-        the keys thread, which takes the GIL back after each CRC and so makes the loop wait. A larger one is keyed
-        in that thread: its CRCs (most of the work there) run beside the loop, without the GIL."""
-        size = 0
-        for trajectory in trajectories:
-            size += trajectory.size_bytes
-        if size <= KEY_ON_LOOP_MAX_BYTES:
-            try:
-                _compute_content_keys(trajectories)
-            except Exception as exc:  # computed again, and reported, by the Collect or Ack
-                log.debug("content keys could not be computed as the Submit was accepted: %s", exc)
-        elif not self._draining:
-            self._keys_thread.submit(_compute_content_keys, trajectories).add_done_callback(_keyed_ahead)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
@@ -289,24 +261,9 @@ class AsyncPacer:
                 del self._collect_waits[wait_id]
 
         result = await self._applied("Collect", request_id, call)
-        if result.lease_id and result.groups and result.lease_id not in self._keying and not _all_keyed(result.groups):
-            self._key_off_loop(result.lease_id, result.groups)
+        if result.lease_id and result.groups:
+            self.content_keys.after_collect(result.lease_id, result.groups)
         return result
-
-    def _key_off_loop(self, lease_id: str, groups: list) -> None:
-        """Compute the leased trajectories' content keys (what the Ack keeps of each for duplicate detection: a
-        digest of its body, which the body caches) in a thread, while the answer is sent and the trainer trains:
-        digesting a mini-batch's arrays on the loop would stall every other call for tens of milliseconds."""
-        keying = asyncio.get_running_loop().run_in_executor(
-            self._keys_thread, _compute_content_keys, itertools.chain.from_iterable(g.trajectories for g in groups))
-        self._keying[lease_id] = keying
-        keying.add_done_callback(lambda done: self._keyed(lease_id, done))
-
-    def _keyed(self, lease_id: str, done: asyncio.Future) -> None:
-        self._keying.pop(lease_id, None)
-        if not done.cancelled() and done.exception() is not None:  # the Ack computes them itself, and reports
-            log.warning("content keys of lease %s could not be computed ahead of its Ack: %s", lease_id,
-                        done.exception())
 
     async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,
                     weight_version: Optional[int] = None, request_id: str = "",
@@ -337,9 +294,7 @@ class AsyncPacer:
         return await self._applied("Reset", request_id, call, outlives_caller=True)
 
     async def ack(self, lease_id: str, request_id: str = "") -> int:
-        keying = self._keying.get(lease_id)
-        if keying is not None:  # its content keys are being computed off the loop: let them finish there
-            await asyncio.wait((keying,))
+        await self.content_keys.before_ack(lease_id)  # keys computed in the keys thread: let them finish there
 
         async def call() -> int:
             self.pacer.checks.check_lease_id(lease_id)
@@ -487,23 +442,4 @@ class AsyncPacer:
         for task in (self._lease_task, self._recheck_task):
             if task is not None:
                 task.cancel()
-        self._keys_thread.shutdown(wait=False)  # keys being computed are finished; an Ack computes any others itself
-
-
-def _compute_content_keys(trajectories: Iterable[Trajectory]) -> None:
-    for trajectory in trajectories:
-        trajectory.content_key()
-
-
-def _keyed_ahead(done: concurrent.futures.Future) -> None:
-    if not done.cancelled() and done.exception() is not None:  # computed again, and reported, by the Collect or Ack
-        log.debug("content keys could not be computed ahead of the Collect: %s", done.exception())
-
-
-def _all_keyed(groups: Sequence[TrajectoryGroup]) -> bool:
-    """Every trajectory of these groups has its content key made (as a Submit makes them; not a journal's replay)."""
-    for group in groups:
-        for trajectory in group.trajectories:
-            if not trajectory.content_key_ready():
-                return False
-    return True
+        self.content_keys.close()
