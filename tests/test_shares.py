@@ -276,3 +276,47 @@ def test_async_ranks_share_token_budget_mini_batches(tmp_path):
         assert sorted(ids0 + ids1) == prompts[:5]
         assert sorted([tokens0, tokens1]) == [200, 800]
         assert worker.state().buffered == 3
+
+
+def test_a_rank_asking_with_another_shape_while_shares_wait_is_reported() -> None:
+    """Ranks that disagree on the shape (here world_size) each get shares of different mini-batches: not refused (a
+    trainer restarted with another world size leaves such shares behind), but the answer says which shapes' shares
+    wait, and the server logs it."""
+    pacer, _ = make_pacer()
+    fill(pacer, LONG_TAILED)
+    first = pacer.collect_now(4, lease_seconds=30, shape=BatchShape(rank=0, world_size=2))
+    assert first.other_shapes_waiting == ()
+    other = pacer.collect_now(4, lease_seconds=30, shape=BatchShape(rank=1, world_size=4))
+    assert other.other_shapes_waiting == ((2, 4, 0),)  # rank 1's share of the world_size 2 mini-batch waits
+    claimed = pacer.collect_now(4, lease_seconds=30, shape=BatchShape(rank=1, world_size=2))
+    assert claimed.other_shapes_waiting == ()  # a share claimed, no new mini-batch taken: nothing to report
+    fill(pacer, {"i": 10, "j": 20, "k": 30, "l": 40})
+    again = pacer.collect_now(4, lease_seconds=30, shape=BatchShape(rank=1, world_size=4))
+    assert again.groups and again.other_shapes_waiting == ()  # a new mini-batch; world_size 2's shares all taken
+    assert pacer.state().invariant_holds()
+
+
+def test_the_server_logs_ranks_that_disagree_on_the_shape(caplog) -> None:
+    import asyncio
+    import logging
+
+    from coda_server.core.async_pacer import AsyncPacer
+
+    pacer, _ = make_pacer()
+    fill(pacer, LONG_TAILED)
+    facade = AsyncPacer(pacer)
+
+    async def run() -> None:
+        facade.bind_loop()
+        try:
+            await facade.collect(4, lease_seconds=30, shape=BatchShape(rank=0, world_size=2))
+            await facade.collect(4, lease_seconds=30, shape=BatchShape(rank=1, world_size=4))
+        finally:
+            facade.drain()
+
+    with caplog.at_level(logging.WARNING, logger="coda_server.leases"):
+        asyncio.run(run())
+    warnings = [r.getMessage() for r in caplog.records if "wait for their ranks" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "rank 1 took a new global mini-batch of world_size 4, 4 groups" in warnings[0]
+    assert "shares of world_size 2, 4 groups wait" in warnings[0]

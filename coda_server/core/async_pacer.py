@@ -12,7 +12,7 @@ from .content_keys import ContentKeys
 from .errors import NotReadyError, ShuttingDownError, StateDirUnwritableError
 from .journal import Journal, TrajectoryCodec
 from .pacer import Pacer
-from .shares import PLAIN, BatchShape
+from .shares import PLAIN, BatchShape, describe_shape
 from .state import PacerState
 from .types import (
     CollectResult,
@@ -263,6 +263,13 @@ class AsyncPacer:
         result = await self._applied("Collect", request_id, call)
         if result.lease_id and result.groups:
             self.content_keys.after_collect(result.lease_id, result.groups)
+        if result.other_shapes_waiting:
+            log.warning("rank %d took a new global mini-batch of %s while shares of %s wait for their ranks: the ranks of "
+                        "one trainer must send the same mini_batch_size (num_groups), token_budget and world_size, or "
+                        "each trains on shares of different mini-batches; the waiting shares return to the buffer when "
+                        "their leases run out (a trainer restarted with another world size leaves such shares behind)",
+                        shape.rank, describe_shape(shape.key(num_groups)),
+                        "; ".join(describe_shape(key) for key in result.other_shapes_waiting))
         return result
 
     async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,

@@ -48,9 +48,11 @@ class Delivery:
         """The answer handing `count` groups to the trainer, and how many it took (fewer when cut to fit)."""
         limit = self._limits.answer_bytes(max_bytes)
         if shape.world_size > 1:
-            lease = self._take_share(count, lease_seconds, shape.key(num_groups), shape, now, limit)
+            key = shape.key(num_groups)
+            others = self._leases.waiting_shapes(key) if count else ()  # only when a new mini-batch is taken
+            lease = self._take_share(count, lease_seconds, key, shape, now, limit)
             return CollectResult([group for _, group in lease.entries], timed_out=timed_out,
-                                 lease_id=lease.lease_id), count
+                                 lease_id=lease.lease_id, other_shapes_waiting=others), count
         entries = self._buffer.pop_fitting(count, limit)
         cut_to_fit, count = len(entries) < count, len(entries)
         if lease_seconds > 0:

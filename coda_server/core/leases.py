@@ -91,6 +91,11 @@ class Leases:
             self.open_shares.setdefault(key, []).append(slots)
         return leases[rank]
 
+    def waiting_shapes(self, besides: tuple) -> tuple:
+        """The keys other than `besides` under which a share still waits for its rank (its lease live)."""
+        return tuple(key for key, batches in self.open_shares.items() if key != besides and any(
+            lease_id in self.collect for slots in batches for lease_id in slots if lease_id))
+
     def claimable(self, key: tuple, rank: int) -> bool:
         """Whether an open mini-batch under `key` holds a live share for `rank`."""
         return any(slots[rank] in self.collect for slots in self.open_shares.get(key, ()) if slots[rank])

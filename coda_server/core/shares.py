@@ -37,6 +37,13 @@ class BatchShape:
 PLAIN = BatchShape()
 
 
+def describe_shape(key: tuple[int, int, int]) -> str:
+    """A `BatchShape.key` as the ranks' settings that make it, for messages."""
+    world_size, num_groups, token_budget = key
+    cut = f"token_budget {token_budget}" if token_budget else f"{num_groups} groups"
+    return f"world_size {world_size}, {cut}"
+
+
 def group_tokens(group: TrajectoryGroup) -> int:
     """Response tokens of a group (the length of each trajectory's token ids)."""
     return sum(t.num_tokens for t in group.trajectories)

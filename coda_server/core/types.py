@@ -193,6 +193,10 @@ class CollectResult:
     timed_out: bool
     lease_id: str = ""  # set when the groups are leased: Ack it, or they are delivered again
     cut_to_fit: bool = False  # fewer than asked: more would not fit the caller's message limit (still buffered)
+    # A rank's Collect that took a new global mini-batch while shares of mini-batches of another shape waited for
+    # their ranks: those shapes' keys (world_size, num_groups, token_budget). Ranks that disagree, or a trainer
+    # restarted with another shape; AsyncPacer logs it.
+    other_shapes_waiting: tuple = ()
 
     def trajectory_bytes(self) -> int:
         """Bytes of the trajectories this answer carries (what remembering it keeps in memory)."""
