@@ -32,6 +32,7 @@ _MODULE_OF = {
     "translate": "errors",
     "Checkpoint": "types",
     "CollectResult": "types",
+    "CollectShape": "types",
     "ControlEvent": "types",
     "ControlEventType": "types",
     "DispatchResult": "types",
@@ -64,9 +65,9 @@ if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
         UnknownPromptError, translate,
     )
     from .types import (  # noqa: F401
-        Checkpoint, CollectResult, ControlEvent, ControlEventType, DispatchResult, HeldGroup, Incident, JobEndReport,
-        KeepAliveResult, PacerState, PromptCursor, PromptRef, ResetMode, ResetResult, RestoreResult, ResumeResult,
-        StepReport, SubmitResult, Trajectory, TrajectoryGroup, TrajectoryStatus, WorkerHoldings,
+        Checkpoint, CollectResult, CollectShape, ControlEvent, ControlEventType, DispatchResult, HeldGroup, Incident,
+        JobEndReport, KeepAliveResult, PacerState, PromptCursor, PromptRef, ResetMode, ResetResult, RestoreResult,
+        ResumeResult, StepReport, SubmitResult, Trajectory, TrajectoryGroup, TrajectoryStatus, WorkerHoldings,
     )
 
 
@@ -106,6 +107,7 @@ __all__ = [
     "KeepAliveResult",
     "SubmitResult",
     "CollectResult",
+    "CollectShape",
     "ResetResult",
     "ResumeResult",
     "Checkpoint",

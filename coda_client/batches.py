@@ -548,6 +548,18 @@ class _IteratorBase:
         self._streamed = False
         return True
 
+    def _note_other_shapes(self, result: CollectResult) -> None:
+        """Warn when this rank's share came from a new global mini-batch while shares of another shape waited for
+        their ranks: ranks passing different mini_batch_size / token_budget / world_size each train on shares of
+        different mini-batches (a trainer restarted with another world size sees it too, for a lease's time)."""
+        if result.other_shapes_waiting:
+            log.warning("batches: rank %d of %d took a new global mini-batch while shares of another shape wait for "
+                        "their ranks (%s): every rank of one trainer must pass the same mini_batch_size (or "
+                        "token_budget) and world_size, or each trains on shares of different mini-batches; after a "
+                        "restart with another world size, the old shares return to the buffer when their leases run "
+                        "out", self.shape.rank, self.shape.world_size,
+                        "; ".join(str(shape) for shape in result.other_shapes_waiting))
+
     def _rest(self, results: list[CollectResult]) -> int:
         """Groups still missing from a batch of `results` (0: complete). Only a plain batch is completed by
         further Collects: a token budget's or a rank's share is what the server cut it to."""
@@ -711,6 +723,7 @@ class BatchIterator(_IteratorBase):
                 if not self._without_stream(exc):
                     raise
                 result = self._call(self._collect_call(missing if results else None))  # nothing was taken
+            self._note_other_shapes(result)
             if result.groups:
                 results.append(result)
             elif job_ended and not results:
@@ -927,6 +940,7 @@ class AsyncBatchIterator(_IteratorBase):
                 if not self._without_stream(exc):
                     raise
                 result = await self._call(self._collect_call(missing if results else None))  # nothing was taken
+            self._note_other_shapes(result)
             if result.groups:
                 results.append(result)
             elif job_ended and not results:

@@ -425,6 +425,20 @@ class SubmitResult:
 
 
 @dataclass(frozen=True)
+class CollectShape:
+    """What keeps a data-parallel trainer's global mini-batches apart: the ranks' world_size, num_groups and
+    token_budget (docs/protocol.md, "Data-parallel ranks")."""
+
+    world_size: int
+    num_groups: int
+    token_budget: int = 0
+
+    def __str__(self) -> str:
+        cut = f"token_budget {self.token_budget}" if self.token_budget else f"{self.num_groups} groups"
+        return f"world_size {self.world_size}, {cut}"
+
+
+@dataclass(frozen=True)
 class CollectResult:
     """Collect answer: the groups taken, and whether the wait ended before enough were ready."""
 
@@ -434,12 +448,16 @@ class CollectResult:
     # Fewer groups than asked although they were there: more would not have fit the client's message limit.
     # They stay buffered, first in line: collect again for the rest.
     cut_to_fit: bool = False
+    # A rank's Collect that took a new global mini-batch while shares of another shape waited for their ranks:
+    # those shapes (ranks that disagree on the shape, or a trainer restarted with another world size).
+    other_shapes_waiting: tuple[CollectShape, ...] = ()
 
     @classmethod
     def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> CollectResult:
         """From the wire message or its encoded bytes (arrays then viewed in place, see Trajectory.from_encoded)."""
         msg, groups = _split_answer(msg, pacer_pb2.CollectResponse, ("groups",), arrays_as)
-        return _from_fields(cls, msg, **groups)
+        shapes = tuple(CollectShape(s.world_size, s.num_groups, s.token_budget) for s in msg.other_shapes_waiting)
+        return _from_fields(cls, msg, other_shapes_waiting=shapes, **groups)
 
     @classmethod
     def from_stream(cls, messages: Sequence[Any], arrays_as: arrays.ArrayMode = "list") -> CollectResult:
@@ -448,7 +466,8 @@ class CollectResult:
             raise ValueError("CollectStream ended without an answer message")
         results = [cls.from_pb(message, arrays_as) for message in messages]
         first = results[0]
-        return cls([g for r in results for g in r.groups], first.timed_out, first.lease_id, first.cut_to_fit)
+        return cls([g for r in results for g in r.groups], first.timed_out, first.lease_id, first.cut_to_fit,
+                   first.other_shapes_waiting)
 
 
 @dataclass(frozen=True)

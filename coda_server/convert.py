@@ -179,16 +179,20 @@ def batch_shape(request: pb.CollectRequest) -> BatchShape:
 
 
 def collect_response(result: CollectResult) -> wire.EncodedAnswer:
-    return wire.EncodedAnswer(pb.CollectResponse(timed_out=result.timed_out, lease_id=result.lease_id,
-                                                 cut_to_fit=result.cut_to_fit),
-                              {"groups": [group_parts(g) for g in result.groups]})
+    return wire.EncodedAnswer(_collect_message(result), {"groups": [group_parts(g) for g in result.groups]})
 
 
 def collect_stream(result: CollectResult, message_bytes: int = wire.STREAM_MESSAGE_BYTES) -> list[wire.EncodedAnswer]:
     """Collect's answer as CollectStream's messages (wire.split_answer)."""
-    return wire.split_answer(pb.CollectResponse(timed_out=result.timed_out, lease_id=result.lease_id,
-                                                cut_to_fit=result.cut_to_fit),
-                             [group_parts(g) for g in result.groups], message_bytes)
+    return wire.split_answer(_collect_message(result), [group_parts(g) for g in result.groups], message_bytes)
+
+
+def _collect_message(result: CollectResult) -> pb.CollectResponse:
+    """A Collect answer's fields other than its groups."""
+    message = pb.CollectResponse(timed_out=result.timed_out, lease_id=result.lease_id, cut_to_fit=result.cut_to_fit)
+    for world_size, num_groups, token_budget in result.other_shapes_waiting:  # BatchShape.key()s
+        message.other_shapes_waiting.add(world_size=world_size, num_groups=num_groups, token_budget=token_budget)
+    return message
 
 
 def step_report(report: StepReport, message_class: type = pb.StepReport) -> pb.StepReport:

@@ -320,3 +320,32 @@ def test_the_server_logs_ranks_that_disagree_on_the_shape(caplog) -> None:
     assert len(warnings) == 1
     assert "rank 1 took a new global mini-batch of world_size 4, 4 groups" in warnings[0]
     assert "shares of world_size 2, 4 groups wait" in warnings[0]
+
+
+def test_ranks_that_disagree_on_the_shape_are_told_in_the_trainer_over_grpc(tmp_path, caplog):
+    """Rank 0 passes world_size 2, rank 1 world_size 4: each is served, and the rank whose Collect took a new
+    global mini-batch while the other shape's share waited gets the other shape in its answer, and its batches()
+    logs a warning in the trainer's own process."""
+    import logging
+
+    from coda_client import CollectShape, _calls
+
+    prompts = [f"p{i}" for i in range(10)]
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=12", "data_source.num_trajectories_per_prompt=2",
+                       "trainer.mini_batch_size=8") as server, PacerClient(server.address) as pacer:
+        pacer.dispatch(prompts)
+        for prompt_id in prompts:
+            pacer.submit(_wire_group(prompt_id, 10))
+        with caplog.at_level(logging.WARNING, logger="coda_client.batches"):
+            with pacer.batches(8, rank=0, world_size=2, num_batches=1, lease=60, poll=5) as first:
+                next(first)
+            assert not [r for r in caplog.records if "another shape" in r.getMessage()]
+            with pacer.batches(8, rank=1, world_size=4, num_batches=1, lease=60, poll=5) as other:
+                next(other)
+        warnings = [r.getMessage() for r in caplog.records if "another shape" in r.getMessage()]
+        assert len(warnings) == 1 and "rank 1 of 4" in warnings[0] and "(world_size 2, 4 groups)" in warnings[0]
+        # The answer itself names every shape whose shares wait (for any client, in any language).
+        raw = pacer._run(_calls.collect(2, wait=5, allow_partial=False, request_id=None, timeout=10, lease=60,
+                                        rank=0, world_size=2))
+        assert len(raw.groups) == 1
+        assert set(raw.other_shapes_waiting) == {CollectShape(2, 4, 0), CollectShape(4, 4, 0)}

@@ -225,16 +225,28 @@ class AckResponse(_message.Message):
     def __init__(self, groups: _Optional[int] = ...) -> None: ...
 
 class CollectResponse(_message.Message):
-    __slots__ = ("groups", "timed_out", "lease_id", "cut_to_fit")
+    __slots__ = ("groups", "timed_out", "lease_id", "cut_to_fit", "other_shapes_waiting")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CUT_TO_FIT_FIELD_NUMBER: _ClassVar[int]
+    OTHER_SHAPES_WAITING_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     timed_out: bool
     lease_id: str
     cut_to_fit: bool
-    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., timed_out: _Optional[bool] = ..., lease_id: _Optional[str] = ..., cut_to_fit: _Optional[bool] = ...) -> None: ...
+    other_shapes_waiting: _containers.RepeatedCompositeFieldContainer[CollectShape]
+    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., timed_out: _Optional[bool] = ..., lease_id: _Optional[str] = ..., cut_to_fit: _Optional[bool] = ..., other_shapes_waiting: _Optional[_Iterable[_Union[CollectShape, _Mapping]]] = ...) -> None: ...
+
+class CollectShape(_message.Message):
+    __slots__ = ("world_size", "num_groups", "token_budget")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    num_groups: int
+    token_budget: int
+    def __init__(self, world_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("mode", "wait_seconds", "resume", "weight_version", "request_id")
