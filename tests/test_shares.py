@@ -349,3 +349,30 @@ def test_ranks_that_disagree_on_the_shape_are_told_in_the_trainer_over_grpc(tmp_
                                         rank=0, world_size=2))
         assert len(raw.groups) == 1
         assert set(raw.other_shapes_waiting) == {CollectShape(2, 4, 0), CollectShape(4, 4, 0)}
+
+
+def test_the_async_iterator_warns_of_ranks_that_disagree_too(tmp_path, caplog):
+    import asyncio
+    import logging
+
+    from coda_client import AsyncPacerClient
+
+    prompts = [f"p{i}" for i in range(8)]
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=8", "data_source.num_trajectories_per_prompt=2",
+                       "trainer.mini_batch_size=8") as server, PacerClient(server.address) as worker:
+        worker.dispatch(prompts)
+        for prompt_id in prompts:
+            worker.submit(_wire_group(prompt_id, 10))
+
+        async def ranks() -> None:
+            async with AsyncPacerClient(server.address) as pacer:
+                for rank, world_size in ((0, 2), (3, 4)):
+                    async with pacer.batches(8, rank=rank, world_size=world_size, num_batches=1, lease=60,
+                                             poll=5) as batches:
+                        async for _ in batches:
+                            pass
+
+        with caplog.at_level(logging.WARNING, logger="coda_client.batches"):
+            asyncio.run(asyncio.wait_for(ranks(), 60))
+        warnings = [r.getMessage() for r in caplog.records if "another shape" in r.getMessage()]
+        assert len(warnings) == 1 and "rank 3 of 4" in warnings[0] and "(world_size 2, 4 groups)" in warnings[0]
