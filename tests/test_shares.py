@@ -196,14 +196,24 @@ def _wire_group(prompt_id: str, length: int) -> list[WireTrajectory]:
                            loss_mask=np.ones(length, np.int32)) for i in range(2)]
 
 
+def _fill_over_grpc(worker: PacerClient, prompts: list[str], lengths: list[int]) -> None:
+    """Dispatch `prompts` and submit one complete group of 2 for each, its trajectories `lengths[i]` tokens long."""
+    worker.dispatch(prompts)
+    for prompt_id, length in zip(prompts, lengths):
+        worker.submit(_wire_group(prompt_id, length))
+
+
+def _shape_warnings(caplog) -> list[str]:
+    """The client's warnings of ranks that disagree on the shape (_IteratorBase._note_other_shapes)."""
+    return [r.getMessage() for r in caplog.records if "another shape" in r.getMessage()]
+
+
 def test_ranks_iterate_their_shares_of_every_global_mini_batch(tmp_path):
     lengths = [5, 300, 7, 9, 250, 11, 13, 17] * 2  # two global mini-batches of 8 groups
     prompts = [f"p{i}" for i in range(len(lengths))]
     with ServerProcess(tmp_path, "data_source.num_prompts_per_step=16", "data_source.num_trajectories_per_prompt=2",
                        "trainer.mini_batch_size=16") as server, PacerClient(server.address) as worker:
-        worker.dispatch(prompts)
-        for prompt_id, length in zip(prompts, lengths):
-            worker.submit(_wire_group(prompt_id, length))
+        _fill_over_grpc(worker, prompts, lengths)
         seen: dict[int, list[list[str]]] = {}
         tokens: dict[int, list[int]] = {}
 
@@ -252,9 +262,7 @@ def test_async_ranks_share_token_budget_mini_batches(tmp_path):
     prompts = [f"q{i}" for i in range(len(lengths))]
     with ServerProcess(tmp_path, "data_source.num_prompts_per_step=8", "data_source.num_trajectories_per_prompt=2",
                        "trainer.mini_batch_size=4") as server, PacerClient(server.address) as worker:
-        worker.dispatch(prompts)
-        for prompt_id, length in zip(prompts, lengths):
-            worker.submit(_wire_group(prompt_id, length))
+        _fill_over_grpc(worker, prompts, lengths)
 
         async def rank_loop(rank: int) -> list[tuple[list[str], int]]:
             taken = []
@@ -333,16 +341,14 @@ def test_ranks_that_disagree_on_the_shape_are_told_in_the_trainer_over_grpc(tmp_
     prompts = [f"p{i}" for i in range(10)]
     with ServerProcess(tmp_path, "data_source.num_prompts_per_step=12", "data_source.num_trajectories_per_prompt=2",
                        "trainer.mini_batch_size=8") as server, PacerClient(server.address) as pacer:
-        pacer.dispatch(prompts)
-        for prompt_id in prompts:
-            pacer.submit(_wire_group(prompt_id, 10))
+        _fill_over_grpc(pacer, prompts, [10] * len(prompts))
         with caplog.at_level(logging.WARNING, logger="coda_client.batches"):
             with pacer.batches(8, rank=0, world_size=2, num_batches=1, lease=60, poll=5) as first:
                 next(first)
-            assert not [r for r in caplog.records if "another shape" in r.getMessage()]
+            assert not _shape_warnings(caplog)
             with pacer.batches(8, rank=1, world_size=4, num_batches=1, lease=60, poll=5) as other:
                 next(other)
-        warnings = [r.getMessage() for r in caplog.records if "another shape" in r.getMessage()]
+        warnings = _shape_warnings(caplog)
         assert len(warnings) == 1 and "rank 1 of 4" in warnings[0] and "(world_size 2, 4 groups)" in warnings[0]
         # The answer itself names every shape whose shares wait (for any client, in any language).
         raw = pacer._run(_calls.collect(2, wait=5, allow_partial=False, request_id=None, timeout=10, lease=60,
@@ -360,9 +366,7 @@ def test_the_async_iterator_warns_of_ranks_that_disagree_too(tmp_path, caplog):
     prompts = [f"p{i}" for i in range(8)]
     with ServerProcess(tmp_path, "data_source.num_prompts_per_step=8", "data_source.num_trajectories_per_prompt=2",
                        "trainer.mini_batch_size=8") as server, PacerClient(server.address) as worker:
-        worker.dispatch(prompts)
-        for prompt_id in prompts:
-            worker.submit(_wire_group(prompt_id, 10))
+        _fill_over_grpc(worker, prompts, [10] * len(prompts))
 
         async def ranks() -> None:
             async with AsyncPacerClient(server.address) as pacer:
@@ -374,5 +378,5 @@ def test_the_async_iterator_warns_of_ranks_that_disagree_too(tmp_path, caplog):
 
         with caplog.at_level(logging.WARNING, logger="coda_client.batches"):
             asyncio.run(asyncio.wait_for(ranks(), 60))
-        warnings = [r.getMessage() for r in caplog.records if "another shape" in r.getMessage()]
+        warnings = _shape_warnings(caplog)
         assert len(warnings) == 1 and "rank 3 of 4" in warnings[0] and "(world_size 2, 4 groups)" in warnings[0]
