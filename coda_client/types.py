@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from . import arrays, wire_forms as _wire
 from ._proto import pacer_pb2
-from .protocol import LOONGSAGE_PROMPT_ID
+from .protocol import LOONGSAGE_PROMPT_ID, describe_collect_shape
 
 __all__ = [
     "TrajectoryStatus",
@@ -434,8 +434,7 @@ class CollectShape:
     token_budget: int = 0
 
     def __str__(self) -> str:
-        cut = f"token_budget {self.token_budget}" if self.token_budget else f"{self.num_groups} groups"
-        return f"world_size {self.world_size}, {cut}"
+        return describe_collect_shape(self.world_size, self.num_groups, self.token_budget)
 
 
 @dataclass(frozen=True)

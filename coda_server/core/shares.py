@@ -13,6 +13,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from coda_client.protocol import describe_collect_shape  # plain data, as the RPC table
+
 from .types import TrajectoryGroup
 
 
@@ -39,9 +41,7 @@ PLAIN = BatchShape()
 
 def describe_shape(key: tuple[int, int, int]) -> str:
     """A `BatchShape.key` as the ranks' settings that make it, for messages."""
-    world_size, num_groups, token_budget = key
-    cut = f"token_budget {token_budget}" if token_budget else f"{num_groups} groups"
-    return f"world_size {world_size}, {cut}"
+    return describe_collect_shape(*key)
 
 
 def group_tokens(group: TrajectoryGroup) -> int:
