@@ -10,6 +10,7 @@ import asyncio
 import gc
 import threading
 import weakref
+import zlib
 
 import numpy as np
 import pytest
@@ -121,7 +122,7 @@ def test_a_submits_content_keys_are_computed_once_as_it_is_accepted() -> None:
 
 
 def test_a_large_submits_content_keys_are_computed_off_the_event_loop_without_waiting_for_a_collect() -> None:
-    """Over KEY_ON_LOOP_MAX_BYTES the digests (CRCs of large arrays, which run without the GIL) are made in the keys
+    """Over KEY_ON_LOOP_MAX_BYTES the digests (of large arrays, which run without the GIL) are made in the keys
     thread, beside the loop, as soon as the Submit is accepted."""
     facade = AsyncPacer(_pacer())
     size = KEY_ON_LOOP_MAX_BYTES // 2 + 1  # the two of them just over the limit
@@ -267,7 +268,15 @@ def test_a_dropped_groups_submit_bytes_are_let_go() -> None:
     assert watched() is None
 
 
-def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content() -> None:
+@pytest.mark.parametrize("digest", ["xxh3", "crc32"])
+def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content(digest, monkeypatch) -> None:
+    """With either digest of the arrays: XXH3 (the server extra's xxhash) or CRC-32 (a server without it)."""
+    if digest == "xxh3":
+        xxhash = pytest.importorskip("xxhash")
+        monkeypatch.setattr(wire, "_digest", xxhash.xxh3_64_intdigest)
+    else:
+        monkeypatch.setattr(wire, "_digest", zlib.crc32)
+
     def encoded(**fields) -> wire.EncodedTrajectory:
         values = dict(trajectory_id="t", prompt_id="p", status=1, token_ids=[1, 2], logprobs=[-0.5, -1.0],
                       metadata={"a": "1", "b": "2"}, payload=b"\x00")
@@ -286,6 +295,20 @@ def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content() -> No
     whole = encoded(loss_mask=[1, 2], segment_lengths=[])
     moved = encoded(loss_mask=[1], segment_lengths=[2])
     assert whole != moved
+
+
+def test_the_server_extra_digests_the_arrays_with_xxh3(monkeypatch) -> None:
+    """xxhash installed (the server extra), the arrays' digest is XXH3's: the fingerprint changes with it."""
+    pytest.importorskip("xxhash")
+    assert wire.DIGEST == "XXH3-64"
+
+    def fingerprint() -> int:
+        return wire.EncodedTrajectory(memoryview(b"".join(WireTrajectory(
+            trajectory_id="t", prompt_id="p", status=1, token_ids=list(range(100))).encoded_parts()))).fingerprint()
+
+    default = fingerprint()
+    monkeypatch.setattr(wire, "_digest", zlib.crc32)
+    assert fingerprint() != default
 
 
 def test_the_fingerprint_from_the_submits_parse_is_the_one_read_from_the_bytes() -> None:

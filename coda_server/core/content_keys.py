@@ -23,8 +23,8 @@ class ContentKeys:
     are not made yet, while its answer is sent; an Ack awaits its lease's."""
 
     def __init__(self) -> None:
-        # One thread, whatever the number of Submits and leases at once: the digests hold the GIL between their
-        # CRCs, and each thread more wanting it back makes the loop hand it over more often.
+        # One thread, whatever the number of Submits and leases at once: the fingerprints hold the GIL between
+        # their digests of the arrays, and each thread more wanting it back makes the loop hand it over more often.
         self.thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coda-content-keys")
         self._keying: dict[str, asyncio.Future] = {}  # lease id -> its keys being computed (after_collect)
         self._closed = False
@@ -34,8 +34,8 @@ class ContentKeys:
         (wire.EncodedTrajectory), and the Collect and Ack find the keys made.
 
         A Submit of up to KEY_ON_LOOP_MAX_BYTES is keyed here, on the loop: its digests cost less than handing them
-        to the thread, which takes the GIL back after each CRC and so makes the loop wait. A larger one is keyed in
-        the thread: its CRCs (most of the work there) run beside the loop, without the GIL."""
+        to the thread, which takes the GIL back after each array's digest and so makes the loop wait. A larger one is
+        keyed in the thread: its digests (most of the work there) run beside the loop, without the GIL."""
         size = 0
         for trajectory in trajectories:
             size += trajectory.size_bytes
