@@ -79,7 +79,8 @@ def trajectories(submitted: Sequence[wire.SubmittedTrajectory]) -> list[Trajecto
         m, data = submitted_trajectory.fields, submitted_trajectory.encoded
         problem = wire.array_problem(submitted_trajectory)
         metadata = _NO_METADATA
-        if problem is None and m.metadata:  # decoded now: an entry the trainer's parser refuses must not get in
+        # Decoded now: an entry the trainer's parser refuses must not get in.
+        if problem is None and submitted_trajectory.has_metadata:
             try:
                 metadata = submitted_trajectory.metadata_map()
             except DecodeError:

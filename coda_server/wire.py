@@ -23,7 +23,7 @@ from typing import Any, Optional
 try:  # XXH3 (xxhash, in the server extra): about four times zlib's CRC-32 here, and 64 bits wide
     from xxhash import xxh3_64_intdigest as _digest
     DIGEST = "XXH3-64"
-except ImportError:  # the server without its extra (embedded): CRC-32, called alike; fingerprints never leave the process
+except ImportError:  # the server without its extra (embedded): CRC-32, called alike (fingerprints stay in the process)
     from zlib import crc32 as _digest
     DIGEST = "CRC-32"
 
@@ -124,17 +124,20 @@ _RUN_NAMES = {**{field.number: name for name, field in _wire.ARRAY_FIELDS.items(
 class SubmittedTrajectory:
     """One trajectory of a Submit as the server reads it: its other fields decoded (`fields`, a view
     whose arrays are empty), its arrays and payload as slices of the request (`runs`: not decoded, not
-    copied), its whole encoded bytes (`encoded`, what the server holds) and the retired field numbers it
-    uses (`retired`: a sender built from an older pacer.proto)."""
+    copied), its whole encoded bytes (`encoded`, what the server holds), the retired field numbers it
+    uses (`retired`: a sender built from an older pacer.proto) and whether it has metadata entries
+    (`has_metadata`, seen by the parse: asking the view costs a container each time)."""
 
-    __slots__ = ("fields", "runs", "encoded", "retired", "_metadata")
+    __slots__ = ("fields", "runs", "encoded", "retired", "has_metadata", "_metadata")
 
-    def __init__(self, fields: Any, runs: dict[str, memoryview], encoded: memoryview, retired: tuple[int, ...] = ()):
+    def __init__(self, fields: Any, runs: dict[str, memoryview], encoded: memoryview, retired: tuple[int, ...] = (),
+                 has_metadata: bool = True):
         self.fields = fields
         self.runs = runs
         self.encoded = encoded
         self.retired = retired
-        self._metadata: Optional[dict[str, str]] = None
+        self.has_metadata = has_metadata
+        self._metadata: Optional[dict[str, str]] = None if has_metadata else {}
 
     def metadata_map(self) -> dict[str, str]:
         """The metadata map, decoded once (`decoded_metadata`: DecodeError for an entry that is not one); the
@@ -196,19 +199,25 @@ def _split_trajectory(encoded: memoryview) -> SubmittedTrajectory:
     runs: dict[str, memoryview] = {}
     rest: list[memoryview] = []
     retired: list[int] = []
+    has_metadata = False
     for number, wire_type, field_start, value_start, value_end in _wire.fields(encoded, 0, len(encoded)):
         name = _RUN_NAMES.get(number)
         if number in _RETIRED_NUMBERS:  # packed or not: either way the trajectory is refused
             retired.append(number)
         elif name is None:
             rest.append(encoded[field_start:value_end])
+            if number == _METADATA_NUMBER:
+                has_metadata = True
         elif name == "payload":  # a bytes field: the last occurrence wins, as in any parser
             runs[name] = encoded[value_start:value_end]
         elif wire_type != _wire.LEN or name in runs:
             raise _UnusualForm
         else:
             runs[name] = encoded[value_start:value_end]
-    return SubmittedTrajectory(Trajectory.FromString(b"".join(rest)), runs, encoded, tuple(retired))
+    return SubmittedTrajectory(Trajectory.FromString(b"".join(rest)), runs, encoded, tuple(retired), has_metadata)
+
+
+_METADATA_NUMBER = pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["metadata"].number
 
 
 _SERIALIZE = operator.methodcaller("SerializeToString")
