@@ -48,6 +48,8 @@ def test_a_view_serializes_to_the_bytes_of_the_real_message(messages, request_id
         assert bytes(submitted.runs.get("payload", b"")) == message.payload
         assert (submitted.fields.trajectory_id, submitted.fields.reward, len(submitted.fields.metadata)) == (
             message.trajectory_id, message.reward, len(message.metadata))
+        assert submitted.has_metadata == bool(message.metadata)  # seen by the parse, which the checks trust
+        assert submitted.metadata_map() == dict(message.metadata)
         lengths = {len(message.token_ids), len(message.logprobs), len(message.loss_mask)} - {0}
         assert (wire.array_problem(submitted) is None) == (len(lengths) <= 1)
         group = wire.TrajectoryGroup(prompt_id="p", trajectories=[wire.Trajectory.FromString(bytes(submitted.encoded))])
