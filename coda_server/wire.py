@@ -20,19 +20,19 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional
 
-try:  # XXH3 (xxhash, in the server extra): about four times zlib's CRC-32 here, and 64 bits wide
-    from xxhash import xxh3_64_intdigest as _digest
-    DIGEST = "XXH3-64"
-except ImportError:  # the server without its extra (embedded): CRC-32, called alike (fingerprints stay in the process)
-    from zlib import crc32 as _digest
-    DIGEST = "CRC-32"
-
 import grpc
 from google.protobuf.message import DecodeError
 
 from coda_client import wire_forms as _wire
 from coda_client.protocol import RPCS
 from coda_client._proto import pacer_pb2
+
+try:  # XXH3 (xxhash, in the server extra): about four times zlib's CRC-32 here, and 64 bits wide
+    from xxhash import xxh3_64_intdigest as _digest
+    DIGEST = "XXH3-64"
+except ImportError:  # the server without its extra (embedded): CRC-32, called alike (fingerprints stay in the process)
+    from zlib import crc32 as _digest
+    DIGEST = "CRC-32"
 
 # The view classes are derived once, in the client package, which reads Collect answers through them too.
 VIEW_PACKAGE = _wire.VIEW_PACKAGE
@@ -75,9 +75,9 @@ class EncodedTrajectory:
     def fingerprint(self) -> int:
         """A digest of the trajectory's content (what duplicate detection keeps once the trajectory has left
         the server). Field order and the order of the metadata entries do not change it; every value does, up
-        to a collision of the arrays' and payload's digest (DIGEST). Computed once (AsyncPacer makes it as the Submit is
-        accepted); safe to call from any thread (AsyncPacer's keys thread makes those of Submits over 1 MiB and
-        of a journal's replay)."""
+        to a collision of the arrays' and payload's digest (DIGEST). Computed once (AsyncPacer makes it as the
+        Submit is accepted); safe to call from any thread (AsyncPacer's keys thread makes those of Submits over
+        1 MiB and of a journal's replay)."""
         if self._fingerprint is None:
             # The Submit's parse when there is one (a second walk over the framing cost twice the digest itself);
             # read_trajectory reads the bytes as that parse does, so both give the same digest.
