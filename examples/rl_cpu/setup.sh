@@ -14,7 +14,9 @@ model="${2:-${CODA_RL_MODEL:-$HOME/.cache/coda-pacer/rl-llama}}"
 
 bash "$repo/examples/vllm_e2e/setup.sh" "$venv" "$model" --hidden-size 256 --layers 4
 
-if ! "$venv/bin/python" -c "import coda_worker.engines.vllm" 2>/dev/null; then
+# Asked from / : run from the repository's root, Python would find the kit in the working directory and the
+# install would be skipped, leaving the venv without it.
+if ! (cd / && "$venv/bin/python" -c "import coda_worker.engines.vllm") 2>/dev/null; then
     report="$(mktemp)"
     "$venv/bin/pip" install --quiet --dry-run --report "$report" "$repo[worker]"
     "$venv/bin/python" - "$report" <<'PY'
