@@ -8,6 +8,7 @@ continued, and that every trained token's engine log-probability is the trainer'
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,7 +51,12 @@ def test_rl_cpu_example_learns_through_the_service_with_consistent_logprobs(tmp_
     assert summary["max_logprob_diff"] < 1e-4
     assert summary["trajectories_aborted"] > 0 and summary["aborted_then_continued"] > 0
     assert sum(summary["staleness_histogram"].values()) == run["tokens_trained"] > 0
-    assert 0.0 <= summary["reward_first"] <= 1.0 and Path(summary["curve_png"]).is_file()
+    assert 0.0 <= summary["reward_first"] <= 1.0
+    # The curve is drawn in the server's python (this one) when it has matplotlib (the plot extra), else not.
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert Path(summary["curve_png"]).is_file()
+    else:
+        assert summary["curve_png"] is None
     # Where each step's seconds went: the trainer's update, the boundary (Reset, weight sync, Resume), the rest
     # (waiting for a batch), and the engine's generation rate; they add up to the step.
     curve = json.loads((tmp_path / "run" / "curves.json").read_text())[0]["curve"]
