@@ -1,9 +1,11 @@
-"""Channel construction shared by the sync and async clients: service config, options, credentials."""
+"""Channel construction shared by the sync and async clients: service config, options, credentials; reading a
+streamed answer."""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,44 @@ from .protocol import CLIENT_ID_METADATA_KEY, CLIENT_ID_PATTERN, CLIENT_ID_RULE,
 
 ChannelOptions = Union[Sequence[tuple[str, Any]], Mapping[str, Any], None]
 PemSource = Union[bytes, str, os.PathLike, None]
+
+
+# How long the messages of a streamed answer whose call has ended with an error may still take to be read; see
+# read_stream.
+STREAM_END_GRACE_SECONDS = 2.0
+
+
+def read_stream(call: Any) -> list[Any]:
+    """Every message of a server-streamed answer (a sync unary-stream call), or the call's error.
+
+    gRPC's own iterator can wait forever when the call fails just as a read starts (seen with UNAVAILABLE while
+    the server restarted: the call's status is set, its read is never completed, grpc/grpc#20562). So the
+    messages are read in a thread of their own, and when the call has ended with an error and that thread has
+    not returned STREAM_END_GRACE_SECONDS later, the call's error is raised here (the reader, stuck in gRPC,
+    is left behind: a daemon thread)."""
+    changed = threading.Event()
+    read = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def reader() -> None:
+        try:
+            outcome["messages"] = list(call)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+            outcome["error"] = exc
+        finally:
+            read.set()
+            changed.set()
+
+    threading.Thread(target=reader, name="coda-stream-read", daemon=True).start()
+    call.add_done_callback(lambda _: changed.set())
+    changed.wait()
+    if not read.is_set() and call.code() is not grpc.StatusCode.OK:
+        if not read.wait(STREAM_END_GRACE_SECONDS):
+            raise call  # the call is its own RpcError, with the status it ended with
+    read.wait()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["messages"]
 
 
 def call_timeout(timeout: float, wait: float = 0.0) -> float:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import grpc
 
 from . import _calls
+from ._channel import read_stream
 from .arrays import dtype_of, numpy
 from .errors import PacerClientError, ServerGoneError, translate
 from .types import CollectResult, ControlEventType, PacerState, Trajectory, TrajectoryGroup
@@ -691,7 +692,7 @@ class BatchIterator(_IteratorBase):
                                                              metadata=self._client._metadata)
             (self._acks_inflight if survives_close else self._inflight).add(future)
         try:
-            return call.convert(list(future) if call.streamed else future.result())
+            return call.convert(read_stream(future) if call.streamed else future.result())
         except grpc.FutureCancelledError:
             if self._closed and not survives_close:
                 raise _Stopped from None

@@ -24,6 +24,7 @@ from ._channel import (
     TlsSpec,
     call_metadata,
     channel_options,
+    read_stream,
     resolve_tls,
 )
 from ._proto import pacer_pb2_grpc
@@ -354,7 +355,7 @@ class PacerClient(_ClientBase):
         try:
             response = rpc(call.request, timeout=call.timeout, metadata=self._metadata)
             if call.streamed:  # the answer's messages, every one received
-                response = list(response)
+                response = read_stream(response)
         except grpc.RpcError as exc:
             raise translate(exc, self.target) from exc
         return call.convert(response)

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -634,3 +635,56 @@ def test_public_api_is_exported() -> None:
                  "ResetMode", "PacerClientError", "BadRequestError", "UnknownPromptError", "StaleGenerationError",
                  "FailedPreconditionError", "ResourceExhaustedError", "UnauthenticatedError", "UnavailableError"):
         assert name in coda_client.__all__ and hasattr(coda_client, name), name
+
+
+class _StuckStream(grpc.RpcError):
+    """A streamed call as gRPC's iterator leaves it in grpc/grpc#20562: the call ended with UNAVAILABLE (its done
+    callbacks ran) while a read it had started never completes."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def __iter__(self):
+        self.released.wait()  # the stuck read: returns only when the test ends
+        return iter(())
+
+    def add_done_callback(self, callback) -> None:
+        callback(self)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
+class _EndedStream(grpc.RpcError):
+    def __init__(self, messages, code=grpc.StatusCode.OK, error=None) -> None:
+        self.messages, self._code, self.error = messages, code, error
+
+    def __iter__(self):
+        if self.error is not None:
+            raise self.error
+        return iter(self.messages)
+
+    def add_done_callback(self, callback) -> None:
+        callback(self)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+
+def test_read_stream_raises_the_calls_error_when_grpcs_read_never_completes(monkeypatch) -> None:
+    monkeypatch.setattr(_channel, "STREAM_END_GRACE_SECONDS", 0.05)
+    stuck = _StuckStream()
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            _channel.read_stream(stuck)
+        assert caught.value is stuck  # the call itself: the RpcError with the status it ended with
+    finally:
+        stuck.released.set()
+
+
+def test_read_stream_returns_every_message_or_the_reads_own_error() -> None:
+    assert _channel.read_stream(_EndedStream(["a", "b"])) == ["a", "b"]
+    failure = grpc.RpcError("cut")
+    with pytest.raises(grpc.RpcError) as caught:
+        _channel.read_stream(_EndedStream([], grpc.StatusCode.CANCELLED, failure))
+    assert caught.value is failure
