@@ -92,8 +92,6 @@ def remembered_methods() -> dict[str, bool]:
     return {rpc.name: rpc.remembered == "data" for rpc in RPCS if rpc.remembered is not None}
 
 
-# LoongSage names a prompt group e.g. "epoch0_step1_ds0_prompt116" (or "..._ds0_eval_prompt3"): (epoch, prompt
-# number) orders the server's buffer and places the prompt in the prompt cursor. Matched whole (fullmatch).
 def describe_collect_shape(world_size: int, num_groups: int, token_budget: int) -> str:
     """A data-parallel Collect's shape as the ranks' settings that make it (the client's and the server's warnings
     of ranks that disagree name shapes alike)."""
@@ -101,4 +99,6 @@ def describe_collect_shape(world_size: int, num_groups: int, token_budget: int) 
     return f"world_size {world_size}, {cut}"
 
 
+# LoongSage names a prompt group e.g. "epoch0_step1_ds0_prompt116" (or "..._ds0_eval_prompt3"): (epoch, prompt
+# number) orders the server's buffer and places the prompt in the prompt cursor. Matched whole (fullmatch).
 LOONGSAGE_PROMPT_ID = re.compile(r"epoch(\d+)_(?:.*_)?prompt(\d+)")
