@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rpc_throughput import FLOOR_PASSTHROUGH_ENV, ServerProcess, machine_busy_ticks  # noqa: E402  (same directory)
+from rpc_throughput import FLOOR_LOOP_ENV, FLOOR_PASSTHROUGH_ENV, ServerProcess, machine_busy_ticks  # noqa: E402
 
 from coda_client import MiniBatch, PacerClient, Trajectory, TrajectoryStatus  # noqa: E402
 from coda_client import _calls  # noqa: E402
@@ -653,8 +653,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.0,
                         help="--concurrent: each rank's training step (a sleep) between batches")
     parser.add_argument("--groups-per-writer", type=int, default=DP_GROUPS_PER_WRITER)
+    parser.add_argument("--floor-event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the empty-handler server's (and the relay's) event loop: asyncio's (a plain grpc.aio "
+                             "server) or uvloop, the loop our server runs on when uvloop is installed")
     args = parser.parse_args(argv)
     EXTRA_OVERRIDES[:] = args.set
+    os.environ[FLOOR_LOOP_ENV] = args.floor_event_loop  # read by the floor's and the relay's subprocesses
+    print(f"the floor's and the relay's event loop: {args.floor_event_loop} (--floor-event-loop)")
     if args.concurrent:
         os.environ[FLOOR_PASSTHROUGH_ENV] = "1"
         return concurrent_main(args.repeats, args.step_seconds, args.groups_per_writer, args.json)
@@ -683,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--serve-relay":
-        import asyncio
+        from coda_server import event_loop
 
-        sys.exit(asyncio.run(serve_relay(Path(sys.argv[2]), sys.argv[3:])))
+        sys.exit(event_loop.run(serve_relay(Path(sys.argv[2]), sys.argv[3:]),
+                                event_loop.loop_factory(os.environ.get(FLOOR_LOOP_ENV, event_loop.ASYNCIO))))
     sys.exit(main())

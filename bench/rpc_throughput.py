@@ -54,6 +54,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILE_ENV = "CODA_BENCH_PROFILE"
 FLOOR_PASSTHROUGH_ENV = "CODA_BENCH_FLOOR_PASSTHROUGH"
 FLOOR_GENERIC_ENV = "CODA_BENCH_FLOOR_GENERIC"
+FLOOR_LOOP_ENV = "CODA_BENCH_FLOOR_LOOP"
 SERVICE = "/coda.pacer.v1.RolloutPacer/"
 CALL_TIMEOUT_SECONDS = 60.0
 START_TIMEOUT_SECONDS = 60.0
@@ -150,6 +151,15 @@ async def serve_floor(port_file: Path, overrides: list[str]) -> int:
     return 0
 
 
+def run_floor(port_file: Path, overrides: list[str]) -> int:
+    """The floor on asyncio's event loop (the issue's floor: a plain grpc.aio server), or on uvloop with
+    --floor-event-loop uvloop: the same loop as our server's (coda_server/event_loop.py)."""
+    from coda_server import event_loop
+
+    return event_loop.run(serve_floor(port_file, overrides),
+                          event_loop.loop_factory(os.environ.get(FLOOR_LOOP_ENV, event_loop.ASYNCIO)))
+
+
 def profile_serve(name: str, profile_path: Path, port_file: Path, overrides: list[str]) -> int:
     """Run the floor or our server in this process with a cProfile profiler the bench turns on and off.
 
@@ -165,7 +175,7 @@ def profile_serve(name: str, profile_path: Path, port_file: Path, overrides: lis
     signal.signal(signal.SIGUSR2, lambda *_: profiler.disable())
     try:
         if name == "floor":
-            return asyncio.run(serve_floor(port_file, overrides))
+            return run_floor(port_file, overrides)
         from coda_server.cli import main as server_main
 
         return server_main(["--port-file", str(port_file), *overrides])
@@ -608,6 +618,9 @@ def print_report(args, runs: dict, scenario_defs: dict[str, Scenario], servers: 
     print("            steadier measure of the server's own cost.")
     print(f"srv cpu / cli cpu = % of one core used by the server / by all client processes; busy = % of all "
           f"{os.cpu_count()} cores busy (anyone's).")
+    with open(servers["ours"].log_path, errors="replace") as log_file:  # the start-up lines, before the access log
+        loop_lines = [line for line in log_file.read(65536).splitlines() if "event loop:" in line]
+    print(f"our server's {loop_lines[-1].split('coda_server: ', 1)[-1] if loop_lines else 'event loop: not logged'}")
     print(f"Peak server RSS: floor {servers['floor'].peak_rss_mb():.0f} MB, ours {servers['ours'].peak_rss_mb():.0f} MB.")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": command_line(), "summary": summary,
@@ -759,11 +772,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--floor-generic", action="store_true",
                         help="the floor registers no method by name either, as our server does (coda_server/"
                              "method_wrapping.py): what our server's per-call features cost on the same routing")
+    parser.add_argument("--floor-event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the floor's event loop: asyncio's (the default: a plain grpc.aio server) or uvloop, "
+                             "the loop our server runs on when uvloop is installed (server.event_loop auto)")
     parser.add_argument("--serve-floor", metavar="PORT_FILE", help=argparse.SUPPRESS)
     parser.add_argument("--profile-serve", choices=("floor", "ours"), help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
     if args.serve_floor:
-        return asyncio.run(serve_floor(Path(args.serve_floor), rest))
+        return run_floor(Path(args.serve_floor), rest)
     if args.profile_serve:
         return profile_serve(args.profile_serve, Path(rest[0]), Path(rest[1]), rest[2:])
     if rest:
@@ -796,6 +812,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.floor_generic:
         os.environ[FLOOR_GENERIC_ENV] = "1"  # read by the floor subprocess only
         print("floor: no method registered by name, served by generic handlers as our server's are (--floor-generic)")
+    os.environ[FLOOR_LOOP_ENV] = args.floor_event_loop  # read by the floor subprocess only
+    print(f"floor's event loop: {args.floor_event_loop} (--floor-event-loop)")
     if profile_dir:
         print(f"PROFILING: both servers run under cProfile ({profile_dir}); the figures below are NOT valid "
               f"measurements of either server")

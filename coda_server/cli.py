@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import allocator
+from . import allocator, event_loop
 from .core.config import config_summary, load_config
 from .core.errors import ConfigError, RecoveryError
 from .core.journal import StateDirError
+from .core.settings import setting
 from .logs import TEXT_FORMAT, configure_logging, fields
 from .server import BindError, PacerServer
 
@@ -69,7 +70,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     configure_logging(str(config.server.log_format), str(config.server.log_level))
     try:
-        return asyncio.run(serve(config, port_file=args.port_file))
+        loop = event_loop.loop_factory(str(setting(config, "server.event_loop")))  # before the coroutine exists
+        return event_loop.run(serve(config, port_file=args.port_file), loop)
     except (BindError, StateDirError, RecoveryError) as exc:  # port taken; state directory unusable, held or unreadable
         log.error("%s", exc)
         return 1
@@ -84,6 +86,9 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
     if not config.fully_async.enable:  # after start: a start-up that fails says so in one line
         log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
     log.info("%s", allocator.describe(int(config.server.allocator_retain_bytes), server.allocator_retains))
+    loop_name = event_loop.describe(asyncio.get_running_loop())
+    log.info("event loop: %s (server.event_loop %s)", loop_name, setting(config, "server.event_loop"),
+             extra=fields(event="event_loop", loop=loop_name))
     listeners = server.listeners  # TCP (address, port) if any, Unix socket and health-only port if set
     window = server.pacer.state().window_size
     durability = (f"state in {server.journal.directory}" if server.journal is not None else

@@ -158,6 +158,9 @@ SCHEMA: tuple[Key, ...] = (
     _count("server.max_message_bytes", 67108864, "Largest request or response message, in bytes"),
     Key("server.allocator_retain_bytes", "int", 8388608, "Freed memory the C allocator keeps for the next large message",
         low=0, high=2**31 - 1, allowed="must be an integer from 0 (the allocator's defaults) to 2147483647"),
+    Key("server.event_loop", "choice", "auto", "The event loop of the coda-server process",
+        choices=("auto", "asyncio", "uvloop"),
+        allowed="must be auto (uvloop when installed, else asyncio), asyncio or uvloop"),
     _seconds("server.max_wait_seconds", 600.0, "Upper bound on any long-poll, in seconds"),
     _seconds("server.shutdown_grace_seconds", 10.0, "On SIGTERM: seconds in-flight RPCs get to finish"),
     _seconds("server.abort_wait_seconds", 30.0, "Seconds an ABORT-mode Reset without a wait waits for the partial "
