@@ -3,8 +3,8 @@
 Every call the server answers passes through the event loop several times (gRPC's completion queue wakes it
 through a socket, each handler is a task, each answer a callback), so the loop's own cost is a large part of
 what a small call costs. uvloop (libuv, in Cython) runs the same asyncio API with less Python per wake-up: on
-`bench/rpc_throughput.py` our server's CPU per call fell by 8 to 18% for a peek and 12 to 16% for a Dispatch
-that admits 4 groups (bench/README.md, "uvloop"). It is in the `server` extra on Linux and macOS (it has no
+`bench/rpc_throughput.py` our server's CPU per call fell by about a tenth for a peek, a 4-prompt Dispatch and
+GetState alike (bench/README.md, "the event loop"). It is in the `server` extra on Linux and macOS (it has no
 Windows build); without it the server runs on asyncio's loop, as an embedding application's loop is its own.
 """
 from __future__ import annotations
