@@ -14,11 +14,12 @@ import sys
 from typing import Any, Callable, Coroutine, Optional, TypeVar
 
 from .core.errors import ConfigError
+from .core.settings import SCHEMA_BY_PATH
 
 T = TypeVar("T")
 
 AUTO, ASYNCIO, UVLOOP = "auto", "asyncio", "uvloop"
-CHOICES = (AUTO, ASYNCIO, UVLOOP)
+CHOICES = SCHEMA_BY_PATH["server.event_loop"].choices  # declared once, with the key
 
 
 def _uvloop() -> Optional[Any]:
