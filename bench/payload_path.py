@@ -60,7 +60,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rpc_throughput import FLOOR_LOOP_ENV, FLOOR_PASSTHROUGH_ENV, ServerProcess, machine_busy_ticks  # noqa: E402
+from rpc_throughput import (FLOOR_LOOP_ENV, FLOOR_PASSTHROUGH_ENV, ServerProcess, machine_busy_ticks,  # noqa: E402
+                            run_on_floor_loop)
 
 from coda_client import MiniBatch, PacerClient, Trajectory, TrajectoryStatus  # noqa: E402
 from coda_client import _calls  # noqa: E402
@@ -688,8 +689,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--serve-relay":
-        from coda_server import event_loop
-
-        sys.exit(event_loop.run(serve_relay(Path(sys.argv[2]), sys.argv[3:]),
-                                event_loop.loop_factory(os.environ.get(FLOOR_LOOP_ENV, event_loop.ASYNCIO))))
+        sys.exit(run_on_floor_loop(serve_relay, Path(sys.argv[2]), sys.argv[3:]))
     sys.exit(main())

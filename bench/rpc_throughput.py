@@ -43,7 +43,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Coroutine, Optional
 
 import grpc
 
@@ -151,13 +151,14 @@ async def serve_floor(port_file: Path, overrides: list[str]) -> int:
     return 0
 
 
-def run_floor(port_file: Path, overrides: list[str]) -> int:
-    """The floor on asyncio's event loop (the issue's floor: a plain grpc.aio server), or on uvloop with
-    --floor-event-loop uvloop: the same loop as our server's (coda_server/event_loop.py)."""
+def run_on_floor_loop(serve: Callable[..., Coroutine[Any, Any, int]], *args: Any) -> int:
+    """`serve(*args)` on the comparison server's event loop: asyncio's (the issue's floor: a plain grpc.aio
+    server), or uvloop with --floor-event-loop uvloop, our server's loop (coda_server/event_loop.py). Used by the
+    floor here and by payload_path.py's relay."""
     from coda_server import event_loop
 
-    return event_loop.run(serve_floor(port_file, overrides),
-                          event_loop.loop_factory(os.environ.get(FLOOR_LOOP_ENV, event_loop.ASYNCIO)))
+    loop = event_loop.loop_factory(os.environ.get(FLOOR_LOOP_ENV, event_loop.ASYNCIO))  # before the coroutine exists
+    return event_loop.run(serve(*args), loop)
 
 
 def profile_serve(name: str, profile_path: Path, port_file: Path, overrides: list[str]) -> int:
@@ -175,7 +176,7 @@ def profile_serve(name: str, profile_path: Path, port_file: Path, overrides: lis
     signal.signal(signal.SIGUSR2, lambda *_: profiler.disable())
     try:
         if name == "floor":
-            return run_floor(port_file, overrides)
+            return run_on_floor_loop(serve_floor, port_file, overrides)
         from coda_server.cli import main as server_main
 
         return server_main(["--port-file", str(port_file), *overrides])
@@ -779,7 +780,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--profile-serve", choices=("floor", "ours"), help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
     if args.serve_floor:
-        return run_floor(Path(args.serve_floor), rest)
+        return run_on_floor_loop(serve_floor, Path(args.serve_floor), rest)
     if args.profile_serve:
         return profile_serve(args.profile_serve, Path(rest[0]), Path(rest[1]), rest[2:])
     if rest:
