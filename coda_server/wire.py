@@ -86,17 +86,18 @@ class EncodedTrajectory:
             # One digest of the arrays, each run's seeded with the one before (both digests release the GIL on
             # large buffers), with each run's length so bytes moved from one array to another change it too.
             digest = 0
-            lengths = []
-            for name in _RUN_NAMES.values():
+            lengths = []  # each run's length in field-number order, -1 for one that is absent
+            for name in _RUN_ORDER:
                 run = runs.get(name)
-                if run is not None:
+                if run is None:
+                    lengths.append(-1)
+                else:
                     digest = _digest(run, digest)
                     lengths.append(len(run))
-                lengths.append(-1)
+            metadata = tuple(sorted(parsed.metadata_map().items())) if parsed.has_metadata else ()
             self._fingerprint = hash((scalars.trajectory_id, scalars.prompt_id, scalars.ds_index, scalars.status,
                                       scalars.reward, scalars.start_weight_version, scalars.end_weight_version,
-                                      scalars.num_turns, tuple(sorted(parsed.metadata_map().items())),
-                                      digest, tuple(lengths)))
+                                      scalars.num_turns, metadata, digest, tuple(lengths)))
             self._parsed = None  # the parse holds views of the request: let them go with the digest made
         return self._fingerprint
 
@@ -119,6 +120,7 @@ _METADATA_ENTRY = pacer_pb2.Trajectory.MetadataEntry
 # possibly large). A Submit keeps them as slices of the request; a fingerprint digests them in place.
 _RUN_NAMES = {**{field.number: name for name, field in _wire.ARRAY_FIELDS.items()},
               pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["payload"].number: "payload"}
+_RUN_ORDER = tuple(name for _, name in sorted(_RUN_NAMES.items()))  # what a fingerprint digests, in this order
 
 
 class SubmittedTrajectory:
@@ -299,15 +301,24 @@ def array_problem(trajectory: SubmittedTrajectory) -> Optional[str]:
     """What is wrong with a submitted trajectory's arrays, or None: a retired field number (a sender built
     from an older pacer.proto), a run that is not a whole number of values, or non-empty arrays of
     different lengths."""
+    runs = trajectory.runs
+    # The usual trajectory, told in one test (every trajectory is checked on arrival): the three per-token arrays,
+    # each a whole number of values, of one length, and no segments nor retired field. Anything else goes through
+    # the checks below, which say what is wrong.
+    token_ids, logprobs, loss_mask = runs.get("token_ids"), runs.get("logprobs"), runs.get("loss_mask")
+    if token_ids is not None and logprobs is not None and loss_mask is not None and not trajectory.retired:
+        count = len(token_ids) // TOKEN_ID_WIDTH
+        if (count * TOKEN_ID_WIDTH == len(token_ids) and len(logprobs) == count * _LOGPROB_WIDTH
+                and len(loss_mask) == count * _LOSS_MASK_WIDTH
+                and "segment_lengths" not in runs and "segment_weight_versions" not in runs):
+            return None
     if trajectory.retired:
         retired = sorted(set(trajectory.retired))
         return (f"uses field number {retired[0]}, which pacer.proto has retired (token_ids and loss_mask "
                 f"were varint int32 fields 6 and 8; they are packed sfixed32 now): build the client from the "
                 f"current pacer.proto, whose arrays are fields {_ARRAYS_NOW}")
-    runs = trajectory.runs
     counts = {}
-    # Every trajectory is checked on arrival: one pass, array_count's arithmetic inline (a call per array cost
-    # about as much as the check).
+    # One pass, array_count's arithmetic inline (a call per array cost about as much as the check).
     for name, width in _ARRAY_WIDTHS:
         run = runs.get(name)
         if run is None:
@@ -326,6 +337,8 @@ def array_problem(trajectory: SubmittedTrajectory) -> Optional[str]:
 
 
 _ARRAY_WIDTHS = tuple((name, _wire.ITEM_SIZES[name]) for name in _wire.ARRAY_FIELDS)
+TOKEN_ID_WIDTH = _wire.ITEM_SIZES["token_ids"]  # bytes per token id (convert.py counts a trajectory's tokens with it)
+_LOGPROB_WIDTH, _LOSS_MASK_WIDTH = _wire.ITEM_SIZES["logprobs"], _wire.ITEM_SIZES["loss_mask"]
 
 # The arrays with one value per response token; the segment arrays have one per segment.
 PER_TOKEN_ARRAYS = ("token_ids", "logprobs", "loss_mask")

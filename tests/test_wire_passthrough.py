@@ -109,6 +109,35 @@ def test_an_array_sent_unpacked_is_packed_and_counted():
     assert (list(decoded.token_ids), decoded.payload) == ([5, -7], b"xy")
 
 
+LOGPROBS = pb.Trajectory.DESCRIPTOR.fields_by_name["logprobs"].number
+SEGMENT_LENGTHS = pb.Trajectory.DESCRIPTOR.fields_by_name["segment_lengths"].number
+SEGMENT_VERSIONS = pb.Trajectory.DESCRIPTOR.fields_by_name["segment_weight_versions"].number
+def _int64s(*values: int) -> bytes:
+    return b"".join(v.to_bytes(8, "little", signed=True) for v in values)
+
+
+THREE_ARRAYS = _field(TOKENS, 2, _int32s(1, 2, 3)) + _field(LOGPROBS, 2, _int32s(0, 0, 0)) + _field(MASK, 2, _int32s(1, 1, 0))
+
+
+@pytest.mark.parametrize("arrays, says", [
+    (THREE_ARRAYS, None),
+    (_field(TOKENS, 2, b"") + _field(LOGPROBS, 2, b"") + _field(MASK, 2, b""), None),  # three empty runs
+    # The usual form (all three arrays there) with one thing wrong: each is still found.
+    (THREE_ARRAYS + _field(MASK, 2, _int32s(1)), "must have equal lengths"),  # the last run wins: 1 value
+    (_field(TOKENS, 2, _int32s(1, 2) + b"\x01") + _field(LOGPROBS, 2, _int32s(0, 0)) + _field(MASK, 2, _int32s(1, 1)),
+     "token_ids is not a valid packed array"),
+    (THREE_ARRAYS + _field(SEGMENT_LENGTHS, 2, _int32s(2)) + _field(SEGMENT_VERSIONS, 2, _int64s(4)),
+     "segment_lengths add up to 2 tokens but token_ids holds 3"),
+    (THREE_ARRAYS + _field(SEGMENT_LENGTHS, 2, _int32s(3)), "segment_lengths and segment_weight_versions must have"),
+    (THREE_ARRAYS + _field(SEGMENT_LENGTHS, 2, _int32s(1, 2)) + _field(SEGMENT_VERSIONS, 2, _int64s(4, 5)), None),
+    (THREE_ARRAYS + _field(6, 2, b"\x01"), "uses field number 6, which pacer.proto has retired"),
+])
+def test_the_checks_of_the_usual_form_find_every_problem(arrays, says):
+    submitted = wire.read_trajectory(_field(1, 2, b"t0") + _field(2, 2, b"p") + arrays)
+    problem = wire.array_problem(submitted)
+    assert problem is None if says is None else says in problem
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with ServerProcess(tmp_path_factory.mktemp("wire"), "fully_async.sliding_window=no-window",
