@@ -96,9 +96,10 @@ class ThreadNotingBody(Body):
         return self._fingerprint
 
 
-def test_a_submits_content_keys_are_computed_once_as_it_is_accepted() -> None:
-    """Up to KEY_ON_LOOP_MAX_BYTES, keyed on the loop as the Submit is accepted, so a body holds what its Submit's parse read of it for no longer
-    than the call; the Collect and the Ack find the keys made (no digest again, none in the keys thread)."""
+def test_a_submits_content_keys_are_computed_once_as_it_arrives() -> None:
+    """Up to KEY_ON_LOOP_MAX_BYTES, keyed on the loop as the Submit arrives, so a body holds what its Submit's parse
+    read of it for no longer than the call; the Collect and the Ack find the keys made (no digest again, none in the
+    keys thread)."""
     facade = AsyncPacer(_pacer())
     sent = [Trajectory(f"k/{i}", "k", body=ThreadNotingBody(f"y{i}"), size_bytes=10) for i in range(2)]
 
@@ -214,8 +215,8 @@ def test_a_group_a_filter_dropped_keeps_only_its_key_once_digested() -> None:
 
 
 def test_a_dropped_groups_bodies_wait_for_their_digests_until_the_next_call_at_most() -> None:
-    """Not digested when they leave (in the server the Submit made them already); if the digest is not made by the
-    next Submit, that call makes it, so what waits is bounded (a journal's replay does not make them)."""
+    """Not digested when they leave (in the server the Submit made them before its intake); if the digest is not made
+    by the next Submit, that call makes it, so what waits is bounded (a journal's replay does not make them)."""
     pacer = _filtering_pacer()
     pacer.dispatch([PromptRef("d"), PromptRef("e")])
     sent = [Trajectory(f"d/{i}", "d", reward=1.0, body=PendingDigestBody(f"x{i}"), size_bytes=10) for i in range(2)]
@@ -232,7 +233,8 @@ def test_a_dropped_groups_bodies_wait_for_their_digests_until_the_next_call_at_m
 
 def test_a_dropped_groups_submit_bytes_are_let_go() -> None:
     """End to end in process: real Submit bytes, parsed and converted as the servicer does, keyed by AsyncPacer's
-    Submit; once a filter dropped their group, nothing in the pacer holds the request's bytes."""
+    Submit; once a filter dropped their group, nothing in the pacer holds the request's bytes, from the answer of
+    the Submit that dropped it on."""
     from coda_client import wire_forms as _wire
     from coda_server import convert
 
@@ -256,6 +258,10 @@ def test_a_dropped_groups_submit_bytes_are_let_go() -> None:
             await facade.dispatch([PromptRef("d"), PromptRef("e")])
             await facade.submit(convert.trajectories(wire.parse_submit(unsent.pop()).trajectories))
             assert facade.pacer.state().filtered == 1
+            gc.collect()
+            # Keyed before the intake, so the group left with its keys made: let go by the Submit that dropped it,
+            # not kept until the next call's sweep.
+            assert watched() is None
             kept = request("e", 0.0)
             await facade.submit(convert.trajectories(wire.parse_submit(kept).trajectories)[:1])
             again = await facade.submit(convert.trajectories(wire.parse_submit(request("d", 1.0)).trajectories))
@@ -264,8 +270,6 @@ def test_a_dropped_groups_submit_bytes_are_let_go() -> None:
             facade.drain()
 
     assert asyncio.run(run()) == 2  # still recognised by its key
-    gc.collect()
-    assert watched() is None
 
 
 @pytest.mark.parametrize("digest", ["xxh3", "crc32"])

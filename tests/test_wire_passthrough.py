@@ -116,7 +116,8 @@ def _int64s(*values: int) -> bytes:
     return b"".join(v.to_bytes(8, "little", signed=True) for v in values)
 
 
-THREE_ARRAYS = _field(TOKENS, 2, _int32s(1, 2, 3)) + _field(LOGPROBS, 2, _int32s(0, 0, 0)) + _field(MASK, 2, _int32s(1, 1, 0))
+THREE_ARRAYS = (_field(TOKENS, 2, _int32s(1, 2, 3)) + _field(LOGPROBS, 2, _int32s(0, 0, 0))
+                + _field(MASK, 2, _int32s(1, 1, 0)))
 
 
 @pytest.mark.parametrize("arrays, says", [

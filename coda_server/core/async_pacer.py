@@ -237,8 +237,10 @@ class AsyncPacer:
     async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "",
                      dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:
         async def call() -> SubmitResult:
+            keyed = self.content_keys.before_submit(trajectories)
             result = self.pacer.apply_submit(trajectories, request_id, dispatch_seqs)
-            self.content_keys.after_submit(trajectories)
+            if not keyed:
+                self.content_keys.after_submit(trajectories)
             return result
 
         return await self._applied("Submit", request_id, call)

@@ -11,16 +11,16 @@ from .types import Trajectory, TrajectoryGroup
 
 log = logging.getLogger("coda_server.leases")
 
-# A Submit of at most this many encoded bytes has its content keys computed on the loop, a larger one in the keys
-# thread (`ContentKeys.after_submit`). At 1 MiB the loop spends about 0.5 ms on them; bench/README.md, "Issue 29,
-# tenth round".
+# A Submit of at most this many encoded bytes has its content keys computed on the loop (`ContentKeys.before_submit`),
+# a larger one in the keys thread (`ContentKeys.after_submit`). At 1 MiB the loop spends about 0.5 ms on them;
+# bench/README.md, "Issue 29, tenth round".
 KEY_ON_LOOP_MAX_BYTES = 1 << 20
 
 
 class ContentKeys:
     """Makes the content keys (what duplicate detection keeps of a trajectory once it has left: a digest of its body,
-    which the body caches) before anyone waits for them: as a Submit is accepted, and for a leased Collect whose keys
-    are not made yet, while its answer is sent; an Ack awaits its lease's."""
+    which the body caches) before anyone waits for them: as a Submit arrives (a large one once accepted), and for a
+    leased Collect whose keys are not made yet, while its answer is sent; an Ack awaits its lease's."""
 
     def __init__(self) -> None:
         # One thread, whatever the number of Submits and leases at once: the fingerprints hold the GIL between
@@ -29,22 +29,27 @@ class ContentKeys:
         self._keying: dict[str, asyncio.Future] = {}  # lease id -> its keys being computed (after_collect)
         self._closed = False
 
-    def after_submit(self, trajectories: Sequence[Trajectory]) -> None:
-        """A Submit's trajectories, just accepted: a body lets go of what the Submit's parse read of it once digested
-        (wire.EncodedTrajectory), and the Collect and Ack find the keys made.
-
-        A Submit of up to KEY_ON_LOOP_MAX_BYTES is keyed here, on the loop: its digests cost less than handing them
-        to the thread, which takes the GIL back after each array's digest and so makes the loop wait. A larger one is
-        keyed in the thread: its digests (most of the work there) run beside the loop, without the GIL."""
+    def before_submit(self, trajectories: Sequence[Trajectory]) -> bool:
+        """A Submit's trajectories, before the intake: those of a Submit of up to KEY_ON_LOOP_MAX_BYTES are keyed here,
+        on the loop (their digests cost less than handing them to the thread, which takes the GIL back after each
+        array's digest and so makes the loop wait). A body then lets go of what the Submit's parse read of it
+        (wire.EncodedTrajectory); a group the filters drop at once, and the later Collect and Ack, find the keys made.
+        False for a larger Submit: `after_submit` keys it, in the thread, once accepted."""
         size = 0
         for trajectory in trajectories:
             size += trajectory.size_bytes
-        if size <= KEY_ON_LOOP_MAX_BYTES:
-            try:
-                compute(trajectories)
-            except Exception as exc:  # computed again, and reported, by the Collect or Ack
-                log.debug("content keys could not be computed as the Submit was accepted: %s", exc)
-        elif not self._closed:
+        if size > KEY_ON_LOOP_MAX_BYTES:
+            return False
+        try:
+            compute(trajectories)
+        except Exception as exc:  # computed again, and reported, by the Collect or Ack
+            log.debug("content keys could not be computed as the Submit arrived: %s", exc)
+        return True
+
+    def after_submit(self, trajectories: Sequence[Trajectory]) -> None:
+        """An accepted Submit over KEY_ON_LOOP_MAX_BYTES: keyed in the thread, whose digests (most of the work there)
+        run beside the loop, without the GIL."""
+        if not self._closed:
             self.thread.submit(compute, trajectories).add_done_callback(_keyed_ahead)
 
     def after_collect(self, lease_id: str, groups: Sequence[TrajectoryGroup]) -> None:

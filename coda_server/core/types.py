@@ -93,7 +93,7 @@ class Trajectory:
 
     def content_key_ready(self) -> bool:
         """Whether `content_key()` costs nothing now: False for a body whose `fingerprinted()` says its digest is
-        not computed yet (AsyncPacer computes them as a Submit is accepted, or in a thread of its own)."""
+        not computed yet (AsyncPacer computes them as a Submit arrives, or in a thread of its own)."""
         fingerprinted = getattr(self.body, "fingerprinted", None)
         return not callable(fingerprinted) or fingerprinted()
 
