@@ -35,7 +35,8 @@ batches(512, rank=r, world_size=4), against our server and against a relay (a gR
 options, routing and Submit parsing that queues each Submit's encoded trajectories and answers each Collect, and each
 CollectStream in messages split as ours splits them, with the next groups, nothing else), alternately:
 aggregate MB/s in and out as ratios, token imbalance across ranks per step (max/mean), each rank's time in
-next() (the prefetch gap; --step-seconds adds a training step).
+next() (the prefetch gap; --step-seconds adds a training step), and the CPU time of the server, of the writers and of
+the ranks (the clients share the machine's cores with the server, so the MB/s ratios are whole-machine figures).
 
     python bench/payload_path.py             # 3 repeats, about 40 s on an idle machine
     python bench/payload_path.py --concurrent --repeats 3   # the many-writers, many-readers run
@@ -308,10 +309,10 @@ def writer_process(address: str, writer: int, lengths: list[list[int]], start: A
     with PacerClient(address, timeout=120, client_id=f"writer-{writer}") as pacer:
         pacer.dispatch(prompts)
         start.wait()
-        began = time.time()
+        began, cpu_began = time.time(), time.process_time()
         for prompt_id, group in zip(prompts, groups):
             pacer.submit(trajectories_of(prompt_id, group, 0))
-        results.put(("writer", writer, began, time.time(), payload))
+        results.put(("writer", writer, began, time.time(), payload, time.process_time() - cpu_began))
 
 
 def rank_process(address: str, rank: int, steps: int, step_seconds: float, start: Any, results: Any) -> None:
@@ -320,7 +321,7 @@ def rank_process(address: str, rank: int, steps: int, step_seconds: float, start
     records = []
     with PacerClient(address, arrays="numpy", timeout=120, client_id=f"rank-{rank}") as pacer:
         start.wait()
-        began = time.time()
+        began, cpu_began = time.time(), time.process_time()
         with pacer.batches(DP_MINI_BATCH, group_size=GROUP_SIZE, rank=rank, world_size=RANKS, num_batches=steps,
                            lease=300, poll=10) as batches:
             for _ in range(steps):
@@ -330,7 +331,7 @@ def rank_process(address: str, rank: int, steps: int, step_seconds: float, start
                                 batch.token_ids.nbytes + batch.logprobs.nbytes + batch.loss_mask.nbytes, time.time()))
                 if step_seconds:
                     time.sleep(step_seconds)
-        results.put(("rank", rank, began, time.time(), records))
+        results.put(("rank", rank, began, time.time(), records, time.process_time() - cpu_began))
 
 
 class RelayServer(ServerProcess):
@@ -459,6 +460,7 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
         "bytes_in": bytes_in, "bytes_out": bytes_out, "imbalance": imbalance,
         "gaps_ms": {g[1]: [1000 * r[0] for r in g[4]] for g in ranks}, "server_peak_rss_mb": peak_rss,
         "rss_before_mb": rss_before / 1e6, "server_cpu_s": server_cpu,
+        "writers_cpu_s": sum(g[5] for g in writers), "ranks_cpu_s": sum(g[5] for g in ranks),
     }
 
 
@@ -515,6 +517,10 @@ def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, j
     # CPU is disturbed less than wall time by load from elsewhere: the steadier figure of what each server costs.
     print(f"server CPU s during the run: ours {med('ours', 'server_cpu_s'):.2f}, relay "
           f"{med('relay', 'server_cpu_s'):.2f}, relay / ours {med('relay', 'server_cpu_s') / med('ours', 'server_cpu_s'):.2f}")
+    # The clients share the machine's cores: what they spend is the rest of the MB/s ratios' story.
+    print(f"client CPU s during the run (all processes): writers ours {med('ours', 'writers_cpu_s'):.2f}, relay "
+          f"{med('relay', 'writers_cpu_s'):.2f}; ranks ours {med('ours', 'ranks_cpu_s'):.2f}, relay "
+          f"{med('relay', 'ranks_cpu_s'):.2f}")
     if json_path:
         json_path.write_text(json.dumps({"runs": runs, "busy_percent": busy}, indent=2))
     return 0 if ok else 1
