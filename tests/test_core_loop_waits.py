@@ -68,3 +68,79 @@ def test_a_cancelled_wait_leaves_no_waiter_behind() -> None:
         return registered, waits.anyone_waiting, waits.waiting_calls
 
     assert asyncio.run(run()) == (True, False, 0)
+
+
+class SelectivePoll(CountingPoll):
+    """A CountingPoll that also says whether it could be answered now (the waiter sleeps through other changes)."""
+
+    def __init__(self, raises: bool = False) -> None:
+        super().__init__()
+        self.raises = raises
+
+    def could_answer(self) -> bool:
+        if self.raises:
+            raise RuntimeError("a broken could_answer")
+        return self.ready
+
+
+async def _all_waiting(waits: LoopWaits, count: int) -> None:
+    while waits.waiting_calls < count:
+        await asyncio.sleep(0)
+
+
+async def _attempted_again(poll: CountingPoll, attempts: int) -> None:
+    while poll.attempts == attempts:
+        await asyncio.sleep(0)
+
+
+async def _turns(count: int = 5) -> None:
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+def test_a_change_wakes_only_the_waiters_it_could_answer() -> None:
+    async def run() -> tuple[list[int], list[int], str, list[str]]:
+        waits = LoopWaits(lambda: False, max_wait_seconds=60)
+        polls = [SelectivePoll() for _ in range(3)]
+        plain = CountingPoll()  # offers no could_answer: woken by every change, as before
+        tasks = [asyncio.ensure_future(waits.until(poll, 30)) for poll in [*polls, plain]]
+        await _all_waiting(waits, 4)
+        before = [poll.attempts for poll in [*polls, plain]]
+        waits.wake_answerable()
+        await _turns()
+        await _all_waiting(waits, 4)
+        after_nothing = [poll.attempts for poll in [*polls, plain]]
+        polls[1].ready = True
+        waits.wake_answerable()
+        answered = await asyncio.wait_for(tasks[1], 10)
+        for poll in polls:
+            poll.ready = True
+        plain.ready = True
+        waits.wake_answerable()
+        rest = await asyncio.wait_for(asyncio.gather(tasks[0], tasks[2], tasks[3]), 10)
+        return before, after_nothing, answered, rest
+
+    before, after_nothing, answered, rest = asyncio.run(run())
+    assert after_nothing[:3] == before[:3]  # slept through a change that could not answer them: no attempt
+    assert after_nothing[3] == before[3] + 1  # the poll without could_answer attempted again
+    assert answered == "answered" and rest == ["answered"] * 3
+
+
+def test_closing_wakes_every_waiter_and_a_broken_could_answer_wakes_its_own() -> None:
+    async def run() -> tuple[str, list[str]]:
+        closed = [False]
+        waits = LoopWaits(lambda: closed[0], max_wait_seconds=60)
+        broken, sleeping = SelectivePoll(raises=True), SelectivePoll()
+        tasks = [asyncio.ensure_future(waits.until(poll, 30)) for poll in (broken, sleeping)]
+        await _all_waiting(waits, 2)
+        attempts = broken.attempts
+        waits.wake_answerable()  # the raising could_answer does not escape: its waiter attempts instead
+        await asyncio.wait_for(_attempted_again(broken, attempts), 10)
+        broken.ready = True
+        waits.wake_answerable()
+        first = await asyncio.wait_for(tasks[0], 10)
+        closed[0] = True
+        waits.wake_answerable()
+        return first, [await asyncio.wait_for(tasks[1], 10)]
+
+    assert asyncio.run(run()) == ("answered", ["gave up"])

@@ -164,7 +164,7 @@ class AsyncPacer:
         # Most changes find nobody waiting. A waiter takes its future before it attempts, so one that
         # appears after this read sees the change itself.
         if self.waits.anyone_waiting:
-            self._call_in_loop(self.waits.wake_all)
+            self._call_in_loop(self.waits.wake_answerable)
 
     def _on_control(self, event: ControlEvent) -> None:
         self._call_in_loop(lambda: self._queue_control(event))

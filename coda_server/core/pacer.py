@@ -355,6 +355,13 @@ class Pacer:
             if self.incidents.has_unreported():
                 raise collect_error(*self.incidents.take_unreported())
 
+    def collect_must_attempt(self, trainer_step: Optional[int]) -> bool:
+        """Whether a waiting Collect answers now whatever the buffer holds: an incident to report, or the trainer's
+        step another than the server's (its attempt refuses it); what `report_incidents` and `check_trainer_step`
+        raise for, asked without raising."""
+        with self.lock:
+            return self.incidents.has_unreported() or (trainer_step is not None and trainer_step != self.steps.step)
+
     def check_collect_reachable(self, num_groups: int, allow_partial: bool, shape: BatchShape = PLAIN) -> None:
         """Refuse a Collect that could never be answered (see `CollectLimit.check`)."""
         self.collect_bound.check(num_groups, allow_partial, shape)

@@ -29,6 +29,7 @@ class Collecting(Protocol):
 
     def check_trainer_step(self, trainer_step: Optional[int]) -> None: ...
     def report_incidents(self) -> None: ...
+    def collect_must_attempt(self, trainer_step: Optional[int]) -> bool: ...
     def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]: ...
     def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
                    shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0) -> CollectResult: ...
@@ -98,12 +99,20 @@ class CollectPoll:
         with pacer.lock:
             pacer.check_trainer_step(self._trainer_step)  # on every attempt: a Restore may come while it waits
             pacer.report_incidents()  # a raising hook or a refused dirty group fails the trainer's Collect, once
-            if self._shape.plain:  # the common case, without the shape's bookkeeping
-                if len(pacer.buffer) >= self._num_groups:
-                    return self._take(self._num_groups, False)
-                return None
-            count = pacer.ready_count(self._num_groups, self._shape)
+            count = self._ready()
             return None if count is None else self._take(count, False)
+
+    def could_answer(self) -> bool:
+        """False only when `attempt` would give None now (see waiting.Poll): cheap, changes nothing."""
+        pacer = self._pacer
+        with pacer.lock:
+            return pacer.collect_must_attempt(self._trainer_step) or self._ready() is not None
+
+    def _ready(self) -> Optional[int]:
+        """What `attempt` would take now, or None (the caller holds the lock)."""
+        if self._shape.plain:  # the common case, without the shape's bookkeeping
+            return self._num_groups if len(self._pacer.buffer) >= self._num_groups else None
+        return self._pacer.ready_count(self._num_groups, self._shape)
 
     def give_up(self) -> CollectResult:
         pacer = self._pacer

@@ -18,7 +18,9 @@ R_co = TypeVar("R_co", covariant=True)
 
 
 class Poll(Protocol[R_co]):
-    """One waiting call, as the rule sees it."""
+    """One waiting call, as the rule sees it. A poll may also offer `could_answer() -> bool`: cheap, changing
+    nothing, False only when `attempt` would surely give None now; LoopWaits then leaves its waiter asleep through
+    a change that cannot answer it (see `LoopWaits.wake_answerable`)."""
 
     def attempt(self) -> Optional[R_co]:
         """The answer if the call can be answered now, else None (not yet). Takes the pacer lock itself."""
@@ -79,7 +81,9 @@ class LoopWaits:
         # One future per waiter, each with a timer of its own: the next change sets them all. (A future shared
         # by every waiter, awaited through asyncio.wait for its timeout, cost each waiter a set, a waiter
         # future, callbacks and a timer on every change: half of a waiting Collect's time with eight writers.)
-        self._waiters: set[asyncio.Future] = set()
+        # Each waiter's future maps to its poll's could_answer (None: woken by every change).
+        self._waiters: dict[asyncio.Future, Optional[Callable[[], bool]]] = {}
+        self._sorting_scheduled = False
         self.waiting_calls = 0
 
     @property
@@ -88,9 +92,28 @@ class LoopWaits:
 
     def wake_all(self) -> None:
         """Every waiter attempts again; call on the loop's thread."""
-        waiters, self._waiters = self._waiters, set()
+        waiters, self._waiters = self._waiters, {}
         for waiter in waiters:
             _wake(waiter)
+
+    def wake_answerable(self) -> None:
+        """After a change: every waiter whose poll could be answered now attempts again, once the change under way
+        is complete (the next turn of the loop, so it sees the pacer's state whole, and several changes in a row
+        cost one pass); call on the loop's thread. A waiter woken by every change costs a task switch, a future
+        and a timer each time: 64 data-parallel ranks waiting for their shares, each Submit woke all 64."""
+        if not self._sorting_scheduled:
+            self._sorting_scheduled = True
+            asyncio.get_running_loop().call_soon(self._wake_answerable)
+
+    def _wake_answerable(self) -> None:
+        self._sorting_scheduled = False
+        waiters, self._waiters = self._waiters, {}
+        closed = self._closed()
+        for waiter, could_answer in waiters.items():
+            if closed or could_answer is None or _could_answer(could_answer):
+                _wake(waiter)
+            else:
+                self._waiters[waiter] = could_answer  # nothing for it yet: left asleep
 
     def clamp(self, wait: float) -> float:
         return min(max(0.0, float(wait)), self.max_wait_seconds)
@@ -108,9 +131,10 @@ class LoopWaits:
             return result if result is not None else poll.give_up()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.clamp(wait)
+        could_answer = getattr(poll, "could_answer", None)
         while True:
             waiter = loop.create_future()
-            self._waiters.add(waiter)  # before the attempt, so no wake-up is lost
+            self._waiters[waiter] = could_answer  # before the attempt, so no wake-up is lost
             try:
                 if self._closed():
                     return poll.give_up()
@@ -128,9 +152,16 @@ class LoopWaits:
                     timer.cancel()
                     self.waiting_calls -= 1
             finally:
-                self._waiters.discard(waiter)
+                self._waiters.pop(waiter, None)
 
 
 def _wake(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def _could_answer(could_answer: Callable[[], bool]) -> bool:
+    try:
+        return bool(could_answer())
+    except Exception:  # woken: its attempt raises again, and the call answers with the error
+        return True
