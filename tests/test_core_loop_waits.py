@@ -1,5 +1,5 @@
-"""LoopWaits: a waiting coroutine attempts again after every change, gives up at its deadline, and leaves
-nothing behind when its caller goes away."""
+"""LoopWaits: a waiting coroutine attempts again after every change that could answer it, gives up at its
+deadline, and leaves nothing behind when its caller goes away."""
 from __future__ import annotations
 
 import asyncio
@@ -144,3 +144,42 @@ def test_closing_wakes_every_waiter_and_a_broken_could_answer_wakes_its_own() ->
         return first, [await asyncio.wait_for(tasks[1], 10)]
 
     assert asyncio.run(run()) == ("answered", ["gave up"])
+
+
+def test_a_waiting_dispatch_sleeps_until_the_window_has_room(monkeypatch) -> None:
+    """A worker's Dispatch waits on a full window: the Submits that free no slot do not wake it (no attempt);
+    the Collect that frees one admits its candidate."""
+    from coda_server.core import Pacer, PromptRef, Trajectory, load_config, polls
+    from coda_server.core.async_pacer import AsyncPacer
+
+    attempts = [0]
+    attempt = polls.DispatchPoll.attempt
+
+    def counted(self):
+        attempts[0] += 1
+        return attempt(self)
+
+    monkeypatch.setattr(polls.DispatchPoll, "attempt", counted)
+    facade = AsyncPacer(Pacer(load_config(overrides=[
+        "data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
+        "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window", "fully_async.stale_steps=0"])))
+
+    async def run() -> tuple[int, list[str]]:
+        facade.bind_loop()
+        try:
+            await facade.dispatch([PromptRef("a"), PromptRef("b")])  # the window (C = 2) is full
+            waiting = asyncio.ensure_future(facade.dispatch([PromptRef("c")], wait=30))
+            await asyncio.wait_for(_all_waiting(waits=facade.waits, count=1), 10)
+            before = attempts[0]
+            await facade.submit([Trajectory("a/0", "a")])  # a group still running: no slot frees
+            await _turns()
+            await facade.submit([Trajectory("a/1", "a")])  # complete, buffered: still no slot
+            await _turns()
+            slept = attempts[0] - before
+            await facade.collect(1)  # the trainer takes it: one slot
+            answer = await asyncio.wait_for(waiting, 10)
+            return slept, answer.admitted_ids
+        finally:
+            facade.drain()
+
+    assert asyncio.run(run()) == (0, ["c"])

@@ -356,9 +356,7 @@ class Pacer:
                 raise collect_error(*self.incidents.take_unreported())
 
     def collect_must_attempt(self, trainer_step: Optional[int]) -> bool:
-        """Whether a waiting Collect answers now whatever the buffer holds: an incident to report, or the trainer's
-        step another than the server's (its attempt refuses it); what `report_incidents` and `check_trainer_step`
-        raise for, asked without raising."""
+        """A waiting Collect answers now, whatever is buffered: what report_incidents, check_trainer_step raise for."""
         with self.lock:
             return self.incidents.has_unreported() or (trainer_step is not None and trainer_step != self.steps.step)
 

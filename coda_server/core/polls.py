@@ -14,6 +14,7 @@ class Admitting(Protocol):
 
     lock: threading.RLock
     closed: bool
+    job_ended: bool
 
     def check_open(self) -> None: ...
     def admissible_now(self) -> int: ...
@@ -67,6 +68,13 @@ class DispatchPoll:
                                                        self._max_continuations)
             ended = result.job_ended  # nothing will ever be admitted: answer now
             return result if result.admitted_ids or result.continued or ended or not self._candidates else None
+
+    def could_answer(self) -> bool:
+        """False only when `attempt` would give None now (see waiting.Poll): no room in the window and the job
+        not ended. Cheap, changes nothing; a raising strategy raises here too, and its waiter is woken."""
+        pacer = self._pacer
+        with pacer.lock:
+            return pacer.job_ended or pacer.admissible_now() > 0
 
     def give_up(self) -> DispatchResult:
         pacer = self._pacer
