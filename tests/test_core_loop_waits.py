@@ -183,3 +183,19 @@ def test_a_waiting_dispatch_sleeps_until_the_window_has_room(monkeypatch) -> Non
             facade.drain()
 
     assert asyncio.run(run()) == (0, ["c"])
+
+
+def test_a_change_made_outside_the_running_loop_wakes_the_waiters() -> None:
+    """A change from a thread with no running loop (the pacer used directly, the loop paused between runs) wakes the
+    waiters as wake_all does, instead of failing the change."""
+    loop = asyncio.new_event_loop()
+    try:
+        waits = LoopWaits(lambda: False, max_wait_seconds=60)
+        poll = SelectivePoll()
+        task = loop.create_task(waits.until(poll, 30))
+        loop.run_until_complete(asyncio.wait_for(_all_waiting(waits, 1), 10))
+        poll.ready = True
+        waits.wake_answerable()  # no loop runs on this thread now
+        assert loop.run_until_complete(asyncio.wait_for(task, 10)) == "answered"
+    finally:
+        loop.close()

@@ -5,7 +5,7 @@ when the wait ends unanswered (`Poll.give_up`). How a caller waits is the waiter
 blocks on a condition of the pacer's lock (`ThreadWaits`, for in-process callers: tests, the simulator,
 embedding without a network), a coroutine awaits a future (`LoopWaits`, for the asyncio server). Both run
 every poll the same way: attempt now; then, until the deadline or the pacer closes, attempt again after
-every change; then give up.
+every change (`LoopWaits`: every change that could answer it, when the poll can tell); then give up.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class LoopWaits:
         # future, callbacks and a timer on every change: half of a waiting Collect's time with eight writers.)
         # Each waiter's future maps to its poll's could_answer (None: woken by every change).
         self._waiters: dict[asyncio.Future, Optional[Callable[[], bool]]] = {}
-        self._sorting_scheduled = False
+        self._pass_scheduled = False
         self.waiting_calls = 0
 
     @property
@@ -101,12 +101,18 @@ class LoopWaits:
         is complete (the next turn of the loop, so it sees the pacer's state whole, and several changes in a row
         cost one pass); call on the loop's thread. A waiter woken by every change costs a task switch, a future
         and a timer each time: 64 data-parallel ranks waiting for their shares, each Submit woke all 64."""
-        if not self._sorting_scheduled:
-            self._sorting_scheduled = True
-            asyncio.get_running_loop().call_soon(self._wake_answerable)
+        if self._pass_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a change made outside the running loop (its thread, the loop stopped): as wake_all
+            self.wake_all()
+            return
+        self._pass_scheduled = True
+        loop.call_soon(self._wake_answerable)
 
     def _wake_answerable(self) -> None:
-        self._sorting_scheduled = False
+        self._pass_scheduled = False
         waiters, self._waiters = self._waiters, {}
         closed = self._closed()
         for waiter, could_answer in waiters.items():
