@@ -199,3 +199,32 @@ def test_a_change_made_outside_the_running_loop_wakes_the_waiters() -> None:
         assert loop.run_until_complete(asyncio.wait_for(task, 10)) == "answered"
     finally:
         loop.close()
+
+
+def test_a_waiting_collect_stating_its_step_is_refused_when_the_step_moves_on() -> None:
+    """The trainer's Collect states step 0 and waits on a short buffer; the step boundary (Reset, Resume) moves the
+    server to step 1: the change cannot fill the buffer, yet the waiting Collect is woken and refused at once."""
+    from coda_server.core import Pacer, PromptRef, load_config
+    from coda_server.core.async_pacer import AsyncPacer
+    from coda_server.core.errors import PacerError
+
+    facade = AsyncPacer(Pacer(load_config(overrides=[
+        "data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
+        "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window"])))
+
+    async def run() -> str:
+        facade.bind_loop()
+        try:
+            await facade.dispatch([PromptRef("a")])
+            waiting = asyncio.ensure_future(facade.collect(1, wait=30, trainer_step=0))
+            await asyncio.wait_for(_all_waiting(waits=facade.waits, count=1), 10)
+            await facade.reset(resume=True, weight_version=1)
+            try:
+                await asyncio.wait_for(waiting, 10)
+            except PacerError as exc:
+                return str(exc)
+            return "answered at step 1"
+        finally:
+            facade.drain()
+
+    assert "the trainer states step 0, the server is at step 1" in asyncio.run(run())

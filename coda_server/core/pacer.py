@@ -358,7 +358,7 @@ class Pacer:
     def collect_must_attempt(self, trainer_step: Optional[int]) -> bool:
         """A waiting Collect answers now, whatever is buffered: what report_incidents, check_trainer_step raise for."""
         with self.lock:
-            return self.incidents.has_unreported() or (trainer_step is not None and trainer_step != self.steps.step)
+            return self.incidents.has_unreported() or self.steps.differs(trainer_step)
 
     def check_collect_reachable(self, num_groups: int, allow_partial: bool, shape: BatchShape = PLAIN) -> None:
         """Refuse a Collect that could never be answered (see `CollectLimit.check`)."""

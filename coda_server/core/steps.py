@@ -88,10 +88,14 @@ class StepBoundary:
         if self.paused and not self.resetting:
             self._pause_started = now
 
+    def differs(self, trainer_step: Optional[int]) -> bool:
+        """The trainer states a step, and not the server's (`check_trainer_step` refuses it)."""
+        return trainer_step is not None and trainer_step != self.step
+
     def check_trainer_step(self, trainer_step: Optional[int]) -> None:
         """A Collect from a trainer at another step than the server's is refused: after a trainer restarts
         from a checkpoint, the pacer must be restored to it first."""
-        if trainer_step is None or trainer_step == self.step:
+        if not self.differs(trainer_step):
             return
         if trainer_step < self.step:
             hint = (f"the trainer is behind the server (restarted from a checkpoint?): restore first, "
