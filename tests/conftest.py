@@ -81,3 +81,21 @@ def scratch_registry():
     yield
     for registry, classes in saved.items():
         registry.restore(classes)
+
+
+@pytest.fixture
+def poll_attempts(monkeypatch):
+    """`poll_attempts(PollClass)` -> a one-item list counting that poll class's attempts from then on (whether a
+    change woke a waiting call)."""
+    def count(poll_class):
+        attempts = [0]
+        attempt = poll_class.attempt
+
+        def counted(self):
+            attempts[0] += 1
+            return attempt(self)
+
+        monkeypatch.setattr(poll_class, "attempt", counted)
+        return attempts
+
+    return count

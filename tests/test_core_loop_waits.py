@@ -93,6 +93,17 @@ async def _attempted_again(poll: CountingPoll, attempts: int) -> None:
         await asyncio.sleep(0)
 
 
+async def _error_of(call: "asyncio.Future") -> str:
+    """The error a waiting call answers with, within 10 s (not at its deadline)."""
+    from coda_server.core.errors import PacerError
+
+    try:
+        await asyncio.wait_for(call, 10)
+    except PacerError as exc:
+        return str(exc)
+    return "answered without an error"
+
+
 async def _turns(count: int = 5) -> None:
     for _ in range(count):
         await asyncio.sleep(0)
@@ -146,20 +157,13 @@ def test_closing_wakes_every_waiter_and_a_broken_could_answer_wakes_its_own() ->
     assert asyncio.run(run()) == ("answered", ["gave up"])
 
 
-def test_a_waiting_dispatch_sleeps_until_the_window_has_room(monkeypatch) -> None:
+def test_a_waiting_dispatch_sleeps_until_the_window_has_room(poll_attempts) -> None:
     """A worker's Dispatch waits on a full window: the Submits that free no slot do not wake it (no attempt);
     the Collect that frees one admits its candidate."""
     from coda_server.core import Pacer, PromptRef, Trajectory, load_config, polls
     from coda_server.core.async_pacer import AsyncPacer
 
-    attempts = [0]
-    attempt = polls.DispatchPoll.attempt
-
-    def counted(self):
-        attempts[0] += 1
-        return attempt(self)
-
-    monkeypatch.setattr(polls.DispatchPoll, "attempt", counted)
+    attempts = poll_attempts(polls.DispatchPoll)
     facade = AsyncPacer(Pacer(load_config(overrides=[
         "data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
         "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window", "fully_async.stale_steps=0"])))
@@ -206,7 +210,6 @@ def test_a_waiting_collect_stating_its_step_is_refused_when_the_step_moves_on() 
     server to step 1: the change cannot fill the buffer, yet the waiting Collect is woken and refused at once."""
     from coda_server.core import Pacer, PromptRef, load_config
     from coda_server.core.async_pacer import AsyncPacer
-    from coda_server.core.errors import PacerError
 
     facade = AsyncPacer(Pacer(load_config(overrides=[
         "data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
@@ -219,12 +222,48 @@ def test_a_waiting_collect_stating_its_step_is_refused_when_the_step_moves_on() 
             waiting = asyncio.ensure_future(facade.collect(1, wait=30, trainer_step=0))
             await asyncio.wait_for(_all_waiting(waits=facade.waits, count=1), 10)
             await facade.reset(resume=True, weight_version=1)
-            try:
-                await asyncio.wait_for(waiting, 10)
-            except PacerError as exc:
-                return str(exc)
-            return "answered at step 1"
+            return await _error_of(waiting)
         finally:
             facade.drain()
 
     assert "the trainer states step 0, the server is at step 1" in asyncio.run(run())
+
+
+def test_a_waiting_collect_is_answered_at_once_by_an_incident(scratch_registry) -> None:
+    """A change that leaves the buffer short but records an incident (a filter raised) wakes the waiting Collect,
+    which answers with the error, not at its deadline."""
+    import uuid
+
+    from coda_server import GroupFilter, register_group_filter
+    from coda_server.core import BatchShape, Pacer, PromptRef, Trajectory, load_config
+    from coda_server.core.async_pacer import AsyncPacer
+    from coda_server.core.errors import PacerError
+
+    name = f"exploding-{uuid.uuid4().hex[:8]}"
+
+    @register_group_filter(name)
+    class Exploding(GroupFilter):
+        def keep(self, group):
+            raise RuntimeError("the filter broke")
+
+    config = load_config(overrides=["data_source.num_prompts_per_step=8", "data_source.num_trajectories_per_prompt=2",
+                                    "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
+                                    f"rollout.filter=[{name}]"])
+    facade = AsyncPacer(Pacer(config))
+
+    async def run() -> str:
+        facade.bind_loop()
+        try:
+            await facade.dispatch([PromptRef("a")])
+            waiting = asyncio.ensure_future(facade.collect(2, wait=30, lease_seconds=30,
+                                                           shape=BatchShape(rank=0, world_size=2)))
+            await asyncio.wait_for(_all_waiting(waits=facade.waits, count=1), 10)
+            try:
+                await facade.submit([Trajectory(f"a/{i}", "a") for i in range(2)])
+            except PacerError:
+                pass  # the Submit is accepted; the broken filter is reported to its caller too
+            return await _error_of(waiting)
+        finally:
+            facade.drain()
+
+    assert "the filter broke" in asyncio.run(run())

@@ -393,7 +393,7 @@ async def _all_waiting(facade, calls: list) -> None:
         await asyncio.sleep(0)
 
 
-def test_waiting_ranks_sleep_through_submits_that_cannot_complete_their_mini_batch(monkeypatch) -> None:
+def test_waiting_ranks_sleep_through_submits_that_cannot_complete_their_mini_batch(poll_attempts) -> None:
     """Four ranks wait for their shares of a mini-batch of 8 groups: the first 7 Submits do not wake them (no
     attempt each, which 64 ranks paid on every Submit); the 8th answers all four, two groups each."""
     import asyncio
@@ -401,14 +401,7 @@ def test_waiting_ranks_sleep_through_submits_that_cannot_complete_their_mini_bat
     from coda_server.core import polls
     from coda_server.core.async_pacer import AsyncPacer
 
-    attempts = [0]
-    attempt = polls.CollectPoll.attempt
-
-    def counted(self):
-        attempts[0] += 1
-        return attempt(self)
-
-    monkeypatch.setattr(polls.CollectPoll, "attempt", counted)
+    attempts = poll_attempts(polls.CollectPoll)
     pacer, _ = make_pacer()
     facade = AsyncPacer(pacer)
     prompts = list(LONG_TAILED)
@@ -438,47 +431,3 @@ def test_waiting_ranks_sleep_through_submits_that_cannot_complete_their_mini_bat
     slept, shares = asyncio.run(run())
     assert slept == 0
     assert shares == [2, 2, 2, 2]
-
-
-def test_a_waiting_collect_is_answered_at_once_by_an_incident(scratch_registry) -> None:
-    """A change that leaves the buffer short but records an incident (a filter raised) wakes the waiting Collect,
-    which answers with the error, not at its deadline."""
-    import asyncio
-    import uuid
-
-    from coda_server import GroupFilter, register_group_filter
-    from coda_server.core.async_pacer import AsyncPacer
-    from coda_server.core.errors import PacerError
-
-    name = f"exploding-{uuid.uuid4().hex[:8]}"
-
-    @register_group_filter(name)
-    class Exploding(GroupFilter):
-        def keep(self, group):
-            raise RuntimeError("the filter broke")
-
-    config = load_config(overrides=["data_source.num_prompts_per_step=8", "data_source.num_trajectories_per_prompt=2",
-                                    "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window",
-                                    f"rollout.filter=[{name}]"])
-    facade = AsyncPacer(Pacer(config))
-
-    async def run() -> str:
-        facade.bind_loop()
-        try:
-            await facade.dispatch([PromptRef("a")])
-            waiting = asyncio.ensure_future(facade.collect(2, wait=30, lease_seconds=30,
-                                                           shape=BatchShape(rank=0, world_size=2)))
-            await asyncio.wait_for(_all_waiting(facade, [waiting]), 10)
-            try:
-                await facade.submit([Trajectory(f"a/{i}", "a") for i in range(2)])
-            except PacerError:
-                pass  # the Submit is accepted; the broken filter is reported to its caller too
-            try:
-                await asyncio.wait_for(waiting, 10)
-            except PacerError as exc:
-                return str(exc)
-            return "answered without the incident"
-        finally:
-            facade.drain()
-
-    assert "the filter broke" in asyncio.run(run())
