@@ -318,25 +318,19 @@ def array_problem(trajectory: SubmittedTrajectory) -> Optional[str]:
                 f"were varint int32 fields 6 and 8; they are packed sfixed32 now): build the client from the "
                 f"current pacer.proto, whose arrays are fields {_ARRAYS_NOW}")
     counts = {}
-    # One pass, array_count's arithmetic inline (a call per array cost about as much as the check).
-    for name, width in _ARRAY_WIDTHS:
-        run = runs.get(name)
-        if run is None:
-            counts[name] = 0
-            continue
-        size = len(run)
-        if size % width:
+    for name in _wire.ARRAY_FIELDS:
+        count = array_count(name, runs[name]) if name in runs else 0
+        if count < 0:
             return f"{name} is not a valid packed array (it ends inside a number)"
-        counts[name] = size // width
-    logprobs, loss_mask = counts["logprobs"], counts["loss_mask"]
-    first = counts["token_ids"] or logprobs or loss_mask  # every non-empty one must have its length
-    if (logprobs and logprobs != first) or (loss_mask and loss_mask != first):
+        counts[name] = count
+    logprob_count, mask_count = counts["logprobs"], counts["loss_mask"]
+    first = counts["token_ids"] or logprob_count or mask_count  # every non-empty one must have its length
+    if (logprob_count and logprob_count != first) or (mask_count and mask_count != first):
         return ("non-empty token_ids, logprobs and loss_mask must have equal lengths; got "
                 + ", ".join(f"{name}={counts[name]}" for name in PER_TOKEN_ARRAYS))
     return _segments_problem(runs, counts)
 
 
-_ARRAY_WIDTHS = tuple((name, _wire.ITEM_SIZES[name]) for name in _wire.ARRAY_FIELDS)
 TOKEN_ID_WIDTH = _wire.ITEM_SIZES["token_ids"]  # bytes per token id (convert.py counts a trajectory's tokens with it)
 _LOGPROB_WIDTH, _LOSS_MASK_WIDTH = _wire.ITEM_SIZES["logprobs"], _wire.ITEM_SIZES["loss_mask"]
 
