@@ -18,7 +18,7 @@ from .core.settings import SCHEMA_BY_PATH
 
 T = TypeVar("T")
 
-AUTO, ASYNCIO, UVLOOP = "auto", "asyncio", "uvloop"
+ASYNCIO, UVLOOP = "asyncio", "uvloop"  # "auto", the third choice, is what neither names
 CHOICES = SCHEMA_BY_PATH["server.event_loop"].choices  # declared once, with the key
 
 
