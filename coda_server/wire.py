@@ -61,7 +61,14 @@ class EncodedTrajectory:
         return len(self.encoded)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, EncodedTrajectory) and self.fingerprint() == other.fingerprint()
+        return (isinstance(other, EncodedTrajectory) and self.fingerprint() == other.fingerprint()
+                and self._routing_fields() == other._routing_fields())
+
+    def _routing_fields(self) -> tuple:
+        """The fields the fingerprint leaves out, read from the bytes (comparing two bodies is rare)."""
+        m = read_trajectory(self.encoded).fields
+        return (m.trajectory_id, m.prompt_id, m.ds_index, m.status, m.reward, m.start_weight_version,
+                m.end_weight_version, m.num_turns)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -73,16 +80,19 @@ class EncodedTrajectory:
         return self._fingerprint is not None
 
     def fingerprint(self) -> int:
-        """A digest of the trajectory's content (what duplicate detection keeps once the trajectory has left
-        the server). Field order and the order of the metadata entries do not change it; every value does, up
-        to a collision of the arrays' and payload's digest (DIGEST). Computed once (AsyncPacer makes it as the
+        """A digest of the trajectory's arrays, payload and metadata: what duplicate detection keeps of them once
+        the trajectory has left the server, beside its routing fields (ids, status, reward, versions, turns), which
+        `Trajectory.content_key` holds as they are (the servicer's Trajectory read them already; reading them from
+        the parse again cost about a tenth of a Submit's work per trajectory). Field order and the order of the
+        metadata entries do not change it; every array value, payload byte and entry does, up to a collision of
+        the arrays' and payload's digest (DIGEST). Computed once (AsyncPacer makes it as the
         Submit is accepted); safe to call from any thread (AsyncPacer's keys thread makes those of Submits over
         1 MiB and of a journal's replay)."""
         if self._fingerprint is None:
             # The Submit's parse when there is one (a second walk over the framing cost twice the digest itself);
             # read_trajectory reads the bytes as that parse does, so both give the same digest.
             parsed = self._parsed or read_trajectory(self.encoded)
-            scalars, runs = parsed.fields, parsed.runs
+            runs = parsed.runs
             # One digest of the arrays, each run's seeded with the one before (both digests release the GIL on
             # large buffers), with each run's length so bytes moved from one array to another change it too.
             digest = 0
@@ -95,9 +105,7 @@ class EncodedTrajectory:
                     digest = _digest(run, digest)
                     lengths.append(len(run))
             metadata = tuple(sorted(parsed.metadata_map().items())) if parsed.has_metadata else ()
-            self._fingerprint = hash((scalars.trajectory_id, scalars.prompt_id, scalars.ds_index, scalars.status,
-                                      scalars.reward, scalars.start_weight_version, scalars.end_weight_version,
-                                      scalars.num_turns, metadata, digest, tuple(lengths)))
+            self._fingerprint = hash((metadata, digest, tuple(lengths)))
             self._parsed = None  # the parse holds views of the request: let them go with the digest made
         return self._fingerprint
 

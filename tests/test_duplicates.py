@@ -348,9 +348,9 @@ def test_over_grpc_a_resubmit_after_collect_is_a_duplicate_and_a_changed_one_is_
     with ServerProcess(tmp_path, "fully_async.sliding_window=no-window", "data_source.num_prompts_per_step=4",
                        "data_source.num_trajectories_per_prompt=1", "trainer.mini_batch_size=1") as server, \
             PacerClient(server.address) as pacer:
-        def trajectory(tokens) -> WireTrajectory:
-            return WireTrajectory(trajectory_id="g/0", prompt_id="g", status=WireStatus.COMPLETED,
-                                  token_ids=np.asarray(tokens), metadata={"k": "v", "j": "w"})
+        def trajectory(tokens, reward: float = 0.0, num_turns: int = 0) -> WireTrajectory:
+            return WireTrajectory(trajectory_id="g/0", prompt_id="g", status=WireStatus.COMPLETED, reward=reward,
+                                  num_turns=num_turns, token_ids=np.asarray(tokens), metadata={"k": "v", "j": "w"})
 
         pacer.dispatch(["g"])
         pacer.submit([trajectory([1, 2, 3])])
@@ -360,7 +360,9 @@ def test_over_grpc_a_resubmit_after_collect_is_a_duplicate_and_a_changed_one_is_
         assert before.held_bytes == 0 and before.consumed == 1
         again = pacer.submit([trajectory([1, 2, 3])])
         assert (again.accepted, again.duplicates) == (0, 1)
-        with pytest.raises(BadRequestError, match="already accepted with different content"):
-            pacer.submit([trajectory([1, 2, 4])])
+        # A changed array, or a changed routing field (kept in the key beside the arrays' fingerprint): refused.
+        for changed in (trajectory([1, 2, 4]), trajectory([1, 2, 3], reward=0.5), trajectory([1, 2, 3], num_turns=2)):
+            with pytest.raises(BadRequestError, match="already accepted with different content"):
+                pacer.submit([changed])
         after = pacer.state()
         assert (after.submitted, after.held_bytes, after.buffered) == (before.submitted, 0, 0)

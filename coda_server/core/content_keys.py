@@ -83,7 +83,7 @@ class ContentKeys:
 
 def compute(trajectories: Iterable[Trajectory]) -> None:
     for trajectory in trajectories:
-        trajectory.content_key()
+        trajectory.prepare_content_key()
 
 
 def all_keyed(groups: Sequence[TrajectoryGroup]) -> bool:

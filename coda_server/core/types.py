@@ -99,7 +99,17 @@ class Trajectory:
 
     def content_key_if_ready(self) -> Optional[tuple]:
         """`content_key()` when it costs nothing now (`content_key_ready`), else None."""
-        return self.content_key() if self.content_key_ready() else None
+        fingerprinted = getattr(self.body, "fingerprinted", None)
+        if callable(fingerprinted) and not fingerprinted():
+            return None
+        return self.content_key()
+
+    def prepare_content_key(self) -> None:
+        """Make what `content_key()` costs (the body's fingerprint, when it has one) without building the key: the
+        key is built once, when the trajectory leaves (AsyncPacer makes the fingerprints as a Submit arrives)."""
+        fingerprint = getattr(self.body, "fingerprint", None)
+        if callable(fingerprint):
+            fingerprint()
 
     def content_key(self) -> tuple:
         """Everything a re-send must repeat to be a duplicate, without the body where it has a fingerprint:
