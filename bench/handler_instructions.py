@@ -30,12 +30,17 @@ request into its pass-through views (`full` adds the wrappers and the servicer).
     python bench/handler_instructions.py --rpcs dispatch --layers full --candidates 4
     python bench/handler_instructions.py --rpcs getstate --layers full,servicer,floor
     python bench/handler_instructions.py --rpcs dispatch --candidates 0 --layers full --variant no-metrics
+    python bench/handler_instructions.py --rpcs cycle --layers full --calls 20   # a trainer's round (~1 min)
         # what one per-call feature costs: the `full` figure without it (or, access-log, with the access log on)
 
 Variants (`--variant`, `full` layer): `shipped` (the default), `no-metrics` (the observer counts, times and logs
 nothing), `no-client-metrics` (no per-client call counts), `no-admission`, `no-guard` (the generated parser
 alone), `no-client-id` (the client id metadata not read), `access-log` (the access log on, as a server on its
 defaults writes it, to /dev/null: a line noted per call, formatted and written in batches).
+
+`cycle` (`full` layer only) counts what the pacing service adds to the data path per trajectory: one call is four
+Submits of a group of 64 trajectories of 1,000 tokens each (kept: the `status` filter alone), a leased CollectStream
+of the four groups and its Ack, through the registered handlers; it prints the figure per call and per trajectory.
 
 Needs valgrind (`apt install valgrind`). The counts leave out what gRPC itself does per call and say
 nothing about time by themselves; rpc_throughput.py remains the measure of the issue's targets.
@@ -55,7 +60,9 @@ from typing import Any, Optional
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 LAYERS = ("full", "servicer", "async", "pacer", "refs", "floor")
-RPCS = ("dispatch", "submit", "getstate")
+RPCS = ("dispatch", "submit", "getstate", "cycle")
+CYCLE_GROUPS = 4  # Submits (one group each) per cycle, all taken by the cycle's Collect
+CYCLE_PREPARED = 10  # cycles made (and counted in both runs) before the measured ones
 PREPARED_CALLS = 200  # made (and counted in both runs) before the measured calls: caches and dicts warm
 VARIANTS = ("shipped", "no-metrics", "no-client-metrics", "no-admission", "no-guard", "no-client-id", "access-log")
 VARIANT_ENV = "CODA_BENCH_VARIANT"
@@ -112,7 +119,10 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
             pass
 
     apply_variant(os.environ.get(VARIANT_ENV, "shipped"))
-    config = load_config(overrides=[*rpc_throughput.OUR_OVERRIDES, "server.metrics_address="])
+    overrides = [*rpc_throughput.OUR_OVERRIDES, "server.metrics_address="]
+    if rpc == "cycle":  # the groups are kept for the Collect: no `reward` filter dropping them (equal rewards)
+        overrides = [o for o in overrides if not o.startswith("rollout.filter=")] + ["rollout.filter=[status]"]
+    config = load_config(overrides=overrides)
     server = PacerServer(config)
     capture = Capture()
     if layer == "floor":
@@ -126,6 +136,9 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
         return
     if rpc == "getstate":
         getstate_child(server, capture.handlers["GetState"], layer, calls, measure)
+        return
+    if rpc == "cycle":
+        cycle_child(server, capture.handlers, calls, measure)
         return
     handler = capture.handlers["Dispatch"]
     servicer = RolloutPacerServicer(server.async_pacer)
@@ -241,10 +254,62 @@ def submit_child(server: Any, handler: Any, layer: str, calls: int, measure: boo
     flush_access_log(server)
 
 
+def cycle_child(server: Any, handlers: dict[str, Any], calls: int, measure: bool) -> None:
+    """Cycles of CYCLE_GROUPS Submits, a leased CollectStream of their groups and its Ack, all through the
+    registered handlers (prompts dispatched first, in both runs)."""
+    import rpc_throughput
+    from observability_overhead import FakeContext
+    from coda_client._proto import pacer_pb2 as pb
+    from coda_server.core.types import PromptRef
+    from coda_server.server import tune_garbage_collector
+
+    submit, collect, ack = handlers["Submit"], handlers["CollectStream"], handlers["Ack"]
+    context = FakeContext()
+    builder = rpc_throughput.SubmitBuilder(seed=1)
+    total = CYCLE_PREPARED + calls
+
+    async def one(i: int, call: bool) -> None:
+        wires = [builder.build(f"p-{i}-{g}", f"s-{i}-{g}") for g in range(CYCLE_GROUPS)]  # built in both runs
+        if not call:
+            return
+        for wire in wires:
+            submit.response_serializer(await submit.unary_unary(submit.request_deserializer(wire), context))
+        request = pb.CollectRequest(num_groups=CYCLE_GROUPS, lease_seconds=300, request_id=f"c-{i}")
+        lease_id = None
+        async for message in collect.unary_stream(collect.request_deserializer(request.SerializeToString()), context):
+            answer = collect.response_serializer(message)
+            lease_id = lease_id or pb.CollectResponse.FromString(answer).lease_id
+        acked = pb.AckRequest(lease_id=lease_id).SerializeToString()
+        ack.response_serializer(await ack.unary_unary(ack.request_deserializer(acked), context))
+
+    async def run() -> None:
+        tune_garbage_collector()
+        async_pacer = server.async_pacer
+        async_pacer.bind_loop()
+        async_pacer.pacer.dispatch([PromptRef(f"p-{i}-{g}") for i in range(total) for g in range(CYCLE_GROUPS)])
+        for i in range(CYCLE_PREPARED):
+            await one(i, True)
+        for i in range(CYCLE_PREPARED, total):
+            await one(i, measure)
+        made = CYCLE_PREPARED + (calls if measure else 0)
+        consumed = async_pacer.pacer.state().consumed
+        assert consumed == made * CYCLE_GROUPS, f"{consumed} groups consumed of {made} cycles"
+
+    asyncio.run(run())
+
+
 def flush_access_log(server: Any) -> None:
     """Write the access-log lines still noted (variant access-log), so that every call's line is counted."""
     if server.observability.access_log is not None:
         server.observability.access_log.flush()
+
+
+def rpc_group_size() -> int:
+    """Trajectories per Submit of rpc_throughput.py's SubmitBuilder."""
+    sys.path.insert(0, str(BENCH_DIR))
+    import rpc_throughput
+
+    return rpc_throughput.GROUP_SIZE
 
 
 def count_instructions(rpc: str, layer: str, candidates: int, calls: int, measure: bool,
@@ -285,22 +350,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt install valgrind); it counts the instructions", file=sys.stderr)
         return 2
-    print(f"instructions per call, {args.calls} calls after {PREPARED_CALLS} unmeasured ones "
+    print(f"instructions per call, {args.calls} calls after {PREPARED_CALLS} unmeasured ones ({CYCLE_PREPARED} for a cycle) "
           f"(python {sys.version.split()[0]}, PYTHONHASHSEED=0, variant {args.variant})")
     figures = [("dispatch", int(c), f"Dispatch, {int(c)} candidates") for c in args.candidates.split(",")]
     figures.append(("submit", 0, "Submit, 64 trajectories"))
     figures.append(("getstate", 0, "GetState"))
+    figures.append(("cycle", 0, f"cycle of {CYCLE_GROUPS} Submits"))
     for rpc, candidates, title in figures:
         if rpc not in rpcs:
             continue
         for layer in layers:
             if layer == "refs" and (candidates == 0 or rpc == "submit"):
                 continue
-            if rpc == "getstate" and layer not in ("full", "servicer", "floor"):
+            if (rpc == "getstate" and layer not in ("full", "servicer", "floor")) or (rpc == "cycle" and layer != "full"):
                 continue
             prepared = count_instructions(rpc, layer, candidates, args.calls, measure=False, variant=args.variant)
             measured = count_instructions(rpc, layer, candidates, args.calls, measure=True, variant=args.variant)
-            print(f"  {title:<24} {layer:<9} {(measured - prepared) / args.calls:>10,.0f}", flush=True)
+            per_call = (measured - prepared) / args.calls
+            per_trajectory = (f"  ({per_call / (CYCLE_GROUPS * rpc_group_size()):,.0f} per trajectory)"
+                              if rpc == "cycle" else "")
+            print(f"  {title:<24} {layer:<9} {per_call:>10,.0f}{per_trajectory}", flush=True)
     return 0
 
 
