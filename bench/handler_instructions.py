@@ -30,7 +30,7 @@ request into its pass-through views (`full` adds the wrappers and the servicer).
     python bench/handler_instructions.py --rpcs dispatch --layers full --candidates 4
     python bench/handler_instructions.py --rpcs getstate --layers full,servicer,floor
     python bench/handler_instructions.py --rpcs dispatch --candidates 0 --layers full --variant no-metrics
-    python bench/handler_instructions.py --rpcs cycle --layers full --calls 20   # a trainer's round (~1 min)
+    python bench/handler_instructions.py --rpcs cycle --layers full,floor --calls 20   # a trainer's round (~2 min)
         # what one per-call feature costs: the `full` figure without it (or, access-log, with the access log on)
 
 Variants (`--variant`, `full` layer): `shipped` (the default), `no-metrics` (the observer counts, times and logs
@@ -38,9 +38,10 @@ nothing), `no-client-metrics` (no per-client call counts), `no-admission`, `no-g
 alone), `no-client-id` (the client id metadata not read), `access-log` (the access log on, as a server on its
 defaults writes it, to /dev/null: a line noted per call, formatted and written in batches).
 
-`cycle` (`full` layer only) counts what the pacing service adds to the data path per trajectory: one call is four
-Submits of a group of 64 trajectories of 1,000 tokens each (kept: the `status` filter alone), a leased CollectStream
-of the four groups and its Ack, through the registered handlers; it prints the figure per call and per trajectory.
+`cycle` counts the data path per trajectory: one call is four Submits of a group of 64 trajectories of 1,000 tokens
+each (kept: the `status` filter alone), a leased CollectStream of the four groups and its Ack, through the registered
+handlers (`full`), or through the handlers of `payload_path.py --concurrent`'s relay (`floor`: the same Submit parse
+and answer encoding, nothing else); it prints the figure per call and per trajectory.
 
 Needs valgrind (`apt install valgrind`). The counts leave out what gRPC itself does per call and say
 nothing about time by themselves; rpc_throughput.py remains the measure of the issue's targets.
@@ -125,7 +126,12 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
     config = load_config(overrides=overrides)
     server = PacerServer(config)
     capture = Capture()
-    if layer == "floor":
+    if layer == "floor" and rpc == "cycle":  # payload_path.py's relay, registered as serve_relay registers it
+        import payload_path
+
+        pacer_pb2_grpc.add_RolloutPacerServicer_to_server(
+            payload_path.relay_servicer(), WrappingRegistrar(capture, [PassthroughCodec(SERVICE_NAME)]))
+    elif layer == "floor":
         pacer_pb2_grpc.add_RolloutPacerServicer_to_server(rpc_throughput.FloorServicer(), capture)
     else:  # the handlers server.py registers
         handlers = RpcHandlers(server.observability.rpc_observer, server.admission, PassthroughCodec(SERVICE_NAME))
@@ -138,7 +144,7 @@ def child(rpc: str, layer: str, candidates: int, calls: int, measure: bool) -> N
         getstate_child(server, capture.handlers["GetState"], layer, calls, measure)
         return
     if rpc == "cycle":
-        cycle_child(server, capture.handlers, calls, measure)
+        cycle_child(server, capture.handlers, layer, calls, measure)
         return
     handler = capture.handlers["Dispatch"]
     servicer = RolloutPacerServicer(server.async_pacer)
@@ -254,9 +260,9 @@ def submit_child(server: Any, handler: Any, layer: str, calls: int, measure: boo
     flush_access_log(server)
 
 
-def cycle_child(server: Any, handlers: dict[str, Any], calls: int, measure: bool) -> None:
+def cycle_child(server: Any, handlers: dict[str, Any], layer: str, calls: int, measure: bool) -> None:
     """Cycles of CYCLE_GROUPS Submits, a leased CollectStream of their groups and its Ack, all through the
-    registered handlers (prompts dispatched first, in both runs)."""
+    registered handlers (prompts dispatched first, in both runs); `floor`: payload_path.py's relay's handlers."""
     import rpc_throughput
     from observability_overhead import FakeContext
     from coda_client._proto import pacer_pb2 as pb
@@ -274,7 +280,9 @@ def cycle_child(server: Any, handlers: dict[str, Any], calls: int, measure: bool
             return
         for wire in wires:
             submit.response_serializer(await submit.unary_unary(submit.request_deserializer(wire), context))
-        request = pb.CollectRequest(num_groups=CYCLE_GROUPS, lease_seconds=300, request_id=f"c-{i}")
+        # A wait the answer never needs (the groups are there): the relay waits with asyncio.wait_for, which times
+        # out at once with 0.
+        request = pb.CollectRequest(num_groups=CYCLE_GROUPS, lease_seconds=300, request_id=f"c-{i}", wait_seconds=10)
         lease_id = None
         async for message in collect.unary_stream(collect.request_deserializer(request.SerializeToString()), context):
             answer = collect.response_serializer(message)
@@ -291,9 +299,10 @@ def cycle_child(server: Any, handlers: dict[str, Any], calls: int, measure: bool
             await one(i, True)
         for i in range(CYCLE_PREPARED, total):
             await one(i, measure)
-        made = CYCLE_PREPARED + (calls if measure else 0)
-        consumed = async_pacer.pacer.state().consumed
-        assert consumed == made * CYCLE_GROUPS, f"{consumed} groups consumed of {made} cycles"
+        if layer != "floor":  # the relay keeps no count
+            made = CYCLE_PREPARED + (calls if measure else 0)
+            consumed = async_pacer.pacer.state().consumed
+            assert consumed == made * CYCLE_GROUPS, f"{consumed} groups consumed of {made} cycles"
 
     asyncio.run(run())
 
@@ -362,7 +371,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for layer in layers:
             if layer == "refs" and (candidates == 0 or rpc == "submit"):
                 continue
-            if (rpc == "getstate" and layer not in ("full", "servicer", "floor")) or (rpc == "cycle" and layer != "full"):
+            if (rpc == "getstate" and layer not in ("full", "servicer", "floor")) or (rpc == "cycle" and layer not in ("full", "floor")):
                 continue
             prepared = count_instructions(rpc, layer, candidates, args.calls, measure=False, variant=args.variant)
             measured = count_instructions(rpc, layer, candidates, args.calls, measure=True, variant=args.variant)

@@ -341,23 +341,17 @@ class RelayServer(ServerProcess):
         return [sys.executable, str(Path(__file__).resolve()), "--serve-relay", str(self.port_file), *self.overrides]
 
 
-async def serve_relay(port_file: Path, server_overrides: list[str]) -> int:
+def relay_servicer() -> Any:
+    """The relay's servicer: each Submit's encoded trajectories (as our server's parse reads them) into a queue; each
+    Collect (and CollectStream, what batches() calls, split as our server splits) answered with the next
+    num_groups / world_size groups in arrival order; the other methods answer empty. handler_instructions.py's
+    `cycle` counts it too (its `floor`)."""
     import asyncio
-    import signal
-
-    import grpc
 
     from coda_client._proto import pacer_pb2 as pb
     from coda_client._proto import pacer_pb2_grpc
-    from coda_server.allocator import retain_freed_memory
-    from coda_server.core import load_config
-    from coda_server.method_wrapping import WrappingRegistrar
-    from coda_server.server import SERVICE_NAME, server_options, tune_garbage_collector
-    from coda_server.wire import EncodedAnswer, EncodedTrajectory, PassthroughCodec, group_parts, split_answer
+    from coda_server.wire import EncodedAnswer, EncodedTrajectory, group_parts, split_answer
 
-    config = load_config(overrides=server_overrides)
-    retain_freed_memory(int(config.server.allocator_retain_bytes))  # the same process settings as ours
-    tune_garbage_collector()
     queue: list = []
     arrived = asyncio.Condition()
 
@@ -400,11 +394,30 @@ async def serve_relay(port_file: Path, server_overrides: list[str]) -> int:
             yield pb.ControlEvent(type=pb.CONTROL_EVENT_TYPE_STATE).SerializeToString()
             await asyncio.Event().wait()  # until the call is cancelled
 
+    return Relay()
+
+
+async def serve_relay(port_file: Path, server_overrides: list[str]) -> int:
+    import asyncio
+    import signal
+
+    import grpc
+
+    from coda_client._proto import pacer_pb2_grpc
+    from coda_server.allocator import retain_freed_memory
+    from coda_server.core import load_config
+    from coda_server.method_wrapping import WrappingRegistrar
+    from coda_server.server import SERVICE_NAME, server_options, tune_garbage_collector
+    from coda_server.wire import PassthroughCodec
+
+    config = load_config(overrides=server_overrides)
+    retain_freed_memory(int(config.server.allocator_retain_bytes))  # the same process settings as ours
+    tune_garbage_collector()
     server = grpc.aio.server(options=server_options(config))
     # Routed as our server routes (no method registered by name, see coda_server/method_wrapping.py): registered by
     # name, each of the 15 methods would cost the relay's every call about 5,500 instructions more than ours.
     pacer_pb2_grpc.add_RolloutPacerServicer_to_server(
-        Relay(), WrappingRegistrar(server, [PassthroughCodec(SERVICE_NAME)], by_name=()))
+        relay_servicer(), WrappingRegistrar(server, [PassthroughCodec(SERVICE_NAME)], by_name=()))
     port = server.add_insecure_port(str(config.server.address))
     await server.start()
     temporary = port_file.with_suffix(".tmp")
