@@ -83,7 +83,7 @@ class EncodedTrajectory:
         """A digest of the trajectory's arrays, payload and metadata: what duplicate detection keeps of them once
         the trajectory has left the server, beside its routing fields (ids, status, reward, versions, turns), which
         `Trajectory.content_key` holds as they are (the servicer's Trajectory read them already; reading them from
-        the parse again cost about a tenth of a Submit's work per trajectory). Field order and the order of the
+        the parse again cost about 5,000 instructions per trajectory). Field order and the order of the
         metadata entries do not change it; every array value, payload byte and entry does, up to a collision of
         the arrays' and payload's digest (DIGEST). Computed once (AsyncPacer makes it as the
         Submit is accepted); safe to call from any thread (AsyncPacer's keys thread makes those of Submits over
