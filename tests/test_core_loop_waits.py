@@ -3,8 +3,13 @@ deadline, and leaves nothing behind when its caller goes away."""
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from typing import Optional
 
+import pytest
+
+from coda_server import event_loop
 from coda_server.core.waiting import LoopWaits
 
 
@@ -50,6 +55,44 @@ def test_a_wait_without_a_change_gives_up_at_its_deadline() -> None:
         return answer, waits.anyone_waiting
 
     assert asyncio.run(run()) == ("gave up", False)
+
+
+class TimedPoll(CountingPoll):
+    """Notes when it is first attempted: the moment a Reset stamps its pause on the pacer's clock, then waits."""
+
+    started: float = 0.0
+
+    def attempt(self) -> Optional[str]:
+        if not self.attempts:
+            self.started = time.monotonic()
+        return super().attempt()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_wait_never_ends_before_its_time_has_passed(loop) -> None:
+    """uvloop's clock reads in whole milliseconds, behind the monotonic clock by a varying fraction of one: a wait
+    timed by it could end up to a millisecond early (a few waits in a hundred, started at random points of a
+    millisecond). Timed on the monotonic clock, none does: a Reset's pause_delay is never under its
+    abort_wait_seconds."""
+    if loop == "uvloop" and event_loop._uvloop() is None:
+        pytest.skip("uvloop is not installed (the server extra brings it)")
+    phases = random.Random(7)
+    waits_made = 200
+
+    async def run() -> list[float]:
+        waits = LoopWaits(lambda: False, max_wait_seconds=60)
+        shortfalls = []
+        for _ in range(waits_made):
+            spin_until = time.perf_counter() + phases.random() / 1000  # start at a random point of a millisecond
+            while time.perf_counter() < spin_until:
+                pass
+            poll = TimedPoll()
+            assert await waits.until(poll, 0.002) == "gave up"
+            shortfalls.append(0.002 - (time.monotonic() - poll.started))
+        return shortfalls
+
+    early = [s for s in event_loop.run(run(), event_loop.loop_factory(loop)) if s > 0]
+    assert not early, f"{len(early)} of {waits_made} waits ended early, by up to {max(early) * 1e6:.0f} us"
 
 
 def test_a_cancelled_wait_leaves_no_waiter_behind() -> None:

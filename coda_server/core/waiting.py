@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Callable, Optional, Protocol, TypeVar
 
 R = TypeVar("R")
@@ -136,7 +137,11 @@ class LoopWaits:
         if result is not None or wait <= 0:
             return result if result is not None else poll.give_up()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.clamp(wait)
+        # Timed on time.monotonic (the pacer clock's source), not loop.time(): uvloop's reads in whole milliseconds,
+        # behind the monotonic clock by a varying fraction of one, so a wait timed by it could end up to a
+        # millisecond before `wait` had passed (a Reset's pause_delay under its abort_wait_seconds). A timer that
+        # fires early only makes the wait go round again, for what is left.
+        deadline = time.monotonic() + self.clamp(wait)
         could_answer = getattr(poll, "could_answer", None)
         while True:
             waiter = loop.create_future()
@@ -147,7 +152,7 @@ class LoopWaits:
                 result = poll.attempt()
                 if result is not None:
                     return result
-                remaining = deadline - loop.time()
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return poll.give_up()
                 self.waiting_calls += 1
