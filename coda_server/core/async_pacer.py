@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence
 
 from . import checkpoints
@@ -350,11 +351,10 @@ class AsyncPacer:
         """End the job: dispatch closes for good, watchers get JOB_ENDED; waits up to `wait` seconds for the
         running groups to be assembled, then reports what was left."""
         async def call() -> JobEndReport:
-            loop = asyncio.get_running_loop()
             self.pacer.begin_end_job(mode)
-            started = loop.time()
+            started = time.monotonic()  # the clock the wait is timed on (LoopWaits.until)
             await self.waits.until(self.pacer.reset_poll(), wait)
-            return self.pacer.job_end_report(loop.time() - started)
+            return self.pacer.job_end_report(time.monotonic() - started)
 
         return await self._applied("EndJob", request_id, call)
 
