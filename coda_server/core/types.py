@@ -99,10 +99,7 @@ class Trajectory:
 
     def content_key_if_ready(self) -> Optional[tuple]:
         """`content_key()` when it costs nothing now (`content_key_ready`), else None."""
-        fingerprinted = getattr(self.body, "fingerprinted", None)
-        if callable(fingerprinted) and not fingerprinted():
-            return None
-        return self.content_key()
+        return self.content_key() if self.content_key_ready() else None
 
     def prepare_content_key(self) -> None:
         """Make what `content_key()` costs (the body's fingerprint, when it has one) without building the key: the
