@@ -62,6 +62,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 LAYERS = ("full", "servicer", "async", "pacer", "refs", "floor")
 RPCS = ("dispatch", "submit", "getstate", "cycle")
+RPC_LAYERS = {"getstate": ("full", "servicer", "floor"), "cycle": ("full", "floor")}  # the others: every layer
 CYCLE_GROUPS = 4  # Submits (one group each) per cycle, all taken by the cycle's Collect
 CYCLE_PREPARED = 10  # cycles made (and counted in both runs) before the measured ones
 PREPARED_CALLS = 200  # made (and counted in both runs) before the measured calls: caches and dicts warm
@@ -359,8 +360,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt install valgrind); it counts the instructions", file=sys.stderr)
         return 2
-    print(f"instructions per call, {args.calls} calls after {PREPARED_CALLS} unmeasured ones ({CYCLE_PREPARED} for a cycle) "
-          f"(python {sys.version.split()[0]}, PYTHONHASHSEED=0, variant {args.variant})")
+    print(f"instructions per call, {args.calls} calls after {PREPARED_CALLS} unmeasured ones ({CYCLE_PREPARED} for a "
+          f"cycle) (python {sys.version.split()[0]}, PYTHONHASHSEED=0, variant {args.variant})")
     figures = [("dispatch", int(c), f"Dispatch, {int(c)} candidates") for c in args.candidates.split(",")]
     figures.append(("submit", 0, "Submit, 64 trajectories"))
     figures.append(("getstate", 0, "GetState"))
@@ -371,7 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for layer in layers:
             if layer == "refs" and (candidates == 0 or rpc == "submit"):
                 continue
-            if (rpc == "getstate" and layer not in ("full", "servicer", "floor")) or (rpc == "cycle" and layer not in ("full", "floor")):
+            if layer not in RPC_LAYERS.get(rpc, LAYERS):
                 continue
             prepared = count_instructions(rpc, layer, candidates, args.calls, measure=False, variant=args.variant)
             measured = count_instructions(rpc, layer, candidates, args.calls, measure=True, variant=args.variant)
