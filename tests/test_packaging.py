@@ -7,11 +7,15 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 import venv
 from pathlib import Path
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = (REPO / "Dockerfile").read_text()
