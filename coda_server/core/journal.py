@@ -12,7 +12,7 @@ import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import IO, Any, Callable, Iterator, Optional, Protocol
 
 from .types import PromptRef, ResetMode, Trajectory
 
@@ -216,24 +216,41 @@ def dumps(value: Any, codec: TrajectoryCodec, prefix: bytes = b"") -> bytes:
     """`value` pickled, trajectories as the codec's bytes, written after `prefix` (no second copy to prepend it)."""
     buffer = io.BytesIO()
     buffer.write(prefix)
-    pickler = pickle.Pickler(buffer, protocol=5)
-    pickler.persistent_id = lambda obj: codec.encode(obj) if type(obj) is Trajectory else None
-    pickler.dump(value)
+    _TrajectoryPickler(buffer, codec).dump(value)
     return buffer.getvalue()
 
 
 def loads(data: bytes, codec: TrajectoryCodec) -> Any:
-    unpickler = _RestrictedUnpickler(io.BytesIO(data))
-    unpickler.persistent_load = codec.decode
-    return unpickler.load()
+    return _RestrictedUnpickler(io.BytesIO(data), codec).load()
+
+
+# persistent_id and persistent_load are methods of these subclasses, not attributes set on a pickler: from Python
+# 3.13 on, the C pickler's are read-only on an instance.
+class _TrajectoryPickler(pickle.Pickler):
+    """Pickles each trajectory as its codec's bytes (a persistent id), everything else as pickle does."""
+
+    def __init__(self, file: IO[bytes], codec: TrajectoryCodec):
+        super().__init__(file, protocol=5)
+        self._encode = codec.encode
+
+    def persistent_id(self, obj: Any) -> Optional[bytes]:
+        return self._encode(obj) if type(obj) is Trajectory else None
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
+    """Loads only ALLOWED_CLASSES (the file is data, not code); trajectories come back through the codec."""
+
+    def __init__(self, file: IO[bytes], codec: TrajectoryCodec):
+        super().__init__(file)
+        self._decode = codec.decode
+
+    def persistent_load(self, pid: Any) -> Trajectory:
+        return self._decode(pid)
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in ALLOWED_CLASSES:
             raise pickle.UnpicklingError(f"the journal refers to {module}.{name}, which it may not contain")
         return super().find_class(module, name)
-
 
 
 class Recorder:
