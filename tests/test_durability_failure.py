@@ -6,11 +6,15 @@ from __future__ import annotations
 import resource
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
 from coda_client._proto import pacer_pb2 as pb
+from coda_server.core.journal import Submitted
+from coda_server.core.sqlite_journal import SqliteJournal
+from coda_server.core.types import Trajectory, TrajectoryStatus
 from conftest import core_overrides
 from server_harness import ServerProcess, until
 from test_durability_crash import free_port
@@ -87,3 +91,29 @@ def test_a_journal_that_cannot_write_is_said_plainly_refuses_changes_and_recover
         assert (state.buffered, state.submitted) == (3, 6), state  # nothing acknowledged was lost
     finally:
         server.close()
+
+
+class UnencodableTrajectories:
+    """A trajectory codec that fails as a bug in the server would: not an OSError, nothing to do with the disk."""
+
+    def encode(self, trajectory: Trajectory) -> bytes:
+        raise AttributeError("'_pickle.Pickler' object attribute 'persistent_id' is read-only")
+
+    def decode(self, data: bytes) -> Trajectory:
+        raise AssertionError("nothing was written to read back")
+
+
+def test_a_change_that_cannot_be_encoded_is_reported_as_the_servers_fault_not_the_disks(tmp_path):
+    journal = SqliteJournal(tmp_path / "state", codec=UnencodableTrajectories())
+    try:
+        trajectory = Trajectory("p/0", "p", 0, TrajectoryStatus.COMPLETED, 1.0, 0, 0, 1, b"body", 4)
+        ticket = journal.append(Submitted(0.0, [trajectory], "s-1"))
+        with pytest.raises(RuntimeError) as failed:
+            journal.wait(ticket, timeout=30)
+        message = str(failed.value)
+        assert "encoding the change raised AttributeError" in message, message
+        assert "fault in the server, not in the state directory" in message, message
+        assert "free space" not in message and "I/O error" not in message, message
+        assert not journal.committed(ticket)  # refused, never half-written
+    finally:
+        journal.close()

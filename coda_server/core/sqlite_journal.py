@@ -242,8 +242,15 @@ class JournalWriteError(OSError):
 
 def describe_write_failure(directory: Path, exc: BaseException) -> str:
     """A failed journal write in plain words: the file, the cause as far as it can be told (full disk, read-only
-    or unwritable directory, I/O error), SQLite's own words, and what helps."""
+    or unwritable directory, I/O error, or a change that could not be encoded), the error's own words, and what
+    helps."""
     name = getattr(exc, "sqlite_errorname", type(exc).__name__)
+    if not isinstance(exc, (OSError, sqlite3.Error)):
+        # Raised while the change was encoded, before anything reached the disk: freeing space would not help.
+        return (f"writing the journal {directory / 'pacer.sqlite3'} failed before reaching the disk: encoding the "
+                f"change raised {name}: {exc}. This is a fault in the server, not in the state directory (report it "
+                f"with this message); changes are refused with UNAVAILABLE (reason STATE_DIR_UNWRITABLE) and the "
+                f"write is retried every {WRITE_RETRY_SECONDS:g} s")
     cause = "an I/O error"
     try:
         usage = shutil.disk_usage(directory)
