@@ -3,11 +3,12 @@
 # a virtual environment of its own (.venv-3.X): the client installs into engines' and trainers' environments,
 # whatever their Python, and the server runs wherever its operator puts it.
 #
-#   bash scripts/test_other_pythons.sh            # 3.10, 3.12 and 3.13, each when this machine has it
+#   bash scripts/test_other_pythons.sh            # every version pyproject.toml's classifiers name, but python3's
 #   CODA_TEST_PYTHONS="3.13" bash scripts/test_other_pythons.sh
 #
-# An interpreter is found as python3.X on PATH, or among pyenv's installed versions. A version this machine does
-# not have is named and skipped; a suite that fails fails the script (after the other versions have run).
+# python3's own version is left out (the README's test command ran on it). An interpreter is found as python3.X on
+# PATH, or among pyenv's installed versions. A version this machine does not have is named and skipped; a suite
+# that fails fails the script (after the other versions have run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,8 +28,13 @@ find_python() {
     return 1
 }
 
+supported=$(grep -o 'Programming Language :: Python :: 3\.[0-9]*' pyproject.toml | sed 's/.*:: //')
+tested_already=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 failed=()
-for version in ${CODA_TEST_PYTHONS:-3.10 3.12 3.13}; do
+for version in ${CODA_TEST_PYTHONS:-$supported}; do
+    if [[ -z ${CODA_TEST_PYTHONS:-} && $version == "$tested_already" ]]; then
+        continue
+    fi
     if ! python=$(find_python "$version"); then
         echo "Python $version: not on this machine (python$version, pyenv); skipped"
         continue

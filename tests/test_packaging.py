@@ -111,6 +111,15 @@ def test_the_plain_distribution_is_the_client_needing_only_grpcio_and_protobuf_w
             assert "==" not in requirement, f"[{extra}] {requirement}: lower bounds only"
 
 
+def test_the_oldest_python_tested_is_the_oldest_the_package_accepts():
+    # scripts/test_other_pythons.sh (CI) runs the suite on every version the classifiers name
+    tested = sorted(tuple(int(part) for part in c.rsplit(" :: ", 1)[1].split("."))
+                    for c in PYPROJECT["project"]["classifiers"] if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c))
+    assert tested, "the classifiers name the Python versions the suite runs on"
+    assert PYPROJECT["project"]["requires-python"] == ">={}.{}".format(*tested[0])
+    assert [minor for _, minor in tested] == list(range(tested[0][1], tested[-1][1] + 1)), "no version skipped"
+
+
 def test_the_client_floors_are_the_versions_the_stubs_were_generated_with():
     requirements = dict(_requirement(r) for r in PYPROJECT["project"]["dependencies"])
     grpc_stub = (REPO / "coda_client" / "_proto" / "pacer_pb2_grpc.py").read_text()
