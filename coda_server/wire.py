@@ -116,7 +116,10 @@ def decoded_metadata(entries: Any) -> dict[str, str]:
     string entry (e.g. a key or value that is not UTF-8)."""
     decoded = {}
     for raw in entries:
-        entry = _METADATA_ENTRY.FromString(raw)
+        try:
+            entry = _METADATA_ENTRY.FromString(raw)
+        except UnicodeDecodeError as exc:  # protobuf's pure-Python parser says invalid UTF-8 so; upb says DecodeError
+            raise DecodeError(f"an entry is not UTF-8: {exc}") from None
         decoded[entry.key] = entry.value
     return decoded
 

@@ -147,6 +147,16 @@ def server(tmp_path_factory):
         yield running
 
 
+@pytest.fixture(scope="module")
+def pure_python_protobuf_server(tmp_path_factory):
+    """The same server on protobuf's pure-Python implementation (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python, which
+    some ML images set for the whole container): its parser raises other exceptions than upb's for the same bytes."""
+    with ServerProcess(tmp_path_factory.mktemp("wire-python"), "fully_async.sliding_window=no-window",
+                       "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=1",
+                       "trainer.mini_batch_size=1", env={"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}) as running:
+        yield running
+
+
 @pytest.mark.parametrize("array, says", [
     (_field(TOKENS, 2, b"\x01\x00\x00"), "token_ids is not a valid packed array"),  # 3 bytes of an int32
     (_field(7, 2, b"\x00\x00\x80\x3f\x00"), "logprobs is not a valid packed array"),  # 5 bytes of float32
@@ -173,9 +183,11 @@ def test_a_malformed_packed_array_is_invalid_argument_and_changes_nothing(server
     _field(1, 2, b"k") + _field(2, 2, b"\xc3"),  # a value cut inside a character
     b"\x0a\x05k",  # an entry whose key runs past its end
 ])
-def test_a_metadata_entry_the_trainer_could_not_parse_is_refused_at_submit(server, entry):
+@pytest.mark.parametrize("protobuf", ["default", "pure-python"])
+def test_a_metadata_entry_the_trainer_could_not_parse_is_refused_at_submit(request, protobuf, entry):
     """The server passes metadata through; an entry that is no string-to-string entry (another language's client,
     a hand-built message) would be accepted and then fail every Collect of its group in the trainer's parser."""
+    server = request.getfixturevalue("server" if protobuf == "default" else "pure_python_protobuf_server")
     with PacerClient(server.address) as pacer:
         pacer.dispatch(["meta"])
         before = pacer.state()
