@@ -78,7 +78,7 @@ def test_trainer_calls_get_in_while_more_watchers_and_long_polls_than_the_limits
         # limit), GetState, Reset, Resume; and a Dispatch that does not wait is not a long-poll.
         assert stub.Collect(pb.CollectRequest(num_groups=1)).timed_out
         assert stub.Collect(pb.CollectRequest(num_groups=1, wait_seconds=0.2), timeout=30).timed_out
-        assert stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="peek")])).admitted == []
+        assert not stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="peek")])).admitted
         reset = stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_ABORT, wait_seconds=0), timeout=30)
         assert stub.GetState(pb.GetStateRequest()).paused
         assert stub.Resume(pb.ResumeRequest(weight_version=1), timeout=30).step == reset.step + 1

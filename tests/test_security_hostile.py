@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+from google.protobuf.internal import api_implementation
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -199,7 +200,9 @@ def test_bytes_that_are_no_protobuf_message_are_invalid_argument(server, method,
         with pytest.raises(grpc.RpcError) as caught:
             channel.unary_unary(f"/coda.pacer.v1.RolloutPacer/{method}")(data, timeout=10)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "is not a valid protobuf message" in caught.value.details() and says in caught.value.details()
+    assert "is not a valid protobuf message" in caught.value.details()
+    if api_implementation.Type() == "upb":  # the parser's own words; the server inherits this process's protobuf
+        assert says in caught.value.details()
     assert snapshot(server.stub()) == before and serving(server)
 
 
