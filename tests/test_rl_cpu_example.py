@@ -63,7 +63,10 @@ def test_rl_cpu_example_learns_through_the_service_with_consistent_logprobs(tmp_
     assert len(curve) == 4
     for step in curve:
         assert {"train", "reset", "sync", "resume", "other"} <= set(step["phases"])
-        assert abs(sum(step["phases"].values()) - step["step_seconds"]) < 0.05 and step["engine_tokens_per_second"] > 0
+        assert abs(sum(step["phases"].values()) - step["step_seconds"]) < 0.05 and step["engine_tokens_per_second"] >= 0
+    # Not every step: a step may see no tokens counted (the window full while the trainer trains, or vLLM's counter
+    # not moved yet; seen on a busy machine: a step of 1.9 s, all training, in which the count did not move).
+    assert any(step["engine_tokens_per_second"] > 0 for step in curve), curve
     assert run["seconds_per_step_by_phase"]["step"] > 0
 
 
