@@ -29,6 +29,9 @@ log = logging.getLogger("coda_server.journal")
 WAL_PAGES_LIMIT = 4096
 # After a failed write (a full disk, ...) the same batch is written again this often, until it succeeds.
 WRITE_RETRY_SECONDS = 1.0
+# What every failed write's message says happens meanwhile, whatever the cause.
+_REFUSED_MEANWHILE = (f"changes are refused with UNAVAILABLE (reason STATE_DIR_UNWRITABLE) and the write is retried "
+                      f"every {WRITE_RETRY_SECONDS:g} s")
 # Free space below which a failed write is put down to a full disk.
 LOW_SPACE_BYTES = 64 << 20
 
@@ -249,8 +252,7 @@ def describe_write_failure(directory: Path, exc: BaseException) -> str:
         # Raised while the change was encoded, before anything reached the disk: freeing space would not help.
         return (f"writing the journal {directory / 'pacer.sqlite3'} failed before reaching the disk: encoding the "
                 f"change raised {name}: {exc}. This is a fault in the server, not in the state directory (report it "
-                f"with this message); changes are refused with UNAVAILABLE (reason STATE_DIR_UNWRITABLE) and the "
-                f"write is retried every {WRITE_RETRY_SECONDS:g} s")
+                f"with this message); {_REFUSED_MEANWHILE}")
     cause = "an I/O error"
     try:
         usage = shutil.disk_usage(directory)
@@ -264,7 +266,6 @@ def describe_write_failure(directory: Path, exc: BaseException) -> str:
             cause = f"no space left on the device ({usage.free / 1e6:.0f} MB free of {usage.total / 1e6:.0f} MB)"
         elif not os.access(directory, os.W_OK):
             cause = "permission denied"
-    return (f"writing the journal {directory / 'pacer.sqlite3'} failed: {cause} ({name}: {exc}); changes are "
-            f"refused with UNAVAILABLE (reason STATE_DIR_UNWRITABLE) and the write is retried every "
-            f"{WRITE_RETRY_SECONDS:g} s: free space on that volume or make it writable (server.state_dir), and the "
-            f"server becomes ready again by itself")
+    return (f"writing the journal {directory / 'pacer.sqlite3'} failed: {cause} ({name}: {exc}); {_REFUSED_MEANWHILE}: "
+            f"free space on that volume or make it writable (server.state_dir), and the server becomes ready again by "
+            f"itself")
