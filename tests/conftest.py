@@ -2,11 +2,21 @@
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def read_pyproject() -> dict:
+    """pyproject.toml, parsed (tomllib is in the standard library from 3.11; the test extra installs tomli for 3.10)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 EXAMPLE_STRATEGIES = REPO_ROOT / "examples" / "strategies"
 
 

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 from markdown_it import MarkdownIt
 from pytest_markdown_docs.definitions import FenceTestDefinition
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the test extra installs tomli on 3.10
-    import tomli as tomllib
+from conftest import read_pyproject
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -35,7 +31,7 @@ def python_fences() -> list[tuple[Path, int, list[str], str]]:
 
 def test_pytest_collects_the_documentation_blocks():
     """`python -m pytest` (the README's command, and CI's) runs the blocks: testpaths name README.md and docs."""
-    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    settings = read_pyproject()["tool"]["pytest"]["ini_options"]
     assert {"tests", "README.md", "docs"} <= set(settings["testpaths"])
     assert (ROOT / "conftest.py").read_text().count("MarkdownTextFile.from_parent") == 1
 

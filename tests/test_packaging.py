@@ -12,14 +12,11 @@ from pathlib import Path
 
 import pytest
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:
-    import tomli as tomllib
+from conftest import read_pyproject
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = (REPO / "Dockerfile").read_text()
-PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+PYPROJECT = read_pyproject()
 SCRIPTS = PYPROJECT["project"]["scripts"]
 
 
