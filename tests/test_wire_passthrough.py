@@ -139,11 +139,13 @@ def test_the_checks_of_the_usual_form_find_every_problem(arrays, says):
     assert problem is None if says is None else says in problem
 
 
+SERVER_OVERRIDES = ("fully_async.sliding_window=no-window", "data_source.num_prompts_per_step=4",
+                    "data_source.num_trajectories_per_prompt=1", "trainer.mini_batch_size=1")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with ServerProcess(tmp_path_factory.mktemp("wire"), "fully_async.sliding_window=no-window",
-                       "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=1",
-                       "trainer.mini_batch_size=1") as running:
+    with ServerProcess(tmp_path_factory.mktemp("wire"), *SERVER_OVERRIDES) as running:
         yield running
 
 
@@ -151,9 +153,8 @@ def server(tmp_path_factory):
 def pure_python_protobuf_server(tmp_path_factory):
     """The same server on protobuf's pure-Python implementation (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python, which
     some ML images set for the whole container): its parser raises other exceptions than upb's for the same bytes."""
-    with ServerProcess(tmp_path_factory.mktemp("wire-python"), "fully_async.sliding_window=no-window",
-                       "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=1",
-                       "trainer.mini_batch_size=1", env={"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}) as running:
+    with ServerProcess(tmp_path_factory.mktemp("wire-python"), *SERVER_OVERRIDES,
+                       env={"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}) as running:
         yield running
 
 
