@@ -122,6 +122,44 @@ def test_a_submits_content_keys_are_computed_once_as_it_arrives() -> None:
         assert trajectory.body.digested_in == [loop_thread]
 
 
+class CallCountingBody(Body):
+    """A body that counts every call of its fingerprint, including those that would find it cached."""
+
+    def __init__(self, content: str):
+        super().__init__(content)
+        self.fingerprint_calls = 0
+
+    def fingerprinted(self) -> bool:
+        return self.fingerprint_calls > 0
+
+    def fingerprint(self) -> int:
+        self.fingerprint_calls += 1
+        return hash(self.content)
+
+
+def test_a_trajectorys_whole_content_key_is_built_as_it_arrives_and_its_leaving_only_reads_it() -> None:
+    """The Ack (the trajectories leaving, on the event loop) keeps the key built as the Submit arrived: nothing of
+    the key is made again, and a re-send afterwards is still told a duplicate, a changed one a conflict."""
+    facade = AsyncPacer(_pacer())
+    sent = [Trajectory(f"c/{i}", "c", body=CallCountingBody(f"z{i}"), size_bytes=10) for i in range(2)]
+
+    async def run() -> None:
+        facade.bind_loop()
+        try:
+            await facade.dispatch([PromptRef("c")])
+            await facade.submit(sent)
+            result = await facade.collect(1, lease_seconds=30)
+            await facade.ack(result.lease_id)
+            assert [t.body.fingerprint_calls for t in sent] == [1, 1]
+            assert (await facade.submit([Trajectory("c/0", "c", body=Body("z0"), size_bytes=10)])).duplicates == 1
+            with pytest.raises(InvalidArgumentError, match="different content"):
+                await facade.submit([Trajectory("c/1", "c", body=Body("changed"), size_bytes=10)])
+        finally:
+            facade.drain()
+
+    asyncio.run(run())
+
+
 def test_a_large_submits_content_keys_are_computed_off_the_event_loop_without_waiting_for_a_collect() -> None:
     """Over KEY_ON_LOOP_MAX_BYTES the digests (of large arrays, which run without the GIL) are made in the keys
     thread, beside the loop, as soon as the Submit is accepted."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 
 class TrajectoryStatus(enum.IntEnum):
@@ -91,27 +91,38 @@ class Trajectory:
         """True when `other` (a trajectory, or the content_key() kept of one) is a harmless re-send of this one."""
         return self.content_key() == (other if isinstance(other, tuple) else other.content_key())
 
+    # The content key once built (prepare_content_key): a class default, so it is no field of the dataclass.
+    _content_key: ClassVar[Optional[tuple]] = None
+
     def content_key_ready(self) -> bool:
         """Whether `content_key()` costs nothing now: False for a body whose `fingerprinted()` says its digest is
         not computed yet (AsyncPacer computes them as a Submit arrives, or in a thread of its own)."""
+        if self._content_key is not None:
+            return True
         fingerprinted = getattr(self.body, "fingerprinted", None)
         return not callable(fingerprinted) or fingerprinted()
 
     def content_key_if_ready(self) -> Optional[tuple]:
         """`content_key()` when it costs nothing now (`content_key_ready`), else None."""
-        return self.content_key() if self.content_key_ready() else None
+        key = self._content_key
+        if key is None and self.content_key_ready():
+            key = self._build_content_key()
+        return key
 
     def prepare_content_key(self) -> None:
-        """Make what `content_key()` costs (the body's fingerprint, when it has one) without building the key: the
-        key is built once, when the trajectory leaves (AsyncPacer makes the fingerprints as a Submit arrives)."""
-        fingerprint = getattr(self.body, "fingerprint", None)
-        if callable(fingerprint):
-            fingerprint()
+        """Build the content key now, digest included, and keep it: AsyncPacer makes them as a Submit arrives (or in
+        its keys thread), so the trajectory's leaving, on the event loop, only reads it. A trajectory is a value once
+        handed to the pacer, so the key stays true."""
+        self._content_key = self._build_content_key()
 
     def content_key(self) -> tuple:
         """Everything a re-send must repeat to be a duplicate, without the body where it has a fingerprint:
         what the pacer keeps of an accepted trajectory once the trainer has it. A fingerprint covers the
         metadata and the arrays; without one they are compared as they are."""
+        key = self._content_key
+        return key if key is not None else self._build_content_key()
+
+    def _build_content_key(self) -> tuple:
         fingerprint = getattr(self.body, "fingerprint", None)
         content = (fingerprint() if callable(fingerprint)
                    else (self.body, self.num_tokens, tuple(sorted(self.metadata.items())) if self.metadata else ()))
