@@ -79,17 +79,20 @@ def test_while_the_group_is_held_the_same_rules_apply() -> None:
 
 
 class ThreadNotingBody(Body):
-    """A body that notes which thread digests it, caching its fingerprint as EncodedTrajectory does."""
+    """A body that notes which thread digests it, caching its fingerprint as EncodedTrajectory does, and counts every
+    call of its fingerprint, those that find it cached included."""
 
     def __init__(self, content: str):
         super().__init__(content)
         self.digested_in: list[int] = []
+        self.fingerprint_calls = 0
         self._fingerprint = None
 
     def fingerprinted(self) -> bool:
         return self._fingerprint is not None
 
     def fingerprint(self) -> int:
+        self.fingerprint_calls += 1
         if self._fingerprint is None:
             self.digested_in.append(threading.get_ident())
             self._fingerprint = hash(self.content)
@@ -99,7 +102,7 @@ class ThreadNotingBody(Body):
 def test_a_submits_content_keys_are_computed_once_as_it_arrives() -> None:
     """Up to KEY_ON_LOOP_MAX_BYTES, keyed on the loop as the Submit arrives, so a body holds what its Submit's parse
     read of it for no longer than the call; the Collect and the Ack find the keys made (no digest again, none in the
-    keys thread)."""
+    keys thread), and the Ack keeps the whole key built then: it does not ask the body again."""
     facade = AsyncPacer(_pacer())
     sent = [Trajectory(f"k/{i}", "k", body=ThreadNotingBody(f"y{i}"), size_bytes=10) for i in range(2)]
 
@@ -111,8 +114,11 @@ def test_a_submits_content_keys_are_computed_once_as_it_arrives() -> None:
             assert [len(t.body.digested_in) for t in sent] == [1, 1]  # by the time the Submit answered
             result = await facade.collect(1, lease_seconds=30)
             await facade.ack(result.lease_id)
+            assert [t.body.fingerprint_calls for t in sent] == [1, 1]
             again = await facade.submit([Trajectory("k/0", "k", body=Body("y0"), size_bytes=10)])
             assert again.duplicates == 1  # the kept key is the body's digest
+            with pytest.raises(InvalidArgumentError, match="different content"):
+                await facade.submit([Trajectory("k/1", "k", body=Body("changed"), size_bytes=10)])
             return threading.get_ident()
         finally:
             facade.drain()
@@ -120,44 +126,6 @@ def test_a_submits_content_keys_are_computed_once_as_it_arrives() -> None:
     loop_thread = asyncio.run(run())
     for trajectory in sent:
         assert trajectory.body.digested_in == [loop_thread]
-
-
-class CallCountingBody(Body):
-    """A body that counts every call of its fingerprint, including those that would find it cached."""
-
-    def __init__(self, content: str):
-        super().__init__(content)
-        self.fingerprint_calls = 0
-
-    def fingerprinted(self) -> bool:
-        return self.fingerprint_calls > 0
-
-    def fingerprint(self) -> int:
-        self.fingerprint_calls += 1
-        return hash(self.content)
-
-
-def test_a_trajectorys_whole_content_key_is_built_as_it_arrives_and_its_leaving_only_reads_it() -> None:
-    """The Ack (the trajectories leaving, on the event loop) keeps the key built as the Submit arrived: nothing of
-    the key is made again, and a re-send afterwards is still told a duplicate, a changed one a conflict."""
-    facade = AsyncPacer(_pacer())
-    sent = [Trajectory(f"c/{i}", "c", body=CallCountingBody(f"z{i}"), size_bytes=10) for i in range(2)]
-
-    async def run() -> None:
-        facade.bind_loop()
-        try:
-            await facade.dispatch([PromptRef("c")])
-            await facade.submit(sent)
-            result = await facade.collect(1, lease_seconds=30)
-            await facade.ack(result.lease_id)
-            assert [t.body.fingerprint_calls for t in sent] == [1, 1]
-            assert (await facade.submit([Trajectory("c/0", "c", body=Body("z0"), size_bytes=10)])).duplicates == 1
-            with pytest.raises(InvalidArgumentError, match="different content"):
-                await facade.submit([Trajectory("c/1", "c", body=Body("changed"), size_bytes=10)])
-        finally:
-            facade.drain()
-
-    asyncio.run(run())
 
 
 def test_a_large_submits_content_keys_are_computed_off_the_event_loop_without_waiting_for_a_collect() -> None:
