@@ -6,11 +6,12 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectoryStatus as WireStatus
 from coda_client.errors import BadRequestError
 from coda_server.core import BatchShape, InvalidArgumentError, Pacer, PromptRef, Trajectory, load_config
-from coda_server.core.shares import balanced_shares
+from coda_server.core.shares import balanced_shares, largest_first
 from server_harness import ServerProcess
 
 
@@ -53,6 +54,39 @@ def test_balanced_shares_put_every_group_in_one_share_and_balance_tokens():
     assert max(loads) - min(loads) <= 100  # the two long groups on different ranks
     # By tokens alone (no equal counts), the one long group can sit alone.
     assert balanced_shares([900, 100, 100, 100], 2, equal_counts=False) == [[0], [1, 2, 3]]
+
+
+def test_an_exchange_evens_out_what_largest_first_leaves_uneven():
+    # Largest first gives the ranks 90 + 70 + 60 = 220 and 90 + 70 + 20 = 180 tokens; swapping a 90 for a 70
+    # gives 200 and 200.
+    tokens = [90, 90, 70, 70, 60, 20]
+    assert largest_first(tokens, 2, equal_counts=True)[1] == [220, 180]
+    shares = balanced_shares(tokens, 2, equal_counts=True)
+    assert [sum(tokens[i] for i in share) for share in shares] == [200, 200]
+    assert [len(share) for share in shares] == [3, 3]
+
+
+def test_every_rank_gets_a_group_when_some_groups_have_no_tokens():
+    # Groups whose trajectories were all aborted before a token: by tokens alone, the first ranks would take them all.
+    assert balanced_shares([50, 0, 0, 0], 3, equal_counts=False) == [[0], [1, 3], [2]]
+    assert balanced_shares([0, 0], 2, equal_counts=False) == [[0], [1]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6).flatmap(lambda world_size: st.tuples(
+    st.just(world_size), st.integers(1, 6), st.lists(st.integers(0, 40_000), min_size=world_size * 6,
+                                                     max_size=world_size * 6), st.booleans())))
+def test_shares_hold_every_group_once_and_the_exchanges_never_make_the_heaviest_heavier(case):
+    world_size, per_rank, pool, equal_counts = case
+    tokens = pool[:world_size * per_rank]
+    shares = balanced_shares(tokens, world_size, equal_counts)
+    assert sorted(i for share in shares for i in share) == list(range(len(tokens)))
+    assert all(share == sorted(share) and share for share in shares)
+    if equal_counts:
+        assert [len(share) for share in shares] == [per_rank] * world_size
+    assert max(sum(tokens[i] for i in share) for share in shares) <= max(largest_first(tokens, world_size,
+                                                                                       equal_counts)[1])
+    assert balanced_shares(tokens, world_size, equal_counts) == shares  # one split, whoever computes it
 
 
 def _split(first: int) -> tuple[Pacer, dict]:

@@ -9,6 +9,7 @@ the buffer when its lease runs out, like any leased Collect, and is delivered ag
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -67,15 +68,81 @@ def budget_count(buffer: list, token_budget: int, max_groups: int, min_groups: i
     return max(count, min_groups)
 
 
+# A share this close to the mean is left as it is: a rank's step time does not notice less.
+EVEN_ENOUGH = 1.002
+
+
 def balanced_shares(tokens: Sequence[int], world_size: int, equal_counts: bool) -> list[list[int]]:
-    """Indices of the groups each rank gets, balanced by tokens: largest group first, each to the share with
-    the fewest tokens so far (the lowest rank on a tie), among those not full when `equal_counts` (then
-    every share holds len(tokens) // world_size groups). Each share lists its indices in ascending order."""
+    """Indices of the groups each rank gets, balanced by tokens: placed largest first (`largest_first`), then
+    evened out by exchanges (`_even_out`). Each share lists its indices in ascending order; none is empty when
+    there are at least world_size groups."""
+    shares, loads = largest_first(tokens, world_size, equal_counts)
+    _even_out(tokens, shares, loads, moves=not equal_counts)
+    return [sorted(share) for share in shares]
+
+
+def largest_first(tokens: Sequence[int], world_size: int, equal_counts: bool) -> tuple[list[list[int]], list[int]]:
+    """The placement `balanced_shares` starts from, and each share's tokens: largest group first, each to the share
+    with the fewest tokens so far (then the fewest groups, then the lowest rank), among those not full when
+    `equal_counts` (then every share holds len(tokens) // world_size groups)."""
     cap = len(tokens) // world_size if equal_counts else len(tokens)
     shares: list[list[int]] = [[] for _ in range(world_size)]
     loads = [0] * world_size
+    # (load, groups, rank) of the shares not full, a heap: on equal loads the one with fewer groups, so that every
+    # rank gets a group even when some have no tokens (an aborted group's).
+    open_shares = [(0, 0, rank) for rank in range(world_size)]
     for index in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
-        rank = min((r for r in range(world_size) if len(shares[r]) < cap), key=lambda r: (loads[r], r))
+        load, count, rank = heapq.heappop(open_shares)
         shares[rank].append(index)
-        loads[rank] += tokens[index]
-    return [sorted(share) for share in shares]
+        loads[rank] = load + tokens[index]
+        if count + 1 < cap:
+            heapq.heappush(open_shares, (loads[rank], count + 1, rank))
+    return shares, loads
+
+
+def _even_out(tokens: Sequence[int], shares: list[list[int]], loads: list[int], moves: bool) -> None:
+    """Lower the heaviest share by exchanges: the placement above leaves it a few percent over the mean when each rank
+    gets a handful of groups (bench/README.md, "Issue 29, seventeenth round"). Each round makes, of every swap of a
+    group of the heaviest share (the lowest rank on a tie) with a group of a lighter one (and, with `moves`, every
+    move of one), the one that leaves the larger of the pair's two loads smallest (then the lowest rank, the lowest
+    indices). The rounds stop when none lowers it, when it is within EVEN_ENOUGH of the mean, or after one per rank
+    (each exchange lowers the sum of squared loads, so they would end anyway; the cap bounds the time a split holds
+    the loop)."""
+    world_size = len(shares)
+    enough = sum(loads) / world_size * EVEN_ENOUGH
+    # Each share's (tokens, index) in ascending order, for the search by bisection; two change per round.
+    partners = [sorted((tokens[j], j) for j in share) for share in shares]
+    for _ in range(world_size):
+        heavy = max(range(world_size), key=lambda r: (loads[r], -r))
+        if loads[heavy] <= enough:
+            return
+        best: Optional[tuple[int, int, int, int]] = None  # (the pair's larger load after, other rank, given, taken)
+        for other in sorted(range(world_size), key=lambda r: (loads[r], r)):
+            gap = loads[heavy] - loads[other]
+            if gap <= 0 or (best is not None and loads[other] + gap / 2 > best[0]):
+                break  # the lightest first: no heavier one can leave the pair's larger load under half the gap
+            candidates = [(0, -1), *partners[other]] if moves else partners[other]  # (0, -1): nothing given back
+            for given in shares[heavy]:
+                # The pair's larger load is least when the exchange moves gap / 2 tokens: the partners nearest
+                # tokens[given] - gap / 2, one on each side, are the only ones that can do best.
+                at = bisect.bisect_left(candidates, (tokens[given] - gap / 2,))
+                for size, taken in candidates[max(at - 1, 0):at + 1]:
+                    moved = tokens[given] - size
+                    if 0 < moved < gap:
+                        candidate = (max(loads[heavy] - moved, loads[other] + moved), other, given, taken)
+                        if best is None or candidate < best:
+                            best = candidate
+        if best is None:
+            return
+        _, other, given, taken = best
+        moved = tokens[given] - (tokens[taken] if taken >= 0 else 0)
+        shares[heavy].remove(given)
+        shares[other].append(given)
+        if taken >= 0:
+            shares[other].remove(taken)
+            shares[heavy].append(taken)
+        loads[heavy] -= moved
+        loads[other] += moved
+        for rank in (heavy, other):
+            partners[rank] = sorted((tokens[j], j) for j in shares[rank])
+
