@@ -34,7 +34,8 @@ With --concurrent (issue 29): 8 worker processes submit long-tailed groups while
 batches(512, rank=r, world_size=4), against our server and against a relay (a gRPC server with our server's
 options, routing and Submit parsing that queues each Submit's encoded trajectories and answers each Collect, and each
 CollectStream in messages split as ours splits them, with the next groups, nothing else), alternately:
-aggregate MB/s in and out as ratios, token imbalance across ranks per step (max/mean), each rank's time in
+aggregate MB/s in and out as ratios, token imbalance across ranks per step (max/mean, and over the least any split
+of that step's groups into equal counts could reach), each rank's time in
 next() (the prefetch gap; --step-seconds adds a training step), and the CPU time of the server, of the writers and of
 the ranks (the clients share the machine's cores with the server, so the MB/s ratios are whole-machine figures).
 
@@ -327,8 +328,10 @@ def rank_process(address: str, rank: int, steps: int, step_seconds: float, start
             for _ in range(steps):
                 asked = time.perf_counter()
                 batch = next(batches)
+                group_tokens = np.bincount(batch.group_index, weights=np.diff(batch.cu_seqlens)).astype(int).tolist()
                 records.append((time.perf_counter() - asked, batch.num_tokens,
-                                batch.token_ids.nbytes + batch.logprobs.nbytes + batch.loss_mask.nbytes, time.time()))
+                                batch.token_ids.nbytes + batch.logprobs.nbytes + batch.loss_mask.nbytes, time.time(),
+                                group_tokens))
                 if step_seconds:
                     time.sleep(step_seconds)
         results.put(("rank", rank, began, time.time(), records, time.process_time() - cpu_began))
@@ -431,6 +434,13 @@ async def serve_relay(port_file: Path, server_overrides: list[str]) -> int:
     return 0
 
 
+def least_imbalance(group_tokens: list[int], ranks: int) -> float:
+    """A lower bound of max/mean tokens per rank when `ranks` ranks get equal counts of these whole groups."""
+    sizes = sorted(group_tokens)
+    mean = sum(sizes) / ranks
+    return max(mean, sizes[-1] + sum(sizes[:len(sizes) // ranks - 1])) / mean
+
+
 def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], step_seconds: float) -> dict:
     """One run of the writers and ranks against `kind` ("ours" or "relay"): the figures of the run."""
     import multiprocessing
@@ -467,10 +477,14 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
     bytes_out = sum(r[2] for g in ranks for r in g[4])
     per_step_tokens = [[g[4][step][1] for g in ranks] for step in range(steps)]
     imbalance = [max(t) / (sum(t) / len(t)) for t in per_step_tokens]
+    # Each step's least possible imbalance with equal group counts per rank, whoever splits: the rank holding the
+    # largest group holds the others' count less one besides it, at best the smallest ones.
+    per_step_groups = [[size for g in ranks for size in g[4][step][4]] for step in range(steps)]
+    least = [least_imbalance(sizes, RANKS) for sizes in per_step_groups]
     return {
         "kind": kind, "steps": steps, "in_mb_s": bytes_in / 1e6 / (max(g[3] for g in writers) - began),
         "out_mb_s": bytes_out / 1e6 / (max(r[3] for g in ranks for r in g[4]) - began),
-        "bytes_in": bytes_in, "bytes_out": bytes_out, "imbalance": imbalance,
+        "bytes_in": bytes_in, "bytes_out": bytes_out, "imbalance": imbalance, "least_imbalance": least,
         "gaps_ms": {g[1]: [1000 * r[0] for r in g[4]] for g in ranks}, "server_peak_rss_mb": peak_rss,
         "rss_before_mb": rss_before / 1e6, "server_cpu_s": server_cpu,
         "writers_cpu_s": sum(g[5] for g in writers), "ranks_cpu_s": sum(g[5] for g in ranks),
@@ -520,6 +534,11 @@ def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, j
           f"max {max(ours_imbalance):.3f}  target <= {CONCURRENT_TARGETS['imbalance']} {'PASS' if passed else 'FAIL'}; "
           f"relay (groups in arrival order, no balancing) median {statistics.median(relay_imbalance):.3f}, "
           f"max {max(relay_imbalance):.3f}")
+    over_least = [x / least for r in runs["ours"] for x, least in zip(r["imbalance"], r["least_imbalance"])]
+    print(f"  ours over each step's least possible imbalance (equal group counts, whole groups): median "
+          f"{statistics.median(over_least):.3f}, max {max(over_least):.3f}; the least itself median "
+          f"{statistics.median(x for r in runs['ours'] for x in r['least_imbalance']):.3f}, max "
+          f"{max(x for r in runs['ours'] for x in r['least_imbalance']):.3f}")
     for rank in range(RANKS):
         gaps = [g for r in runs["ours"] for g in r["gaps_ms"][rank]]
         relay_gaps = [g for r in runs["relay"] for g in r["gaps_ms"][rank]]
