@@ -182,6 +182,14 @@ def test_token_budget_shares_are_balanced_by_tokens_alone():
     assert [g.prompt_id for g in pacer.collect_now(1).groups] == ["e"]
 
 
+def test_token_budget_gives_every_rank_a_group_when_some_groups_have_no_tokens():
+    pacer, _ = make_pacer()
+    fill(pacer, {"a": 25, "b": 0, "c": 0})  # 50 tokens, then two groups aborted before their first token
+    shape = [BatchShape(token_budget=50, rank=r, world_size=3) for r in range(3)]
+    shares = [pacer.collect_now(0, lease_seconds=30, shape=shape[r]) for r in range(3)]
+    assert [[g.prompt_id for g in s.groups] for s in shares] == [["a"], ["b"], ["c"]]
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(num_groups=3, lease_seconds=30, shape=BatchShape(rank=0, world_size=2)), "num_groups"),
     (dict(num_groups=4, lease_seconds=30, shape=BatchShape(rank=2, world_size=2)), "rank"),
