@@ -92,20 +92,15 @@ class EncodedTrajectory:
             # The Submit's parse when there is one (a second walk over the framing cost twice the digest itself);
             # read_trajectory reads the bytes as that parse does, so both give the same digest.
             parsed = self._parsed or read_trajectory(self.encoded)
-            runs = parsed.runs
-            # One digest of the arrays, each run's seeded with the one before (both digests release the GIL on
-            # large buffers), with each run's length so bytes moved from one array to another change it too.
+            # Each run's digest seeded with its field number (so bytes moved from one array to another change it),
+            # added up: a sum does not depend on the order the runs came in. An empty run counts as an absent one,
+            # as it does to any parser. (Both digests release the GIL on large buffers.)
             digest = 0
-            lengths = []  # each run's length in field-number order, -1 for one that is absent
-            for name in _RUN_ORDER:
-                run = runs.get(name)
-                if run is None:
-                    lengths.append(-1)
-                else:
-                    digest = _digest(run, digest)
-                    lengths.append(len(run))
+            for name, run in parsed.runs.items():
+                if run:
+                    digest += _digest(run, _RUN_SEEDS[name])
             metadata = tuple(sorted(parsed.metadata_map().items())) if parsed.has_metadata else ()
-            self._fingerprint = hash((metadata, digest, tuple(lengths)))
+            self._fingerprint = hash((metadata, digest))
             self._parsed = None  # the parse holds views of the request: let them go with the digest made
         return self._fingerprint
 
@@ -131,7 +126,7 @@ _METADATA_ENTRY = pacer_pb2.Trajectory.MetadataEntry
 # possibly large). A Submit keeps them as slices of the request; a fingerprint digests them in place.
 _RUN_NAMES = {**{field.number: name for name, field in _wire.ARRAY_FIELDS.items()},
               pacer_pb2.Trajectory.DESCRIPTOR.fields_by_name["payload"].number: "payload"}
-_RUN_ORDER = tuple(name for _, name in sorted(_RUN_NAMES.items()))  # what a fingerprint digests, in this order
+_RUN_SEEDS = {name: number for number, name in _RUN_NAMES.items()}  # a fingerprint seeds each run's digest with these
 
 
 class SubmittedTrajectory:

@@ -298,6 +298,9 @@ def test_the_servicer_fingerprint_ignores_encoding_order_but_not_content(digest,
         b"".join(reversed(_fields_of(bytes(reference.encoded))))))
     assert bytes(reordered.encoded) != bytes(reference.encoded) and reordered == reference
     assert encoded(metadata={"b": "2", "a": "1"}) == reference
+    # An array written as an empty packed run says what its absence says, to any parser: the same content.
+    empty_run = bytes([wire.Trajectory.DESCRIPTOR.fields_by_name["loss_mask"].number << 3 | 2, 0])
+    assert wire.EncodedTrajectory(memoryview(bytes(reference.encoded) + empty_run)) == reference
     for different in (encoded(token_ids=[1, 3]), encoded(logprobs=[-0.5, float("nan")]), encoded(payload=b"\x01"),
                       encoded(metadata={"a": "1"}), encoded(loss_mask=[1, 1]), encoded(num_turns=2)):
         assert different != reference
