@@ -31,6 +31,8 @@ request into its pass-through views (`full` adds the wrappers and the servicer).
     python bench/handler_instructions.py --rpcs getstate --layers full,servicer,floor
     python bench/handler_instructions.py --rpcs dispatch --candidates 0 --layers full --variant no-metrics
     python bench/handler_instructions.py --rpcs cycle --layers full,floor --calls 20   # a trainer's round (~2 min)
+    python bench/handler_instructions.py --rpcs cycle --layers full,floor --calls 20 --group-size 16
+        # the same with groups of 16, as payload_path.py --concurrent submits them
         # what one per-call feature costs: the `full` figure without it (or, access-log, with the access log on)
 
 Variants (`--variant`, `full` layer): `shipped` (the default), `no-metrics` (the observer counts, times and logs
@@ -38,8 +40,8 @@ nothing), `no-client-metrics` (no per-client call counts), `no-admission`, `no-g
 alone), `no-client-id` (the client id metadata not read), `access-log` (the access log on, as a server on its
 defaults writes it, to /dev/null: a line noted per call, formatted and written in batches).
 
-`cycle` counts the data path per trajectory: one call is four Submits of a group of 64 trajectories of 1,000 tokens
-each (kept: the `status` filter alone), a leased CollectStream of the four groups and its Ack, through the registered
+`cycle` counts the data path per trajectory: one call is four Submits of a group of 64 (`--group-size`) trajectories
+of 1,000 tokens each (kept: the `status` filter alone), a leased CollectStream of the four groups and its Ack, through the registered
 handlers (`full`), or through the handlers of `payload_path.py --concurrent`'s relay (`floor`: the same Submit parse
 and answer encoding, nothing else); it prints the figure per call and per trajectory.
 
@@ -344,8 +346,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--calls", type=int, default=1000, help="measured calls per figure")
     parser.add_argument("--variant", default="shipped", choices=VARIANTS,
                         help="a per-call feature taken out (or the access log put in), see above")
+    parser.add_argument("--group-size", type=int, default=0,
+                        help="trajectories per Submit (default rpc_throughput.py's 64; the concurrent run's are 16)")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.group_size:  # read by rpc_throughput.py as it is imported, here and in each counted child
+        os.environ["CODA_BENCH_GROUP_SIZE"] = str(args.group_size)
     if args.child:
         rpc, layer, candidates, calls, measure = args.child
         child(rpc, layer, int(candidates), int(calls), measure == "1")
@@ -363,7 +369,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"instructions per call, {args.calls} calls after {PREPARED_CALLS} unmeasured ones ({CYCLE_PREPARED} for a "
           f"cycle) (python {sys.version.split()[0]}, PYTHONHASHSEED=0, variant {args.variant})")
     figures = [("dispatch", int(c), f"Dispatch, {int(c)} candidates") for c in args.candidates.split(",")]
-    figures.append(("submit", 0, "Submit, 64 trajectories"))
+    figures.append(("submit", 0, f"Submit, {rpc_group_size()} trajectories"))
     figures.append(("getstate", 0, "GetState"))
     figures.append(("cycle", 0, f"cycle of {CYCLE_GROUPS} Submits"))
     for rpc, candidates, title in figures:

@@ -64,7 +64,10 @@ START_TIMEOUT_SECONDS = 60.0
 # Dispatch always admits; one Submit of 64 trajectories completes one group of 64; the `reward` filter
 # drops those groups (all rewards equal) so the buffer stays empty and memory stays bounded without a
 # trainer collecting 30 MB/s back over the same two cores; a Reset between runs clears the rest.
-GROUP_SIZE = 64
+# Trajectories per Submit (and per group); CODA_BENCH_GROUP_SIZE sets another, e.g. handler_instructions.py
+# --group-size 16 for the Submits of payload_path.py's concurrent run.
+GROUP_SIZE_ENV = "CODA_BENCH_GROUP_SIZE"
+GROUP_SIZE = int(os.environ.get(GROUP_SIZE_ENV, "64"))
 OUR_OVERRIDES = [
     "server.address=127.0.0.1:0",
     "server.metrics_address=127.0.0.1:0",  # a free port: never collide with another server on this machine
