@@ -31,9 +31,9 @@ request into its pass-through views (`full` adds the wrappers and the servicer).
     python bench/handler_instructions.py --rpcs getstate --layers full,servicer,floor
     python bench/handler_instructions.py --rpcs dispatch --candidates 0 --layers full --variant no-metrics
     python bench/handler_instructions.py --rpcs cycle --layers full,floor --calls 20   # a trainer's round (~2 min)
-    python bench/handler_instructions.py --rpcs cycle --layers full,floor --calls 20 --group-size 16
-        # the same with groups of 16, as payload_path.py --concurrent submits them
         # what one per-call feature costs: the `full` figure without it (or, access-log, with the access log on)
+    python bench/handler_instructions.py --rpcs cycle --layers full,floor --calls 20 --group-size 16
+        # a trainer's round with groups of 16, as payload_path.py --concurrent submits them
 
 Variants (`--variant`, `full` layer): `shipped` (the default), `no-metrics` (the observer counts, times and logs
 nothing), `no-client-metrics` (no per-client call counts), `no-admission`, `no-guard` (the generated parser
@@ -41,9 +41,11 @@ alone), `no-client-id` (the client id metadata not read), `access-log` (the acce
 defaults writes it, to /dev/null: a line noted per call, formatted and written in batches).
 
 `cycle` counts the data path per trajectory: one call is four Submits of a group of 64 (`--group-size`) trajectories
-of 1,000 tokens each (kept: the `status` filter alone), a leased CollectStream of the four groups and its Ack, through the registered
-handlers (`full`), or through the handlers of `payload_path.py --concurrent`'s relay (`floor`: the same Submit parse
-and answer encoding, nothing else); it prints the figure per call and per trajectory.
+of 1,000 tokens each (kept: the `status` filter alone), a leased CollectStream of the four groups and its Ack,
+through the registered handlers (`full`), or through the handlers of `payload_path.py --concurrent`'s relay
+(`floor`: the same Submit parse and answer encoding, nothing else); it prints the figure per call and per
+trajectory. The relay times its waits with `asyncio.wait_for`, so its count moves with the run's timing (by up to
+a fifth between runs); ours repeats exactly.
 
 Needs valgrind (`apt install valgrind`). The counts leave out what gRPC itself does per call and say
 nothing about time by themselves; rpc_throughput.py remains the measure of the issue's targets.

@@ -145,4 +145,3 @@ def _even_out(tokens: Sequence[int], shares: list[list[int]], loads: list[int], 
         loads[other] += moved
         for rank in (heavy, other):
             partners[rank] = sorted((tokens[j], j) for j in shares[rank])
-
