@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import itertools
 import logging
 import time
@@ -389,10 +390,11 @@ class ConsumptionMetrics:
             waited = max(0.0, now - group.dispatched_at)
             self._waits[bisect.bisect_left(DISPATCH_TO_COLLECT_BUCKETS, waited)] += 1  # bucket i: <= le[i]
             self._waits_seconds += waited
-            started: dict[int, int] = {}  # start weight version -> trajectories (usually one version a group)
-            for trajectory in group.trajectories:
-                version = trajectory.start_weight_version
-                started[version] = started.get(version, 0) + 1
+            versions = [trajectory.start_weight_version for trajectory in group.trajectories]
+            first = versions[0] if versions else 0
+            # Usually one start version a group: counted at once, else per version.
+            started = ({first: len(versions)} if versions.count(first) == len(versions)
+                       else collections.Counter(versions))
             for version, count in started.items():
                 staleness = weight_version - version
                 self._staleness[bisect.bisect_left(STALENESS_BUCKETS, staleness)] += count

@@ -172,47 +172,49 @@ class RequestChecks:
         violations, fresh, added_per_group = sorting.violations, sorting.fresh, sorting.added_per_group
         in_batch: dict[str, Trajectory] = {}
         max_id = self.limits.max_id_length
+        good_pid = None  # the last prompt id found well formed: a Submit's trajectories usually share one
         for i, t in enumerate(trajectories):
             tid, pid, reward = t.trajectory_id, t.prompt_id, t.reward
             # The usual trajectory is told well formed in one test (every submitted one is checked on the loop);
             # anything else gets the checks that name what is wrong.
-            if not (well_formed_id(tid, max_id) and well_formed_id(pid, max_id) and t.status in VALID_STATUSES
-                    and reward.__class__ is float and reward - reward == 0.0):
+            if not (well_formed_id(tid, max_id) and (pid == good_pid or well_formed_id(pid, max_id))
+                    and t.status in VALID_STATUSES and reward.__class__ is float and reward - reward == 0.0):
                 problems = self._trajectory_problems(i, t)
                 if problems:
                     violations += problems
                     continue
-            earlier = accepted.get(t.trajectory_id) or in_batch.get(t.trajectory_id)
+            good_pid = pid
+            earlier = accepted.get(tid) or in_batch.get(tid)
             if earlier is not None:
                 if t.same_content(earlier):
                     sorting.duplicates += 1
                 else:
                     violations.append((f"trajectories[{i}].trajectory_id",
-                                       f"trajectory {t.trajectory_id!r} was already accepted with different content"))
+                                       f"trajectory {tid!r} was already accepted with different content"))
                 continue
-            group = inflight.get(t.prompt_id)
+            group = inflight.get(pid)
             if group is None:
-                if t.prompt_id in expired_prompts:
-                    sorting.expired.append(t.prompt_id)
-                elif t.prompt_id in generation_prompts:
-                    violations.append((f"trajectories[{i}].prompt_id", f"the group of prompt {t.prompt_id!r} is already "
+                if pid in expired_prompts:
+                    sorting.expired.append(pid)
+                elif pid in generation_prompts:
+                    violations.append((f"trajectories[{i}].prompt_id", f"the group of prompt {pid!r} is already "
                                        f"complete and collected; it takes no more trajectories"))
-                elif any(t.prompt_id in past for past in past_generations):
-                    sorting.stale.append(t.prompt_id)
+                elif any(pid in past for past in past_generations):
+                    sorting.stale.append(pid)
                 else:
-                    sorting.unknown.append(t.prompt_id)
+                    sorting.unknown.append(pid)
                 continue
             if t.ds_index != group.ds_index:
                 violations.append((f"trajectories[{i}].ds_index", f"ds_index {t.ds_index!r} differs from the prompt's "
                                    f"ds_index {group.ds_index}"))
                 continue
-            added = added_per_group.get(t.prompt_id, 0) + 1
+            added = added_per_group.get(pid, 0) + 1
             if len(group.trajectories) + added > group.group_size:
-                violations.append((f"trajectories[{i}].prompt_id", f"group {t.prompt_id!r} would hold more than its "
+                violations.append((f"trajectories[{i}].prompt_id", f"group {pid!r} would hold more than its "
                                    f"{group.group_size} trajectories"))
                 continue
-            added_per_group[t.prompt_id] = added
-            in_batch[t.trajectory_id] = t
+            added_per_group[pid] = added
+            in_batch[tid] = t
             fresh.append(t)
         return sorting
 

@@ -108,7 +108,7 @@ class Delivery:
         for group in groups:
             tally.count_consumed(group)
             held_bytes.release(group.trajectories)
-        self._inflight.left(trajectory for group in groups for trajectory in group.trajectories)
+        self._inflight.left([trajectory for group in groups for trajectory in group.trajectories])
         signals = self._signals
         if signals.hears_consumed:
             signals.consumed(groups, self._steps.weight_version, now)

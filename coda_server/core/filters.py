@@ -66,7 +66,10 @@ class StatusFilter(GroupFilter):
     options = ()
 
     def keep(self, group: Mapping[str, Any]) -> bool:
-        return not any(t.status == TrajectoryStatus.FAILED for t in group.values())
+        for t in group.values():  # a loop, not any() over a generator: this runs for every group
+            if t.status == TrajectoryStatus.FAILED:
+                return False
+        return True
 
 
 @register_group_filter("reward")

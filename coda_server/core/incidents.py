@@ -97,7 +97,10 @@ def hook_error(strategy: str, hook: str, exc: BaseException, *, prompt_id: str =
 
 def failed_trajectory(trajectories: Iterable[Trajectory]) -> Optional[Trajectory]:
     """The first FAILED trajectory of a group, or None."""
-    return next((t for t in trajectories if t.status == TrajectoryStatus.FAILED), None)
+    for t in trajectories:
+        if t.status == TrajectoryStatus.FAILED:
+            return t
+    return None
 
 
 def collect_error(incidents: list[Incident], dropped: int = 0) -> PacerError:

@@ -92,12 +92,17 @@ class StepTally:
         self.filtered = 0
 
     def count_consumed(self, group: TrajectoryGroup) -> None:
+        partial = span_max = 0  # summed here, then added: once per trajectory of every consumed group
         for t in group.trajectories:
             span = t.end_weight_version - t.start_weight_version
-            self.trajectories += 1
             if span != 0:
-                self.partial += 1
-            self.span_max = max(self.span_max, span)
+                partial += 1
+                if span > span_max:
+                    span_max = span
+        self.trajectories += len(group.trajectories)
+        self.partial += partial
+        if span_max > self.span_max:
+            self.span_max = span_max
 
     def report(self, step: int, buffered: int, restored: list[TrajectoryGroup], dropped: list[InflightGroup],
                pause_delay: float) -> StepReport:
@@ -118,7 +123,7 @@ class StepTally:
 
 
 def bytes_of(trajectories: Iterable[Trajectory]) -> int:
-    return sum(t.size_bytes for t in trajectories)
+    return sum([t.size_bytes for t in trajectories])  # a list: a generator costs a resumption per trajectory
 
 
 # Framing a length-delimited field adds at most a 1-byte tag (field numbers below 16) and a 5-byte length.
@@ -132,7 +137,7 @@ ANSWER_OVERHEAD_BYTES = 160
 def encoded_group_bound(group: TrajectoryGroup) -> int:
     """An upper bound on the bytes a group adds to an answer (its trajectories are held at their encoded size)."""
     return (_FIELD_FRAMING_BYTES + _GROUP_HEADER_BYTES + _FIELD_FRAMING_BYTES + len(group.prompt_id.encode())
-            + sum(t.size_bytes + _FIELD_FRAMING_BYTES for t in group.trajectories))
+            + sum([t.size_bytes for t in group.trajectories]) + _FIELD_FRAMING_BYTES * len(group.trajectories))
 
 
 def fitting_answer(groups: Sequence[TrajectoryGroup], limit: int) -> Sequence[TrajectoryGroup]:
@@ -281,12 +286,13 @@ class InflightTable:
         added = 0
         for trajectory in fresh:
             group = touched[trajectory.prompt_id] = table[trajectory.prompt_id]
-            if not group.trajectories:  # a Reset restores groups in the order their first trajectory came
+            held = group.trajectories
+            if not held:  # a Reset restores groups in the order their first trajectory came
                 group.arrival, self._arrivals = self._arrivals, self._arrivals + 1
-            group.trajectories[trajectory.trajectory_id] = trajectory
+            held[trajectory.trajectory_id] = trajectory
             accepted[trajectory.trajectory_id] = trajectory
             added += trajectory.size_bytes
-            if group.complete:
+            if len(held) >= group.group_size:  # group.complete, without a call per trajectory
                 completed.append(group)
         self._queued += len(fresh)
         self._complete += len(completed)

@@ -92,7 +92,10 @@ class SlidingWindowStrategy(abc.ABC):
         Runs under the queue lock and the strategy lock: no I/O, no sleeping, no other locks,
         and the group must not be changed.
         """
-        return not any(t.status == TrajectoryStatus.ABORTED for t in group.values())
+        for t in group.values():  # a loop, not any() over a generator: this runs for every group
+            if t.status == TrajectoryStatus.ABORTED:
+                return False
+        return True
 
     # Optional hooks and views for strategies that pace by time and progress (docs/custom-strategies.md).
     # The pacer calls a hook only if the strategy's class overrides it; all run under the strategy lock.

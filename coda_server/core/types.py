@@ -202,7 +202,7 @@ class SubmitResult:
 
 def groups_bytes(groups: list[TrajectoryGroup]) -> int:
     """The trajectories' sizes (`size_bytes`) summed over these groups."""
-    return sum(t.size_bytes for group in groups for t in group.trajectories)
+    return sum([t.size_bytes for group in groups for t in group.trajectories])
 
 
 @dataclass
