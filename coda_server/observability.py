@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import collections
 import itertools
 import logging
 import time
@@ -390,12 +389,10 @@ class ConsumptionMetrics:
             waited = max(0.0, now - group.dispatched_at)
             self._waits[bisect.bisect_left(DISPATCH_TO_COLLECT_BUCKETS, waited)] += 1  # bucket i: <= le[i]
             self._waits_seconds += waited
+            # Trajectories per start weight version: usually one version a group, so one count over the list.
             versions = [trajectory.start_weight_version for trajectory in group.trajectories]
-            first = versions[0] if versions else 0
-            # Usually one start version a group: counted at once, else per version.
-            started = ({first: len(versions)} if versions.count(first) == len(versions)
-                       else collections.Counter(versions))
-            for version, count in started.items():
+            for version in set(versions):
+                count = versions.count(version)
                 staleness = weight_version - version
                 self._staleness[bisect.bisect_left(STALENESS_BUCKETS, staleness)] += count
                 self._staleness_versions += staleness * count

@@ -286,13 +286,12 @@ class InflightTable:
         added = 0
         for trajectory in fresh:
             group = touched[trajectory.prompt_id] = table[trajectory.prompt_id]
-            held = group.trajectories
-            if not held:  # a Reset restores groups in the order their first trajectory came
+            if not group.trajectories:  # a Reset restores groups in the order their first trajectory came
                 group.arrival, self._arrivals = self._arrivals, self._arrivals + 1
-            held[trajectory.trajectory_id] = trajectory
+            group.trajectories[trajectory.trajectory_id] = trajectory
             accepted[trajectory.trajectory_id] = trajectory
             added += trajectory.size_bytes
-            if len(held) >= group.group_size:  # group.complete, without a call per trajectory
+            if group.complete:
                 completed.append(group)
         self._queued += len(fresh)
         self._complete += len(completed)
