@@ -289,10 +289,11 @@ DP_GROUPS_PER_WRITER = 32
 CONCURRENT_TARGETS = {"in": 0.9, "out": 0.9, "imbalance": 1.1}
 
 
-def long_tailed_lengths(groups: int, seed: int) -> list[list[int]]:
+def long_tailed_lengths(groups: int, seed: int, rng: np.random.Generator | None = None) -> list[list[int]]:
     """Response lengths of each group's trajectories: a per-prompt scale (lognormal around 1,024 tokens: a few
-    prompts run long) times a per-response spread, clipped to 64..32,768 tokens."""
-    rng = np.random.default_rng(seed)
+    prompts run long) times a per-response spread, clipped to 64..32,768 tokens. Drawn from `rng` when given
+    (share_balance.py draws many mini-batches from one), else from a generator seeded with `seed`."""
+    rng = rng if rng is not None else np.random.default_rng(seed)
     lengths = []
     for _ in range(groups):
         scale = rng.lognormal(np.log(1024), 1.0)
@@ -434,11 +435,13 @@ async def serve_relay(port_file: Path, server_overrides: list[str]) -> int:
     return 0
 
 
-def least_imbalance(group_tokens: list[int], ranks: int) -> float:
-    """A lower bound of max/mean tokens per rank when `ranks` ranks get equal counts of these whole groups."""
+def least_imbalance(group_tokens: list[int], ranks: int, equal_counts: bool = True) -> float:
+    """A lower bound of max/mean tokens per rank when `ranks` ranks get these whole groups: the rank holding the
+    largest group holds, with equal counts, the others' count less one besides it, at best the smallest ones."""
     sizes = sorted(group_tokens)
     mean = sum(sizes) / ranks
-    return max(mean, sizes[-1] + sum(sizes[:len(sizes) // ranks - 1])) / mean
+    heaviest = sizes[-1] + (sum(sizes[:len(sizes) // ranks - 1]) if equal_counts else 0)
+    return max(mean, heaviest) / mean
 
 
 def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], step_seconds: float) -> dict:

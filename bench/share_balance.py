@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from coda_server.core.shares import balanced_shares, largest_first  # noqa: E402
+from payload_path import least_imbalance, long_tailed_lengths  # noqa: E402
 
-GROUP_SIZE = 16
 # (groups per global mini-batch, ranks, equal counts): 4 to 8 groups per rank, as at small and large scale,
 # and token budgets (free counts).
 SHAPES = ((32, 4, True), (64, 8, True), (32, 8, True), (128, 8, True), (256, 64, True), (512, 64, True),
@@ -40,15 +40,7 @@ SHAPES = ((32, 4, True), (64, 8, True), (32, 8, True), (128, 8, True), (256, 64,
 
 def group_tokens(groups: int, rng: np.random.Generator) -> list[int]:
     """Tokens of each of `groups` groups, in payload_path.py's long-tailed mix."""
-    return [int(np.clip(rng.lognormal(np.log(1024), 1.0) * rng.lognormal(0.0, 0.5, GROUP_SIZE), 64, 32_768)
-                .astype(int).sum()) for _ in range(groups)]
-
-
-def floor_of(tokens: list[int], ranks: int, equal_counts: bool) -> float:
-    sizes = sorted(tokens)
-    mean = sum(sizes) / ranks
-    heaviest = sizes[-1] + (sum(sizes[:len(sizes) // ranks - 1]) if equal_counts else 0)
-    return max(mean, heaviest) / mean
+    return [sum(lengths) for lengths in long_tailed_lengths(groups, 0, rng)]
 
 
 def imbalance(tokens: list[int], shares: list[list[int]]) -> float:
@@ -68,7 +60,7 @@ def measure(groups: int, ranks: int, equal_counts: bool, splits: int, seed: int)
         seconds.append(time.thread_time() - began)
         gc.enable()
         split.append(imbalance(tokens, shares))
-        floor.append(floor_of(tokens, ranks, equal_counts))
+        floor.append(least_imbalance(tokens, ranks, equal_counts))
     return {"placed": placed, "split": split, "floor": floor, "seconds": seconds}
 
 
