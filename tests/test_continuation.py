@@ -9,18 +9,11 @@ from coda_client.errors import BadRequestError
 from coda_server.core import ConfigError, InvalidArgumentError, Pacer, PromptRef, Trajectory, TrajectoryStatus, load_config
 from coda_server.core.replay import BufferReplayStrategy, register_buffer_replay_strategy
 from conftest import core_overrides, load_core_config
+from fake_clock import FakeClock
 from server_harness import ServerProcess
 from test_durability_restart import Restartable
 
 ABORTED, COMPLETED = TrajectoryStatus.ABORTED, TrajectoryStatus.COMPLETED
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def continuing_pacer(*extra: str, clock=None, B: int = 2) -> Pacer:
@@ -131,7 +124,7 @@ def test_unknown_replay_strategy_stops_start_up_naming_the_registered_ones():
 
 
 def test_keep_alive_renews_running_leases_and_names_groups_no_longer_in_flight():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     pacer = continuing_pacer("server.inflight_lease_seconds=10", clock=clock)
     pacer.dispatch([PromptRef("a"), PromptRef("b")])
     clock.now += 8

@@ -11,20 +11,13 @@ from coda_client import TrajectoryStatus as WireStatus
 from coda_server.core import (LatencyAwareStrategy, Pacer, PromptRef, ResetMode, SlidingWindowStrategy, Trajectory,
                               TrajectoryStatus, create_strategy, load_config, register_sliding_window_strategy)
 from coda_server.core.errors import StrategyHookError
+from fake_clock import FakeClock
 from server_harness import ServerProcess
 
 pytestmark = pytest.mark.usefixtures("scratch_registry")
 
 BASE = ["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
         "trainer.mini_batch_size=2", "fully_async.stale_steps=1.0"]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Recorder(SlidingWindowStrategy):
@@ -53,7 +46,7 @@ class Recorder(SlidingWindowStrategy):
 
 def pacer_with(strategy_cls, *overrides: str):
     register_sliding_window_strategy("test-hooks")(strategy_cls)
-    clock = Clock()
+    clock = FakeClock(100.0)
     config = load_config(overrides=[*BASE, "fully_async.sliding_window=test-hooks", *overrides])
     pacer = Pacer(config, clock=clock)
     return pacer, pacer.strategy.wrapped, clock
@@ -151,7 +144,7 @@ def test_the_proxy_forwards_the_hooks_under_its_lock():
 
 def test_latency_aware_goes_quiet_once_the_step_is_consumed_and_wakes_on_resume():
     config = load_config(overrides=[*BASE, "fully_async.stale_steps=2.0", "fully_async.sliding_window=latency-aware"])
-    clock = Clock()
+    clock = FakeClock(100.0)
     pacer = Pacer(config, clock=clock)
     pacer.dispatch([PromptRef(p) for p in "abcd"])
     pacer.submit(group("a") + group("b") + group("c"))
@@ -191,7 +184,7 @@ def test_latency_aware_quiet_after_option():
 def test_latency_aware_depth_follows_the_buffer_surplus_at_each_resume():
     # B = 2, stale 3.0: C = 8. One fetch is 1 group (M = N = 2).
     config = load_config(overrides=[*BASE, "fully_async.stale_steps=3.0", "fully_async.sliding_window=latency-aware"])
-    pacer = Pacer(config, clock=Clock())
+    pacer = Pacer(config, clock=FakeClock(100.0))
     strategy = pacer.strategy.wrapped
     pacer.dispatch([PromptRef(p) for p in "abcdefgh"])
     pacer.submit([t for p in "abcdefgh" for t in group(p)])
@@ -214,7 +207,7 @@ def test_latency_aware_depth_follows_the_buffer_surplus_at_each_resume():
     assert strategy.depth == 8  # and again, up to C
     off = load_config(overrides=[*BASE, "fully_async.stale_steps=3.0", "fully_async.sliding_window=latency-aware",
                                  "fully_async.latency_aware.adaptive_depth=false"])
-    pacer = Pacer(off, clock=Clock())
+    pacer = Pacer(off, clock=FakeClock(100.0))
     pacer.dispatch([PromptRef(p) for p in "abcdefgh"])
     pacer.submit([t for p in "abcdefgh" for t in group(p)])
     pacer.reset(ResetMode.WAIT, resume=True, weight_version=1, wait=0)
@@ -237,7 +230,7 @@ def test_latency_aware_depth_stops_at_what_the_engines_run_plus_one_step():
     # dispatched waited behind the engines; the ones with new tokens show how many the engines run at once.
     config = load_config(overrides=[*BASE, "fully_async.stale_steps=3.0", "fully_async.sliding_window=latency-aware",
                                     "rollout.partial=true"])
-    pacer = Pacer(config, clock=Clock())
+    pacer = Pacer(config, clock=FakeClock(100.0))
     strategy = pacer.strategy.wrapped
     pacer.dispatch([PromptRef(p) for p in "abcd"])
     abort_boundary(pacer, aborted("a", 5, 7) + aborted("b", 3, 1) + aborted("c", 0, 0) + aborted("d", 0, 0), 1)
@@ -251,7 +244,7 @@ def test_latency_aware_depth_stops_at_what_the_engines_run_plus_one_step():
 
     # Every aborted trajectory generated: nothing waited, so the engines' limit is not known and the
     # depth is only the buffer's business (nothing buffered: it grows by one fetch, to at most C).
-    pacer = Pacer(config, clock=Clock())
+    pacer = Pacer(config, clock=FakeClock(100.0))
     strategy = pacer.strategy.wrapped
     pacer.dispatch([PromptRef(p) for p in "abcd"])
     abort_boundary(pacer, aborted("a", 5, 7) + aborted("b", 3, 1) + aborted("c", 2, 9) + aborted("d", 1, 1), 1)
@@ -261,7 +254,7 @@ def test_latency_aware_depth_stops_at_what_the_engines_run_plus_one_step():
 def test_latency_aware_collects_within_its_window_of_seqs():
     # B = 2, collect_window 1.5 -> 3 seqs from the oldest in flight (windowed-fifo: 2; no-window: all).
     config = load_config(overrides=[*BASE, "fully_async.stale_steps=2.0", "fully_async.sliding_window=latency-aware"])
-    pacer = Pacer(config, clock=Clock())
+    pacer = Pacer(config, clock=FakeClock(100.0))
     pacer.dispatch([PromptRef(p) for p in "abcd"])
     pacer.submit(group("b") + group("c") + group("d"))  # a, the oldest, still runs
     state = pacer.state()
@@ -270,7 +263,7 @@ def test_latency_aware_collects_within_its_window_of_seqs():
     assert pacer.state().buffered == 4  # the window slid: a and d collected
     windowed = load_config(overrides=[*BASE, "fully_async.stale_steps=2.0", "fully_async.sliding_window=latency-aware",
                                       "fully_async.latency_aware.collect_window=1.0"])
-    pacer = Pacer(windowed, clock=Clock())
+    pacer = Pacer(windowed, clock=FakeClock(100.0))
     pacer.dispatch([PromptRef(p) for p in "abcd"])
     pacer.submit(group("b") + group("c") + group("d"))
     assert pacer.state().buffered == 1  # windowed-fifo's window of B = 2: only b

@@ -15,15 +15,8 @@ from coda_server.core import (
     load_config,
 )
 from coda_server.core.errors import LeaseExpiredError, StaleDispatchError, UnknownLeaseError
+from fake_clock import FakeClock
 from server_harness import ServerProcess
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_pacer(*overrides: str, journal=None) -> tuple[Pacer, FakeClock]:

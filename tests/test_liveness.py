@@ -14,6 +14,7 @@ import pytest
 from coda_client import PacerClient
 from coda_client._proto import pacer_pb2 as pb, pacer_pb2_grpc
 from conftest import core_overrides
+from fake_clock import FakeClock
 from server_harness import ServerProcess, until
 from test_durability_crash import free_port
 
@@ -23,7 +24,6 @@ CALL_TIMEOUT = 60.0
 WORKER = Path(__file__).resolve().parent / "fault_worker.py"
 OVERRIDES = (*core_overrides("no-window", B=2, stale=1.0, N=2, filters="[]"),
              f"server.worker_liveness_seconds={GRACE}", f"server.inflight_lease_seconds={LEASE}")
-
 
 
 def start_worker(address: str, worker_id: str, seconds_per_token: float = 1000.0) -> subprocess.Popen:
@@ -145,14 +145,6 @@ def test_another_worker_continues_the_groups_a_dead_worker_left(tmp_path):
     assert sorted(g.prompt_id for g in groups) == ["p0", "p1"]
     assert {t.metadata["worker"] for g in groups for t in g.trajectories} == {"heir"}
     assert all(len(g.trajectories) == 2 for g in groups)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_an_engines_reported_version_is_listed_while_its_worker_is_believed_alive():

@@ -9,20 +9,13 @@ from hypothesis import strategies as st
 
 from coda_server.core import BatchShape, Pacer, PromptRef, Trajectory, load_config
 from coda_server.core.sqlite_journal import SqliteJournal
+from fake_clock import FakeClock
 
 GROUPS = 24  # prompts dispatched up front, each a group of 2
 LEASE_SECONDS = 30.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def new_pacer(clock: Clock, journal: SqliteJournal) -> Pacer:
+def new_pacer(clock: FakeClock, journal: SqliteJournal) -> Pacer:
     config = load_config(overrides=[f"data_source.num_prompts_per_step={GROUPS}",
                                     "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2",
                                     "fully_async.sliding_window=no-window", "server.inflight_lease_seconds=0"])
@@ -51,7 +44,7 @@ operations = st.lists(st.one_of(
 @given(history=operations)
 def test_random_rank_histories_keep_every_group_once_and_whole(tmp_path_factory, world_size, per_rank, history):
     directory = tmp_path_factory.mktemp("state")
-    clock = Clock()
+    clock = FakeClock()
     pacer = new_pacer(clock, SqliteJournal(directory, fsync="off"))
     pacer.dispatch([PromptRef(f"p{i}") for i in range(GROUPS)])
     mini_batch = world_size * per_rank

@@ -12,15 +12,8 @@ from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectorySta
 from coda_client.errors import BadRequestError
 from coda_server.core import BatchShape, InvalidArgumentError, Pacer, PromptRef, Trajectory, load_config
 from coda_server.core.shares import balanced_shares, largest_first
+from fake_clock import FakeClock
 from server_harness import ServerProcess
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_pacer(journal=None) -> tuple[Pacer, FakeClock]:
