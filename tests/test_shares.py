@@ -222,6 +222,56 @@ def test_the_open_shares_survive_a_restart(tmp_path):
     restarted.journal.close()
 
 
+
+def _reversed_rule(tokens, world_size, equal_counts):
+    """Another split rule, as a later server version might have: the shipped split with the ranks reversed."""
+    return balanced_shares(tokens, world_size, equal_counts)[::-1]
+
+
+def test_a_replay_hands_out_the_split_the_journal_recorded_whatever_rule_splits_now(tmp_path, monkeypatch):
+    from coda_server.core import delivery
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    shape = [BatchShape(rank=r, world_size=2) for r in range(2)]
+    first, _ = make_pacer(journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    fill(first, LONG_TAILED)
+    rank0 = first.collect_now(8, lease_seconds=30, shape=shape[0])
+    first.journal.close()
+    # Restarted by a version whose rule splits this mini-batch otherwise: rank 0 holds its share already, so rank 1
+    # must get the other groups, and rank 0's Ack must consume the groups rank 0 has.
+    monkeypatch.setattr(delivery, "balanced_shares", _reversed_rule)
+    restarted, _ = make_pacer(journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    restarted.recover()
+    rank1 = restarted.collect_now(8, lease_seconds=30, shape=shape[1])
+    got0, got1 = {g.prompt_id for g in rank0.groups}, {g.prompt_id for g in rank1.groups}
+    assert got0.isdisjoint(got1) and got0 | got1 == set(LONG_TAILED)
+    assert restarted.ack(rank0.lease_id) == 4 and restarted.ack(rank1.lease_id) == 4
+    assert restarted.state().consumed == 8
+    restarted.journal.close()
+
+
+def test_a_collect_recorded_before_splits_were_reads_back_without_one():
+    from coda_server.core.journal import Collected, PickledTrajectories, dumps, loads
+
+    class OlderCollected:
+        """Pickles as an older server wrote a rank's Collect: the event's fields up to num_groups."""
+
+        def __reduce__(self):
+            return Collected, (5.0, 8, False, "c-1", 30.0, 0, 0, 2, 8)
+
+    read = loads(dumps(OlderCollected(), PickledTrajectories()), PickledTrajectories())
+    assert read == Collected(5.0, 8, False, "c-1", 30.0, 0, 0, 2, 8, split=())
+
+
+def test_a_recorded_split_that_does_not_fit_the_mini_batch_stops_the_replay_and_takes_nothing():
+    pacer, _ = make_pacer()
+    fill(pacer, LONG_TAILED)
+    before = pacer.state()
+    for split in [(0, 1), (0, 1, 0, 1, 0, 1, 0, 2)]:  # too few groups; a rank beyond the world size
+        with pytest.raises(RuntimeError, match="recovery diverged"):
+            pacer.apply_take(8, False, "c-1", 30.0, BatchShape(rank=0, world_size=2), 8, split=split)
+    assert pacer.state() == before
+
 # --- over gRPC, through the trainer's iterator ------------------------------------------------------------
 
 

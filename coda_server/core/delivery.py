@@ -1,7 +1,7 @@
 """Delivery to the trainer: buffered groups handed out (at once, leased, or as ranks' shares), Acked, consumed."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from .answers import AnswerBook
 from .buffer import PipelineBuffer
@@ -44,36 +44,44 @@ class Delivery:
         return available if partial and available >= shape.world_size else None
 
     def take(self, count: int, timed_out: bool, lease_seconds: float, shape: BatchShape, num_groups: int,
-             max_bytes: int, now: float) -> tuple[CollectResult, int]:
-        """The answer handing `count` groups to the trainer, and how many it took (fewer when cut to fit)."""
+             max_bytes: int, now: float, split: Sequence[int] = ()) -> tuple[CollectResult, int, tuple[int, ...]]:
+        """The answer handing `count` groups to the trainer, how many it took (fewer when cut to fit), and, when it
+        took a new data-parallel mini-batch, each group's rank in the order taken (else empty). `split`: the ranks
+        a journal recorded for that mini-batch (replay), used instead of splitting it again."""
         limit = self._limits.answer_bytes(max_bytes)
         if shape.world_size > 1:
             key = shape.key(num_groups)
             others = self._leases.waiting_shapes(key) if count else ()  # only when a new mini-batch is taken
-            lease = self._take_share(count, lease_seconds, key, shape, now, limit)
+            lease, split = self._take_share(count, lease_seconds, key, shape, now, limit, split)
             return CollectResult([group for _, group in lease.entries], timed_out=timed_out,
-                                 lease_id=lease.lease_id, other_shapes_waiting=others), count
+                                 lease_id=lease.lease_id, other_shapes_waiting=others), count, split
         entries = self._buffer.pop_fitting(count, limit)
         cut_to_fit, count = len(entries) < count, len(entries)
         if lease_seconds > 0:
             lease = self._leases.grant(entries, lease_seconds, now)
             self._signals.notify()
             return CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id,
-                                 cut_to_fit=cut_to_fit), count
+                                 cut_to_fit=cut_to_fit), count, ()
         groups = [group for _, group in entries]
         self.consume(groups, now)
-        return CollectResult(groups, timed_out=timed_out, cut_to_fit=cut_to_fit), count
+        return CollectResult(groups, timed_out=timed_out, cut_to_fit=cut_to_fit), count, ()
 
     def _take_share(self, count: int, lease_seconds: float, key: tuple, shape: BatchShape, now: float,
-                    limit: int = 0) -> CollectLease:
+                    limit: int = 0, split: Sequence[int] = ()) -> tuple[CollectLease, tuple[int, ...]]:
         if not count:
             lease = self._leases.claim(key, shape.rank, now)
             if lease is None:
                 raise RuntimeError("recovery diverged: no share of a data-parallel mini-batch waits for this rank")
-            return lease
+            return lease, ()
+        if split and (len(split) != count or not all(0 <= rank < shape.world_size for rank in split)):
+            raise RuntimeError(f"recovery diverged: the journal splits a mini-batch of {count} groups over "
+                               f"{shape.world_size} ranks as {tuple(split)}")
         entries = self._buffer.pop(count)
-        shares = balanced_shares([group_tokens(group) for _, group in entries], shape.world_size,
-                                 equal_counts=not shape.token_budget)
+        if split:
+            shares = [[i for i, rank in enumerate(split) if rank == r] for r in range(shape.world_size)]
+        else:
+            shares = balanced_shares([group_tokens(group) for _, group in entries], shape.world_size,
+                                     equal_counts=not shape.token_budget)
         if limit:  # every rank's share must reach it: refused, nothing taken, when one would not fit
             sizes = [ANSWER_OVERHEAD_BYTES + sum(encoded_group_bound(entries[i][1]) for i in share) for share in shares]
             if max(sizes) > limit:
@@ -84,7 +92,11 @@ class Delivery:
         lease = self._leases.grant_shares(key, [[entries[i] for i in share] for share in shares], shape.rank,
                                           lease_seconds, now)
         self._signals.notify()
-        return lease
+        ranks = [0] * count
+        for rank, share in enumerate(shares):
+            for i in share:
+                ranks[i] = rank
+        return lease, tuple(ranks)
 
     def ack(self, lease_id: str, now: float) -> int:
         """The trainer has the leased groups: they are consumed. Returns how many."""

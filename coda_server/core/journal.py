@@ -77,6 +77,9 @@ class Collected(JournalEvent):
     rank: int = 0
     world_size: int = 1
     num_groups: int = 0
+    # A new data-parallel mini-batch: each taken group's rank, in the order taken. Replay hands the shares out as
+    # they were, whatever rule splits them now (events recorded before splits were: split again, by today's rule).
+    split: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -251,8 +251,7 @@ class Pacer:
         With `lease_seconds` > 0 the groups are leased: they return to the buffer, in their original
         order, unless `ack(lease_id)` comes within that time (at-least-once delivery). `shape` cuts the
         mini-batch by a token budget and/or hands the caller one rank's share of it (shares.py). `max_bytes`:
-        the largest answer the caller takes (0: server.max_message_bytes); see `apply_take`.
-        """
+        the largest answer the caller takes (0: server.max_message_bytes); see `apply_take`."""
         num_groups = self.checks.check_collect(num_groups, lease_seconds, shape)
         self.collect_bound.check(num_groups, allow_partial, shape)
         self.check_open()  # once: a waiter woken by close() answers with what is there
@@ -278,8 +277,7 @@ class Pacer:
 
         `wait=None`: wait until every running group is assembled: in WAIT mode for at most
         server.max_wait_seconds, in ABORT mode (the workers submit what they have as ABORTED) for at most
-        server.abort_wait_seconds. `wait=0`: drop the incomplete groups now.
-        """
+        server.abort_wait_seconds. `wait=0`: drop the incomplete groups now."""
         def call() -> ResetResult:
             effective = self.begin_reset(mode, resume=resume, weight_version=weight_version)
             with self.lock:  # ready, then finished, with no change in between
@@ -380,20 +378,22 @@ class Pacer:
             return self.delivery.ready_count(num_groups, shape, partial)
 
     def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
-                   shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0) -> CollectResult:
-        """Hand `count` groups from the buffer to the trainer, leased when `lease_seconds` > 0.
-        A rank's share (`shape.world_size` > 1) is the oldest one waiting for it, or with `count` > 0 its share of
-        a new mini-batch of `count` groups; `num_groups` (what the Collect asked for) tells the ranks of one
-        trainer apart from another's.
+                   shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0, split: Sequence[int] = ()
+                   ) -> CollectResult:
+        """Hand `count` groups from the buffer to the trainer, leased when `lease_seconds` > 0. A rank's share
+        (`shape.world_size` > 1) is the oldest one waiting for it, or with `count` > 0 its share of a new mini-batch
+        of `count` groups, split as `split` says when a replay gives one (`Collected.split`); `num_groups` (what the
+        Collect asked for) tells the ranks of one trainer apart from another's.
 
         Fewer (`cut_to_fit`) when the answer would be larger than the caller can receive (`max_bytes`, within
         server.max_message_bytes): whole groups, oldest first, the rest stay buffered. A first group (or a rank's
         share) larger than that alone is refused (MessageTooLargeError) before anything is taken."""
         with self.lock:
             now = self._clock.now()
-            result, count = self.delivery.take(count, timed_out, lease_seconds, shape, num_groups, max_bytes, now)
+            result, count, split = self.delivery.take(count, timed_out, lease_seconds, shape, num_groups, max_bytes,
+                                                      now, split)
             self.record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
-                                   shape.world_size, num_groups))
+                                   shape.world_size, num_groups, split))
             return result
 
     def apply_ack(self, lease_id: str, request_id: str = "") -> int:

@@ -200,7 +200,8 @@ class Recovery:
         elif isinstance(event, Collected):
             remember("Collect", event.request_id,
                      self._take(event.count, event.timed_out, event.request_id, event.lease_seconds,
-                                BatchShape(event.token_budget, event.rank, event.world_size), event.num_groups))
+                                BatchShape(event.token_budget, event.rank, event.world_size), event.num_groups,
+                                split=event.split))
         elif isinstance(event, Acked):
             remember("Ack", event.request_id, self._ack(event.lease_id, event.request_id))
         elif isinstance(event, Expired):
