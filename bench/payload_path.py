@@ -40,7 +40,7 @@ next() (the prefetch gap; --step-seconds adds a training step), and the CPU time
 the ranks (the clients share the machine's cores with the server, so the MB/s ratios are whole-machine figures).
 
     python bench/payload_path.py             # 3 repeats, about 40 s on an idle machine
-    python bench/payload_path.py --concurrent --repeats 3   # the many-writers, many-readers run
+    python bench/payload_path.py --concurrent --repeats 3   # the many-writers, many-readers run (about 2 min)
     python bench/payload_path.py --quick     # 1 repeat of a quarter of the data, a smoke run
     python bench/payload_path.py --set server.allocator_retain_bytes=0   # glibc's allocator defaults
 """
@@ -285,7 +285,9 @@ def prefetch_gaps(pacer: PacerClient, batches: int) -> list[float]:
 
 WRITERS, RANKS = 8, 4
 DP_MINI_BATCH = 512  # the global mini-batch: 32 groups of 16, 8 groups per rank
-DP_GROUPS_PER_WRITER = 32
+# Runs of 32 groups per writer (87 MB each way, under a second of load) spread per repeat from 0.67 to 2.39, of 128
+# from 0.72 to 1.14; 512 (1.5 GB, about 12 s a run) from 0.92 to 1.14 (bench/README.md, eighteenth round).
+DP_GROUPS_PER_WRITER = 512
 CONCURRENT_TARGETS = {"in": 0.9, "out": 0.9, "imbalance": 1.1}
 
 
