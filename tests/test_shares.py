@@ -516,3 +516,35 @@ def test_waiting_ranks_sleep_through_submits_that_cannot_complete_their_mini_bat
     slept, shares = asyncio.run(run())
     assert slept == 0
     assert shares == [2, 2, 2, 2]
+
+
+def test_after_a_crash_each_rank_gets_the_share_it_was_split_and_nothing_twice(tmp_path):
+    """kill -9 while rank 0 trains its share and rank 1 has not asked for its own: the restarted server (same port,
+    same state) takes rank 0's Ack and hands rank 1 the rest of that mini-batch, each group once."""
+    from test_durability_crash import free_port
+
+    lengths = [5, 300, 7, 9, 250, 11, 13, 17]
+    prompts = [f"p{i}" for i in range(len(lengths))]
+    overrides = ("data_source.num_prompts_per_step=8", "data_source.num_trajectories_per_prompt=2",
+                 "trainer.mini_batch_size=16", f"server.address=127.0.0.1:{free_port()}",
+                 f"server.state_dir={tmp_path / 'state'}")
+    running = ServerProcess(tmp_path, *overrides).start()
+    try:
+        with PacerClient(running.address, timeout=30) as worker, PacerClient(running.address, timeout=30) as rank0:
+            _fill_over_grpc(worker, prompts, lengths)
+            batches0 = rank0.batches(16, rank=0, world_size=2, num_batches=1, lease=120, poll=5)
+            share0 = next(batches0)
+            running.kill()  # kill -9: rank 1's share was split but never handed out
+            running.close()
+            running = ServerProcess(tmp_path, *overrides).start()
+            assert batches0.ack() == 4  # lands on the restarted server, which kept the lease
+            batches0.close()
+            with PacerClient(running.address, timeout=30) as rank1, \
+                    rank1.batches(16, rank=1, world_size=2, num_batches=1, lease=120, poll=5) as batches1:
+                [share1] = list(batches1)
+            got0, got1 = set(share0.prompt_id), set(share1.prompt_id)
+            assert got0.isdisjoint(got1) and got0 | got1 == set(prompts) and len(got0) == len(got1) == 4
+            state = worker.state()
+            assert (state.consumed, state.redelivered, state.leased, state.buffered) == (8, 0, 0, 0), state
+    finally:
+        running.close()
