@@ -222,7 +222,6 @@ def test_the_open_shares_survive_a_restart(tmp_path):
     restarted.journal.close()
 
 
-
 def _reversed_rule(tokens, world_size, equal_counts):
     """Another split rule, as a later server version might have: the shipped split with the ranks reversed."""
     return balanced_shares(tokens, world_size, equal_counts)[::-1]
@@ -271,6 +270,7 @@ def test_a_recorded_split_that_does_not_fit_the_mini_batch_stops_the_replay_and_
         with pytest.raises(RuntimeError, match="recovery diverged"):
             pacer.apply_take(8, False, "c-1", 30.0, BatchShape(rank=0, world_size=2), 8, split=split)
     assert pacer.state() == before
+
 
 # --- over gRPC, through the trainer's iterator ------------------------------------------------------------
 
