@@ -285,8 +285,8 @@ def prefetch_gaps(pacer: PacerClient, batches: int) -> list[float]:
 
 WRITERS, RANKS = 8, 4
 DP_MINI_BATCH = 512  # the global mini-batch: 32 groups of 16, 8 groups per rank
-# Runs of 32 groups per writer (87 MB each way, under a second of load) spread per repeat from 0.67 to 2.39, of 128
-# from 0.72 to 1.14; 512 (1.5 GB, about 12 s a run) from 0.92 to 1.14 (bench/README.md, eighteenth round).
+# Long runs, so that start-up and a scheduling hiccup weigh little: 32 groups per writer are 87 MB each way, under a
+# second of load; 512 are 1.5 GB, about 10 s a run (bench/README.md, eighteenth round).
 DP_GROUPS_PER_WRITER = 512
 CONCURRENT_TARGETS = {"in": 0.9, "out": 0.9, "imbalance": 1.1}
 
