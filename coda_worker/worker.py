@@ -911,7 +911,10 @@ class AsyncRolloutWorker:
     def _trajectory_settled(self, group: _Group) -> None:
         group.unacknowledged -= 1
         if group.unacknowledged == 0:
-            self._groups.pop(group.prompt.prompt_id, None)
+            # Only this group: a continuation of its prompt (the server released it from this worker, then handed it
+            # back under a new seq) may have taken its place, and must not be forgotten while it runs.
+            if self._groups.get(group.prompt.prompt_id) is group:
+                del self._groups[group.prompt.prompt_id]
             self.stats.groups_done += 1
             self._poke()
 

@@ -490,3 +490,20 @@ def test_prompt_source_shards_hand_out_each_prompt_once_and_find_every_prompt():
         ListPromptSource([Prompt("a", [1]), Prompt("a", [2])])
     with pytest.raises(ValueError, match="max_groups 0 must be >= 1"):
         AsyncRolloutWorker(None, HeldEngine(), source, max_groups=0)
+
+
+def test_a_group_settled_late_does_not_drop_the_continuation_of_its_prompt_that_replaced_it():
+    """The server released a group from this worker (silent past its grace: SIGSTOP, a partition) and handed the
+    prompt back to it as a continuation under a new seq; the old group's queued Submit settles afterwards (refused
+    as a stale dispatch, or accepted). The continuation must stay tracked: forgotten, the worker could end with it
+    running, and the group would wait for a worker forever (a chaos run on Python 3.13 stalled so)."""
+    worker = AsyncRolloutWorker(object(), engine=None, source=ListPromptSource([]), worker_id="w")
+    prompt = Prompt("p", [1, 2, 3])
+    old = worker_module._Group(prompt, 0, [worker_module._Traj("p#0")], False, seq=1)
+    continuation = worker_module._Group(prompt, 0, [worker_module._Traj("p#0")], True, seq=2)
+    worker._groups["p"] = old
+    worker._groups["p"] = continuation  # what _launch does with the continuation
+    worker._acknowledged([(old, old.trajectories[0])])
+    assert worker._groups == {"p": continuation}
+    worker._acknowledged([(continuation, continuation.trajectories[0])])
+    assert worker._groups == {}
