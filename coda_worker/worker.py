@@ -345,7 +345,8 @@ class _TooLarge(Exception):
 
 class AsyncRolloutWorker:
     """The rollout loop on asyncio. `await worker.run()` works until the source is exhausted (and every
-    group it started is acknowledged) or `stop()` is called; returns WorkerStats. A server's SHUTDOWN (a
+    group it started is acknowledged, and, with continue_restored, no group runs anywhere in the job that
+    could come back to it to continue) or `stop()` is called; returns WorkerStats. A server's SHUTDOWN (a
     restart, a rolling update) does not end it: it stops dispatching, keeps generating and submitting what
     it holds (retrying while the server is away), and dispatches again once the server is back.
 
@@ -460,9 +461,9 @@ class AsyncRolloutWorker:
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> WorkerStats:
-        """Runs the loop until the source is exhausted, `stop()`, or the end of the job
-        (JOB_ENDED: what it holds is aborted or finished as the trainer asked, and submitted); returns what
-        it did."""
+        """Runs the loop until the source is exhausted and nothing runs that it could continue, `stop()`, or the end
+        of the job (JOB_ENDED: what it holds is aborted or finished as the trainer asked, and submitted); returns
+        what it did."""
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._submit_wakeup = asyncio.Event()
@@ -534,16 +535,23 @@ class AsyncRolloutWorker:
                 self._pending.extend(fresh)
             candidates = list(self._pending)[:free]
             if not candidates:
-                # The source is exhausted. A Dispatch without candidates does not wait, so it is asked once
-                # for restored groups to continue, and only when nothing else runs here; then the loop ends.
+                # The source is exhausted. Once nothing runs here, the worker asks for kept groups to continue:
+                # the call waits for one while groups run anywhere (a group whose worker dies is kept, and a
+                # worker that ended would leave it waiting for good); with nothing running, the loop ends.
                 if self._groups:
                     await self._changed.wait()
                     continue
                 if not self.continue_restored:
                     return
+                asked = time.monotonic()
                 answered = await self._dispatch([], free)
-                if answered is not None and not answered[1]:
+                if answered is None or answered[1]:
+                    continue
+                if not answered[0].running:
                     return
+                # A server that answers such a call at once (an older one) is asked again after dispatch_wait.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), asked + self.dispatch_wait - time.monotonic())
                 continue
             # A long-poll: it returns when something was admitted or its wait ended (then it is asked again).
             await self._dispatch(candidates, free)

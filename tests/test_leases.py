@@ -86,6 +86,35 @@ def test_a_released_group_is_kept_for_continuation_and_its_old_dispatch_is_fence
         pacer.submit([Trajectory("a/t1", "a", reward=5.0)], dispatch_seqs={"a": seq_a})
 
 
+def test_a_dispatch_asking_only_for_continuations_waits_while_groups_run_and_takes_a_released_one():
+    """A worker whose prompts are done asks with no candidates and max_continuations: it is answered when a group
+    is kept for it (released from a dead worker), or when nothing runs any more (none can come); not while groups
+    run elsewhere. A peek, and a call opting out (max_continuations 0), answer at once as before."""
+    pacer, clock = make_pacer("rollout.continue_restored=true")
+    pacer.dispatch([PromptRef("a")], client_id="dead")
+    pacer.dispatch([PromptRef("b")], client_id="alive")
+    asking = pacer.dispatch_poll([], client_id="done", max_continuations=1)
+    assert asking.attempt() is None and not asking.could_answer()  # a and b run: either may come back
+    assert pacer.dispatch_poll([], max_continuations=0).attempt() is not None
+    assert pacer.dispatch_poll([]).attempt() is not None
+    clock.now += 6
+    pacer.keep_alive(["b"])  # b's worker is alive; a's lease runs out
+    clock.now += 5
+    assert pacer.expire_leases()[0] == ["a"]
+    assert asking.could_answer()
+    taken = asking.attempt()
+    assert [g.prompt_id for g in taken.continued] == ["a"] and taken.running == 2
+    # Both run now, under live workers: a second finished worker waits, until neither runs.
+    waiting = pacer.dispatch_poll([], client_id="done-too", max_continuations=1)
+    assert waiting.attempt() is None
+    pacer.submit(group("a"))
+    assert waiting.attempt() is None and not waiting.could_answer()
+    pacer.submit(group("b"))
+    assert waiting.could_answer()
+    answer = waiting.attempt()
+    assert answer.continued == [] and answer.running == 0  # nothing runs: the worker may end
+
+
 def test_submits_extend_the_lease_and_complete_groups_never_expire():
     pacer, clock = make_pacer("fully_async.sliding_window=windowed-fifo", "data_source.num_prompts_per_step=1",
                               "data_source.num_trajectories_per_prompt=4", "trainer.mini_batch_size=4")

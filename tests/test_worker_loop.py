@@ -16,9 +16,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import pytest
 
 from coda_client import AsyncPacerClient, PacerClient, TrajectoryStatus
+from coda_client._proto import pacer_pb2 as pb, pacer_pb2_grpc
 from coda_worker.engines import FinishReason, Generation, GenerationRequest, SamplingParams
 from coda_worker import worker as worker_module
 from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt, RolloutWorker, trajectory_id_of
@@ -507,3 +509,44 @@ def test_a_group_settled_late_does_not_drop_the_continuation_of_its_prompt_that_
     assert worker._groups == {"p": continuation}
     worker._acknowledged([(continuation, continuation.trajectories[0])])
     assert worker._groups == {}
+
+
+def test_a_worker_whose_prompts_are_done_stays_to_continue_a_group_released_from_a_dead_worker(tmp_path):
+    """A finite run: this worker's prompts are done while another worker, which then dies, still holds a group.
+    Released at the dead worker's liveness grace, the group is kept for continuation; the worker that finished
+    must still be there to take it (ended, it would leave the group waiting, and the trainer with it, for good).
+    It ends once nothing runs."""
+    grace = 3.0  # seconds: the finished worker reaches its last Dispatch well before the dead one's group is released
+    overrides = (*core_overrides("no-window", B=2, stale=1.0, N=2, M=2, continue_restored=True),
+                 f"server.worker_liveness_seconds={grace}", "server.inflight_lease_seconds=600")
+    with ServerProcess(tmp_path, *overrides) as server:
+        # The dead worker, by hand: a control stream under its client id (so it is watched), one group, then silence.
+        channel = grpc.insecure_channel(server.address)
+        metadata = (("x-coda-client-id", "dead-worker"),)
+        stub = pacer_pb2_grpc.RolloutPacerStub(channel)
+        stream = stub.WatchControl(pb.WatchControlRequest(), metadata=metadata)
+        next(stream)  # STATE: the stream is open
+        stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="orphan")]), metadata=metadata, timeout=10)
+        stream.cancel()
+        channel.close()
+
+        async def go():
+            engine = HeldEngine()
+            engine.auto_release = True
+            async with AsyncPacerClient(server.address) as pacer:
+                # Workers share the prompts and each takes its shard: this one takes p0, and finds every prompt.
+                source = ListPromptSource([Prompt("p0", [100, 7, 7]), Prompt("orphan", [101, 7, 7])]).shard(0, 2)
+                worker = make_worker(pacer, engine, source)
+                task = asyncio.create_task(worker.run())
+                await until(lambda: worker.stats.groups_done == 1, "the worker's own group to be acknowledged")
+                finished = await pacer.state()  # its prompts are done; the dead worker's group not yet released
+                stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)
+                groups = await pacer.collect(2, wait=CONDITION_TIMEOUT)
+                return finished, stats, groups, await pacer.state()
+
+        finished, stats, groups, state = asyncio.run(go())
+    assert (finished.running, finished.expired, finished.restored_kept) == (1, 0, 0), finished
+    assert stats.groups_done == 2 and stats.groups_continued == 1
+    assert sorted(g.prompt_id for g in groups) == ["orphan", "p0"]
+    assert all(t.status == TrajectoryStatus.COMPLETED for g in groups for t in g.trajectories)
+    assert (state.running, state.restored_kept) == (0, 0), state

@@ -9,12 +9,18 @@ from .shares import PLAIN, BatchShape
 from .types import CollectResult, DispatchResult, PromptRef
 
 
+class Running(Protocol):
+    groups: Sized  # the groups in flight
+
+
 class Admitting(Protocol):
     """What a Dispatch waits on: the calls of the pacer's public face it makes (the Pacer is one)."""
 
     lock: threading.RLock
     closed: bool
     job_ended: bool
+    inflight: Running
+    restored: Sized  # the groups kept for continuation
 
     def check_open(self) -> None: ...
     def admissible_now(self) -> int: ...
@@ -43,7 +49,11 @@ class Assembling(Protocol):
 
 
 class DispatchPoll:
-    """Answered once something is admitted (or at once for a peek); each attempt admits what the window allows."""
+    """Answered once something is admitted (or at once for a peek); each attempt admits what the window allows.
+
+    A call without candidates that asks for continuations (max_continuations > 0: a worker whose prompts are all
+    done) waits for a kept group while any group runs: a group whose worker dies is kept for continuation, and a
+    worker that ended instead would leave it waiting for good. With nothing running, none can come: answered."""
 
     __slots__ = ("_pacer", "_candidates", "_request_id", "_client_id", "_max_continuations", "_last")
 
@@ -67,14 +77,21 @@ class DispatchPoll:
             result = self._last = pacer.apply_dispatch(candidates, self._request_id, self._client_id,
                                                        self._max_continuations)
             ended = result.job_ended  # nothing will ever be admitted: answer now
-            return result if result.admitted_ids or result.continued or ended or not self._candidates else None
+            if result.admitted_ids or result.continued or ended:
+                return result
+            return None if self._candidates or (self._max_continuations and result.running) else result
 
     def could_answer(self) -> bool:
-        """False only when `attempt` would give None now (see waiting.Poll): no room in the window and the job
-        not ended. Cheap, changes nothing; a raising strategy raises here too, and its waiter is woken."""
+        """False only when `attempt` would give None now (see waiting.Poll): no room in the window (for a call
+        awaiting continuations: no kept group, or no room, while groups run) and the job not ended. Cheap,
+        changes nothing; a raising strategy raises here too, and its waiter is woken."""
         pacer = self._pacer
         with pacer.lock:
-            return pacer.job_ended or pacer.admissible_now() > 0
+            if pacer.job_ended:
+                return True
+            if not self._candidates and self._max_continuations:
+                return not pacer.inflight.groups or (len(pacer.restored) > 0 and pacer.admissible_now() > 0)
+            return pacer.admissible_now() > 0
 
     def give_up(self) -> DispatchResult:
         pacer = self._pacer
