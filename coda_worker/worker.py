@@ -416,7 +416,9 @@ class AsyncRolloutWorker:
         self._engine_question: asyncio.Future | None = None  # the question to the engine out now, if any
         self.generation = 0
         self._group_sizes: list[int] = []
-        self._groups: dict[str, _Group] = {}
+        # By (prompt id, dispatch seq): a prompt the server released from this worker and handed back to it as a
+        # continuation runs here twice for a while (the old group's last requests and Submits, and the new one).
+        self._groups: dict[tuple[str, int | None], _Group] = {}
         self._pending: deque[Prompt] = deque()  # taken from the source, not admitted yet
         self._requests: dict[str, _Group] = {}  # engine request id -> its group, while the request runs
         self._request_serial = itertools.count()
@@ -702,7 +704,7 @@ class AsyncRolloutWorker:
         self._launch(group)
 
     def _launch(self, group: _Group) -> None:
-        self._groups[group.prompt.prompt_id] = group
+        self._groups[group.prompt.prompt_id, group.seq] = group
         group.task = asyncio.create_task(self._run_group(group), name=f"{self.worker_id}-{group.prompt.prompt_id}")
 
     async def _run_group(self, group: _Group) -> None:
@@ -919,10 +921,9 @@ class AsyncRolloutWorker:
     def _trajectory_settled(self, group: _Group) -> None:
         group.unacknowledged -= 1
         if group.unacknowledged == 0:
-            # Only this group: a continuation of its prompt (the server released it from this worker, then handed it
-            # back under a new seq) may have taken its place, and must not be forgotten while it runs.
-            if self._groups.get(group.prompt.prompt_id) is group:
-                del self._groups[group.prompt.prompt_id]
+            key = (group.prompt.prompt_id, group.seq)
+            if self._groups.get(key) is group:  # (a server that gives no seqs: a later group may hold its key)
+                del self._groups[key]
             self.stats.groups_done += 1
             self._poke()
 
@@ -1075,12 +1076,17 @@ class AsyncRolloutWorker:
         while True:
             await asyncio.sleep(interval if interval is not None else 1.0)
             # Aborting groups too: until their ABORTED trajectories are in, the server holds them for this worker.
-            held = [g for g in self._groups.values() if g.generation == self.generation]
+            # Of a prompt held twice (its continuation besides the old group), the latest dispatch: the server's.
+            held: dict[str, _Group] = {}
+            for g in self._groups.values():
+                if g.generation == self.generation:
+                    latest = held.get(g.prompt.prompt_id)
+                    if latest is None or (g.seq or 0) > (latest.seq or 0):
+                        held[g.prompt.prompt_id] = g
             if not held:
                 continue
-            prompt_ids = [g.prompt.prompt_id for g in held]
             try:
-                answer = await keep_alive(prompt_ids, dispatch_seqs={g.prompt.prompt_id: g.seq for g in held
+                answer = await keep_alive(list(held), dispatch_seqs={p: g.seq for p, g in held.items()
                                                                      if g.seq is not None},
                                           **self._loaded_version_field())
             except PacerClientError as exc:
@@ -1092,8 +1098,7 @@ class AsyncRolloutWorker:
                 if not bounds:  # the server never reclaims running groups: nothing to renew
                     return
                 interval = max(0.05, min(bounds) / 3)
-            lost = [self._groups[p] for p in answer.unknown_prompt_ids
-                    if p in self._groups and not self._groups[p].abort_requested]
+            lost = [held[p] for p in answer.unknown_prompt_ids if p in held and not held[p].abort_requested]
             if lost:
                 logger.warning("%s: %d groups are no longer in flight on the server; aborting them", self.worker_id,
                                len(lost), extra=_fields(worker=self.worker_id, lost=[g.prompt.prompt_id for g in lost]))
@@ -1113,7 +1118,8 @@ class AsyncRolloutWorker:
             remaining = self._give_up_at - time.monotonic()
             if remaining <= 0:
                 logger.warning("%s: %d groups not acknowledged within the %g s grace, given up: %s", self.worker_id,
-                               len(self._groups), self.shutdown_grace, ", ".join(list(self._groups)[:5]),
+                               len(self._groups), self.shutdown_grace,
+                               ", ".join(g.prompt.prompt_id for g in list(self._groups.values())[:5]),
                                extra=_fields(worker=self.worker_id, given_up=len(self._groups)))
                 for group in list(self._groups.values()):  # settled as refused: nothing more of them is sent
                     self.stats.trajectories_refused += max(0, group.unacknowledged)

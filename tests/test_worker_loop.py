@@ -503,10 +503,11 @@ def test_a_group_settled_late_does_not_drop_the_continuation_of_its_prompt_that_
     prompt = Prompt("p", [1, 2, 3])
     old = worker_module._Group(prompt, 0, [worker_module._Traj("p#0")], False, seq=1)
     continuation = worker_module._Group(prompt, 0, [worker_module._Traj("p#0")], True, seq=2)
-    worker._groups["p"] = old
-    worker._groups["p"] = continuation  # what _launch does with the continuation
+    worker._groups["p", 1] = old
+    worker._groups["p", 2] = continuation  # what _launch does with the continuation
+    # Both run here meanwhile: both count against max_groups, both are aborted at a PAUSE, cancelled at the end.
     worker._acknowledged([(old, old.trajectories[0])])
-    assert worker._groups == {"p": continuation}
+    assert worker._groups == {("p", 2): continuation}
     worker._acknowledged([(continuation, continuation.trajectories[0])])
     assert worker._groups == {}
 
