@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import pytest
@@ -30,6 +31,23 @@ def start_worker(address: str, worker_id: str, seconds_per_token: float = 1000.0
     """A kit worker whose engine never finishes a response (1000 s a token)."""
     return subprocess.Popen([sys.executable, str(WORKER), address, worker_id, "2", str(seconds_per_token)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def watched_worker_dispatching(address: str, client_id: str, prompt_id: str) -> Callable[[], None]:
+    """A worker by hand: a control stream under `client_id` (so the server watches it), then a Dispatch of
+    `prompt_id`. Returns what makes it go silent for good (the stream cancelled, the channel closed)."""
+    channel = grpc.insecure_channel(address)
+    metadata = (("x-coda-client-id", client_id),)
+    stub = pacer_pb2_grpc.RolloutPacerStub(channel)
+    stream = stub.WatchControl(pb.WatchControlRequest(), metadata=metadata)
+    next(stream)  # STATE: the stream is open
+    stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id=prompt_id)]), metadata=metadata, timeout=10)
+
+    def go_silent() -> None:
+        stream.cancel()
+        channel.close()
+
+    return go_silent
 
 
 def holding(client: PacerClient, worker_id: str) -> int:
@@ -92,16 +110,9 @@ def test_after_a_restart_a_dead_worker_gets_the_grace_from_recovery_not_a_fresh_
     port = free_port()
     overrides = (*OVERRIDES, f"server.address=127.0.0.1:{port}", f"server.state_dir={tmp_path / 'state'}")
     server = ServerProcess(tmp_path, *overrides).start()
-    # A watched worker by hand: a control stream under a client id, then a Dispatch; then it is gone.
-    channel = grpc.insecure_channel(server.address)
-    metadata = (("x-coda-client-id", "gone-worker"),)
-    stub = pacer_pb2_grpc.RolloutPacerStub(channel)
-    stream = stub.WatchControl(pb.WatchControlRequest(), metadata=metadata)
-    next(stream)  # STATE: the stream is open
-    stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="p0")]), metadata=metadata, timeout=10)
+    gone = watched_worker_dispatching(server.address, "gone-worker", "p0")
     server.kill()
-    stream.cancel()
-    channel.close()
+    gone()
     server.close()
     server = ServerProcess(tmp_path, *overrides).start()
     try:

@@ -16,17 +16,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 import pytest
 
 from coda_client import AsyncPacerClient, PacerClient, TrajectoryStatus
-from coda_client._proto import pacer_pb2 as pb, pacer_pb2_grpc
 from coda_worker.engines import FinishReason, Generation, GenerationRequest, SamplingParams
 from coda_worker import worker as worker_module
 from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt, RolloutWorker, trajectory_id_of
 from conftest import core_overrides
 from server_harness import ServerProcess
 from test_durability_crash import free_port
+from test_liveness import watched_worker_dispatching
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST_TOKENS = 3  # tokens a request produces before it is held
@@ -521,15 +520,7 @@ def test_a_worker_whose_prompts_are_done_stays_to_continue_a_group_released_from
     overrides = (*core_overrides("no-window", B=2, stale=1.0, N=2, M=2, continue_restored=True),
                  f"server.worker_liveness_seconds={grace}", "server.inflight_lease_seconds=600")
     with ServerProcess(tmp_path, *overrides) as server:
-        # The dead worker, by hand: a control stream under its client id (so it is watched), one group, then silence.
-        channel = grpc.insecure_channel(server.address)
-        metadata = (("x-coda-client-id", "dead-worker"),)
-        stub = pacer_pb2_grpc.RolloutPacerStub(channel)
-        stream = stub.WatchControl(pb.WatchControlRequest(), metadata=metadata)
-        next(stream)  # STATE: the stream is open
-        stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id="orphan")]), metadata=metadata, timeout=10)
-        stream.cancel()
-        channel.close()
+        watched_worker_dispatching(server.address, "dead-worker", "orphan")()  # one group, then silence
 
         async def go():
             engine = HeldEngine()
