@@ -345,8 +345,8 @@ class _TooLarge(Exception):
 
 class AsyncRolloutWorker:
     """The rollout loop on asyncio. `await worker.run()` works until the source is exhausted (and every
-    group it started is acknowledged, and, with continue_restored, no group runs anywhere in the job that
-    could come back to it to continue) or `stop()` is called; returns WorkerStats. A server's SHUTDOWN (a
+    group it started is acknowledged, and, with continue_restored, no group runs or is kept anywhere in the job
+    that could come to it to continue) or `stop()` is called; returns WorkerStats. A server's SHUTDOWN (a
     restart, a rolling update) does not end it: it stops dispatching, keeps generating and submitting what
     it holds (retrying while the server is away), and dispatches again once the server is back.
 
@@ -463,9 +463,9 @@ class AsyncRolloutWorker:
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> WorkerStats:
-        """Runs the loop until the source is exhausted and nothing runs that it could continue, `stop()`, or the end
-        of the job (JOB_ENDED: what it holds is aborted or finished as the trainer asked, and submitted); returns
-        what it did."""
+        """Runs the loop until the source is exhausted and nothing runs or is kept that it could continue, `stop()`,
+        or the end of the job (JOB_ENDED: what it holds is aborted or finished as the trainer asked, and submitted);
+        returns what it did."""
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._submit_wakeup = asyncio.Event()
@@ -538,8 +538,8 @@ class AsyncRolloutWorker:
             candidates = list(self._pending)[:free]
             if not candidates:
                 # The source is exhausted. Once nothing runs here, the worker asks for kept groups to continue:
-                # the call waits for one while groups run anywhere (a group whose worker dies is kept, and a
-                # worker that ended would leave it waiting for good); with nothing running, the loop ends.
+                # the call waits for one while groups run or are kept anywhere (a group whose worker dies is
+                # kept, and a worker that ended would leave it waiting for good); with none, the loop ends.
                 if self._groups:
                     await self._changed.wait()
                     continue
@@ -549,7 +549,7 @@ class AsyncRolloutWorker:
                 answered = await self._dispatch([], free)
                 if answered is None or answered[1]:
                     continue
-                if not answered[0].running:
+                if not answered[0].running and not await self._kept_elsewhere():
                     return
                 # A server that answers such a call at once (an older one) is asked again after dispatch_wait.
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -557,6 +557,13 @@ class AsyncRolloutWorker:
                 continue
             # A long-poll: it returns when something was admitted or its wait ended (then it is asked again).
             await self._dispatch(candidates, free)
+
+    async def _kept_elsewhere(self) -> int:
+        """Kept groups waiting on the server (GetState): a Reset's, until its RESUME lets them be handed out."""
+        try:
+            return (await self._retrying("GetState", self.pacer.state)).restored_kept
+        except UnavailableError:  # only raised once the worker is stopping
+            return 0
 
     async def _dispatch(self, candidates: list[Prompt], free: int) -> tuple[Any, list[TrajectoryGroup]] | None:
         """One Dispatch; starts what it admitted. None when the call failed and was dealt with."""

@@ -69,6 +69,20 @@ def test_a_dispatch_that_opts_out_gets_no_continuation_and_a_kept_prompt_is_not_
         pacer.dispatch([PromptRef("d")], max_continuations=-1)
 
 
+def test_a_dispatch_asking_only_for_continuations_waits_through_a_reset_for_its_kept_groups():
+    """Between a Reset (ABORT) and its RESUME nothing runs, but the restored groups are kept: a worker whose
+    prompts are done, asking only for continuations, is not told that nothing can come; it gets them after RESUME."""
+    pacer = continuing_pacer()
+    assert pacer.dispatch([PromptRef("a")]).admitted_ids == ["a"]
+    pacer.submit(aborted_group("a"))
+    assert pacer.reset(wait=0).kept_prompt_ids == ["a"]
+    asking = pacer.dispatch_poll([], max_continuations=1)
+    assert pacer.state().running == 0 and asking.attempt() is None and not asking.could_answer()
+    pacer.resume(1)
+    assert asking.could_answer()
+    assert [g.prompt_id for g in asking.attempt().continued] == ["a"]
+
+
 def test_continuations_count_against_the_window_and_wait_while_paused():
     pacer = continuing_pacer()
     restore(pacer, "a", "b")

@@ -52,8 +52,9 @@ class DispatchPoll:
     """Answered once something is admitted (or at once for a peek); each attempt admits what the window allows.
 
     A call without candidates that asks for continuations (max_continuations > 0: a worker whose prompts are all
-    done) waits for a kept group while any group runs: a group whose worker dies is kept for continuation, and a
-    worker that ended instead would leave it waiting for good. With nothing running, none can come: answered."""
+    done) waits for a kept group while any group runs or is kept: a group whose worker dies is kept for
+    continuation, and a worker that ended instead would leave it waiting for good (as would one ending while a
+    Reset's kept groups wait for the RESUME). With nothing running or kept, none can come: answered."""
 
     __slots__ = ("_pacer", "_candidates", "_request_id", "_client_id", "_max_continuations", "_last")
 
@@ -79,18 +80,22 @@ class DispatchPoll:
             ended = result.job_ended  # nothing will ever be admitted: answer now
             if result.admitted_ids or result.continued or ended:
                 return result
-            return None if self._candidates or (self._max_continuations and result.running) else result
+            if self._candidates or (self._max_continuations and (result.running or len(pacer.restored))):
+                return None
+            return result
 
     def could_answer(self) -> bool:
         """False only when `attempt` would give None now (see waiting.Poll): no room in the window (for a call
-        awaiting continuations: no kept group, or no room, while groups run) and the job not ended. Cheap,
-        changes nothing; a raising strategy raises here too, and its waiter is woken."""
+        awaiting continuations: no kept group it could take, while groups run or are kept) and the job not ended.
+        Cheap, changes nothing; a raising strategy raises here too, and its waiter is woken."""
         pacer = self._pacer
         with pacer.lock:
             if pacer.job_ended:
                 return True
             if not self._candidates and self._max_continuations:
-                return not pacer.inflight.groups or (len(pacer.restored) > 0 and pacer.admissible_now() > 0)
+                if not pacer.restored:
+                    return not pacer.inflight.groups
+                return pacer.admissible_now() > 0
             return pacer.admissible_now() > 0
 
     def give_up(self) -> DispatchResult:
