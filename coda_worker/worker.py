@@ -430,6 +430,7 @@ class AsyncRolloutWorker:
         self._resync = False  # a Restore happened: the dispatch loop drops its pending prompts, re-reads the cursor
         self._stopping = False
         self._stream_up = False  # the control stream's first event (STATE) arrived
+        self._staying_logged = False  # said that its prompts are done and it stays for continuations
         self._job_ended = False  # the trainer ended the job (JOB_ENDED): submit what is held, then return
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abort_task: asyncio.Task | None = None
@@ -551,6 +552,12 @@ class AsyncRolloutWorker:
                     continue
                 if not answered[0].running and not await self._kept_elsewhere():
                     return
+                if not self._staying_logged:  # why run() has not returned yet, said once
+                    self._staying_logged = True
+                    logger.info("%s: its prompts are done; it stays to continue groups released from other workers "
+                                "while any runs or is kept (%d running in the job), and ends when none is",
+                                self.worker_id, answered[0].running,
+                                extra=_fields(worker=self.worker_id, running=answered[0].running))
                 # A server that answers such a call at once (an older one) is asked again after dispatch_wait.
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), asked + self.dispatch_wait - time.monotonic())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -511,7 +512,7 @@ def test_a_group_settled_late_does_not_drop_the_continuation_of_its_prompt_that_
     assert worker._groups == {}
 
 
-def test_a_worker_whose_prompts_are_done_stays_to_continue_a_group_released_from_a_dead_worker(tmp_path):
+def test_a_worker_whose_prompts_are_done_stays_to_continue_a_group_released_from_a_dead_worker(tmp_path, caplog):
     """A finite run: this worker's prompts are done while another worker, which then dies, still holds a group.
     Released at the dead worker's liveness grace, the group is kept for continuation; the worker that finished
     must still be there to take it (ended, it would leave the group waiting, and the trainer with it, for good).
@@ -536,8 +537,10 @@ def test_a_worker_whose_prompts_are_done_stays_to_continue_a_group_released_from
                 groups = await pacer.collect(2, wait=CONDITION_TIMEOUT)
                 return finished, stats, groups, await pacer.state()
 
-        finished, stats, groups, state = asyncio.run(go())
+        with caplog.at_level(logging.INFO, logger="coda_worker"):
+            finished, stats, groups, state = asyncio.run(go())
     assert (finished.running, finished.expired, finished.restored_kept) == (1, 0, 0), finished
+    assert any("its prompts are done; it stays to continue groups" in r.getMessage() for r in caplog.records)
     assert stats.groups_done == 2 and stats.groups_continued == 1
     assert sorted(g.prompt_id for g in groups) == ["orphan", "p0"]
     assert all(t.status == TrajectoryStatus.COMPLETED for g in groups for t in g.trajectories)
