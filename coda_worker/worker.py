@@ -935,9 +935,7 @@ class AsyncRolloutWorker:
     def _trajectory_settled(self, group: _Group) -> None:
         group.unacknowledged -= 1
         if group.unacknowledged == 0:
-            key = (group.prompt.prompt_id, group.seq)
-            if self._groups.get(key) is group:  # (a server that gives no seqs: a later group may hold its key)
-                del self._groups[key]
+            self._groups.pop((group.prompt.prompt_id, group.seq), None)
             self.stats.groups_done += 1
             self._poke()
 
@@ -1090,13 +1088,9 @@ class AsyncRolloutWorker:
         while True:
             await asyncio.sleep(interval if interval is not None else 1.0)
             # Aborting groups too: until their ABORTED trajectories are in, the server holds them for this worker.
-            # Of a prompt held twice (its continuation besides the old group), the latest dispatch: the server's.
-            held: dict[str, _Group] = {}
-            for g in self._groups.values():
-                if g.generation == self.generation:
-                    latest = held.get(g.prompt.prompt_id)
-                    if latest is None or (g.seq or 0) > (latest.seq or 0):
-                        held[g.prompt.prompt_id] = g
+            # Of a prompt held twice (its continuation besides the old group), the one launched last, as _groups
+            # keeps launch order: the latest dispatch, the server's.
+            held = {g.prompt.prompt_id: g for g in self._groups.values() if g.generation == self.generation}
             if not held:
                 continue
             try:

@@ -80,7 +80,7 @@ class DispatchPoll:
             ended = result.job_ended  # nothing will ever be admitted: answer now
             if result.admitted_ids or result.continued or ended:
                 return result
-            if self._candidates or (self._max_continuations and (result.running or len(pacer.restored))):
+            if self._candidates or (self._only_continuations() and (result.running or pacer.restored)):
                 return None
             return result
 
@@ -92,11 +92,13 @@ class DispatchPoll:
         with pacer.lock:
             if pacer.job_ended:
                 return True
-            if not self._candidates and self._max_continuations:
-                if not pacer.restored:
-                    return not pacer.inflight.groups
-                return pacer.admissible_now() > 0
+            if self._only_continuations() and not pacer.restored:
+                return not pacer.inflight.groups  # none kept: answered once nothing runs
             return pacer.admissible_now() > 0
+
+    def _only_continuations(self) -> bool:
+        """No candidates, and kept groups asked for: a worker whose prompts are done (see the class docstring)."""
+        return not self._candidates and bool(self._max_continuations)
 
     def give_up(self) -> DispatchResult:
         pacer = self._pacer
