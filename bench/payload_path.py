@@ -36,8 +36,10 @@ options, routing and Submit parsing that queues each Submit's encoded trajectori
 CollectStream in messages split as ours splits them, with the next groups, nothing else), alternately:
 aggregate MB/s in and out as ratios, token imbalance across ranks per step (max/mean, and over the least any split
 of that step's groups into equal counts could reach), each rank's time in
-next() (the prefetch gap; --step-seconds adds a training step), and the CPU time of the server, of the writers and of
-the ranks (the clients share the machine's cores with the server, so the MB/s ratios are whole-machine figures).
+next() (the prefetch gap; --step-seconds adds a training step), each Submit's time at the writers (p50, p90, p99: a
+writer sends its next Submit when the last is answered, so the tail sets its pace), and the CPU time of the server,
+of the writers and of the ranks (the clients share the machine's cores with the server, so the MB/s ratios are
+whole-machine figures).
 
     python bench/payload_path.py             # 3 repeats, about 40 s on an idle machine
     python bench/payload_path.py --concurrent --repeats 3   # the many-writers, many-readers run (about 2 min)
@@ -304,7 +306,8 @@ def long_tailed_lengths(groups: int, seed: int, rng: np.random.Generator | None 
 
 
 def writer_process(address: str, writer: int, lengths: list[list[int]], start: Any, results: Any) -> None:
-    """One worker: dispatches its prompts, then submits one group per Submit (arrays built before the start)."""
+    """One worker: dispatches its prompts, then submits one group per Submit (arrays built before the start), one
+    at a time; records each Submit's time."""
     rng = np.random.default_rng(writer)
     prompts = [f"w{writer}-g{g}" for g in range(len(lengths))]
     groups = [[(rng.integers(0, 151_936, n, dtype=np.int32), -rng.exponential(2.0, n).astype(np.float32),
@@ -314,9 +317,12 @@ def writer_process(address: str, writer: int, lengths: list[list[int]], start: A
         pacer.dispatch(prompts)
         start.wait()
         began, cpu_began = time.time(), time.process_time()
+        submit_seconds = []
         for prompt_id, group in zip(prompts, groups):
+            sent = time.perf_counter()
             pacer.submit(trajectories_of(prompt_id, group, 0))
-        results.put(("writer", writer, began, time.time(), payload, time.process_time() - cpu_began))
+            submit_seconds.append(time.perf_counter() - sent)
+        results.put(("writer", writer, began, time.time(), payload, time.process_time() - cpu_began, submit_seconds))
 
 
 def rank_process(address: str, rank: int, steps: int, step_seconds: float, start: Any, results: Any) -> None:
@@ -486,6 +492,7 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
     # largest group holds the others' count less one besides it, at best the smallest ones.
     per_step_groups = [[size for g in ranks for size in g[4][step][4]] for step in range(steps)]
     least = [least_imbalance(sizes, RANKS) for sizes in per_step_groups]
+    submit_ms = sorted(1000 * seconds for g in writers for seconds in g[6])
     return {
         "kind": kind, "steps": steps, "in_mb_s": bytes_in / 1e6 / (max(g[3] for g in writers) - began),
         "out_mb_s": bytes_out / 1e6 / (max(r[3] for g in ranks for r in g[4]) - began),
@@ -493,6 +500,7 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
         "gaps_ms": {g[1]: [1000 * r[0] for r in g[4]] for g in ranks}, "server_peak_rss_mb": peak_rss,
         "rss_before_mb": rss_before / 1e6, "server_cpu_s": server_cpu,
         "writers_cpu_s": sum(g[5] for g in writers), "ranks_cpu_s": sum(g[5] for g in ranks),
+        "submit_ms": {f"p{q}": submit_ms[min(len(submit_ms) - 1, len(submit_ms) * q // 100)] for q in (50, 90, 99)},
     }
 
 
@@ -549,6 +557,11 @@ def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, j
         relay_gaps = [g for r in runs["relay"] for g in r["gaps_ms"][rank]]
         print(f"rank {rank} prefetch gap (time in next(), ms): ours median {statistics.median(gaps):.1f} max "
               f"{max(gaps):.1f}; relay median {statistics.median(relay_gaps):.1f} max {max(relay_gaps):.1f}")
+    # A writer's next Submit waits for the last one's answer: the tail of these sets the writers' pace as much as
+    # the median does.
+    print("Submit time at the writers (ms), median over repeats of each run's p50 / p90 / p99: " + "; ".join(
+        f"{kind} " + " / ".join(f"{statistics.median(r['submit_ms'][q] for r in runs[kind]):.1f}"
+                                for q in ("p50", "p90", "p99")) for kind in ("ours", "relay")))
     print(f"server peak RSS: ours {med('ours', 'server_peak_rss_mb'):.0f} MB, relay "
           f"{med('relay', 'server_peak_rss_mb'):.0f} MB")
     # CPU is disturbed less than wall time by load from elsewhere: the steadier figure of what each server costs.
