@@ -33,7 +33,8 @@ too); the other figures are medians over the repeats. Ratios are median(ours) / 
 With --concurrent (issue 29): 8 worker processes submit long-tailed groups while 4 trainer ranks iterate
 batches(512, rank=r, world_size=4), against our server and against a relay (a gRPC server with our server's
 options, routing and Submit parsing that queues each Submit's encoded trajectories and answers each Collect, and each
-CollectStream in messages split as ours splits them, with the next groups, nothing else), alternately:
+CollectStream in messages split as ours splits them, with the rank's share of the next global mini-batch in arrival
+order, nothing else; --relay-split arrival: the next groups, whatever rank asks), alternately:
 aggregate MB/s in and out as ratios, token imbalance across ranks per step (max/mean, and over the least any split
 of that step's groups into equal counts could reach), each rank's time in
 next() (the prefetch gap; --step-seconds adds a training step), each Submit's time at the writers (p50, p90, p99: a
@@ -43,6 +44,7 @@ whole-machine figures).
 
     python bench/payload_path.py             # 3 repeats, about 40 s on an idle machine
     python bench/payload_path.py --concurrent --repeats 3   # the many-writers, many-readers run (about 2 min)
+    python bench/payload_path.py --concurrent --repeats 3 --relay-split arrival   # the relay of earlier rounds
     python bench/payload_path.py --quick     # 1 repeat of a quarter of the data, a smoke run
     python bench/payload_path.py --set server.allocator_retain_bytes=0   # glibc's allocator defaults
 """
@@ -282,8 +284,9 @@ def prefetch_gaps(pacer: PacerClient, batches: int) -> list[float]:
 # --concurrent: WRITERS worker processes submit while RANKS trainer ranks iterate batches(rank=r, world_size=RANKS)
 # of the global DP_MINI_BATCH, against our server and against a relay: a gRPC server with our server's options,
 # routing and Submit parsing that keeps each Submit's encoded trajectories in a queue and answers each Collect (and CollectStream,
-# what batches() calls, in messages split as ours splits them) with the next groups (num_groups / world_size of
-# them, in arrival order, no balancing), nothing else. Same clients, same bytes.
+# what batches() calls, in messages split as ours splits them) with the rank's share of the next global mini-batch
+# (num_groups / world_size groups, in arrival order, no balancing; --relay-split arrival: the next groups, whatever
+# rank asks), nothing else. Same clients, same bytes.
 
 WRITERS, RANKS = 8, 4
 DP_MINI_BATCH = 512  # the global mini-batch: 32 groups of 16, 8 groups per rank
@@ -291,6 +294,10 @@ DP_MINI_BATCH = 512  # the global mini-batch: 32 groups of 16, 8 groups per rank
 # second of load; 512 are 1.5 GB, about 10 s a run (bench/README.md, eighteenth round).
 DP_GROUPS_PER_WRITER = 512
 CONCURRENT_TARGETS = {"in": 0.9, "out": 0.9, "imbalance": 1.1}
+# How the relay hands the ranks their groups (relay_servicer): shares of one global mini-batch, or the next groups
+# as they arrived, whatever rank asks (the relay of earlier rounds, bench/README.md). --relay-split chooses.
+RELAY_SPLITS = ("global", "arrival")
+RELAY_SPLIT_ENV = "CODA_BENCH_RELAY_SPLIT"  # read by the relay's subprocess
 
 
 def long_tailed_lengths(groups: int, seed: int, rng: np.random.Generator | None = None) -> list[list[int]]:
@@ -355,16 +362,22 @@ class RelayServer(ServerProcess):
 
 def relay_servicer() -> Any:
     """The relay's servicer: each Submit's encoded trajectories (as our server's parse reads them) into a queue; each
-    Collect (and CollectStream, what batches() calls, split as our server splits) answered with the next
-    num_groups / world_size groups in arrival order; the other methods answer empty. handler_instructions.py's
-    `cycle` counts it too (its `floor`)."""
+    Collect (and CollectStream, what batches() calls, split as our server splits) answered with num_groups /
+    world_size groups in arrival order, no balancing: by default (RELAY_SPLITS[0], "global") the rank's share of
+    a global mini-batch, the next num_groups groups cut into world_size equal shares by the first rank to ask (the
+    contract of batches(rank=, world_size=), which our server keeps: every rank trains on a share of the same
+    mini-batch); with "arrival" the next groups whatever rank asks (ranks then train on groups of different
+    mini-batches, and wake one by one rather than together). The other methods answer empty.
+    handler_instructions.py's `cycle` counts it too (its `floor`; one rank, so both splits are the same)."""
     import asyncio
 
     from coda_client._proto import pacer_pb2 as pb
     from coda_client._proto import pacer_pb2_grpc
     from coda_server.wire import EncodedAnswer, EncodedTrajectory, group_parts, split_answer
 
-    queue: list = []
+    queue: list = []  # (prompt id, encoded trajectories) of each group, in arrival order
+    shares: dict[int, list] = {}  # rank -> its shares of the global mini-batches cut so far, oldest first
+    split = os.environ.get(RELAY_SPLIT_ENV, RELAY_SPLITS[0])
     arrived = asyncio.Condition()
 
     class Relay(pacer_pb2_grpc.RolloutPacerServicer):
@@ -387,13 +400,30 @@ def relay_servicer() -> Any:
                 yield answer
 
         async def _take(self, request):
-            count = request.num_groups // max(1, request.world_size)
+            world_size = max(1, request.world_size)
+            count = request.num_groups // world_size
+            rank = request.rank
+            by_global_batch = split == RELAY_SPLITS[0] and world_size > 1
+
+            def ready() -> bool:
+                if by_global_batch:  # this rank's share of a mini-batch already cut, or a whole one to cut
+                    return bool(shares.get(rank)) or len(queue) >= request.num_groups
+                return len(queue) >= count
+
             async with arrived:
                 try:
-                    await asyncio.wait_for(arrived.wait_for(lambda: len(queue) >= count), request.wait_seconds)
+                    await asyncio.wait_for(arrived.wait_for(ready), request.wait_seconds)
                 except asyncio.TimeoutError:
                     return pb.CollectResponse(timed_out=True), []
-                taken, queue[:count] = queue[:count], []
+                if not by_global_batch:
+                    taken, queue[:count] = queue[:count], []
+                else:
+                    if not shares.get(rank):  # the first rank to ask cuts the next global mini-batch for all
+                        batch, queue[:request.num_groups] = queue[:request.num_groups], []
+                        for share_rank in range(world_size):
+                            shares.setdefault(share_rank, []).append(batch[share_rank * count:(share_rank + 1) * count])
+                        arrived.notify_all()  # the ranks waiting for a whole mini-batch have their shares now
+                    taken = shares[rank].pop(0)
             return pb.CollectResponse(lease_id="relay"), [group_parts(p, 0, 0, None, None, bodies) for p, bodies in taken]
 
         async def Ack(self, request, context):
@@ -713,12 +743,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor-event-loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="the empty-handler server's (and the relay's) event loop: asyncio's (a plain grpc.aio "
                              "server) or uvloop, the loop our server runs on when uvloop is installed")
+    parser.add_argument("--relay-split", choices=RELAY_SPLITS, default=RELAY_SPLITS[0],
+                        help="--concurrent: how the relay hands ranks their groups: each its share of one global "
+                             "mini-batch (as batches(rank=, world_size=) promises and our server does), or the next "
+                             "groups as they arrived, whatever rank asks")
     args = parser.parse_args(argv)
     EXTRA_OVERRIDES[:] = args.set
     os.environ[FLOOR_LOOP_ENV] = args.floor_event_loop  # read by the floor's and the relay's subprocesses
     print(f"the floor's and the relay's event loop: {args.floor_event_loop} (--floor-event-loop)")
     if args.concurrent:
         os.environ[FLOOR_PASSTHROUGH_ENV] = "1"
+        os.environ[RELAY_SPLIT_ENV] = args.relay_split  # read by the relay's subprocess
+        print(f"the relay's split: {args.relay_split} (--relay-split)")
         return concurrent_main(args.repeats, args.step_seconds, args.groups_per_writer, args.json)
     if args.quick:
         args.repeats, args.trajectories = 1, 2 * MINI_BATCH
