@@ -67,7 +67,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rpc_throughput import (FLOOR_LOOP_ENV, FLOOR_PASSTHROUGH_ENV, ServerProcess, machine_busy_ticks,  # noqa: E402
-                            run_on_floor_loop)
+                            percentile, run_on_floor_loop)
 
 from coda_client import MiniBatch, PacerClient, Trajectory, TrajectoryStatus  # noqa: E402
 from coda_client import _calls  # noqa: E402
@@ -530,7 +530,7 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
         "gaps_ms": {g[1]: [1000 * r[0] for r in g[4]] for g in ranks}, "server_peak_rss_mb": peak_rss,
         "rss_before_mb": rss_before / 1e6, "server_cpu_s": server_cpu,
         "writers_cpu_s": sum(g[5] for g in writers), "ranks_cpu_s": sum(g[5] for g in ranks),
-        "submit_ms": {f"p{q}": submit_ms[min(len(submit_ms) - 1, len(submit_ms) * q // 100)] for q in (50, 90, 99)},
+        "submit_ms": {f"p{q}": percentile(submit_ms, q) for q in (50, 90, 99)},
     }
 
 
