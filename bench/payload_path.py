@@ -503,12 +503,14 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
         for process in processes:
             process.start()
         time.sleep(3.0)  # every process connected and its arrays built (the start event releases them together)
-        cpu_at_start = server.cpu_seconds()  # start-up left out: the relay imports more (this script, NumPy)
+        # Start-up left out: the relay imports more (this script, NumPy).
+        cpu_at_start, loop_cpu_at_start = server.cpu_seconds(), server.loop_thread_cpu_seconds()
         start.set()
         got = [results.get(timeout=600) for _ in processes]
         for process in processes:
             process.join(60)
         peak_rss, server_cpu = server.peak_rss_mb(), server.cpu_seconds() - cpu_at_start
+        loop_cpu = server.loop_thread_cpu_seconds() - loop_cpu_at_start
     finally:
         server.stop()
     writers = [g for g in got if g[0] == "writer"]
@@ -528,7 +530,7 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
         "out_mb_s": bytes_out / 1e6 / (max(r[3] for g in ranks for r in g[4]) - began),
         "bytes_in": bytes_in, "bytes_out": bytes_out, "imbalance": imbalance, "least_imbalance": least,
         "gaps_ms": {g[1]: [1000 * r[0] for r in g[4]] for g in ranks}, "server_peak_rss_mb": peak_rss,
-        "rss_before_mb": rss_before / 1e6, "server_cpu_s": server_cpu,
+        "rss_before_mb": rss_before / 1e6, "server_cpu_s": server_cpu, "server_loop_cpu_s": loop_cpu,
         "writers_cpu_s": sum(g[5] for g in writers), "ranks_cpu_s": sum(g[5] for g in ranks),
         "submit_ms": {f"p{q}": percentile(submit_ms, q) for q in (50, 90, 99)},
     }
@@ -602,6 +604,11 @@ def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, j
     # CPU is disturbed less than wall time by load from elsewhere: the steadier figure of what each server costs.
     print(f"server CPU s during the run: ours {med('ours', 'server_cpu_s'):.2f}, relay "
           f"{med('relay', 'server_cpu_s'):.2f}, relay / ours {med('relay', 'server_cpu_s') / med('ours', 'server_cpu_s'):.2f}")
+    # Both servers run every handler on one event-loop thread, beside gRPC's own threads: where the difference lives.
+    print(f"  of which the event-loop thread: ours {med('ours', 'server_loop_cpu_s'):.2f}, relay "
+          f"{med('relay', 'server_loop_cpu_s'):.2f}; the other threads: ours "
+          f"{statistics.median(r['server_cpu_s'] - r['server_loop_cpu_s'] for r in runs['ours']):.2f}, relay "
+          f"{statistics.median(r['server_cpu_s'] - r['server_loop_cpu_s'] for r in runs['relay']):.2f}")
     # The clients share the machine's cores: what they spend is the rest of the MB/s ratios' story.
     print(f"client CPU s during the run (all processes): writers ours {med('ours', 'writers_cpu_s'):.2f}, relay "
           f"{med('relay', 'writers_cpu_s'):.2f}; ranks ours {med('ours', 'ranks_cpu_s'):.2f}, relay "

@@ -239,9 +239,12 @@ class ServerProcess:
 
     def cpu_seconds(self) -> float:
         """utime + stime of the whole server process (all threads)."""
-        with open(f"/proc/{self.process.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _stat_cpu_seconds(f"/proc/{self.process.pid}/stat")
+
+    def loop_thread_cpu_seconds(self) -> float:
+        """utime + stime of the server's main thread alone: the one running its event loop (every handler, and
+        gRPC's Cython layer under it), apart from gRPC's own threads (event_engine, the poller) and any other."""
+        return _stat_cpu_seconds(f"/proc/{self.process.pid}/task/{self.process.pid}/stat")
 
     def peak_rss_mb(self) -> float:
         try:
@@ -268,6 +271,13 @@ class ServerProcess:
             self.process.kill()
             self.process.wait(10)
         self._log.close()
+
+
+def _stat_cpu_seconds(path: str) -> float:
+    """utime + stime from a /proc stat file (a process's or one thread's)."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_ticks() -> tuple[int, int]:
