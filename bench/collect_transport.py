@@ -45,6 +45,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from payload_path import GROUP_SIZE, MINI_BATCH, collect_response, make_arrays, overrides  # noqa: E402
+from rpc_throughput import stat_cpu_seconds  # noqa: E402
 
 from coda_client import CollectResult, MiniBatch, PacerClient, _calls  # noqa: E402
 from coda_client._channel import channel_options  # noqa: E402
@@ -158,7 +159,6 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
         self.process = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(self.port_file), str(tokens)],
                                         env=env)
-        self.ticks = os.sysconf("SC_CLK_TCK")
         deadline = time.monotonic() + 120
         while not self.port_file.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -167,9 +167,7 @@ class Server:
         self.address = json.loads(self.port_file.read_text())["address"]
 
     def cpu_seconds(self) -> float:
-        with open(f"/proc/{self.process.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / self.ticks
+        return stat_cpu_seconds(self.process.pid)
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)

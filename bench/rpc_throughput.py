@@ -239,12 +239,12 @@ class ServerProcess:
 
     def cpu_seconds(self) -> float:
         """utime + stime of the whole server process (all threads)."""
-        return _stat_cpu_seconds(f"/proc/{self.process.pid}/stat")
+        return stat_cpu_seconds(self.process.pid)
 
     def loop_thread_cpu_seconds(self) -> float:
         """utime + stime of the server's main thread alone: the one running its event loop (every handler, and
         gRPC's Cython layer under it), apart from gRPC's own threads (event_engine, the poller) and any other."""
-        return _stat_cpu_seconds(f"/proc/{self.process.pid}/task/{self.process.pid}/stat")
+        return stat_cpu_seconds(self.process.pid, thread=self.process.pid)
 
     def peak_rss_mb(self) -> float:
         try:
@@ -273,8 +273,9 @@ class ServerProcess:
         self._log.close()
 
 
-def _stat_cpu_seconds(path: str) -> float:
-    """utime + stime from a /proc stat file (a process's or one thread's)."""
+def stat_cpu_seconds(pid: int, thread: Optional[int] = None) -> float:
+    """utime + stime of process `pid` (all its threads), or of its thread `thread` alone, from /proc."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     with open(path) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

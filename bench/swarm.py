@@ -45,11 +45,13 @@ from coda_client import AsyncPacerClient, PacerClient  # noqa: E402
 from coda_client.errors import PacerClientError  # noqa: E402
 from coda_client.types import ControlEventType  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rpc_throughput import stat_cpu_seconds  # noqa: E402
+
 START_TIMEOUT_SECONDS = 60.0
 # CODA_BENCH_PROFILE=/tmp/swarm.prof runs the server under cProfile (its figures are then not measurements).
 PROFILE_ENV = "CODA_BENCH_PROFILE"
 REPORT_INTERVAL_SECONDS = 0.2
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def raise_fd_limit(needed: int) -> None:
@@ -163,8 +165,7 @@ class Server:
         return 0
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+        return stat_cpu_seconds(self.process.pid)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
