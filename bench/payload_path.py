@@ -598,9 +598,10 @@ def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, j
     for rank in range(RANKS):
         print(f"rank {rank} prefetch gap (time in next(), ms, after the first batch): ours {gap_figures('ours', rank)}; "
               f"relay {gap_figures('relay', rank)}")
-    print("  the first batch (the first mini-batch submitted), median over repeats and ranks: ours "
-          + "; relay ".join(f"{statistics.median(r['gaps_ms'][rank][0] for r in runs[kind] for rank in range(RANKS)):.0f} ms"
-                            for kind in ("ours", "relay")))
+    first_batch_ms = {kind: statistics.median(r["gaps_ms"][rank][0] for r in runs[kind] for rank in range(RANKS))
+                      for kind in ("ours", "relay")}
+    print(f"  the first batch (the first mini-batch submitted), median over repeats and ranks: ours "
+          f"{first_batch_ms['ours']:.0f} ms; relay {first_batch_ms['relay']:.0f} ms")
     # A writer's next Submit waits for the last one's answer: the tail of these sets the writers' pace as much as
     # the median does.
     print("Submit time at the writers (ms), median over repeats of each run's p50 / p90 / p99: " + "; ".join(
