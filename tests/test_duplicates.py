@@ -375,3 +375,74 @@ def test_over_grpc_a_resubmit_after_collect_is_a_duplicate_and_a_changed_one_is_
                 pacer.submit([changed])
         after = pacer.state()
         assert (after.submitted, after.held_bytes, after.buffered) == (before.submitted, 0, 0)
+
+
+def _taken_then_dispatched_again(pacer: Pacer) -> int:
+    """Group "a" submitted, taken by the trainer, and "a" dispatched again: the running dispatch's seq."""
+    pacer.dispatch([PromptRef("a")])
+    pacer.submit(_group("a"))
+    assert len(pacer.collect(1).groups) == 1
+    return pacer.dispatch([PromptRef("a")]).first_seq
+
+
+def test_a_submit_fenced_to_a_new_dispatch_under_the_taken_groups_ids_is_refused() -> None:
+    pacer = _pacer()
+    seq = _taken_then_dispatched_again(pacer)
+    before = pacer.state()
+    with pytest.raises(InvalidArgumentError, match=rf"earlier dispatch of prompt 'a'.*running dispatch seq {seq}.*"
+                                                   r"unique within a generation") as refused:
+        pacer.submit(_group("a"), dispatch_seqs={"a": seq})
+    assert [field for field, _ in refused.value.violations] == ["trajectories[0].trajectory_id",
+                                                                "trajectories[1].trajectory_id"]
+    assert pacer.state() == before  # nothing counted, nothing accepted
+    fresh = [Trajectory(f"a/new{i}", "a", body=Body(f"x{i}"), size_bytes=10) for i in range(2)]
+    assert pacer.submit(fresh, dispatch_seqs={"a": seq}).groups_completed == 1  # new ids: the new group completes
+
+
+def test_an_unfenced_repeat_of_a_taken_groups_ids_is_a_duplicate_said_in_the_log(caplog) -> None:
+    pacer = _pacer()
+    seq = _taken_then_dispatched_again(pacer)
+    with caplog.at_level("WARNING", logger="coda_server.intake"):
+        result = pacer.submit(_group("a"))  # a late retry, or reused ids: the server cannot tell
+    assert (result.accepted, result.duplicates) == (0, 2)
+    assert [r.getMessage() for r in caplog.records if r.name == "coda_server.intake"] == [
+        f"Submit: 2 trajectories were counted as duplicates (the first 'a/0'): an earlier dispatch of prompt 'a' "
+        f"brought them in this generation, and its later dispatch (seq {seq}) runs without them. If they are that "
+        f"dispatch's work, their ids were reused (trajectory ids must be unique within a generation) and its group "
+        f"waits until its in-flight lease runs out (server.inflight_lease_seconds = 300)"]
+
+
+def test_retries_into_the_running_group_are_duplicates_without_a_warning(caplog) -> None:
+    pacer = _pacer()
+    seq = pacer.dispatch([PromptRef("a")]).first_seq
+    first, second = _group("a")
+    pacer.submit([first], dispatch_seqs={"a": seq})
+    with caplog.at_level("WARNING", logger="coda_server.intake"):
+        # The first again (a retry into its own running group) and the second twice in one Submit.
+        retried = pacer.submit([first, second, second], dispatch_seqs={"a": seq})
+        again = pacer.submit(_group("a"))  # the complete group's, with no later dispatch running
+    assert (retried.accepted, retried.duplicates, retried.groups_completed) == (1, 2, 1)
+    assert (again.accepted, again.duplicates) == (0, 2)
+    assert not [r for r in caplog.records if r.name == "coda_server.intake"]
+
+
+def test_over_grpc_a_new_dispatchs_work_under_reused_ids_is_refused_when_fenced_and_logged_when_not(tmp_path) -> None:
+    with ServerProcess(tmp_path, "fully_async.sliding_window=no-window", "data_source.num_prompts_per_step=4",
+                       "data_source.num_trajectories_per_prompt=1", "trainer.mini_batch_size=1") as server, \
+            PacerClient(server.address) as pacer:
+        def trajectory() -> WireTrajectory:  # the same id and content each time: greedy decoding, ids by position
+            return WireTrajectory(trajectory_id="g/0", prompt_id="g", status=WireStatus.COMPLETED, token_ids=[1, 2])
+
+        pacer.dispatch(["g"])
+        pacer.submit([trajectory()])
+        assert len(pacer.collect(1)) == 1
+        seq = pacer.dispatch(["g"]).seqs[0]
+        with pytest.raises(BadRequestError, match=f"running dispatch seq {seq}.*unique within a generation"):
+            pacer.submit([trajectory()], dispatch_seqs={"g": seq})
+        unfenced = pacer.submit([trajectory()])
+        assert (unfenced.accepted, unfenced.duplicates) == (0, 1)
+        [held] = pacer.list_workers()[0].groups
+        assert (held.prompt_id, held.seq, held.trajectories) == ("g", seq, 0)
+    assert (f"WARNING coda_server.intake: Submit: 1 trajectory was counted as a duplicate (the first 'g/0'): an earlier "
+            f"dispatch of prompt 'g' brought them in this generation, and its later dispatch (seq {seq}) runs without "
+            f"them") in server.log()

@@ -32,6 +32,10 @@ class SubmitSorting:
     unknown: list[str] = field(default_factory=list)  # prompt ids never dispatched
     stale: list[str] = field(default_factory=list)  # prompt ids of an earlier generation
     expired: list[str] = field(default_factory=list)  # prompt ids whose in-flight lease ran out
+    # Duplicates of trajectories an earlier dispatch of their prompt brought in, while a later dispatch of it runs
+    # without them: (index in the Submit, trajectory id, prompt id, the running dispatch's seq). A retry of that
+    # earlier Submit, or a worker that gave its new trajectories the ids of the old ones (`refuse_reused_ids`).
+    earlier_dispatch: list[tuple[int, str, str, int]] = field(default_factory=list)
 
     @property
     def refused_as_stale(self) -> bool:
@@ -55,6 +59,23 @@ class SubmitSorting:
                                     f"{self.expired[0]!r} ran out (server.inflight_lease_seconds = "
                                     f"{inflight_lease_seconds:g}); its slot was reclaimed and its partial "
                                     f"trajectories are returned by the next Reset")
+
+    def refuse_reused_ids(self, dispatch_seqs: Optional[Mapping[str, int]]) -> None:
+        """Raise when a Submit fenced to a prompt's running dispatch (`dispatch_seqs`) repeats trajectories of an
+        earlier dispatch of it: not a retry (a retry names the earlier seq, which the fence refuses), but new work
+        under reused ids, which would be counted as duplicates while the running group waits for trajectories."""
+        if not (self.earlier_dispatch and dispatch_seqs):
+            return
+        reused = [(i, tid, pid, seq) for i, tid, pid, seq in self.earlier_dispatch if dispatch_seqs.get(pid) == seq]
+        if reused:
+            i, tid, pid, seq = reused[0]
+            raise InvalidArgumentError(
+                f"Submit refused, nothing accepted: trajectories[{i}] {tid!r} repeats a trajectory an earlier "
+                f"dispatch of prompt {pid!r} brought in this generation, yet the Submit is for its running dispatch "
+                f"seq {seq}; trajectory ids must be unique within a generation: give the new trajectories new ids",
+                violations=[(f"trajectories[{i}].trajectory_id",
+                             f"{tid!r} was accepted from an earlier dispatch of prompt {pid!r}; ids must be unique "
+                             f"within a generation") for i, tid, pid, _ in reused])
 
 
 def well_formed_id(value: Any, limit: int) -> bool:
@@ -188,6 +209,9 @@ class RequestChecks:
             if earlier is not None:
                 if t.same_content(earlier):
                     sorting.duplicates += 1
+                    group = inflight.get(pid)
+                    if group is not None and tid not in group.trajectories and tid not in in_batch:
+                        sorting.earlier_dispatch.append((i, tid, pid, group.seq))
                 else:
                     violations.append((f"trajectories[{i}].trajectory_id",
                                        f"trajectory {tid!r} was already accepted with different content"))

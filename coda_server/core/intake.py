@@ -1,6 +1,7 @@
 """Submit's intake: trajectories sorted all-or-nothing, accepted into their groups, complete ones to the collector."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .buffer import PipelineBuffer
@@ -16,6 +17,8 @@ from .limits import Limits
 from .signals import Signals
 from .steps import StepBoundary
 from .types import SubmitResult, Trajectory
+
+log = logging.getLogger("coda_server.intake")
 
 
 class Intake:
@@ -43,7 +46,7 @@ class Intake:
         collector.clear_failures()
         stale_before = totals["stale_rejected"]
         try:
-            fresh, duplicates = self._sort(trajectories)
+            fresh, duplicates, earlier_dispatch = self._sort(trajectories, dispatch_seqs)
         except StaleGenerationError:
             self._record(StaleRejected(self._clock.now(), totals["stale_rejected"] - stale_before))
             raise
@@ -65,17 +68,21 @@ class Intake:
         result = SubmitResult(len(fresh), duplicates, len(completed))  # accepted, duplicates, groups completed
         if self._recorder.recording:  # a server without a journal builds no record (a copy of the batch)
             self._record(Submitted(self._clock.now(), list(trajectories), request_id))
+        if earlier_dispatch:
+            self._warn_earlier_dispatch(earlier_dispatch)
         collector.raise_failures()  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
         return result
 
-    def _sort(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
-        """Return (new trajectories, duplicate count) or raise with every problem found; changes nothing
-        but the stale count."""
+    def _sort(self, trajectories: Sequence[Trajectory], dispatch_seqs: Optional[Mapping[str, int]]
+              ) -> tuple[list[Trajectory], int, list[tuple[int, str, str, int]]]:
+        """Return (new trajectories, duplicate count, duplicates of an earlier dispatch of a running prompt) or
+        raise with every problem found; changes nothing but the stale count."""
         inflight = self._inflight
         sorted_ = inflight.sort_submit(self._checks, trajectories)
         if sorted_.refused_as_stale:
             self._totals["stale_rejected"] += len(sorted_.stale)
         sorted_.refuse(self._steps.generation, inflight.remembered_generations, self._leases.inflight_seconds)
+        sorted_.refuse_reused_ids(dispatch_seqs)
         limits = self._limits
         if limits.max_held_bytes or limits.max_buffered_groups:
             get = inflight.get
@@ -84,4 +91,20 @@ class Intake:
                 len(self._buffer.entries),
                 sum(1 for prompt_id, added in sorted_.added_per_group.items()
                     if len(get(prompt_id).trajectories) + added == get(prompt_id).group_size))
-        return sorted_.fresh, sorted_.duplicates
+        return sorted_.fresh, sorted_.duplicates, sorted_.earlier_dispatch
+
+    def _warn_earlier_dispatch(self, earlier_dispatch: list[tuple[int, str, str, int]]) -> None:
+        """Said where the operator sees it: an unfenced Submit cannot be told from a late retry of the earlier
+        dispatch's, so it is answered as duplicates; if it was new work under reused ids, the running group waits
+        for trajectories that will not come until its in-flight lease runs out."""
+        prompts = sorted({pid for _, _, pid, _ in earlier_dispatch})
+        _, tid, pid, seq = earlier_dispatch[0]
+        lease = self._leases.inflight_seconds
+        waits = (f"until its in-flight lease runs out (server.inflight_lease_seconds = {lease:g})" if lease
+                 else "indefinitely (server.inflight_lease_seconds is 0)")
+        what = ("1 trajectory was counted as a duplicate" if len(earlier_dispatch) == 1
+                else f"{len(earlier_dispatch)} trajectories were counted as duplicates")
+        log.warning("Submit: %s (the first %r): an earlier dispatch of prompt %r brought them in this generation, and "
+                    "its later dispatch (seq %d%s) runs without them. If they are that dispatch's work, their ids were "
+                    "reused (trajectory ids must be unique within a generation) and its group waits %s", what, tid,
+                    pid, seq, f"; {len(prompts)} prompts in all" if len(prompts) > 1 else "", waits)
