@@ -33,9 +33,9 @@ class SubmitSorting:
     stale: list[str] = field(default_factory=list)  # prompt ids of an earlier generation
     expired: list[str] = field(default_factory=list)  # prompt ids whose in-flight lease ran out
     # Duplicates of trajectories an earlier dispatch of their prompt brought in, while a later dispatch of it runs
-    # without them: (index in the Submit, trajectory id, prompt id, the running dispatch's seq). A retry of that
-    # earlier Submit, or a worker that gave its new trajectories the ids of the old ones (`refuse_reused_ids`).
-    earlier_dispatch: list[tuple[int, str, str, int]] = field(default_factory=list)
+    # without them, in a Submit not fenced to that dispatch (fenced, they are violations): (trajectory id, prompt
+    # id, the running dispatch's seq). A late retry of the earlier Submit, or new work under reused ids.
+    earlier_dispatch: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def refused_as_stale(self) -> bool:
@@ -59,23 +59,6 @@ class SubmitSorting:
                                     f"{self.expired[0]!r} ran out (server.inflight_lease_seconds = "
                                     f"{inflight_lease_seconds:g}); its slot was reclaimed and its partial "
                                     f"trajectories are returned by the next Reset")
-
-    def refuse_reused_ids(self, dispatch_seqs: Optional[Mapping[str, int]]) -> None:
-        """Raise when a Submit fenced to a prompt's running dispatch (`dispatch_seqs`) repeats trajectories of an
-        earlier dispatch of it: not a retry (a retry names the earlier seq, which the fence refuses), but new work
-        under reused ids, which would be counted as duplicates while the running group waits for trajectories."""
-        if not (self.earlier_dispatch and dispatch_seqs):
-            return
-        reused = [(i, tid, pid, seq) for i, tid, pid, seq in self.earlier_dispatch if dispatch_seqs.get(pid) == seq]
-        if reused:
-            i, tid, pid, seq = reused[0]
-            raise InvalidArgumentError(
-                f"Submit refused, nothing accepted: trajectories[{i}] {tid!r} repeats a trajectory an earlier "
-                f"dispatch of prompt {pid!r} brought in this generation, yet the Submit is for its running dispatch "
-                f"seq {seq}; trajectory ids must be unique within a generation: give the new trajectories new ids",
-                violations=[(f"trajectories[{i}].trajectory_id",
-                             f"{tid!r} was accepted from an earlier dispatch of prompt {pid!r}; ids must be unique "
-                             f"within a generation") for i, tid, pid, _ in reused])
 
 
 def well_formed_id(value: Any, limit: int) -> bool:
@@ -186,8 +169,10 @@ class RequestChecks:
 
     def sort_submit(self, trajectories: Sequence[Trajectory], accepted: Mapping[str, Trajectory | tuple],
                     inflight: Mapping[str, Any], expired_prompts: Collection[str],
-                    generation_prompts: Collection[str], past_generations: Iterable[Collection[str]]) -> SubmitSorting:
-        """Sort a Submit's trajectories: new, duplicate, or refused (and why); reads the queue, changes nothing."""
+                    generation_prompts: Collection[str], past_generations: Iterable[Collection[str]],
+                    dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitSorting:
+        """Sort a Submit's trajectories: new, duplicate, or refused (and why); reads the queue, changes nothing.
+        `dispatch_seqs`: the Submit's fences, which tell new work under an earlier dispatch's ids from a retry."""
         self.check_submit_size(trajectories)
         sorting = SubmitSorting()
         violations, fresh, added_per_group = sorting.violations, sorting.fresh, sorting.added_per_group
@@ -207,14 +192,24 @@ class RequestChecks:
             good_pid = pid
             earlier = accepted.get(tid) or in_batch.get(tid)
             if earlier is not None:
-                if t.same_content(earlier):
-                    sorting.duplicates += 1
-                    group = inflight.get(pid)
-                    if group is not None and tid not in group.trajectories and tid not in in_batch:
-                        sorting.earlier_dispatch.append((i, tid, pid, group.seq))
-                else:
+                if not t.same_content(earlier):
                     violations.append((f"trajectories[{i}].trajectory_id",
                                        f"trajectory {tid!r} was already accepted with different content"))
+                    continue
+                group = inflight.get(pid) if tid not in in_batch else None
+                if group is not None and tid not in group.trajectories:
+                    # An earlier dispatch's trajectory while a later dispatch runs. Fenced to that later dispatch it
+                    # is new work under a reused id (a retry of the earlier Submit names the earlier seq, which the
+                    # fence refuses); unfenced it may be a late retry: a duplicate, said in the log (Intake).
+                    if dispatch_seqs and dispatch_seqs.get(pid) == group.seq:
+                        violations.append((f"trajectories[{i}].trajectory_id",
+                                           f"{tid!r} repeats a trajectory an earlier dispatch of prompt {pid!r} "
+                                           f"brought in this generation, yet the Submit is for its running dispatch "
+                                           f"seq {group.seq}; trajectory ids must be unique within a generation: give "
+                                           f"the new trajectories new ids"))
+                        continue
+                    sorting.earlier_dispatch.append((tid, pid, group.seq))
+                sorting.duplicates += 1
                 continue
             group = inflight.get(pid)
             if group is None:

@@ -229,10 +229,11 @@ class InflightTable:
     def remembered_generations(self) -> "int | None":
         return self._past_generations.maxlen
 
-    def sort_submit(self, checks: Any, trajectories: Sequence[Trajectory]) -> Any:
+    def sort_submit(self, checks: Any, trajectories: Sequence[Trajectory],
+                    dispatch_seqs: Optional[Mapping[str, int]] = None) -> Any:
         """`checks.sort_submit` against this table (changes nothing)."""
         return checks.sort_submit(trajectories, self._accepted, self.groups, self._expired_prompts,
-                                  self._generation_prompts, self._past_generations)
+                                  self._generation_prompts, self._past_generations, dispatch_seqs)
 
     def check_candidates(self, checks: Any, candidates: Sequence[PromptRef], restored: Any) -> None:
         checks.check_candidates(candidates, self.groups, restored.ids)

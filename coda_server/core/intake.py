@@ -74,15 +74,14 @@ class Intake:
         return result
 
     def _sort(self, trajectories: Sequence[Trajectory], dispatch_seqs: Optional[Mapping[str, int]]
-              ) -> tuple[list[Trajectory], int, list[tuple[int, str, str, int]]]:
+              ) -> tuple[list[Trajectory], int, list[tuple[str, str, int]]]:
         """Return (new trajectories, duplicate count, duplicates of an earlier dispatch of a running prompt) or
         raise with every problem found; changes nothing but the stale count."""
         inflight = self._inflight
-        sorted_ = inflight.sort_submit(self._checks, trajectories)
+        sorted_ = inflight.sort_submit(self._checks, trajectories, dispatch_seqs)
         if sorted_.refused_as_stale:
             self._totals["stale_rejected"] += len(sorted_.stale)
         sorted_.refuse(self._steps.generation, inflight.remembered_generations, self._leases.inflight_seconds)
-        sorted_.refuse_reused_ids(dispatch_seqs)
         limits = self._limits
         if limits.max_held_bytes or limits.max_buffered_groups:
             get = inflight.get
@@ -93,12 +92,12 @@ class Intake:
                     if len(get(prompt_id).trajectories) + added == get(prompt_id).group_size))
         return sorted_.fresh, sorted_.duplicates, sorted_.earlier_dispatch
 
-    def _warn_earlier_dispatch(self, earlier_dispatch: list[tuple[int, str, str, int]]) -> None:
+    def _warn_earlier_dispatch(self, earlier_dispatch: list[tuple[str, str, int]]) -> None:
         """Said where the operator sees it: an unfenced Submit cannot be told from a late retry of the earlier
         dispatch's, so it is answered as duplicates; if it was new work under reused ids, the running group waits
         for trajectories that will not come until its in-flight lease runs out."""
-        prompts = sorted({pid for _, _, pid, _ in earlier_dispatch})
-        _, tid, pid, seq = earlier_dispatch[0]
+        prompts = len({pid for _, pid, _ in earlier_dispatch})
+        tid, pid, seq = earlier_dispatch[0]
         lease = self._leases.inflight_seconds
         waits = (f"until its in-flight lease runs out (server.inflight_lease_seconds = {lease:g})" if lease
                  else "indefinitely (server.inflight_lease_seconds is 0)")
@@ -107,4 +106,4 @@ class Intake:
         log.warning("Submit: %s (the first %r): an earlier dispatch of prompt %r brought them in this generation, and "
                     "its later dispatch (seq %d%s) runs without them. If they are that dispatch's work, their ids were "
                     "reused (trajectory ids must be unique within a generation) and its group waits %s", what, tid,
-                    pid, seq, f"; {len(prompts)} prompts in all" if len(prompts) > 1 else "", waits)
+                    pid, seq, f"; {prompts} prompts in all" if prompts > 1 else "", waits)
