@@ -412,6 +412,34 @@ def test_an_unfenced_repeat_of_a_taken_groups_ids_is_a_duplicate_said_in_the_log
         f"waits until its in-flight lease runs out (server.inflight_lease_seconds = 300)"]
 
 
+def test_a_restart_replays_the_unfenced_repeat_without_saying_it_again(tmp_path, caplog) -> None:
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    def journaled() -> Pacer:
+        return Pacer(_pacer().config, journal=SqliteJournal(tmp_path / "state", fsync="off"))
+
+    def bodiless(prompt_id: str) -> list[Trajectory]:  # what the journal can write
+        return [Trajectory(f"{prompt_id}/{i}", prompt_id, size_bytes=10) for i in range(2)]
+
+    first = journaled()
+    first.dispatch([PromptRef("a")])
+    first.submit(bodiless("a"))
+    assert len(first.collect(1).groups) == 1
+    first.dispatch([PromptRef("a")])
+    with caplog.at_level("WARNING", logger="coda_server.intake"):
+        assert first.submit(bodiless("a")).duplicates == 2
+        said_live = [r for r in caplog.records if r.name == "coda_server.intake"]
+        before = first.state()
+        first.journal.close()
+        caplog.clear()
+        recovered = journaled()
+        recovered.recover()
+    assert len(said_live) == 1  # the live Submit said it
+    assert not [r for r in caplog.records if r.name == "coda_server.intake"]  # the replay did not say it again
+    assert (recovered.state().duplicates, recovered.state().running) == (before.duplicates, before.running)
+    recovered.journal.close()
+
+
 def test_retries_into_the_running_group_are_duplicates_without_a_warning(caplog) -> None:
     pacer = _pacer()
     seq = pacer.dispatch([PromptRef("a")]).first_seq

@@ -68,7 +68,7 @@ class Intake:
         result = SubmitResult(len(fresh), duplicates, len(completed))  # accepted, duplicates, groups completed
         if self._recorder.recording:  # a server without a journal builds no record (a copy of the batch)
             self._record(Submitted(self._clock.now(), list(trajectories), request_id))
-        if earlier_dispatch:
+        if earlier_dispatch and not self._recorder.replaying:  # said when it happened, not again at a restart
             self._warn_earlier_dispatch(earlier_dispatch)
         collector.raise_failures()  # accepted, but a hook raised on a group: the caller hears it (INTERNAL)
         return result

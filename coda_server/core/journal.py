@@ -272,6 +272,11 @@ class Recorder:
         """True when changes are written now (a journal, not replaying it)."""
         return self._active is not None
 
+    @property
+    def replaying(self) -> bool:
+        """True while a journal is replayed (`suspended()`): what the live call said once, it does not say again."""
+        return self.journal is not None and self._active is None
+
     def record(self, event: JournalEvent) -> None:
         if self._active is not None:
             self.last_ticket = self._active.append(event)
