@@ -227,6 +227,25 @@ def resolve_tls(tls: TlsSpec) -> tuple[grpc.ChannelCredentials | None, list[tupl
     return config.credentials(), extra
 
 
+# Targets in gRPC's name syntax (dns:///host:port, unix:/path, ipv4:..., ...) go to gRPC as they are.
+_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
+
+
+def check_target(target: str) -> str:
+    """`target` if gRPC can dial it as given, else ValueError saying why: a plain `host:port` needs a port in
+    1..65535 (gRPC would dial 99999 as 34463, and port 0 or one that is no number only fails at the first call)."""
+    if not isinstance(target, str) or not target.strip():
+        raise ValueError(f"target {target!r} is not an address: give host:port, e.g. 127.0.0.1:50051")
+    if "://" in target or target.startswith(_TARGET_SCHEMES):
+        return target
+    host, sep, port = target.rpartition(":")
+    if not sep or (":" in host and not host.startswith("[")):  # no port (gRPC's default), or a bare IPv6 address
+        return target
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"target {target!r} is not host:port with a port in 1..65535, e.g. 127.0.0.1:50051")
+    return target
+
+
 def check_client_id(client_id: str) -> str:
     """`client_id` if it is a valid client id, else ValueError saying what is allowed (the server's rule too)."""
     if not isinstance(client_id, str) or not CLIENT_ID_PATTERN.fullmatch(client_id):

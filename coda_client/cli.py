@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 import grpc
 
-from ._channel import TlsConfig, resolve_tls
+from ._channel import TlsConfig, check_target, resolve_tls
 from .client import PacerClient
 from .errors import PacerClientError
 from .types import ControlEvent, ControlEventType, JobEndReport, PacerState, ResetResult, StepReport, WorkerHoldings
@@ -113,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
             return probe_health(args.address, args.service, args.timeout, out, tls=tls, json_lines=args.json)
         client = PacerClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout,
                              client_id=args.client_id or None)
-    except (OSError, ValueError) as error:  # unreadable certificate file, key without certificate, bad client id
+    except (OSError, ValueError) as error:  # unreadable certificate file, key without certificate, bad client id or address
         print(f"coda-client: {error}", file=sys.stderr)
         return 2
     try:
@@ -193,6 +193,7 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
     """
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # only the probe needs the health stubs
 
+    check_target(address)  # a port gRPC would dial modulo 65536 would probe another server
     credentials, options = resolve_tls(tls)
     channel = grpc.secure_channel(address, credentials, options) if credentials else grpc.insecure_channel(address)
     with channel:

@@ -24,6 +24,7 @@ from ._channel import (
     TlsSpec,
     call_metadata,
     channel_options,
+    check_target,
     read_stream,
     resolve_tls,
 )
@@ -186,7 +187,7 @@ class _ClientBase:
         client_id: str | None = None,
         wait_for_ready: bool = False,
     ) -> None:
-        self.target = target
+        self.target = check_target(target)
         self.wait_for_ready = wait_for_ready
         self.arrays: _arrays.ArrayMode = _arrays.check_mode(arrays)
         self.timeout = float(timeout)
@@ -332,7 +333,8 @@ class _ClientBase:
 class PacerClient(_ClientBase):
     """Blocking client of the RolloutPacer service; thread-safe, one channel per process.
 
-    target: "host:port". token: bearer token sent with every call. tls: None (plaintext), True (system
+    target: "host:port" (a port outside 1..65535 is a ValueError here), or a gRPC name such as
+    "dns:///host:port" or "unix:/path". token: bearer token sent with every call. tls: None (plaintext), True (system
     roots), a TlsConfig or mapping of its fields (root cert, client cert/key for mTLS, server name), or
     grpc.ChannelCredentials. timeout: default deadline in seconds; long-polls get wait + a margin.
     options: extra gRPC channel arguments, overriding the defaults. arrays: how received trajectories hold

@@ -101,3 +101,10 @@ def test_a_submit_over_the_limit_is_refused_before_it_is_built_naming_max_messag
         assert isinstance(refused.value, BadRequestError) and refused.value.reason == "MESSAGE_TOO_LARGE"
         assert "max_message_bytes (67108864)" in str(refused.value) and "2400000" in str(refused.value)
         assert pacer.state().submitted == 0
+
+
+@pytest.mark.parametrize("command", [("state",), ("health",), ("watch", "--count", "1")])
+def test_an_address_grpc_would_dial_modulo_65536_stops_the_cli_with_exit_2(command, capsys):
+    code, text = run_cli("127.0.0.1:99999", *command)  # gRPC would dial 127.0.0.1:34463
+    assert (code, text) == (2, "")
+    assert "target '127.0.0.1:99999' is not host:port with a port in 1..65535" in capsys.readouterr().err

@@ -688,3 +688,19 @@ def test_read_stream_returns_every_message_or_the_reads_own_error() -> None:
     with pytest.raises(grpc.RpcError) as caught:
         _channel.read_stream(_EndedStream([], grpc.StatusCode.CANCELLED, failure))
     assert caught.value is failure
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:99999", "127.0.0.1:0", "localhost:abc", ":50051", "", "127.0.0.1:-5"])
+def test_a_target_grpc_would_dial_elsewhere_or_never_is_refused_at_construction(target: str) -> None:
+    # gRPC dials 127.0.0.1:99999 as 34463 (modulo 65536); port 0 and a port that is no number fail only at a call.
+    for client_class in (coda_client.PacerClient, coda_client.AsyncPacerClient):
+        with pytest.raises(ValueError, match=r"host:port.*e\.g\. 127\.0\.0\.1:50051"):
+            client_class(target)
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:50051", "localhost", "[::1]:50051", "dns:///pacer.svc:50051",
+                                    "unix:/tmp/pacer.sock", "ipv4:127.0.0.1:50051"])
+def test_targets_in_grpcs_own_forms_are_taken_as_they_are(target: str) -> None:
+    client = coda_client.PacerClient(target)
+    assert client.target == target
+    client.close()

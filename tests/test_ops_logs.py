@@ -103,6 +103,11 @@ def test_rpc_lines_can_be_turned_off_keeping_the_lifecycle_lines(tmp_path):
     ("server.metrics_address=9464", "server.metrics_address = 9464: must be host:port"),
     ("server.metrics_address=localhost:99999", "server.metrics_address = 'localhost:99999'"),
     ("server.metrics_address=:9464", "server.metrics_address = ':9464'"),
+    # gRPC itself would listen on 34463 (99999 modulo 65536), on 443 without a port, and on 65531 for -5.
+    ("server.address=127.0.0.1:99999", "server.address = '127.0.0.1:99999': must be host:port with a port in 0..65535"),
+    ("server.address=localhost", "server.address = 'localhost': must be host:port"),
+    ("server.address=127.0.0.1:-5", "server.address = '127.0.0.1:-5': must be host:port"),
+    ("server.health_address=127.0.0.1:70000", "server.health_address = '127.0.0.1:70000': must be host:port"),
 ])
 def test_invalid_operations_keys_stop_start_up_naming_the_key(override, problem):
     with pytest.raises(ConfigError) as caught:
@@ -113,3 +118,14 @@ def test_invalid_operations_keys_stop_start_up_naming_the_key(override, problem)
 @pytest.mark.parametrize("value", ["''", "0.0.0.0:9464", "'[::1]:0'", "localhost:0"])
 def test_valid_metrics_addresses_load(value):
     assert load_config(overrides=[f"server.metrics_address={value}"], load_plugins=False) is not None
+
+
+@pytest.mark.parametrize("overrides, key, expected", [
+    (["server.address=0.0.0.0:50051"], "address", "0.0.0.0:50051"),
+    (["server.address='[::1]:0'"], "address", "[::1]:0"),
+    (["server.address=localhost:65535"], "address", "localhost:65535"),
+    (["server.health_address=0.0.0.0:8081"], "health_address", "0.0.0.0:8081"),
+    (["server.address=''", "server.uds_path=/tmp/pacer.sock"], "address", ""),
+])
+def test_valid_listener_addresses_load(overrides, key, expected):
+    assert load_config(overrides=overrides, load_plugins=False).server[key] == expected

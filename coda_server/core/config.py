@@ -330,8 +330,11 @@ def _validate_server(server: Any, need) -> None:
     """The server keys the schema cannot check one by one: listeners and TLS files that go together."""
     address = server.get("address")
     no_address = address is None or (isinstance(address, str) and address.strip() == "")
-    need((isinstance(address, str) and not no_address) or (no_address and bool(server.get("uds_path"))),
-         "server.address", address, "must be host:port, e.g. 127.0.0.1:50051 (may be \"\" only when server.uds_path is set)")
+    # Checked here, not left to gRPC: it takes a port past 65535 modulo 65536 and a missing port as 443, and would
+    # serve somewhere the clients are not told of.
+    need(parse_host_port(address) is not None or (no_address and bool(server.get("uds_path"))),
+         "server.address", address, "must be host:port with a port in 0..65535 (0: a free port), e.g. 127.0.0.1:50051 "
+         "(may be \"\" only when server.uds_path is set)")
     tls = server.get("tls") or {}
     files = {key: tls.get(key) or "" for key in ("cert_file", "key_file", "client_ca_file")}
     if all(isinstance(value, str) for value in files.values()):

@@ -220,7 +220,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("server.uds_mode", "any", "0660", "File mode of the socket, an octal string",
         check=lambda value: parse_file_mode(value) is not None,
         allowed="must be an octal file mode between \"0000\" and \"0777\", written as a quoted string, e.g. \"0660\""),
-    _path("server.health_address", "", "host:port of a plaintext grpc.health.v1-only listener (\"\": none)"),
+    Key("server.health_address", "str", "", "host:port of a plaintext grpc.health.v1-only listener (\"\": none)",
+        nullable=True, check=lambda value: value == "" or parse_host_port(value) is not None,
+        allowed="must be host:port with a port in 0..65535, e.g. 0.0.0.0:8081, or \"\" for none"),
 )
 
 
