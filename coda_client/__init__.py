@@ -29,6 +29,7 @@ _MODULE_OF = {
     "UnauthenticatedError": "errors",
     "UnavailableError": "errors",
     "UnknownPromptError": "errors",
+    "UnknownLeaseError": "errors",
     "translate": "errors",
     "Checkpoint": "types",
     "CollectResult": "types",
@@ -62,7 +63,7 @@ if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
     from .errors import (  # noqa: F401
         BadRequestError, DeadlineExceededError, FailedPreconditionError, FieldViolation, PacerClientError,
         ResourceExhaustedError, ServerGoneError, StaleGenerationError, UnauthenticatedError, UnavailableError,
-        UnknownPromptError, translate,
+        UnknownLeaseError, UnknownPromptError, translate,
     )
     from .types import (  # noqa: F401
         Checkpoint, CollectResult, CollectShape, ControlEvent, ControlEventType, DispatchResult, HeldGroup, Incident,
@@ -121,6 +122,7 @@ __all__ = [
     "PacerClientError",
     "BadRequestError",
     "UnknownPromptError",
+    "UnknownLeaseError",
     "StaleGenerationError",
     "FailedPreconditionError",
     "ResourceExhaustedError",

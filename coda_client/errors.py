@@ -16,6 +16,7 @@ __all__ = [
     "PacerClientError",
     "BadRequestError",
     "UnknownPromptError",
+    "UnknownLeaseError",
     "FailedPreconditionError",
     "StaleGenerationError",
     "ResourceExhaustedError",
@@ -29,6 +30,8 @@ __all__ = [
 
 # google.rpc.ErrorInfo reason for a trajectory whose prompt was dispatched before the last Reset.
 STALE_GENERATION = "STALE_GENERATION"
+# google.rpc.ErrorInfo reason for an Ack naming a lease the server does not know.
+UNKNOWN_LEASE = "UNKNOWN_LEASE"
 # google.rpc.ErrorInfo domain the server uses.
 ERROR_DOMAIN = "coda.pacer.v1"
 
@@ -71,7 +74,12 @@ class BadRequestError(PacerClientError):
 
 
 class UnknownPromptError(PacerClientError):
-    """NOT_FOUND: a trajectory for a prompt that was never dispatched."""
+    """NOT_FOUND: a trajectory for a prompt that was never dispatched (UnknownLeaseError: an unknown lease)."""
+
+
+class UnknownLeaseError(UnknownPromptError):
+    """NOT_FOUND with reason UNKNOWN_LEASE: an Ack names a lease never granted, or one already acknowledged. A
+    subclass of UnknownPromptError, which caught every NOT_FOUND before it existed."""
 
 
 class FailedPreconditionError(PacerClientError):
@@ -158,6 +166,8 @@ def translate(rpc_error: grpc.RpcError, target: str | None = None) -> PacerClien
     cls = _BY_CODE.get(code, PacerClientError)
     if cls is FailedPreconditionError and status.reason == STALE_GENERATION:
         cls = StaleGenerationError
+    elif cls is UnknownPromptError and status.reason == UNKNOWN_LEASE:
+        cls = UnknownLeaseError
     if cls is UnavailableError and target and not status.reason:
         message = f"cannot reach the pacer at {target}: {message}"
     return cls(

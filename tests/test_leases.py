@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from coda_client import PacerClient, Trajectory as WireTrajectory, TrajectoryStatus as WireStatus
-from coda_client.errors import FailedPreconditionError, PacerClientError
+from coda_client.errors import FailedPreconditionError, UnknownPromptError
+from coda_client.errors import UnknownLeaseError as ClientUnknownLeaseError
 from coda_server.core import (
     InvalidArgumentError,
     Pacer,
@@ -218,9 +219,9 @@ def test_ack_and_redelivery_over_grpc(tmp_path):
         with pytest.raises(FailedPreconditionError) as caught:
             pacer.ack(lapsed.lease_id)
         assert caught.value.reason == "LEASE_EXPIRED"
-        with pytest.raises(PacerClientError) as caught:
+        with pytest.raises(ClientUnknownLeaseError) as caught:  # an UnknownPromptError too, as every NOT_FOUND was
             pacer.ack("lease-unknown")
-        assert caught.value.reason == "UNKNOWN_LEASE"
+        assert caught.value.reason == "UNKNOWN_LEASE" and isinstance(caught.value, UnknownPromptError)
         state = pacer.state()
         assert (state.consumed, state.redelivered, state.leased, state.buffered) == (2, 1, 0, 0)
 
