@@ -234,12 +234,40 @@ def encode_trajectory(scalars: Mapping[str, Any], arrays: Mapping[str, Any]) -> 
     """The parts of one encoded Trajectory: its scalar fields through protobuf, then each non-empty array
     as a packed field whose run is the array's own buffer (`arrays`: name -> buffer of little-endian
     numbers of the field's type). Field order does not matter on the wire."""
-    parts: list[Any] = [pacer_pb2.Trajectory(**scalars).SerializeToString()]
+    try:
+        parts: list[Any] = [pacer_pb2.Trajectory(**scalars).SerializeToString()]
+    except (TypeError, ValueError) as exc:  # protobuf's message names no field ("must be real number, not str")
+        raise _scalar_error(scalars, exc) from None
     for name, run in arrays.items():
         size = memoryview(run).nbytes
         if size:
             parts += [_ARRAY_TAGS[name], varint(size), run]
     return parts
+
+
+# What each scalar field of a Trajectory takes, by protobuf's field type, for the error that names it.
+_ALLOWED_BY_TYPE = {
+    FieldDescriptor.TYPE_STRING: "a str", FieldDescriptor.TYPE_DOUBLE: "a float (an int is taken too)",
+    FieldDescriptor.TYPE_FLOAT: "a float (an int is taken too)", FieldDescriptor.TYPE_INT32: "an int",
+    FieldDescriptor.TYPE_INT64: "an int", FieldDescriptor.TYPE_UINT32: "an int >= 0",
+    FieldDescriptor.TYPE_UINT64: "an int >= 0", FieldDescriptor.TYPE_ENUM: "a TrajectoryStatus",
+    FieldDescriptor.TYPE_BOOL: "a bool",
+}
+
+
+def _scalar_error(scalars: Mapping[str, Any], cause: Exception) -> Exception:
+    """The error for a Trajectory whose scalar fields protobuf refused: the first field refused on its own, its
+    value and what it takes (the same exception type, so callers catching TypeError or ValueError still do)."""
+    for name, value in scalars.items():
+        try:
+            pacer_pb2.Trajectory(**{name: value})
+        except (TypeError, ValueError) as exc:
+            field = _TRAJECTORY.fields_by_name[name]
+            allowed = ("a dict of str to str" if field.message_type is not None and name == "metadata"
+                       else _ALLOWED_BY_TYPE.get(field.type, "its protobuf type"))
+            return type(exc)(f"Trajectory.{name} = {value!r} ({type(value).__name__}) is not allowed: it takes "
+                             f"{allowed} ({exc})")
+    return cause
 
 
 def serialize(message: Any) -> bytes:

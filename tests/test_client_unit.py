@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -704,3 +705,18 @@ def test_targets_in_grpcs_own_forms_are_taken_as_they_are(target: str) -> None:
     client = coda_client.PacerClient(target)
     assert client.target == target
     client.close()
+
+
+@pytest.mark.parametrize("field, value, error, takes", [
+    ("reward", "1.0", TypeError, "a float"),
+    ("trajectory_id", 5, TypeError, "a str"),
+    ("ds_index", 1.5, TypeError, "an int >= 0"),
+    ("num_turns", -1, ValueError, "an int >= 0"),
+    ("metadata", {"a": 1}, TypeError, "a dict of str to str"),
+])
+def test_a_scalar_field_protobuf_refuses_is_named_with_what_it_takes(field: str, value: Any, error: type,
+                                                                    takes: str) -> None:
+    fields = {"trajectory_id": "t", "prompt_id": "p", "status": coda_client.TrajectoryStatus.COMPLETED, field: value}
+    with pytest.raises(error, match=rf"^Trajectory\.{field} = {re.escape(repr(value))} \({type(value).__name__}\) "
+                                    rf"is not allowed: it takes {takes}"):
+        coda_client.Trajectory(**fields).encoded_parts()
