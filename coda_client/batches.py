@@ -412,6 +412,17 @@ def check_reachable(state: PacerState, num_groups: int, mini_batch_size: int) ->
             f"too); use a mini_batch_size of at most {limit} groups' trajectories, or widen the window")
 
 
+def check_group_size(state: PacerState, group_size: int | None) -> None:
+    """ValueError when `group_size` is given and is none of the server's group sizes: every mini-batch would hold
+    mini_batch_size / group_size of the server's groups, another number of trajectories than asked for."""
+    sizes = sorted(set(getattr(state, "group_sizes", None) or ()))
+    if group_size is not None and sizes and group_size not in sizes:
+        raise ValueError(f"group_size {group_size} is not the server's group size (its data sources' "
+                         f"num_trajectories_per_prompt: {', '.join(map(str, sizes))}): a mini-batch would hold "
+                         f"mini_batch_size / {group_size} of its groups, not mini_batch_size trajectories; omit "
+                         f"group_size to take the server's")
+
+
 def _groups_per_batch(mini_batch_size: int, group_size: int) -> int:
     if group_size <= 0 or mini_batch_size <= 0 or mini_batch_size % group_size:
         raise ValueError(f"mini_batch_size ({mini_batch_size}) must be a positive multiple of the group size "
@@ -840,8 +851,11 @@ class AsyncBatchIterator(_IteratorBase):
         self._watcher: asyncio.Task[None] | None = None
 
     async def _start(self) -> None:
-        if not self._shape_resolved or self.num_batches == STEP:
+        # The server's state is asked for whenever the blocking iterator's batches() asks for it.
+        if (not self._shape_resolved or self.num_batches == STEP or self._group_size is not None
+                or not self.shape.token_budget):
             state = await self._client.state()
+            check_group_size(state, self._group_size)
             if not self._shape_resolved:
                 self.shape = BatchShape.of(self.mini_batch_size, None, lambda: state.group_sizes,
                                            **self._shape_arguments)

@@ -37,6 +37,7 @@ from .batches import (
     BatchIterator,
     STEP,
     BatchShape,
+    check_group_size,
     check_reachable,
     step_batches,
 )
@@ -459,6 +460,8 @@ class PacerClient(_ClientBase):
 
         shape = BatchShape.of(mini_batch_size, group_size, lambda: server_state().group_sizes,
                               token_budget=token_budget, rank=rank, world_size=world_size)
+        if group_size is not None:
+            check_group_size(server_state(), group_size)
         if num_batches == STEP:
             num_batches = step_batches(mini_batch_size, server_state(), token_budget)
         if not shape.token_budget:  # a batch the window can never fill: say so now, not by waiting forever

@@ -2,12 +2,14 @@
 than the window can ever hold; and a trainer waiting on a full window is told so in the server log."""
 from __future__ import annotations
 
+import asyncio
+import re
 import threading
 import time
 
 import pytest
 
-from coda_client import PacerClient, Trajectory, TrajectoryStatus
+from coda_client import AsyncPacerClient, PacerClient, Trajectory, TrajectoryStatus
 from coda_client.errors import BadRequestError
 from conftest import core_overrides
 from server_harness import ServerProcess
@@ -53,6 +55,26 @@ def test_batches_that_the_window_can_never_fill_fail_when_asked_for(server):
     caller.join(CONDITION_TIMEOUT)
     assert not caller.is_alive(), "batches(128) waits for a mini-batch the window can never fill"
     assert "mini_batch_size 128 needs 64 groups" in outcome["error"] and "= 16" in outcome["error"]
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_a_group_size_the_server_does_not_have_is_refused_before_any_batch(server, group_size):
+    """A wrong group_size would size every mini-batch by it: 4 with the server's N = 2 gave half the trajectories
+    asked for, 1 twice as many, without a word."""
+    pytest.importorskip("numpy")
+    expected = f"group_size {group_size} is not the server's group size (its data sources' num_trajectories_per_prompt: 2)"
+    with PacerClient(server.address) as trainer:
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            trainer.batches(8, group_size=group_size, num_batches=1)
+        trainer.batches(8, group_size=2, num_batches=1).close()  # the server's own is fine
+
+    async def ask_async() -> None:
+        async with AsyncPacerClient(server.address) as trainer:
+            with pytest.raises(ValueError, match=re.escape(expected)):
+                async with trainer.batches(8, group_size=group_size, num_batches=1) as batches:
+                    await batches.__anext__()
+
+    asyncio.run(asyncio.wait_for(ask_async(), CONDITION_TIMEOUT))
 
 
 def test_a_collect_waiting_on_a_full_window_is_logged_with_the_windows_terms(tmp_path):
