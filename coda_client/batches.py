@@ -493,6 +493,16 @@ class BatchShape:
         return cls(num_groups, token_budget or 0, rank, world_size)
 
 
+def _reopened_watch(client: Any) -> Any:
+    """The client's control stream opened again, or None when the client was closed under the iterator: there is
+    nothing left to follow, and the iterator's own calls say that the client is closed."""
+    try:
+        return client.watch()
+    except RuntimeError as exc:
+        log.info("batches: control stream not reopened: %s", exc)
+        return None
+
+
 class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
@@ -661,7 +671,10 @@ class BatchIterator(_IteratorBase):
             with self._lock:
                 if self._closed:
                     return
-                self._watch = self._client.watch()
+                watch = _reopened_watch(self._client)
+                if watch is None:
+                    return
+                self._watch = watch
 
     def _cancel_inflight(self, calls: set[Any]) -> None:
         with self._lock:
@@ -892,7 +905,10 @@ class AsyncBatchIterator(_IteratorBase):
             await asyncio.sleep(delay)
             delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
             if not self._closed:
-                self._watch = self._client.watch()
+                watch = _reopened_watch(self._client)
+                if watch is None:
+                    return
+                self._watch = watch
 
     async def _call(self, call: _calls.Call[_T], *, survives_close: bool = False) -> _T:
         """Coroutine form of BatchIterator._call."""

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -371,3 +372,24 @@ def test_the_async_iterator_acknowledges_and_stops_like_the_blocking_one(server)
 
     seen, consumed, leased = asyncio.run(scenario())
     assert seen == [["a0", "a1"], ["a2", "a3"]] and (consumed, leased) == (4, 0)
+
+
+def test_a_client_closed_under_an_open_iterator_ends_its_watch_quietly(tmp_path, monkeypatch) -> None:
+    """The iterator's control-stream thread reopens the stream when it ends; with the client closed under it
+    that is impossible, and the thread stops without a traceback (the iterator's own next() says why)."""
+    failures: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(f"{args.thread.name}: {args.exc_value!r}"))
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
+                       "trainer.mini_batch_size=2") as server:
+        client = PacerClient(server.address)
+        batches = client.batches(2, poll=1)
+        assert batches.wait_watching(30)
+        client.close()  # ends the control stream: the watch thread tries to reopen it
+        deadline = time.monotonic() + 30
+        while any(t.name == "coda-batches-watch" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(t.name == "coda-batches-watch" for t in threading.enumerate())
+        with pytest.raises(RuntimeError, match="is closed"):
+            next(batches)
+        batches.close()
+    assert failures == []
