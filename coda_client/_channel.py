@@ -3,6 +3,7 @@ streamed answer."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import threading
@@ -244,6 +245,69 @@ def check_target(target: str) -> str:
     if not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"target {target!r} is not host:port with a port in 1..65535, e.g. 127.0.0.1:50051")
     return target
+
+
+# The environment variables gRPC's C core reads, in its order, for the HTTP CONNECT proxy of every channel, and
+# those that exclude hosts from it.
+_PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
+_NO_PROXY_VARIABLES = ("no_grpc_proxy", "no_proxy")
+_ENABLE_PROXY = "grpc.enable_http_proxy"
+
+
+def target_host(target: str) -> str | None:
+    """The host of a `host:port` or `dns:///host:port` target (None for other gRPC names, e.g. unix:)."""
+    name = target[len("dns:///"):] if target.startswith("dns:///") else target
+    if "://" in name or name.startswith(_TARGET_SCHEMES):
+        return None
+    host, sep, port = name.rpartition(":")
+    if not sep or (":" in host and not host.startswith("[")):
+        host = name  # no port, or a bare IPv6 address
+    return host.removeprefix("[").removesuffix("]").lower()
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` names this machine's loopback interface."""
+    if host is None:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def proxy_options(target: str) -> dict[str, Any]:
+    """Channel arguments that keep a loopback target off an HTTP proxy from the environment: a proxy elsewhere
+    cannot reach this machine's loopback, and a sidecar's clients and probes would fail with the proxy's error
+    (the caller's own `grpc.enable_http_proxy` still wins)."""
+    return {_ENABLE_PROXY: 0} if is_loopback(target_host(target)) else {}
+
+
+def proxy_in_use(target: str, options: Mapping[str, Any]) -> str | None:
+    """The HTTP proxy gRPC sends this target's channel through, as "URL (from $variable)", or None: no proxy
+    variable set, the channel argument turning it off, a gRPC name other than host:port, or the host in
+    no_grpc_proxy / no_proxy (matched as gRPC does for names: the entry, or a domain suffix of it)."""
+    if not options.get(_ENABLE_PROXY, 1):
+        return None
+    host = target_host(target)
+    variable = next((name for name in _PROXY_VARIABLES if os.environ.get(name)), None)
+    if host is None or variable is None:
+        return None
+    excluded = next((os.environ[name] for name in _NO_PROXY_VARIABLES if os.environ.get(name) is not None), "")
+    for entry in (e.strip().lower() for e in excluded.split(",")):
+        if entry == "*" or (entry and (host == entry.lstrip(".") or host.endswith("." + entry.lstrip(".")))):
+            return None
+    return f"{os.environ[variable]} (from ${variable})"
+
+
+def unreachable_target(target: str, options: Mapping[str, Any]) -> str:
+    """How an UNAVAILABLE error names where the client tried to reach: the target, and the proxy it went through."""
+    proxy = proxy_in_use(target, options)
+    if proxy is None:
+        return target
+    return (f"{target} through the HTTP proxy {proxy}; to connect directly, add the host to no_grpc_proxy or pass "
+            f"options={{'{_ENABLE_PROXY}': 0}}")
 
 
 def check_client_id(client_id: str) -> str:

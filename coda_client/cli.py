@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 import grpc
 
-from ._channel import TlsConfig, check_target, resolve_tls
+from ._channel import TlsConfig, check_target, proxy_options, resolve_tls
 from .client import PacerClient
 from .errors import PacerClientError
 from .types import ControlEvent, ControlEventType, JobEndReport, PacerState, ResetResult, StepReport, WorkerHoldings
@@ -194,8 +194,10 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # only the probe needs the health stubs
 
     check_target(address)  # a port gRPC would dial modulo 65536 would probe another server
-    credentials, options = resolve_tls(tls)
-    channel = grpc.secure_channel(address, credentials, options) if credentials else grpc.insecure_channel(address)
+    credentials, tls_options = resolve_tls(tls)
+    options = [*proxy_options(address).items(), *tls_options]  # a sidecar's probe must not go through a proxy
+    channel = (grpc.secure_channel(address, credentials, options) if credentials
+               else grpc.insecure_channel(address, options))
     with channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(

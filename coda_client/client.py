@@ -25,8 +25,10 @@ from ._channel import (
     call_metadata,
     channel_options,
     check_target,
+    proxy_options,
     read_stream,
     resolve_tls,
+    unreachable_target,
 )
 from ._proto import pacer_pb2_grpc
 from .batches import (
@@ -199,9 +201,11 @@ class _ClientBase:
         self._credentials, tls_options = resolve_tls(tls)
         user_options = dict(options.items() if isinstance(options, Mapping) else options or ())
         self._options = channel_options(
-            timeout=self.timeout, max_message_bytes=max_message_bytes, options={**dict(tls_options), **user_options},
-            wait_for_ready=wait_for_ready,
+            timeout=self.timeout, max_message_bytes=max_message_bytes,
+            options={**proxy_options(self.target), **dict(tls_options), **user_options}, wait_for_ready=wait_for_ready,
         )
+        # What an UNAVAILABLE error names: the target, and the HTTP proxy from the environment it went through.
+        self._reach = unreachable_target(self.target, dict(self._options))
         # The largest answer this client takes: Collect tells the server, which cuts its answer to fit.
         merged = dict(self._options)
         receive = merged.get("grpc.max_receive_message_length", max_message_bytes)
@@ -360,7 +364,7 @@ class PacerClient(_ClientBase):
             if call.streamed:  # the answer's messages, every one received
                 response = read_stream(response)
         except grpc.RpcError as exc:
-            raise translate(exc, self.target) from exc
+            raise translate(exc, self._reach) from exc
         return call.convert(response)
 
     def dispatch(
@@ -530,7 +534,7 @@ class PacerClient(_ClientBase):
 
     def watch(self) -> ControlStream:
         """Control events, first the current state; iterate it, cancel() it, or close the client to end it."""
-        stream = ControlStream(self._watch_call(), self.target)
+        stream = ControlStream(self._watch_call(), self._reach)
         self._track(stream)
         return stream
 
@@ -569,7 +573,7 @@ class AsyncPacerClient(_ClientBase):
             else:
                 response = await rpc(call.request, timeout=call.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise translate(exc, self.target) from exc
+            raise translate(exc, self._reach) from exc
         return call.convert(response)
 
     async def dispatch(
@@ -677,7 +681,7 @@ class AsyncPacerClient(_ClientBase):
 
     def watch(self) -> AsyncControlStream:
         """Async iterator of control events (`async for event in client.watch()`); cancel() or close() ends it."""
-        stream = AsyncControlStream(self._watch_call(), self.target)
+        stream = AsyncControlStream(self._watch_call(), self._reach)
         self._track(stream)
         return stream
 

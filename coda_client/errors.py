@@ -155,7 +155,8 @@ def _status_details(rpc_error: grpc.RpcError) -> StatusDetails:
 
 def translate(rpc_error: grpc.RpcError, target: str | None = None) -> PacerClientError:
     """Maps a grpc.RpcError (sync or grpc.aio) to the most specific PacerClientError subclass. With `target`, an
-    UNAVAILABLE the server did not send (nothing reachable there) names the address it was sent to."""
+    UNAVAILABLE or DEADLINE_EXCEEDED the server did not send (nothing reachable there, or no answer) names where
+    the call was sent."""
     code_fn = getattr(rpc_error, "code", None)
     code = code_fn() if callable(code_fn) else None
     if not isinstance(code, grpc.StatusCode):
@@ -170,6 +171,8 @@ def translate(rpc_error: grpc.RpcError, target: str | None = None) -> PacerClien
         cls = UnknownLeaseError
     if cls is UnavailableError and target and not status.reason:
         message = f"cannot reach the pacer at {target}: {message}"
+    elif cls is DeadlineExceededError and target and not status.reason:
+        message = f"no answer in time from the pacer at {target}: {message}"
     return cls(
         code,
         message,
