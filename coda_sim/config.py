@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from coda_server.core import load_config
 from coda_server.core.errors import ConfigError
+from coda_server.core.settings import unknown_key
 
 DEFAULT_PRESET = "long_tail"
 
@@ -101,6 +102,12 @@ def load_sim_config(path: Optional[str | Path] = None, overrides: Iterable[str] 
         if overrides:
             layers.append(OmegaConf.from_dotlist(overrides))
         merged = OmegaConf.merge(*layers)
+    except ConfigKeyError as exc:  # a sim key defaults.yaml does not have: named with the closest one it has
+        parent = exc.full_key.rpartition(".")[0] if exc.full_key else ""
+        section = OmegaConf.select(defaults, parent) if parent else None
+        problem = (unknown_key(exc.full_key, [f"{parent}.{name}" for name in section.keys()])
+                   if isinstance(section, DictConfig) else _first_line(exc))
+        raise ConfigError(f"simulator configuration could not be loaded: {problem}") from None
     except OmegaConfBaseException as exc:
         raise ConfigError(f"simulator configuration could not be loaded: {_first_line(exc)}") from None
     except OSError as exc:

@@ -70,11 +70,25 @@ def test_setting_reads_typed_values_and_the_declared_default_when_absent():
     ("trainer.mini_bach_size=4", "trainer.mini_bach_size: unknown key (did you mean trainer.mini_batch_size?)"),
     ("fully_async.latency_aware.quiet_aftr=0.5",
      "fully_async.latency_aware.quiet_aftr: unknown key (did you mean fully_async.latency_aware.quiet_after?)"),
+    # Far from every name of its section: the section's names, not a near miss elsewhere sharing the prefix.
+    ("server.workers=3", "server.workers: unknown key (known keys here: server.abort_wait_seconds, server.address,"),
+    # A near miss of a section the service reads: its settings would be ignored without a word.
+    ("fuly_async.stale_steps=1", "fuly_async: unknown section (did you mean fully_async?); its settings would not be read"),
+    ("servers.address=0.0.0.0:50051", "servers: unknown section (did you mean server?)"),
 ])
 def test_an_unknown_key_in_an_override_is_refused_naming_the_closest_known_key(override, named):
     with pytest.raises(ConfigError) as caught:
         load_config(overrides=[override])
     assert named in str(caught.value)
+
+
+def test_loongsages_other_sections_are_accepted_unread():
+    """None of LoongSage's top-level names (conf/default.yaml) is taken for a near miss of the service's sections."""
+    loongsage = ["run_mode=default", "seed=42", "colocate=true", "checkpoint_path=/c", "hf_model_path=/m",
+                 "rollout_data_path=./r", "total_steps=3", "log_level=INFO", "agentflow.router.port=0",
+                 "tracking.project_name=p", "megatron.model.bf16=true", "opd.enable=false",
+                 "algorithm.advantage_estimator=grpo"]
+    assert load_config(overrides=loongsage).fully_async.stale_steps == 0
 
 
 def test_an_unknown_key_of_a_data_sources_entry_is_named_in_its_own_terms(tmp_path):

@@ -37,9 +37,16 @@ def test_default_preset_is_long_tail_and_overrides_apply():
     assert float(config.pacer_config().fully_async.stale_steps) == 0.5
 
 
-def test_misspelt_sim_key_is_an_error():
-    with pytest.raises(ConfigError, match="rollout_replica"):
-        load_sim_config(overrides=["sim.cluster.rollout_replica=3"])
+@pytest.mark.parametrize("override, said", [
+    ("sim.cluster.rollout_replica=3", "sim.cluster.rollout_replica: unknown key (did you mean "
+                                      "sim.cluster.rollout_replicas?)"),
+    ("sim.step=3", "sim.step: unknown key (did you mean sim.steps?)"),
+    ("sim.workers=3", "sim.workers: unknown key (known keys here: sim.cluster, sim.colocate, sim.dataset_size,"),
+])
+def test_misspelt_sim_key_is_an_error_naming_the_closest_key(override, said):
+    with pytest.raises(ConfigError) as caught:
+        load_sim_config(overrides=[override])
+    assert said in str(caught.value)
 
 
 def test_invalid_pacer_key_reports_the_core_message():

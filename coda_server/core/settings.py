@@ -319,12 +319,18 @@ def option_problems(section: str, given: Any, options: Sequence[Key]) -> list[st
 
 def unknown_key(path: str, known: Sequence[str]) -> str:
     """A refusal of the unknown key `path`, naming the closest of `known`."""
-    close = difflib.get_close_matches(path, known, n=1, cutoff=0.6)
-    if not close:  # a typo in the section, or a name far from any: the closest name by its last part
-        leaf = path.rsplit(".", 1)[-1]
-        by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
-        close = [by_leaf[c] for c in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
-    hint = f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(sorted(known)[:8])}"
+    section, _, leaf = path.rpartition(".")
+    in_section = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == section}
+    if in_section:  # the section exists: the closest of its names, compared without the prefix they all share
+        close = [in_section[c] for c in difflib.get_close_matches(leaf, list(in_section), n=1, cutoff=0.6)]
+        shown = sorted(in_section.values())
+    else:  # a typo in the section too: the closest whole name, else the closest by its last part
+        close = difflib.get_close_matches(path, known, n=1, cutoff=0.6)
+        if not close:
+            by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
+            close = [by_leaf[c] for c in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
+        shown = sorted(known)
+    hint = f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(shown[:8])}"
     return f"{path}: unknown key ({hint})"
 
 
@@ -359,6 +365,14 @@ def unknown_key_problems(config: Any, option_sections: Mapping[str, Sequence[Key
                     problem = problem.replace("data_source.", shown.split(".")[0] + ".")
                 problems.append(problem)
 
+    # Other top-level sections are accepted unread (a LoongSage run config has a dozen); one that is a near
+    # miss of a section the service reads is a typo whose settings would be silently ignored.
+    read = (*SECTIONS, "data_sources")
+    for name in (list(config.keys()) if hasattr(config, "keys") else []):
+        if isinstance(name, str) and name not in read:
+            close = difflib.get_close_matches(name, read, n=1, cutoff=0.8)
+            if close:
+                problems.append(f"{name}: unknown section (did you mean {close[0]}?); its settings would not be read")
     for section in SECTIONS:
         node = _raw_child(config, section)
         if node is not None and hasattr(node, "keys"):
