@@ -4,8 +4,8 @@
 protocol need only the client.
 """
 
-from .engines import (AsyncEngine, Engine, EngineError, FakeEngine, FinishReason, Generation, GenerationRequest,
-                      SamplingParams, ServedEngine)
+from .engines import (AsyncEngine, Engine, EngineError, EngineUnreachableError, FakeEngine, FinishReason, Generation,
+                      GenerationRequest, SamplingParams, ServedEngine)
 from .worker import (
     AsyncRolloutWorker,
     ListPromptSource,
@@ -31,6 +31,7 @@ __all__ = [
     "FakeEngine",
     "Engine",
     "EngineError",
+    "EngineUnreachableError",
     "FinishReason",
     "Generation",
     "GenerationRequest",

@@ -50,7 +50,8 @@ import grpc
 
 from coda_client._calls import estimated_submit_bytes
 from coda_client.client import AsyncPacerClient
-from .engines.base import AsyncEngine, Engine, EngineError, FinishReason, GenerationRequest, SamplingParams
+from .engines.base import (AsyncEngine, Engine, EngineError, EngineUnreachableError, FinishReason, GenerationRequest,
+                           SamplingParams)
 from coda_client.errors import (
     BadRequestError,
     FailedPreconditionError,
@@ -99,6 +100,11 @@ RETRY_MAX_SECONDS = 5.0
 # An abort can reach the engine before the request it names: aborts are repeated this often until every
 # aborted request has answered.
 ABORT_REPEAT_SECONDS = 0.5
+# How long a worker waits for an engine it cannot connect to (at start: it may still be loading its model; later:
+# it restarts) before it stops with EngineUnreachableError; how often it asks meanwhile, and says it is waiting.
+DEFAULT_ENGINE_WAIT_SECONDS = 600.0
+ENGINE_PROBE_SECONDS = (0.5, 5.0)  # first and longest pause between health checks
+ENGINE_WAIT_LOG_SECONDS = 30.0
 # While the engine reports an older weight version than the pacer's (its sync has not happened yet), it is
 # asked again before a request at most this often.
 ENGINE_VERSION_RECHECK_SECONDS = 0.2
@@ -318,12 +324,14 @@ class _ThreadedEngine:
         await asyncio.get_running_loop().run_in_executor(self._pool, self._engine.abort, list(request_ids))
 
     def __getattr__(self, name: str) -> Any:
-        if name != "loaded_weight_version" or not hasattr(self._engine, name):
+        """The optional calls the worker asks for when the engine has them, run on the pool."""
+        if name not in ("loaded_weight_version", "ready") or not hasattr(self._engine, name):
             raise AttributeError(name)
+        call = getattr(self._engine, name)
 
-        async def loaded_weight_version() -> Any:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._engine.loaded_weight_version)
-        return loaded_weight_version
+        async def on_the_pool() -> Any:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        return on_the_pool
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -360,7 +368,10 @@ class AsyncRolloutWorker:
     continue_restored: take restored groups the server re-offers and continue them (default True).
     keepalive_seconds: how often the in-flight leases of running groups are renewed (None: a third of
     the server's lease, as the server reports it). engine_retries: how often a failed engine call is
-    retried before the trajectory is submitted as FAILED. shutdown_grace: seconds calls keep being retried
+    retried before the trajectory is submitted as FAILED. engine_wait: how long the worker waits for an engine it
+    cannot connect to (EngineUnreachableError), at start and whenever a request finds it gone, dispatching nothing
+    meanwhile (its running groups keep their leases and their requests are sent again once it answers); after
+    that run() stops and raises EngineUnreachableError. shutdown_grace: seconds calls keep being retried
     after `stop()` while the server is unreachable (then what is left is dropped, and run() returns), and the
     longest `stop()` waits for running groups to be acknowledged.
     on_submitted: optional callback with the trajectories of each acknowledged Submit (metrics, audit).
@@ -383,6 +394,7 @@ class AsyncRolloutWorker:
         continue_restored: bool = True,
         keepalive_seconds: float | None = None,
         engine_retries: int = 1,
+        engine_wait: float = DEFAULT_ENGINE_WAIT_SECONDS,
         shutdown_grace: float = 10.0,
         on_submitted: Callable[[list[Trajectory]], Any] | None = None,
     ) -> None:
@@ -406,6 +418,9 @@ class AsyncRolloutWorker:
         self.continue_restored = continue_restored
         self.keepalive_seconds = keepalive_seconds
         self.engine_retries = engine_retries
+        if not engine_wait >= 0:
+            raise ValueError(f"engine_wait {engine_wait!r} must be >= 0 seconds")
+        self.engine_wait = engine_wait
         self.shutdown_grace = shutdown_grace
         self.on_submitted = on_submitted
         self._give_up_at: float | None = None  # set at stop(): retries of an unreachable server end then
@@ -434,6 +449,12 @@ class AsyncRolloutWorker:
         self._job_ended = False  # the trainer ended the job (JOB_ENDED): submit what is held, then return
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abort_task: asyncio.Task | None = None
+        # The engine could not be reached: since when (None: it answers), the task asking it meanwhile, the event
+        # its requests wait on, and the error run() raises once it stayed away for engine_wait.
+        self._engine_lost_at: float | None = None
+        self._engine_probe: asyncio.Task | None = None
+        self._engine_back: asyncio.Event | None = None
+        self._engine_gone: EngineUnreachableError | None = None
 
     # ------------------------------------------------------------------ control from outside
 
@@ -470,7 +491,10 @@ class AsyncRolloutWorker:
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._submit_wakeup = asyncio.Event()
+        self._engine_back = asyncio.Event()
+        self._engine_back.set()
         state = await self._retrying("GetState", self.pacer.state)
+        await self._engine_ready_at_start()
         self._group_sizes = list(state.group_sizes) or [1]
         self.weight_version, self.generation, self._paused = state.weight_version, state.generation, state.paused
         await self._ask_engine_version()
@@ -493,11 +517,15 @@ class AsyncRolloutWorker:
             for group in list(self._groups.values()):
                 if group.task is not None:
                     group.task.cancel()
+            if self._engine_probe is not None:
+                self._engine_probe.cancel()
             self._return_pending()
         logger.info("%s: stopped: %d groups done, %d trajectories acknowledged (%d aborted, %d continued), "
                     "%d tokens", self.worker_id, self.stats.groups_done, self.stats.trajectories_submitted,
                     self.stats.trajectories_aborted, self.stats.trajectories_continued, self.stats.tokens_generated,
                     extra=_fields(worker=self.worker_id, **self.stats.as_dict()))
+        if self._engine_gone is not None:
+            raise self._engine_gone
         return self.stats
 
     async def _resume_source(self) -> None:
@@ -528,7 +556,7 @@ class AsyncRolloutWorker:
             free = self.max_groups - len(self._groups)
             # Not before the control stream is up: it is how the server knows this worker is one to watch
             # (liveness), and its STATE says whether dispatch is paused.
-            if self._paused or free <= 0 or not self._stream_up:
+            if self._paused or free <= 0 or not self._stream_up or self._engine_lost_at is not None:
                 await self._changed.wait()
                 continue
             while len(self._pending) < free:
@@ -741,6 +769,15 @@ class AsyncRolloutWorker:
             try:
                 generation = await self.engine.generate(GenerationRequest(
                     request_id, [*group.prompt.input_ids, *traj.token_ids], remaining, self.sampling))
+            except EngineUnreachableError as exc:
+                if not group.abort_requested and await self._engine_answers_again(exc):
+                    continue  # the request never reached the engine: sent again, not counted as a failure
+                attempts = self.engine_retries + 1  # gone for engine_wait (or aborted): as a failure, below
+                logger.error("%s: generation of %s failed: %s", self.worker_id, traj.trajectory_id, exc,
+                             extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
+                traj.status = TrajectoryStatus.ABORTED if group.abort_requested else TrajectoryStatus.FAILED
+                traj.finish = FinishReason.ABORT if group.abort_requested else None
+                break
             except EngineError as exc:
                 attempts += 1
                 if attempts > self.engine_retries or group.abort_requested:
@@ -754,6 +791,7 @@ class AsyncRolloutWorker:
                 continue
             finally:
                 self._requests.pop(request_id, None)
+            self._engine_answered()
             traj.add(generation.token_ids, generation.logprobs, version)
             self.stats.tokens_generated += len(generation.token_ids)
             if generation.aborted:
@@ -762,6 +800,96 @@ class AsyncRolloutWorker:
                 traj.status, traj.finish = TrajectoryStatus.COMPLETED, generation.finish_reason
             break
         self._enqueue(group, traj)
+
+    # ------------------------------------------------------------------ an engine that cannot be reached
+
+    async def _engine_ready_at_start(self) -> None:
+        """Before the first Dispatch: wait for the engine to answer its health check (when it has one), so that a
+        wrong address or an engine still loading takes no prompt; EngineUnreachableError after engine_wait."""
+        ready = getattr(self.engine, "ready", None)
+        if ready is None:
+            return
+        began = time.monotonic()
+        pause, said_at = ENGINE_PROBE_SECONDS[0], None
+        while True:
+            try:
+                await ready()
+            except EngineError as exc:  # unreachable, or answering with an error while it loads
+                waited = time.monotonic() - began
+                if waited >= self.engine_wait:
+                    raise EngineUnreachableError(
+                        f"{self.worker_id}: the engine did not answer its health check in {waited:.0f} s "
+                        f"(engine_wait {self.engine_wait:g} s); nothing was dispatched: {exc}") from exc
+                if said_at is None or time.monotonic() - said_at >= ENGINE_WAIT_LOG_SECONDS:
+                    said_at = time.monotonic()
+                    logger.warning("%s: waiting for the engine before dispatching (%.0f s of engine_wait %g s): %s",
+                                   self.worker_id, waited, self.engine_wait, exc, extra=_fields(worker=self.worker_id))
+                await asyncio.sleep(min(pause, max(0.0, self.engine_wait - waited)))
+                pause = min(pause * 2, ENGINE_PROBE_SECONDS[1])
+                continue
+            if said_at is not None:
+                logger.info("%s: the engine answers after %.1f s", self.worker_id, time.monotonic() - began,
+                            extra=_fields(worker=self.worker_id))
+            return
+
+    async def _engine_answers_again(self, exc: EngineUnreachableError) -> bool:
+        """A request could not reach the engine: wait, with every other request, until it answers again (True:
+        send it again) or has been away for engine_wait (False; the worker then stops, and run() raises)."""
+        assert self._engine_back is not None
+        if self._engine_gone is not None:
+            return False
+        if self._engine_lost_at is None:
+            self._engine_lost_at = time.monotonic()
+            self._engine_back.clear()
+            logger.warning("%s: the engine cannot be reached; dispatching nothing and holding %d groups until it "
+                           "answers (at most engine_wait %g s): %s", self.worker_id, len(self._groups),
+                           self.engine_wait, exc, extra=_fields(worker=self.worker_id))
+        if self._engine_probe is None or self._engine_probe.done():  # a new round of asking: the requests wait for it
+            self._engine_back.clear()
+            self._engine_probe = asyncio.create_task(self._probe_engine(exc), name=f"{self.worker_id}-engine")
+        await self._engine_back.wait()
+        return self._engine_gone is None
+
+    async def _probe_engine(self, exc: EngineUnreachableError) -> None:
+        """Asks the engine (its health check; without one, the requests themselves) until it answers, or gives up
+        once it has been away for engine_wait."""
+        assert self._engine_back is not None and self._engine_lost_at is not None
+        ready = getattr(self.engine, "ready", None)
+        pause = ENGINE_PROBE_SECONDS[0]
+        while True:
+            away = time.monotonic() - self._engine_lost_at
+            if away >= self.engine_wait:
+                self._engine_gone = EngineUnreachableError(
+                    f"{self.worker_id}: the engine could not be reached for {away:.0f} s (engine_wait "
+                    f"{self.engine_wait:g} s); the worker stopped, its running trajectories submitted as FAILED: {exc}")
+                logger.error("%s", self._engine_gone, extra=_fields(worker=self.worker_id))
+                self._request_stop()
+                self._engine_back.set()
+                return
+            await asyncio.sleep(min(pause, self.engine_wait - away))
+            pause = min(pause * 2, ENGINE_PROBE_SECONDS[1])
+            if ready is None:
+                break  # the waiting requests are sent again: the first to get through says it answers
+            try:
+                await ready()
+            except EngineUnreachableError as again:
+                exc = again
+                continue
+            except EngineError:  # it answers, if with an error (e.g. still loading): its requests say the rest
+                pass
+            self._engine_answered()
+            return
+        self._engine_back.set()
+
+    def _engine_answered(self) -> None:
+        """The engine answered (a request, or its health check): what waited for it goes on."""
+        if self._engine_lost_at is not None and self._engine_gone is None:
+            logger.info("%s: the engine answers again after %.1f s", self.worker_id,
+                        time.monotonic() - self._engine_lost_at, extra=_fields(worker=self.worker_id))
+            self._engine_lost_at = None
+            if self._engine_back is not None:
+                self._engine_back.set()
+            self._poke()
 
     async def _reward_of(self, group: _Group, traj: _Traj) -> float:
         if self.reward is None or traj.status != TrajectoryStatus.COMPLETED:

@@ -14,7 +14,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("the engine adapters need httpx: pip install 'coda-pacer[worker]'") from exc
 
-from .base import EngineError
+from .base import EngineError, EngineUnreachableError
 
 # Generation calls can take as long as a response does; the worker bounds them itself (aborts at a Reset).
 DEFAULT_GENERATE_TIMEOUT_SECONDS = 3600.0
@@ -96,6 +96,8 @@ class HttpEngine:
             finally:
                 if generate:
                     self._generating -= 1
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # the call never reached the engine
+            raise EngineUnreachableError(f"{self!r}: {method} {path} failed: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:
             raise EngineError(f"{self!r}: {method} {path} failed: {type(exc).__name__}: {exc}") from exc
         finally:
@@ -144,6 +146,12 @@ class HttpEngine:
             if time.monotonic() >= deadline:
                 raise EngineError(f"{self!r}: {refusal} (still refused after {tries} tries in {timeout:g} s)")
             await asyncio.sleep(DRAIN_POLL_SECONDS)
+
+    async def ready(self) -> None:
+        """Returns once the engine's server answers its health check (GET /health, which vLLM and SGLang serve);
+        EngineUnreachableError while nothing accepts the connection (e.g. the engine still loads its model),
+        EngineError when it answers with an error."""
+        self._decoded("GET", "/health", await self._send("GET", "/health"))
 
     async def _reported_weight_version(self, path: str) -> int | None:
         """The `weight_version` a GET of `path` reports, as an integer; None while it is none (the engines say

@@ -23,6 +23,11 @@ class EngineError(RuntimeError):
     """The engine refused a request or could not be reached; the message says which and why."""
 
 
+class EngineUnreachableError(EngineError):
+    """No connection to the engine could be made (refused, unresolvable, or timed out while connecting): the
+    request never reached it, so sending it again once the engine answers is safe."""
+
+
 class FinishReason(str, enum.Enum):
     """Why a generation ended; the values are the engines' own words (vLLM and SGLang agree on them)."""
 
@@ -123,7 +128,8 @@ class AsyncEngine(Protocol):
 @runtime_checkable
 class ServedEngine(AsyncEngine, Protocol):
     """What the shipped engines (VLLMEngine, SGLangEngine, FakeEngine) add to AsyncEngine: what the worker
-    asks when present (`loaded_weight_version()`, the version a segment is tagged with) and what the
+    asks when present (`loaded_weight_version()`, the version a segment is tagged with; `ready()`, which returns
+    once the engine answers and raises EngineUnreachableError while it cannot be reached) and what the
     documented worker and trainer programs call around the loop: `async with engine:` (closes its
     connections), `pause(mode)` / `resume()` of the whole engine, `sync_weights(weights_path, version)`
     (load new weights while nothing generates). VLLMEngine and FakeEngine also have
@@ -140,6 +146,8 @@ class ServedEngine(AsyncEngine, Protocol):
     async def resume(self) -> None: ...
 
     async def loaded_weight_version(self) -> int | None: ...
+
+    async def ready(self) -> None: ...
 
     async def sync_weights(self, weights_path: str, version: int) -> int | None: ...
 

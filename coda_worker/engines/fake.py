@@ -153,6 +153,9 @@ class FakeEngine:
         """Records the weight version (a real engine would load or tag the new weights here)."""
         self.weight_version = version
 
+    async def ready(self) -> None:
+        """Always ready: there is nothing to connect to."""
+
     async def loaded_weight_version(self) -> int | None:
         """The version last recorded (update_weight_version or sync_weights), as the worker asks it."""
         try:
