@@ -241,10 +241,14 @@ class _ClientBase:
                 raise RuntimeError(f"{self!r} is closed")
             if self._pid != os.getpid():  # forked without the hook having run (belt and braces)
                 self._forget_inherited_channel_locked()
+            self._follow_event_loop_locked()
             if self._stub is None:
                 self._channel = self._new_channel()
                 self._stub = _wire.passthrough_stub(self._channel)
             return self._stub
+
+    def _follow_event_loop_locked(self) -> None:
+        """A channel bound to an event loop (the async client's) is made again for a new one: no-op here."""
 
     def _forget_inherited_channel_locked(self) -> None:
         if self._channel is not None:
@@ -558,6 +562,27 @@ class AsyncPacerClient(_ClientBase):
 
     Same arguments as PacerClient. The channel is created on the first call, inside the running loop.
     """
+
+    _channel_loop: asyncio.AbstractEventLoop | None = None  # the event loop the channel was made on
+
+    def _follow_event_loop_locked(self) -> None:
+        """grpc.aio binds a channel to the event loop it was made on. Once that loop has ended (a second
+        asyncio.run with the same client, as tests and notebooks do), the next call makes a channel on its own
+        loop, instead of failing with "Event loop is closed"; while it still runs, a call from another loop is
+        refused, naming the fix."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # not called from a coroutine: nothing to bind to
+            return
+        bound = self._channel_loop
+        if self._channel is not None and bound is not running:
+            if bound is not None and not bound.is_closed():
+                raise RuntimeError(f"{self!r} is in use on another event loop, which still runs: an AsyncPacerClient "
+                                   "serves one event loop; make one client per loop (or use PacerClient from threads)")
+            self._channel = self._stub = None  # its loop is gone: the channel cannot be closed, only let go
+            self._streams = weakref.WeakSet()
+        if self._channel is None:
+            self._channel_loop = running
 
     def _new_channel(self) -> grpc.aio.Channel:
         if self._credentials is None:
