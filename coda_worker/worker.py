@@ -769,18 +769,12 @@ class AsyncRolloutWorker:
             try:
                 generation = await self.engine.generate(GenerationRequest(
                     request_id, [*group.prompt.input_ids, *traj.token_ids], remaining, self.sampling))
-            except EngineUnreachableError as exc:
-                if not group.abort_requested and await self._engine_answers_again(exc):
-                    continue  # the request never reached the engine: sent again, not counted as a failure
-                attempts = self.engine_retries + 1  # gone for engine_wait (or aborted): as a failure, below
-                logger.error("%s: generation of %s failed: %s", self.worker_id, traj.trajectory_id, exc,
-                             extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
-                traj.status = TrajectoryStatus.ABORTED if group.abort_requested else TrajectoryStatus.FAILED
-                traj.finish = FinishReason.ABORT if group.abort_requested else None
-                break
             except EngineError as exc:
+                unreachable = isinstance(exc, EngineUnreachableError)
+                if unreachable and not group.abort_requested and await self._engine_answers_again(exc):
+                    continue  # the request never reached the engine: sent again, not counted as a failure
                 attempts += 1
-                if attempts > self.engine_retries or group.abort_requested:
+                if unreachable or attempts > self.engine_retries or group.abort_requested:
                     logger.error("%s: generation of %s failed: %s", self.worker_id, traj.trajectory_id, exc,
                                  extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
                     traj.status = TrajectoryStatus.ABORTED if group.abort_requested else TrajectoryStatus.FAILED
