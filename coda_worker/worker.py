@@ -771,7 +771,7 @@ class AsyncRolloutWorker:
                     request_id, [*group.prompt.input_ids, *traj.token_ids], remaining, self.sampling))
             except EngineError as exc:
                 unreachable = isinstance(exc, EngineUnreachableError)
-                if unreachable and not group.abort_requested and await self._engine_answers_again(exc):
+                if unreachable and not group.abort_requested and await self._engine_answers_again(exc, group):
                     continue  # the request never reached the engine: sent again, not counted as a failure
                 attempts += 1
                 if unreachable or attempts > self.engine_retries or group.abort_requested:
@@ -826,9 +826,10 @@ class AsyncRolloutWorker:
                             extra=_fields(worker=self.worker_id))
             return
 
-    async def _engine_answers_again(self, exc: EngineUnreachableError) -> bool:
+    async def _engine_answers_again(self, exc: EngineUnreachableError, group: _Group) -> bool:
         """A request could not reach the engine: wait, with every other request, until it answers again (True:
-        send it again) or has been away for engine_wait (False; the worker then stops, and run() raises)."""
+        send it again), has been away for engine_wait (False; the worker then stops, and run() raises), or the
+        group is aborted meanwhile (False: a Reset waits for its ABORTED trajectories)."""
         assert self._engine_back is not None
         if self._engine_gone is not None:
             return False
@@ -841,7 +842,11 @@ class AsyncRolloutWorker:
         if self._engine_probe is None or self._engine_probe.done():  # a new round of asking: the requests wait for it
             self._engine_back.clear()
             self._engine_probe = asyncio.create_task(self._probe_engine(exc), name=f"{self.worker_id}-engine")
-        await self._engine_back.wait()
+        while not self._engine_back.is_set():
+            if group.abort_requested:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._engine_back.wait(), ABORT_REPEAT_SECONDS)
         return self._engine_gone is None
 
     async def _probe_engine(self, exc: EngineUnreachableError) -> None:

@@ -134,3 +134,22 @@ def test_the_http_adapters_tell_an_unreachable_engine_from_one_that_refuses():
 
     for engine_class in (VLLMEngine, SGLangEngine):
         asyncio.run(go(engine_class))
+
+
+def test_a_reset_while_the_engine_is_away_gets_the_held_groups_as_aborted_at_once(server):
+    async def go():
+        engine = RestartingEngine(down_at_first_request=True)
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = worker_on(pacer, engine, 6)
+            run = asyncio.create_task(worker.run())
+            await until(lambda: engine.health_checks_while_down >= 2, "the engine down for two health checks")
+            reset = await pacer.reset("abort", wait=20)  # waits for the workers' ABORTED trajectories
+            aborted = worker.stats.trajectories_aborted
+            worker.stop()
+            await asyncio.wait_for(run, 30)
+            return reset, aborted, engine.down
+
+    reset, aborted, still_down = asyncio.run(go())
+    assert still_down and aborted == 4  # both held groups' trajectories, while the engine stayed away
+    # The Reset settled both groups with their ABORTED trajectories (restored or dropped as the config says).
+    assert sorted([g.prompt_id for g in reset.restored] + list(reset.dropped_prompt_ids)) == ["p0", "p1"]
