@@ -799,7 +799,8 @@ class AsyncRolloutWorker:
 
     async def _engine_ready_at_start(self) -> None:
         """Before the first Dispatch: wait for the engine to answer its health check (when it has one), so that a
-        wrong address or an engine still loading takes no prompt; EngineUnreachableError after engine_wait."""
+        wrong address or an engine still loading takes no prompt; EngineUnreachableError after engine_wait. An
+        engine that answers with another error is taken as up: its requests say what is wrong."""
         ready = getattr(self.engine, "ready", None)
         if ready is None:
             return
@@ -808,7 +809,7 @@ class AsyncRolloutWorker:
         while True:
             try:
                 await ready()
-            except EngineError as exc:  # unreachable, or answering with an error while it loads
+            except EngineUnreachableError as exc:
                 waited = time.monotonic() - began
                 if waited >= self.engine_wait:
                     raise EngineUnreachableError(
@@ -821,6 +822,9 @@ class AsyncRolloutWorker:
                 await asyncio.sleep(min(pause, max(0.0, self.engine_wait - waited)))
                 pause = min(pause * 2, ENGINE_PROBE_SECONDS[1])
                 continue
+            except EngineError as exc:
+                logger.warning("%s: the engine's health check answered with an error; taking it as up: %s",
+                               self.worker_id, exc, extra=_fields(worker=self.worker_id))
             if said_at is not None:
                 logger.info("%s: the engine answers after %.1f s", self.worker_id, time.monotonic() - began,
                             extra=_fields(worker=self.worker_id))

@@ -9,12 +9,12 @@ import asyncio
 import pytest
 
 from coda_client import AsyncPacerClient, TrajectoryStatus
-from coda_worker.engines import EngineUnreachableError, FinishReason, Generation
+from coda_worker.engines import EngineError, EngineUnreachableError, FinishReason, Generation, SamplingParams
 from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt
 from conftest import core_overrides
 from server_harness import ServerProcess
 from test_durability_crash import free_port
-from test_worker_loop import SamplingParams, until
+from test_worker_loop import until
 
 
 class RestartingEngine:
@@ -153,3 +153,53 @@ def test_a_reset_while_the_engine_is_away_gets_the_held_groups_as_aborted_at_onc
     assert still_down and aborted == 4  # both held groups' trajectories, while the engine stayed away
     # The Reset settled both groups with their ABORTED trajectories (restored or dropped as the config says).
     assert sorted([g.prompt_id for g in reset.restored] + list(reset.dropped_prompt_ids)) == ["p0", "p1"]
+
+
+@pytest.mark.parametrize("status, ready", [(200, True), (404, True), (401, True), (503, False)])
+def test_an_http_engine_is_ready_when_its_server_answers_but_not_while_it_answers_503(status, ready):
+    """503 is what an engine's server answers while its model still loads; a router in front of the engines may
+    answer 404 (no /health) or 401, and is up all the same."""
+    pytest.importorskip("httpx")
+    import http.server
+    import threading
+
+    from coda_worker.engines import VLLMEngine
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(status if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    async def go() -> None:
+        async with VLLMEngine(f"http://127.0.0.1:{httpd.server_address[1]}") as engine:
+            if ready:
+                await engine.ready()
+            else:
+                with pytest.raises(EngineUnreachableError, match="GET /health answered HTTP 503 .not serving yet."):
+                    await engine.ready()
+
+    try:
+        asyncio.run(go())
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_an_engine_whose_health_check_answers_with_another_error_is_taken_as_up(server):
+    class NoHealthRoute(RestartingEngine):  # e.g. a router in front of the engines, without /health
+        async def ready(self) -> None:
+            raise EngineError("GET /health answered HTTP 404")
+
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            return await asyncio.wait_for(worker_on(pacer, NoHealthRoute(), 2, engine_wait=60).run(), 30)
+
+    stats = asyncio.run(go())
+    assert (stats.groups_done, stats.trajectories_failed) == (2, 0)

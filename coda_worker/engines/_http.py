@@ -148,10 +148,14 @@ class HttpEngine:
             await asyncio.sleep(DRAIN_POLL_SECONDS)
 
     async def ready(self) -> None:
-        """Returns once the engine's server answers its health check (GET /health, which vLLM and SGLang serve);
-        EngineUnreachableError while nothing accepts the connection (e.g. the engine still loads its model),
-        EngineError when it answers with an error."""
-        self._decoded("GET", "/health", await self._send("GET", "/health"))
+        """Returns once the engine's server answers its health check (GET /health, which vLLM and SGLang serve),
+        whatever it answers but 503: a router in front of the engines may not serve /health, and its requests
+        say the rest. EngineUnreachableError while nothing accepts the connection or it answers 503 (the engine
+        still loads its model)."""
+        response = await self._send("GET", "/health")
+        if response.status_code == 503:
+            raise EngineUnreachableError(f"{self!r}: GET /health answered HTTP 503 (not serving yet): "
+                                         f"{response.text[:200]}")
 
     async def _reported_weight_version(self, path: str) -> int | None:
         """The `weight_version` a GET of `path` reports, as an integer; None while it is none (the engines say
