@@ -255,8 +255,12 @@ _ENABLE_PROXY = "grpc.enable_http_proxy"
 
 
 def target_host(target: str) -> str | None:
-    """The host of a `host:port` or `dns:///host:port` target (None for other gRPC names, e.g. unix:)."""
-    name = target[len("dns:///"):] if target.startswith("dns:///") else target
+    """The host of a `host:port`, `dns:///host:port` or `ipv4:`/`ipv6:` target (the first address of a list); None
+    for other gRPC names, e.g. unix:."""
+    name = target
+    for prefix in ("dns:///", "ipv4:", "ipv6:"):
+        if target.startswith(prefix):
+            name = target[len(prefix):].split(",")[0]
     if "://" in name or name.startswith(_TARGET_SCHEMES):
         return None
     host, sep, port = name.rpartition(":")

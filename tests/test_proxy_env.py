@@ -48,7 +48,9 @@ def test_a_channel_sent_through_the_proxy_names_it_when_it_fails(server, monkeyp
 
 @pytest.mark.parametrize("target, host", [("127.0.0.1:50051", "127.0.0.1"), ("[::1]:50051", "::1"),
                                           ("Pacer.Svc:50051", "pacer.svc"), ("dns:///pacer.svc:50051", "pacer.svc"),
-                                          ("localhost", "localhost"), ("unix:/tmp/pacer.sock", None)])
+                                          ("localhost", "localhost"), ("unix:/tmp/pacer.sock", None),
+                                          ("ipv4:127.0.0.1:50051,10.0.0.2:50051", "127.0.0.1"),
+                                          ("ipv6:[::1]:50051", "::1")])
 def test_the_target_host_is_read_as_grpc_reads_it(target, host):
     assert target_host(target) == host
 
