@@ -306,6 +306,28 @@ def test_translate_stale_generation_by_reason() -> None:
     assert type(busy) is FailedPreconditionError
 
 
+def test_translate_unknown_lease_by_reason() -> None:
+    info = error_details_pb2.ErrorInfo(reason="UNKNOWN_LEASE", domain="coda.pacer.v1")
+    trailer = (("grpc-status-details-bin", _status_bytes(5, "lease 'x' is not known", info)),)
+    error = translate(FakeRpcError(grpc.StatusCode.NOT_FOUND, "lease 'x' is not known", trailer))
+    assert type(error) is coda_client.UnknownLeaseError and isinstance(error, UnknownPromptError)
+    info = error_details_pb2.ErrorInfo(reason="UNKNOWN_PROMPT", domain="coda.pacer.v1")
+    trailer = (("grpc-status-details-bin", _status_bytes(5, "prompt 'p' was never dispatched", info)),)
+    assert type(translate(FakeRpcError(grpc.StatusCode.NOT_FOUND, "prompt", trailer))) is UnknownPromptError
+
+
+@pytest.mark.parametrize(("code", "said"), [
+    (grpc.StatusCode.UNAVAILABLE, "cannot reach the pacer at 10.0.0.5:50051: failed to connect"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time from the pacer at 10.0.0.5:50051: failed to connect"),
+])
+def test_translate_names_the_target_of_an_error_the_server_did_not_send(code: grpc.StatusCode, said: str) -> None:
+    assert translate(FakeRpcError(code, "failed to connect"), "10.0.0.5:50051").details == said
+    assert translate(FakeRpcError(code, "failed to connect")).details == "failed to connect"  # no target given
+    info = error_details_pb2.ErrorInfo(reason="SHUTTING_DOWN", domain="coda.pacer.v1")
+    trailer = (("grpc-status-details-bin", _status_bytes(code.value[0], "draining", info)),)
+    assert translate(FakeRpcError(code, "draining", trailer), "10.0.0.5:50051").details == "draining"  # the server's
+
+
 def test_translate_bad_request_and_retry_delay() -> None:
     violation = error_details_pb2.BadRequest.FieldViolation(field="candidates[1].prompt_id", description="named twice")
     bad_request = error_details_pb2.BadRequest(field_violations=[violation])
