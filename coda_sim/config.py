@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from coda_server.core import load_config
+from coda_server.core.config import parse_overrides
 from coda_server.core.errors import ConfigError
 from coda_server.core.settings import unknown_key
 
@@ -100,7 +101,7 @@ def load_sim_config(path: Optional[str | Path] = None, overrides: Iterable[str] 
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like key=value, e.g. sim.steps=20")
         if overrides:
-            layers.append(OmegaConf.from_dotlist(overrides))
+            layers.append(parse_overrides(overrides))
         merged = OmegaConf.merge(*layers)
     except ConfigKeyError as exc:  # a sim key defaults.yaml does not have: named with the closest one it has
         parent = exc.full_key.rpartition(".")[0] if exc.full_key else ""

@@ -82,6 +82,16 @@ def test_an_unknown_key_in_an_override_is_refused_naming_the_closest_known_key(o
     assert named in str(caught.value)
 
 
+def test_an_override_whose_value_is_not_yaml_is_named_with_how_to_quote_it():
+    # A bare IPv6 address opens a YAML list; the error named neither the override nor the fix.
+    with pytest.raises(ConfigError) as caught:
+        load_config(overrides=["fully_async.stale_steps=1", "server.address=[::1]:0"])
+    assert str(caught.value) == ("override 'server.address=[::1]:0': the value '[::1]:0' does not read as YAML (while "
+                                 "parsing a flow node); to pass it as a string, quote it inside the shell's quotes: "
+                                 "server.address='\"[::1]:0\"'")
+    assert load_config(overrides=['server.address="[::1]:0"']).server.address == "[::1]:0"
+
+
 def test_loongsages_other_sections_are_accepted_unread():
     """None of LoongSage's top-level names (conf/default.yaml) is taken for a near miss of the service's sections."""
     loongsage = ["run_mode=default", "seed=42", "colocate=true", "checkpoint_path=/c", "hf_model_path=/m",

@@ -49,6 +49,11 @@ def test_misspelt_sim_key_is_an_error_naming_the_closest_key(override, said):
     assert said in str(caught.value)
 
 
+def test_a_sim_override_that_is_not_yaml_is_named():
+    with pytest.raises(ConfigError, match=r"override 'sim.seed=\[1': the value '\[1' does not read as YAML"):
+        load_sim_config(overrides=["sim.seed=[1"])
+
+
 def test_invalid_pacer_key_reports_the_core_message():
     with pytest.raises(ConfigError, match="fully_async.stale_steps"):
         load_sim_config(overrides=["fully_async.stale_steps=-1"])

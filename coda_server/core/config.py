@@ -56,7 +56,7 @@ def load_config(
                 if "=" not in item:
                     raise ConfigError(f"override {item!r} must look like key=value, e.g. fully_async.stale_steps=2.0")
             if overrides:
-                config = _merge_layer(config, OmegaConf.from_dotlist(overrides))
+                config = _merge_layer(config, parse_overrides(overrides))
         _check_sections(config)
         config = inherit_data_source_defaults(config)
         if isinstance(config.get("server"), DictConfig) and config.server.get("fsync") is False:
@@ -182,6 +182,23 @@ def _merge_layer(base: DictConfig, *layers: DictConfig) -> DictConfig:
         if replacement is not _ABSENT:
             base.rollout.filter = replacement
     return base
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    """`key=value` overrides as one configuration layer, each value read as YAML; ConfigError naming the override
+    whose value is not YAML (a bare `[::1]:0` opens a YAML list), and how to pass it as a string."""
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except yaml.YAMLError:
+        for item in overrides:
+            try:
+                OmegaConf.from_dotlist([item])
+            except yaml.YAMLError as exc:
+                key, _, value = item.partition("=")
+                raise ConfigError(f"override {item!r}: the value {value!r} does not read as YAML ({_first_line(exc)}); "
+                                  f"to pass it as a string, quote it inside the shell's quotes: {key}='\"{value}\"'"
+                                  ) from None
+        raise
 
 
 def _omegaconf_problem(exc: OmegaConfBaseException) -> str:
