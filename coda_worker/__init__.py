@@ -4,6 +4,8 @@
 protocol need only the client.
 """
 
+from typing import Any
+
 from .engines import (AsyncEngine, Engine, EngineError, EngineUnreachableError, FakeEngine, FinishReason, Generation,
                       GenerationRequest, SamplingParams, ServedEngine)
 from .worker import (
@@ -16,6 +18,17 @@ from .worker import (
     WorkerStats,
     trajectory_id_of,
 )
+
+
+def __getattr__(name: str) -> Any:
+    """VLLMEngine and SGLangEngine, imported on first use (they need httpx, so they stay out of `__all__`):
+    `from coda_worker import VLLMEngine` works as `from coda_worker.engines import VLLMEngine` does."""
+    if name in ("VLLMEngine", "SGLangEngine"):
+        from . import engines
+
+        return getattr(engines, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "RolloutWorker",

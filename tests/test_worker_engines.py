@@ -390,3 +390,13 @@ def test_calls_in_flight_are_spread_over_connection_pools_of_at_most_16():
 def test_max_connections_below_one_is_refused():
     with pytest.raises(ValueError, match="max_connections 0 must be >= 1"):
         VLLMEngine("http://vllm.test:8000", max_connections=0)
+
+
+def test_the_http_adapters_import_from_the_kit_itself_on_first_use():
+    import coda_worker
+    from coda_worker.engines import SGLangEngine, VLLMEngine
+
+    assert (coda_worker.VLLMEngine, coda_worker.SGLangEngine) == (VLLMEngine, SGLangEngine)
+    assert "VLLMEngine" not in coda_worker.__all__  # `import *` must not need httpx
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchEngine'"):
+        coda_worker.NoSuchEngine  # noqa: B018
