@@ -232,6 +232,14 @@ def resolve_tls(tls: TlsSpec) -> tuple[grpc.ChannelCredentials | None, list[tupl
 _TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
 
 
+def _host_and_port(name: str) -> tuple[str, str | None]:
+    """A `host:port` name split; port None when there is none (gRPC's default) or the name is a bare IPv6 address."""
+    host, sep, port = name.rpartition(":")
+    if not sep or (":" in host and not host.startswith("[")):
+        return name, None
+    return host, port
+
+
 def check_target(target: str) -> str:
     """`target` if gRPC can dial it as given, else ValueError saying why: a plain `host:port` needs a port in
     1..65535 (gRPC would dial 99999 as 34463, and port 0 or one that is no number only fails at the first call)."""
@@ -239,10 +247,8 @@ def check_target(target: str) -> str:
         raise ValueError(f"target {target!r} is not an address: give host:port, e.g. 127.0.0.1:50051")
     if "://" in target or target.startswith(_TARGET_SCHEMES):
         return target
-    host, sep, port = target.rpartition(":")
-    if not sep or (":" in host and not host.startswith("[")):  # no port (gRPC's default), or a bare IPv6 address
-        return target
-    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    host, port = _host_and_port(target)
+    if port is not None and (not host or not port.isdigit() or not 0 < int(port) <= 65535):
         raise ValueError(f"target {target!r} is not host:port with a port in 1..65535, e.g. 127.0.0.1:50051")
     return target
 
@@ -263,10 +269,7 @@ def target_host(target: str) -> str | None:
             name = target[len(prefix):].split(",")[0]
     if "://" in name or name.startswith(_TARGET_SCHEMES):
         return None
-    host, sep, port = name.rpartition(":")
-    if not sep or (":" in host and not host.startswith("[")):
-        host = name  # no port, or a bare IPv6 address
-    return host.removeprefix("[").removesuffix("]").lower()
+    return _host_and_port(name)[0].removeprefix("[").removesuffix("]").lower()
 
 
 def is_loopback(host: str | None) -> bool:

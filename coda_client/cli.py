@@ -113,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
             return probe_health(args.address, args.service, args.timeout, out, tls=tls, json_lines=args.json)
         client = PacerClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout,
                              client_id=args.client_id or None)
-    except (OSError, ValueError) as error:  # unreadable certificate file, key without certificate, bad client id or address
+    except (OSError, ValueError) as error:  # unreadable certificate, key without certificate, bad id or address
         print(f"coda-client: {error}", file=sys.stderr)
         return 2
     try:

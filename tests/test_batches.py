@@ -378,7 +378,8 @@ def test_a_client_closed_under_an_open_iterator_ends_its_watch_quietly(tmp_path,
     """The iterator's control-stream thread reopens the stream when it ends; with the client closed under it
     that is impossible, and the thread stops without a traceback (the iterator's own next() says why)."""
     failures: list[str] = []
-    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(f"{args.thread.name}: {args.exc_value!r}"))
+    monkeypatch.setattr(threading, "excepthook",
+                        lambda args: failures.append(f"{args.thread.name}: {args.exc_value!r}"))
     with ServerProcess(tmp_path, "data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
                        "trainer.mini_batch_size=2") as server:
         client = PacerClient(server.address)

@@ -73,7 +73,8 @@ def test_setting_reads_typed_values_and_the_declared_default_when_absent():
     # Far from every name of its section: the section's names, not a near miss elsewhere sharing the prefix.
     ("server.workers=3", "server.workers: unknown key (known keys here: server.abort_wait_seconds, server.address,"),
     # A near miss of a section the service reads: its settings would be ignored without a word.
-    ("fuly_async.stale_steps=1", "fuly_async: unknown section (did you mean fully_async?); its settings would not be read"),
+    ("fuly_async.stale_steps=1",
+     "fuly_async: unknown section (did you mean fully_async?); its settings would not be read"),
     ("servers.address=0.0.0.0:50051", "servers: unknown section (did you mean server?)"),
 ])
 def test_an_unknown_key_in_an_override_is_refused_naming_the_closest_known_key(override, named):

@@ -62,7 +62,8 @@ def test_a_group_size_the_server_does_not_have_is_refused_before_any_batch(serve
     """A wrong group_size would size every mini-batch by it: 4 with the server's N = 2 gave half the trajectories
     asked for, 1 twice as many, without a word."""
     pytest.importorskip("numpy")
-    expected = f"group_size {group_size} is not the server's group size (its data sources' num_trajectories_per_prompt: 2)"
+    expected = (f"group_size {group_size} is not the server's group size (its data sources' "
+                "num_trajectories_per_prompt: 2)")
     with PacerClient(server.address) as trainer:
         with pytest.raises(ValueError, match=re.escape(expected)):
             trainer.batches(8, group_size=group_size, num_batches=1)
