@@ -805,30 +805,49 @@ class AsyncRolloutWorker:
         if ready is None:
             return
         began = time.monotonic()
+        try:
+            await ready()
+            return
+        except EngineUnreachableError as exc:
+            gone = await self._until_engine_answers(ready, lambda: began, exc, say=True)
+        except EngineError as exc:
+            logger.warning("%s: the engine's health check answered with an error; taking it as up: %s",
+                           self.worker_id, exc, extra=_fields(worker=self.worker_id))
+            return
+        waited = time.monotonic() - began
+        if gone is not None:
+            raise EngineUnreachableError(
+                f"{self.worker_id}: the engine did not answer its health check in {waited:.0f} s "
+                f"(engine_wait {self.engine_wait:g} s); nothing was dispatched: {gone}") from gone
+        logger.info("%s: the engine answers after %.1f s", self.worker_id, waited, extra=_fields(worker=self.worker_id))
+
+    async def _until_engine_answers(self, ready: Callable[[], Awaitable[Any]], since: Callable[[], float | None],
+                                    exc: EngineUnreachableError, *, say: bool) -> EngineUnreachableError | None:
+        """Asks the engine's health check, pausing longer each time, until it answers (None: also when `since()`,
+        the moment it was lost, is None, as another request saw it answer), or it has been away for engine_wait
+        (its last refusal). `say`: log the wait every ENGINE_WAIT_LOG_SECONDS."""
         pause, said_at = ENGINE_PROBE_SECONDS[0], None
         while True:
+            lost_at = since()
+            if lost_at is None:
+                return None
+            away = time.monotonic() - lost_at
+            if away >= self.engine_wait:
+                return exc
+            if say and (said_at is None or time.monotonic() - said_at >= ENGINE_WAIT_LOG_SECONDS):
+                said_at = time.monotonic()
+                logger.warning("%s: waiting for the engine before dispatching (%.0f s of engine_wait %g s): %s",
+                               self.worker_id, away, self.engine_wait, exc, extra=_fields(worker=self.worker_id))
+            await asyncio.sleep(min(pause, self.engine_wait - away))
+            pause = min(pause * 2, ENGINE_PROBE_SECONDS[1])
             try:
                 await ready()
-            except EngineUnreachableError as exc:
-                waited = time.monotonic() - began
-                if waited >= self.engine_wait:
-                    raise EngineUnreachableError(
-                        f"{self.worker_id}: the engine did not answer its health check in {waited:.0f} s "
-                        f"(engine_wait {self.engine_wait:g} s); nothing was dispatched: {exc}") from exc
-                if said_at is None or time.monotonic() - said_at >= ENGINE_WAIT_LOG_SECONDS:
-                    said_at = time.monotonic()
-                    logger.warning("%s: waiting for the engine before dispatching (%.0f s of engine_wait %g s): %s",
-                                   self.worker_id, waited, self.engine_wait, exc, extra=_fields(worker=self.worker_id))
-                await asyncio.sleep(min(pause, max(0.0, self.engine_wait - waited)))
-                pause = min(pause * 2, ENGINE_PROBE_SECONDS[1])
+            except EngineUnreachableError as again:
+                exc = again
                 continue
-            except EngineError as exc:
-                logger.warning("%s: the engine's health check answered with an error; taking it as up: %s",
-                               self.worker_id, exc, extra=_fields(worker=self.worker_id))
-            if said_at is not None:
-                logger.info("%s: the engine answers after %.1f s", self.worker_id, time.monotonic() - began,
-                            extra=_fields(worker=self.worker_id))
-            return
+            except EngineError:  # it answers, if with an error (e.g. still loading): its requests say the rest
+                pass
+            return None
 
     async def _engine_answers_again(self, exc: EngineUnreachableError, group: _Group) -> bool:
         """A request could not reach the engine: wait, with every other request, until it answers again (True:
@@ -858,30 +877,24 @@ class AsyncRolloutWorker:
         once it has been away for engine_wait."""
         assert self._engine_back is not None and self._engine_lost_at is not None
         ready = getattr(self.engine, "ready", None)
-        pause = ENGINE_PROBE_SECONDS[0]
-        while True:
-            away = time.monotonic() - self._engine_lost_at
-            if away >= self.engine_wait:
-                self._engine_gone = EngineUnreachableError(
-                    f"{self.worker_id}: the engine could not be reached for {away:.0f} s (engine_wait "
-                    f"{self.engine_wait:g} s); the worker stopped, its running trajectories submitted as FAILED: {exc}")
-                logger.error("%s", self._engine_gone, extra=_fields(worker=self.worker_id))
-                self._request_stop()
-                self._engine_back.set()
+        if ready is not None:
+            gone = await self._until_engine_answers(ready, lambda: self._engine_lost_at, exc, say=False)
+            if gone is None:
+                self._engine_answered()
                 return
-            await asyncio.sleep(min(pause, self.engine_wait - away))
-            pause = min(pause * 2, ENGINE_PROBE_SECONDS[1])
-            if ready is None:
-                break  # the waiting requests are sent again: the first to get through says it answers
-            try:
-                await ready()
-            except EngineUnreachableError as again:
-                exc = again
-                continue
-            except EngineError:  # it answers, if with an error (e.g. still loading): its requests say the rest
-                pass
-            self._engine_answered()
-            return
+        else:
+            away = time.monotonic() - self._engine_lost_at
+            if away < self.engine_wait:
+                await asyncio.sleep(min(ENGINE_PROBE_SECONDS[0], self.engine_wait - away))
+                self._engine_back.set()  # the waiting requests are sent again: the first to get through says it answers
+                return
+            gone = exc
+        away = time.monotonic() - self._engine_lost_at  # set: only a lost engine is given up on
+        self._engine_gone = EngineUnreachableError(
+            f"{self.worker_id}: the engine could not be reached for {away:.0f} s (engine_wait "
+            f"{self.engine_wait:g} s); the worker stopped, its running trajectories submitted as FAILED: {gone}")
+        logger.error("%s", self._engine_gone, extra=_fields(worker=self.worker_id))
+        self._request_stop()
         self._engine_back.set()
 
     def _engine_answered(self) -> None:
