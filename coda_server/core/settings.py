@@ -121,6 +121,14 @@ def _seconds(path: str, default: float, doc: str, allowed: str = "must be a fini
     return Key(path, "number", default, doc, low=0, allowed=allowed)
 
 
+def _listener(path: str, default: str, doc: str, example: str, empty: str) -> Key:
+    """An optional listener's host:port ("" `empty`), its port checked here: gRPC and the HTTP server would take
+    a port past 65535 modulo 65536."""
+    return Key(path, "str", default, doc, nullable=True,
+               check=lambda value: value == "" or parse_host_port(value) is not None,
+               allowed=f"must be host:port with a port in 0..65535, e.g. {example}, or \"\" {empty}")
+
+
 def _path(path: str, default: str, doc: str, allowed: str = "must be a string (\"\" for none)") -> Key:
     return Key(path, "str", default, doc, nullable=True, allowed=allowed)
 
@@ -197,9 +205,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("server.log_format", "choice", "text", "Log line format", choices=("text", "json"),
         allowed="must be text or json"),
     Key("server.log_rpcs", "bool", True, "One log line per RPC"),
-    Key("server.metrics_address", "str", "127.0.0.1:9464", "host:port of the /metrics listener (\"\": off)",
-        nullable=True, check=lambda value: value == "" or parse_host_port(value) is not None,
-        allowed="must be host:port with a port in 0..65535, e.g. 127.0.0.1:9464, or \"\" to disable metrics"),
+    _listener("server.metrics_address", "127.0.0.1:9464", "host:port of the /metrics listener (\"\": off)",
+              "127.0.0.1:9464", "to disable metrics"),
     Key("server.metrics_require_token", "bool", False, "A scrape must send the bearer token"),
     Key("server.metrics_tls", "bool", False, "Serve /metrics over HTTPS"),
     _count("server.metrics_max_clients", 100, "Client ids counted under their own name in the metrics"),
@@ -220,9 +227,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("server.uds_mode", "any", "0660", "File mode of the socket, an octal string",
         check=lambda value: parse_file_mode(value) is not None,
         allowed="must be an octal file mode between \"0000\" and \"0777\", written as a quoted string, e.g. \"0660\""),
-    Key("server.health_address", "str", "", "host:port of a plaintext grpc.health.v1-only listener (\"\": none)",
-        nullable=True, check=lambda value: value == "" or parse_host_port(value) is not None,
-        allowed="must be host:port with a port in 0..65535, e.g. 0.0.0.0:8081, or \"\" for none"),
+    _listener("server.health_address", "", "host:port of a plaintext grpc.health.v1-only listener (\"\": none)",
+              "0.0.0.0:8081", "for none"),
 )
 
 
