@@ -97,11 +97,8 @@ def load_sim_config(path: Optional[str | Path] = None, overrides: Iterable[str] 
             layers.append(OmegaConf.load(path))
             base_dir = Path(path).resolve().parent
         overrides = list(overrides)
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} must look like key=value, e.g. sim.steps=20")
         if overrides:
-            layers.append(parse_overrides(overrides))
+            layers.append(parse_overrides(overrides, example="sim.steps=20"))
         merged = OmegaConf.merge(*layers)
     except ConfigKeyError as exc:  # a sim key defaults.yaml does not have: named with the closest one it has
         parent = exc.full_key.rpartition(".")[0] if exc.full_key else ""

@@ -52,9 +52,6 @@ def load_config(
         else:
             if path is not None:
                 config = _merge_layer(config, read_config_file(path))
-            for item in overrides:
-                if "=" not in item:
-                    raise ConfigError(f"override {item!r} must look like key=value, e.g. fully_async.stale_steps=2.0")
             if overrides:
                 config = _merge_layer(config, parse_overrides(overrides))
         _check_sections(config)
@@ -184,9 +181,13 @@ def _merge_layer(base: DictConfig, *layers: DictConfig) -> DictConfig:
     return base
 
 
-def parse_overrides(overrides: list[str]) -> DictConfig:
-    """`key=value` overrides as one configuration layer, each value read as YAML; ConfigError naming the override
-    whose value is not YAML (a bare `[::1]:0` opens a YAML list), and how to pass it as a string."""
+def parse_overrides(overrides: list[str], example: str = "fully_async.stale_steps=2.0") -> DictConfig:
+    """`key=value` overrides as one configuration layer, each value read as YAML; ConfigError naming an override
+    that is not key=value (`example` shows one) or whose value is not YAML (a bare `[::1]:0` opens a YAML list),
+    and how to pass it as a string."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. {example}")
     try:
         return OmegaConf.from_dotlist(overrides)
     except yaml.YAMLError:
