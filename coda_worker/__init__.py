@@ -8,6 +8,7 @@ from typing import Any
 
 from .engines import (AsyncEngine, Engine, EngineError, EngineUnreachableError, FakeEngine, FinishReason, Generation,
                       GenerationRequest, SamplingParams, ServedEngine)
+from .engines import _ADAPTERS  # the HTTP adapters engines/__init__.py imports on first use
 from .worker import (
     AsyncRolloutWorker,
     ListPromptSource,
@@ -23,7 +24,7 @@ from .worker import (
 def __getattr__(name: str) -> Any:
     """VLLMEngine and SGLangEngine, imported on first use (they need httpx, so they stay out of `__all__`):
     `from coda_worker import VLLMEngine` works as `from coda_worker.engines import VLLMEngine` does."""
-    if name in ("VLLMEngine", "SGLangEngine"):
+    if name in _ADAPTERS:
         from . import engines
 
         return getattr(engines, name)
