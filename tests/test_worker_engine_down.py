@@ -10,11 +10,11 @@ import pytest
 
 from coda_client import AsyncPacerClient, TrajectoryStatus
 from coda_worker.engines import EngineError, EngineUnreachableError, FinishReason, Generation, SamplingParams
-from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt
+from coda_worker.worker import AsyncRolloutWorker
 from conftest import core_overrides
 from server_harness import ServerProcess
 from test_durability_crash import free_port
-from test_worker_loop import until
+from test_worker_loop import make_worker, prompts, until
 
 
 class RestartingEngine:
@@ -52,9 +52,7 @@ def server(tmp_path):
 
 
 def worker_on(pacer, engine, count: int, **kwargs) -> AsyncRolloutWorker:
-    source = ListPromptSource([Prompt(f"p{i}", [100 + i, 7]) for i in range(count)])
-    return AsyncRolloutWorker(pacer, engine, source, sampling=SamplingParams(max_tokens=8), max_groups=2,
-                              dispatch_wait=0.5, **kwargs)
+    return make_worker(pacer, engine, prompts(count), **kwargs)  # two groups at once, prompts p0, p1, ...
 
 
 def test_a_worker_waits_for_an_engine_that_is_still_loading_and_takes_no_prompt_meanwhile(server):
