@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import numbers
+import operator
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,23 +68,40 @@ _INTEGER_RANGES = {
 }
 
 
-def check_integers(message_type: Any, **fields: Any) -> None:
-    """Raises ValueError naming the field and its range when an integer does not fit its wire type."""
+# The floating-point field types, which take any real number (NumPy's included) and nothing else.
+_REAL_TYPES = {FieldDescriptor.TYPE_DOUBLE: "double", FieldDescriptor.TYPE_FLOAT: "float"}
+
+
+def check_numbers(message_type: Any, **fields: Any) -> None:
+    """Raises TypeError naming the field when a number field is given something else (an integer field a float
+    or a bool, a number field a string), and ValueError naming the field and its range when an integer does not
+    fit its wire type. NumPy's integers count as integers, as protobuf takes them."""
     by_name = message_type.DESCRIPTOR.fields_by_name
     for name, value in fields.items():
         field = by_name.get(name)
-        limits = _INTEGER_RANGES.get(field.type) if field is not None and not field.is_repeated else None
-        if limits is None or isinstance(value, bool) or not isinstance(value, int):
+        if field is None or field.is_repeated or value is None:  # None: the field left unset, as protobuf takes it
+            continue
+        where = f"{message_type.DESCRIPTOR.name}.{name}"
+        if field.type in _REAL_TYPES:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, not {value!r} ({type(value).__name__}; {where} is a "
+                                f"{_REAL_TYPES[field.type]})")
+            continue
+        limits = _INTEGER_RANGES.get(field.type)
+        if limits is None:
             continue
         kind, low, high = limits
-        if not low <= value <= high:
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+            raise TypeError(f"{name} must be an integer, not {value!r} ({type(value).__name__}; {where} is of type "
+                            f"{kind})")
+        if not low <= operator.index(value) <= high:
             raise ValueError(f"{name} {value} is out of range: it must be an integer from {low} to {high} "
-                             f"({message_type.DESCRIPTOR.name}.{name} is of type {kind})")
+                             f"({where} is of type {kind})")
 
 
 def _message(message_type: Any, **fields: Any) -> Any:
-    """The request message, its integer fields checked first (check_integers)."""
-    check_integers(message_type, **fields)
+    """The request message, its number fields checked first (check_numbers)."""
+    check_numbers(message_type, **fields)
     return message_type(**fields)
 
 
@@ -188,7 +207,7 @@ def collect(
         max_response_bytes=max(0, max_response_bytes),
     )
     if trainer_step is not None:
-        check_integers(pacer_pb2.CollectRequest, trainer_step=trainer_step)
+        check_numbers(pacer_pb2.CollectRequest, trainer_step=trainer_step)
         request.trainer_step = trainer_step
     if streamed:
         return Call("CollectStream", request, call_timeout(timeout, wait),
@@ -221,6 +240,7 @@ def reset(
         request_id=request_id_or_new(request_id),
     )
     if wait is not None:
+        check_numbers(pacer_pb2.ResetRequest, wait_seconds=wait)
         request.wait_seconds = wait
     # Absent, a Reset waits until every running group is assembled, as long as the server allows
     # (server.max_wait_seconds; server.abort_wait_seconds in ABORT mode): the deadline must not cut that short.

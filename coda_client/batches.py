@@ -11,6 +11,7 @@ import concurrent.futures
 import functools
 import logging
 import mmap
+import operator
 import sys
 import threading
 import time
@@ -471,12 +472,18 @@ class BatchShape:
            token_budget: int | None, rank: int, world_size: int) -> BatchShape:
         """Checks the trainer's arguments; `server_group_sizes` (a callable giving GetState's group_sizes) is
         called only when the group size must be asked from the server."""
+        world_size, rank = _as_integer(world_size), _as_integer(rank)
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, not {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in 0..{world_size - 1} (world_size {world_size}), not {rank!r}")
+        token_budget = _as_integer(token_budget)
         if token_budget is not None and (not isinstance(token_budget, int) or token_budget <= 0):
             raise ValueError(f"token_budget must be a positive number of tokens or None, not {token_budget!r}")
+        mini_batch_size, group_size = _as_integer(mini_batch_size), _as_integer(group_size)
+        for name, value in (("mini_batch_size", mini_batch_size), ("group_size", group_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer number of trajectories, not {value!r}")
         if mini_batch_size is None:
             if token_budget is None:
                 raise ValueError("pass mini_batch_size (trajectories per global mini-batch) or token_budget")
@@ -491,6 +498,14 @@ class BatchShape:
             raise ValueError(f"mini_batch_size {mini_batch_size} holds {num_groups} groups, fewer than world_size "
                              f"{world_size}: every rank gets at least one whole group")
         return cls(num_groups, token_budget or 0, rank, world_size)
+
+
+def _as_integer(value: Any) -> Any:
+    """An integer as a Python int (NumPy's integers, a torch rank, ...); anything else, a bool or a float among them,
+    as it is, for the caller's check to refuse by name."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return value
+    return operator.index(value)
 
 
 def _reopened_watch(client: Any) -> Any:
@@ -513,6 +528,7 @@ class _IteratorBase:
             raise ValueError(f"lease must be > 0 seconds (the batches are leased until acknowledged), not {lease}")
         if poll <= 0:
             raise ValueError(f"poll must be > 0 seconds, not {poll}")
+        num_batches = _as_integer(num_batches)
         if num_batches is not None and num_batches != STEP and not (isinstance(num_batches, int) and num_batches >= 0):
             raise ValueError(f"num_batches must be an integer >= 0, {STEP!r} (one training step) or None, "
                              f"not {num_batches!r}")

@@ -394,3 +394,33 @@ def test_a_client_closed_under_an_open_iterator_ends_its_watch_quietly(tmp_path,
             next(batches)
         batches.close()
     assert failures == []
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(mini_batch_size=64.0), "mini_batch_size must be an integer number of trajectories, not 64.0"),
+    (dict(mini_batch_size=64, group_size=8.0), "group_size must be an integer number of trajectories, not 8.0"),
+    (dict(mini_batch_size=True), "mini_batch_size must be an integer number of trajectories, not True"),
+    (dict(mini_batch_size=64, rank=0.0, world_size=2), "rank must be an integer in 0..1"),
+    (dict(mini_batch_size=64, num_batches=2.0), "num_batches must be an integer >= 0"),
+])
+def test_batches_refuses_a_float_where_a_count_goes_at_once(arguments, message):
+    """A float count (a YAML value, M / N) used to be taken and fail at the first next() with protobuf's TypeError."""
+    from coda_client.batches import BatchIterator, BatchShape
+
+    options = {k: arguments.pop(k) for k in ("num_batches",) if k in arguments}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        shape = BatchShape.of(arguments.pop("mini_batch_size"), arguments.pop("group_size", None), lambda: [8],
+                              token_budget=None, rank=arguments.pop("rank", 0),
+                              world_size=arguments.pop("world_size", 1))
+        BatchIterator(None, shape, lease=60, poll=1, **options)
+
+
+def test_batches_takes_numpy_integers_as_counts():
+    """NumPy's integers (a count computed with NumPy; a launcher's rank) are integers: the shape holds Python ints."""
+    from coda_client.batches import BatchShape
+
+    shape = BatchShape.of(np.int64(64), None, lambda: [8], token_budget=None, rank=np.int64(1),
+                          world_size=np.int32(2))
+    assert shape == BatchShape(8, 0, 1, 2) and all(type(v) is int for v in (shape.num_groups, shape.rank,
+                                                                            shape.world_size))
+    assert BatchShape.of(None, None, lambda: [8], token_budget=np.int64(4096), rank=0, world_size=1).token_budget == 4096

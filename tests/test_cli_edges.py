@@ -88,6 +88,25 @@ def test_out_of_range_numbers_get_a_message_naming_the_field_and_the_range(serve
         assert pacer.state().dispatched == 0  # nothing was sent
 
 
+def test_a_number_of_the_wrong_kind_gets_a_type_error_naming_the_field_and_nothing_is_sent(server):
+    with PacerClient(server.address) as pacer:
+        with pytest.raises(TypeError, match=r"num_groups must be an integer, not 8\.0 \(float; "
+                                            r"CollectRequest\.num_groups is of type uint32\)"):
+            pacer.collect(8.0)
+        with pytest.raises(TypeError, match=r"num_groups must be an integer, not True \(bool"):
+            pacer.collect(True)
+        with pytest.raises(TypeError, match=r"weight_version must be an integer, not 1\.5"):
+            pacer.reset("wait", wait=0, resume=True, weight_version=1.5)
+        with pytest.raises(TypeError, match=r"wait_seconds must be a number, not '1' \(str"):
+            pacer.dispatch(["a"], wait="1")
+        with pytest.raises(TypeError, match=r"wait_seconds must be a number, not '5' \(str; ResetRequest"):
+            pacer.reset("wait", wait="5")
+        assert pacer.state().dispatched == 0 and pacer.state().step == 0  # nothing was sent
+        # NumPy's integers are integers (a count computed with NumPy, a rank from a launcher)
+        assert pacer.collect(np.int64(1), wait=0) == []
+        assert pacer.resume(np.int64(3)).weight_version == 3
+
+
 def test_a_submit_over_the_limit_is_refused_before_it_is_built_naming_max_message_bytes(server):
     big = np.zeros(300_000_000, dtype=np.int32)  # 1.2 GB as token_ids, 1.2 GB as logprobs: ~2.4 GB on the wire
     trajectory = Trajectory(trajectory_id="a#0", prompt_id="a", status=TrajectoryStatus.COMPLETED, token_ids=big,
