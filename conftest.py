@@ -4,7 +4,7 @@
 this file hands .md files to the plugin's collector). Each block that is not marked `python notest` runs
 as a script in a fresh interpreter, as a reader who pastes it into a file would run it, against a real
 coda-server started for it on 127.0.0.1:0 with the default configuration (its address in the environment
-variable PACER_ADDRESS, which the blocks read). A block fails on an exception, a non-zero exit, or when it
+variable CODA_ADDRESS, which the blocks read). A block fails on an exception, a non-zero exit, or when it
 has not ended within DOC_BLOCK_TIMEOUT_SECONDS (it is killed). tests/test_doc_blocks.py checks that every
 `notest` block says why it is a fragment.
 """
@@ -24,7 +24,7 @@ from pytest_markdown_docs.plugin import MARKER_NAME, MarkdownTextFile
 ROOT = Path(__file__).resolve().parent
 DOC_FILES = {ROOT / "README.md", *(ROOT / "docs").glob("*.md")}
 DOC_BLOCK_TIMEOUT_SECONDS = 90.0
-ADDRESS_VARIABLE = "PACER_ADDRESS"
+ADDRESS_VARIABLE = "CODA_ADDRESS"
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> Any:
@@ -37,7 +37,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> Any:
 @pytest.fixture(autouse=True)
 def _doc_block_server(request: pytest.FixtureRequest) -> Any:
     """For a documentation block only: a coda-server on 127.0.0.1:0 (default configuration), its address in
-    PACER_ADDRESS, and the block's working directory. Other tests get nothing (and pay nothing)."""
+    CODA_ADDRESS, and the block's working directory. Other tests get nothing (and pay nothing)."""
     if request.node.get_closest_marker(MARKER_NAME) is None:
         yield None
         return

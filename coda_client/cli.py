@@ -23,8 +23,8 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coda-client", description="Talk to a running coda-server.")
-    parser.add_argument("--address", default=os.environ.get("CODA_ADDRESS", DEFAULT_ADDRESS),
-                        help=f"server host:port (default: $CODA_ADDRESS, else {DEFAULT_ADDRESS})")
+    parser.add_argument("--address", "--target", default=os.environ.get("CODA_ADDRESS", DEFAULT_ADDRESS),
+                        help=f"server host:port, PacerClient's target (default: $CODA_ADDRESS, else {DEFAULT_ADDRESS})")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
     parser.add_argument("--token-file", default=os.environ.get("CODA_TOKEN_FILE"),
                         help="file holding the bearer token (default: $CODA_TOKEN_FILE; $CODA_TOKEN also works)")

@@ -127,3 +127,14 @@ def test_an_address_grpc_would_dial_modulo_65536_stops_the_cli_with_exit_2(comma
     code, text = run_cli("127.0.0.1:99999", *command)  # gRPC would dial 127.0.0.1:34463
     assert (code, text) == (2, "")
     assert "target '127.0.0.1:99999' is not host:port with a port in 1..65535" in capsys.readouterr().err
+
+
+def test_the_cli_finds_the_server_by_coda_address_as_the_docs_blocks_do_or_by_target(server, monkeypatch):
+    """One variable for the address: the docs' Python blocks and coda-client both read CODA_ADDRESS; --target is
+    --address under PacerClient's name for it."""
+    monkeypatch.setenv("CODA_ADDRESS", server.address)
+    out = io.StringIO()
+    assert client_cli.main(["state", "--json"], out=out) == 0 and json.loads(out.getvalue())["step"] == 0
+    monkeypatch.setenv("CODA_ADDRESS", "127.0.0.1:1")  # nothing listens there: --target must win
+    out = io.StringIO()
+    assert client_cli.main(["--target", server.address, "state", "--json"], out=out) == 0

@@ -54,10 +54,10 @@ def test_every_fragment_says_why_it_is_one():
 
 
 def test_runnable_blocks_take_the_server_address_from_the_environment():
-    """A runnable block that talks to a server reads PACER_ADDRESS (the test's server) with the default address
+    """A runnable block that talks to a server reads CODA_ADDRESS (the test's server) with the default address
     as the fallback a reader gets, rather than a fixed address the test cannot point elsewhere."""
     fixed = [f"{path.name}:{line}" for path, line, words, code in python_fences()
-             if "notest" not in words and ":50051" in code and "PACER_ADDRESS" not in code]
+             if "notest" not in words and ":50051" in code and "CODA_ADDRESS" not in code]
     assert not fixed, f"runnable blocks with a fixed server address: {fixed}"
 
 

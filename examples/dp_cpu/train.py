@@ -226,8 +226,8 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", default=os.environ.get("PACER_ADDRESS", "127.0.0.1:50051"),
-                        help="the coda-server (default $PACER_ADDRESS or 127.0.0.1:50051)")
+    parser.add_argument("--address", default=os.environ.get("CODA_ADDRESS", "127.0.0.1:50051"),
+                        help="the coda-server (default $CODA_ADDRESS or 127.0.0.1:50051)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument("--recipe", choices=("shares", "scatter"), default="shares")
     parser.add_argument("--steps", type=int, default=3)
