@@ -15,7 +15,9 @@ from .worker import (
     Prompt,
     PromptSource,
     RewardFn,
+    RewardFunctionError,
     RolloutWorker,
+    WorkerFailedError,
     WorkerStats,
     trajectory_id_of,
 )
@@ -39,6 +41,8 @@ __all__ = [
     "ListPromptSource",
     "WorkerStats",
     "RewardFn",
+    "WorkerFailedError",
+    "RewardFunctionError",
     "trajectory_id_of",
     "AsyncEngine",
     "ServedEngine",

@@ -108,6 +108,19 @@ ENGINE_WAIT_LOG_SECONDS = 30.0
 # While the engine reports an older weight version than the pacer's (its sync has not happened yet), it is
 # asked again before a request at most this often.
 ENGINE_VERSION_RECHECK_SECONDS = 0.2
+# Reward function failures in a row (none scored between) after which the worker stops: about four groups of 8, so a
+# reward function that cannot run at all stops the worker within its first groups, while one that fails now and
+# then on a response it cannot parse only fails those.
+DEFAULT_REWARD_FAILURE_LIMIT = 32
+REWARD_ERROR_CHARS = 500  # of a reward function's error, kept in the FAILED trajectory's metadata
+
+
+class WorkerFailedError(RuntimeError):
+    """The worker could not go on (one of its tasks failed): it stopped, and run() raised this."""
+
+
+class RewardFunctionError(WorkerFailedError):
+    """The reward function failed on reward_failure_limit completed trajectories in a row: the worker stopped."""
 
 
 @dataclass(frozen=True)
@@ -233,7 +246,7 @@ class WorkerStats:
     trajectories_submitted: int = 0  # acknowledged by the server
     trajectories_aborted: int = 0  # submitted as ABORTED (at a PAUSE with ABORT)
     trajectories_continued: int = 0  # ABORTED trajectories this worker continued after a Reset
-    trajectories_failed: int = 0  # the engine failed them (submitted as FAILED)
+    trajectories_failed: int = 0  # the engine or the reward function failed them (submitted as FAILED)
     trajectories_refused: int = 0  # refused by the server (stale generation, lease ran out): not acknowledged
     trajectories_too_large: int = 0  # larger than a message may be: submitted as FAILED, saying why
     tokens_generated: int = 0
@@ -242,6 +255,7 @@ class WorkerStats:
     dispatch_calls: int = 0
     keepalive_calls: int = 0
     engine_aborts: int = 0
+    reward_errors: int = 0  # calls of the reward function that raised (or gave what float() refuses)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -360,7 +374,11 @@ class AsyncRolloutWorker:
 
     pacer: an AsyncPacerClient (the worker does not close it). engine: an AsyncEngine (e.g. VLLMEngine).
     source: a PromptSource. sampling: SamplingParams of every trajectory. reward: optional
-    `reward(prompt, response_token_ids) -> float` (or a coroutine) for completed trajectories.
+    `reward(prompt, response_token_ids) -> float` (or a coroutine) for completed trajectories; a call that raises
+    (or gives what float() refuses) makes its trajectory FAILED, the error in its metadata ("error") and the log,
+    and the others go on; reward_failure_limit such failures in a row, none scored between, stop the worker and
+    run() raises RewardFunctionError (a reward function that cannot run at all would otherwise turn every prompt
+    of the source into FAILED trajectories).
     max_groups: groups this worker generates at once. on_resume: optional callback (or coroutine)
     `on_resume(weight_version)` run at RESUME before dispatching again, e.g. to load the new weights
     (when the trainer does not sync the engines itself). Segments are tagged with the version the engine
@@ -397,6 +415,7 @@ class AsyncRolloutWorker:
         engine_wait: float = DEFAULT_ENGINE_WAIT_SECONDS,
         shutdown_grace: float = 10.0,
         on_submitted: Callable[[list[Trajectory]], Any] | None = None,
+        reward_failure_limit: int = DEFAULT_REWARD_FAILURE_LIMIT,
     ) -> None:
         if max_groups < 1:
             raise ValueError(f"max_groups {max_groups!r} must be >= 1")
@@ -423,6 +442,9 @@ class AsyncRolloutWorker:
         self.engine_wait = engine_wait
         self.shutdown_grace = shutdown_grace
         self.on_submitted = on_submitted
+        if not (isinstance(reward_failure_limit, int) and reward_failure_limit >= 1):
+            raise ValueError(f"reward_failure_limit {reward_failure_limit!r} must be an integer >= 1")
+        self.reward_failure_limit = reward_failure_limit
         self._give_up_at: float | None = None  # set at stop(): retries of an unreachable server end then
         self.stats = WorkerStats()
         self.weight_version = 0
@@ -454,7 +476,10 @@ class AsyncRolloutWorker:
         self._engine_lost_at: float | None = None
         self._engine_probe: asyncio.Task | None = None
         self._engine_back: asyncio.Event | None = None
-        self._engine_gone: EngineUnreachableError | None = None
+        # Why the worker cannot go on (the engine gone for engine_wait, the reward function failing on every
+        # trajectory, a helper task that died): run() stops, submits what it holds, and raises it.
+        self._failure: Exception | None = None
+        self._reward_failures_in_a_row = 0
 
     # ------------------------------------------------------------------ control from outside
 
@@ -505,6 +530,8 @@ class AsyncRolloutWorker:
         helpers = [asyncio.create_task(self._watch(), name=f"{self.worker_id}-watch"),
                    asyncio.create_task(self._submitter(), name=f"{self.worker_id}-submit"),
                    asyncio.create_task(self._keep_alive(), name=f"{self.worker_id}-keepalive")]
+        for task in helpers:
+            task.add_done_callback(self._helper_ended)
         try:
             await self._dispatch_loop()
             await self._drain()
@@ -524,9 +551,20 @@ class AsyncRolloutWorker:
                     "%d tokens", self.worker_id, self.stats.groups_done, self.stats.trajectories_submitted,
                     self.stats.trajectories_aborted, self.stats.trajectories_continued, self.stats.tokens_generated,
                     extra=_fields(worker=self.worker_id, **self.stats.as_dict()))
-        if self._engine_gone is not None:
-            raise self._engine_gone
+        if self._failure is not None:
+            raise self._failure
         return self.stats
+
+    def _helper_ended(self, task: asyncio.Task) -> None:
+        """A helper (control stream, submitter, keep-alive) that raised would leave the worker holding its groups
+        with nothing to submit or renew them: the worker stops instead, and run() raises."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        error = WorkerFailedError(f"{self.worker_id}: its {task.get_name()} task failed ({type(exc).__name__}: "
+                                  f"{exc}); the worker stopped")
+        error.__cause__ = exc
+        self._fail(error, exc)
 
     async def _resume_source(self) -> None:
         """Give the source the server's prompt cursor (when it takes one), so it proposes nothing admitted."""
@@ -854,7 +892,7 @@ class AsyncRolloutWorker:
         send it again), has been away for engine_wait (False; the worker then stops, and run() raises), or the
         group is aborted meanwhile (False: a Reset waits for its ABORTED trajectories)."""
         assert self._engine_back is not None
-        if self._engine_gone is not None:
+        if self._failure is not None:
             return False
         if self._engine_lost_at is None:
             self._engine_lost_at = time.monotonic()
@@ -870,7 +908,7 @@ class AsyncRolloutWorker:
                 return False
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._engine_back.wait(), ABORT_REPEAT_SECONDS)
-        return self._engine_gone is None
+        return self._failure is None
 
     async def _probe_engine(self, exc: EngineUnreachableError) -> None:
         """Asks the engine (its health check; without one, the requests themselves) until it answers, or gives up
@@ -890,16 +928,23 @@ class AsyncRolloutWorker:
                 return
             gone = exc
         away = time.monotonic() - self._engine_lost_at  # set: only a lost engine is given up on
-        self._engine_gone = EngineUnreachableError(
+        self._fail(EngineUnreachableError(
             f"{self.worker_id}: the engine could not be reached for {away:.0f} s (engine_wait "
-            f"{self.engine_wait:g} s); the worker stopped, its running trajectories submitted as FAILED: {gone}")
-        logger.error("%s", self._engine_gone, extra=_fields(worker=self.worker_id))
-        self._request_stop()
+            f"{self.engine_wait:g} s); the worker stopped, its running trajectories submitted as FAILED: {gone}"))
         self._engine_back.set()
+
+    def _fail(self, error: Exception, cause: BaseException | None = None) -> None:
+        """The worker cannot go on: it stops (what it holds is still submitted, within shutdown_grace), and run()
+        raises `error`. The first failure is the one raised."""
+        if self._failure is not None:
+            return
+        self._failure = error
+        logger.error("%s", error, exc_info=cause, extra=_fields(worker=self.worker_id))
+        self._request_stop()
 
     def _engine_answered(self) -> None:
         """The engine answered (a request, or its health check): what waited for it goes on."""
-        if self._engine_lost_at is not None and self._engine_gone is None:
+        if self._engine_lost_at is not None and self._failure is None:
             logger.info("%s: the engine answers again after %.1f s", self.worker_id,
                         time.monotonic() - self._engine_lost_at, extra=_fields(worker=self.worker_id))
             self._engine_lost_at = None
@@ -907,13 +952,37 @@ class AsyncRolloutWorker:
                 self._engine_back.set()
             self._poke()
 
-    async def _reward_of(self, group: _Group, traj: _Traj) -> float:
+    async def _reward_of(self, group: _Group, traj: _Traj) -> tuple[float, str | None]:
+        """The trajectory's reward, and None; or 0.0 and what went wrong when the reward function raised or gave
+        what float() refuses (the trajectory then goes FAILED, saying so)."""
         if self.reward is None or traj.status != TrajectoryStatus.COMPLETED:
-            return 0.0
-        value = self.reward(group.prompt, traj.token_ids)
-        if inspect.isawaitable(value):
-            value = await value
-        return float(value)
+            return 0.0, None
+        try:
+            value = self.reward(group.prompt, traj.token_ids)
+            if inspect.isawaitable(value):
+                value = await value
+            reward = float(value)
+        except Exception as exc:  # the user's verifier: one response it cannot score must not stop the others
+            return 0.0, self._reward_failed(traj, exc)
+        self._reward_failures_in_a_row = 0
+        return reward, None
+
+    def _reward_failed(self, traj: _Traj, exc: Exception) -> str:
+        """Logs a reward function's failure (the first with its traceback) and stops the worker once it failed on
+        reward_failure_limit trajectories in a row; returns the error the FAILED trajectory carries."""
+        self.stats.reward_errors += 1
+        self._reward_failures_in_a_row += 1
+        error = f"the reward function failed: {type(exc).__name__}: {exc}"[:REWARD_ERROR_CHARS]
+        logger.error("%s: %s: %s (submitted as FAILED; %d in a row, the worker stops at reward_failure_limit %d)",
+                     self.worker_id, traj.trajectory_id, error, self._reward_failures_in_a_row,
+                     self.reward_failure_limit, exc_info=exc if self.stats.reward_errors == 1 else None,
+                     extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
+        if self._reward_failures_in_a_row >= self.reward_failure_limit:
+            self._fail(RewardFunctionError(
+                f"{self.worker_id}: the reward function failed on {self._reward_failures_in_a_row} completed "
+                f"trajectories in a row (reward_failure_limit {self.reward_failure_limit}), none scored between: "
+                f"the worker stopped, its trajectories submitted as FAILED. The last: {error}"))
+        return error
 
     async def _to_wire(self, group: _Group, traj: _Traj) -> Trajectory:
         start = traj.start_version if traj.start_version is not None else self.tag_version
@@ -923,9 +992,13 @@ class AsyncRolloutWorker:
             metadata["finish_reason"] = traj.finish.value
         if traj.was_aborted:
             metadata["continued"] = "true"  # aborted at a Reset, then continued under newer weights
+        reward, reward_error = await self._reward_of(group, traj)
+        if reward_error is not None:
+            traj.status = TrajectoryStatus.FAILED
+            metadata["error"] = reward_error
         return Trajectory(
             trajectory_id=traj.trajectory_id, prompt_id=group.prompt.prompt_id, ds_index=group.prompt.ds_index,
-            status=traj.status, reward=await self._reward_of(group, traj), token_ids=traj.token_ids,
+            status=traj.status, reward=reward, token_ids=traj.token_ids,
             logprobs=traj.logprobs, start_weight_version=start, end_weight_version=end, metadata=metadata,
             segment_lengths=[n for n, _ in traj.segments],
             segment_weight_versions=[v for _, v in traj.segments],

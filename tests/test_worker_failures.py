@@ -1,0 +1,109 @@
+"""A rollout worker whose own code fails: a reward function that raises fails only the trajectories it could not score
+(FAILED, saying why), and one that fails on every trajectory stops the worker with RewardFunctionError; a helper task
+that dies stops the worker with WorkerFailedError. Before, the first reward error killed the submitting task without
+a word, and the worker held its groups for ever, dispatching nothing."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from coda_client import AsyncPacerClient, TrajectoryStatus
+from coda_worker import RewardFunctionError, WorkerFailedError
+from conftest import core_overrides
+from server_harness import ServerProcess
+from test_worker_loop import HeldEngine, make_worker, prompts
+
+RUN_TIMEOUT = 60.0
+
+
+@pytest.fixture
+def server(tmp_path):
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=4)) as process:
+        yield process
+
+
+def released_engine() -> HeldEngine:
+    engine = HeldEngine()
+    engine.auto_release = True
+    return engine
+
+
+def test_a_reward_function_that_raises_fails_only_what_it_could_not_score(server, caplog):
+    def reward(prompt, tokens) -> float:
+        if prompt.prompt_id in ("p1", "p3"):
+            raise ValueError(f"cannot parse the answer to {prompt.prompt_id}")
+        return 1.0
+
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, released_engine(), prompts(4), reward=reward)
+            stats = await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
+            return stats, await pacer.collect(4, wait=0, allow_partial=True), await pacer.state()
+
+    with caplog.at_level(logging.ERROR, logger="coda_worker"):
+        stats, groups, state = asyncio.run(go())
+    assert stats.reward_errors == 4 and stats.trajectories_failed == 4 and stats.trajectories_submitted == 8
+    assert sorted(g.prompt_id for g in groups) == ["p0", "p2"]  # scored; the status filter dropped p1 and p3
+    assert all(t.reward == 1.0 and t.status == TrajectoryStatus.COMPLETED for g in groups for t in g.trajectories)
+    assert state.filtered == 2 and state.submitted == 8  # nothing vanished: the failed groups are counted
+    failures = [r for r in caplog.records if "the reward function failed: ValueError: cannot parse" in r.getMessage()]
+    assert len(failures) == 4 and sum(r.exc_info is not None for r in failures) == 1  # one traceback, then counted
+
+
+def test_the_failed_trajectory_says_why(server):
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            submitted = []
+            worker = make_worker(pacer, released_engine(), prompts(1), reward=lambda prompt, tokens: None,
+                                 on_submitted=submitted.extend)
+            await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
+            return submitted
+
+    submitted = asyncio.run(go())
+    assert len(submitted) == 2 and all(t.status == TrajectoryStatus.FAILED for t in submitted)
+    assert submitted[0].metadata["error"].startswith("the reward function failed: TypeError: float() argument")
+
+
+def test_a_reward_function_that_never_works_stops_the_worker(server):
+    def reward(prompt, tokens) -> float:
+        raise RuntimeError("the verifier's sandbox is not installed")
+
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, released_engine(), prompts(50), reward=reward, reward_failure_limit=3)
+            with pytest.raises(RewardFunctionError) as stopped:
+                await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
+            return worker.stats, stopped.value, await pacer.state()
+
+    stats, error, state = asyncio.run(go())
+    assert "failed on 3 completed trajectories in a row (reward_failure_limit 3)" in str(error)
+    assert "RuntimeError: the verifier's sandbox is not installed" in str(error)
+    # It stopped within its first groups, and what it held was submitted (FAILED), not dropped.
+    assert stats.groups_started <= 4 and state.submitted == stats.trajectories_submitted == stats.trajectories_failed
+    assert stats.trajectories_refused == 0
+
+
+def test_a_reward_failure_limit_below_one_is_refused():
+    with pytest.raises(ValueError, match="reward_failure_limit 0 must be an integer >= 1"):
+        make_worker(None, released_engine(), prompts(1), reward_failure_limit=0)
+
+
+def test_a_helper_task_that_dies_stops_the_worker_and_run_raises(server, caplog):
+    async def broken_keep_alive() -> None:
+        raise RuntimeError("keep-alive bug")
+
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, released_engine(), prompts(50))
+            worker._keep_alive = broken_keep_alive
+            with pytest.raises(WorkerFailedError) as stopped:
+                await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
+            return stopped.value
+
+    with caplog.at_level(logging.ERROR, logger="coda_worker"):
+        error = asyncio.run(go())
+    assert "keepalive task failed (RuntimeError: keep-alive bug); the worker stopped" in str(error)
+    assert isinstance(error.__cause__, RuntimeError)
+    assert any(r.exc_info is not None and "keep-alive bug" in r.getMessage() for r in caplog.records)
