@@ -36,6 +36,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import numbers
 import os
 import re
 import threading
@@ -224,6 +225,16 @@ class ListPromptSource:
             shard._order = [p for i, p in enumerate(self._queue) if i % count == index]
             shard._queue = deque(shard._order)
         return shard
+
+
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} {value!r} must be an integer >= {minimum}")
+
+
+def _check_seconds(name: str, value: Any, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value > 0 if positive else value >= 0):
+        raise ValueError(f"{name} {value!r} must be a number of seconds {'> 0' if positive else '>= 0'}")
 
 
 def default_worker_id() -> str:
@@ -417,10 +428,15 @@ class AsyncRolloutWorker:
         on_submitted: Callable[[list[Trajectory]], Any] | None = None,
         reward_failure_limit: int = DEFAULT_REWARD_FAILURE_LIMIT,
     ) -> None:
-        if max_groups < 1:
-            raise ValueError(f"max_groups {max_groups!r} must be >= 1")
-        if not dispatch_wait > 0:
-            raise ValueError(f"dispatch_wait {dispatch_wait!r} must be > 0 seconds")
+        # Checked here, before any call: a float count or a non-positive interval would fail, or spin, mid-run.
+        _check_count("max_groups", max_groups, 1)
+        _check_count("engine_retries", engine_retries, 0)
+        _check_count("reward_failure_limit", reward_failure_limit, 1)
+        _check_seconds("dispatch_wait", dispatch_wait, positive=True)
+        _check_seconds("engine_wait", engine_wait, positive=False)
+        _check_seconds("shutdown_grace", shutdown_grace, positive=False)
+        if keepalive_seconds is not None:
+            _check_seconds("keepalive_seconds", keepalive_seconds, positive=True)
         self.pacer = pacer
         self.engine = engine
         self.source = source
@@ -437,13 +453,9 @@ class AsyncRolloutWorker:
         self.continue_restored = continue_restored
         self.keepalive_seconds = keepalive_seconds
         self.engine_retries = engine_retries
-        if not engine_wait >= 0:
-            raise ValueError(f"engine_wait {engine_wait!r} must be >= 0 seconds")
         self.engine_wait = engine_wait
         self.shutdown_grace = shutdown_grace
         self.on_submitted = on_submitted
-        if not (isinstance(reward_failure_limit, int) and reward_failure_limit >= 1):
-            raise ValueError(f"reward_failure_limit {reward_failure_limit!r} must be an integer >= 1")
         self.reward_failure_limit = reward_failure_limit
         self._give_up_at: float | None = None  # set at stop(): retries of an unreachable server end then
         self.stats = WorkerStats()

@@ -85,9 +85,18 @@ def test_a_reward_function_that_never_works_stops_the_worker(server):
     assert stats.trajectories_refused == 0
 
 
-def test_a_reward_failure_limit_below_one_is_refused():
-    with pytest.raises(ValueError, match="reward_failure_limit 0 must be an integer >= 1"):
-        make_worker(None, released_engine(), prompts(1), reward_failure_limit=0)
+@pytest.mark.parametrize("argument, value, message", [
+    ("reward_failure_limit", 0, "reward_failure_limit 0 must be an integer >= 1"),
+    ("max_groups", 2.5, "max_groups 2.5 must be an integer >= 1"),  # failed in run() with a bare TypeError
+    ("engine_retries", -1, "engine_retries -1 must be an integer >= 0"),
+    ("keepalive_seconds", 0, "keepalive_seconds 0 must be a number of seconds > 0"),  # renewed without a pause
+    ("shutdown_grace", -1, "shutdown_grace -1 must be a number of seconds >= 0"),
+    ("engine_wait", "10", "engine_wait '10' must be a number of seconds >= 0"),
+    ("dispatch_wait", 0, "dispatch_wait 0 must be a number of seconds > 0"),
+])
+def test_a_worker_argument_out_of_its_range_is_refused_when_the_worker_is_made(argument, value, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        make_worker(None, released_engine(), prompts(1), **{argument: value})
 
 
 def test_a_helper_task_that_dies_stops_the_worker_and_run_raises(server, caplog):

@@ -490,7 +490,7 @@ def test_prompt_source_shards_hand_out_each_prompt_once_and_find_every_prompt():
         source.get("nope")
     with pytest.raises(ValueError, match="appears twice"):
         ListPromptSource([Prompt("a", [1]), Prompt("a", [2])])
-    with pytest.raises(ValueError, match="max_groups 0 must be >= 1"):
+    with pytest.raises(ValueError, match="max_groups 0 must be an integer >= 1"):
         AsyncRolloutWorker(None, HeldEngine(), source, max_groups=0)
 
 
