@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
+import numbers
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -251,6 +253,24 @@ def check_target(target: str) -> str:
     if port is not None and (not host or not port.isdigit() or not 0 < int(port) <= 65535):
         raise ValueError(f"target {target!r} is not host:port with a port in 1..65535, e.g. 127.0.0.1:50051")
     return target
+
+
+# A client's message limit: below 64 KiB the small calls' answers (GetState's, ListWorkers') may not fit; above
+# 2**31 - 1 gRPC takes no limit (its channel arguments are C ints).
+MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES = 64 * 1024, 2**31 - 1
+
+
+def check_client_limits(timeout: Any, max_message_bytes: Any) -> tuple[float, int]:
+    """`timeout` and `max_message_bytes` as a float and an int, or ValueError naming what is allowed: a deadline
+    of 0 or less fails every call, and a message limit of 0 (or gRPC's -1 for "none") refuses every Submit."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a number of seconds > 0 (each call's deadline), not {timeout!r}")
+    if (isinstance(max_message_bytes, bool) or not hasattr(type(max_message_bytes), "__index__")
+            or not MIN_MESSAGE_BYTES <= max_message_bytes <= MAX_MESSAGE_BYTES):
+        raise ValueError(f"max_message_bytes must be an integer from {MIN_MESSAGE_BYTES} to {MAX_MESSAGE_BYTES}, not "
+                         f"{max_message_bytes!r}: it is the largest message this client sends or takes (Submits are "
+                         f"measured against it, Collect answers cut to it); gRPC's -1 for no limit is not taken")
+    return float(timeout), int(max_message_bytes)
 
 
 # The environment variables gRPC's C core reads, in its order, for the HTTP CONNECT proxy of every channel, and

@@ -24,6 +24,7 @@ from ._channel import (
     TlsSpec,
     call_metadata,
     channel_options,
+    check_client_limits,
     check_target,
     proxy_options,
     read_stream,
@@ -193,15 +194,14 @@ class _ClientBase:
         self.target = check_target(target)
         self.wait_for_ready = wait_for_ready
         self.arrays: _arrays.ArrayMode = _arrays.check_mode(arrays)
-        self.timeout = float(timeout)
-        self.max_message_bytes = int(max_message_bytes)
+        self.timeout, self.max_message_bytes = check_client_limits(timeout, max_message_bytes)
         self.client_id = client_id
         self._metadata = call_metadata(token, client_id)
         # Resolved now so a bad certificate path fails at construction, not at the first call.
         self._credentials, tls_options = resolve_tls(tls)
         user_options = dict(options.items() if isinstance(options, Mapping) else options or ())
         self._options = channel_options(
-            timeout=self.timeout, max_message_bytes=max_message_bytes,
+            timeout=self.timeout, max_message_bytes=self.max_message_bytes,
             options={**proxy_options(self.target), **dict(tls_options), **user_options}, wait_for_ready=wait_for_ready,
         )
         # What an UNAVAILABLE error names: the target, and the HTTP proxy from the environment it went through.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import time
 
 import numpy as np
@@ -138,3 +139,17 @@ def test_the_cli_finds_the_server_by_coda_address_as_the_docs_blocks_do_or_by_ta
     monkeypatch.setenv("CODA_ADDRESS", "127.0.0.1:1")  # nothing listens there: --target must win
     out = io.StringIO()
     assert client_cli.main(["--target", server.address, "state", "--json"], out=out) == 0
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(timeout=0), "timeout must be a number of seconds > 0 (each call's deadline), not 0"),
+    (dict(timeout=-1), "timeout must be a number of seconds > 0"),  # gRPC's C core logged a service-config error
+    (dict(max_message_bytes=-1), "max_message_bytes must be an integer from 65536 to 2147483647, not -1"),
+    (dict(max_message_bytes=0), "max_message_bytes must be an integer from 65536 to 2147483647, not 0"),
+])
+def test_a_client_that_could_never_make_a_call_is_refused_when_made(arguments, message):
+    """A deadline of 0 failed every call with DEADLINE_EXCEEDED, and max_message_bytes=-1 (gRPC's "no limit") refused
+    every Submit as too large: both only at the first call."""
+    for client_class in (PacerClient, AsyncPacerClient):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            client_class("127.0.0.1:50051", **arguments)
