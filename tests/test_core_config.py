@@ -158,6 +158,13 @@ def test_group_size_below_one_names_key_value_and_allowed(value):
     assert "data_sources[0].num_trajectories_per_prompt" in msg and f"= {value}" in msg and ">= 1" in msg
 
 
+@pytest.mark.parametrize("value", ["100", "-1", "99999999999"])
+def test_a_message_limit_grpc_cannot_take_or_no_call_fits_names_key_value_and_allowed(value):
+    """99999999999 stopped start-up with gRPC's OverflowError; 100 started a server that refused every Submit."""
+    msg = _message([f"server.max_message_bytes={value}"])
+    assert f"server.max_message_bytes = {value}: must be an integer from 65536 (64 KiB) to 2147483647" in msg
+
+
 def test_group_size_of_a_later_data_source_is_checked(tmp_path):
     path = tmp_path / "two.yaml"
     path.write_text("data_sources:\n  - ${data_source}\n  - name: b\n    num_trajectories_per_prompt: 0\n")

@@ -163,7 +163,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("server.custom_strategy_dirs", "list", [], "Directories whose modules register custom strategies",
         allowed="must be a list of directories"),
     Key("server.reflection", "bool", False, "Serve gRPC server reflection"),
-    _count("server.max_message_bytes", 67108864, "Largest request or response message, in bytes"),
+    # gRPC's channel arguments are C ints; below 64 KiB the small calls' messages may not fit.
+    Key("server.max_message_bytes", "int", 67108864, "Largest request or response message, in bytes",
+        low=65536, high=2**31 - 1, allowed="must be an integer from 65536 (64 KiB) to 2147483647 (gRPC's largest)"),
     Key("server.allocator_retain_bytes", "int", 8388608, "Freed memory the C allocator keeps for the next large message",
         low=0, high=2**31 - 1, allowed="must be an integer from 0 (the allocator's defaults) to 2147483647"),
     Key("server.event_loop", "choice", "auto", "The event loop of the coda-server process",
