@@ -33,6 +33,7 @@ SERVICE_NAME = pacer_pb2.DESCRIPTOR.services_by_name["RolloutPacer"].full_name
 HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME)
 # Control calls (trainer, probes) the pending-call queue holds on top of everything the limits admit.
 CONTROL_CALL_ROOM = 1024
+GRPC_INT_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
 # The cyclic collector's thresholds (CPython's defaults are 700, 10, 10). A young collection walks only the young
 # generation but frees the cyclic garbage found there, and gRPC leaves a few objects of it per call: at 50,000 a
 # collection held the loop for 10 to 50 ms, at 5,000 for under 6 ms and a third less CPU in all (bench/README.md,
@@ -71,8 +72,10 @@ def server_options(config: Any) -> list[tuple[str, Any]]:
 
 
 def admitted_calls(config: Any) -> int:
-    """The most calls the admission limits let run at once, plus room for control calls."""
-    return sum(limit.limit for limit in call_limits(config.server).values()) + CONTROL_CALL_ROOM
+    """The most calls the admission limits let run at once, plus room for control calls; at most gRPC's largest
+    channel argument (a C int), which already means no limit of gRPC's own (larger stopped start-up with an
+    OverflowError)."""
+    return min(sum(limit.limit for limit in call_limits(config.server).values()) + CONTROL_CALL_ROOM, GRPC_INT_MAX)
 
 
 def tune_garbage_collector() -> None:

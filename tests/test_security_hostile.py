@@ -403,3 +403,9 @@ def test_calls_after_shutdown_began_are_unavailable_and_change_nothing():
                 health_pb2.HealthCheckResponse.NOT_SERVING
             assert health.Check(health_pb2.HealthCheckRequest(service="liveness")).status == \
                 health_pb2.HealthCheckResponse.SERVING
+
+
+def test_admission_limits_past_a_c_int_start_a_server_that_answers(tmp_path):
+    """The pending-call cap gRPC takes is their sum, a C int: 3,000,000,000 stopped start-up with an OverflowError."""
+    with ServerProcess(tmp_path, "server.max_concurrent_rpcs=3000000000") as server:
+        assert server.stub().GetState(pb.GetStateRequest(), timeout=10).step == 0
