@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--recipe shares: global mini-batches cut by this many response tokens instead of "
                              "trainer.mini_batch_size trajectories")
     args = parser.parse_args(argv)
+    if args.world_size < 1 or args.steps < 1:
+        parser.error(f"--world-size and --steps must be at least 1, got {args.world_size} and {args.steps}")
+    if args.token_budget is not None and args.recipe != "shares":
+        parser.error("--token-budget goes with --recipe shares (the scatter recipe cuts by trajectories)")
     with PacerClient(args.address, timeout=10) as pacer:  # an unreachable server is said here, before any rank starts
         if pacer.state().job_ended:  # this example ends the job it runs: a second run needs a server of its own
             parser.exit(1, f"the pacer at {args.address} has ended its job (EndJob, e.g. by an earlier run of this "
@@ -248,10 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
         return 0
-    if args.world_size < 1:
-        parser.error(f"--world-size must be at least 1, got {args.world_size}")
-    if args.token_budget is not None and args.recipe != "shares":
-        parser.error("--token-budget goes with --recipe shares (the scatter recipe cuts by trajectories)")
     torch.multiprocessing.spawn(rank_entry, args=(args.world_size, free_port(), args), nprocs=args.world_size)
     return 0
 
