@@ -141,6 +141,11 @@ class Prompt:
     max_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prompt_id, str) or not self.prompt_id:
+            raise ValueError(f"a prompt's id must be a non-empty str, not {self.prompt_id!r}")
+        if isinstance(self.input_ids, (str, bytes)) or not hasattr(self.input_ids, "__len__") or not len(self.input_ids):
+            raise ValueError(f"prompt {self.prompt_id!r}: input_ids must be the prompt's token ids, at least one "
+                             f"(engines refuse an empty prompt), not {self.input_ids!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"prompt {self.prompt_id!r}: max_tokens {self.max_tokens!r} must be an integer >= 1 "
                              "or None (the worker's sampling.max_tokens)")
@@ -176,7 +181,10 @@ class ListPromptSource:
 
     def __init__(self, prompts: Iterable[Prompt]) -> None:
         self._all: dict[str, Prompt] = {}
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, Prompt):
+                raise TypeError(f"ListPromptSource takes Prompt values, e.g. Prompt('p0', [1, 2, 3]); item {i} is "
+                                f"{prompt!r} ({type(prompt).__name__})")
             if prompt.prompt_id in self._all:
                 raise ValueError(f"prompt id {prompt.prompt_id!r} appears twice")
             self._all[prompt.prompt_id] = prompt
@@ -428,7 +436,18 @@ class AsyncRolloutWorker:
         on_submitted: Callable[[list[Trajectory]], Any] | None = None,
         reward_failure_limit: int = DEFAULT_REWARD_FAILURE_LIMIT,
     ) -> None:
-        # Checked here, before any call: a float count or a non-positive interval would fail, or spin, mid-run.
+        # Checked here, before any call: each of these failed only in run(), with an error naming none of them.
+        if not callable(getattr(pacer, "dispatch", None)) or not inspect.iscoroutinefunction(pacer.dispatch):
+            if pacer is not None:  # None: made to be looked at, never run (tests)
+                raise TypeError(f"pacer must be an AsyncPacerClient, not {type(pacer).__name__}; a blocking worker "
+                                f"takes the address instead: RolloutWorker(target, engine, source, ...)")
+        if isinstance(engine, type) or not callable(getattr(engine, "generate", None)):
+            raise TypeError(f"engine must be an engine object with generate(), e.g. FakeEngine() or "
+                            f"VLLMEngine(url), not {engine!r}")
+        if not (callable(getattr(source, "take", None)) and callable(getattr(source, "get", None))):
+            raise TypeError(f"source must be a PromptSource (take and get), e.g. ListPromptSource(prompts), not "
+                            f"{type(source).__name__}")
+        # A float count or a non-positive interval would fail, or spin, mid-run.
         _check_count("max_groups", max_groups, 1)
         _check_count("engine_retries", engine_retries, 0)
         _check_count("reward_failure_limit", reward_failure_limit, 1)

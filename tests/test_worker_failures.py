@@ -1,7 +1,8 @@
 """A rollout worker whose own code fails: a reward function that raises fails only the trajectories it could not score
 (FAILED, saying why), and one that fails on every trajectory stops the worker with RewardFunctionError; a helper task
 that dies stops the worker with WorkerFailedError. Before, the first reward error killed the submitting task without
-a word, and the worker held its groups for ever, dispatching nothing."""
+a word, and the worker held its groups for ever, dispatching nothing. Arguments and parts a worker could never run
+with are refused when it is made, naming what goes there."""
 from __future__ import annotations
 
 import asyncio
@@ -116,3 +117,32 @@ def test_a_helper_task_that_dies_stops_the_worker_and_run_raises(server, caplog)
     assert "keepalive task failed (RuntimeError: keep-alive bug); the worker stopped" in str(error)
     assert isinstance(error.__cause__, RuntimeError)
     assert any(r.exc_info is not None and "keep-alive bug" in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_made_of_the_wrong_parts_is_refused_when_made_naming_what_goes_there():
+    """Each failed only in run(): 'list' object has no attribute 'take', FakeEngine.ready() missing 'self', an
+    AsyncRolloutWorker over a blocking PacerClient awaiting a PacerState."""
+    from coda_client import PacerClient
+    from coda_worker import AsyncRolloutWorker, FakeEngine, Prompt
+
+    with pytest.raises(TypeError, match=r"source must be a PromptSource \(take and get\), e\.g\. "
+                                        r"ListPromptSource\(prompts\), not list"):
+        AsyncRolloutWorker(None, FakeEngine(), [Prompt("p0", [1])])
+    with pytest.raises(TypeError, match=r"engine must be an engine object with generate\(\), e\.g\. FakeEngine\(\)"):
+        AsyncRolloutWorker(None, FakeEngine, prompts(1))
+    with PacerClient("127.0.0.1:50051") as blocking:  # never called
+        with pytest.raises(TypeError, match=r"pacer must be an AsyncPacerClient, not PacerClient; a blocking worker "
+                                            r"takes the address instead: RolloutWorker\(target"):
+            AsyncRolloutWorker(blocking, FakeEngine(), prompts(1))
+
+
+def test_prompts_without_tokens_or_that_are_not_prompts_are_refused():
+    from coda_worker import ListPromptSource, Prompt
+
+    with pytest.raises(ValueError, match=r"prompt 'p0': input_ids must be the prompt's token ids, at least one"):
+        Prompt("p0", [])
+    with pytest.raises(ValueError, match=r"a prompt's id must be a non-empty str, not ''"):
+        Prompt("", [1])
+    with pytest.raises(TypeError, match=r"ListPromptSource takes Prompt values, e\.g\. Prompt\('p0', \[1, 2, 3\]\); "
+                                        r"item 1 is 'b' \(str\)"):
+        ListPromptSource([Prompt("a", [1]), "b"])

@@ -499,7 +499,7 @@ def test_a_group_settled_late_does_not_drop_the_continuation_of_its_prompt_that_
     prompt back to it as a continuation under a new seq; the old group's queued Submit settles afterwards (refused
     as a stale dispatch, or accepted). The continuation must stay tracked: forgotten, the worker could end with it
     running, and the group would wait for a worker forever (a chaos run on Python 3.13 stalled so)."""
-    worker = AsyncRolloutWorker(object(), engine=None, source=ListPromptSource([]), worker_id="w")
+    worker = AsyncRolloutWorker(None, engine=HeldEngine(), source=ListPromptSource([]), worker_id="w")
     prompt = Prompt("p", [1, 2, 3])
     old = worker_module._Group(prompt, 0, [worker_module._Traj("p#0")], False, seq=1)
     continuation = worker_module._Group(prompt, 0, [worker_module._Traj("p#0")], True, seq=2)
