@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 
 import pytest
 
@@ -390,6 +391,24 @@ def test_calls_in_flight_are_spread_over_connection_pools_of_at_most_16():
 def test_max_connections_below_one_is_refused():
     with pytest.raises(ValueError, match="max_connections 0 must be >= 1"):
         VLLMEngine("http://vllm.test:8000", max_connections=0)
+
+
+@pytest.mark.parametrize("adapter", [VLLMEngine, SGLangEngine])
+@pytest.mark.parametrize("base_url, message", [
+    ("localhost:8000", "base_url 'localhost:8000' must be the engine server's URL with its scheme"),
+    ("", "base_url '' must be the engine server's URL with its scheme"),
+    ("http://localhost:8000/v1", "base_url 'http://localhost:8000/v1' is the OpenAI API's base; give the server's "
+                                 "root (without /v1), e.g. http://localhost:8000"),
+])
+def test_a_base_url_no_request_could_reach_is_refused_when_the_adapter_is_made(adapter, base_url, message):
+    """Without a scheme every call failed with httpx's "unsupported protocol"; with the OpenAI base (/v1), which an
+    OpenAI client is given, every request went to /v1/v1/... and each trajectory failed on a 404."""
+    with pytest.raises(ValueError, match=re.escape(f"{adapter.__name__}: {message}")):
+        adapter(base_url)
+
+
+def test_a_base_url_under_a_path_prefix_is_kept():
+    assert VLLMEngine("http://gateway.test/engines/vllm-0/").base_url == "http://gateway.test/engines/vllm-0"
 
 
 def test_the_http_adapters_import_from_the_kit_itself_on_first_use():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -34,6 +35,20 @@ DRAIN_POLL_SECONDS = 0.05
 CONNECTIONS_PER_POOL = 16
 
 
+def check_base_url(adapter: str, base_url: Any) -> str:
+    """The engine server's root URL without a trailing slash, or ValueError: a URL without http(s):// reached no
+    server (httpx: "unsupported protocol"), and the OpenAI API's base (.../v1, what an OpenAI client is given) would
+    send every request to /v1/v1/...: answered 404, each trajectory failed."""
+    parsed = urllib.parse.urlsplit(base_url) if isinstance(base_url, str) else None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"{adapter}: base_url {base_url!r} must be the engine server's URL with its scheme, e.g. "
+                         f"http://127.0.0.1:8000")
+    if parsed.path.rstrip("/").endswith("/v1"):
+        raise ValueError(f"{adapter}: base_url {base_url!r} is the OpenAI API's base; give the server's root "
+                         f"(without /v1), e.g. {parsed.scheme}://{parsed.netloc}: the adapter adds the API paths")
+    return base_url.rstrip("/")
+
+
 class HttpEngine:
     """An engine server at `base_url`; `transport` replaces the network (tests use httpx.MockTransport)."""
 
@@ -47,7 +62,7 @@ class HttpEngine:
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = check_base_url(type(self).__name__, base_url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._generate_timeout = generate_timeout
         self._generating = 0  # generate calls of this adapter awaiting their answer
