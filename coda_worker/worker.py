@@ -143,9 +143,9 @@ class Prompt:
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_id, str) or not self.prompt_id:
             raise ValueError(f"a prompt's id must be a non-empty str, not {self.prompt_id!r}")
-        if isinstance(self.input_ids, (str, bytes)) or not hasattr(self.input_ids, "__len__") or not len(self.input_ids):
-            raise ValueError(f"prompt {self.prompt_id!r}: input_ids must be the prompt's token ids, at least one "
-                             f"(engines refuse an empty prompt), not {self.input_ids!r}")
+        if isinstance(self.input_ids, (str, bytes)) or not hasattr(self.input_ids, "__len__"):
+            raise ValueError(f"prompt {self.prompt_id!r}: input_ids must be the prompt's token ids, not "
+                             f"{self.input_ids!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"prompt {self.prompt_id!r}: max_tokens {self.max_tokens!r} must be an integer >= 1 "
                              "or None (the worker's sampling.max_tokens)")
@@ -185,6 +185,8 @@ class ListPromptSource:
             if not isinstance(prompt, Prompt):
                 raise TypeError(f"ListPromptSource takes Prompt values, e.g. Prompt('p0', [1, 2, 3]); item {i} is "
                                 f"{prompt!r} ({type(prompt).__name__})")
+            if not len(prompt.input_ids):  # (a worker's own stand-in for a prompt it cannot find has none)
+                raise ValueError(f"prompt {prompt.prompt_id!r} has no token ids: engines refuse an empty prompt")
             if prompt.prompt_id in self._all:
                 raise ValueError(f"prompt id {prompt.prompt_id!r} appears twice")
             self._all[prompt.prompt_id] = prompt
@@ -796,8 +798,8 @@ class AsyncRolloutWorker:
         try:
             base = self.source.get(restored.prompt_id)
         except KeyError:
-            logger.error("%s: restored group %r is not in this worker's prompt source; submitting it as it came",
-                         self.worker_id, restored.prompt_id, extra=_fields(worker=self.worker_id))
+            logger.error("%s: restored group %r is not in this worker's prompt source; submitting what it cannot "
+                         "continue as FAILED", self.worker_id, restored.prompt_id, extra=_fields(worker=self.worker_id))
             base = Prompt(restored.prompt_id, [], restored.ds_index)
         prompt = Prompt(base.prompt_id, base.input_ids, restored.ds_index, restored.epoch, restored.index,
                         base.max_tokens)
@@ -805,10 +807,11 @@ class AsyncRolloutWorker:
         fresh = [_Traj(trajectory_id_of(prompt.prompt_id, i)) for i in range(self._group_size(prompt.ds_index))]
         trajectories = [*resumed.values(), *(t for t in fresh if t.trajectory_id not in resumed)]
         trajectories = trajectories[:max(len(resumed), self._group_size(prompt.ds_index))]
-        if not base.input_ids:  # nothing to generate from: what came is submitted, what is missing as FAILED
+        if not base.input_ids:  # nothing to generate from: the completed ones are submitted as they came; the
+            # missing and the aborted ones as FAILED (an aborted one sent back unchanged would keep the group open)
             for traj in trajectories:
                 traj.done = True
-                if traj.trajectory_id not in resumed:
+                if traj.trajectory_id not in resumed or traj.status != TrajectoryStatus.COMPLETED:
                     traj.status = TrajectoryStatus.FAILED
         group = _Group(prompt, generation, trajectories, True, restored.seq)
         self.stats.groups_continued += 1

@@ -139,10 +139,43 @@ def test_a_worker_made_of_the_wrong_parts_is_refused_when_made_naming_what_goes_
 def test_prompts_without_tokens_or_that_are_not_prompts_are_refused():
     from coda_worker import ListPromptSource, Prompt
 
-    with pytest.raises(ValueError, match=r"prompt 'p0': input_ids must be the prompt's token ids, at least one"):
-        Prompt("p0", [])
+    with pytest.raises(ValueError, match=r"prompt 'p0' has no token ids: engines refuse an empty prompt"):
+        ListPromptSource([Prompt("p0", [])])
+    with pytest.raises(ValueError, match=r"prompt 'p0': input_ids must be the prompt's token ids, not 'hello'"):
+        Prompt("p0", "hello")
     with pytest.raises(ValueError, match=r"a prompt's id must be a non-empty str, not ''"):
         Prompt("", [1])
     with pytest.raises(TypeError, match=r"ListPromptSource takes Prompt values, e\.g\. Prompt\('p0', \[1, 2, 3\]\); "
                                         r"item 1 is 'b' \(str\)"):
         ListPromptSource([Prompt("a", [1]), "b"])
+
+
+def test_a_restored_group_missing_from_the_source_is_failed_not_left_open(tmp_path, caplog):
+    """A worker whose source cannot find a restored group's prompt cannot continue its aborted trajectories. It sent
+    them back unchanged, which the server takes as duplicates: the continued group stayed open (running) and the
+    worker, seeing a group that could still come to it, never ended. They go back FAILED now: the group completes,
+    the status filter drops it."""
+    from coda_client import Trajectory
+
+    overrides = core_overrides("no-window", B=2, stale=1.0, N=2, M=4, continue_restored=True)
+    with ServerProcess(tmp_path, *overrides) as server:
+        async def go():
+            async with AsyncPacerClient(server.address) as pacer:
+                assert (await pacer.dispatch(["elsewhere"])).admitted == ["elsewhere"]
+                reset = asyncio.create_task(pacer.reset("abort", wait=30))
+                await asyncio.sleep(0)
+                await pacer.submit([Trajectory(trajectory_id=f"elsewhere#{i}", prompt_id="elsewhere",
+                                               status=TrajectoryStatus.ABORTED, token_ids=[5, 6], logprobs=[-1, -1])
+                                    for i in range(2)])
+                assert (await reset).kept_prompt_ids == ["elsewhere"]
+                await pacer.resume(1)
+                worker = make_worker(pacer, released_engine(), prompts(1, prefix="mine"))
+                stats = await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
+                return stats, await pacer.state()
+
+        with caplog.at_level(logging.ERROR, logger="coda_worker"):
+            stats, state = asyncio.run(go())
+    assert stats.groups_continued == 1 and stats.groups_done == 2 and stats.trajectories_failed == 2
+    assert state.running == 0 and state.filtered == 1  # the group completed, and the filter dropped it: counted
+    assert any("restored group 'elsewhere' is not in this worker's prompt source; submitting what it cannot continue "
+               "as FAILED" in r.getMessage() for r in caplog.records)
