@@ -11,6 +11,7 @@ from .engines import (AsyncEngine, Engine, EngineError, EngineUnreachableError, 
 from .engines import _ADAPTERS  # the HTTP adapters engines/__init__.py imports on first use
 from .worker import (
     AsyncRolloutWorker,
+    EngineFailedError,
     ListPromptSource,
     Prompt,
     PromptSource,
@@ -43,6 +44,7 @@ __all__ = [
     "RewardFn",
     "WorkerFailedError",
     "RewardFunctionError",
+    "EngineFailedError",
     "trajectory_id_of",
     "AsyncEngine",
     "ServedEngine",

@@ -109,10 +109,12 @@ ENGINE_WAIT_LOG_SECONDS = 30.0
 # While the engine reports an older weight version than the pacer's (its sync has not happened yet), it is
 # asked again before a request at most this often.
 ENGINE_VERSION_RECHECK_SECONDS = 0.2
-# Reward function failures in a row (none scored between) after which the worker stops: about four groups of 8, so a
-# reward function that cannot run at all stops the worker within its first groups, while one that fails now and
-# then on a response it cannot parse only fails those.
+# Failures in a row of the reward function (none scored between), or of the engine (none generated between, retries
+# spent), after which the worker stops: about four groups of 8, so a reward function or an engine that cannot work
+# at all (a wrong signature, a wrong API key or model name) stops the worker within its first groups instead of
+# turning every prompt into FAILED trajectories, while one that fails now and then only fails those.
 DEFAULT_REWARD_FAILURE_LIMIT = 32
+DEFAULT_ENGINE_FAILURE_LIMIT = 32
 REWARD_ERROR_CHARS = 500  # of a reward function's error, kept in the FAILED trajectory's metadata
 
 
@@ -122,6 +124,25 @@ class WorkerFailedError(RuntimeError):
 
 class RewardFunctionError(WorkerFailedError):
     """The reward function failed on reward_failure_limit completed trajectories in a row: the worker stopped."""
+
+
+class EngineFailedError(WorkerFailedError):
+    """The engine failed engine_failure_limit requests in a row (retries spent): the worker stopped."""
+
+
+class _FailureStreak:
+    """Failures in a row of one kind (none succeeding between); `failed()` says when they reach `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def failed(self) -> bool:
+        self.count += 1
+        return self.count >= self.limit
+
+    def succeeded(self) -> None:
+        self.count = 0
 
 
 @dataclass(frozen=True)
@@ -399,7 +420,8 @@ class AsyncRolloutWorker:
     (or gives what float() refuses) makes its trajectory FAILED, the error in its metadata ("error") and the log,
     and the others go on; reward_failure_limit such failures in a row, none scored between, stop the worker and
     run() raises RewardFunctionError (a reward function that cannot run at all would otherwise turn every prompt
-    of the source into FAILED trajectories).
+    of the source into FAILED trajectories); so do engine_failure_limit requests in a row that the engine failed
+    (retries spent; EngineFailedError).
     max_groups: groups this worker generates at once. on_resume: optional callback (or coroutine)
     `on_resume(weight_version)` run at RESUME before dispatching again, e.g. to load the new weights
     (when the trainer does not sync the engines itself). Segments are tagged with the version the engine
@@ -437,6 +459,7 @@ class AsyncRolloutWorker:
         shutdown_grace: float = 10.0,
         on_submitted: Callable[[list[Trajectory]], Any] | None = None,
         reward_failure_limit: int = DEFAULT_REWARD_FAILURE_LIMIT,
+        engine_failure_limit: int = DEFAULT_ENGINE_FAILURE_LIMIT,
     ) -> None:
         # Checked here, before any call: each of these failed only in run(), with an error naming none of them.
         if not callable(getattr(pacer, "dispatch", None)) or not inspect.iscoroutinefunction(pacer.dispatch):
@@ -453,6 +476,7 @@ class AsyncRolloutWorker:
         _check_count("max_groups", max_groups, 1)
         _check_count("engine_retries", engine_retries, 0)
         _check_count("reward_failure_limit", reward_failure_limit, 1)
+        _check_count("engine_failure_limit", engine_failure_limit, 1)
         _check_seconds("dispatch_wait", dispatch_wait, positive=True)
         _check_seconds("engine_wait", engine_wait, positive=False)
         _check_seconds("shutdown_grace", shutdown_grace, positive=False)
@@ -478,6 +502,7 @@ class AsyncRolloutWorker:
         self.shutdown_grace = shutdown_grace
         self.on_submitted = on_submitted
         self.reward_failure_limit = reward_failure_limit
+        self.engine_failure_limit = engine_failure_limit
         self._give_up_at: float | None = None  # set at stop(): retries of an unreachable server end then
         self.stats = WorkerStats()
         self.weight_version = 0
@@ -512,7 +537,8 @@ class AsyncRolloutWorker:
         # Why the worker cannot go on (the engine gone for engine_wait, the reward function failing on every
         # trajectory, a helper task that died): run() stops, submits what it holds, and raises it.
         self._failure: Exception | None = None
-        self._reward_failures_in_a_row = 0
+        self._reward_failures = _FailureStreak(reward_failure_limit)
+        self._engine_failures = _FailureStreak(engine_failure_limit)
 
     # ------------------------------------------------------------------ control from outside
 
@@ -849,6 +875,12 @@ class AsyncRolloutWorker:
                 if unreachable or attempts > self.engine_retries or group.abort_requested:
                     logger.error("%s: generation of %s failed: %s", self.worker_id, traj.trajectory_id, exc,
                                  extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
+                    if not (unreachable or group.abort_requested) and self._engine_failures.failed():
+                        self._fail(EngineFailedError(
+                            f"{self.worker_id}: the engine failed {self._engine_failures.count} requests in a row "
+                            f"(engine_failure_limit {self.engine_failure_limit}; each retried engine_retries "
+                            f"{self.engine_retries} times), none generated between: the worker stopped, its "
+                            f"trajectories submitted as FAILED. The last: {exc}"))
                     traj.status = TrajectoryStatus.ABORTED if group.abort_requested else TrajectoryStatus.FAILED
                     traj.finish = FinishReason.ABORT if group.abort_requested else None
                     break
@@ -858,6 +890,7 @@ class AsyncRolloutWorker:
             finally:
                 self._requests.pop(request_id, None)
             self._engine_answered()
+            self._engine_failures.succeeded()
             traj.add(generation.token_ids, generation.logprobs, version)
             self.stats.tokens_generated += len(generation.token_ids)
             if generation.aborted:
@@ -998,22 +1031,22 @@ class AsyncRolloutWorker:
             reward = float(value)
         except Exception as exc:  # the user's verifier: one response it cannot score must not stop the others
             return 0.0, self._reward_failed(traj, exc)
-        self._reward_failures_in_a_row = 0
+        self._reward_failures.succeeded()
         return reward, None
 
     def _reward_failed(self, traj: _Traj, exc: Exception) -> str:
         """Logs a reward function's failure (the first with its traceback) and stops the worker once it failed on
         reward_failure_limit trajectories in a row; returns the error the FAILED trajectory carries."""
         self.stats.reward_errors += 1
-        self._reward_failures_in_a_row += 1
+        stop = self._reward_failures.failed()
         error = f"the reward function failed: {type(exc).__name__}: {exc}"[:REWARD_ERROR_CHARS]
         logger.error("%s: %s: %s (submitted as FAILED; %d in a row, the worker stops at reward_failure_limit %d)",
-                     self.worker_id, traj.trajectory_id, error, self._reward_failures_in_a_row,
+                     self.worker_id, traj.trajectory_id, error, self._reward_failures.count,
                      self.reward_failure_limit, exc_info=exc if self.stats.reward_errors == 1 else None,
                      extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
-        if self._reward_failures_in_a_row >= self.reward_failure_limit:
+        if stop:
             self._fail(RewardFunctionError(
-                f"{self.worker_id}: the reward function failed on {self._reward_failures_in_a_row} completed "
+                f"{self.worker_id}: the reward function failed on {self._reward_failures.count} completed "
                 f"trajectories in a row (reward_failure_limit {self.reward_failure_limit}), none scored between: "
                 f"the worker stopped, its trajectories submitted as FAILED. The last: {error}"))
         return error

@@ -1,7 +1,8 @@
 """A rollout worker whose own code fails: a reward function that raises fails only the trajectories it could not score
 (FAILED, saying why), and one that fails on every trajectory stops the worker with RewardFunctionError; a helper task
 that dies stops the worker with WorkerFailedError. Before, the first reward error killed the submitting task without
-a word, and the worker held its groups for ever, dispatching nothing. Arguments and parts a worker could never run
+a word, and the worker held its groups for ever, dispatching nothing. An engine that fails every request stops the
+worker too (EngineFailedError), instead of turning every prompt into FAILED trajectories. Arguments and parts a worker could never run
 with are refused when it is made, naming what goes there."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import logging
 import pytest
 
 from coda_client import AsyncPacerClient, TrajectoryStatus
-from coda_worker import RewardFunctionError, WorkerFailedError
+from coda_worker import EngineError, EngineFailedError, RewardFunctionError, WorkerFailedError
 from conftest import core_overrides
 from server_harness import ServerProcess
 from test_worker_loop import HeldEngine, make_worker, prompts
@@ -88,6 +89,7 @@ def test_a_reward_function_that_never_works_stops_the_worker(server):
 
 @pytest.mark.parametrize("argument, value, message", [
     ("reward_failure_limit", 0, "reward_failure_limit 0 must be an integer >= 1"),
+    ("engine_failure_limit", 1.5, "engine_failure_limit 1.5 must be an integer >= 1"),
     ("max_groups", 2.5, "max_groups 2.5 must be an integer >= 1"),  # failed in run() with a bare TypeError
     ("engine_retries", -1, "engine_retries -1 must be an integer >= 0"),
     ("keepalive_seconds", 0, "keepalive_seconds 0 must be a number of seconds > 0"),  # renewed without a pause
@@ -179,3 +181,46 @@ def test_a_restored_group_missing_from_the_source_is_failed_not_left_open(tmp_pa
     assert state.running == 0 and state.filtered == 1  # the group completed, and the filter dropped it: counted
     assert any("restored group 'elsewhere' is not in this worker's prompt source; submitting what it cannot continue "
                "as FAILED" in r.getMessage() for r in caplog.records)
+
+
+class RefusingEngine:
+    """An engine that answers every request with an error, as a gateway does to a wrong API key; or only the requests
+    of the prompts named in `refuse`."""
+
+    def __init__(self, refuse: set[str] | None = None) -> None:
+        self.refuse = refuse
+        self.inner = released_engine()
+
+    async def generate(self, request):
+        if self.refuse is None or any(f"-{prompt}#" in request.request_id for prompt in self.refuse):
+            raise EngineError("POST /v1/completions: 401 Unauthorized")
+        return await self.inner.generate(request)
+
+    async def abort(self, request_ids):
+        await self.inner.abort(request_ids)
+
+
+def test_an_engine_that_fails_every_request_stops_the_worker_within_its_first_groups(server):
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, RefusingEngine(), prompts(50), engine_retries=0, engine_failure_limit=3)
+            with pytest.raises(EngineFailedError) as stopped:
+                await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
+            return worker.stats, stopped.value, await pacer.state()
+
+    stats, error, state = asyncio.run(go())
+    assert "the engine failed 3 requests in a row (engine_failure_limit 3" in str(error)
+    assert "401 Unauthorized" in str(error)
+    assert stats.groups_started <= 4 and state.submitted == stats.trajectories_submitted == stats.trajectories_failed
+
+
+def test_an_engine_that_fails_some_requests_fails_only_those(server):
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, RefusingEngine(refuse={"p1"}), prompts(4), engine_retries=0,
+                                 engine_failure_limit=3)
+            return await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
+
+    stats = asyncio.run(go())
+    # p1's two requests are the only failures: two in a row at most, under the limit; the worker goes on.
+    assert stats.groups_done == 4 and stats.trajectories_failed == 2 and stats.trajectories_submitted == 8
