@@ -186,6 +186,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | Non
         summary = summarize(trained, report, started=10_000 - len(source), spreads=spreads, args=args,
                             world_size=world_size, M=M, batches_per_step=batches_per_step)
     pacer.close()
+    dist.barrier()  # no rank tears the process group down while another (rank 0, ending the job) still uses it
     return summary
 
 
