@@ -32,6 +32,18 @@ def released_engine() -> HeldEngine:
     return engine
 
 
+def run_until_stopped(server, error_class, engine, **options):
+    """A worker over 50 prompts, run until it stops with `error_class`: its stats, that error and the server's state."""
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, engine, prompts(50), **options)
+            with pytest.raises(error_class) as stopped:
+                await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
+            return worker.stats, stopped.value, await pacer.state()
+
+    return asyncio.run(go())
+
+
 def test_a_reward_function_that_raises_fails_only_what_it_could_not_score(server, caplog):
     def reward(prompt, tokens) -> float:
         if prompt.prompt_id in ("p1", "p3"):
@@ -72,14 +84,8 @@ def test_a_reward_function_that_never_works_stops_the_worker(server):
     def reward(prompt, tokens) -> float:
         raise RuntimeError("the verifier's sandbox is not installed")
 
-    async def go():
-        async with AsyncPacerClient(server.address) as pacer:
-            worker = make_worker(pacer, released_engine(), prompts(50), reward=reward, reward_failure_limit=3)
-            with pytest.raises(RewardFunctionError) as stopped:
-                await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
-            return worker.stats, stopped.value, await pacer.state()
-
-    stats, error, state = asyncio.run(go())
+    stats, error, state = run_until_stopped(server, RewardFunctionError, released_engine(), reward=reward,
+                                            reward_failure_limit=3)
     assert "failed on 3 completed trajectories in a row (reward_failure_limit 3)" in str(error)
     assert "RuntimeError: the verifier's sandbox is not installed" in str(error)
     # It stopped within its first groups, and what it held was submitted (FAILED), not dropped.
@@ -201,14 +207,8 @@ class RefusingEngine:
 
 
 def test_an_engine_that_fails_every_request_stops_the_worker_within_its_first_groups(server):
-    async def go():
-        async with AsyncPacerClient(server.address) as pacer:
-            worker = make_worker(pacer, RefusingEngine(), prompts(50), engine_retries=0, engine_failure_limit=3)
-            with pytest.raises(EngineFailedError) as stopped:
-                await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
-            return worker.stats, stopped.value, await pacer.state()
-
-    stats, error, state = asyncio.run(go())
+    stats, error, state = run_until_stopped(server, EngineFailedError, RefusingEngine(), engine_retries=0,
+                                            engine_failure_limit=3)
     assert "the engine failed 3 requests in a row (engine_failure_limit 3" in str(error)
     assert "401 Unauthorized" in str(error)
     assert stats.groups_started <= 4 and state.submitted == stats.trajectories_submitted == stats.trajectories_failed
