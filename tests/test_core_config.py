@@ -199,6 +199,20 @@ def test_unknown_filter_names_key_value_and_allowed():
     assert {"status", "reward"} <= set(FILTERS.names())
 
 
+@pytest.mark.parametrize("override, suggestion", [
+    ("fully_async.sliding_window=latency-awre", "; did you mean 'latency-aware'?"),
+    ("fully_async.sliding_window=windowed_fifo", "; did you mean 'windowed-fifo'?"),
+    ("rollout.filter=[stauts]", "; did you mean 'status'?"),
+    ("fully_async.sliding_window=queue-aware", None),  # nothing close: the list alone
+])
+def test_a_mistyped_plugin_name_gets_the_closest_registered_one(override, suggestion):
+    msg = _message([override])
+    if suggestion is None:
+        assert "did you mean" not in msg
+    else:
+        assert suggestion in msg
+
+
 def test_several_problems_are_reported_together():
     msg = _message(["fully_async.stale_steps=-1", "fully_async.sliding_window=nope"])
     assert "fully_async.stale_steps" in msg and "fully_async.sliding_window" in msg

@@ -321,13 +321,15 @@ def validate_config(config: Any) -> None:
         need((b * n) % m == 0, "trainer.mini_batch_size", m,
              f"(B x N) = {b} x {n} = {b * n} must be a multiple of the mini-batch size")
     name = config.fully_async.get("sliding_window")
-    need(name in STRATEGIES, "fully_async.sliding_window", name, f"registered strategies: {', '.join(STRATEGIES.names())}")
+    need(name in STRATEGIES, "fully_async.sliding_window", name,
+         f"registered strategies: {', '.join(STRATEGIES.names())}{STRATEGIES.did_you_mean(name)}")
     problems.extend(filter_problems(config.rollout.get("filter"), config))
     for i, source in enumerate(sources):
         dataset = source.get("dataset") or {}
         replay = dataset.get("buffer_replay_strategy") if isinstance(dataset, (dict, DictConfig)) else dataset
         need(replay is None or replay in REPLAY_STRATEGIES, f"data_sources[{i}].dataset.buffer_replay_strategy",
-             replay, f"null (fifo) or a registered buffer replay strategy: {', '.join(REPLAY_STRATEGIES.names())}")
+             replay, f"null (fifo) or a registered buffer replay strategy: {', '.join(REPLAY_STRATEGIES.names())}"
+                     f"{REPLAY_STRATEGIES.did_you_mean(replay)}")
     _validate_server(config.server, need)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))

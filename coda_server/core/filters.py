@@ -136,7 +136,7 @@ def filter_problems(spec: Any, config: Any = None) -> list[str]:
     for name, params in specs:
         if name not in FILTERS:
             problems.append(f"rollout.filter.{name}: unknown group filter {name!r}; registered filters: "
-                            f"{', '.join(FILTERS.names())}")
+                            f"{', '.join(FILTERS.names())}{FILTERS.did_you_mean(name)}")
             continue
         problem = _parameter_problem(FILTERS.get(name), params)
         if problem:

@@ -1,6 +1,7 @@
 """Name -> class registries for pluggable strategies and group filters."""
 from __future__ import annotations
 
+import difflib
 from typing import Callable, Generic, TypeVar
 
 from .errors import ConfigError
@@ -39,10 +40,16 @@ class Registry(Generic[T]):
         except (KeyError, TypeError):
             raise ConfigError(
                 f"{self.config_key}: Unknown {self.kind} {name!r}; registered: {', '.join(self.names())}"
+                f"{self.did_you_mean(name)}"
             ) from None
 
     def names(self) -> list[str]:
         return sorted(self._classes)
+
+    def did_you_mean(self, name: object) -> str:
+        """"; did you mean 'x'?" naming the registered name closest to a mistyped `name`, or "" when none is close."""
+        close = difflib.get_close_matches(name, self.names(), n=1) if isinstance(name, str) else []
+        return f"; did you mean {close[0]!r}?" if close else ""
 
     def keys(self) -> list[str]:
         """The registered names in registration order (LoongSage's Registry.keys)."""
