@@ -72,6 +72,10 @@ def test_setting_reads_typed_values_and_the_declared_default_when_absent():
      "fully_async.latency_aware.quiet_aftr: unknown key (did you mean fully_async.latency_aware.quiet_after?)"),
     # Far from every name of its section: the section's names, not a near miss elsewhere sharing the prefix.
     ("server.workers=3", "server.workers: unknown key (known keys here: server.abort_wait_seconds, server.address,"),
+    # The right name in the wrong section: the section it belongs to.
+    ("rollout.num_trajectories_per_prompt=4",
+     "rollout.num_trajectories_per_prompt: unknown key (did you mean data_source.num_trajectories_per_prompt?)"),
+    ("fully_async.mini_batch_size=4", "fully_async.mini_batch_size: unknown key (did you mean trainer.mini_batch_size?)"),
     # A near miss of a section the service reads: its settings would be ignored without a word.
     ("fuly_async.stale_steps=1",
      "fuly_async: unknown section (did you mean fully_async?); its settings would not be read"),

@@ -325,8 +325,9 @@ def option_problems(section: str, given: Any, options: Sequence[Key]) -> list[st
 
 # ------------------------------------------------------------------------------------------- unknown keys
 
-def unknown_key(path: str, known: Sequence[str]) -> str:
-    """A refusal of the unknown key `path`, naming the closest of `known`."""
+def unknown_key(path: str, known: Sequence[str], elsewhere: Sequence[str] = ()) -> str:
+    """A refusal of the unknown key `path`, naming the closest of `known`, else a key of that name in another section
+    (`elsewhere`: every declared key, e.g. rollout.num_trajectories_per_prompt -> data_source's)."""
     section, _, leaf = path.rpartition(".")
     in_section = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == section}
     if in_section:  # the section exists: the closest of its names, compared without the prefix they all share
@@ -334,10 +335,12 @@ def unknown_key(path: str, known: Sequence[str]) -> str:
         shown = sorted(in_section.values())
     else:  # a typo in the section too: the closest whole name, else the closest by its last part
         close = difflib.get_close_matches(path, known, n=1, cutoff=0.6)
-        if not close:
-            by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
-            close = [by_leaf[c] for c in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
         shown = sorted(known)
+    if not close:  # the right name in the wrong section: the closest key elsewhere by its last part
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in (*known, *elsewhere) if k != path}
+        # Stricter when the section exists: a loosely similar name from another section would mislead.
+        cutoff = 0.8 if in_section else 0.6
+        close = [by_leaf[c] for c in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=cutoff)]
     hint = f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(shown[:8])}"
     return f"{path}: unknown key ({hint})"
 
@@ -368,7 +371,7 @@ def unknown_key_problems(config: Any, option_sections: Mapping[str, Sequence[Key
                 continue
             if child_path not in declared:
                 siblings = [p for p in declared if p.startswith(path + ".")]
-                problem = unknown_key(child_path, siblings or list(declared))
+                problem = unknown_key(child_path, siblings or list(declared), list(declared))
                 if child_shown != child_path:  # a data_sources entry: said in its own terms
                     problem = problem.replace("data_source.", shown.split(".")[0] + ".")
                 problems.append(problem)
