@@ -518,6 +518,31 @@ def _reopened_watch(client: Any) -> Any:
         return None
 
 
+class _WatchOutage:
+    """Logs the control stream's outages once each: the first failure of an outage as a warning (what the iterator
+    does meanwhile), the attempts that follow at debug level, and the stream's return with how long it was away
+    (a dead server would otherwise log a line every two seconds until `reconnect` runs out)."""
+
+    def __init__(self, target: str, reconnect: float) -> None:
+        self.target = target
+        self.reconnect = reconnect
+        self.since: float | None = None  # monotonic time the outage began; None while the stream is up
+
+    def ended(self, reason: object) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            log.warning("batches: the control stream of the pacer at %s ended (%s); reconnecting, and calls wait up "
+                        "to reconnect=%g s for a server to answer", self.target, reason, self.reconnect)
+        else:
+            log.debug("batches: control stream still away (%s); reconnecting", reason)
+
+    def event(self) -> None:
+        if self.since is not None:
+            log.info("batches: control stream of the pacer at %s back after %.1f s", self.target,
+                     time.monotonic() - self.since)
+            self.since = None
+
+
 class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
@@ -545,6 +570,7 @@ class _IteratorBase:
         self.delivered = 0  # batches handed to the caller
         self.acknowledged = 0  # batches acknowledged
         self.reconnect = float(reconnect)  # seconds calls wait for an away server to answer again
+        self._outage = _WatchOutage(client.target, self.reconnect)
         self.server_shut_down = False  # the server announced SHUTDOWN and no server answered again in time
         # The trainer ended the job (JOB_ENDED): once a Collect finds too few groups, nothing more will come and
         # the iteration ends instead of polling for ever.
@@ -669,6 +695,7 @@ class BatchIterator(_IteratorBase):
             try:
                 for event in self._watch:
                     self._watching.set()
+                    self._outage.event()
                     delay = _AWAY_RETRY_INITIAL_SECONDS
                     self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
                     if event.type == ControlEventType.SHUTDOWN:
@@ -679,8 +706,11 @@ class BatchIterator(_IteratorBase):
                     elif event.type == ControlEventType.STATE:
                         self._shutdown.clear()
                         self._present.set()
+                if not self._closed:
+                    self._outage.ended("the server ended it")
             except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
-                log.info("batches: control stream ended (%s); reconnecting", exc)
+                if not self._closed:  # closing cancels the stream: no outage
+                    self._outage.ended(exc)
             if self._closing.wait(delay):
                 return
             delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
@@ -906,6 +936,7 @@ class AsyncBatchIterator(_IteratorBase):
         while not self._closed:
             try:
                 async for event in self._watch:
+                    self._outage.event()
                     delay = _AWAY_RETRY_INITIAL_SECONDS
                     self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
                     if event.type == ControlEventType.SHUTDOWN:
@@ -916,8 +947,11 @@ class AsyncBatchIterator(_IteratorBase):
                     elif event.type == ControlEventType.STATE:
                         self._shutdown.clear()
                         self._present.set()
+                if not self._closed:
+                    self._outage.ended("the server ended it")
             except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
-                log.info("batches: control stream ended (%s); reconnecting", exc)
+                if not self._closed:  # closing cancels the stream: no outage
+                    self._outage.ended(exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
             if not self._closed:

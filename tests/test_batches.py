@@ -7,7 +7,9 @@ mid-batch, a prefetch that spans a Reset, the step boundary (num_batches), a ser
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -299,10 +301,15 @@ def test_a_trainer_killed_mid_batch_gets_its_groups_again_in_order(tmp_path) -> 
         assert (state.redelivered, state.consumed, state.leased) == (4, 4, 0)
 
 
-def test_a_graceful_server_restart_trains_no_batch_twice(tmp_path) -> None:
+def _outage_lines(caplog, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "coda_client.batches" and r.levelno == level]
+
+
+def test_a_graceful_server_restart_trains_no_batch_twice(tmp_path, caplog) -> None:
     """The trainer acknowledges the batch it trained while the server restarts (SIGTERM, as a rolling update
     does): the Ack waits for the restarted server, which kept the lease, so the batch is not delivered again;
-    the iterator goes on with the next batch."""
+    the iterator goes on with the next batch. The outage is logged once as it begins, and once as it ends."""
+    caplog.set_level(logging.DEBUG, logger="coda_client.batches")
     overrides = (f"server.address=127.0.0.1:{free_port()}", f"server.state_dir={tmp_path / 'state'}")
     running = _server(tmp_path, *overrides).start()
     try:
@@ -327,11 +334,16 @@ def test_a_graceful_server_restart_trains_no_batch_twice(tmp_path) -> None:
             batches.close()
             state = pacer.state()
             assert (state.consumed, state.redelivered, state.leased) == (4, 0, 0), state
+        [began] = _outage_lines(caplog, logging.WARNING)
+        assert f"pacer at {running.address} ended" in began and "reconnect=120 s" in began
+        [ended] = _outage_lines(caplog, logging.INFO)
+        assert re.fullmatch(rf"batches: control stream of the pacer at {running.address} back after [0-9.]+ s", ended)
     finally:
         running.close()
 
 
-def test_the_iterator_raises_server_gone_when_no_server_comes_back(tmp_path) -> None:
+def test_the_iterator_raises_server_gone_when_no_server_comes_back(tmp_path, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="coda_client.batches")
     with _server(tmp_path) as running, PacerClient(running.address) as pacer:
         _fill(pacer, ["d0", "d1"])
         batches = pacer.batches(2 * N, lease=60, poll=30, reconnect=1.0)
@@ -343,6 +355,11 @@ def test_the_iterator_raises_server_gone_when_no_server_comes_back(tmp_path) -> 
         with pytest.raises(ServerGoneError, match="announced SHUTDOWN"):
             next(batches)  # the Ack of the first batch, then the prefetch: neither finds a server
         assert batches.server_shut_down and batches.delivered == 1 and batches.acknowledged == 0
+        batches.close()
+    # One warning as the outage began, whatever the attempts to reconnect since (each at debug level only).
+    [began] = _outage_lines(caplog, logging.WARNING)
+    assert "reconnecting, and calls wait up to reconnect=1 s" in began
+    assert not _outage_lines(caplog, logging.INFO)
 
 
 def test_bad_arguments_are_refused(server) -> None:
