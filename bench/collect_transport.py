@@ -184,7 +184,7 @@ class Client:
     """Our client's channel and pass-through methods (as coda_client.wire_forms.passthrough_stub)."""
 
     def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address, options=channel_options(timeout=120))
+        self.channel = grpc.insecure_channel(address, options=channel_options())
         self.collect = self.channel.unary_unary(SERVICE + "Collect", request_serializer=pb.CollectRequest.SerializeToString,
                                                 response_deserializer=None)
         self.stream = self.channel.unary_stream(SERVICE + "CollectStream",

@@ -18,19 +18,12 @@ import grpc
 
 from .protocol import RPCS, SERVICE  # noqa: F401  (SERVICE was defined here)
 
-# The method configs, from the RPC table: long-polls (their deadline grows with the requested wait, see
-# call_timeout; CollectStream's streamed answer too), streams (no deadline) and the rest; each retried on
-# UNAVAILABLE only if it is retry-safe.
-LONG_POLL_METHODS = tuple(rpc.name for rpc in RPCS if rpc.long_poll)
-STREAM_METHODS = tuple(rpc.name for rpc in RPCS if rpc.streaming and not rpc.long_poll)
-SHORT_METHODS = tuple(rpc.name for rpc in RPCS if not (rpc.long_poll or rpc.streaming))
-
 DEFAULT_TIMEOUT_SECONDS = 30.0
 # Added to a call's wait to get its deadline: the server answers a long-poll when the wait ends, and the
 # answer still needs time to be built and to travel.
 WAIT_MARGIN_SECONDS = 5.0
-# The service config's per-method timeout is a cap on every deadline (gRPC uses the smaller of the two),
-# so long-poll methods get a generous one; the server bounds its waits far below it.
+# The deadline of a Reset that waits as long as the server's default (its wait not given): the server bounds its
+# waits far below it.
 LONG_POLL_CAP_SECONDS = 3600.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -83,13 +76,12 @@ def call_timeout(timeout: float, wait: float = 0.0) -> float:
     return max(timeout, wait + WAIT_MARGIN_SECONDS) if wait > 0 else timeout
 
 
-def _seconds(value: float) -> str:
-    """proto3 JSON Duration, as the service config wants it ("2s", "0.1s")."""
-    return f"{value:g}s"
+def service_config(wait_for_ready: bool = False) -> dict[str, Any]:
+    """The channel's service config (gRPC A6/A2): wait-for-ready and UNAVAILABLE retries, per method.
 
-
-def service_config(timeout: float = DEFAULT_TIMEOUT_SECONDS, wait_for_ready: bool = False) -> dict[str, Any]:
-    """The channel's service config (gRPC A6/A2): per-method timeouts, wait-for-ready, UNAVAILABLE retries."""
+    No method timeout: every call carries its own deadline (the client's timeout, stretched for a long-poll by
+    call_timeout), and gRPC Python ends a call at once when a method config's timeout is under about two seconds
+    (and about a second early above that, grpc/grpc#34547), so a client with timeout=1 failed every call."""
     # Only UNAVAILABLE is retried: it means the call never reached a working server (or the server was
     # draining and refused it). Mutating calls carry a request_id the server de-duplicates, so even a
     # retry of a call that did land is applied once.
@@ -100,45 +92,36 @@ def service_config(timeout: float = DEFAULT_TIMEOUT_SECONDS, wait_for_ready: boo
         "backoffMultiplier": 2,
         "retryableStatusCodes": ["UNAVAILABLE"],
     }
-
-    retry_safe = {rpc.name for rpc in RPCS if rpc.retry_safe}
-
-    def entries(methods: Sequence[str], cap: float | None) -> list[dict[str, Any]]:
-        configs = []
-        for retried in (True, False):
-            names = [m for m in methods if (m in retry_safe) == retried]
-            if not names:
-                continue
-            config: dict[str, Any] = {
-                "name": [{"service": SERVICE, "method": m} for m in names],
-                # Off (the default): a call to an address where nothing listens fails after the retries
-                # (about 1.5 s) with UNAVAILABLE naming the target and the OS error, instead of waiting out its
-                # deadline. On (wait_for_ready=True, as the worker kit sets it): calls queue while the server
-                # (re)starts; the deadline still bounds the wait.
-                "waitForReady": wait_for_ready,
-            }
-            if retried:
-                config["retryPolicy"] = retry_policy
-            if cap is not None:
-                config["timeout"] = _seconds(cap)
-            configs.append(config)
-        return configs
-
+    configs = []
+    for retried in (True, False):
+        names = [rpc.name for rpc in RPCS if rpc.retry_safe == retried]
+        if not names:
+            continue
+        config: dict[str, Any] = {
+            "name": [{"service": SERVICE, "method": m} for m in names],
+            # Off (the default): a call to an address where nothing listens fails after the retries
+            # (about 1.5 s) with UNAVAILABLE naming the target and the OS error, instead of waiting out its
+            # deadline. On (wait_for_ready=True, as the worker kit sets it): calls queue while the server
+            # (re)starts; the deadline still bounds the wait.
+            "waitForReady": wait_for_ready,
+        }
+        if retried:
+            config["retryPolicy"] = retry_policy
+        configs.append(config)
     return {
-        "methodConfig": [
-            *entries(SHORT_METHODS, timeout),
-            *entries(LONG_POLL_METHODS, max(timeout, LONG_POLL_CAP_SECONDS)),
-            *entries(STREAM_METHODS, None),  # a watch lives as long as the caller wants it
-        ],
+        "methodConfig": configs,
         # Stop retrying when most calls fail (server down for good): each failure costs a token, each
         # success gives back 0.1; retries stop below half of maxTokens.
         "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
     }
 
 
+# The longest pause between two attempts to connect to a server that is away.
+RECONNECT_BACKOFF_MAX_MS = 4000
+
+
 def channel_options(
     *,
-    timeout: float = DEFAULT_TIMEOUT_SECONDS,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     options: ChannelOptions = None,
     wait_for_ready: bool = False,
@@ -152,7 +135,7 @@ def channel_options(
         # A request larger than the retry buffer (256 KiB by default) is silently not retried; size it
         # so a large Submit is retried like any other call.
         "grpc.per_rpc_retry_buffer_size": max_message_bytes,
-        "grpc.service_config": json.dumps(service_config(timeout, wait_for_ready), sort_keys=True),
+        "grpc.service_config": json.dumps(service_config(wait_for_ready), sort_keys=True),
         # Keepalive pings detect a dead server (or a silently dropped connection) during a long watch or
         # long-poll. A gRPC server answers pings more frequent than its
         # grpc.http2.min_ping_interval_without_data_ms (5 min by default) with GOAWAY "too_many_pings";
@@ -162,6 +145,11 @@ def channel_options(
         "grpc.keepalive_timeout_ms": 20_000,
         # No pings without an active call: an idle client has nothing to lose.
         "grpc.keepalive_permit_without_calls": 0,
+        # A server that is back is found within a few seconds: gRPC's own back-off between connection attempts
+        # grows to 120 s, so after an outage of a minute a worker could stay away from a restarted server long
+        # enough (server.worker_liveness_seconds, 20 s) to have its running groups released.
+        "grpc.initial_reconnect_backoff_ms": 500,
+        "grpc.max_reconnect_backoff_ms": RECONNECT_BACKOFF_MAX_MS,
         "grpc.primary_user_agent": "coda-pacer-client",
     }
     if options:

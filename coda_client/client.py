@@ -201,7 +201,7 @@ class _ClientBase:
         self._credentials, tls_options = resolve_tls(tls)
         user_options = dict(options.items() if isinstance(options, Mapping) else options or ())
         self._options = channel_options(
-            timeout=self.timeout, max_message_bytes=self.max_message_bytes,
+            max_message_bytes=self.max_message_bytes,
             options={**proxy_options(self.target), **dict(tls_options), **user_options}, wait_for_ready=wait_for_ready,
         )
         # What an UNAVAILABLE error names: the target, and the HTTP proxy from the environment it went through.

@@ -55,6 +55,7 @@ from .engines.base import (AsyncEngine, Engine, EngineError, EngineUnreachableEr
                            SamplingParams)
 from coda_client.errors import (
     BadRequestError,
+    DeadlineExceededError,
     FailedPreconditionError,
     PacerClientError,
     ResourceExhaustedError,
@@ -1429,9 +1430,11 @@ class AsyncRolloutWorker:
             self._pending.clear()
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[Any]]) -> Any:
-        """Runs a pacer call, retrying UNAVAILABLE only (the server restarting), with backoff; the caller's
-        request id stays the same across attempts, while the server is away as long as it takes. After stop(),
-        only Submits are retried, for `shutdown_grace` seconds."""
+        """Runs a pacer call, retrying UNAVAILABLE and DEADLINE_EXCEEDED only (the server restarting or away: a call
+        that waits for a server, as wait_for_ready makes it, ends with its deadline while none answers), with
+        backoff; the caller's request id stays the same across attempts, so a call that landed is applied once,
+        and while the server is away it is retried as long as it takes. After stop(), only Submits are retried,
+        for `shutdown_grace` seconds; then the call's error is an UnavailableError."""
         delay = RETRY_INITIAL_SECONDS
         while True:
             try:
@@ -1443,15 +1446,16 @@ class AsyncRolloutWorker:
                 raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered within the "
                                        f"{self.shutdown_grace:g} s shutdown grace after stop(); the server is "
                                        f"unreachable") from None
-            except UnavailableError as exc:
-                if what != "Submit" and self._stopping:
-                    raise
-                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
-                    raise
+            except (UnavailableError, DeadlineExceededError) as exc:
+                if ((what != "Submit" and self._stopping)
+                        or (self._give_up_at is not None and time.monotonic() > self._give_up_at)):
+                    if isinstance(exc, UnavailableError):
+                        raise
+                    raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered: {exc}") from exc
                 if what == "Submit":
                     self.stats.submit_retries += 1
-                logger.warning("%s: %s unavailable (%s); retrying in %.1f s", self.worker_id, what, exc, delay,
-                               extra=_fields(worker=self.worker_id, call=what, retry_in=delay))
+                logger.warning("%s: %s not answered (%s); retrying in %.1f s with the same request id", self.worker_id,
+                               what, exc, delay, extra=_fields(worker=self.worker_id, call=what, retry_in=delay))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
 

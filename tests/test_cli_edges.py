@@ -141,6 +141,21 @@ def test_the_cli_finds_the_server_by_coda_address_as_the_docs_blocks_do_or_by_ta
     assert client_cli.main(["--target", server.address, "state", "--json"], out=out) == 0
 
 
+@pytest.mark.parametrize("timeout", [0.3, 1.0, 1.5])
+def test_a_client_with_a_timeout_under_two_seconds_gets_answers(server, timeout):
+    """gRPC Python ends a call at once when its channel's method config has a timeout under about two seconds
+    (grpc/grpc#34547): every call of such a client failed with DEADLINE_EXCEEDED in a millisecond."""
+    with PacerClient(server.address, timeout=timeout) as pacer:
+        assert pacer.state().step == 0
+        assert pacer.dispatch(["short-deadline"]).admitted == ["short-deadline"]
+
+    async def asynchronous() -> int:
+        async with AsyncPacerClient(server.address, timeout=timeout, wait_for_ready=True) as pacer:
+            return (await pacer.state()).running
+
+    assert asyncio.run(asynchronous()) == 1
+
+
 @pytest.mark.parametrize("arguments, message", [
     (dict(timeout=0), "timeout must be a number of seconds > 0 (each call's deadline), not 0"),
     (dict(timeout=-1), "timeout must be a number of seconds > 0"),  # gRPC's C core logged a service-config error

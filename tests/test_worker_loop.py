@@ -307,6 +307,45 @@ def test_a_worker_rides_through_a_graceful_server_restart_and_stop_is_safe_after
         server.close()
 
 
+def test_a_worker_rides_through_a_server_down_for_longer_than_its_call_timeout(tmp_path):
+    """kill -9, and the server stays away for longer than the client's call timeout: a call that waits for a server
+    (wait_for_ready, as RolloutWorker sets it) ends DEADLINE_EXCEEDED with none answering. The worker retries it with
+    the same request id, as it retries UNAVAILABLE: the Submit it was making is not dropped, and the worker goes on
+    with the restarted server."""
+    overrides = [*core_overrides("no-window", B=2, stale=1.0, N=2, M=4), f"server.address=127.0.0.1:{free_port()}",
+                 f"server.state_dir={tmp_path / 'state'}"]
+    server = ServerProcess(tmp_path, *overrides).start()
+    try:
+        async def go():
+            async with AsyncPacerClient(server.address, timeout=1.0, wait_for_ready=True) as pacer:
+                engine = HeldEngine()
+                worker = make_worker(pacer, engine, prompts(6))
+                task = asyncio.create_task(worker.run())
+                await until(lambda: len(engine.held) == 4, "4 requests held in the engine (2 groups x 2)")
+                server.process.kill()
+                server.process.wait(CONDITION_TIMEOUT)
+                engine.auto_release = True
+                engine.release_all()  # the two groups finish while no server answers
+                await until(lambda: worker.stats.submit_retries >= 2, "a Submit retried after its deadline, twice")
+                restarted = ServerProcess(tmp_path, *overrides).start()
+                try:
+                    # Not the worker's client (1 s deadlines); waiting for ready, as the connection to the address it
+                    # shares with the worker's may still be in its back-off.
+                    async with AsyncPacerClient(restarted.address, wait_for_ready=True) as observer:
+                        state = await until_state(observer, lambda s: s.collected >= 4, "four groups collected")
+                    worker.stop()
+                    stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)
+                finally:
+                    restarted.close()
+            return stats, state
+
+        stats, state = asyncio.run(go())
+        assert stats.trajectories_refused == 0, stats  # nothing dropped for the outage
+        assert stats.groups_done >= 4 and state.collected >= 4
+    finally:
+        server.close()
+
+
 def test_blocking_rollout_worker_runs_a_blocking_engine_on_threads(server):
     class BlockingEngine:
         def __init__(self):
