@@ -129,6 +129,9 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
     except PacerClientError as error:
         print(f"coda-client: {error}", file=sys.stderr)
         return 1
+    except OSError as error:  # a checkpoint file that cannot be written or read: nothing was asked of the server
+        print(f"coda-client: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0

@@ -163,6 +163,21 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     os.replace(temporary, target)
 
 
+def check_writable_path(path: str | os.PathLike) -> None:
+    """Refuses, before the server is asked for anything, a checkpoint path whose file could not be written: a directory
+    that does not exist or cannot be written to, or a path that is a directory (OSError naming the path)."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise IsADirectoryError(f"cannot write the checkpoint to {str(path)!r}: it is a directory; name a file in it")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"cannot write the checkpoint to {str(path)!r}: the directory {str(folder)!r} does "
+                                f"not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write the checkpoint to {str(path)!r}: the directory {str(folder)!r} is not "
+                              f"writable")
+
+
 def checkpoint_bytes(checkpoint: Checkpoint | bytes | str | os.PathLike) -> bytes:
     """The blob of a Checkpoint, of bytes as they are, or of the file a path names."""
     if isinstance(checkpoint, Checkpoint):
@@ -170,7 +185,10 @@ def checkpoint_bytes(checkpoint: Checkpoint | bytes | str | os.PathLike) -> byte
     if isinstance(checkpoint, (bytes, bytearray, memoryview)):
         return bytes(checkpoint)
     if isinstance(checkpoint, (str, os.PathLike)):
-        return Path(checkpoint).read_bytes()
+        try:
+            return Path(checkpoint).read_bytes()
+        except OSError as exc:  # the path as given, and why; the server is not asked
+            raise type(exc)(exc.errno, f"cannot read the checkpoint {str(checkpoint)!r}: {exc.strerror}") from None
     raise TypeError(f"restore takes a Checkpoint, its blob (bytes) or the path it was written to, not "
                     f"{type(checkpoint).__name__}")
 
@@ -515,6 +533,8 @@ class PacerClient(_ClientBase):
         """A pacer checkpoint to keep beside the model checkpoint just saved (docs/durability.md): `.blob`
         holds what the pacer needs to continue from this step. With `path`, the blob is also written there
         (atomically: a temporary file renamed into place). Nothing pauses while it is taken."""
+        if path is not None:
+            check_writable_path(path)
         taken = self._run(self._checkpoint())
         if path is not None:
             write_atomically(path, taken.blob)
@@ -685,6 +705,8 @@ class AsyncPacerClient(_ClientBase):
 
     async def checkpoint(self, path: str | os.PathLike | None = None) -> Checkpoint:
         """Coroutine form of PacerClient.checkpoint (the file, with `path`, is written on a thread)."""
+        if path is not None:
+            check_writable_path(path)
         taken = await self._run(self._checkpoint())
         if path is not None:
             await asyncio.to_thread(write_atomically, path, taken.blob)

@@ -7,6 +7,7 @@ import io
 import json
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,6 +140,25 @@ def test_the_cli_finds_the_server_by_coda_address_as_the_docs_blocks_do_or_by_ta
     monkeypatch.setenv("CODA_ADDRESS", "127.0.0.1:1")  # nothing listens there: --target must win
     out = io.StringIO()
     assert client_cli.main(["--target", server.address, "state", "--json"], out=out) == 0
+
+
+@pytest.mark.parametrize("command, path, message", [
+    ("checkpoint", "missing/dir/step-3.ckpt", "cannot write the checkpoint to '{path}': the directory '{parent}' does not "
+                                              "exist"),
+    ("checkpoint", ".", "cannot write the checkpoint to '{path}': it is a directory; name a file in it"),
+    ("restore", "missing.ckpt", "cannot read the checkpoint '{path}': No such file or directory"),
+])
+def test_a_checkpoint_path_that_cannot_be_used_is_said_without_a_traceback(server, tmp_path, capsys, command, path,
+                                                                           message):
+    """Each raised a bare traceback (the write's, naming a temporary file, after the server had taken the checkpoint)."""
+    path = str(tmp_path / path)
+    status, printed = run_cli(server.address, command, path)
+    error = capsys.readouterr().err
+    assert status == 2 and printed == "" and "Traceback" not in error
+    assert message.format(path=path, parent=str(Path(path).parent)) in error
+    with PacerClient(server.address) as pacer:  # the library says the same, before asking the server
+        with pytest.raises(OSError, match=re.escape(message.format(path=path, parent=str(Path(path).parent)))):
+            pacer.checkpoint(path) if command == "checkpoint" else pacer.restore(path)
 
 
 @pytest.mark.parametrize("timeout", [0.3, 1.0, 1.5])
