@@ -9,7 +9,7 @@ import os
 import queue
 import sys
 import threading
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Optional, Sequence, TextIO, Union
 
 import grpc
 
@@ -284,7 +284,7 @@ def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: flo
     A reader thread moves stream events into a queue, so the view refreshes from GetState between events.
     """
     clear = "\x1b[H\x1b[2J" if out.isatty() and not json_lines else ""
-    events: "queue.Queue[Optional[ControlEvent]]" = queue.Queue()
+    events: "queue.Queue[Union[ControlEvent, PacerClientError, None]]" = queue.Queue()
     frames = 0
     last: Optional[ControlEvent] = None
     with client.watch() as stream:
@@ -298,6 +298,8 @@ def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: flo
             else:
                 if event is None:  # the stream ended
                     return frames
+                if isinstance(event, PacerClientError):  # e.g. the server died: said, exit status 1
+                    raise event
                 last = event
             if json_lines:
                 out.write(json.dumps({"state": as_json(client.state()),
@@ -311,13 +313,14 @@ def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: flo
                 return frames
 
 
-def _pump(stream: Any, events: "queue.Queue[Optional[ControlEvent]]") -> None:
+def _pump(stream: Any, events: "queue.Queue[Union[ControlEvent, PacerClientError, None]]") -> None:
+    """Moves the stream's events into `events`; then None when the stream ended, or the error it ended with."""
     try:
         for event in stream:
             events.put(event)
-    except PacerClientError:
-        pass
-    finally:
+    except PacerClientError as error:  # raised by run_watch: a server gone is not a normal end of the watch
+        events.put(error)
+    else:
         events.put(None)
 
 

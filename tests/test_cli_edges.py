@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -122,6 +123,31 @@ def test_a_submit_over_the_limit_is_refused_before_it_is_built_naming_max_messag
         assert isinstance(refused.value, BadRequestError) and refused.value.reason == "MESSAGE_TOO_LARGE"
         assert "max_message_bytes (67108864)" in str(refused.value) and "2400000" in str(refused.value)
         assert pacer.state().submitted == 0
+
+
+def test_watch_says_so_when_its_server_dies_instead_of_ending_as_if_done(tmp_path, capsys):
+    """kill -9 ended the watch's stream with UNAVAILABLE, which the watch took for a normal end: exit status 0."""
+    class Frames(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drawn = threading.Event()
+
+        def flush(self) -> None:
+            self.drawn.set()
+
+    server = ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=1.0, N=2, M=2)).start()
+    try:
+        out, outcome = Frames(), []
+        watching = threading.Thread(target=lambda: outcome.append(
+            client_cli.main(["--address", server.address, "watch", "--interval", "30"], out=out)))
+        watching.start()
+        assert out.drawn.wait(30)  # the first frame: the stream is up
+        server.kill()
+        watching.join(60)
+        assert outcome == [1]
+        assert f"UNAVAILABLE: cannot reach the pacer at {server.address}" in capsys.readouterr().err
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("command", [("state",), ("health",), ("watch", "--count", "1")])
