@@ -776,7 +776,7 @@ class BatchIterator(_IteratorBase):
                                            else 0):
                     self._present.clear()
                 raise _Away from None
-            raise translate(exc, self._client.target) from exc
+            raise translate(exc, self._client.target, self._client.wait_for_ready) from exc
         finally:
             with self._lock:
                 self._inflight.discard(future)

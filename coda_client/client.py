@@ -386,7 +386,7 @@ class PacerClient(_ClientBase):
             if call.streamed:  # the answer's messages, every one received
                 response = read_stream(response)
         except grpc.RpcError as exc:
-            raise translate(exc, self._reach) from exc
+            raise translate(exc, self._reach, self.wait_for_ready) from exc
         return call.convert(response)
 
     def dispatch(
@@ -618,7 +618,7 @@ class AsyncPacerClient(_ClientBase):
             else:
                 response = await rpc(call.request, timeout=call.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise translate(exc, self._reach) from exc
+            raise translate(exc, self._reach, self.wait_for_ready) from exc
         return call.convert(response)
 
     async def dispatch(

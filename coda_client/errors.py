@@ -153,10 +153,11 @@ def _status_details(rpc_error: grpc.RpcError) -> StatusDetails:
     return StatusDetails()
 
 
-def translate(rpc_error: grpc.RpcError, target: str | None = None) -> PacerClientError:
+def translate(rpc_error: grpc.RpcError, target: str | None = None, waited_for_ready: bool = False) -> PacerClientError:
     """Maps a grpc.RpcError (sync or grpc.aio) to the most specific PacerClientError subclass. With `target`, an
     UNAVAILABLE or DEADLINE_EXCEEDED the server did not send (nothing reachable there, or no answer) names where
-    the call was sent."""
+    the call was sent; `waited_for_ready`: the call waited for a server to be reachable there (wait_for_ready), so a
+    deadline may also mean that none ever was."""
     code_fn = getattr(rpc_error, "code", None)
     code = code_fn() if callable(code_fn) else None
     if not isinstance(code, grpc.StatusCode):
@@ -172,7 +173,9 @@ def translate(rpc_error: grpc.RpcError, target: str | None = None) -> PacerClien
     if cls is UnavailableError and target and not status.reason:
         message = f"cannot reach the pacer at {target}: {message}"
     elif cls is DeadlineExceededError and target and not status.reason:
-        message = f"no answer in time from the pacer at {target}: {message}"
+        waited = (" (or no server reachable there all along: the call waited for one, wait_for_ready=True)"
+                  if waited_for_ready else "")
+        message = f"no answer in time from the pacer at {target}{waited}: {message}"
     return cls(
         code,
         message,

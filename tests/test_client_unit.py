@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -326,6 +327,19 @@ def test_translate_names_the_target_of_an_error_the_server_did_not_send(code: gr
     info = error_details_pb2.ErrorInfo(reason="SHUTTING_DOWN", domain="coda.pacer.v1")
     trailer = (("grpc-status-details-bin", _status_bytes(code.value[0], "draining", info)),)
     assert translate(FakeRpcError(code, "draining", trailer), "10.0.0.5:50051").details == "draining"  # the server's
+
+
+def test_a_client_that_waits_for_ready_says_that_no_server_may_ever_have_been_there() -> None:
+    """A wait_for_ready call to an address where nothing listens waits out its deadline: "no answer in time" alone
+    read as a slow server."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    with coda_client.PacerClient(address, timeout=0.5, wait_for_ready=True) as pacer:
+        with pytest.raises(coda_client.DeadlineExceededError) as waited:
+            pacer.state()
+    assert (f"no answer in time from the pacer at {address} (or no server reachable there all along: the call waited "
+            f"for one, wait_for_ready=True)") in str(waited.value)
 
 
 def test_translate_bad_request_and_retry_delay() -> None:
