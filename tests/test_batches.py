@@ -20,8 +20,8 @@ import time
 import numpy as np
 import pytest
 
-from coda_client import (AsyncPacerClient, MiniBatch, PacerClient, ServerGoneError, Trajectory, TrajectoryGroup,
-                         TrajectoryStatus)
+from coda_client import (AsyncPacerClient, DeadlineExceededError, MiniBatch, PacerClient, ServerGoneError, Trajectory,
+                         TrajectoryGroup, TrajectoryStatus)
 from conftest import REPO_ROOT
 from server_harness import ServerProcess
 from test_durability_crash import free_port
@@ -338,6 +338,37 @@ def test_a_graceful_server_restart_trains_no_batch_twice(tmp_path, caplog) -> No
         assert f"pacer at {running.address} ended" in began and "reconnect=120 s" in began
         [ended] = _outage_lines(caplog, logging.INFO)
         assert re.fullmatch(rf"batches: control stream of the pacer at {running.address} back after [0-9.]+ s", ended)
+    finally:
+        running.close()
+
+
+def test_a_client_that_waits_for_ready_rides_through_a_server_killed_and_restarted(tmp_path) -> None:
+    """A trainer whose client waits for a server to be ready (as the worker's does): a call made while the server is
+    down ends DEADLINE_EXCEEDED, not UNAVAILABLE. The iterator takes it as the server away, as it takes UNAVAILABLE:
+    the Ack waits for the restarted server instead of ending the training with DeadlineExceededError."""
+    overrides = (f"server.address=127.0.0.1:{free_port()}", f"server.state_dir={tmp_path / 'state'}")
+    running = _server(tmp_path, *overrides).start()
+    try:
+        with PacerClient(running.address, timeout=1.0, wait_for_ready=True) as pacer:
+            _fill(pacer, ["w0", "w1", "w2", "w3"])
+            batches = pacer.batches(2 * N, lease=120, poll=0.5, reconnect=60)
+            first = next(batches)
+            assert [g.prompt_id for g in first.groups] == ["w0", "w1"]
+            assert batches.wait_watching(30)
+            running.kill()
+            acknowledged = []
+            acking = threading.Thread(target=lambda: acknowledged.append(batches.ack()))
+            acking.start()
+            with pytest.raises(DeadlineExceededError):  # while the Ack waits: down for longer than a deadline
+                pacer.state()
+            running.close()
+            running = _server(tmp_path, *overrides).start()
+            acking.join(60)
+            assert acknowledged == [2]
+            second = next(batches)
+            assert [g.prompt_id for g in second.groups] == ["w2", "w3"]
+            assert batches.ack() == 2
+            batches.close()
     finally:
         running.close()
 
