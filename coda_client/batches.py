@@ -44,18 +44,18 @@ DEFAULT_POLL_SECONDS = 5.0
 # How long a call ended by the server waits for the SHUTDOWN event that explains it.
 SHUTDOWN_EVENT_WAIT_SECONDS = 5.0
 _ENDED_BY_SHUTDOWN = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
-
-
-def _server_away(code: Any, client: Any) -> bool:
-    """Whether a call that ended with `code` found no server: the server shut down or died (CANCELLED, UNAVAILABLE),
-    or, for a client that waits for a server to be ready, its deadline passed while none was (DEADLINE_EXCEEDED)."""
-    return code in _ENDED_BY_SHUTDOWN or (code == grpc.StatusCode.DEADLINE_EXCEEDED and client.wait_for_ready)
 # How long the iterator waits for a server that announced SHUTDOWN or cannot be reached to answer again
 # (a restart, a rolling update) before its calls give up with ServerGoneError.
 DEFAULT_RECONNECT_SECONDS = 120.0
 # Back-off between attempts while the server is away (an announced successor's STATE ends a wait at once).
 _AWAY_RETRY_INITIAL_SECONDS = 0.2
 _AWAY_RETRY_MAX_SECONDS = 2.0
+
+
+def _server_away(code: Any, client: Any) -> bool:
+    """Whether a call that ended with `code` found no server: the server shut down or died (CANCELLED, UNAVAILABLE),
+    or, for a client that waits for a server to be ready, its deadline passed while none was (DEADLINE_EXCEEDED)."""
+    return code in _ENDED_BY_SHUTDOWN or (code == grpc.StatusCode.DEADLINE_EXCEEDED and client.wait_for_ready)
 
 
 @dataclass(frozen=True, eq=False)
@@ -776,7 +776,7 @@ class BatchIterator(_IteratorBase):
         except grpc.RpcError as exc:
             if self._closed and not survives_close:
                 raise _Stopped from None
-            # A server that shuts down or dies ends its calls (CANCELLED, UNAVAILABLE): away until it is back.
+            # A server that shut down, died or (waiting for ready) never came: away until it is back.
             if _server_away(exc.code(), self._client):
                 if not self._shutdown.wait(SHUTDOWN_EVENT_WAIT_SECONDS if exc.code() == grpc.StatusCode.CANCELLED
                                            else 0):
