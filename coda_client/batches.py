@@ -25,6 +25,7 @@ import grpc
 
 from . import _calls
 from ._channel import read_stream
+from ._outage import OutageLog
 from .arrays import dtype_of, numpy
 from .errors import PacerClientError, ServerGoneError, translate
 from .types import CollectResult, ControlEventType, PacerState, Trajectory, TrajectoryGroup
@@ -524,31 +525,6 @@ def _reopened_watch(client: Any) -> Any:
         return None
 
 
-class _WatchOutage:
-    """Logs the control stream's outages once each: the first failure of an outage as a warning (what the iterator
-    does meanwhile), the attempts that follow at debug level, and the stream's return with how long it was away
-    (a dead server would otherwise log a line every two seconds until `reconnect` runs out)."""
-
-    def __init__(self, target: str, reconnect: float) -> None:
-        self.target = target
-        self.reconnect = reconnect
-        self.since: float | None = None  # monotonic time the outage began; None while the stream is up
-
-    def ended(self, reason: object) -> None:
-        if self.since is None:
-            self.since = time.monotonic()
-            log.warning("batches: the control stream of the pacer at %s ended (%s); reconnecting, and calls wait up "
-                        "to reconnect=%g s for a server to answer", self.target, reason, self.reconnect)
-        else:
-            log.debug("batches: control stream still away (%s); reconnecting", reason)
-
-    def event(self) -> None:
-        if self.since is not None:
-            log.info("batches: control stream of the pacer at %s back after %.1f s", self.target,
-                     time.monotonic() - self.since)
-            self.since = None
-
-
 class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
@@ -576,7 +552,13 @@ class _IteratorBase:
         self.delivered = 0  # batches handed to the caller
         self.acknowledged = 0  # batches acknowledged
         self.reconnect = float(reconnect)  # seconds calls wait for an away server to answer again
-        self._outage = _WatchOutage(client.target, self.reconnect)
+        # The control stream's outages, logged once each (a dead server would otherwise log a line every two
+        # seconds until `reconnect` runs out).
+        self._outage = OutageLog(
+            log, began=f"batches: the control stream of the pacer at {client.target} ended ({{reason}}); "
+                       f"reconnecting, and calls wait up to reconnect={self.reconnect:g} s for a server to answer",
+            attempt="batches: control stream still away ({reason}); reconnecting",
+            back=f"batches: control stream of the pacer at {client.target} back after {{seconds}} s")
         self.server_shut_down = False  # the server announced SHUTDOWN and no server answered again in time
         # The trainer ended the job (JOB_ENDED): once a Collect finds too few groups, nothing more will come and
         # the iteration ends instead of polling for ever.
@@ -701,7 +683,7 @@ class BatchIterator(_IteratorBase):
             try:
                 for event in self._watch:
                     self._watching.set()
-                    self._outage.event()
+                    self._outage.answered()
                     delay = _AWAY_RETRY_INITIAL_SECONDS
                     self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
                     if event.type == ControlEventType.SHUTDOWN:
@@ -713,10 +695,10 @@ class BatchIterator(_IteratorBase):
                         self._shutdown.clear()
                         self._present.set()
                 if not self._closed:
-                    self._outage.ended("the server ended it")
+                    self._outage.failed("the server ended it")
             except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
                 if not self._closed:  # closing cancels the stream: no outage
-                    self._outage.ended(exc)
+                    self._outage.failed(exc)
             if self._closing.wait(delay):
                 return
             delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
@@ -942,7 +924,7 @@ class AsyncBatchIterator(_IteratorBase):
         while not self._closed:
             try:
                 async for event in self._watch:
-                    self._outage.event()
+                    self._outage.answered()
                     delay = _AWAY_RETRY_INITIAL_SECONDS
                     self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
                     if event.type == ControlEventType.SHUTDOWN:
@@ -954,10 +936,10 @@ class AsyncBatchIterator(_IteratorBase):
                         self._shutdown.clear()
                         self._present.set()
                 if not self._closed:
-                    self._outage.ended("the server ended it")
+                    self._outage.failed("the server ended it")
             except Exception as exc:  # noqa: BLE001 - a watch failure must not kill the trainer
                 if not self._closed:  # closing cancels the stream: no outage
-                    self._outage.ended(exc)
+                    self._outage.failed(exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
             if not self._closed:

@@ -50,6 +50,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 import grpc
 
 from coda_client._calls import estimated_submit_bytes
+from coda_client._outage import OutageLog
 from coda_client.client import AsyncPacerClient
 from .engines.base import (AsyncEngine, Engine, EngineError, EngineUnreachableError, FinishReason, GenerationRequest,
                            SamplingParams)
@@ -505,6 +506,15 @@ class AsyncRolloutWorker:
         self.reward_failure_limit = reward_failure_limit
         self.engine_failure_limit = engine_failure_limit
         self._give_up_at: float | None = None  # set at stop(): retries of an unreachable server end then
+        # The server's outages, logged once each (its calls, its control stream and its keep-alives all fail while
+        # it is away, each retried every few seconds).
+        self._outage = OutageLog(
+            logger, began=f"{self.worker_id}: the pacer at {getattr(pacer, 'target', '?')} is away: {{reason}}; "
+                          "retrying its calls (with the same request ids) until it answers, generating what this "
+                          "worker holds meanwhile",
+            attempt=f"{self.worker_id}: the pacer is still away: {{reason}}",
+            back=f"{self.worker_id}: the pacer at {getattr(pacer, 'target', '?')} answers again after {{seconds}} s",
+            extra=_fields(worker=self.worker_id))
         self.stats = WorkerStats()
         self.weight_version = 0
         self.engine_weight_version: int | None = None  # what the engine reports loaded; None: it cannot say
@@ -1235,11 +1245,11 @@ class AsyncRolloutWorker:
             try:
                 async for event in stream:
                     delay = RETRY_INITIAL_SECONDS
+                    self._outage.answered()
                     if await self._on_event(event):
                         return
             except UnavailableError as exc:
-                logger.warning("%s: control stream lost (%s); reconnecting", self.worker_id, exc,
-                               extra=_fields(worker=self.worker_id))
+                self._outage.failed(f"control stream lost ({exc}); reconnecting")
             finally:
                 stream.cancel()
             await asyncio.sleep(delay)
@@ -1382,9 +1392,13 @@ class AsyncRolloutWorker:
                 answer = await keep_alive(list(held), dispatch_seqs={p: g.seq for p, g in held.items()
                                                                      if g.seq is not None},
                                           **self._loaded_version_field())
+            except (UnavailableError, DeadlineExceededError) as exc:
+                self._outage.failed(f"KeepAlive not answered ({exc})")
+                continue
             except PacerClientError as exc:
                 logger.warning("%s: KeepAlive failed: %s", self.worker_id, exc, extra=_fields(worker=self.worker_id))
                 continue
+            self._outage.answered()
             self.stats.keepalive_calls += 1
             if self.keepalive_seconds is None:  # the server's bounds may change across a restart: follow them
                 bounds = [b for b in (answer.lease_seconds, getattr(answer, "liveness_seconds", 0.0)) if b > 0]
@@ -1439,9 +1453,11 @@ class AsyncRolloutWorker:
         while True:
             try:
                 if self._give_up_at is None:
-                    return await call()
-                # After stop() a call may wait for a server that is not coming back: bound it by the grace.
-                return await asyncio.wait_for(call(), max(0.0, self._give_up_at - time.monotonic()))
+                    answer = await call()
+                else:  # after stop() a call may wait for a server that is not coming back: bound it by the grace
+                    answer = await asyncio.wait_for(call(), max(0.0, self._give_up_at - time.monotonic()))
+                self._outage.answered()
+                return answer
             except asyncio.TimeoutError:
                 raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered within the "
                                        f"{self.shutdown_grace:g} s shutdown grace after stop(); the server is "
@@ -1454,8 +1470,7 @@ class AsyncRolloutWorker:
                     raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered: {exc}") from exc
                 if what == "Submit":
                     self.stats.submit_retries += 1
-                logger.warning("%s: %s not answered (%s); retrying in %.1f s with the same request id", self.worker_id,
-                               what, exc, delay, extra=_fields(worker=self.worker_id, call=what, retry_in=delay))
+                self._outage.failed(f"{what} not answered ({exc}); retrying in {delay:.1f} s")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
 

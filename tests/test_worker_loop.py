@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -342,6 +343,48 @@ def test_a_worker_rides_through_a_server_down_for_longer_than_its_call_timeout(t
         stats, state = asyncio.run(go())
         assert stats.trajectories_refused == 0, stats  # nothing dropped for the outage
         assert stats.groups_done >= 4 and state.collected >= 4
+    finally:
+        server.close()
+
+
+def test_a_server_outage_is_logged_once_as_it_begins_and_once_as_it_ends(tmp_path, caplog):
+    """kill -9 under a worker whose client fails fast (no wait_for_ready): its Dispatches, Submits, keep-alives and
+    control stream fail every few seconds while no server is up. The outage is one warning as it begins and one info
+    line when a server answers again; the retries between are at debug level."""
+    caplog.set_level(logging.DEBUG, logger="coda_worker")
+    overrides = [*core_overrides("no-window", B=2, stale=1.0, N=2, M=4), f"server.address=127.0.0.1:{free_port()}",
+                 f"server.state_dir={tmp_path / 'state'}"]
+    server = ServerProcess(tmp_path, *overrides).start()
+
+    def retries() -> list[logging.LogRecord]:  # at any level: the old worker warned at each
+        return [r for r in caplog.records if r.name == "coda_worker" and "not answered" in r.getMessage()]
+
+    try:
+        async def go():
+            async with running_worker(server.address, prompts(6)) as (pacer, engine, worker, task):
+                server.process.kill()
+                server.process.wait(CONDITION_TIMEOUT)
+                engine.auto_release = True
+                engine.release_all()  # their Submits fail while no server is up
+                await until(lambda: len(retries()) >= 4, "four calls retried while the server is away")
+                restarted = ServerProcess(tmp_path, *overrides).start()
+                try:
+                    await until(lambda: any("answers again" in r.getMessage() for r in caplog.records),
+                                "the worker to find the server back")
+                    worker.stop()
+                    stats = await asyncio.wait_for(task, CONDITION_TIMEOUT)
+                finally:
+                    restarted.close()
+            return stats
+
+        stats = asyncio.run(go())
+        assert stats.trajectories_refused == 0, stats
+        lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "coda_worker"]
+        away = [m for level, m in lines if level >= logging.WARNING]
+        assert len(away) == 1 and f"the pacer at {server.address} is away" in away[0], away
+        assert {r.levelno for r in retries()} == {logging.DEBUG}
+        [back] = [m for level, m in lines if level == logging.INFO and "answers again" in m]
+        assert re.search(r"answers again after \d+\.\d s$", back), back
     finally:
         server.close()
 
