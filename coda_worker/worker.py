@@ -52,8 +52,8 @@ import grpc
 from coda_client._calls import estimated_submit_bytes
 from coda_client._outage import OutageLog
 from coda_client.client import AsyncPacerClient
-from .engines.base import (AsyncEngine, Engine, EngineError, EngineUnreachableError, FinishReason, GenerationRequest,
-                           SamplingParams)
+from .engines.base import (DEFAULT_GENERATE_TIMEOUT_SECONDS, AsyncEngine, Engine, EngineError, EngineUnreachableError,
+                           FinishReason, Generation, GenerationRequest, SamplingParams)
 from coda_client.errors import (
     BadRequestError,
     DeadlineExceededError,
@@ -103,6 +103,10 @@ RETRY_MAX_SECONDS = 5.0
 # An abort can reach the engine before the request it names: aborts are repeated this often until every
 # aborted request has answered.
 ABORT_REPEAT_SECONDS = 0.5
+# How long the worker waits for an engine's answer to an abort it sends alone (of a request past generate_timeout).
+ENGINE_ABORT_TIMEOUT_SECONDS = 10.0
+# Aborted requests still running this long after the abort: the engine is said not to act on aborts.
+ABORT_UNANSWERED_WARN_SECONDS = 30.0
 # How long a worker waits for an engine it cannot connect to (at start: it may still be loading its model; later:
 # it restarts) before it stops with EngineUnreachableError; how often it asks meanwhile, and says it is waiting.
 DEFAULT_ENGINE_WAIT_SECONDS = 600.0
@@ -431,7 +435,10 @@ class AsyncRolloutWorker:
     continue_restored: take restored groups the server re-offers and continue them (default True).
     keepalive_seconds: how often the in-flight leases of running groups are renewed (None: a third of
     the server's lease, as the server reports it). engine_retries: how often a failed engine call is
-    retried before the trajectory is submitted as FAILED. engine_wait: how long the worker waits for an engine it
+    retried before the trajectory is submitted as FAILED. generate_timeout: the longest one generate call may take
+    (3600 s, the shipped adapters' HTTP timeout; None: no bound of the worker's own): past it the request is aborted
+    on the engine and fails as any engine error does (retried, then FAILED), so an engine that stops answering
+    cannot hold its group, and the trainer's mini-batch, for ever. engine_wait: how long the worker waits for an engine it
     cannot connect to (EngineUnreachableError), at start and whenever a request finds it gone, dispatching nothing
     meanwhile (its running groups keep their leases and their requests are sent again once it answers); after
     that run() stops and raises EngineUnreachableError. shutdown_grace: seconds calls keep being retried
@@ -458,6 +465,7 @@ class AsyncRolloutWorker:
         keepalive_seconds: float | None = None,
         engine_retries: int = 1,
         engine_wait: float = DEFAULT_ENGINE_WAIT_SECONDS,
+        generate_timeout: float | None = DEFAULT_GENERATE_TIMEOUT_SECONDS,
         shutdown_grace: float = 10.0,
         on_submitted: Callable[[list[Trajectory]], Any] | None = None,
         reward_failure_limit: int = DEFAULT_REWARD_FAILURE_LIMIT,
@@ -481,6 +489,8 @@ class AsyncRolloutWorker:
         _check_count("engine_failure_limit", engine_failure_limit, 1)
         _check_seconds("dispatch_wait", dispatch_wait, positive=True)
         _check_seconds("engine_wait", engine_wait, positive=False)
+        if generate_timeout is not None:
+            _check_seconds("generate_timeout", generate_timeout, positive=True)
         _check_seconds("shutdown_grace", shutdown_grace, positive=False)
         if keepalive_seconds is not None:
             _check_seconds("keepalive_seconds", keepalive_seconds, positive=True)
@@ -501,6 +511,7 @@ class AsyncRolloutWorker:
         self.keepalive_seconds = keepalive_seconds
         self.engine_retries = engine_retries
         self.engine_wait = engine_wait
+        self.generate_timeout = generate_timeout
         self.shutdown_grace = shutdown_grace
         self.on_submitted = on_submitted
         self.reward_failure_limit = reward_failure_limit
@@ -876,7 +887,7 @@ class AsyncRolloutWorker:
             version = await self._tag_version()
             self._requests[request_id] = group
             try:
-                generation = await self.engine.generate(GenerationRequest(
+                generation = await self._generate(GenerationRequest(
                     request_id, [*group.prompt.input_ids, *traj.token_ids], remaining, self.sampling))
             except EngineError as exc:
                 unreachable = isinstance(exc, EngineUnreachableError)
@@ -910,6 +921,21 @@ class AsyncRolloutWorker:
                 traj.status, traj.finish = TrajectoryStatus.COMPLETED, generation.finish_reason
             break
         self._enqueue(group, traj)
+
+    async def _generate(self, request: GenerationRequest) -> Generation:
+        """The engine's generate, bounded by generate_timeout: an engine that stops answering would otherwise hold
+        its group, and the trainer's mini-batch, for ever. Past the bound the request is aborted on the engine and
+        fails with EngineError, retried as any engine failure."""
+        if self.generate_timeout is None:
+            return await self.engine.generate(request)
+        try:
+            return await asyncio.wait_for(self.engine.generate(request), self.generate_timeout)
+        except asyncio.TimeoutError:
+            pass
+        with contextlib.suppress(EngineError, asyncio.TimeoutError):  # best effort: it may not answer this either
+            await asyncio.wait_for(self.engine.abort([request.request_id]), ENGINE_ABORT_TIMEOUT_SECONDS)
+        raise EngineError(f"the engine did not answer request {request.request_id} within generate_timeout "
+                          f"{self.generate_timeout:g} s (aborted on the engine)")
 
     # ------------------------------------------------------------------ an engine that cannot be reached
 
@@ -1357,17 +1383,29 @@ class AsyncRolloutWorker:
 
     async def _abort_until_answered(self, reason: str) -> None:
         """Aborts the requests of aborting groups until each has answered (an abort can overtake its request)."""
+        began, said, warned, abort_failed = time.monotonic(), False, False, False
         while True:
             ids = [rid for rid, group in self._requests.items() if group.abort_requested]
             if not ids:
                 return
             self.stats.engine_aborts += 1
-            logger.info("%s: aborting %d engine requests (%s)", self.worker_id, len(ids), reason,
-                        extra=_fields(worker=self.worker_id, requests=len(ids)))
+            # Said once; the repeats (every ABORT_REPEAT_SECONDS) are the same request, at debug level; an engine
+            # that leaves them running is said once more, as a warning.
+            logger.log(logging.DEBUG if said else logging.INFO, "%s: aborting %d engine requests (%s)",
+                       self.worker_id, len(ids), reason, extra=_fields(worker=self.worker_id, requests=len(ids)))
+            said = True
+            if not warned and time.monotonic() - began >= ABORT_UNANSWERED_WARN_SECONDS:
+                warned = True
+                bound = f"{self.generate_timeout:g} s" if self.generate_timeout is not None else "none"
+                logger.warning("%s: %d aborted engine requests still running after %.0f s: the engine does not act on "
+                               "aborts; each ends at generate_timeout (%s)", self.worker_id, len(ids),
+                               time.monotonic() - began, bound, extra=_fields(worker=self.worker_id, requests=len(ids)))
             try:
                 await self.engine.abort(ids)
             except EngineError as exc:
-                logger.warning("%s: engine abort failed: %s", self.worker_id, exc, extra=_fields(worker=self.worker_id))
+                logger.log(logging.DEBUG if abort_failed else logging.WARNING, "%s: engine abort failed: %s",
+                           self.worker_id, exc, extra=_fields(worker=self.worker_id))
+                abort_failed = True
             await asyncio.sleep(ABORT_REPEAT_SECONDS)
 
     # ------------------------------------------------------------------ leases

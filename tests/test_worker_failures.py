@@ -15,7 +15,8 @@ from coda_client import AsyncPacerClient, TrajectoryStatus
 from coda_worker import EngineError, EngineFailedError, RewardFunctionError, WorkerFailedError
 from conftest import core_overrides
 from server_harness import ServerProcess
-from test_worker_loop import HeldEngine, make_worker, prompts
+from coda_worker import worker as worker_module
+from test_worker_loop import HeldEngine, make_worker, prompts, until
 
 RUN_TIMEOUT = 60.0
 
@@ -102,6 +103,7 @@ def test_a_reward_function_that_never_works_stops_the_worker(server):
     ("shutdown_grace", -1, "shutdown_grace -1 must be a number of seconds >= 0"),
     ("engine_wait", "10", "engine_wait '10' must be a number of seconds >= 0"),
     ("dispatch_wait", 0, "dispatch_wait 0 must be a number of seconds > 0"),
+    ("generate_timeout", 0, "generate_timeout 0 must be a number of seconds > 0"),
 ])
 def test_a_worker_argument_out_of_its_range_is_refused_when_the_worker_is_made(argument, value, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
@@ -224,3 +226,68 @@ def test_an_engine_that_fails_some_requests_fails_only_those(server):
     stats = asyncio.run(go())
     # p1's two requests are the only failures: two in a row at most, under the limit; the worker goes on.
     assert stats.groups_done == 4 and stats.trajectories_failed == 2 and stats.trajectories_submitted == 8
+
+
+class SilentEngine:
+    """An engine that never answers the requests of the prompts in `silent` and does nothing on an abort (a wedged
+    engine, or a user's engine with a bug); the others it answers at once. Records every abort it is sent."""
+
+    def __init__(self, silent: set[str]) -> None:
+        self.silent = silent
+        self.inner = released_engine()
+        self.aborted: list[str] = []
+        self.unanswered: list[str] = []
+
+    async def generate(self, request):
+        if any(f"-{prompt}#" in request.request_id for prompt in self.silent):
+            self.unanswered.append(request.request_id)
+            await asyncio.get_running_loop().create_future()  # never set
+        return await self.inner.generate(request)
+
+    async def abort(self, request_ids):
+        self.aborted.extend(request_ids)
+
+
+def test_an_engine_that_stops_answering_fails_the_request_at_generate_timeout(server):
+    """Without a bound the group of the unanswered requests stays running, held (its lease renewed) for ever, and
+    the trainer waits for its mini-batch with no word said."""
+    engine = SilentEngine({"p1"})
+
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, engine, prompts(4), generate_timeout=0.3, engine_retries=1)
+            stats = await asyncio.wait_for(worker.run(), RUN_TIMEOUT)
+            return stats, await pacer.state()
+
+    stats, state = asyncio.run(go())
+    # p1's two trajectories, each tried twice (engine_retries 1): four requests, each aborted on the engine.
+    assert len(engine.unanswered) == 4 and sorted(engine.aborted) == sorted(engine.unanswered)
+    assert stats.groups_done == 4 and stats.trajectories_failed == 2 and stats.trajectories_submitted == 8
+    assert state.running == 0 and state.filtered == 1  # the group completed as FAILED; the filter dropped it
+
+
+def test_an_abort_the_engine_ignores_is_said_once_and_ends_at_generate_timeout(server, caplog, monkeypatch):
+    """A PAUSE with ABORT while the engine ignores aborts: the worker repeats the abort every half second (one can
+    overtake its request) at debug level, says it once at info level and once, as a warning, that the engine does
+    not act on it; generate_timeout ends the requests, and the Reset gets their trajectories as ABORTED."""
+    monkeypatch.setattr(worker_module, "ABORT_UNANSWERED_WARN_SECONDS", 0.2)
+    caplog.set_level(logging.DEBUG, logger="coda_worker")
+    engine = SilentEngine({"p0"})
+
+    async def go():
+        async with AsyncPacerClient(server.address) as pacer:
+            worker = make_worker(pacer, engine, prompts(1), generate_timeout=3.0)
+            task = asyncio.create_task(worker.run())
+            await until(lambda: len(engine.unanswered) == 2, "p0's two requests sent")
+            reset = await pacer.reset("abort", wait=RUN_TIMEOUT)
+            await pacer.resume(1)
+            return reset, await asyncio.wait_for(task, RUN_TIMEOUT)
+
+    reset, stats = asyncio.run(go())
+    assert [g.prompt_id for g in reset.restored] == ["p0"] and reset.dropped_prompt_ids == []
+    assert stats.trajectories_aborted == 2
+    aborting = [r for r in caplog.records if r.name == "coda_worker" and "aborting 2 engine requests" in r.getMessage()]
+    assert len(aborting) >= 3, "the abort is repeated while the requests run"
+    assert [r.levelno for r in aborting if r.levelno > logging.DEBUG] == [logging.INFO]
+    [warned] = [r.getMessage() for r in caplog.records if r.name == "coda_worker" and r.levelno == logging.WARNING]
+    assert "the engine does not act on aborts; each ends at generate_timeout (3 s)" in warned

@@ -15,10 +15,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("the engine adapters need httpx: pip install 'coda-pacer[worker]'") from exc
 
-from .base import EngineError, EngineUnreachableError
+from .base import DEFAULT_GENERATE_TIMEOUT_SECONDS, EngineError, EngineUnreachableError
 
-# Generation calls can take as long as a response does; the worker bounds them itself (aborts at a Reset).
-DEFAULT_GENERATE_TIMEOUT_SECONDS = 3600.0
 DEFAULT_CONTROL_TIMEOUT_SECONDS = 30.0
 # Pooled connections are dropped after this idle time: under the 5 s after which vLLM's and SGLang's uvicorn
 # servers close an idle keep-alive connection, so a request is never sent on one the engine is closing (it

@@ -18,6 +18,11 @@ __all__ = [
     "EngineError",
 ]
 
+# The longest one generate call of an engine may take before it counts as failed: the shipped adapters' HTTP
+# timeout, and the worker loop's own bound for any engine (AsyncRolloutWorker's generate_timeout). A response can
+# take minutes; one that takes an hour is an engine that stopped answering.
+DEFAULT_GENERATE_TIMEOUT_SECONDS = 3600.0
+
 
 class EngineError(RuntimeError):
     """The engine refused a request or could not be reached; the message says which and why."""
