@@ -92,7 +92,28 @@ def test_a_collect_waiting_on_a_full_window_is_logged_with_the_windows_terms(tmp
                 time.sleep(0.05)
             line = next(line for line in server.log().splitlines() if "while dispatch admits nothing" in line)
             assert "Collect for 2 groups" in line and "0 buffered, 2 running" in line and "= 2 groups" in line
+            assert re.search(r"a trainer has waited \d+ s for groups", line)
             worker.submit([Trajectory(trajectory_id=f"{p}#0", prompt_id=p, status=TrajectoryStatus.COMPLETED)
                            for p in ("a", "b")])
             waiting.join(CONDITION_TIMEOUT)
             assert [g.prompt_id for g in answer["groups"]] == ["a", "b"]
+
+
+def test_a_trainer_polling_in_short_collects_is_logged_once_its_wait_spans_the_threshold(tmp_path):
+    """batches() waits in Collects of `poll` seconds each; none alone reaches the threshold, and the warning never
+    came for the most common trainer. The wait now runs from the first Collect since groups were last taken."""
+    overrides = core_overrides("no-window", B=2, stale=0.0, N=1)
+    with ServerProcess(tmp_path, *overrides, "server.collect_stall_warning_seconds=1.0") as server:
+        with PacerClient(server.address) as trainer:
+            trainer.reset("abort")  # and no Resume: dispatch stays paused
+            with trainer.batches(1, poll=0.2) as batches:
+                deadline = time.monotonic() + CONDITION_TIMEOUT
+                while "while dispatch admits nothing" not in server.log():
+                    assert time.monotonic() < deadline, f"no stall warning logged:\n{server.log()}"
+                    time.sleep(0.05)
+                trainer.resume(1)
+                trainer.dispatch(["a"])
+                trainer.submit([Trajectory(trajectory_id="a#0", prompt_id="a", status=TrajectoryStatus.COMPLETED)])
+                assert [g.prompt_id for g in next(batches).groups] == ["a"]
+        [line] = [line for line in server.log().splitlines() if "while dispatch admits nothing" in line]
+        assert "Collect for 1 groups, in one call or several polls" in line and "dispatch paused" in line

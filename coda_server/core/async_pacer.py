@@ -60,7 +60,12 @@ class AsyncPacer:
         self._draining = False
         self._lease_task: Optional[asyncio.Task] = None
         self._recheck_task: Optional[asyncio.Task] = None
-        self._collect_waits: dict[int, list] = {}  # waiting Collects: id -> [started, num_groups, warned]
+        self._collect_waits: dict[int, int] = {}  # waiting Collects: id -> groups asked
+        # When the trainers began waiting: the start of the first Collect since one last took groups (None: none
+        # waits since). A trainer polls in short Collects (batches() every few seconds): its wait spans them.
+        self._starved_since: Optional[float] = None
+        self._stall_warned = False  # this wait was logged
+        self._collects_idle_since = 0.0  # when the last waiting Collect ended (none waits since)
         self.content_keys = ContentKeys()
         self._next_wait_id = 0
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
@@ -119,31 +124,32 @@ class AsyncPacer:
                             ", ".join(leases))
 
     def _warn_stalled_collects(self) -> None:
-        """Log, once per wait, a Collect that has waited longer than server.collect_stall_warning_seconds while
-        dispatch admits nothing: the trainer waits on the window, which the warning spells out."""
+        """Log, once per wait, trainers that have waited longer than server.collect_stall_warning_seconds for groups
+        (in one Collect or a series of polls, none taking any) while dispatch admits nothing: the trainer waits on
+        the window, which the warning spells out."""
         threshold = self.pacer.limits.collect_stall_warning_seconds
-        if not threshold or not self._collect_waits:
+        if not threshold or not self._collect_waits or self._stall_warned or self._starved_since is None:
             return
-        now = asyncio.get_running_loop().time()
-        stalled = [entry for entry in self._collect_waits.values() if not entry[2] and now - entry[0] >= threshold]
-        if not stalled or self.pacer.admissible_now() > 0:
+        waited = asyncio.get_running_loop().time() - self._starved_since
+        if waited < threshold or self.pacer.admissible_now() > 0:
             return
+        self._stall_warned = True
         state = self.pacer.state()
         summary = state.config_summary
-        for entry in stalled:
-            entry[2] = True
-            stall_log.warning(
-                "a Collect for %d groups has waited %.0f s while dispatch admits nothing: %d buffered, %d running, "
-                "%d leased%s; window C = int(B * (1 + stale_steps)) = int(%s * (1 + %s)) = %d groups (N = %s, "
-                "strategy %s)%s", entry[1], now - entry[0], state.buffered, state.running, state.leased,
-                ", dispatch paused (Reset without resume?)" if state.paused else "",
-                summary.get("num_prompts_per_step"), summary.get("stale_steps"), state.window_size,
-                summary.get("num_trajectories_per_prompt"), state.strategy,
-                "" if state.paused else "; running groups must complete (are workers generating?) or the "
-                "trainer must take what is buffered",
-                extra={"fields": {"num_groups": entry[1], "waited_seconds": round(now - entry[0], 1),
-                                  "buffered": state.buffered, "running": state.running, "leased": state.leased,
-                                  "window_size": state.window_size}})
+        asked = max(self._collect_waits.values())
+        stall_log.warning(
+            "a trainer has waited %.0f s for groups (Collect for %d groups, in one call or several polls, none taking "
+            "any) while dispatch admits nothing: %d buffered, %d running, %d leased%s; window C = int(B * (1 + "
+            "stale_steps)) = int(%s * (1 + %s)) = %d groups (N = %s, strategy %s)%s", waited, asked, state.buffered,
+            state.running, state.leased,
+            ", dispatch paused (Reset without resume?)" if state.paused else "",
+            summary.get("num_prompts_per_step"), summary.get("stale_steps"), state.window_size,
+            summary.get("num_trajectories_per_prompt"), state.strategy,
+            "" if state.paused else "; running groups must complete (are workers generating?) or the "
+            "trainer must take what is buffered",
+            extra={"fields": {"num_groups": asked, "waited_seconds": round(waited, 1),
+                              "buffered": state.buffered, "running": state.running, "leased": state.leased,
+                              "window_size": state.window_size}})
 
     async def _recheck_gates_periodically(self) -> None:
         """Re-examine held groups every fully_async.gate_recheck_seconds (unless a change just did), so a gate
@@ -256,12 +262,22 @@ class AsyncPacer:
             groups = pacer.checks.check_collect(num_groups, lease_seconds, shape)
             pacer.check_collect_reachable(groups, allow_partial, shape)
             wait_id = self._next_wait_id = self._next_wait_id + 1
-            self._collect_waits[wait_id] = [asyncio.get_running_loop().time(), groups, False]
+            now = asyncio.get_running_loop().time()
+            # A wait begins with the first Collect since groups were last taken, or after a pause longer than the
+            # warning's threshold with none waiting (a trainer that stopped and came back).
+            if (self._starved_since is None or not self._collect_waits and now - self._collects_idle_since
+                    > self.pacer.limits.collect_stall_warning_seconds):
+                self._starved_since, self._stall_warned = now, False
+            self._collect_waits[wait_id] = groups
             try:
-                return await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds,
-                                                                 shape, trainer_step, max_bytes), wait)
+                answer = await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds,
+                                                                   shape, trainer_step, max_bytes), wait)
             finally:
                 del self._collect_waits[wait_id]
+                self._collects_idle_since = asyncio.get_running_loop().time()
+            if answer.groups:  # the trainers' wait ended
+                self._starved_since, self._stall_warned = None, False
+            return answer
 
         result = await self._applied("Collect", request_id, call)
         if result.lease_id and result.groups:
