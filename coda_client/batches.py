@@ -51,6 +51,13 @@ DEFAULT_RECONNECT_SECONDS = 120.0
 # Back-off between attempts while the server is away (an announced successor's STATE ends a wait at once).
 _AWAY_RETRY_INITIAL_SECONDS = 0.2
 _AWAY_RETRY_MAX_SECONDS = 2.0
+# A mini-batch waited for this long is logged with the server's state saying why (a Reset without its Resume, no
+# worker dispatching, workers slower than the trainer), and again every STALL_REPEAT_SECONDS while it stays away:
+# the server's own warning (server.collect_stall_warning_seconds) is in the server's log, not the trainer's.
+STALL_WARNING_SECONDS = 60.0
+STALL_REPEAT_SECONDS = 600.0
+# The longest close() waits for the iterator's own tasks to end once cut (they end at once).
+_CLOSE_WAIT_SECONDS = 5.0
 
 
 def _server_away(code: Any, client: Any) -> bool:
@@ -525,6 +532,48 @@ def _reopened_watch(client: Any) -> Any:
         return None
 
 
+class _BatchWait:
+    """The wait for one mini-batch: says why it takes long, once it has taken STALL_WARNING_SECONDS and then every
+    STALL_REPEAT_SECONDS, and when the batch came after such a warning."""
+
+    def __init__(self, what: str, target: str) -> None:
+        self.what = what  # "a mini-batch of 8 groups", "rank 1's share of ..."
+        self.target = target
+        self.began = time.monotonic()
+        self.next_report = self.began + STALL_WARNING_SECONDS
+        self.reported = False
+
+    def due(self) -> bool:
+        """Whether to ask the server's state and report it now."""
+        return time.monotonic() >= self.next_report
+
+    def report(self, state: PacerState | Exception) -> None:
+        waited = time.monotonic() - self.began
+        self.next_report = time.monotonic() + STALL_REPEAT_SECONDS
+        self.reported = True
+        log.warning("batches: no %s for %.0f s from the pacer at %s: %s", self.what, waited, self.target,
+                    self.why(state))
+
+    @staticmethod
+    def why(state: PacerState | Exception) -> str:
+        if isinstance(state, Exception):
+            return f"its state could not be read ({state})"
+        if state.paused:
+            return (f"dispatch is paused (step {state.step}): a Reset without its Resume. The trainer resumes with "
+                    "resume(weight_version) once the weights are synced; one that resets and then waits for a batch "
+                    "before resuming waits on itself")
+        if state.running == 0:
+            return (f"no group is running and {state.buffered} are buffered: no rollout worker is dispatching (are "
+                    "the workers running, and pointed at this address? coda-client workers lists them)")
+        return (f"{state.running} groups are running on the workers and {state.buffered} are buffered (window "
+                f"{state.window_size}): the workers are slower than the trainer, or one holds its groups without "
+                "submitting (coda-client workers lists what each holds)")
+
+    def done(self) -> None:
+        if self.reported:
+            log.info("batches: the %s came after %.0f s", self.what, time.monotonic() - self.began)
+
+
 class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
@@ -620,6 +669,13 @@ class _IteratorBase:
         if self.shape.world_size > 1 or self.shape.token_budget or not results[-1].cut_to_fit:
             return 0
         return self.shape.num_groups - sum(len(r.groups) for r in results)
+
+    def _batch_wait(self) -> _BatchWait:
+        shape = self.shape
+        batch = (f"mini-batch of {shape.num_groups} groups" if not shape.token_budget
+                 else f"mini-batch of up to {shape.token_budget} tokens")
+        what = batch if shape.world_size == 1 else f"share for rank {shape.rank} of {shape.world_size} of a {batch}"
+        return _BatchWait(what, self._client.target)
 
     def _wants_more(self) -> bool:
         return not self._closed and (self.num_batches is None or self.delivered < self.num_batches)
@@ -774,6 +830,7 @@ class BatchIterator(_IteratorBase):
         """Collects until a full batch arrived, in several answers when one would not fit the client's message
         limit (raises _Stopped when closed, ServerGoneError when the server does not come back)."""
         results: list[CollectResult] = []
+        wait = self._batch_wait()
         while missing := self._rest(results):
             job_ended = self.job_ended  # read before the Collect: a batch completed after the end still counts
             try:
@@ -787,6 +844,12 @@ class BatchIterator(_IteratorBase):
                 results.append(result)
             elif job_ended and not results:
                 raise _Stopped  # the job ended and a whole poll brought nothing: no batch will come
+            if wait.due():
+                try:
+                    wait.report(self._call(_calls.get_state(timeout=self._client.timeout)))
+                except PacerClientError as exc:
+                    wait.report(exc)
+        wait.done()
         return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
 
     def __iter__(self) -> BatchIterator:
@@ -868,6 +931,12 @@ class BatchIterator(_IteratorBase):
             pass
         finally:
             self.close()
+
+
+def _read_quietly(task: asyncio.Future[Any]) -> None:
+    """Reads how a task the iterator left behind ended, so that asyncio logs no "exception never retrieved" for it."""
+    if not task.cancelled():
+        task.exception()
 
 
 class AsyncBatchIterator(_IteratorBase):
@@ -1001,6 +1070,7 @@ class AsyncBatchIterator(_IteratorBase):
 
     async def _prefetch(self) -> MiniBatch:
         results: list[CollectResult] = []
+        wait = self._batch_wait()
         while missing := self._rest(results):
             job_ended = self.job_ended
             try:
@@ -1014,6 +1084,12 @@ class AsyncBatchIterator(_IteratorBase):
                 results.append(result)
             elif job_ended and not results:
                 raise _Stopped  # as in BatchIterator._prefetch
+            if wait.due():
+                try:
+                    wait.report(await self._call(_calls.get_state(timeout=self._client.timeout)))
+                except PacerClientError as exc:
+                    wait.report(exc)
+        wait.done()
         return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
 
     def __aiter__(self) -> AsyncBatchIterator:
@@ -1075,6 +1151,13 @@ class AsyncBatchIterator(_IteratorBase):
                 task.cancel()
         if self._watch is not None:
             self._watch.cancel()
+        # A prefetch cut by the close ends with _Stopped, which nobody is left to read: waited for here (they end at
+        # once) and read, or asyncio would log it as an unhandled exception at the loop's end.
+        left = [t for t in (self._pending, self._watcher) if t is not None and t is not asyncio.current_task()]
+        if left:
+            ended, _ = await asyncio.wait(left, timeout=_CLOSE_WAIT_SECONDS)
+            for task in ended:
+                _read_quietly(task)
 
     async def __aenter__(self) -> AsyncBatchIterator:
         await self._start()

@@ -22,6 +22,7 @@ import pytest
 
 from coda_client import (AsyncPacerClient, DeadlineExceededError, MiniBatch, PacerClient, ServerGoneError, Trajectory,
                          TrajectoryGroup, TrajectoryStatus)
+from coda_client import batches as batches_module
 from conftest import REPO_ROOT
 from server_harness import ServerProcess
 from test_durability_crash import free_port
@@ -391,6 +392,62 @@ def test_the_iterator_raises_server_gone_when_no_server_comes_back(tmp_path, cap
     [began] = _outage_lines(caplog, logging.WARNING)
     assert "reconnecting, and calls wait up to reconnect=1 s" in began
     assert not _outage_lines(caplog, logging.INFO)
+
+
+def _stall_lines(caplog, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "coda_client.batches" and r.levelno == level
+            and re.match(r"batches: (no .* for \d+ s from|the .* came after)", r.getMessage())]
+
+
+def _until_logged(caplog, level: int, text: str, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not (lines := [m for m in _stall_lines(caplog, level) if text in m]):
+        assert time.monotonic() < deadline, f"no log line with {text!r}; the iterator's: {_stall_lines(caplog, level)}"
+        time.sleep(0.02)
+    return lines[0]
+
+
+def test_a_mini_batch_that_does_not_come_is_said_in_the_trainers_log_with_why(tmp_path, caplog, monkeypatch) -> None:
+    """The natural mistake, a Reset without its Resume before the next batch, left the trainer waiting with nothing in
+    its log (the server's collect-stall warning never fires for batches(), whose Collects each wait only `poll`).
+    Now the iterator reads the server's state once the batch is STALL_WARNING_SECONDS late and says why."""
+    monkeypatch.setattr(batches_module, "STALL_WARNING_SECONDS", 0.3)
+    monkeypatch.setattr(batches_module, "STALL_REPEAT_SECONDS", 3600.0)
+    caplog.set_level(logging.INFO, logger="coda_client.batches")
+    with _server(tmp_path) as server, PacerClient(server.address) as pacer:
+        pacer.reset("abort")  # and no Resume
+        with pacer.batches(2 * N, poll=0.2) as batches:
+            paused = _until_logged(caplog, logging.WARNING, "dispatch is paused")
+            assert f"no mini-batch of 2 groups for 0 s from the pacer at {server.address}" in paused
+            assert "a Reset without its Resume" in paused
+            pacer.resume(1)
+            _fill(pacer, ["r0", "r1"])
+            assert [g.prompt_id for g in next(batches).groups] == ["r0", "r1"]
+            assert _until_logged(caplog, logging.INFO, "the mini-batch of 2 groups came after")
+
+        loop_errors: list[dict] = []
+
+        async def no_worker() -> list[str]:  # the async iterator, dispatch open and no worker dispatching
+            asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+            async with AsyncPacerClient(server.address) as client:
+                async with client.batches(2 * N, poll=0.2, rank=1, world_size=2) as shares:
+                    waiting = asyncio.create_task(shares.__anext__())
+                    deadline = time.monotonic() + 30
+                    while not [m for m in _stall_lines(caplog, logging.WARNING) if "rank 1" in m]:
+                        assert time.monotonic() < deadline, "no warning for rank 1's share"
+                        await asyncio.sleep(0.02)
+                    await client.dispatch(["w0", "w1"])
+                    for prompt_id in ["w0", "w1"]:
+                        await client.submit([_trajectory(prompt_id, i, 4) for i in range(N)])
+                    share = await asyncio.wait_for(waiting, 30)
+                    return [g.prompt_id for g in share.groups]
+
+        assert asyncio.run(no_worker()) == ["w1"]
+        # The next share's prefetch, cut by leaving the block, ended quietly (no "exception never retrieved").
+        assert loop_errors == []
+    [idle] = [m for m in _stall_lines(caplog, logging.WARNING) if "rank 1" in m]
+    assert "no share for rank 1 of 2 of a mini-batch of 2 groups" in idle
+    assert "no group is running and 0 are buffered: no rollout worker is dispatching" in idle
 
 
 def test_bad_arguments_are_refused(server) -> None:
