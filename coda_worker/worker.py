@@ -39,6 +39,7 @@ import logging
 import numbers
 import os
 import re
+import signal
 import threading
 import time
 import uuid
@@ -1544,8 +1545,9 @@ class RolloutWorker:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    async def _main(self) -> WorkerStats:
+    async def _main(self, signals: bool = False) -> WorkerStats:
         threaded = None
+        handled: list[int] = []
         engine: Any = self.engine
         if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
             engine = threaded = _ThreadedEngine(engine, self.engine_threads)
@@ -1561,17 +1563,46 @@ class RolloutWorker:
                 self._worker = AsyncRolloutWorker(pacer, engine, self.source, **self.worker_options)
                 if self._stop_requested:
                     self._worker.stop()
+                if signals:
+                    handled = self._stop_on_signals()
                 self._ready.set()
                 self.stats = await self._worker.run()
                 return self.stats
         finally:
+            loop = asyncio.get_running_loop()
+            for signum in handled:
+                loop.remove_signal_handler(signum)
             self._ready.set()
             if threaded is not None:
                 threaded.shutdown()
 
     def run(self) -> WorkerStats:
-        """Runs the loop in this thread until done; returns what it did."""
-        return asyncio.run(self._main())
+        """Runs the loop in this thread until done; returns what it did. On the main thread, SIGINT (Ctrl-C) and
+        SIGTERM (a container's stop) stop it as stop() does, and run() returns once what runs is submitted; the
+        same signal again ends it at once with KeyboardInterrupt."""
+        return asyncio.run(self._main(signals=threading.current_thread() is threading.main_thread()))
+
+    def _stop_on_signals(self) -> list[int]:
+        """Makes SIGINT and SIGTERM stop the worker (the process's default would end it at once, leaving its
+        running groups held on the server until its liveness runs out and what they generated lost)."""
+        loop, handled = asyncio.get_running_loop(), []
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(signum, self._on_signal, signum)
+            except (NotImplementedError, RuntimeError, ValueError):  # a loop or platform without them (Windows)
+                continue
+            handled.append(signum)
+        return handled
+
+    def _on_signal(self, signum: int) -> None:
+        worker = self._worker
+        if self._stop_requested or worker is None:
+            raise KeyboardInterrupt  # the second: at once
+        logger.warning("%s: %s: stopping: nothing more is dispatched; the %d groups running here are finished and "
+                       "submitted, for at most shutdown_grace %g s (%s again: stop at once)", worker.worker_id,
+                       signal.Signals(signum).name, len(worker._groups), worker.shutdown_grace,
+                       signal.Signals(signum).name, extra=_fields(worker=worker.worker_id))
+        self.stop()
 
     def start(self) -> RolloutWorker:
         """Runs the loop on a background thread; `join()` waits for it, `stop()` ends it."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -387,6 +388,70 @@ def test_a_server_outage_is_logged_once_as_it_begins_and_once_as_it_ends(tmp_pat
         assert re.search(r"answers again after \d+\.\d s$", back), back
     finally:
         server.close()
+
+
+SIGNALLED_WORKER = """
+import json, sys
+from coda_worker import FakeEngine, ListPromptSource, RolloutWorker
+from coda_worker.worker import Prompt
+engine = FakeEngine(first_token_seconds=float(sys.argv[2]), mean_tokens=4, length_sigma=0)
+source = ListPromptSource([Prompt(f"p{i}", [1, 2, 3]) for i in range(1000)])
+stats = RolloutWorker(sys.argv[1], engine, source, max_groups=2, shutdown_grace=30).run()
+print(json.dumps({"groups_done": stats.groups_done, "refused": stats.trajectories_refused}))
+"""
+
+
+def _signalled_worker(address: str, request_seconds: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SIGNALLED_WORKER, address, str(request_seconds)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_blocking_worker_as_stop_does(server, signum):
+    """Ctrl-C, or a container's SIGTERM, ended RolloutWorker.run() at once with a traceback: its running groups
+    stayed held on the server (until the worker's liveness ran out) and what they had generated was lost. Now the
+    first signal stops it as stop() does: what runs is finished and submitted, and run() returns."""
+    with PacerClient(server.address) as pacer:
+        dispatched = pacer.state().dispatched
+        worker = _signalled_worker(server.address, 0.5)
+        try:
+            deadline = time.monotonic() + CONDITION_TIMEOUT
+            while pacer.state().running == 0:
+                assert time.monotonic() < deadline and worker.poll() is None, "the worker never dispatched"
+                time.sleep(0.02)
+            worker.send_signal(signum)
+            out, err = worker.communicate(timeout=CONDITION_TIMEOUT)
+        finally:
+            worker.kill()
+        assert worker.returncode == 0, err
+        stats = json.loads(out.splitlines()[-1])
+        assert stats["groups_done"] >= 1 and stats["refused"] == 0
+        assert f"{signal.Signals(signum).name}: stopping: nothing more is dispatched" in err
+        state = pacer.state()
+        assert state.running == 0 and state.dispatched - dispatched == stats["groups_done"]  # none left held
+
+
+def test_a_second_signal_ends_a_stopping_worker_at_once(server):
+    with PacerClient(server.address) as pacer:
+        worker = _signalled_worker(server.address, 600.0)  # requests that would outlast the 30 s grace
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(worker.stderr.readline, "")), daemon=True)
+        reader.start()
+        try:
+            deadline = time.monotonic() + CONDITION_TIMEOUT
+            while pacer.state().running == 0:
+                assert time.monotonic() < deadline and worker.poll() is None, "the worker never dispatched"
+                time.sleep(0.02)
+            worker.send_signal(signal.SIGTERM)
+            while not any("SIGTERM: stopping" in line for line in lines):  # the first was taken: a second is new
+                assert time.monotonic() < deadline and worker.poll() is None, f"no stopping line: {lines}"
+                time.sleep(0.02)
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(CONDITION_TIMEOUT)  # not the grace's 30 s, nor the requests' 600
+            reader.join(CONDITION_TIMEOUT)
+        finally:
+            worker.kill()
+        assert worker.returncode != 0 and any("KeyboardInterrupt" in line for line in lines)
 
 
 def test_blocking_rollout_worker_runs_a_blocking_engine_on_threads(server):
