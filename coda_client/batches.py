@@ -51,9 +51,10 @@ DEFAULT_RECONNECT_SECONDS = 120.0
 # Back-off between attempts while the server is away (an announced successor's STATE ends a wait at once).
 _AWAY_RETRY_INITIAL_SECONDS = 0.2
 _AWAY_RETRY_MAX_SECONDS = 2.0
-# A mini-batch waited for this long is logged with the server's state saying why (a Reset without its Resume, no
-# worker dispatching, workers slower than the trainer), and again every STALL_REPEAT_SECONDS while it stays away:
-# the server's own warning (server.collect_stall_warning_seconds) is in the server's log, not the trainer's.
+# A mini-batch the caller has waited for this long (in next(), not while training on the one before) is logged with
+# the server's state saying why (a Reset without its Resume, no worker dispatching, workers slower than the
+# trainer), and again every STALL_REPEAT_SECONDS while it stays away: the server's own warning
+# (server.collect_stall_warning_seconds) is in the server's log, not the trainer's.
 STALL_WARNING_SECONDS = 60.0
 STALL_REPEAT_SECONDS = 600.0
 # The longest close() waits for the iterator's own tasks to end once cut (they end at once).
@@ -533,26 +534,30 @@ def _reopened_watch(client: Any) -> Any:
 
 
 class _BatchWait:
-    """The wait for one mini-batch: says why it takes long, once it has taken STALL_WARNING_SECONDS and then every
-    STALL_REPEAT_SECONDS, and when the batch came after such a warning."""
+    """The wait for one mini-batch: says why it takes long, once the caller has waited for it STALL_WARNING_SECONDS
+    (not while it trains on the batch before and the next is fetched meanwhile) and then every STALL_REPEAT_SECONDS,
+    and when the batch came after such a warning."""
 
     def __init__(self, what: str, target: str) -> None:
-        self.what = what  # "a mini-batch of 8 groups", "rank 1's share of ..."
+        self.what = what  # "mini-batch of 8 groups", "share for rank 1 of 2 of a mini-batch of 8 groups"
         self.target = target
         self.began = time.monotonic()
-        self.next_report = self.began + STALL_WARNING_SECONDS
-        self.reported = False
+        self.next_report = 0.0
+        self.reported_at: float | None = None  # when the caller began waiting, once a warning said so
 
-    def due(self) -> bool:
-        """Whether to ask the server's state and report it now."""
-        return time.monotonic() >= self.next_report
+    def due(self, asked_at: float | None) -> bool:
+        """Whether to ask the server's state and report it now; `asked_at`: when the caller asked for the batch
+        (None: it has not yet)."""
+        now = time.monotonic()
+        return (asked_at is not None and now - max(self.began, asked_at) >= STALL_WARNING_SECONDS
+                and now >= self.next_report)
 
-    def report(self, state: PacerState | Exception) -> None:
-        waited = time.monotonic() - self.began
+    def report(self, state: PacerState | Exception, asked_at: float) -> None:
+        since = max(self.began, asked_at)
         self.next_report = time.monotonic() + STALL_REPEAT_SECONDS
-        self.reported = True
-        log.warning("batches: no %s for %.0f s from the pacer at %s: %s", self.what, waited, self.target,
-                    self.why(state))
+        self.reported_at = since
+        log.warning("batches: no %s for %.0f s from the pacer at %s: %s", self.what, time.monotonic() - since,
+                    self.target, self.why(state))
 
     @staticmethod
     def why(state: PacerState | Exception) -> str:
@@ -570,8 +575,8 @@ class _BatchWait:
                 "submitting (coda-client workers lists what each holds)")
 
     def done(self) -> None:
-        if self.reported:
-            log.info("batches: the %s came after %.0f s", self.what, time.monotonic() - self.began)
+        if self.reported_at is not None:
+            log.info("batches: the %s came after %.0f s", self.what, time.monotonic() - self.reported_at)
 
 
 class _IteratorBase:
@@ -603,6 +608,7 @@ class _IteratorBase:
         self.reconnect = float(reconnect)  # seconds calls wait for an away server to answer again
         # The control stream's outages, logged once each (a dead server would otherwise log a line every two
         # seconds until `reconnect` runs out).
+        self._asked_at: float | None = None  # when the caller asked for the batch it waits for now (None: it does not)
         self._outage = OutageLog(
             log, began=f"batches: the control stream of the pacer at {client.target} ended ({{reason}}); "
                        f"reconnecting, and calls wait up to reconnect={self.reconnect:g} s for a server to answer",
@@ -844,11 +850,11 @@ class BatchIterator(_IteratorBase):
                 results.append(result)
             elif job_ended and not results:
                 raise _Stopped  # the job ended and a whole poll brought nothing: no batch will come
-            if wait.due():
+            if wait.due(asked_at := self._asked_at):
                 try:
-                    wait.report(self._call(_calls.get_state(timeout=self._client.timeout)))
+                    wait.report(self._call(_calls.get_state(timeout=self._client.timeout)), asked_at)
                 except PacerClientError as exc:
-                    wait.report(exc)
+                    wait.report(exc, asked_at)
         wait.done()
         return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
 
@@ -867,7 +873,11 @@ class BatchIterator(_IteratorBase):
             if self._pending is None or self._closed:
                 raise _Stopped
             pending, self._pending = self._pending, None
-            batch = pending.result()
+            self._asked_at = time.monotonic()
+            try:
+                batch = pending.result()
+            finally:
+                self._asked_at = None
         except _Stopped:
             self.close()
             try:
@@ -1084,11 +1094,11 @@ class AsyncBatchIterator(_IteratorBase):
                 results.append(result)
             elif job_ended and not results:
                 raise _Stopped  # as in BatchIterator._prefetch
-            if wait.due():
+            if wait.due(asked_at := self._asked_at):
                 try:
-                    wait.report(await self._call(_calls.get_state(timeout=self._client.timeout)))
+                    wait.report(await self._call(_calls.get_state(timeout=self._client.timeout)), asked_at)
                 except PacerClientError as exc:
-                    wait.report(exc)
+                    wait.report(exc, asked_at)
         wait.done()
         return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
 
@@ -1106,7 +1116,11 @@ class AsyncBatchIterator(_IteratorBase):
             if self._pending is None or self._closed:
                 raise _Stopped
             pending, self._pending = self._pending, None
-            batch = await pending
+            self._asked_at = time.monotonic()
+            try:
+                batch = await pending
+            finally:
+                self._asked_at = None
         except _Stopped:
             await self.close()
             try:

@@ -410,19 +410,28 @@ def _until_logged(caplog, level: int, text: str, timeout: float = 30.0) -> str:
 def test_a_mini_batch_that_does_not_come_is_said_in_the_trainers_log_with_why(tmp_path, caplog, monkeypatch) -> None:
     """The natural mistake, a Reset without its Resume before the next batch, left the trainer waiting with nothing in
     its log (the server's collect-stall warning never fires for batches(), whose Collects each wait only `poll`).
-    Now the iterator reads the server's state once the batch is STALL_WARNING_SECONDS late and says why."""
+    Now the iterator reads the server's state once the caller has waited STALL_WARNING_SECONDS and says why."""
     monkeypatch.setattr(batches_module, "STALL_WARNING_SECONDS", 0.3)
     monkeypatch.setattr(batches_module, "STALL_REPEAT_SECONDS", 3600.0)
     caplog.set_level(logging.INFO, logger="coda_client.batches")
     with _server(tmp_path) as server, PacerClient(server.address) as pacer:
         pacer.reset("abort")  # and no Resume
         with pacer.batches(2 * N, poll=0.2) as batches:
+            # Fetched ahead while the caller does not ask (it trains on the batch before): nothing to say yet.
+            created = time.monotonic()
+            while time.monotonic() - created < 4 * batches_module.STALL_WARNING_SECONDS:
+                time.sleep(0.05)
+            assert _stall_lines(caplog, logging.WARNING) == []
+            asked: dict = {}
+            caller = threading.Thread(target=lambda: asked.update(batch=next(batches)), daemon=True)
+            caller.start()
             paused = _until_logged(caplog, logging.WARNING, "dispatch is paused")
             assert f"no mini-batch of 2 groups for 0 s from the pacer at {server.address}" in paused
             assert "a Reset without its Resume" in paused
             pacer.resume(1)
             _fill(pacer, ["r0", "r1"])
-            assert [g.prompt_id for g in next(batches).groups] == ["r0", "r1"]
+            caller.join(30)
+            assert [g.prompt_id for g in asked["batch"].groups] == ["r0", "r1"]
             assert _until_logged(caplog, logging.INFO, "the mini-batch of 2 groups came after")
 
         loop_errors: list[dict] = []
