@@ -439,8 +439,8 @@ class AsyncRolloutWorker:
     retried before the trajectory is submitted as FAILED. generate_timeout: the longest one generate call may take
     (3600 s, the shipped adapters' HTTP timeout; None: no bound of the worker's own): past it the request is aborted
     on the engine and fails as any engine error does (retried, then FAILED), so an engine that stops answering
-    cannot hold its group, and the trainer's mini-batch, for ever. engine_wait: how long the worker waits for an engine it
-    cannot connect to (EngineUnreachableError), at start and whenever a request finds it gone, dispatching nothing
+    cannot hold its group, and the trainer's mini-batch, for ever. engine_wait: how long the worker waits for an
+    engine it cannot connect to (EngineUnreachableError), at start and whenever a request finds it gone, dispatching nothing
     meanwhile (its running groups keep their leases and their requests are sent again once it answers); after
     that run() stops and raises EngineUnreachableError. shutdown_grace: seconds calls keep being retried
     after `stop()` while the server is unreachable (then what is left is dropped, and run() returns), and the
