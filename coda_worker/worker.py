@@ -1578,8 +1578,8 @@ class RolloutWorker:
 
     def run(self) -> WorkerStats:
         """Runs the loop in this thread until done; returns what it did. On the main thread, SIGINT (Ctrl-C) and
-        SIGTERM (a container's stop) stop it as stop() does, and run() returns once what runs is submitted; the
-        same signal again ends it at once with KeyboardInterrupt."""
+        SIGTERM (a container's stop) stop it as stop() does, and run() returns once what runs is submitted; a
+        second signal ends it at once with KeyboardInterrupt."""
         return asyncio.run(self._main(signals=threading.current_thread() is threading.main_thread()))
 
     def _stop_on_signals(self) -> list[int]:
@@ -1599,9 +1599,9 @@ class RolloutWorker:
         if self._stop_requested or worker is None:
             raise KeyboardInterrupt  # the second: at once
         logger.warning("%s: %s: stopping: nothing more is dispatched; the %d groups running here are finished and "
-                       "submitted, for at most shutdown_grace %g s (%s again: stop at once)", worker.worker_id,
+                       "submitted, for at most shutdown_grace %g s (a second signal: stop at once)", worker.worker_id,
                        signal.Signals(signum).name, len(worker._groups), worker.shutdown_grace,
-                       signal.Signals(signum).name, extra=_fields(worker=worker.worker_id))
+                       extra=_fields(worker=worker.worker_id))
         self.stop()
 
     def start(self) -> RolloutWorker:
