@@ -606,9 +606,9 @@ class _IteratorBase:
         self.delivered = 0  # batches handed to the caller
         self.acknowledged = 0  # batches acknowledged
         self.reconnect = float(reconnect)  # seconds calls wait for an away server to answer again
+        self._asked_at: float | None = None  # when the caller asked for the batch it waits for now (None: it does not)
         # The control stream's outages, logged once each (a dead server would otherwise log a line every two
         # seconds until `reconnect` runs out).
-        self._asked_at: float | None = None  # when the caller asked for the batch it waits for now (None: it does not)
         self._outage = OutageLog(
             log, began=f"batches: the control stream of the pacer at {client.target} ended ({{reason}}); "
                        f"reconnecting, and calls wait up to reconnect={self.reconnect:g} s for a server to answer",
