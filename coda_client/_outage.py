@@ -28,11 +28,6 @@ class OutageLog:
         self.extra = dict(extra or {})
         self.since: float | None = None  # monotonic time the outage began; None while the server answers
 
-    @property
-    def away(self) -> bool:
-        """Whether an outage is on (a failure, and no answer since)."""
-        return self.since is not None
-
     def failed(self, reason: object) -> None:
         """A call (or the control stream) failed because the server is away."""
         if self.since is None:
