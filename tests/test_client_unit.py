@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -766,3 +767,23 @@ def test_a_scalar_field_protobuf_refuses_is_named_with_what_it_takes(field: str,
     with pytest.raises(error, match=rf"^Trajectory\.{field} = {re.escape(repr(value))} \({type(value).__name__}\) "
                                     rf"is not allowed: it takes {takes}"):
         coda_client.Trajectory(**fields).encoded_parts()
+
+
+def test_an_outage_is_one_warning_debug_lines_between_and_one_info_line_at_its_end(caplog):
+    """A worker id or an address may hold braces or percent signs: the texts are put in by replacement."""
+    from coda_client._outage import OutageLog
+
+    logger = logging.getLogger("coda_client.outage_test")
+    caplog.set_level(logging.DEBUG, logger=logger.name)
+    outage = OutageLog(logger, began="w{0}%s: away: {reason}", attempt="w{0}%s: still: {reason}",
+                       back="w{0}%s: back after {seconds} s", extra={"fields": {"worker": "w{0}%s"}})
+    outage.answered()  # no outage: nothing to say
+    outage.failed("refused")
+    outage.failed("refused again")
+    outage.answered()
+    outage.answered()
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "w{0}%s: away: refused"), (logging.DEBUG, "w{0}%s: still: refused again"),
+        (logging.INFO, caplog.records[-1].getMessage())]
+    assert re.fullmatch(r"w\{0\}%s: back after \d+\.\d s", caplog.records[-1].getMessage())
+    assert caplog.records[0].fields == {"worker": "w{0}%s"}
