@@ -76,8 +76,25 @@ def call_timeout(timeout: float, wait: float = 0.0) -> float:
     return max(timeout, wait + WAIT_MARGIN_SECONDS) if wait > 0 else timeout
 
 
-def service_config(wait_for_ready: bool = False) -> dict[str, Any]:
-    """The channel's service config (gRPC A6/A2): wait-for-ready and UNAVAILABLE retries, per method.
+# UNAVAILABLE retries (gRPC A6): at most this many attempts, the pauses between them drawn at random below a
+# back-off that starts at 0.1 s and doubles up to 2 s.
+RETRY_MAX_ATTEMPTS = 5
+_RETRY_BACKOFF_SECONDS = (0.1, 2.0)
+
+
+def retry_attempts(timeout: float | None) -> int:
+    """Attempts of a call that finds no server: RETRY_MAX_ATTEMPTS, or fewer so that the longest pauses between them
+    take at most half the client's timeout. A call where nothing listens then ends UNAVAILABLE, naming the refusal,
+    before its deadline: with all five (up to 1.5 s of pauses) a client with timeout=1 got DEADLINE_EXCEEDED."""
+    attempts, paused, backoff = 1, 0.0, _RETRY_BACKOFF_SECONDS[0]
+    while attempts < RETRY_MAX_ATTEMPTS and (timeout is None or paused + backoff <= timeout / 2):
+        attempts, paused, backoff = attempts + 1, paused + backoff, min(backoff * 2, _RETRY_BACKOFF_SECONDS[1])
+    return attempts
+
+
+def service_config(wait_for_ready: bool = False, timeout: float | None = None) -> dict[str, Any]:
+    """The channel's service config (gRPC A6/A2): wait-for-ready and UNAVAILABLE retries, per method; as many
+    attempts as fit the client's `timeout` (retry_attempts).
 
     No method timeout: every call carries its own deadline (the client's timeout, stretched for a long-poll by
     call_timeout), and gRPC Python ends a call at once when a method config's timeout is under about two seconds
@@ -85,10 +102,11 @@ def service_config(wait_for_ready: bool = False) -> dict[str, Any]:
     # Only UNAVAILABLE is retried: it means the call never reached a working server (or the server was
     # draining and refused it). Mutating calls carry a request_id the server de-duplicates, so even a
     # retry of a call that did land is applied once.
+    attempts = retry_attempts(timeout)
     retry_policy = {
-        "maxAttempts": 5,
-        "initialBackoff": "0.1s",
-        "maxBackoff": "2s",
+        "maxAttempts": attempts,
+        "initialBackoff": f"{_RETRY_BACKOFF_SECONDS[0]:g}s",
+        "maxBackoff": f"{_RETRY_BACKOFF_SECONDS[1]:g}s",
         "backoffMultiplier": 2,
         "retryableStatusCodes": ["UNAVAILABLE"],
     }
@@ -100,12 +118,12 @@ def service_config(wait_for_ready: bool = False) -> dict[str, Any]:
         config: dict[str, Any] = {
             "name": [{"service": SERVICE, "method": m} for m in names],
             # Off (the default): a call to an address where nothing listens fails after the retries
-            # (about 1.5 s) with UNAVAILABLE naming the target and the OS error, instead of waiting out its
-            # deadline. On (wait_for_ready=True, as the worker kit sets it): calls queue while the server
+            # (at most 1.5 s, and half the timeout) with UNAVAILABLE naming the target and the OS error, instead
+            # of waiting out its deadline. On (wait_for_ready=True, as the worker kit sets it): calls queue while the server
             # (re)starts; the deadline still bounds the wait.
             "waitForReady": wait_for_ready,
         }
-        if retried:
+        if retried and attempts > 1:  # gRPC takes a retry policy of two attempts or more
             config["retryPolicy"] = retry_policy
         configs.append(config)
     return {
@@ -125,8 +143,10 @@ def channel_options(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     options: ChannelOptions = None,
     wait_for_ready: bool = False,
+    timeout: float | None = None,
 ) -> list[tuple[str, Any]]:
-    """gRPC channel arguments; entries in `options` override the defaults key by key."""
+    """gRPC channel arguments; entries in `options` override the defaults key by key. `timeout`: the client's
+    call timeout, which bounds the retries (retry_attempts)."""
     merged: dict[str, Any] = {
         # A Submit of a few long trajectories easily exceeds gRPC's 4 MiB default.
         "grpc.max_send_message_length": max_message_bytes,
@@ -135,7 +155,7 @@ def channel_options(
         # A request larger than the retry buffer (256 KiB by default) is silently not retried; size it
         # so a large Submit is retried like any other call.
         "grpc.per_rpc_retry_buffer_size": max_message_bytes,
-        "grpc.service_config": json.dumps(service_config(wait_for_ready), sort_keys=True),
+        "grpc.service_config": json.dumps(service_config(wait_for_ready, timeout), sort_keys=True),
         # Keepalive pings detect a dead server (or a silently dropped connection) during a long watch or
         # long-poll. A gRPC server answers pings more frequent than its
         # grpc.http2.min_ping_interval_without_data_ms (5 min by default) with GOAWAY "too_many_pings";

@@ -221,6 +221,7 @@ class _ClientBase:
         self._options = channel_options(
             max_message_bytes=self.max_message_bytes,
             options={**proxy_options(self.target), **dict(tls_options), **user_options}, wait_for_ready=wait_for_ready,
+            timeout=self.timeout,
         )
         # What an UNAVAILABLE error names: the target, and the HTTP proxy from the environment it went through.
         self._reach = unreachable_target(self.target, dict(self._options))

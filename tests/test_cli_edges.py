@@ -15,10 +15,11 @@ import pytest
 
 from coda_client import AsyncPacerClient, PacerClient, Trajectory, TrajectoryStatus
 from coda_client import cli as client_cli
-from coda_client.errors import BadRequestError, MessageTooLargeError
+from coda_client.errors import BadRequestError, MessageTooLargeError, UnavailableError
 from coda_worker import AsyncRolloutWorker, FakeEngine, ListPromptSource, Prompt
 from conftest import core_overrides
 from server_harness import ServerProcess
+from test_durability_crash import free_port
 
 
 @pytest.fixture
@@ -200,6 +201,27 @@ def test_a_client_with_a_timeout_under_two_seconds_gets_answers(server, timeout)
             return (await pacer.state()).running
 
     assert asyncio.run(asynchronous()) == 1
+
+
+@pytest.mark.parametrize("timeout", [0.3, 0.5, 1.0])
+def test_a_short_timeout_where_nothing_listens_says_the_server_is_unreachable(timeout, capsys):
+    """`coda-client --timeout 1 state` on a wrong port said DEADLINE_EXCEEDED "no answer in time": the UNAVAILABLE
+    retries (up to 1.5 s of pauses) outlasted the deadline, and the refusal they met was lost. The retries now fit
+    in half the client's timeout."""
+    port = free_port()  # nothing listens there
+    for _ in range(3):  # the pauses between retries are random: a few fresh clients each
+        with PacerClient(f"127.0.0.1:{port}", timeout=timeout) as pacer:
+            with pytest.raises(UnavailableError, match="Connection refused"):
+                pacer.state()
+
+        async def asynchronous() -> None:
+            async with AsyncPacerClient(f"127.0.0.1:{port}", timeout=timeout) as pacer:
+                await pacer.state()
+
+        with pytest.raises(UnavailableError, match="Connection refused"):
+            asyncio.run(asynchronous())
+    assert client_cli.main(["--target", f"127.0.0.1:{port}", "--timeout", str(timeout), "state"]) == 1
+    assert f"UNAVAILABLE: cannot reach the pacer at 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arguments, message", [

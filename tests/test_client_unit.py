@@ -421,6 +421,18 @@ def test_a_client_tries_a_server_that_is_away_again_well_within_the_worker_liven
     assert options["grpc.initial_reconnect_backoff_ms"] <= options["grpc.max_reconnect_backoff_ms"]
 
 
+@pytest.mark.parametrize("timeout, attempts", [(None, 5), (30.0, 5), (3.0, 5), (1.0, 3), (0.3, 2), (0.1, 1)])
+def test_the_retries_of_an_unreachable_server_fit_in_half_the_clients_timeout(timeout, attempts) -> None:
+    assert _channel.retry_attempts(timeout) == attempts
+    longest_pauses = sum(min(0.1 * 2 ** i, 2.0) for i in range(attempts - 1))
+    assert timeout is None or longest_pauses <= timeout / 2
+    client = coda_client.PacerClient("127.0.0.1:50051", **({} if timeout is None else {"timeout": timeout}))
+    policies = [entry.get("retryPolicy") for entry in _service_config(client._options)["methodConfig"]]
+    client.close()
+    # One attempt is no retry policy at all (gRPC refuses maxAttempts 1).
+    assert {p["maxAttempts"] if p else 1 for p in policies} == {attempts}
+
+
 def test_call_timeout_stretches_for_long_polls() -> None:
     assert _channel.call_timeout(30.0, 0.0) == 30.0
     assert _channel.call_timeout(30.0, 10.0) == 30.0
