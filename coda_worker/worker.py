@@ -547,6 +547,10 @@ class AsyncRolloutWorker:
         self._restores = 0  # Restores the server had made when this worker last heard (ControlEvent.restores)
         self._resync = False  # a Restore happened: the dispatch loop drops its pending prompts, re-reads the cursor
         self._stopping = False
+        # Pacer calls waiting for an answer (what each is), and those stop()'s grace cut short: a call waiting for a
+        # server that is not there would otherwise hold stop() for the client's whole timeout.
+        self._calls_in_flight: dict[asyncio.Future[Any], str] = {}
+        self._cut_calls: set[asyncio.Future[Any]] = set()
         self._stream_up = False  # the control stream's first event (STATE) arrived
         self._staying_logged = False  # said that its prompts are done and it stays for continuations
         self._job_ended = False  # the trainer ended the job (JOB_ENDED): submit what is held, then return
@@ -583,7 +587,17 @@ class AsyncRolloutWorker:
         if not self._stopping:
             self._stopping = True
             self._give_up_at = time.monotonic() + self.shutdown_grace
+            # Calls waiting now end within the grace too, as the ones made from now on do (a call answered meanwhile,
+            # e.g. a Dispatch that admitted groups, is not cut).
+            loop = asyncio.get_running_loop()
+            for call in list(self._calls_in_flight):
+                loop.call_later(self.shutdown_grace, self._cut_call, call)
         self._poke()
+
+    def _cut_call(self, call: asyncio.Future[Any]) -> None:
+        if not call.done():
+            self._cut_calls.add(call)
+            call.cancel()
 
     def _poke(self) -> None:
         if self._changed is not None:
@@ -1490,17 +1504,19 @@ class AsyncRolloutWorker:
         for `shutdown_grace` seconds; then the call's error is an UnavailableError."""
         delay = RETRY_INITIAL_SECONDS
         while True:
+            attempt = asyncio.ensure_future(call())
+            self._calls_in_flight[attempt] = what
             try:
                 if self._give_up_at is None:
-                    answer = await call()
+                    answer = await attempt
                 else:  # after stop() a call may wait for a server that is not coming back: bound it by the grace
-                    answer = await asyncio.wait_for(call(), max(0.0, self._give_up_at - time.monotonic()))
-                self._outage.answered()
-                return answer
+                    answer = await asyncio.wait_for(attempt, max(0.0, self._give_up_at - time.monotonic()))
             except asyncio.TimeoutError:
-                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered within the "
-                                       f"{self.shutdown_grace:g} s shutdown grace after stop(); the server is "
-                                       f"unreachable") from None
+                raise self._ended_by_stop(what) from None
+            except asyncio.CancelledError:
+                if attempt not in self._cut_calls:
+                    raise  # the worker's own task was cancelled
+                raise self._ended_by_stop(what) from None
             except (UnavailableError, DeadlineExceededError) as exc:
                 if ((what != "Submit" and self._stopping)
                         or (self._give_up_at is not None and time.monotonic() > self._give_up_at)):
@@ -1512,6 +1528,17 @@ class AsyncRolloutWorker:
                 self._outage.failed(f"{what} not answered ({exc}); retrying in {delay:.1f} s")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
+                continue
+            finally:
+                self._calls_in_flight.pop(attempt, None)
+                self._cut_calls.discard(attempt)
+            self._outage.answered()
+            return answer
+
+    def _ended_by_stop(self, what: str) -> UnavailableError:
+        """The error of a call still unanswered when the shutdown grace after stop() ran out."""
+        return UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered within the {self.shutdown_grace:g} s "
+                                "shutdown grace after stop(); the server is unreachable")
 
 
 class RolloutWorker:

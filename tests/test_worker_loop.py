@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from coda_client import AsyncPacerClient, PacerClient, TrajectoryStatus
+from coda_client.errors import UnavailableError
 from coda_worker.engines import FinishReason, Generation, GenerationRequest, SamplingParams
 from coda_worker import worker as worker_module
 from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt, RolloutWorker, trajectory_id_of
@@ -344,6 +345,52 @@ def test_a_worker_rides_through_a_server_down_for_longer_than_its_call_timeout(t
         stats, state = asyncio.run(go())
         assert stats.trajectories_refused == 0, stats  # nothing dropped for the outage
         assert stats.groups_done >= 4 and state.collected >= 4
+    finally:
+        server.close()
+
+
+def test_stop_ends_a_call_that_waits_for_a_server_that_is_not_there():
+    """A worker on a client that waits for ready (as RolloutWorker's does), started where nothing listens: stop()
+    waited for the call in progress to reach its deadline (the client's timeout), beyond shutdown_grace."""
+    async def go():
+        async with AsyncPacerClient(f"127.0.0.1:{free_port()}", timeout=60.0, wait_for_ready=True) as pacer:
+            worker = make_worker(pacer, HeldEngine(), prompts(2), shutdown_grace=0.5)
+            task = asyncio.create_task(worker.run())
+            await until(lambda: "GetState" in worker._calls_in_flight.values(), "the first call waiting")
+            worker.stop()
+            done, _ = await asyncio.wait({task}, timeout=CONDITION_TIMEOUT)  # not the call's 60 s
+            assert done, "run() still waits for the call after stop()"
+            return task.exception()
+
+    error = asyncio.run(go())
+    assert isinstance(error, UnavailableError)
+    assert "GetState not answered within the 0.5 s shutdown grace after stop()" in str(error)
+
+
+def test_stop_ends_a_submit_waiting_for_a_dead_server_when_the_grace_runs_out(tmp_path, caplog):
+    """kill -9, then stop(): a Submit waiting for a server (wait_for_ready) ended at its deadline (60 s here), not
+    at shutdown_grace; what it carried is refused (counted and logged), and run() returns."""
+    overrides = [*core_overrides("no-window", B=2, stale=1.0, N=2, M=4), f"server.state_dir={tmp_path / 'state'}"]
+    server = ServerProcess(tmp_path, *overrides).start()
+    try:
+        async def go():
+            async with AsyncPacerClient(server.address, timeout=60.0, wait_for_ready=True) as pacer:
+                engine = HeldEngine()
+                worker = make_worker(pacer, engine, prompts(6), shutdown_grace=1.0)
+                task = asyncio.create_task(worker.run())
+                await until(lambda: len(engine.held) == 4, "4 requests held in the engine (2 groups x 2)")
+                server.process.kill()
+                server.process.wait(CONDITION_TIMEOUT)
+                engine.auto_release = True
+                engine.release_all()
+                await until(lambda: "Submit" in worker._calls_in_flight.values(), "a Submit waiting for a server")
+                worker.stop()
+                return await asyncio.wait_for(task, CONDITION_TIMEOUT)  # the grace, not the Submit's 60 s
+
+        with caplog.at_level(logging.WARNING, logger="coda_worker"):
+            stats = asyncio.run(go())
+        assert stats.trajectories_refused == 4 and stats.trajectories_submitted == 0
+        assert any("not answered within the 1 s shutdown grace after stop()" in r.getMessage() for r in caplog.records)
     finally:
         server.close()
 
