@@ -142,6 +142,8 @@ def test_a_reset_while_the_engine_is_away_gets_the_held_groups_as_aborted_at_onc
             run = asyncio.create_task(worker.run())
             await until(lambda: engine.health_checks_while_down >= 2, "the engine down for two health checks")
             reset = await pacer.reset("abort", wait=20)  # waits for the workers' ABORTED trajectories
+            # The Submit's answer reaches the worker about when the Reset's reaches this caller, either first.
+            await until(lambda: worker.stats.trajectories_aborted >= 4, "the ABORTED trajectories acknowledged")
             aborted = worker.stats.trajectories_aborted
             worker.stop()
             await asyncio.wait_for(run, 30)
