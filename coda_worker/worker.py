@@ -547,10 +547,11 @@ class AsyncRolloutWorker:
         self._restores = 0  # Restores the server had made when this worker last heard (ControlEvent.restores)
         self._resync = False  # a Restore happened: the dispatch loop drops its pending prompts, re-reads the cursor
         self._stopping = False
-        # Pacer calls waiting for an answer (what each is), and those stop()'s grace cut short: a call waiting for a
-        # server that is not there would otherwise hold stop() for the client's whole timeout.
+        # Pacer calls waiting for an answer (what each is), and the future set when stop()'s grace runs out, which
+        # ends them: a call waiting for a server that is not there would otherwise hold stop() for the client's whole
+        # timeout.
         self._calls_in_flight: dict[asyncio.Future[Any], str] = {}
-        self._cut_calls: set[asyncio.Future[Any]] = set()
+        self._grace_over: asyncio.Future[None] | None = None
         self._stream_up = False  # the control stream's first event (STATE) arrived
         self._staying_logged = False  # said that its prompts are done and it stays for continuations
         self._job_ended = False  # the trainer ended the job (JOB_ENDED): submit what is held, then return
@@ -589,15 +590,12 @@ class AsyncRolloutWorker:
             self._give_up_at = time.monotonic() + self.shutdown_grace
             # Calls waiting now end within the grace too, as the ones made from now on do (a call answered meanwhile,
             # e.g. a Dispatch that admitted groups, is not cut).
-            loop = asyncio.get_running_loop()
-            for call in list(self._calls_in_flight):
-                loop.call_later(self.shutdown_grace, self._cut_call, call)
+            asyncio.get_running_loop().call_later(self.shutdown_grace, self._grace_ran_out)
         self._poke()
 
-    def _cut_call(self, call: asyncio.Future[Any]) -> None:
-        if not call.done():
-            self._cut_calls.add(call)
-            call.cancel()
+    def _grace_ran_out(self) -> None:
+        if self._grace_over is not None and not self._grace_over.done():
+            self._grace_over.set_result(None)
 
     def _poke(self) -> None:
         if self._changed is not None:
@@ -610,6 +608,7 @@ class AsyncRolloutWorker:
         or the end of the job (JOB_ENDED: what it holds is aborted or finished as the trainer asked, and submitted);
         returns what it did."""
         self._loop = asyncio.get_running_loop()
+        self._grace_over = self._loop.create_future()
         self._changed = asyncio.Event()
         self._submit_wakeup = asyncio.Event()
         self._engine_back = asyncio.Event()
@@ -1263,6 +1262,8 @@ class AsyncRolloutWorker:
                        group.prompt.prompt_id, exc,
                        extra=_fields(worker=self.worker_id, prompt_id=group.prompt.prompt_id, reason=exc.reason))
         for group, _traj in batch:
+            if self._groups.get((group.prompt.prompt_id, group.seq)) is not group:
+                continue  # settled already, and counted: given up when the shutdown grace ran out
             self.stats.trajectories_refused += 1
             if not group.abort_requested:  # nothing more of this group will be taken: stop its other requests
                 self._request_abort([group], reason="the server refused its trajectories")
@@ -1507,16 +1508,16 @@ class AsyncRolloutWorker:
             attempt = asyncio.ensure_future(call())
             self._calls_in_flight[attempt] = what
             try:
-                if self._give_up_at is None:
-                    answer = await attempt
-                else:  # after stop() a call may wait for a server that is not coming back: bound it by the grace
-                    answer = await asyncio.wait_for(attempt, max(0.0, self._give_up_at - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise self._ended_by_stop(what) from None
+                # After stop() a call may wait for a server that is not coming back: the grace bounds it.
+                await asyncio.wait([attempt] if self._grace_over is None else [attempt, self._grace_over],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not attempt.done():
+                    attempt.cancel()
+                    raise self._ended_by_stop(what)
+                answer = attempt.result()
             except asyncio.CancelledError:
-                if attempt not in self._cut_calls:
-                    raise  # the worker's own task was cancelled
-                raise self._ended_by_stop(what) from None
+                attempt.cancel()  # the worker's own task was cancelled: so is its call
+                raise
             except (UnavailableError, DeadlineExceededError) as exc:
                 if ((what != "Submit" and self._stopping)
                         or (self._give_up_at is not None and time.monotonic() > self._give_up_at)):
@@ -1531,7 +1532,6 @@ class AsyncRolloutWorker:
                 continue
             finally:
                 self._calls_in_flight.pop(attempt, None)
-                self._cut_calls.discard(attempt)
             self._outage.answered()
             return answer
 
