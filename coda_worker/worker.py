@@ -1519,8 +1519,8 @@ class AsyncRolloutWorker:
                 attempt.cancel()  # the worker's own task was cancelled: so is its call
                 raise
             except (UnavailableError, DeadlineExceededError) as exc:
-                if ((what != "Submit" and self._stopping)
-                        or (self._give_up_at is not None and time.monotonic() > self._give_up_at)):
+                grace_over = self._grace_over is not None and self._grace_over.done()
+                if (what != "Submit" and self._stopping) or grace_over:
                     if isinstance(exc, UnavailableError):
                         raise
                     raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered: {exc}") from exc
