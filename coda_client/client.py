@@ -622,6 +622,18 @@ class AsyncPacerClient(_ClientBase):
             raise translate(exc, self._reach, self.wait_for_ready) from exc
         return call.convert(response)
 
+    async def connection_state(self, after: grpc.ChannelConnectivity | None = None) -> grpc.ChannelConnectivity:
+        """The channel's connectivity: at once when `after` is None (and the channel starts connecting), else once it
+        has changed from `after`. TRANSIENT_FAILURE: connection attempts fail (nothing listens at the address, or it
+        cannot be reached), which a client that waits for ready (`wait_for_ready=True`) does not say until a call's
+        deadline; SHUTDOWN: the client was closed. The worker kit watches it to say at once that its server is
+        away."""
+        self._stub_for_process()  # the channel, made if it is not yet
+        channel = self._channel
+        if after is not None:
+            await channel.wait_for_state_change(after)
+        return channel.get_state(try_to_connect=True)
+
     async def dispatch(
         self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
         max_continuations: int | None = None, loaded_weight_version: int | None = None,

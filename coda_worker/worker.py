@@ -517,7 +517,6 @@ class AsyncRolloutWorker:
         self.on_submitted = on_submitted
         self.reward_failure_limit = reward_failure_limit
         self.engine_failure_limit = engine_failure_limit
-        self._give_up_at: float | None = None  # set at stop(): retries of an unreachable server end then
         # The server's outages, logged once each (its calls, its control stream and its keep-alives all fail while
         # it is away, each retried every few seconds).
         self._outage = OutageLog(
@@ -547,10 +546,12 @@ class AsyncRolloutWorker:
         self._restores = 0  # Restores the server had made when this worker last heard (ControlEvent.restores)
         self._resync = False  # a Restore happened: the dispatch loop drops its pending prompts, re-reads the cursor
         self._stopping = False
-        # Pacer calls waiting for an answer (what each is), and the future set when stop()'s grace runs out, which
-        # ends them: a call waiting for a server that is not there would otherwise hold stop() for the client's whole
-        # timeout.
+        # Pacer calls waiting for an answer (what each is); the future set at stop(), which ends the calls that only
+        # read; and the one set when stop()'s grace runs out, which ends the others, gives up the groups still held
+        # and ends back-pressure waits: a call waiting for a server that is not there would otherwise hold stop() for
+        # the client's whole timeout.
         self._calls_in_flight: dict[asyncio.Future[Any], str] = {}
+        self._stop_asked: asyncio.Future[None] | None = None
         self._grace_over: asyncio.Future[None] | None = None
         self._stream_up = False  # the control stream's first event (STATE) arrived
         self._staying_logged = False  # said that its prompts are done and it stays for continuations
@@ -587,15 +588,16 @@ class AsyncRolloutWorker:
     def _request_stop(self) -> None:
         if not self._stopping:
             self._stopping = True
-            self._give_up_at = time.monotonic() + self.shutdown_grace
-            # Calls waiting now end within the grace too, as the ones made from now on do (a call answered meanwhile,
-            # e.g. a Dispatch that admitted groups, is not cut).
-            asyncio.get_running_loop().call_later(self.shutdown_grace, self._grace_ran_out)
+            self._begin_grace()
         self._poke()
 
-    def _grace_ran_out(self) -> None:
-        if self._grace_over is not None and not self._grace_over.done():
-            self._grace_over.set_result(None)
+    def _begin_grace(self) -> None:
+        """stop() on the loop (or run() after an early stop()): calls that only read end now; the others, waiting now
+        or made from now on, end when the grace runs out (one answered meanwhile, e.g. a Dispatch that admitted
+        groups, is not cut)."""
+        assert self._stop_asked is not None and self._grace_over is not None
+        _settle(self._stop_asked)
+        asyncio.get_running_loop().call_later(self.shutdown_grace, _settle, self._grace_over)
 
     def _poke(self) -> None:
         if self._changed is not None:
@@ -608,12 +610,23 @@ class AsyncRolloutWorker:
         or the end of the job (JOB_ENDED: what it holds is aborted or finished as the trainer asked, and submitted);
         returns what it did."""
         self._loop = asyncio.get_running_loop()
-        self._grace_over = self._loop.create_future()
+        self._stop_asked, self._grace_over = self._loop.create_future(), self._loop.create_future()
+        if self._stopping:  # stop() came before run()
+            self._begin_grace()
         self._changed = asyncio.Event()
         self._submit_wakeup = asyncio.Event()
         self._engine_back = asyncio.Event()
         self._engine_back.set()
-        state = await self._retrying("GetState", self.pacer.state)
+        connection = asyncio.create_task(self._watch_connection(), name=f"{self.worker_id}-connection")
+        try:
+            return await self._run()
+        finally:
+            connection.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await connection
+
+    async def _run(self) -> WorkerStats:
+        state = await self._retrying("GetState", self.pacer.state, reads_only=True)
         await self._engine_ready_at_start()
         self._group_sizes = list(state.group_sizes) or [1]
         self.weight_version, self.generation, self._paused = state.weight_version, state.generation, state.paused
@@ -667,7 +680,7 @@ class AsyncRolloutWorker:
         if resume_from is None:
             return
         try:
-            cursor = await self._retrying("GetPromptCursor", self.pacer.prompt_cursor)
+            cursor = await self._retrying("GetPromptCursor", self.pacer.prompt_cursor, reads_only=True)
         except PacerClientError as exc:
             logger.warning("%s: the prompt cursor could not be read (%s); the source goes on where it is",
                            self.worker_id, exc, extra=_fields(worker=self.worker_id))
@@ -729,7 +742,7 @@ class AsyncRolloutWorker:
     async def _kept_elsewhere(self) -> int:
         """Kept groups waiting on the server (GetState): a Reset's, until its RESUME lets them be handed out."""
         try:
-            return (await self._retrying("GetState", self.pacer.state)).restored_kept
+            return (await self._retrying("GetState", self.pacer.state, reads_only=True)).restored_kept
         except UnavailableError:  # only raised once the worker is stopping
             return 0
 
@@ -1234,7 +1247,7 @@ class AsyncRolloutWorker:
                 if _MESSAGE_LIMIT.search(exc.details or "") and not exc.reason:
                     # gRPC's own message limit (not the server's back-pressure): the same call would fail again.
                     raise _TooLarge(exc.details) from exc
-                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                if self._grace_over is not None and self._grace_over.done():
                     raise
                 # Back-pressure: nothing was applied. Wait as the server asks, then propose the same again.
                 delay = exc.retry_delay if exc.retry_delay is not None else 1.0
@@ -1243,7 +1256,7 @@ class AsyncRolloutWorker:
                                extra=_fields(worker=self.worker_id, retry_in=delay))
                 self.stats.submit_retries += 1
                 request_id = str(uuid.uuid4())  # the refusal may be remembered under the old id
-                await asyncio.sleep(delay)
+                await self._pause(delay)
 
     def _acknowledged(self, batch: list[tuple[_Group, _Traj]]) -> None:
         for group, traj in batch:
@@ -1470,14 +1483,10 @@ class AsyncRolloutWorker:
     async def _drain(self) -> None:
         """Waits until every group started here is acknowledged (or refused), at most until the grace that
         stop() began runs out."""
-        assert self._changed is not None
+        assert self._changed is not None and self._grace_over is not None
         while self._groups:
             self._changed.clear()
-            if self._give_up_at is None:
-                await self._changed.wait()
-                continue
-            remaining = self._give_up_at - time.monotonic()
-            if remaining <= 0:
+            if self._grace_over.done():
                 logger.warning("%s: %d groups not acknowledged within the %g s grace, given up: %s", self.worker_id,
                                len(self._groups), self.shutdown_grace,
                                ", ".join(g.prompt.prompt_id for g in list(self._groups.values())[:5]),
@@ -1487,8 +1496,11 @@ class AsyncRolloutWorker:
                     group.unacknowledged = 1
                     self._trajectory_settled(group)
                 return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+            changed = asyncio.ensure_future(self._changed.wait())
+            try:
+                await asyncio.wait([changed, self._grace_over], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
 
     def _return_pending(self) -> None:
         if self._pending:
@@ -1497,23 +1509,25 @@ class AsyncRolloutWorker:
                 give_back(list(self._pending))
             self._pending.clear()
 
-    async def _retrying(self, what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[Any]], reads_only: bool = False) -> Any:
         """Runs a pacer call, retrying UNAVAILABLE and DEADLINE_EXCEEDED only (the server restarting or away: a call
         that waits for a server, as wait_for_ready makes it, ends with its deadline while none answers), with
         backoff; the caller's request id stays the same across attempts, so a call that landed is applied once,
         and while the server is away it is retried as long as it takes. After stop(), only Submits are retried,
-        for `shutdown_grace` seconds; then the call's error is an UnavailableError."""
+        for `shutdown_grace` seconds; then the call's error is an UnavailableError. A call that `reads_only` (it
+        changes nothing on the server) ends at stop() itself: nothing waits for its answer then."""
         delay = RETRY_INITIAL_SECONDS
+        ends_it = self._stop_asked if reads_only else self._grace_over
         while True:
             attempt = asyncio.ensure_future(call())
             self._calls_in_flight[attempt] = what
             try:
-                # After stop() a call may wait for a server that is not coming back: the grace bounds it.
-                await asyncio.wait([attempt] if self._grace_over is None else [attempt, self._grace_over],
+                # After stop() a call may wait for a server that is not coming back: stop() or its grace bounds it.
+                await asyncio.wait([attempt] if ends_it is None else [attempt, ends_it],
                                    return_when=asyncio.FIRST_COMPLETED)
                 if not attempt.done():
                     attempt.cancel()
-                    raise self._ended_by_stop(what)
+                    raise self._ended_by_stop(what, reads_only)
                 answer = attempt.result()
             except asyncio.CancelledError:
                 attempt.cancel()  # the worker's own task was cancelled: so is its call
@@ -1527,7 +1541,7 @@ class AsyncRolloutWorker:
                 if what == "Submit":
                     self.stats.submit_retries += 1
                 self._outage.failed(f"{what} not answered ({exc}); retrying in {delay:.1f} s")
-                await asyncio.sleep(delay)
+                await self._pause(delay, ends_it)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
                 continue
             finally:
@@ -1535,10 +1549,44 @@ class AsyncRolloutWorker:
             self._outage.answered()
             return answer
 
-    def _ended_by_stop(self, what: str) -> UnavailableError:
-        """The error of a call still unanswered when the shutdown grace after stop() ran out."""
+    def _ended_by_stop(self, what: str, reads_only: bool) -> UnavailableError:
+        """The error of a call still unanswered at stop() (one that reads only) or when its grace ran out."""
+        target = getattr(self.pacer, "target", "?")
+        if reads_only:
+            return UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered before stop(): the pacer at "
+                                    f"{target} did not answer")
         return UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered within the {self.shutdown_grace:g} s "
-                                "shutdown grace after stop(); the server is unreachable")
+                                f"shutdown grace after stop(); the pacer at {target} is unreachable")
+
+    async def _pause(self, seconds: float, ends: asyncio.Future[None] | None = None) -> None:
+        """Sleeps `seconds`, less if `ends` (default: stop()'s grace running out) is set meanwhile."""
+        ends = self._grace_over if ends is None else ends
+        assert ends is not None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(ends), seconds)
+
+    async def _watch_connection(self) -> None:
+        """Says at once that the pacer cannot be reached: its calls wait for it (wait_for_ready, as RolloutWorker
+        makes them), silently until their deadline, while the channel's connection attempts fail from the first
+        (nothing listens at the address, or it cannot be reached). One warning, the outage's (OutageLog); the first
+        answer ends it. A pacer client that cannot tell its connection's state (not AsyncPacerClient) is not watched."""
+        connection_state = getattr(self.pacer, "connection_state", None)
+        if connection_state is None:
+            return
+        state = None
+        try:
+            while state is not grpc.ChannelConnectivity.SHUTDOWN:
+                state = await connection_state(state)
+                if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                    self._outage.failed("no connection can be made to it (nothing listens at that address, or it "
+                                        "cannot be reached from here)")
+        except (RuntimeError, grpc.RpcError) as exc:  # the client closed, or a channel of another loop: its calls say
+            logger.debug("%s: the connection's state is not watched: %s", self.worker_id, exc)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class RolloutWorker:

@@ -51,3 +51,33 @@ def test_wait_for_ready_waits_for_a_server_that_starts_later(tmp_path):
         caller.join(60)
     client.close()
     assert "state" in answer and answer["state"].step == 0
+
+
+def test_the_async_client_reports_its_connection_failing_then_ready(tmp_path):
+    """connection_state: TRANSIENT_FAILURE where nothing listens (what a client that waits for ready cannot tell
+    otherwise before its deadline), READY once a server listens there, and RuntimeError once the client is closed."""
+    import asyncio
+
+    import grpc
+
+    port = free_port()
+
+    async def until(client, wanted, state=None):
+        while state is not wanted:
+            state = await asyncio.wait_for(client.connection_state(state), 60)
+        return state
+
+    async def go():
+        client = AsyncPacerClient(f"127.0.0.1:{port}", timeout=60.0, wait_for_ready=True)
+        failing = await until(client, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+        with ServerProcess(tmp_path, *core_overrides(), f"server.address=127.0.0.1:{port}"):
+            state = await client.state()  # a call makes the channel connect again
+            ready = await until(client, grpc.ChannelConnectivity.READY)
+        await client.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await client.connection_state()
+        return failing, state, ready
+
+    failing, state, ready = asyncio.run(go())
+    assert failing is grpc.ChannelConnectivity.TRANSIENT_FAILURE and ready is grpc.ChannelConnectivity.READY
+    assert state.step == 0

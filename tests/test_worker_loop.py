@@ -349,22 +349,47 @@ def test_a_worker_rides_through_a_server_down_for_longer_than_its_call_timeout(t
         server.close()
 
 
-def test_stop_ends_a_call_that_waits_for_a_server_that_is_not_there():
-    """A worker on a client that waits for ready (as RolloutWorker's does), started where nothing listens: stop()
-    waited for the call in progress to reach its deadline (the client's timeout), beyond shutdown_grace."""
+def test_a_worker_where_nothing_listens_says_so_at_once_and_stop_ends_it_at_once(caplog):
+    """A worker on a client that waits for ready (as RolloutWorker's does), started where nothing listens (a wrong
+    port): it said nothing until the call's deadline (the client's timeout, 60 s here), and stop() then waited for the
+    call until the shutdown grace ran out. Now the failing connection is warned of at once, and the first call, a
+    read, ends at stop() itself."""
+    address = f"127.0.0.1:{free_port()}"
+
     async def go():
-        async with AsyncPacerClient(f"127.0.0.1:{free_port()}", timeout=60.0, wait_for_ready=True) as pacer:
-            worker = make_worker(pacer, HeldEngine(), prompts(2), shutdown_grace=0.5)
+        async with AsyncPacerClient(address, timeout=60.0, wait_for_ready=True) as pacer:
+            worker = make_worker(pacer, HeldEngine(), prompts(2), shutdown_grace=600.0)
             task = asyncio.create_task(worker.run())
             await until(lambda: "GetState" in worker._calls_in_flight.values(), "the first call waiting")
+            await until(lambda: any("no connection can be made" in r.getMessage() for r in caplog.records),
+                        "a warning that the pacer cannot be reached, long before the call's 60 s")
             worker.stop()
-            done, _ = await asyncio.wait({task}, timeout=CONDITION_TIMEOUT)  # not the call's 60 s
+            done, _ = await asyncio.wait({task}, timeout=CONDITION_TIMEOUT)  # not the grace's 600 s
             assert done, "run() still waits for the call after stop()"
             return task.exception()
 
-    error = asyncio.run(go())
+    with caplog.at_level(logging.WARNING, logger="coda_worker"):
+        error = asyncio.run(go())
     assert isinstance(error, UnavailableError)
-    assert "GetState not answered within the 0.5 s shutdown grace after stop()" in str(error)
+    assert f"GetState not answered before stop(): the pacer at {address} did not answer" in str(error)
+    away = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(away) == 1 and f"the pacer at {address} is away: no connection can be made to it" in away[0], away
+
+
+def test_stop_before_run_ends_the_run_at_once_where_nothing_listens():
+    """stop() before run() on a worker whose server is not there: run()'s first call waited for the call's deadline
+    (60 s here), the grace never having begun."""
+    async def go():
+        async with AsyncPacerClient(f"127.0.0.1:{free_port()}", timeout=60.0, wait_for_ready=True) as pacer:
+            worker = make_worker(pacer, HeldEngine(), prompts(2), shutdown_grace=600.0)
+            worker.stop()
+            task = asyncio.create_task(worker.run())
+            done, _ = await asyncio.wait({task}, timeout=CONDITION_TIMEOUT)
+            assert done, "run() after stop() waits for a server that is not there"
+            return task.exception()
+
+    error = asyncio.run(go())
+    assert isinstance(error, UnavailableError) and "GetState not answered before stop()" in str(error), error
 
 
 def test_stop_ends_a_submit_waiting_for_a_dead_server_when_the_grace_runs_out(tmp_path, caplog):
