@@ -221,6 +221,12 @@ def ack(lease_id: str, *, request_id: str | None, timeout: float) -> Call[int]:
     return Call("Ack", request, timeout, lambda response: response.groups)
 
 
+def release(lease_id: str, *, request_id: str | None, timeout: float) -> Call[int]:
+    """Release: a leased Collect's groups back to the buffer, untrained; the request id makes a retry harmless."""
+    request = _message(pacer_pb2.ReleaseRequest, lease_id=lease_id, request_id=request_id_or_new(request_id))
+    return Call("Release", request, timeout, lambda response: response.groups)
+
+
 def reset(
     mode: ResetMode | str | None,
     *,

@@ -686,6 +686,23 @@ class _IteratorBase:
     def _wants_more(self) -> bool:
         return not self._closed and (self.num_batches is None or self.delivered < self.num_batches)
 
+    def _prefetched(self) -> MiniBatch | None:
+        """The batch prefetched and not handed out, if it has arrived: close() gives it back."""
+        pending = self._pending
+        if pending is None or not pending.done() or pending.cancelled() or pending.exception() is not None:
+            return None
+        return pending.result()
+
+    def _release_calls(self, batches: Sequence[MiniBatch | None]) -> list[_calls.Call[int]]:
+        """Release calls giving back the leases of batches not trained on, bounded in time: close() waits for them."""
+        timeout = min(self._client.timeout, _CLOSE_WAIT_SECONDS)
+        return [_calls.release(lease_id, request_id=None, timeout=timeout)
+                for batch in batches if batch is not None for lease_id in batch.lease_ids]
+
+    def _release_failed(self, call: _calls.Call[int], exc: Exception) -> None:
+        log.warning("batches: lease %s could not be given back (%s); its groups return to the buffer when it runs out "
+                    "(lease=%g s)", call.request.lease_id, exc, self.lease)
+
     def _gone(self, what: str, shut_down: bool) -> ServerGoneError:
         self.server_shut_down = shut_down
         cause = "announced SHUTDOWN" if shut_down else "could not be reached"
@@ -916,27 +933,41 @@ class BatchIterator(_IteratorBase):
         return groups
 
     def close(self) -> None:
-        """Stops prefetching and the control stream; does not acknowledge the current batch. A batch
-        already prefetched and not handed out returns to the server's buffer when its lease runs out."""
+        """Stops prefetching and the control stream; does not acknowledge the current batch. A batch already
+        prefetched and not handed out is given back (Release): its groups return to the server's buffer at once, to
+        be delivered again, ahead of newer ones (one still being collected returns when its lease runs out)."""
         with self._lock:
-            self._closed = True
+            first, self._closed = not self._closed, True
+        prefetched = self._prefetched() if first else None
         self._closing.set()
         self._cancel_inflight(self._inflight)
         self._watch.cancel()
         self._executor.shutdown(wait=False)
         self._acker.shutdown(wait=False)
+        self._give_back([prefetched])
+
+    def _give_back(self, batches: Sequence[MiniBatch | None]) -> None:
+        for call in self._release_calls(batches):
+            try:
+                self._client._run(call)
+            except PacerClientError as exc:
+                self._release_failed(call, exc)
+                return  # the server is away or older: the others' leases run out alike
 
     def __enter__(self) -> BatchIterator:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        """Without an exception the batch in hand is acknowledged (it was trained on); with one it is not."""
+        """Without an exception the batch in hand is acknowledged (it was trained on); with one it is given back
+        (Release: delivered again at once, to this trainer restarted or another), as is the batch prefetched."""
         try:
             if exc_type is None:
                 self.ack()
             else:
                 self.wait_for_ack()
+                current, self._current = self._current, None
+                self._give_back([current])
         except _Stopped:
             pass
         finally:
@@ -1159,6 +1190,7 @@ class AsyncBatchIterator(_IteratorBase):
 
     async def close(self) -> None:
         """Coroutine form of BatchIterator.close."""
+        prefetched = None if self._closed else self._prefetched()
         self._closed = True
         for task in (*self._inflight, self._pending, self._watcher):
             if task is not None and not task.done():
@@ -1172,6 +1204,15 @@ class AsyncBatchIterator(_IteratorBase):
             ended, _ = await asyncio.wait(left, timeout=_CLOSE_WAIT_SECONDS)
             for task in ended:
                 _read_quietly(task)
+        await self._give_back([prefetched])
+
+    async def _give_back(self, batches: Sequence[MiniBatch | None]) -> None:
+        for call in self._release_calls(batches):
+            try:
+                await self._client._run(call)
+            except PacerClientError as exc:
+                self._release_failed(call, exc)
+                return  # the server is away or older: the others' leases run out alike
 
     async def __aenter__(self) -> AsyncBatchIterator:
         await self._start()
@@ -1185,6 +1226,8 @@ class AsyncBatchIterator(_IteratorBase):
                 await self.ack()
             else:
                 await self.wait_for_ack()
+                current, self._current = self._current, None
+                await self._give_back([current])
         except _Stopped:
             pass
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import weakref
@@ -44,7 +45,7 @@ from .batches import (
     check_reachable,
     step_batches,
 )
-from .errors import translate
+from .errors import PacerClientError, translate
 from .types import (
     Checkpoint,
     CollectResult,
@@ -73,6 +74,7 @@ _T = TypeVar("_T")
 _LIVE_CLIENTS: weakref.WeakSet[_ClientBase] = weakref.WeakSet()
 # Channels inherited from the parent. They are kept referenced, never closed or collected, in the
 # child: their destructors would drive gRPC core state that belongs to the parent process.
+log = logging.getLogger(__name__)
 _INHERITED_CHANNELS: list[Any] = []
 
 
@@ -150,6 +152,12 @@ class AsyncControlStream(_StreamBase):
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.cancel()
+
+
+def _release_failed(lease_id: str, failed: PacerClientError, cause: BaseException) -> None:
+    """A lease given back after `cause` could not be released: its groups return when it runs out instead."""
+    log.warning("the groups of lease %s could not be given back after %s (%s); they return to the buffer when the "
+                "lease runs out", lease_id, type(cause).__name__, failed)
 
 
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
@@ -329,6 +337,9 @@ class _ClientBase:
     def _ack(self, lease_id: str, request_id: str | None) -> Call[Any]:
         return _calls.ack(lease_id, request_id=request_id, timeout=self.timeout)
 
+    def _release(self, lease_id: str, request_id: str | None) -> Call[Any]:
+        return _calls.release(lease_id, request_id=request_id, timeout=self.timeout)
+
     def _reset(self, mode: Any, wait: float | None, resume: bool, weight_version: int,
                request_id: str | None) -> Call[Any]:
         return _calls.reset(
@@ -438,14 +449,29 @@ class PacerClient(_ClientBase):
         """Consumes a leased Collect's groups for good; returns how many."""
         return self._run(self._ack(lease_id, request_id))
 
+    def release(self, lease_id: str, *, request_id: str | None = None) -> int:
+        """Gives a leased Collect's groups back untrained: they return to the buffer now, ahead of newer groups, and
+        are delivered again (as when the lease runs out). Returns how many (0: the lease had run out already);
+        UnknownLeaseError for a lease never granted, or already acknowledged or released."""
+        return self._run(self._release(lease_id, request_id))
+
     @contextlib.contextmanager
     def collect_leased(
         self, num_groups: int, *, lease: float, wait: float = 0.0, allow_partial: bool = False
     ) -> Iterator[list[TrajectoryGroup]]:
         """At-least-once Collect: the groups are acknowledged when the block completes without an
-        exception; otherwise (or if the process dies) they return to the buffer after `lease` seconds."""
+        exception; with one they are released (back to the buffer at once, delivered again); if the process dies,
+        they return to the buffer after `lease` seconds."""
         result = self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, lease=lease)
-        yield result.groups
+        try:
+            yield result.groups
+        except BaseException as exc:
+            if result.lease_id:
+                try:
+                    self.release(result.lease_id)
+                except PacerClientError as failed:
+                    _release_failed(result.lease_id, failed, exc)
+            raise
         if result.lease_id:
             self.ack(result.lease_id)
 
@@ -669,13 +695,25 @@ class AsyncPacerClient(_ClientBase):
         """Coroutine form of PacerClient.ack."""
         return await self._run(self._ack(lease_id, request_id))
 
+    async def release(self, lease_id: str, *, request_id: str | None = None) -> int:
+        """Coroutine form of PacerClient.release."""
+        return await self._run(self._release(lease_id, request_id))
+
     @contextlib.asynccontextmanager
     async def collect_leased(
         self, num_groups: int, *, lease: float, wait: float = 0.0, allow_partial: bool = False
     ) -> AsyncIterator[list[TrajectoryGroup]]:
         """Coroutine form of PacerClient.collect_leased."""
         result = await self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, lease=lease)
-        yield result.groups
+        try:
+            yield result.groups
+        except BaseException as exc:
+            if result.lease_id:
+                try:
+                    await self.release(result.lease_id)
+                except PacerClientError as failed:
+                    _release_failed(result.lease_id, failed, exc)
+            raise
         if result.lease_id:
             await self.ack(result.lease_id)
 

@@ -64,6 +64,7 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("CollectStream", mutating=True, retry_safe=True, long_poll=True, streaming=True,
         admission=(None, "waiting_collect"), response_form="views"),
     Rpc("Ack", mutating=True, retry_safe=True, remembered="answer"),
+    Rpc("Release", mutating=True, retry_safe=True, remembered="answer"),
     Rpc("Reset", mutating=True, retry_safe=True, long_poll=True, remembered="data", response_form="views"),
     Rpc("Resume", mutating=True, retry_safe=True, remembered="answer"),
     Rpc("GetState", mutating=False, retry_safe=True, response_form="assembled"),

@@ -11,7 +11,7 @@ servicer runs:
   id and method; over it, RESOURCE_EXHAUSTED (reason RATE_LIMITED) with the delay until the next token.
 * **Room by kind of call** (`CALL_LIMITS`): long-lived streams, long-polls and the workers' short calls
   count against limits of their own; over a limit the caller gets RESOURCE_EXHAUSTED naming the limit,
-  with a jittered retry delay. The trainer's control calls (Reset, Resume, Collect without a wait, Ack,
+  with a jittered retry delay. The trainer's control calls (Reset, Resume, Collect without a wait, Ack, Release,
   GetState) and health checks count against nothing, so no number of watchers or waiting workers can
   refuse them. gRPC's own `maximum_concurrent_rpcs`, which counted every call alike, is not used.
 """

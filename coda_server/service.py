@@ -143,6 +143,10 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         return pb.AckResponse(groups=await self._pacer.ack(request.lease_id, request.request_id))
 
     @maps_errors
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(groups=await self._pacer.release(request.lease_id, request.request_id))
+
+    @maps_errors
     async def Reset(self, request: pb.ResetRequest, context) -> wire.EncodedAnswer:
         # wait_seconds absent is not 0: the Reset then waits until every running group is assembled (in ABORT
         # mode within server.abort_wait_seconds), within what the call's deadline allows.

@@ -306,6 +306,70 @@ def _outage_lines(caplog, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "coda_client.batches" and r.levelno == level]
 
 
+def _until_leased(pacer: PacerClient, groups: int) -> None:
+    deadline = time.monotonic() + 20
+    while pacer.state().leased < groups:
+        assert time.monotonic() < deadline, f"the prefetch did not lease {groups} groups"
+        time.sleep(0.01)
+
+
+def test_a_trainer_that_fails_mid_batch_gives_its_batch_and_the_prefetched_one_back_at_once(server) -> None:
+    """An exception in the training step (Ctrl-C, a crash caught by the launcher) left the batch in hand and the
+    prefetched one leased until their lease ran out (600 s by default), a restarted trainer training newer groups
+    meanwhile. Now both are released as the block exits: first in line again, in order, at once."""
+    with PacerClient(server.address) as pacer:
+        _drain(pacer)
+        consumed = pacer.state().consumed
+        _fill(pacer, [f"x{i}" for i in range(6)])
+        with pytest.raises(RuntimeError, match="step failed"):
+            with pacer.batches(2 * N, lease=600, poll=1) as batches:
+                first = next(batches)
+                _until_leased(pacer, 4)  # the prefetch took x2, x3
+                raise RuntimeError("step failed")
+        assert [g.prompt_id for g in first.groups] == ["x0", "x1"]
+        state = pacer.state()
+        assert (state.leased, state.consumed, state.buffered) == (0, consumed, 6)
+        assert [g.prompt_id for g in pacer.collect(6, wait=0)] == [f"x{i}" for i in range(6)]  # no lease ran out
+
+
+def test_leaving_the_loop_early_acknowledges_the_batch_trained_and_gives_the_prefetched_one_back(server) -> None:
+    with PacerClient(server.address) as pacer:
+        _drain(pacer)
+        consumed = pacer.state().consumed
+        _fill(pacer, [f"e{i}" for i in range(4)])
+        with pacer.batches(2 * N, lease=600, poll=1) as batches:
+            for batch in batches:
+                _until_leased(pacer, 4)
+                break  # trained on one batch, then done
+        state = pacer.state()
+        assert (state.leased, state.consumed) == (0, consumed + 2)
+        assert [g.prompt_id for g in pacer.collect(2, wait=0)] == ["e2", "e3"]
+
+
+def test_the_async_iterator_gives_back_what_it_holds_when_the_step_fails(server) -> None:
+    async def scenario() -> tuple[list[str], int, list[str]]:
+        async with AsyncPacerClient(server.address) as pacer:
+            while await pacer.collect(64, allow_partial=True, wait=0.01):
+                pass
+            consumed = (await pacer.state()).consumed
+            await pacer.dispatch([f"y{i}" for i in range(4)])
+            for i in range(4):
+                await pacer.submit([_trajectory(f"y{i}", j, 3) for j in range(N)])
+            with pytest.raises(RuntimeError, match="step failed"):
+                async with pacer.batches(2 * N, lease=600, poll=1) as batches:
+                    batch = await batches.__anext__()
+                    while (await pacer.state()).leased < 4:
+                        await asyncio.sleep(0.01)
+                    raise RuntimeError("step failed")
+            state = await pacer.state()
+            again = await pacer.collect(4, wait=0)
+            return ([g.prompt_id for g in batch.groups], state.consumed - consumed + state.leased,
+                    [g.prompt_id for g in again])
+
+    first, taken, again = asyncio.run(scenario())
+    assert first == ["y0", "y1"] and taken == 0 and again == ["y0", "y1", "y2", "y3"]
+
+
 def test_a_graceful_server_restart_trains_no_batch_twice(tmp_path, caplog) -> None:
     """The trainer acknowledges the batch it trained while the server restarts (SIGTERM, as a rolling update
     does): the Ack waits for the restarted server, which kept the lease, so the batch is not delivered again;

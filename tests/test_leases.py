@@ -154,6 +154,33 @@ def test_collect_lease_redelivers_in_original_order_unless_acknowledged():
     assert (state.consumed, state.leased, state.buffered) == (3, 0, 0) and state.invariant_holds()
 
 
+def test_a_released_lease_returns_its_groups_at_once_ahead_of_newer_ones():
+    """Release: the trainer gives leased groups back untrained; they are first in line again, in their order, without
+    waiting for the lease to run out (the same return as an expiry, counted as redelivered)."""
+    pacer, clock = make_pacer("server.inflight_lease_seconds=0")
+    pacer.dispatch([PromptRef("a"), PromptRef("b"), PromptRef("c")])
+    for prompt_id in ("a", "b", "c"):
+        pacer.submit(group(prompt_id))
+    leased = pacer.collect_now(2, lease_seconds=600)
+    assert pacer.release(leased.lease_id) == 2  # no time passed: not an expiry
+    state = pacer.state()
+    assert (state.buffered, state.leased, state.redelivered, state.consumed) == (3, 0, 2, 0) and state.invariant_holds()
+    assert pacer.release(leased.lease_id) == 0  # given back already: nothing more to give
+    with pytest.raises(LeaseExpiredError):
+        pacer.ack(leased.lease_id)
+    again = pacer.collect_now(3, lease_seconds=30)
+    assert [g.prompt_id for g in again.groups] == ["a", "b", "c"]
+    assert pacer.ack(again.lease_id) == 3
+    before = pacer.state()
+    with pytest.raises(UnknownLeaseError, match="already acknowledged or released"):
+        pacer.release(again.lease_id)  # acknowledged: consumed for good, nothing to give back
+    with pytest.raises(UnknownLeaseError):
+        pacer.release("lease-999")
+    with pytest.raises(InvalidArgumentError):
+        pacer.release("")
+    assert pacer.state() == before
+
+
 def test_negative_lease_is_refused_and_changes_nothing():
     pacer, _ = make_pacer()
     pacer.dispatch([PromptRef("a")])
@@ -246,6 +273,49 @@ def test_recovery_gives_in_flight_and_collect_leases_their_full_time_on_the_new_
     state = pacer.state()
     assert (state.expired, state.redelivered, state.buffered) == (1, 1, 2) and state.invariant_holds()
     pacer.journal.close()
+
+
+def test_a_release_is_journaled_and_a_recovered_pacer_holds_the_groups_buffered_in_order(tmp_path):
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    first, _ = make_pacer("server.inflight_lease_seconds=0", journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    first.dispatch([PromptRef("a"), PromptRef("b"), PromptRef("c")])
+    first.submit(group("a") + group("b") + group("c"))
+    leased = first.collect_now(2, lease_seconds=600)
+    assert first.release(leased.lease_id) == 2
+    expected = first.state()
+    first.journal.close()
+
+    pacer, _ = make_pacer("server.inflight_lease_seconds=0", journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    pacer.recover()
+    state = pacer.state()
+    assert (state.buffered, state.leased, state.redelivered) == (3, 0, 2) == (expected.buffered, expected.leased,
+                                                                              expected.redelivered)
+    with pytest.raises(LeaseExpiredError):  # the released lease stays ended across the restart
+        pacer.ack(leased.lease_id)
+    assert [g.prompt_id for g in pacer.collect_now(3).groups] == ["a", "b", "c"]
+    pacer.journal.close()
+
+
+def test_release_over_grpc_and_collect_leased_gives_its_groups_back_on_an_exception(tmp_path):
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=3", "data_source.num_trajectories_per_prompt=1",
+                       "trainer.mini_batch_size=1") as server, PacerClient(server.address) as pacer:
+        pacer.dispatch(["a", "b", "c"])
+        pacer.submit([WireTrajectory(trajectory_id=f"{p}/t", prompt_id=p, status=WireStatus.COMPLETED)
+                      for p in ("a", "b", "c")])
+        leased = pacer.collect_result(2, lease=600)
+        assert pacer.release(leased.lease_id) == 2 and pacer.state().leased == 0
+        assert pacer.release(leased.lease_id) == 0  # a retry after the answer was lost is harmless
+        with pytest.raises(ClientUnknownLeaseError):
+            pacer.release("lease-unknown")
+        with pytest.raises(RuntimeError, match="the training step failed"):
+            with pacer.collect_leased(2, lease=600) as groups:
+                assert [g.prompt_id for g in groups] == ["a", "b"]
+                raise RuntimeError("the training step failed")
+        state = pacer.state()
+        assert (state.leased, state.buffered, state.consumed, state.redelivered) == (0, 3, 0, 4)
+        again = pacer.collect(3, wait=0)  # at once: no lease had to run out
+        assert [g.prompt_id for g in again] == ["a", "b", "c"]
 
 
 def test_a_configuration_without_the_lease_key_gets_the_shipped_default_lease():

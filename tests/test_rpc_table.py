@@ -80,7 +80,7 @@ def test_the_answer_book_keeps_a_book_for_each_remembered_rpc():
 
     book = AnswerBook(Limits.shipped(), threading.RLock(), lambda request_id: None)
     assert set(book.export()) == {rpc.name for rpc in RPCS if rpc.remembered is not None}
-    assert remembered_methods() == {"Dispatch": False, "Submit": False, "Collect": True, "Ack": False,
+    assert remembered_methods() == {"Dispatch": False, "Submit": False, "Collect": True, "Ack": False, "Release": False,
                                     "Reset": True, "Resume": False, "Restore": False, "EndJob": False}
 
 

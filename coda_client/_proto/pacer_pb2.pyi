@@ -224,6 +224,20 @@ class AckResponse(_message.Message):
     groups: int
     def __init__(self, groups: _Optional[int] = ...) -> None: ...
 
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id", "request_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    request_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: int
+    def __init__(self, groups: _Optional[int] = ...) -> None: ...
+
 class CollectResponse(_message.Message):
     __slots__ = ("groups", "timed_out", "lease_id", "cut_to_fit", "other_shapes_waiting")
     GROUPS_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class RolloutPacerStub:
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.AckRequest.SerializeToString,
                 response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.AckResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/coda.pacer.v1.RolloutPacer/Release',
+                request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/coda.pacer.v1.RolloutPacer/Reset',
                 request_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ResetRequest.SerializeToString,
@@ -176,6 +181,18 @@ class RolloutPacerServicer:
         Errors: NOT_FOUND reason UNKNOWN_LEASE (never granted, or already acknowledged),
         FAILED_PRECONDITION reason LEASE_EXPIRED (the groups went back to the buffer), UNAUTHENTICATED,
         UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Gives the groups of a leased Collect back, untrained (the trainer failed or stops before training
+        on them): they return to the buffer at once, in their order, ahead of newer groups, and are
+        delivered again, as when the lease runs out. A lease that ran out already answers 0 groups.
+        A rank's share returns alone; the other ranks keep theirs.
+        Errors: NOT_FOUND reason UNKNOWN_LEASE (never granted, or already acknowledged or released),
+        UNAUTHENTICATED, UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -306,6 +323,11 @@ def add_RolloutPacerServicer_to_server(servicer, server):
                     servicer.Ack,
                     request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.AckRequest.FromString,
                     response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.AckResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ReleaseRequest.FromString,
+                    response_serializer=coda_dot_pacer_dot_v1_dot_pacer__pb2.ReleaseResponse.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
@@ -494,6 +516,33 @@ class RolloutPacer:
             '/coda.pacer.v1.RolloutPacer/Ack',
             coda_dot_pacer_dot_v1_dot_pacer__pb2.AckRequest.SerializeToString,
             coda_dot_pacer_dot_v1_dot_pacer__pb2.AckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coda.pacer.v1.RolloutPacer/Release',
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.ReleaseRequest.SerializeToString,
+            coda_dot_pacer_dot_v1_dot_pacer__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

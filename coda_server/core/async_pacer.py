@@ -328,6 +328,14 @@ class AsyncPacer:
 
         return await self._applied("Ack", request_id, call)
 
+    async def release(self, lease_id: str, request_id: str = "") -> int:
+        """Pacer.release: the leased groups back to the buffer, untrained."""
+        async def call() -> int:
+            self.pacer.checks.check_lease_id(lease_id)
+            return self.pacer.apply_release(lease_id, request_id)
+
+        return await self._applied("Release", request_id, call)
+
     async def resume(self, weight_version: int, request_id: str = "") -> ResumeResult:
         async def call() -> ResumeResult:
             return self.pacer.apply_resume(weight_version, request_id)

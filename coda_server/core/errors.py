@@ -56,7 +56,7 @@ class StaleDispatchError(FailedPreconditionError):
 
 
 class UnknownLeaseError(PacerError):
-    """An Ack names a lease that was never granted or was already acknowledged."""
+    """An Ack or Release names a lease that was never granted, or was already acknowledged or released."""
 
     reason = "UNKNOWN_LEASE"
 

@@ -121,10 +121,21 @@ class Leases:
         lease = self.collect.pop(lease_id, None)
         if lease is None:
             if lease_id in self.lapsed:
-                raise LeaseExpiredError(f"lease {lease_id!r} ran out before this Ack; its groups went back to "
-                                        f"the buffer and will be delivered again")
+                raise LeaseExpiredError(f"lease {lease_id!r} ran out (or was released) before this Ack; its groups "
+                                        f"went back to the buffer and will be delivered again")
             raise UnknownLeaseError(f"lease {lease_id!r} is not known (never granted, or already acknowledged)")
         return lease
+
+    def releasable(self, lease_id: str) -> int:
+        """The groups a Release of this lease gives back: 0 when it ran out (they are back already);
+        UnknownLeaseError when there is no such lease."""
+        lease = self.collect.get(lease_id)
+        if lease is not None:
+            return len(lease.entries)
+        if lease_id in self.lapsed:
+            return 0
+        raise UnknownLeaseError(f"lease {lease_id!r} is not known (never granted, or already acknowledged or "
+                                f"released)")
 
     def lapsing(self, now: float) -> list[str]:
         """The ids of the Collect leases whose time ran out by `now`."""

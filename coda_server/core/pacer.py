@@ -404,6 +404,22 @@ class Pacer:
             self.record(Acked(now, lease_id, request_id))
             return count
 
+    def release(self, lease_id: str, request_id: str = "") -> int:
+        """The trainer gives the leased groups back untrained: they return to the buffer now, as if the lease had run
+        out (the same expiry, journaled alike). Returns how many (0: the lease had run out already)."""
+        self.checks.check_lease_id(lease_id)
+        return self.answers.once("Release", request_id, lambda: self.apply_release(lease_id, request_id))
+
+    def apply_release(self, lease_id: str, request_id: str = "") -> int:
+        with self.lock:
+            self.check_open()
+            groups = self.leases.releasable(lease_id)
+            if groups:
+                now = self._clock.now()
+                self.apply_expiry([], [lease_id])
+                self.record(Expired(now, [], [lease_id]))
+            return groups
+
     def expire_leases(self) -> tuple[list[str], list[str]]:
         """Reclaim what ran out: in-flight groups (their slots) and Collect leases (back to the buffer).
 
