@@ -47,13 +47,14 @@ from .strategy import BufferView, ThreadSafeStrategy, create_strategy, gate_is_o
 from .types import (CollectResult, ControlEvent, ControlEventType, DispatchResult, JobEndReport, PromptRef, ResetMode,
                     ResetResult, RestoreResult, ResumeResult, SubmitResult, Trajectory, TrajectoryGroup)
 from .waiting import ThreadWaits
+from .views import PacerViews
 from .workers import Workers
 
 
-class Pacer:
+class Pacer(PacerViews):
     """Thread-safe pacing state machine; every operation is atomic under one lock.
 
-    In-process callers use `dispatch`, `submit`, `collect`, `ack`, `reset`, `resume`: each runs through
+    In-process callers use `dispatch`, `submit`, `collect`, `ack`, `release`, `reset`, `resume`: each runs through
     the request-id answers (`AnswerBook.once`) and, when it waits, blocks its thread (`ThreadWaits`).
     The asyncio face (`AsyncPacer`) builds the same calls from the same parts: the `apply_*` changes and
     the `*_poll` waits, awaited instead of blocked on.
@@ -201,27 +202,6 @@ class Pacer:
         """The STATE event a new watcher receives first."""
         with self.lock:
             return self.signals.control_event(ControlEventType.STATE)
-
-    # The step boundary's and the lifecycle's state, read here; they change only through their owners' methods.
-    step = property(lambda self: self.steps.step, doc="The trainer's step (Resume adds one).")
-    weight_version = property(lambda self: self.steps.weight_version, doc="The weight version of the last Resume.")
-    generation = property(lambda self: self.steps.generation, doc="Reset and Restore count generations.")
-    paused = property(lambda self: self.steps.paused, doc="Dispatch is paused (Reset, EndJob).")
-    resetting = property(lambda self: self.steps.resetting, doc="A Reset is between its begin and finish.")
-    closed = property(lambda self: self.lifecycle.closed, doc="Shutting down: no new calls are taken.")
-    job_ended = property(lambda self: self.lifecycle.job_ended, doc="EndJob closed dispatch for good (journaled).")
-    job_end_mode = property(lambda self: self.lifecycle.job_end_mode, doc="The mode EndJob ended the job with.")
-    last_checkpoint = property(lambda self: self.checkpoints.last_checkpoint,
-                               doc="(step, weight version, wall time) of the last checkpoint taken; None: none yet.")
-    last_restore = property(lambda self: self.checkpoints.last_restore,
-                            doc="(step, weight version, wall time) of the last checkpoint restored; None: none yet.")
-    journal = property(lambda self: self.recorder.journal, doc="Where changes are recorded (None: memory only).")
-    clock = property(lambda self: self._clock, doc="The pacer's clock (pinned to each event's time in replay).")
-    strategy = property(lambda self: self._strategy,
-                        doc="The pacing strategy as configured (a `ThreadSafeStrategy` proxy unless one was passed in).")
-    last_ticket = property(lambda self: self.recorder.last_ticket,
-                           doc="The journal ticket of the latest recorded change (what a caller waits on to be durable).")
-    liveness_seconds = property(lambda self: self.liveness.grace, doc="server.worker_liveness_seconds.")
 
     # ----------------------------------------------------------------- in-process calls
 
@@ -405,19 +385,17 @@ class Pacer:
             return count
 
     def release(self, lease_id: str, request_id: str = "") -> int:
-        """The trainer gives the leased groups back untrained: they return to the buffer now, as if the lease had run
+        """The trainer gives leased groups back untrained: they return to the buffer now, as if the lease had run
         out (the same expiry, journaled alike). Returns how many (0: the lease had run out already)."""
         self.checks.check_lease_id(lease_id)
-        return self.answers.once("Release", request_id, lambda: self.apply_release(lease_id, request_id))
+        return self.answers.once("Release", request_id, lambda: self.apply_release(lease_id))
 
     def apply_release(self, lease_id: str, request_id: str = "") -> int:
         with self.lock:
             self.check_open()
             groups = self.leases.releasable(lease_id)
             if groups:
-                now = self._clock.now()
-                self.apply_expiry([], [lease_id])
-                self.record(Expired(now, [], [lease_id]))
+                self.expire([], [lease_id])
             return groups
 
     def expire_leases(self) -> tuple[list[str], list[str]]:
@@ -430,13 +408,14 @@ class Pacer:
             prompt_ids = [group.prompt_id for group in self.leases.running_out(now, self.inflight)]
             lapsed = self.leases.lapsing(now)
             if prompt_ids or lapsed:
-                self.apply_expiry(prompt_ids, lapsed)
-                self.record(Expired(now, prompt_ids, lapsed))
+                self.expire(prompt_ids, lapsed)
             return prompt_ids, lapsed
 
-    def apply_expiry(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
+    def expire(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
+        """These in-flight groups and Collect leases end now, recorded."""
         with self.lock:
             self.collector.expire(prompt_ids, lease_ids)
+            self.record(Expired(self._clock.now(), prompt_ids, lease_ids))
 
     def recheck_gates(self, min_age: float = 0.0) -> int:
         """Re-examine the held groups (the strategy refused them) although nothing changed: a gate that opens
