@@ -138,6 +138,20 @@ def test_a_dead_ranks_share_returns_to_the_buffer_and_is_delivered_again():
     assert pacer.state().redelivered == 1
 
 
+def test_a_released_share_returns_alone_and_at_once_while_the_other_rank_keeps_its_own():
+    pacer, _ = make_pacer()
+    fill(pacer, {"a": 10, "b": 20, "c": 30, "d": 40})
+    shape = [BatchShape(rank=r, world_size=2) for r in range(2)]
+    failed = pacer.collect_now(2, lease_seconds=600, shape=shape[0])  # rank 0's step raises: it gives its share back
+    kept = pacer.collect_now(2, lease_seconds=600, shape=shape[1])
+    assert pacer.release(failed.lease_id) == 1
+    assert pacer.ack(kept.lease_id) == 1  # rank 1's share is untouched by rank 0's release
+    state = pacer.state()
+    assert (state.leased, state.buffered, state.redelivered) == (0, 3, 1)
+    again = [pacer.collect_now(2, lease_seconds=600, shape=shape[r]) for r in (0, 1)]  # no lease had to run out
+    assert sorted(g.prompt_id for a in again for g in a.groups) == sorted([failed.groups[0].prompt_id, "c"])
+
+
 def test_a_share_no_rank_takes_lapses_and_its_rank_moves_on_to_the_next_mini_batch():
     pacer, clock = make_pacer()
     fill(pacer, {"a": 10, "b": 20})
