@@ -123,6 +123,9 @@ ENGINE_VERSION_RECHECK_SECONDS = 0.2
 DEFAULT_REWARD_FAILURE_LIMIT = 32
 DEFAULT_ENGINE_FAILURE_LIMIT = 32
 REWARD_ERROR_CHARS = 500  # of a reward function's error, kept in the FAILED trajectory's metadata
+# The Dispatches that admitted groups are said at info level once a minute at most (the first at once), each one at
+# debug level: a worker admits about one group each time one of its groups ends, a line per group otherwise.
+DISPATCH_LOG_SECONDS = 60.0
 
 
 class WorkerFailedError(RuntimeError):
@@ -150,6 +153,27 @@ class _FailureStreak:
 
     def succeeded(self) -> None:
         self.count = 0
+
+
+class _DispatchTally:
+    """The groups this worker's Dispatches admitted since it last said so at info level (DISPATCH_LOG_SECONDS)."""
+
+    def __init__(self) -> None:
+        self.said_at: float | None = None  # monotonic time of the last info line; None: none yet
+        self.groups = self.continued = 0
+        self.first_seq: int | None = None
+
+    def add(self, groups: int, continued: int, first_seq: int) -> bool:
+        """Counts a Dispatch's admitted groups; True when the tally is due at info level (then `said` resets it)."""
+        self.groups += groups
+        self.continued += continued
+        self.first_seq = first_seq if self.first_seq is None else self.first_seq
+        return self.said_at is None or time.monotonic() - self.said_at >= DISPATCH_LOG_SECONDS
+
+    def said(self) -> None:
+        self.said_at = time.monotonic()
+        self.groups = self.continued = 0
+        self.first_seq = None
 
 
 @dataclass(frozen=True)
@@ -566,6 +590,7 @@ class AsyncRolloutWorker:
         # Why the worker cannot go on (the engine gone for engine_wait, the reward function failing on every
         # trajectory, a helper task that died): run() stops, submits what it holds, and raises it.
         self._failure: Exception | None = None
+        self._dispatched = _DispatchTally()
         self._reward_failures = _FailureStreak(reward_failure_limit)
         self._engine_failures = _FailureStreak(engine_failure_limit)
 
@@ -776,16 +801,30 @@ class AsyncRolloutWorker:
             self._pending = deque(p for p in self._pending if p.prompt_id not in admitted)
             for prompt_id, seq in zip(result.admitted, result.seqs):
                 self._start_group(by_id[prompt_id], result.generation, seq)
-            logger.info("%s: dispatched %d groups (seqs %d..%d)%s; %d running here, window R=%d Q=%d C=%d",
-                        self.worker_id, len(admitted), result.seqs[0], result.seqs[-1],
-                        f", continuing {len(continuations)} restored" if continuations else "", len(self._groups),
-                        result.running, result.buffered, result.capacity,
-                        extra=_fields(worker=self.worker_id, admitted=len(admitted), continued=len(continuations),
-                                      generation=result.generation))
+            self._log_dispatched(len(admitted), len(continuations), result)
         elif continuations:
             logger.info("%s: continuing %d restored groups; %d running here", self.worker_id, len(continuations),
                         len(self._groups), extra=_fields(worker=self.worker_id, continued=len(continuations)))
         return result, continuations
+
+    def _log_dispatched(self, admitted: int, continued: int, result: Any) -> None:
+        """Each admitting Dispatch at debug level; at info level the first, then what they admitted since, once a
+        minute at most."""
+        tally = self._dispatched
+        due = tally.add(admitted, continued, result.seqs[0])
+        if due or logger.isEnabledFor(logging.DEBUG):
+            since = "" if tally.said_at is None else f" in {time.monotonic() - tally.said_at:.0f} s"
+            groups, first_seq = (tally.groups, tally.first_seq) if due else (admitted, result.seqs[0])
+            continuing = tally.continued if due else continued
+            logger.log(logging.INFO if due else logging.DEBUG,
+                       "%s: dispatched %d groups%s (seqs %d..%d)%s; %d running here, window R=%d Q=%d C=%d",
+                       self.worker_id, groups, since if due else "", first_seq, result.seqs[-1],
+                       f", continuing {continuing} restored" if continuing else "", len(self._groups),
+                       result.running, result.buffered, result.capacity,
+                       extra=_fields(worker=self.worker_id, admitted=groups, continued=continuing,
+                                     generation=result.generation))
+        if due:
+            tally.said()
 
     def _drop_refused_candidates(self, candidates: list[Prompt], exc: BadRequestError) -> None:
         """A Dispatch refused as malformed: drop the candidates it names (all when it names none)."""

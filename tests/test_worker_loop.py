@@ -149,6 +149,38 @@ def test_worker_generates_groups_and_submits_them_with_segments_and_rewards(serv
     assert stats.tokens_generated == 8 * (FIRST_TOKENS + LATER_TOKENS)
 
 
+def test_admitting_dispatches_are_said_at_info_level_once_a_minute_and_each_at_debug_level(server, caplog,
+                                                                                          monkeypatch):
+    """A line per admitting Dispatch at info level was one per group a worker ran. Now: the first at once, then what
+    they admitted since, once DISPATCH_LOG_SECONDS (60 s) have passed; each Dispatch at debug level."""
+    def run(prefix: str):
+        async def go():
+            engine = HeldEngine()
+            engine.auto_release = True
+            async with AsyncPacerClient(server.address) as pacer:
+                await pacer.collect(64, allow_partial=True)  # the window's room back from the run before
+                return await make_worker(pacer, engine, prompts(4, prefix), max_groups=1).run()
+
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="coda_worker"):
+            stats = asyncio.run(go())
+        said = [(r.levelno, r.getMessage()) for r in caplog.records if ": dispatched " in r.getMessage()]
+        groups = [(level, int(re.search(r"dispatched (\d+) groups", text).group(1)), text) for level, text in said]
+        return stats, groups
+
+    stats, groups = run("a")
+    info = [g for g in groups if g[0] == logging.INFO]
+    debug = [g for g in groups if g[0] == logging.DEBUG]
+    assert len(info) == 1 and len(debug) == 3, groups  # max_groups 1: four admitting Dispatches
+    assert sum(n for _, n, _ in debug) + info[0][1] == stats.groups_started == 4
+
+    monkeypatch.setattr(worker_module, "DISPATCH_LOG_SECONDS", 0.0)  # every Dispatch comes a "minute" later
+    stats, groups = run("b")
+    assert all(level == logging.INFO for level, _, _ in groups) and len(groups) == 4, groups
+    assert sum(n for _, n, _ in groups) == stats.groups_started == 4
+    assert all(re.search(r"dispatched \d+ groups in \d+ s", text) for _, _, text in groups[1:]), groups
+
+
 def test_pause_with_abort_aborts_the_engine_requests_and_submits_partial_tokens_as_aborted(server):
     async def go():
         async with running_worker(server.address) as (pacer, engine, worker, task):
