@@ -228,6 +228,17 @@ def _drain(pacer: PacerClient) -> None:
         pass
 
 
+async def _drain_and_fill_async(pacer: AsyncPacerClient, prompt_ids: list[str]) -> int:
+    """_drain then _fill (trajectories of 3 tokens) through the async client; the consumed count before the fill."""
+    while await pacer.collect(64, allow_partial=True, wait=0.01):
+        pass
+    consumed = (await pacer.state()).consumed
+    await pacer.dispatch(prompt_ids)
+    for prompt_id in prompt_ids:
+        await pacer.submit([_trajectory(prompt_id, j, 3) for j in range(N)])
+    return consumed
+
+
 def test_asking_for_the_next_batch_acknowledges_the_last(server) -> None:
     with PacerClient(server.address) as pacer:
         _drain(pacer)
@@ -349,12 +360,7 @@ def test_leaving_the_loop_early_acknowledges_the_batch_trained_and_gives_the_pre
 def test_the_async_iterator_gives_back_what_it_holds_when_the_step_fails(server) -> None:
     async def scenario() -> tuple[list[str], int, list[str]]:
         async with AsyncPacerClient(server.address) as pacer:
-            while await pacer.collect(64, allow_partial=True, wait=0.01):
-                pass
-            consumed = (await pacer.state()).consumed
-            await pacer.dispatch([f"y{i}" for i in range(4)])
-            for i in range(4):
-                await pacer.submit([_trajectory(f"y{i}", j, 3) for j in range(N)])
+            consumed = await _drain_and_fill_async(pacer, [f"y{i}" for i in range(4)])
             with pytest.raises(RuntimeError, match="step failed"):
                 async with pacer.batches(2 * N, lease=600, poll=1) as batches:
                     batch = await batches.__anext__()
@@ -534,12 +540,7 @@ def test_bad_arguments_are_refused(server) -> None:
 def test_the_async_iterator_acknowledges_and_stops_like_the_blocking_one(server) -> None:
     async def scenario() -> tuple[list[list[str]], int, int]:
         async with AsyncPacerClient(server.address) as pacer:
-            while await pacer.collect(64, allow_partial=True, wait=0.01):
-                pass
-            consumed = (await pacer.state()).consumed
-            await pacer.dispatch([f"a{i}" for i in range(4)])
-            for i in range(4):
-                await pacer.submit([_trajectory(f"a{i}", j, 3) for j in range(N)])
+            consumed = await _drain_and_fill_async(pacer, [f"a{i}" for i in range(4)])
             seen = []
             async with pacer.batches(2 * N, poll=1, num_batches=2) as batches:
                 async for batch in batches:
