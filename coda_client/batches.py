@@ -59,6 +59,9 @@ STALL_WARNING_SECONDS = 60.0
 STALL_REPEAT_SECONDS = 600.0
 # The longest close() waits for the iterator's own tasks to end once cut (they end at once).
 _CLOSE_WAIT_SECONDS = 5.0
+# The longest close() lets a prefetch still in progress go on before cutting it: an answer on its way (the groups
+# were there) is received, and its lease given back; one that waits for groups is cut after it, nothing leased.
+_CLOSE_PREFETCH_WAIT_SECONDS = 1.0
 
 
 def _server_away(code: Any, client: Any) -> bool:
@@ -935,9 +938,12 @@ class BatchIterator(_IteratorBase):
     def close(self) -> None:
         """Stops prefetching and the control stream; does not acknowledge the current batch. A batch already
         prefetched and not handed out is given back (Release): its groups return to the server's buffer at once, to
-        be delivered again, ahead of newer ones (one still being collected returns when its lease runs out)."""
+        be delivered again, ahead of newer ones. A prefetch still in progress gets up to a second to bring its batch
+        (then given back too) before it is cut; a batch cut while it is received returns when its lease runs out."""
         with self._lock:
             first, self._closed = not self._closed, True
+        if first and self._pending is not None:  # no Collect starts now; one under way may bring a leased batch
+            concurrent.futures.wait([self._pending], timeout=_CLOSE_PREFETCH_WAIT_SECONDS)
         prefetched = self._prefetched() if first else None
         self._closing.set()
         self._cancel_inflight(self._inflight)
@@ -1190,8 +1196,11 @@ class AsyncBatchIterator(_IteratorBase):
 
     async def close(self) -> None:
         """Coroutine form of BatchIterator.close."""
-        prefetched = None if self._closed else self._prefetched()
-        self._closed = True
+        first, self._closed = not self._closed, True
+        pending = self._pending
+        if first and pending is not None and pending is not asyncio.current_task():
+            await asyncio.wait([pending], timeout=_CLOSE_PREFETCH_WAIT_SECONDS)  # see BatchIterator.close
+        prefetched = self._prefetched() if first else None
         for task in (*self._inflight, self._pending, self._watcher):
             if task is not None and not task.done():
                 task.cancel()

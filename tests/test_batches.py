@@ -343,6 +343,25 @@ def test_a_trainer_that_fails_mid_batch_gives_its_batch_and_the_prefetched_one_b
         assert [g.prompt_id for g in pacer.collect(6, wait=0)] == [f"x{i}" for i in range(6)]  # no lease ran out
 
 
+def test_a_step_failing_at_once_gives_back_the_prefetch_still_under_way_too(server) -> None:
+    """The step raises as soon as it has the batch: the prefetch of the next is still under way (its answer on the
+    way, or not sent yet). Cut short, a batch already leased to it stayed leased for the lease's 600 s, unknown to
+    the client; now close() lets it arrive and gives it back."""
+    with PacerClient(server.address) as pacer:
+        for attempt in range(5):  # the race differs run to run: each must leave nothing leased
+            _drain(pacer)
+            consumed = pacer.state().consumed
+            prompts = [f"z{attempt}-{i}" for i in range(6)]
+            _fill(pacer, prompts)
+            with pytest.raises(RuntimeError, match="step failed"):
+                with pacer.batches(2 * N, lease=600, poll=1) as batches:
+                    next(batches)
+                    raise RuntimeError("step failed")
+            state = pacer.state()
+            assert (state.leased, state.consumed, state.buffered) == (0, consumed, 6), (attempt, state)
+            assert [g.prompt_id for g in pacer.collect(6, wait=0)] == prompts
+
+
 def test_leaving_the_loop_early_acknowledges_the_batch_trained_and_gives_the_prefetched_one_back(server) -> None:
     with PacerClient(server.address) as pacer:
         _drain(pacer)
@@ -374,6 +393,25 @@ def test_the_async_iterator_gives_back_what_it_holds_when_the_step_fails(server)
 
     first, taken, again = asyncio.run(scenario())
     assert first == ["y0", "y1"] and taken == 0 and again == ["y0", "y1", "y2", "y3"]
+
+
+def test_the_async_iterator_gives_back_a_prefetch_still_under_way_when_the_step_fails_at_once(server) -> None:
+    async def scenario() -> list[tuple[int, int, bool]]:
+        outcomes = []
+        async with AsyncPacerClient(server.address) as pacer:
+            for attempt in range(5):
+                prompts = [f"q{attempt}-{i}" for i in range(6)]
+                consumed = await _drain_and_fill_async(pacer, prompts)
+                with pytest.raises(RuntimeError, match="step failed"):
+                    async with pacer.batches(2 * N, lease=600, poll=1) as batches:
+                        await batches.__anext__()
+                        raise RuntimeError("step failed")
+                state = await pacer.state()
+                again = [g.prompt_id for g in await pacer.collect(6, wait=0)]
+                outcomes.append((state.leased, state.consumed - consumed, again == prompts))
+        return outcomes
+
+    assert asyncio.run(scenario()) == [(0, 0, True)] * 5
 
 
 def test_a_graceful_server_restart_trains_no_batch_twice(tmp_path, caplog) -> None:
