@@ -332,7 +332,7 @@ class AsyncPacer:
         """Pacer.release: the leased groups back to the buffer, untrained."""
         async def call() -> int:
             self.pacer.checks.check_lease_id(lease_id)
-            return self.pacer.apply_release(lease_id, request_id)
+            return self.pacer.apply_release(lease_id)
 
         return await self._applied("Release", request_id, call)
 

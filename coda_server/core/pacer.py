@@ -390,7 +390,8 @@ class Pacer(PacerViews):
         self.checks.check_lease_id(lease_id)
         return self.answers.once("Release", request_id, lambda: self.apply_release(lease_id))
 
-    def apply_release(self, lease_id: str, request_id: str = "") -> int:
+    def apply_release(self, lease_id: str) -> int:
+        # No request id: a Release is journaled as the expiry it is, which carries none.
         with self.lock:
             self.check_open()
             groups = self.leases.releasable(lease_id)
