@@ -1556,14 +1556,14 @@ class AsyncRolloutWorker:
         for `shutdown_grace` seconds; then the call's error is an UnavailableError. A call that `reads_only` (it
         changes nothing on the server) ends at stop() itself: nothing waits for its answer then."""
         delay = RETRY_INITIAL_SECONDS
-        ends_it = self._stop_asked if reads_only else self._grace_over
+        ends_it, grace = self._stop_asked if reads_only else self._grace_over, self._grace_over
+        assert ends_it is not None and grace is not None  # made by run() before any call
         while True:
             attempt = asyncio.ensure_future(call())
             self._calls_in_flight[attempt] = what
             try:
                 # After stop() a call may wait for a server that is not coming back: stop() or its grace bounds it.
-                await asyncio.wait([attempt] if ends_it is None else [attempt, ends_it],
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([attempt, ends_it], return_when=asyncio.FIRST_COMPLETED)
                 if not attempt.done():
                     attempt.cancel()
                     raise self._ended_by_stop(what, reads_only)
@@ -1572,8 +1572,7 @@ class AsyncRolloutWorker:
                 attempt.cancel()  # the worker's own task was cancelled: so is its call
                 raise
             except (UnavailableError, DeadlineExceededError) as exc:
-                grace_over = self._grace_over is not None and self._grace_over.done()
-                if (what != "Submit" and self._stopping) or grace_over:
+                if (what != "Submit" and self._stopping) or grace.done():
                     if isinstance(exc, UnavailableError):
                         raise
                     raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered: {exc}") from exc
