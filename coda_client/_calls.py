@@ -188,12 +188,14 @@ def collect(
     num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0,
     arrays: ArrayMode = "list", rank: int = 0, world_size: int = 1, token_budget: int = 0,
     trainer_step: int | None = None, max_response_bytes: int = 0, streamed: bool = False,
+    release_when_silent: bool = False,
 ) -> Call[CollectResult]:
     """Collect: a retried Collect must not take a second batch, hence the request id here too. `rank` and
     `world_size` ask for one rank's share of a data-parallel mini-batch; `token_budget` cuts it by tokens. With
     `trainer_step`, the server refuses it unless it is at that step (a trainer restarted from a checkpoint).
     `max_response_bytes`: the largest answer this client receives, so the server cuts the answer to fit.
-    `streamed`: through CollectStream, the same answer in messages of a few MiB (received faster when large)."""
+    `streamed`: through CollectStream, the same answer in messages of a few MiB (received faster when large).
+    `release_when_silent`: the lease also ends once this client (its client id) stops heartbeating."""
     request = _message(
         pacer_pb2.CollectRequest,
         num_groups=num_groups,
@@ -205,6 +207,7 @@ def collect(
         world_size=world_size,
         token_budget=token_budget,
         max_response_bytes=max(0, max_response_bytes),
+        release_when_silent=release_when_silent,
     )
     if trainer_step is not None:
         check_numbers(pacer_pb2.CollectRequest, trainer_step=trainer_step)

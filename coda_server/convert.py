@@ -169,6 +169,17 @@ def submit_response(result: SubmitResult) -> pb.SubmitResponse:
     return message
 
 
+def lease_holder(request: pb.CollectRequest, caller: str) -> str:
+    """Whose silence also ends a Collect's lease: the caller's client id when it asks so (release_when_silent)."""
+    if not request.release_when_silent:
+        return ""
+    if not caller:
+        raise InvalidArgumentError(
+            "release_when_silent needs the caller's client id (x-coda-client-id metadata; PacerClient(client_id=...)): "
+            "the server watches that id for heartbeats", violations=[("release_when_silent", "needs a client id")])
+    return caller
+
+
 def batch_shape(request: pb.CollectRequest) -> BatchShape:
     """A Collect's shape (world_size 0, the proto default, is a single consumer)."""
     if not (request.token_budget or request.world_size > 1 or request.rank):

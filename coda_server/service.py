@@ -132,18 +132,22 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
             yield message
 
     async def _collect(self, request: pb.CollectRequest, context) -> CollectResult:
+        caller = client_id(context)
+        self._pacer.heard_from(caller)
         return await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
                                          request.allow_partial, request.request_id, request.lease_seconds,
                                          convert.batch_shape(request),
                                          request.trainer_step if request.HasField("trainer_step") else None,
-                                         request.max_response_bytes)
+                                         request.max_response_bytes, convert.lease_holder(request, caller))
 
     @maps_errors
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
+        self._pacer.heard_from(client_id(context))
         return pb.AckResponse(groups=await self._pacer.ack(request.lease_id, request.request_id))
 
     @maps_errors
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        self._pacer.heard_from(client_id(context))
         return pb.ReleaseResponse(groups=await self._pacer.release(request.lease_id, request.request_id))
 
     @maps_errors

@@ -151,8 +151,8 @@ def test_keep_alive_renews_running_leases_and_names_groups_no_longer_in_flight()
     clock.now += 2  # 119: a renewal lasts one lease, no longer
     assert pacer.expire_leases() == (["a"], [])
     assert pacer.keep_alive(["b"]).unknown_prompt_ids == ["b"]  # reclaimed: the worker should stop
-    with pytest.raises(InvalidArgumentError, match="between 1 and"):
-        pacer.keep_alive([])
+    heartbeat = pacer.keep_alive([])  # no prompt ids: a heartbeat alone (a trainer holding leases), renewing nothing
+    assert (heartbeat.renewed, heartbeat.unknown_prompt_ids) == (0, [])
     with pytest.raises(InvalidArgumentError, match=r"prompt_ids\[0\] must be a non-empty string"):
         pacer.keep_alive([""])
 
@@ -189,9 +189,10 @@ def test_keep_alive_and_continuations_over_grpc(tmp_path):
         pacer.dispatch(["a"])
         answer = pacer.keep_alive(["a", "z"])
         assert (answer.renewed, answer.unknown_prompt_ids, answer.lease_seconds) == (1, ["z"], 30.0)
+        assert pacer.keep_alive([]).renewed == 0  # a heartbeat alone
         with pytest.raises(BadRequestError) as refused:
-            pacer.keep_alive([])
-        assert refused.value.field_violations[0].field == "prompt_ids"
+            pacer.keep_alive([""])
+        assert refused.value.field_violations[0].field == "prompt_ids[0]"
         pacer.submit([WireTrajectory(trajectory_id=f"a#{i}", prompt_id="a", status=WireStatus.ABORTED,
                                      token_ids=[7] * (i + 1), segment_lengths=[i + 1], segment_weight_versions=[0])
                       for i in range(2)])

@@ -226,7 +226,8 @@ class RolloutPacerServicer:
     def KeepAlive(self, request, context):
         """Renews the in-flight lease (server.inflight_lease_seconds) of running groups a live worker is still
         generating, so a slow group is not reclaimed; names the ones no longer in flight. Not journaled.
-        Errors: INVALID_ARGUMENT (no prompt ids, bad id, too many), UNAUTHENTICATED, UNAVAILABLE.
+        With no prompt ids it is a caller's heartbeat alone (see CollectRequest.release_when_silent).
+        Errors: INVALID_ARGUMENT (bad id, too many), UNAUTHENTICATED, UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

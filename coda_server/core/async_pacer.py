@@ -115,10 +115,15 @@ class AsyncPacer:
             except Exception:
                 log.exception("releasing the groups of silent workers failed")
                 continue
-            for worker, released in silent.items():
-                log.warning("worker %s silent for %.0f s (no heartbeat or call): its %d running group(s) released "
-                            "(%s%s)", worker, self.pacer.liveness_seconds, len(released), ", ".join(released[:5]),
-                            ", ..." if len(released) > 5 else "")
+            for client, lost in silent.items():
+                if lost.prompt_ids:
+                    log.warning("worker %s silent for %.0f s (no heartbeat or call): its %d running group(s) released "
+                                "(%s%s)", client, self.pacer.liveness_seconds, len(lost.prompt_ids),
+                                ", ".join(lost.prompt_ids[:5]), ", ..." if len(lost.prompt_ids) > 5 else "")
+                if lost.lease_ids:
+                    log.warning("trainer %s silent for %.0f s (no heartbeat or call): its lease(s) %s released, %d "
+                                "group(s) back in the buffer first in line", client, self.pacer.liveness_seconds,
+                                ", ".join(lost.lease_ids), lost.leased_groups)
             if leases:
                 log.warning("Collect lease(s) %s ran out without Ack: their groups are back in the buffer",
                             ", ".join(leases))
@@ -254,12 +259,12 @@ class AsyncPacer:
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
-                      trainer_step: Optional[int] = None, max_bytes: int = 0) -> CollectResult:
+                      trainer_step: Optional[int] = None, max_bytes: int = 0, holder: str = "") -> CollectResult:
         async def call() -> CollectResult:
             pacer = self.pacer
             if pacer.closed:  # like every other call; a Collect already waiting is answered timed_out instead
                 raise ShuttingDownError("the pacer is shutting down and takes no new calls")
-            groups = pacer.checks.check_collect(num_groups, lease_seconds, shape)
+            groups = pacer.checks.check_collect(num_groups, lease_seconds, shape, holder)
             pacer.check_collect_reachable(groups, allow_partial, shape)
             wait_id = self._next_wait_id = self._next_wait_id + 1
             now = asyncio.get_running_loop().time()
@@ -271,7 +276,7 @@ class AsyncPacer:
             self._collect_waits[wait_id] = groups
             try:
                 answer = await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds,
-                                                                   shape, trainer_step, max_bytes), wait)
+                                                                   shape, trainer_step, max_bytes, holder), wait)
             finally:
                 del self._collect_waits[wait_id]
                 self._collects_idle_since = asyncio.get_running_loop().time()

@@ -149,12 +149,13 @@ class RequestChecks:
                                        violations=[("max_continuations", "must be an integer >= 0")])
 
     def check_keep_alive(self, prompt_ids: Sequence[Any]) -> None:
-        """KeepAlive names at least one running group, at most max_dispatch_candidates, each a valid id."""
+        """KeepAlive names at most max_dispatch_candidates running groups, each a valid id (none: a heartbeat alone,
+        as a trainer holding leases sends)."""
         limit = self.limits.max_candidates
-        if not prompt_ids or len(prompt_ids) > limit:
+        if len(prompt_ids) > limit:
             raise InvalidArgumentError(
-                f"KeepAlive names {len(prompt_ids)} prompt ids; between 1 and {limit} are allowed",
-                violations=[("prompt_ids", f"between 1 and {limit} prompt ids per call")])
+                f"KeepAlive names {len(prompt_ids)} prompt ids; at most {limit} are allowed",
+                violations=[("prompt_ids", f"at most {limit} prompt ids per call")])
         violations = [(f"prompt_ids[{i}]", problem) for i, prompt_id in enumerate(prompt_ids)
                       if (problem := self.id_problem(prompt_id)) is not None]
         if violations:
@@ -266,7 +267,8 @@ class RequestChecks:
                 f"Submit completes {completing} more, over server.max_buffered_groups = {max_buffered}; "
                 f"retry after the trainer collects", retry_after=RESOURCE_RETRY_SECONDS, reason="BUFFER_FULL")
 
-    def check_collect(self, num_groups: Any, lease_seconds: Any = 0.0, shape: BatchShape = PLAIN) -> int:
+    def check_collect(self, num_groups: Any, lease_seconds: Any = 0.0, shape: BatchShape = PLAIN,
+                      holder: str = "") -> int:
         """Checks a Collect; returns the groups it asks for at most (with a token budget, 0 is the server's limit)."""
         limit = self.limits.max_collect
         if shape.token_budget and num_groups == 0:
@@ -277,6 +279,10 @@ class RequestChecks:
         if not (isinstance(lease_seconds, (int, float)) and math.isfinite(lease_seconds) and lease_seconds >= 0):
             raise InvalidArgumentError(f"lease_seconds {lease_seconds!r} must be a finite number >= 0 (0: no lease)",
                                        violations=[("lease_seconds", "must be a finite number >= 0")])
+        if holder and not lease_seconds:
+            raise InvalidArgumentError(
+                "release_when_silent applies to a leased Collect (lease_seconds > 0): without a lease the groups are "
+                "consumed as they are answered", violations=[("release_when_silent", "needs lease_seconds > 0")])
         if shape.plain:
             return num_groups
         if shape.token_budget < 0:

@@ -44,21 +44,23 @@ class Delivery:
         return available if partial and available >= shape.world_size else None
 
     def take(self, count: int, timed_out: bool, lease_seconds: float, shape: BatchShape, num_groups: int,
-             max_bytes: int, now: float, split: Sequence[int] = ()) -> tuple[CollectResult, int, tuple[int, ...]]:
+             max_bytes: int, now: float, split: Sequence[int] = (), holder: str = ""
+             ) -> tuple[CollectResult, int, tuple[int, ...]]:
         """The answer handing `count` groups to the trainer, how many it took (fewer when cut to fit), and, when it
         took a new data-parallel mini-batch, each group's rank in the order taken (else empty). `split`: the ranks
-        a journal recorded for that mini-batch (replay), used instead of splitting it again."""
+        a journal recorded for that mini-batch (replay), used instead of splitting it again. `holder`: the client
+        whose silence ends the lease too (see Leases)."""
         limit = self._limits.answer_bytes(max_bytes)
         if shape.world_size > 1:
             key = shape.key(num_groups)
             others = self._leases.waiting_shapes(key) if count else ()  # only when a new mini-batch is taken
-            lease, split = self._take_share(count, lease_seconds, key, shape, now, limit, split)
+            lease, split = self._take_share(count, lease_seconds, key, shape, now, limit, split, holder)
             return CollectResult([group for _, group in lease.entries], timed_out=timed_out,
                                  lease_id=lease.lease_id, other_shapes_waiting=others), count, split
         entries = self._buffer.pop_fitting(count, limit)
         cut_to_fit, count = len(entries) < count, len(entries)
         if lease_seconds > 0:
-            lease = self._leases.grant(entries, lease_seconds, now)
+            lease = self._leases.grant(entries, lease_seconds, now, holder)
             self._signals.notify()
             return CollectResult([group for _, group in lease.entries], timed_out=timed_out, lease_id=lease.lease_id,
                                  cut_to_fit=cut_to_fit), count, ()
@@ -67,9 +69,9 @@ class Delivery:
         return CollectResult(groups, timed_out=timed_out, cut_to_fit=cut_to_fit), count, ()
 
     def _take_share(self, count: int, lease_seconds: float, key: tuple, shape: BatchShape, now: float,
-                    limit: int = 0, split: Sequence[int] = ()) -> tuple[CollectLease, tuple[int, ...]]:
+                    limit: int = 0, split: Sequence[int] = (), holder: str = "") -> tuple[CollectLease, tuple[int, ...]]:
         if not count:
-            lease = self._leases.claim(key, shape.rank, now)
+            lease = self._leases.claim(key, shape.rank, now, holder)
             if lease is None:
                 raise RuntimeError("recovery diverged: no share of a data-parallel mini-batch waits for this rank")
             return lease, ()
@@ -90,7 +92,7 @@ class Delivery:
                 raise MessageTooLargeError(f"a rank's share ({len(largest)} groups, from "
                                            f"{entries[largest[0]][1].prompt_id})", max(sizes), limit)
         lease = self._leases.grant_shares(key, [[entries[i] for i in share] for share in shares], shape.rank,
-                                          lease_seconds, now)
+                                          lease_seconds, now, holder)
         self._signals.notify()
         ranks = [0] * count
         for rank, share in enumerate(shares):

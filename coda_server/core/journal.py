@@ -80,6 +80,8 @@ class Collected(JournalEvent):
     # A new data-parallel mini-batch: each taken group's rank, in the order taken. Replay hands the shares out as
     # they were, whatever rule splits them now (events recorded before splits were: split again, by today's rule).
     split: tuple[int, ...] = ()
+    # The client whose silence also ends the lease (a trainer that heartbeats); "" for none (and events before).
+    holder: str = ""
 
 
 @dataclass(slots=True)

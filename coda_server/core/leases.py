@@ -14,15 +14,17 @@ LAPSED_LEASES_KEPT = 4096  # recently expired lease ids, for a clear Ack error
 
 
 class CollectLease:
-    """Groups handed to the trainer that go back to the buffer unless acknowledged before `deadline`."""
+    """Groups handed to the trainer that go back to the buffer unless acknowledged before `deadline`, or sooner
+    when `holder` (the client id of a trainer that heartbeats) goes silent."""
 
-    __slots__ = ("lease_id", "entries", "seconds", "deadline")
+    __slots__ = ("lease_id", "entries", "seconds", "deadline", "holder")
 
-    def __init__(self, lease_id: str, entries: list, seconds: float, deadline: float):
+    def __init__(self, lease_id: str, entries: list, seconds: float, deadline: float, holder: str = ""):
         self.lease_id = lease_id
         self.entries = entries  # (priority, group) as they were in the buffer, so redelivery keeps the order
         self.seconds = seconds
         self.deadline = deadline
+        self.holder = holder  # "": bound by its time alone
 
 
 class Leases:
@@ -75,20 +77,22 @@ class Leases:
 
     # ----------------------------------------------------------------- Collect leases
 
-    def grant(self, entries: list, seconds: float, now: float) -> CollectLease:
+    def grant(self, entries: list, seconds: float, now: float, holder: str = "") -> CollectLease:
         self.serial += 1
-        lease = CollectLease(f"lease-{self.serial}", entries, seconds, now + seconds)
+        lease = CollectLease(f"lease-{self.serial}", entries, seconds, now + seconds, holder)
         self.collect[lease.lease_id] = lease
         return lease
 
-    def grant_shares(self, key: tuple, shares: list[list], rank: int, seconds: float, now: float) -> CollectLease:
-        """One lease per rank's share of a mini-batch; `rank`'s is handed out now, the others wait for their
-        ranks (claim) and lapse like any lease when none comes."""
+    def grant_shares(self, key: tuple, shares: list[list], rank: int, seconds: float, now: float,
+                     holder: str = "") -> CollectLease:
+        """One lease per rank's share of a mini-batch; `rank`'s is handed out now (held by `holder`), the others
+        wait for their ranks (claim) and lapse like any lease when none comes."""
         leases = [self.grant(entries, seconds, now) for entries in shares]
         slots: list[Optional[str]] = [lease.lease_id for lease in leases]
         slots[rank] = None
         if any(slots):
             self.open_shares.setdefault(key, []).append(slots)
+        leases[rank].holder = holder
         return leases[rank]
 
     def waiting_shapes(self, besides: tuple) -> tuple:
@@ -100,9 +104,10 @@ class Leases:
         """Whether an open mini-batch under `key` holds a live share for `rank`."""
         return any(slots[rank] in self.collect for slots in self.open_shares.get(key, ()) if slots[rank])
 
-    def claim(self, key: tuple, rank: int, now: float) -> Optional[CollectLease]:
+    def claim(self, key: tuple, rank: int, now: float, holder: str = "") -> Optional[CollectLease]:
         """The share of `rank` in the oldest open mini-batch under `key` that still has a live one for it, handed
-        out now (its lease runs from now); None when there is none. Mini-batches left with no live share go."""
+        out now to `holder` (its lease runs from now); None when there is none. Mini-batches left with no live
+        share go."""
         batches = self.open_shares.get(key, [])
         found = None
         for slots in batches:
@@ -110,6 +115,7 @@ class Leases:
             if lease_id in self.collect:
                 found = self.collect[lease_id]
                 found.deadline = now + found.seconds
+                found.holder = holder
                 break
         batches[:] = [slots for slots in batches if any(lease_id in self.collect for lease_id in slots if lease_id)]
         if not batches:
@@ -136,6 +142,15 @@ class Leases:
             return 0
         raise UnknownLeaseError(f"lease {lease_id!r} is not known (never granted, or already acknowledged or "
                                 f"released)")
+
+    def held_by(self, holders: Iterable[str]) -> list[str]:
+        """The ids of the Collect leases these clients hold, oldest first."""
+        holders = set(holders)
+        return [lease_id for lease_id, lease in self.collect.items() if lease.holder and lease.holder in holders]
+
+    def holders(self) -> set[str]:
+        """The client ids holding a Collect lease."""
+        return {lease.holder for lease in self.collect.values() if lease.holder}
 
     def lapsing(self, now: float) -> list[str]:
         """The ids of the Collect leases whose time ran out by `now`."""
@@ -166,14 +181,15 @@ class Leases:
             lease.deadline = now + lease.seconds
 
     def export(self) -> dict:
-        return {"leases": [(lease.lease_id, lease.entries, lease.seconds) for lease in self.collect.values()],
+        return {"leases": [(lease.lease_id, lease.entries, lease.seconds, lease.holder)
+                           for lease in self.collect.values()],
                 "lease_serial": self.serial, "lapsed_leases": list(self.lapsed),
                 "open_shares": [(key, [list(slots) for slots in batches]) for key, batches in self.open_shares.items()]}
 
     def restore(self, snapshot: Mapping, now: float) -> None:
-        for lease_id, entries, seconds in snapshot["leases"]:
+        for lease_id, entries, seconds, *holder in snapshot["leases"]:  # no holder in snapshots before holders
             # The old deadline was on the old process's clock: a recovered lease gets its full time again.
-            self.collect[lease_id] = CollectLease(lease_id, entries, seconds, now + seconds)
+            self.collect[lease_id] = CollectLease(lease_id, entries, seconds, now + seconds, *holder)
         self.serial = snapshot["lease_serial"]
         self.lapsed.extend(snapshot["lapsed_leases"])
         self.open_shares = {tuple(key): [list(slots) for slots in batches]

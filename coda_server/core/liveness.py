@@ -1,10 +1,12 @@
-"""Worker liveness: which workers (client ids holding a control stream) went silent, so their running groups go back.
+"""Client liveness: which watched clients (workers with a control stream, trainers holding leases) went silent.
 
-A worker that opens WatchControl with a client id is watched: from then on every call it makes (a KeepAlive
-heartbeat, a Dispatch, a Submit, another stream) says it is alive. Silent for `grace` seconds (killed,
-stopped, cut off by the network: an open stream alone proves nothing, a stopped process keeps its socket),
-it is taken as gone and the Pacer releases its incomplete running groups the way an expired in-flight lease
-does. Callers that never opened a stream (raw clients) are not watched: their in-flight lease is their bound.
+A worker that opens WatchControl with a client id is watched, and so is a trainer once it holds a Collect lease
+that asked to end with its silence (release_when_silent): from then on every call it makes (a KeepAlive
+heartbeat, a Dispatch, a Submit, a Collect, an Ack, another stream) says it is alive. Silent for `grace` seconds
+(killed, stopped, cut off by the network: an open stream alone proves nothing, a stopped process keeps its
+socket), it is taken as gone and the Pacer releases its incomplete running groups the way an expired in-flight
+lease does, and its Collect leases the way a Release does. Callers that never opened a stream (raw clients) are
+not watched: their leases are their bound.
 """
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ class Liveness:
             self._streams[client_id] = count
         else:
             self._streams.pop(client_id, None)
+
+    def watch(self, client_id: str, now: float) -> None:
+        """`client_id` holds something its silence should give back (a trainer's lease): watched from now on."""
+        if client_id and self.grace:
+            self._last_heard[client_id] = now
 
     def heard(self, client_id: str, now: float) -> None:
         """A call from `client_id`: alive (a client released as silent is watched again while it holds a stream)."""

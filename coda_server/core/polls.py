@@ -39,7 +39,8 @@ class Collecting(Protocol):
     def collect_must_attempt(self, trainer_step: Optional[int]) -> bool: ...
     def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]: ...
     def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
-                   shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0) -> CollectResult: ...
+                   shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0, split: Sequence[int] = (),
+                   holder: str = "") -> CollectResult: ...
 
 
 class Assembling(Protocol):
@@ -113,10 +114,10 @@ class CollectPoll:
     rank's share waits; at the deadline, whatever is there with `allow_partial`."""
 
     __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds", "_shape", "_trainer_step",
-                 "_max_bytes")
+                 "_max_bytes", "_holder")
 
     def __init__(self, pacer: Collecting, num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float,
-                 shape: BatchShape = PLAIN, trainer_step: Optional[int] = None, max_bytes: int = 0):
+                 shape: BatchShape = PLAIN, trainer_step: Optional[int] = None, max_bytes: int = 0, holder: str = ""):
         self._pacer = pacer
         self._num_groups = num_groups
         self._allow_partial = allow_partial
@@ -125,6 +126,7 @@ class CollectPoll:
         self._shape = shape
         self._trainer_step = trainer_step  # None: the trainer does not state its step
         self._max_bytes = max_bytes  # the largest answer the caller takes (0: the server's limit)
+        self._holder = holder  # the client whose silence ends the lease too ("": none)
 
     def attempt(self) -> Optional[CollectResult]:
         pacer = self._pacer
@@ -161,7 +163,7 @@ class CollectPoll:
 
     def _take(self, count: int, timed_out: bool) -> CollectResult:
         return self._pacer.apply_take(count, timed_out, self._request_id, self._lease_seconds, self._shape,
-                                      self._num_groups, self._max_bytes)
+                                      self._num_groups, self._max_bytes, holder=self._holder)
 
 
 class ResetPoll:

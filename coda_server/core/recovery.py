@@ -160,6 +160,7 @@ class Recovery:
             now = self._clock()
             self._steps.restart_pause_clock(now)
             self._leases.restart_clocks(now, self._inflight.values())
+            self._liveness.restore(self._leases.holders(), now)  # a trainer that does not come back loses its leases
             self._liveness.restart_clocks(now)
         return len(recorded_events)
 
@@ -201,7 +202,7 @@ class Recovery:
             remember("Collect", event.request_id,
                      self._take(event.count, event.timed_out, event.request_id, event.lease_seconds,
                                 BatchShape(event.token_budget, event.rank, event.world_size), event.num_groups,
-                                split=event.split))
+                                split=event.split, holder=event.holder))
         elif isinstance(event, Acked):
             remember("Ack", event.request_id, self._ack(event.lease_id, event.request_id))
         elif isinstance(event, Expired):

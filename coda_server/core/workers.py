@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from .checks import RequestChecks
@@ -13,6 +14,15 @@ from .journal import Expired, Recorder
 from .leases import Leases
 from .liveness import Liveness
 from .types import HeldGroup, KeepAliveResult
+
+
+@dataclass
+class SilentRelease:
+    """What a client taken as gone lost: its running groups (a worker's) and its Collect leases (a trainer's)."""
+
+    prompt_ids: list[str] = field(default_factory=list)
+    lease_ids: list[str] = field(default_factory=list)
+    leased_groups: int = 0
 
 
 class Workers:
@@ -73,20 +83,28 @@ class Workers:
             return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
                                    self._leases.inflight_seconds, self._liveness.grace)
 
-    def release_silent_workers(self) -> dict[str, list[str]]:
-        """Release the incomplete running groups of watched workers silent for the liveness grace, as an
-        expired lease releases them. Returns {client id: released prompt ids}. Called periodically by the server."""
+    def release_silent_workers(self) -> dict[str, SilentRelease]:
+        """Release what watched clients silent for the liveness grace hold: a worker's incomplete running groups, as
+        an expired in-flight lease releases them, and a trainer's Collect leases bound to its liveness, as a Release
+        gives them back (first in line again). Returns what each gone client lost. Called periodically by the
+        server."""
         with self._lock:
             now = self._clock.now()
             gone = set(self._liveness.silent(now))
             if not gone or self._lifecycle.closed:
                 return {}
             groups = [g for g in self._inflight.in_dispatch_order() if g.client_id in gone and not g.complete]
-            released: dict[str, list[str]] = {}
+            lease_ids = self._leases.held_by(gone)
+            released: dict[str, SilentRelease] = {}
             for group in groups:
-                released.setdefault(group.client_id, []).append(group.prompt_id)
-            if groups:
+                released.setdefault(group.client_id, SilentRelease()).prompt_ids.append(group.prompt_id)
+            for lease_id in lease_ids:
+                lease = self._leases.collect[lease_id]
+                lost = released.setdefault(lease.holder, SilentRelease())
+                lost.lease_ids.append(lease_id)
+                lost.leased_groups += len(lease.entries)
+            if groups or lease_ids:
                 prompt_ids = [group.prompt_id for group in groups]
-                self._collector.expire(prompt_ids, [])
-                self._record(Expired(now, prompt_ids, []))
+                self._collector.expire(prompt_ids, lease_ids)
+                self._record(Expired(now, prompt_ids, lease_ids))
             return released
