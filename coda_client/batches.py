@@ -12,9 +12,11 @@ import functools
 import logging
 import mmap
 import operator
+import os
 import sys
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +64,8 @@ _CLOSE_WAIT_SECONDS = 5.0
 # The longest close() lets a prefetch still in progress go on before cutting it: an answer on its way (the groups
 # were there) is received, and its lease given back; one that waits for groups is cut after it, nothing leased.
 _CLOSE_PREFETCH_WAIT_SECONDS = 1.0
+# Between heartbeats before the server has said its liveness grace (then a third of it, as workers beat).
+_FIRST_BEAT_RETRY_SECONDS = 1.0
 
 
 def _server_away(code: Any, client: Any) -> bool:
@@ -526,6 +530,12 @@ def _as_integer(value: Any) -> Any:
     return operator.index(value)
 
 
+def default_trainer_id(shape: BatchShape) -> str:
+    """The client id a trainer's client without one takes: its rank when it has one, its process, a random part."""
+    rank = f"rank{shape.rank}-" if shape.world_size > 1 else ""
+    return f"trainer-{rank}{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 def _reopened_watch(client: Any) -> Any:
     """The client's control stream opened again, or None when the client was closed under the iterator: there is
     nothing left to follow, and the iterator's own calls say that the client is closed."""
@@ -625,6 +635,9 @@ class _IteratorBase:
         self._closed = False
         # Collects go through CollectStream until a server older than it says it has none (then Collect).
         self._streamed = True
+        # The leases end when this client stops heartbeating too (the blocking iterator, which heartbeats).
+        self._release_when_silent = False
+        self._beat_seconds = _FIRST_BEAT_RETRY_SECONDS
 
     @property
     def num_groups(self) -> int:
@@ -639,7 +652,27 @@ class _IteratorBase:
                               allow_partial=False, request_id=None, timeout=self._client.timeout, lease=self.lease,
                               arrays="numpy", rank=shape.rank, world_size=shape.world_size,
                               token_budget=shape.token_budget, trainer_step=self.step,
-                              max_response_bytes=self._client.max_receive_bytes, streamed=self._streamed)
+                              max_response_bytes=self._client.max_receive_bytes, streamed=self._streamed,
+                              release_when_silent=self._release_when_silent)
+
+    def _heartbeat_call(self) -> _calls.Call[Any]:
+        """A KeepAlive naming no group: this trainer is alive, so the server keeps its leases (release_when_silent)."""
+        return _calls.keep_alive([], timeout=min(self._client.timeout, max(self._beat_seconds, 1.0)))
+
+    def _next_beat(self, answer: Any) -> float | None:
+        """Seconds until the next heartbeat after this answer (a KeepAliveResult or the call's error); None: no more
+        (the server's liveness is off, or the server is older than heartbeats: its leases end by time alone)."""
+        if isinstance(answer, Exception):
+            if getattr(answer, "code", None) in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+                log.info("batches: the server at %s takes no heartbeat (it is older than this client); a batch of a "
+                         "trainer that dies returns when its lease runs out (lease=%g s)", self._client.target,
+                         self.lease)
+                return None
+            return self._beat_seconds  # away or busy: the next beat tries again
+        if not answer.liveness_seconds:
+            return None
+        self._beat_seconds = answer.liveness_seconds / 3
+        return self._beat_seconds
 
     def _without_stream(self, exc: Exception) -> bool:
         """Whether a failed Collect says the server has no CollectStream (it is older than this client): then
@@ -745,6 +778,12 @@ class BatchIterator(_IteratorBase):
         # Acknowledgements go out on their own thread, so handing out the next batch does not wait for one.
         self._acker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches-ack")
         self._acking: concurrent.futures.Future[int] | None = None
+        # Named before its first call, so that the server knows whose heartbeats keep its leases (a client made
+        # with a client id keeps it); the heartbeats run on a thread of their own, beside the training step.
+        client.adopt_client_id(default_trainer_id(self.shape))
+        self._release_when_silent = True
+        self._heartbeat = threading.Thread(target=self._heartbeats, name="coda-batches-heartbeat", daemon=True)
+        self._heartbeat.start()
         self._watch = client.watch()
         self._watcher = threading.Thread(target=self._watch_events, name="coda-batches-watch", daemon=True)
         self._watcher.start()
@@ -756,6 +795,22 @@ class BatchIterator(_IteratorBase):
         then, False on timeout. A server that shuts down before then cannot announce it to this iterator,
         whose calls then fail with the server's error instead of ending the iteration."""
         return self._watching.wait(timeout)
+
+    def _heartbeats(self) -> None:
+        """Tells the server this trainer is alive every third of its liveness grace until close(): a trainer that
+        dies (kill -9, a lost node) has its batches delivered again within that grace, not its lease."""
+        wait = 0.0
+        while not self._closing.wait(wait):
+            try:
+                answer = self._client._run(self._heartbeat_call())
+            except PacerClientError as exc:
+                answer = exc
+            except Exception:  # noqa: BLE001 - the client was closed under the iterator: nothing more to keep
+                return
+            next_wait = self._next_beat(answer)
+            if next_wait is None:
+                return
+            wait = next_wait
 
     def _watch_events(self) -> None:
         """Follows the control stream, reconnecting whenever it ends: SHUTDOWN marks the server away (calls in

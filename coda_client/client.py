@@ -416,8 +416,8 @@ class PacerClient(_ClientBase):
     def keep_alive(self, prompt_ids: Sequence[str], *, dispatch_seqs: Mapping[str, int] | None = None,
                    loaded_weight_version: int | None = None) -> KeepAliveResult:
         """Renews the in-flight leases of running groups this worker is still generating (and is the worker's
-        liveness heartbeat). `dispatch_seqs`: fencing tokens, as for submit(); `loaded_weight_version`: as
-        for dispatch()."""
+        liveness heartbeat; with no prompt ids, the heartbeat alone, as batches() sends it for a trainer).
+        `dispatch_seqs`: fencing tokens, as for submit(); `loaded_weight_version`: as for dispatch()."""
         return self._run(self._keep_alive(prompt_ids, dispatch_seqs, loaded_weight_version))
 
     def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None,
@@ -492,8 +492,10 @@ class PacerClient(_ClientBase):
         rank (the server makes it), each share leased to its rank alone.
 
         The next Collect runs in the background while the caller trains on the current batch; asking for the
-        next batch (or `ack()`) acknowledges the current one, so a trainer that dies gets its groups delivered
-        again, in order, after `lease` seconds (which must cover a training step plus the prefetch). Stops
+        next batch (or `ack()`) acknowledges the current one. A thread heartbeats while the caller trains, so a
+        trainer that dies gets its groups delivered again, in order, within server.worker_liveness_seconds (the
+        client takes a client id `trainer-...` if it has none); otherwise after `lease` seconds (which must cover a
+        training step plus the prefetch). Stops
         after `num_batches` batches without prefetching beyond them (a step boundary; "step": one training
         step's B * N / mini_batch_size, read from the server) or on `close()`. A server restart (its SHUTDOWN,
         or a lost connection) does not end it: its calls, acknowledgements included, are sent again once a

@@ -1,0 +1,197 @@
+"""Trainer liveness: a trainer that dies holding leased batches (kill -9, a lost node) has them delivered again
+within the liveness grace, first in line, not after its lease; a live one heartbeats and keeps them."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+
+from coda_client import PacerClient
+from coda_client._proto import pacer_pb2 as pb, pacer_pb2_grpc
+from coda_server.core.errors import InvalidArgumentError, LeaseExpiredError
+from conftest import REPO_ROOT
+from server_harness import ServerProcess, until
+from coda_server.core import PromptRef
+from test_leases import group, make_pacer
+
+GRACE = 3.0  # seconds: short for the test, long enough for a heartbeat every second on a busy machine
+LEASE = 600.0  # far beyond any wait here: only liveness can bring the groups back in time
+N = 2
+
+
+# --- in process ---------------------------------------------------------------------------------------
+
+
+def _filled(*overrides: str, prompts: str = "abcd", journal=None):
+    pacer, clock = make_pacer("server.inflight_lease_seconds=0", "server.worker_liveness_seconds=20", *overrides,
+                              journal=journal)
+    pacer.dispatch([PromptRef(p) for p in prompts])
+    for prompt_id in prompts:
+        pacer.submit(group(prompt_id))
+    return pacer, clock
+
+
+def test_a_silent_holders_leases_go_back_first_in_line_and_a_heard_ones_stay():
+    pacer, clock = _filled()
+    held = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    plain = pacer.collect_now(1, lease_seconds=LEASE)  # no holder: bound by its time alone
+    clock.now += 15
+    pacer.heard_from("trainer-1")  # a heartbeat
+    clock.now += 15  # 30 s after the Collect, 15 after the heartbeat: alive
+    assert pacer.release_silent_workers() == {}
+    assert pacer.state().leased == 3
+    clock.now += 6  # 21 s without a call: gone
+    [(holder, lost)] = pacer.release_silent_workers().items()
+    assert (holder, lost.lease_ids, lost.leased_groups, lost.prompt_ids) == ("trainer-1", [held.lease_id], 2, [])
+    state = pacer.state()
+    assert (state.leased, state.buffered, state.redelivered) == (1, 3, 2) and state.invariant_holds()
+    assert [g.prompt_id for g in pacer.collect_now(3).groups] == ["a", "b", "d"]  # first in line, in order
+    with pytest.raises(LeaseExpiredError):  # the trainer was taken as gone: its Ack says the groups went back
+        pacer.ack(held.lease_id)
+    assert pacer.ack(plain.lease_id) == 1
+
+
+def test_a_holder_without_a_lease_is_refused_and_changes_nothing():
+    pacer, _ = _filled()
+    before = pacer.state()
+    with pytest.raises(InvalidArgumentError, match="release_when_silent applies to a leased Collect"):
+        pacer.collect_now(2, holder="trainer-1")
+    assert pacer.state() == before
+
+
+def test_only_the_silent_ranks_share_goes_back_and_an_unclaimed_share_waits_for_its_rank():
+    from coda_server.core.shares import BatchShape
+
+    pacer, clock = _filled()
+    rank0 = pacer.collect_now(2, lease_seconds=LEASE, shape=BatchShape(0, 0, 2), holder="rank-0")
+    clock.now += 1
+    rank1 = pacer.collect_now(2, lease_seconds=LEASE, shape=BatchShape(0, 1, 2), holder="rank-1")
+    assert len(rank0.groups) == len(rank1.groups) == 1
+    rank0_next = pacer.collect_now(2, lease_seconds=LEASE, shape=BatchShape(0, 0, 2), holder="rank-0")
+    clock.now += 20.5  # rank 0 silent 20.5 s; rank 1 (heard at 1001) 20.5 s too, but it is heard now
+    pacer.heard_from("rank-1")
+    lost = pacer.release_silent_workers()
+    assert list(lost) == ["rank-0"] and lost["rank-0"].lease_ids == [rank0.lease_id, rank0_next.lease_id]
+    state = pacer.state()
+    # rank 1's own share stays leased to it, and so does its share of the second mini-batch, not claimed yet
+    assert (state.leased, state.buffered) == (2, 2) and state.invariant_holds()
+    waiting = pacer.collect_now(2, lease_seconds=LEASE, shape=BatchShape(0, 1, 2), holder="rank-1")
+    assert [g.prompt_id for g in waiting.groups] != [g.prompt_id for g in rank1.groups]
+    assert pacer.ack(rank1.lease_id) == 1 and pacer.ack(waiting.lease_id) == 1
+
+
+def test_after_a_restart_a_holder_that_does_not_come_back_loses_its_leases_within_the_grace(tmp_path):
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    first, _ = _filled(journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    held = first.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    first.journal.close()
+
+    pacer, clock = make_pacer("server.inflight_lease_seconds=0", "server.worker_liveness_seconds=20",
+                              journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    clock.now = 5.0  # another process's clock
+    pacer.recover()
+    assert pacer.state().leased == 2
+    clock.now += 19
+    assert pacer.release_silent_workers() == {}  # the grace runs from recovery
+    clock.now += 2
+    assert pacer.release_silent_workers()["trainer-1"].lease_ids == [held.lease_id]
+    assert [g.prompt_id for g in pacer.collect_now(4).groups] == ["a", "b", "c", "d"]
+    pacer.journal.close()
+
+
+# --- against a server ---------------------------------------------------------------------------------
+
+
+def _server(tmp_path, *extra: str) -> ServerProcess:
+    return ServerProcess(tmp_path, "fully_async.sliding_window=no-window", "data_source.num_prompts_per_step=64",
+                         f"data_source.num_trajectories_per_prompt={N}", f"trainer.mini_batch_size={2 * N}",
+                         "rollout.filter=[status]", f"server.worker_liveness_seconds={GRACE}", *extra)
+
+
+def _fill(pacer: PacerClient, prompt_ids: list[str]) -> None:
+    from coda_client import Trajectory, TrajectoryStatus
+
+    pacer.dispatch(prompt_ids)
+    for prompt_id in prompt_ids:
+        pacer.submit([Trajectory(trajectory_id=f"{prompt_id}/{i}", prompt_id=prompt_id,
+                                 status=TrajectoryStatus.COMPLETED, token_ids=[1, 2, 3]) for i in range(N)])
+
+
+def test_a_trainer_killed_mid_batch_has_its_batches_back_within_the_grace_not_the_lease(tmp_path) -> None:
+    """The batch in hand and the prefetched one, leased for 600 s, are first in line again about GRACE seconds after
+    the kill: a trainer restarted at once trains them, in order, before the newer groups."""
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, [f"k{i}" for i in range(4)])
+        trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import time
+            from coda_client import PacerClient
+            pacer = PacerClient({running.address!r})
+            batches = pacer.batches({2 * N}, lease={LEASE}, poll=1)
+            batch = next(batches)
+            while pacer.state().leased < 4:  # the prefetch took the second batch too
+                time.sleep(0.01)
+            print(pacer.client_id, flush=True)
+            time.sleep(600)  # "training": killed here
+        """)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        try:
+            trainer_id = trainer.stdout.readline().strip()
+        finally:
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(10)
+        assert trainer_id.startswith("trainer-")
+        _fill(pacer, ["k4", "k5"])  # newer groups, which a restarted trainer must not train first
+        until(lambda: pacer.state().leased == 0, "the dead trainer's leases to be released", timeout=60)
+        with pacer.batches(6 * N, lease=30, poll=5, num_batches=1) as batches:
+            [again] = list(batches)
+        assert [g.prompt_id for g in again.groups] == [f"k{i}" for i in range(6)]
+        assert pacer.state().redelivered == 4
+
+
+def test_a_live_trainer_keeps_its_batch_through_several_graces_and_acknowledges_it(tmp_path) -> None:
+    """The iterator heartbeats on a thread of its own while the step trains: a batch held for several graces is
+    still leased to it, and its Ack lands (without heartbeats the server would take it back after GRACE)."""
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, ["h0", "h1"])
+        with PacerClient(running.address) as trainer_client:
+            beats: list[float] = []
+            run = trainer_client._run
+
+            def counting(call):  # the client's own calls, counted as they go out
+                if call.method == "KeepAlive":
+                    beats.append(time.monotonic())
+                return run(call)
+
+            trainer_client._run = counting
+            with trainer_client.batches(2 * N, lease=LEASE, poll=1, num_batches=1) as batches:
+                batch = next(batches)
+                held_from = time.monotonic()
+                # a heartbeat every GRACE / 3 s: eight of them span more than two graces
+                until(lambda: len(beats) >= 8, "eight heartbeats", timeout=120)
+                assert time.monotonic() - held_from > GRACE and pacer.state().leased == 2
+            assert [g.prompt_id for g in batch.groups] == ["h0", "h1"]
+        state = pacer.state()
+        assert (state.consumed, state.leased, state.redelivered) == (2, 0, 0)
+
+
+def test_release_when_silent_needs_a_client_id_and_a_lease(tmp_path) -> None:
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, ["q0", "q1"])
+        with grpc.insecure_channel(running.address) as channel:
+            stub = pacer_pb2_grpc.RolloutPacerStub(channel)
+            with pytest.raises(grpc.RpcError) as anonymous:
+                stub.Collect(pb.CollectRequest(num_groups=2, lease_seconds=60, release_when_silent=True), timeout=10)
+            assert anonymous.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "needs the caller's client id" in anonymous.value.details()
+            named = (("x-coda-client-id", "trainer-q"),)
+            with pytest.raises(grpc.RpcError) as unleased:
+                stub.Collect(pb.CollectRequest(num_groups=2, release_when_silent=True), metadata=named, timeout=10)
+            assert unleased.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "applies to a leased Collect" in unleased.value.details()
+            assert pacer.state().buffered == 2  # neither took anything
+            assert stub.KeepAlive(pb.KeepAliveRequest(), metadata=named, timeout=10).liveness_seconds == GRACE
