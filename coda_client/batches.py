@@ -772,6 +772,9 @@ class BatchIterator(_IteratorBase):
         self._present = threading.Event()  # the server answers (cleared while it is away)
         self._present.set()
         self._closing = threading.Event()
+        # Heartbeats end at close(), or later while a batch is in hand: ack() may still come after close().
+        self._beats_end = threading.Event()
+        self._handed_at = 0.0  # when the batch in hand was handed out (time.monotonic())
         self._watching = threading.Event()  # the control stream's first event arrived
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches")
         self._pending: concurrent.futures.Future[MiniBatch] | None = None
@@ -797,10 +800,13 @@ class BatchIterator(_IteratorBase):
         return self._watching.wait(timeout)
 
     def _heartbeats(self) -> None:
-        """Tells the server this trainer is alive every third of its liveness grace until close(): a trainer that
-        dies (kill -9, a lost node) has its batches delivered again within that grace, not its lease."""
+        """Tells the server this trainer is alive every third of its liveness grace until close() (and, after it,
+        until the batch in hand is acknowledged or given back, or its lease has run out): a trainer that dies (kill
+        -9, a lost node) has its batches delivered again within that grace, not its lease."""
         wait = 0.0
-        while not self._closing.wait(wait):
+        while not self._beats_end.wait(wait):
+            if self._closed and time.monotonic() > self._handed_at + self.lease:
+                return  # closed, and the lease of the batch in hand has run out: nothing left to keep
             try:
                 answer = self._client._run(self._heartbeat_call())
             except PacerClientError as exc:
@@ -964,7 +970,7 @@ class BatchIterator(_IteratorBase):
             self.close()
             raise
         self.delivered += 1
-        self._current = batch
+        self._current, self._handed_at = batch, time.monotonic()
         if self._wants_more():
             self._pending = self._executor.submit(self._prefetch)
         return batch
@@ -976,6 +982,8 @@ class BatchIterator(_IteratorBase):
         means the lease ran out before: the groups will be delivered again."""
         self.wait_for_ack()
         batch, self._current = self._current, None
+        if self._closed:
+            self._beats_end.set()  # nothing in hand any more
         return 0 if batch is None or not batch.lease_ids else self._acknowledge(batch)
 
     def wait_for_ack(self) -> None:
@@ -991,16 +999,19 @@ class BatchIterator(_IteratorBase):
         return groups
 
     def close(self) -> None:
-        """Stops prefetching and the control stream; does not acknowledge the current batch. A batch already
-        prefetched and not handed out is given back (Release): its groups return to the server's buffer at once, to
-        be delivered again, ahead of newer ones. A prefetch still in progress gets up to a second to bring its batch
-        (then given back too) before it is cut; a batch cut while it is received returns when its lease runs out."""
+        """Stops prefetching and the control stream; does not acknowledge the current batch (`ack()` still can, and
+        the heartbeats go on until it does). A batch already prefetched and not handed out is given back (Release):
+        its groups return to the server's buffer at once, to be delivered again, ahead of newer ones. A prefetch
+        still in progress gets up to a second to bring its batch (then given back too) before it is cut; a batch cut
+        while it is received returns once the heartbeats have stopped for the server's liveness grace."""
         with self._lock:
             first, self._closed = not self._closed, True
         if first and self._pending is not None:  # no Collect starts now; one under way may bring a leased batch
             concurrent.futures.wait([self._pending], timeout=_CLOSE_PREFETCH_WAIT_SECONDS)
         prefetched = self._prefetched() if first else None
         self._closing.set()
+        if self._current is None:
+            self._beats_end.set()
         self._cancel_inflight(self._inflight)
         self._watch.cancel()
         self._executor.shutdown(wait=False)

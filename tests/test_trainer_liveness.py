@@ -153,21 +153,27 @@ def test_a_trainer_killed_mid_batch_has_its_batches_back_within_the_grace_not_th
         assert pacer.state().redelivered == 4
 
 
+def _counting_heartbeats(client: PacerClient) -> list[float]:
+    """The times of the client's KeepAlive calls from now on, appended as they go out."""
+    beats: list[float] = []
+    run = client._run
+
+    def counting(call):
+        if call.method == "KeepAlive":
+            beats.append(time.monotonic())
+        return run(call)
+
+    client._run = counting
+    return beats
+
+
 def test_a_live_trainer_keeps_its_batch_through_several_graces_and_acknowledges_it(tmp_path) -> None:
     """The iterator heartbeats on a thread of its own while the step trains: a batch held for several graces is
     still leased to it, and its Ack lands (without heartbeats the server would take it back after GRACE)."""
     with _server(tmp_path) as running, PacerClient(running.address) as pacer:
         _fill(pacer, ["h0", "h1"])
         with PacerClient(running.address) as trainer_client:
-            beats: list[float] = []
-            run = trainer_client._run
-
-            def counting(call):  # the client's own calls, counted as they go out
-                if call.method == "KeepAlive":
-                    beats.append(time.monotonic())
-                return run(call)
-
-            trainer_client._run = counting
+            beats = _counting_heartbeats(trainer_client)
             with trainer_client.batches(2 * N, lease=LEASE, poll=1, num_batches=1) as batches:
                 batch = next(batches)
                 held_from = time.monotonic()
@@ -177,6 +183,25 @@ def test_a_live_trainer_keeps_its_batch_through_several_graces_and_acknowledges_
             assert [g.prompt_id for g in batch.groups] == ["h0", "h1"]
         state = pacer.state()
         assert (state.consumed, state.leased, state.redelivered) == (2, 0, 0)
+
+
+def test_after_close_the_heartbeats_go_on_until_the_batch_in_hand_is_acknowledged(tmp_path) -> None:
+    """close() does not acknowledge the batch in hand, and ack() may still come after it: the heartbeats go on
+    until then, so a step longer than the grace after close() still acknowledges its batch; then they stop."""
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, ["c0", "c1"])
+        with PacerClient(running.address) as trainer_client:
+            beats = _counting_heartbeats(trainer_client)
+            batches = trainer_client.batches(2 * N, lease=LEASE, poll=1)
+            batch = next(batches)
+            batches.close()
+            closed_at = len(beats)
+            until(lambda: len(beats) >= closed_at + 8, "eight heartbeats after close()", timeout=120)
+            assert pacer.state().leased == 2
+            assert batches.ack() == 2 and [g.prompt_id for g in batch.groups] == ["c0", "c1"]
+            batches._heartbeat.join(30)
+            assert not batches._heartbeat.is_alive()  # nothing in hand: no more heartbeats
+        assert pacer.state().consumed == 2
 
 
 def test_release_when_silent_needs_a_client_id_and_a_lease(tmp_path) -> None:
