@@ -120,9 +120,11 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
                 "the state of its last successful write, not these figures")
     else:
         kept = "kept in the state directory"
-    log.info("stopped: step %d, %d running, %d buffered groups %s",
-             state.step, state.running, state.buffered, kept,
-             extra=fields(event="stopped", step=state.step, running=state.running, buffered=state.buffered))
+    # Leased groups are held too (a trainer may still acknowledge them, or they return to the buffer).
+    log.info("stopped: step %d, %d running, %d buffered and %d leased groups %s",
+             state.step, state.running, state.buffered, state.leased, kept,
+             extra=fields(event="stopped", step=state.step, running=state.running, buffered=state.buffered,
+                          leased=state.leased))
     return 0
 
 
