@@ -12,7 +12,6 @@ third batch first. The restarted trainer's first batch is then checked to be the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -24,7 +23,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from coda_client import PacerClient, Trajectory, TrajectoryStatus  # noqa: E402
+from checkpoint_cost import fill, start_server  # noqa: E402
+from coda_client import PacerClient  # noqa: E402
 
 BATCHES = 3
 
@@ -41,41 +41,21 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def fill(client: PacerClient, groups: int, group_size: int) -> None:
-    prompt_ids = [f"p{i}" for i in range(groups)]
-    admitted = client.dispatch(prompt_ids).admitted
-    if len(admitted) != groups:
-        raise SystemExit(f"the window admitted {len(admitted)} of {groups} prompts")
-    for prompt_id in prompt_ids:
-        client.submit([Trajectory(trajectory_id=f"{prompt_id}/{j}", prompt_id=prompt_id,
-                                  status=TrajectoryStatus.COMPLETED, token_ids=[1, 2, 3]) for j in range(group_size)])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cap", type=float, default=900.0, help="give up after this many seconds")
     args = parser.parse_args()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port.json"
-        server = subprocess.Popen([sys.executable, "-m", "coda_server", "--port-file", str(port_file),
-                                   "server.address=127.0.0.1:0", "server.metrics_address=",
-                                   f"server.state_dir={Path(tmp) / 'state'}", "server.log_rpcs=false"],
-                                  cwd=REPO_ROOT, stdout=open(Path(tmp) / "server.log", "wb"), stderr=subprocess.STDOUT,
-                                  env=env)
+        # The built-in configuration but for the listeners, and its state directory under tmp.
+        server, address = start_server(Path(tmp), [f"server.state_dir={Path(tmp) / 'state'}", "server.log_rpcs=false"])
         trainer = None
         try:
-            while not port_file.exists():
-                if server.poll() is not None:
-                    print((Path(tmp) / "server.log").read_text())
-                    return 1
-                time.sleep(0.05)
-            address = json.loads(port_file.read_text())["address"]
             with PacerClient(address, timeout=30) as client:
                 state = client.state()
                 group_size = state.group_sizes[0] if state.group_sizes else 1
                 per_batch = state.mini_batch_size // group_size
-                fill(client, BATCHES * per_batch, group_size)
+                fill(client, BATCHES * per_batch, group_size, tokens=16)
                 trainer = subprocess.Popen([sys.executable, "-c", TRAINER, address, str(state.mini_batch_size)],
                                            stdout=subprocess.PIPE, text=True, env=env)
                 first = trainer.stdout.readline().strip().split(",")
