@@ -545,8 +545,8 @@ class AsyncRolloutWorker:
         # it is away, each retried every few seconds).
         self._outage = OutageLog(
             logger, began=f"{self.worker_id}: the pacer at {getattr(pacer, 'target', '?')} is away: {{reason}}; "
-                          "retrying its calls (with the same request ids) until it answers, generating what this "
-                          "worker holds meanwhile",
+                          "retrying its calls (with the same request ids) until it answers; the groups this worker "
+                          "holds, if any, go on generating meanwhile",
             attempt=f"{self.worker_id}: the pacer is still away: {{reason}}",
             back=f"{self.worker_id}: the pacer at {getattr(pacer, 'target', '?')} answers again after {{seconds}} s",
             extra=_fields(worker=self.worker_id))
