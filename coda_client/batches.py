@@ -635,9 +635,13 @@ class _IteratorBase:
         self._closed = False
         # Collects go through CollectStream until a server older than it says it has none (then Collect).
         self._streamed = True
-        # The leases end when this client stops heartbeating too (the blocking iterator, which heartbeats).
+        # Once the heartbeats run, the leases end when they stop too (release_when_silent).
         self._release_when_silent = False
         self._beat_seconds = _FIRST_BEAT_RETRY_SECONDS
+        # Heartbeats end at close(), or later while a batch is in hand: ack() may still come after close().
+        self._beats_end = threading.Event()
+        self._handed_at = 0.0  # when the batch in hand was handed out (time.monotonic())
+        self._heartbeat: threading.Thread | None = None
 
     @property
     def num_groups(self) -> int:
@@ -654,6 +658,48 @@ class _IteratorBase:
                               token_budget=shape.token_budget, trainer_step=self.step,
                               max_response_bytes=self._client.max_receive_bytes, streamed=self._streamed,
                               release_when_silent=self._release_when_silent)
+
+    def _start_heartbeats(self, twin: bool) -> None:
+        """Names the client (trainer-...) if it has no id, before its first call, then heartbeats on a thread of its
+        own; with `twin`, through a blocking twin of the client (the async iterator's: a training step that blocks
+        its event loop must not stop them)."""
+        self._client.adopt_client_id(default_trainer_id(self.shape))
+        self._release_when_silent = True
+        client = self._client.blocking_twin() if twin else self._client
+        self._heartbeat = threading.Thread(target=self._heartbeats, args=(client,), name="coda-batches-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    def _heartbeats(self, client: Any) -> None:
+        """Tells the server this trainer is alive every third of its liveness grace until close() (and, after it,
+        until the batch in hand is acknowledged or given back, or its lease has run out): a trainer that dies (kill
+        -9, a lost node) has its batches delivered again within that grace, not its lease."""
+        try:
+            wait = 0.0
+            while not self._beats_end.wait(wait):
+                if self._closed and time.monotonic() > self._handed_at + self.lease:
+                    return  # closed, and the lease of the batch in hand has run out: nothing left to keep
+                try:
+                    answer = client._run(self._heartbeat_call())
+                except PacerClientError as exc:
+                    answer = exc
+                except Exception:  # noqa: BLE001 - the client was closed under the iterator: nothing more to keep
+                    return
+                next_wait = self._next_beat(answer)
+                if next_wait is None:
+                    return
+                wait = next_wait
+        finally:
+            if client is not self._client:
+                client.close()
+
+    def _in_hand(self, batch: MiniBatch | None) -> None:
+        """The batch now in hand (None: acknowledged or given back; then, once closed, the heartbeats end)."""
+        self._current = batch
+        if batch is not None:
+            self._handed_at = time.monotonic()
+        elif self._closed:
+            self._beats_end.set()
 
     def _heartbeat_call(self) -> _calls.Call[Any]:
         """A KeepAlive naming no group: this trainer is alive, so the server keeps its leases (release_when_silent)."""
@@ -772,21 +818,13 @@ class BatchIterator(_IteratorBase):
         self._present = threading.Event()  # the server answers (cleared while it is away)
         self._present.set()
         self._closing = threading.Event()
-        # Heartbeats end at close(), or later while a batch is in hand: ack() may still come after close().
-        self._beats_end = threading.Event()
-        self._handed_at = 0.0  # when the batch in hand was handed out (time.monotonic())
         self._watching = threading.Event()  # the control stream's first event arrived
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches")
         self._pending: concurrent.futures.Future[MiniBatch] | None = None
         # Acknowledgements go out on their own thread, so handing out the next batch does not wait for one.
         self._acker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coda-batches-ack")
         self._acking: concurrent.futures.Future[int] | None = None
-        # Named before its first call, so that the server knows whose heartbeats keep its leases (a client made
-        # with a client id keeps it); the heartbeats run on a thread of their own, beside the training step.
-        client.adopt_client_id(default_trainer_id(self.shape))
-        self._release_when_silent = True
-        self._heartbeat = threading.Thread(target=self._heartbeats, name="coda-batches-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._start_heartbeats(twin=False)
         self._watch = client.watch()
         self._watcher = threading.Thread(target=self._watch_events, name="coda-batches-watch", daemon=True)
         self._watcher.start()
@@ -798,25 +836,6 @@ class BatchIterator(_IteratorBase):
         then, False on timeout. A server that shuts down before then cannot announce it to this iterator,
         whose calls then fail with the server's error instead of ending the iteration."""
         return self._watching.wait(timeout)
-
-    def _heartbeats(self) -> None:
-        """Tells the server this trainer is alive every third of its liveness grace until close() (and, after it,
-        until the batch in hand is acknowledged or given back, or its lease has run out): a trainer that dies (kill
-        -9, a lost node) has its batches delivered again within that grace, not its lease."""
-        wait = 0.0
-        while not self._beats_end.wait(wait):
-            if self._closed and time.monotonic() > self._handed_at + self.lease:
-                return  # closed, and the lease of the batch in hand has run out: nothing left to keep
-            try:
-                answer = self._client._run(self._heartbeat_call())
-            except PacerClientError as exc:
-                answer = exc
-            except Exception:  # noqa: BLE001 - the client was closed under the iterator: nothing more to keep
-                return
-            next_wait = self._next_beat(answer)
-            if next_wait is None:
-                return
-            wait = next_wait
 
     def _watch_events(self) -> None:
         """Follows the control stream, reconnecting whenever it ends: SHUTDOWN marks the server away (calls in
@@ -970,7 +989,7 @@ class BatchIterator(_IteratorBase):
             self.close()
             raise
         self.delivered += 1
-        self._current, self._handed_at = batch, time.monotonic()
+        self._in_hand(batch)
         if self._wants_more():
             self._pending = self._executor.submit(self._prefetch)
         return batch
@@ -981,9 +1000,8 @@ class BatchIterator(_IteratorBase):
         back (ServerGoneError after `reconnect` seconds). A LEASE_EXPIRED error (FailedPreconditionError)
         means the lease ran out before: the groups will be delivered again."""
         self.wait_for_ack()
-        batch, self._current = self._current, None
-        if self._closed:
-            self._beats_end.set()  # nothing in hand any more
+        batch = self._current
+        self._in_hand(None)
         return 0 if batch is None or not batch.lease_ids else self._acknowledge(batch)
 
     def wait_for_ack(self) -> None:
@@ -1095,6 +1113,7 @@ class AsyncBatchIterator(_IteratorBase):
             if not self.shape.token_budget:
                 check_reachable(state, self.shape.num_groups, self.mini_batch_size)
         if self._watcher is None:
+            self._start_heartbeats(twin=True)
             self._watch = self._client.watch()
             self._watcher = asyncio.ensure_future(self._watch_events())
             if self._wants_more():
@@ -1235,7 +1254,7 @@ class AsyncBatchIterator(_IteratorBase):
             await self.close()
             raise
         self.delivered += 1
-        self._current = batch
+        self._in_hand(batch)
         if self._wants_more():
             self._pending = asyncio.ensure_future(self._prefetch())
         return batch
@@ -1243,7 +1262,8 @@ class AsyncBatchIterator(_IteratorBase):
     async def ack(self) -> int:
         """Coroutine form of BatchIterator.ack."""
         await self.wait_for_ack()
-        batch, self._current = self._current, None
+        batch = self._current
+        self._in_hand(None)
         return 0 if batch is None or not batch.lease_ids else await self._acknowledge(batch)
 
     async def wait_for_ack(self) -> None:
@@ -1267,6 +1287,8 @@ class AsyncBatchIterator(_IteratorBase):
         if first and pending is not None and pending is not asyncio.current_task():
             await asyncio.wait([pending], timeout=_CLOSE_PREFETCH_WAIT_SECONDS)  # see BatchIterator.close
         prefetched = self._prefetched() if first else None
+        if self._current is None:
+            self._beats_end.set()
         for task in (*self._inflight, self._pending, self._watcher):
             if task is not None and not task.done():
                 task.cancel()

@@ -218,6 +218,9 @@ class _ClientBase:
         wait_for_ready: bool = False,
     ) -> None:
         self.target = check_target(target)
+        # As given (client_id apart, which may be adopted later): a blocking twin is made with them.
+        self._settings = dict(token=token, tls=tls, timeout=timeout, options=options, max_message_bytes=max_message_bytes,
+                              arrays=arrays, wait_for_ready=wait_for_ready)
         self.wait_for_ready = wait_for_ready
         self.arrays: _arrays.ArrayMode = _arrays.check_mode(arrays)
         self.timeout, self.max_message_bytes = check_client_limits(timeout, max_message_bytes)
@@ -257,6 +260,11 @@ class _ClientBase:
                 self._metadata = (*self._metadata, *call_metadata(None, client_id))
                 self.client_id = client_id
             return self.client_id
+
+    def blocking_twin(self) -> PacerClient:
+        """A PacerClient with this client's settings and client id, on a channel of its own: for calls made from a
+        thread of their own beside an event loop (the async trainer iterator's heartbeats). Close it when done."""
+        return PacerClient(self.target, client_id=self.client_id, **self._settings)
 
     def _new_channel(self) -> Any:
         raise NotImplementedError

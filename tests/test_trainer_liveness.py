@@ -2,6 +2,7 @@
 within the liveness grace, first in line, not after its lease; a live one heartbeats and keeps them."""
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -123,22 +124,42 @@ def _fill(pacer: PacerClient, prompt_ids: list[str]) -> None:
                                  status=TrajectoryStatus.COMPLETED, token_ids=[1, 2, 3]) for i in range(N)])
 
 
-def test_a_trainer_killed_mid_batch_has_its_batches_back_within_the_grace_not_the_lease(tmp_path) -> None:
+BLOCKING_TRAINER = """
+    import time
+    from coda_client import PacerClient
+    pacer = PacerClient({address!r})
+    batches = pacer.batches({size}, lease={lease}, poll=1)
+    batch = next(batches)
+    while pacer.state().leased < 4:  # the prefetch took the second batch too
+        time.sleep(0.01)
+    print(pacer.client_id, flush=True)
+    time.sleep(600)  # "training": killed here
+"""
+ASYNC_TRAINER = """
+    import asyncio, time
+    from coda_client import AsyncPacerClient
+
+    async def main():
+        pacer = AsyncPacerClient({address!r})
+        batches = pacer.batches({size}, lease={lease}, poll=1)
+        batch = await batches.__anext__()
+        while (await pacer.state()).leased < 4:  # the prefetch took the second batch too
+            await asyncio.sleep(0.01)
+        print(pacer.client_id, flush=True)
+        await asyncio.sleep(600)  # "training": killed here
+
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("script", [BLOCKING_TRAINER, ASYNC_TRAINER], ids=["blocking", "async"])
+def test_a_trainer_killed_mid_batch_has_its_batches_back_within_the_grace_not_the_lease(tmp_path, script) -> None:
     """The batch in hand and the prefetched one, leased for 600 s, are first in line again about GRACE seconds after
     the kill: a trainer restarted at once trains them, in order, before the newer groups."""
     with _server(tmp_path) as running, PacerClient(running.address) as pacer:
         _fill(pacer, [f"k{i}" for i in range(4)])
-        trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-            import time
-            from coda_client import PacerClient
-            pacer = PacerClient({running.address!r})
-            batches = pacer.batches({2 * N}, lease={LEASE}, poll=1)
-            batch = next(batches)
-            while pacer.state().leased < 4:  # the prefetch took the second batch too
-                time.sleep(0.01)
-            print(pacer.client_id, flush=True)
-            time.sleep(600)  # "training": killed here
-        """)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script).format(
+            address=running.address, size=2 * N, lease=LEASE)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
         try:
             trainer_id = trainer.stdout.readline().strip()
         finally:
@@ -202,6 +223,37 @@ def test_after_close_the_heartbeats_go_on_until_the_batch_in_hand_is_acknowledge
             batches._heartbeat.join(30)
             assert not batches._heartbeat.is_alive()  # nothing in hand: no more heartbeats
         assert pacer.state().consumed == 2
+
+
+def test_the_async_iterator_heartbeats_while_a_step_blocks_its_event_loop(tmp_path, monkeypatch) -> None:
+    """An async trainer whose step runs on the event loop (blocking it) still heartbeats: from a thread, through a
+    blocking twin of its client; its batch stays leased through several graces and its Ack lands."""
+    from coda_client import AsyncPacerClient
+
+    beats: list[float] = []
+    run = PacerClient._run
+
+    def counting(client, call):  # every PacerClient's calls, the twin's among them
+        if call.method == "KeepAlive":
+            beats.append(time.monotonic())
+        return run(client, call)
+
+    monkeypatch.setattr(PacerClient, "_run", counting)
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, ["a0", "a1"])
+
+        async def train() -> list[str]:
+            async with AsyncPacerClient(running.address) as client:
+                async with client.batches(2 * N, lease=LEASE, poll=1, num_batches=1) as batches:
+                    batch = await batches.__anext__()
+                    # the "step": blocks the event loop until eight heartbeats went out (more than two graces)
+                    until(lambda: len(beats) >= 8, "eight heartbeats while the loop is blocked", timeout=120)
+                    assert pacer.state().leased == 2
+                return [g.prompt_id for g in batch.groups]
+
+        assert asyncio.run(train()) == ["a0", "a1"]
+        state = pacer.state()
+        assert (state.consumed, state.leased, state.redelivered) == (2, 0, 0)
 
 
 def test_release_when_silent_needs_a_client_id_and_a_lease(tmp_path) -> None:
