@@ -8,7 +8,7 @@ from coda_client.errors import BadRequestError, FailedPreconditionError
 from coda_server.core import Pacer, PromptRef, Trajectory, TrajectoryStatus
 from coda_server.core import checkpoints
 from coda_server.core.cursor import PromptCursor
-from coda_server.core.errors import InvalidArgumentError, JobEndedError, ResetInProgressError
+from coda_server.core.errors import InvalidArgumentError, JobEndedError, LeaseExpiredError, ResetInProgressError
 from coda_server.core.journal import PickledTrajectories
 from conftest import core_overrides, load_core_config
 from server_harness import ServerProcess
@@ -75,6 +75,17 @@ def test_restore_brings_back_the_step_the_buffer_and_kept_groups_and_discards_wh
     cursor = PromptCursor.restored(pacer.prompt_cursor())
     assert [i for i in range(10) if cursor.admitted(0, 0, i, f"e0p{i}")] == [0, 1, 2, 3, 4]
     assert state.invariant_holds() and state.rolled_back == 2 and state.restores == 1
+
+
+def test_an_ack_of_a_lease_the_restore_discarded_says_the_restore_ended_it():
+    pacer = pacer_of()
+    generate(pacer, range(2), 0)
+    blob = checkpoints.encode(pacer.checkpoint(), CODEC)
+    leased = pacer.collect_now(1, lease_seconds=600)
+    pacer.restore(checkpoints.decode(blob, CODEC))
+    with pytest.raises(LeaseExpiredError, match="ended with a Restore before this Ack; the pacer went back"):
+        pacer.ack(leased.lease_id)
+    assert [g.prompt_id for g in pacer.collect(2).groups] == ["e0p0", "e0p1"]  # the checkpoint held them
 
 
 def test_late_submits_of_discarded_work_are_refused_as_stale():

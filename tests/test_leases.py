@@ -143,7 +143,7 @@ def test_collect_lease_redelivers_in_original_order_unless_acknowledged():
     clock.now += 31
     assert pacer.expire_leases() == ([], [leased.lease_id])
     assert pacer.state().redelivered == 2
-    with pytest.raises(LeaseExpiredError):
+    with pytest.raises(LeaseExpiredError, match="ran out before this Ack; its groups went back to the buffer"):
         pacer.ack(leased.lease_id)
     again = pacer.collect_now(3, lease_seconds=30)
     assert [g.prompt_id for g in again.groups] == ["a", "b", "c"]  # original priority order kept
@@ -166,7 +166,7 @@ def test_a_released_lease_returns_its_groups_at_once_ahead_of_newer_ones():
     state = pacer.state()
     assert (state.buffered, state.leased, state.redelivered, state.consumed) == (3, 0, 2, 0) and state.invariant_holds()
     assert pacer.release(leased.lease_id) == 0  # given back already: nothing more to give
-    with pytest.raises(LeaseExpiredError):
+    with pytest.raises(LeaseExpiredError, match=r"was given back \(Release\) before this Ack"):
         pacer.ack(leased.lease_id)
     again = pacer.collect_now(3, lease_seconds=30)
     assert [g.prompt_id for g in again.groups] == ["a", "b", "c"]
@@ -291,7 +291,7 @@ def test_a_release_is_journaled_and_a_recovered_pacer_holds_the_groups_buffered_
     state = pacer.state()
     assert (state.buffered, state.leased, state.redelivered) == (3, 0, 2) == (expected.buffered, expected.leased,
                                                                               expected.redelivered)
-    with pytest.raises(LeaseExpiredError):  # the released lease stays ended across the restart
+    with pytest.raises(LeaseExpiredError, match="ran out or was given back"):  # still ended across the restart
         pacer.ack(leased.lease_id)
     assert [g.prompt_id for g in pacer.collect_now(3).groups] == ["a", "b", "c"]
     pacer.journal.close()

@@ -10,7 +10,7 @@ from .buffer import PipelineBuffer
 from .errors import StrategyHookError
 from .incidents import DIRTY_GROUP, HOOK_FAILED, QUARANTINED, describe_exception, failed_trajectory, hook_error
 from .inflight import HeldBytes, InflightGroup, InflightTable, StepTally
-from .leases import Leases
+from .leases import LAPSED_UNKNOWN, Leases
 from .replay import RestoredGroups
 from .types import Incident, TrajectoryGroup, TrajectoryStatus
 
@@ -213,8 +213,9 @@ class Collector:
 
     # ------------------------------------------------------------- expiry
 
-    def expire(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
-        """Reclaim in-flight groups whose lease ran out (their slots) and lapsed Collect leases (back to the buffer)."""
+    def expire(self, prompt_ids: list[str], lease_ids: list[str], why: str = LAPSED_UNKNOWN) -> None:
+        """Reclaim in-flight groups whose lease ran out (their slots) and lapsed Collect leases (back to the buffer;
+        `why` is what an Ack of one is told)."""
         for prompt_id in prompt_ids:
             # Kept for continuation, whoever continues it submits every trajectory anew: none counts as accepted.
             group = self._inflight.expire(prompt_id, resubmitted=self._continue_restored)
@@ -229,7 +230,7 @@ class Collector:
                 self._expired.append(group.to_group())
             self._totals["expired"] += 1
         for lease_id in lease_ids:
-            lease = self._leases.lapse(lease_id)
+            lease = self._leases.lapse(lease_id, why)
             self._buffer.push_all(lease.entries)
             self._totals["redelivered"] += len(lease.entries)
         self._strategy_touched = True

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from operator import attrgetter
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -11,6 +10,19 @@ from .errors import LeaseExpiredError, UnknownLeaseError
 from .inflight import InflightGroup
 
 LAPSED_LEASES_KEPT = 4096  # recently expired lease ids, for a clear Ack error
+# Why a lease ended unacknowledged, as an Ack of it is told after the lease id (LAPSED_UNKNOWN: before a restart).
+_BACK = "its groups went back to the buffer and will be delivered again"
+RAN_OUT = f"ran out before this Ack; {_BACK}"
+RELEASED = f"was given back (Release) before this Ack; {_BACK}"
+DISCARDED = ("ended with a Restore before this Ack; the pacer went back to the checkpoint, whose buffer holds these "
+             "groups again if they were generated before it")
+LAPSED_UNKNOWN = f"ran out or was given back before this Ack; {_BACK}"
+
+
+def holder_silent(holder: str, grace: float) -> str:
+    """Why a lease ended whose holder went silent."""
+    return (f"ended before this Ack: its holder {holder} was silent for {grace:g} s (no heartbeat or call; "
+            f"server.worker_liveness_seconds); {_BACK}")
 
 
 class CollectLease:
@@ -37,7 +49,8 @@ class Leases:
         self._heap: list[tuple[float, int, list[str]]] = []
         self.collect: dict[str, CollectLease] = {}  # Collect leases awaiting Ack, by lease id
         self.serial = 0
-        self.lapsed: deque[str] = deque(maxlen=LAPSED_LEASES_KEPT)
+        # Recently ended lease ids -> why (RAN_OUT, RELEASED, a silent holder), oldest first, LAPSED_LEASES_KEPT at most.
+        self.lapsed: dict[str, str] = {}
         # Shares of data-parallel mini-batches (shares.py) not handed to their rank yet, by the ranks' shape key:
         # per mini-batch, oldest first, each rank's share lease id (None once handed out).
         self.open_shares: dict[tuple, list[list[Optional[str]]]] = {}
@@ -127,8 +140,7 @@ class Leases:
         lease = self.collect.pop(lease_id, None)
         if lease is None:
             if lease_id in self.lapsed:
-                raise LeaseExpiredError(f"lease {lease_id!r} ran out (or was released) before this Ack; its groups "
-                                        f"went back to the buffer and will be delivered again")
+                raise LeaseExpiredError(f"lease {lease_id!r} {self.lapsed[lease_id]}")
             raise UnknownLeaseError(f"lease {lease_id!r} is not known (never granted, or already acknowledged)")
         return lease
 
@@ -156,14 +168,17 @@ class Leases:
         """The ids of the Collect leases whose time ran out by `now`."""
         return [lease_id for lease_id, lease in self.collect.items() if lease.deadline <= now]
 
-    def lapse(self, lease_id: str) -> CollectLease:
+    def lapse(self, lease_id: str, why: str = LAPSED_UNKNOWN) -> CollectLease:
         lease = self.collect.pop(lease_id)
-        self.lapsed.append(lease_id)
+        lapsed = self.lapsed
+        lapsed[lease_id] = why
+        if len(lapsed) > LAPSED_LEASES_KEPT:
+            del lapsed[next(iter(lapsed))]
         return lease
 
     def lapse_all(self) -> list[CollectLease]:
         """Every Collect lease ends unacknowledged (a Restore discards its groups); an Ack of one then fails."""
-        leases = [self.lapse(lease_id) for lease_id in list(self.collect)]
+        leases = [self.lapse(lease_id, DISCARDED) for lease_id in list(self.collect)]
         self.open_shares.clear()
         return leases
 
@@ -191,6 +206,6 @@ class Leases:
             # The old deadline was on the old process's clock: a recovered lease gets its full time again.
             self.collect[lease_id] = CollectLease(lease_id, entries, seconds, now + seconds, *holder)
         self.serial = snapshot["lease_serial"]
-        self.lapsed.extend(snapshot["lapsed_leases"])
+        self.lapsed.update(dict.fromkeys(snapshot["lapsed_leases"], LAPSED_UNKNOWN))
         self.open_shares = {tuple(key): [list(slots) for slots in batches]
                             for key, batches in snapshot.get("open_shares", ())}  # absent before shares existed

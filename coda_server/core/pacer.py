@@ -31,7 +31,7 @@ from .inflight import HeldBytes, InflightTable
 from .intake import Intake
 from .job_end import Lifecycle, report
 from .journal import Acked, Collected, Expired, GatesRechecked, Journal, JournalEvent, Recorder
-from .leases import Leases
+from .leases import LAPSED_UNKNOWN, RAN_OUT, RELEASED, Leases
 from .limits import Limits
 from .liveness import Liveness
 from .polls import CollectPoll, DispatchPoll, ResetPoll
@@ -400,7 +400,7 @@ class Pacer(PacerViews):
             self.check_open()
             groups = self.leases.releasable(lease_id)
             if groups:
-                self.expire([], [lease_id])
+                self.expire([], [lease_id], RELEASED)
             return groups
 
     def expire_leases(self) -> tuple[list[str], list[str]]:
@@ -413,13 +413,13 @@ class Pacer(PacerViews):
             prompt_ids = [group.prompt_id for group in self.leases.running_out(now, self.inflight)]
             lapsed = self.leases.lapsing(now)
             if prompt_ids or lapsed:
-                self.expire(prompt_ids, lapsed)
+                self.expire(prompt_ids, lapsed, RAN_OUT)
             return prompt_ids, lapsed
 
-    def expire(self, prompt_ids: list[str], lease_ids: list[str]) -> None:
-        """These in-flight groups and Collect leases end now, recorded."""
+    def expire(self, prompt_ids: list[str], lease_ids: list[str], why: str = LAPSED_UNKNOWN) -> None:
+        """These in-flight groups and Collect leases end now, recorded (`why`: what an Ack of such a lease is told)."""
         with self.lock:
-            self.collector.expire(prompt_ids, lease_ids)
+            self.collector.expire(prompt_ids, lease_ids, why)
             self.record(Expired(self._clock.now(), prompt_ids, lease_ids))
 
     def recheck_gates(self, min_age: float = 0.0) -> int:

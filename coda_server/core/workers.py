@@ -11,7 +11,7 @@ from .collector import Collector
 from .inflight import InflightTable
 from .job_end import Lifecycle
 from .journal import Expired, Recorder
-from .leases import Leases
+from .leases import Leases, holder_silent
 from .liveness import Liveness
 from .types import HeldGroup, KeepAliveResult
 
@@ -105,6 +105,10 @@ class Workers:
                 lost.leased_groups += len(lease.entries)
             if groups or lease_ids:
                 prompt_ids = [group.prompt_id for group in groups]
-                self._collector.expire(prompt_ids, lease_ids)
-                self._record(Expired(now, prompt_ids, lease_ids))
+                self._collector.expire(prompt_ids, [])
+                for holder, lost in released.items():  # each holder's leases: an Ack of one is told whose silence
+                    if lost.lease_ids:
+                        self._collector.expire([], lost.lease_ids, holder_silent(holder, self._liveness.grace))
+                # In the order they went back, so that a replay rebuilds the buffer as it was.
+                self._record(Expired(now, prompt_ids, [lease_id for lost in released.values() for lease_id in lost.lease_ids]))
             return released
