@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--resume", action="store_true", help="resume at once with --weight-version")
     reset.add_argument("--weight-version", type=int, default=0)
 
-    workers = command("workers", help="which worker (client id) holds which running groups, since when")
+    workers = command("workers", help="which worker (client id) holds which running groups, since when, and which "
+                                      "trainer holds which leases")
     workers.add_argument("--client", default=None, help="only this client id's groups")
     workers.add_argument("--groups", type=int, default=5, help="groups listed per worker, oldest first (0: all)")
 
@@ -222,8 +223,9 @@ def render_workers(holdings: Sequence[WorkerHoldings]) -> str:
     for worker in holdings:
         loaded = (f", engine at weight version {worker.loaded_weight_version}"
                   if worker.loaded_weight_version is not None else "")
+        leased = f", {worker.leased} groups leased ({', '.join(worker.lease_ids)})" if worker.lease_ids else ""
         lines.append(f"{worker.client_id or '(no client id)'}: {worker.running} running, oldest held "
-                     f"{worker.oldest_held_seconds:.1f}s{loaded}")
+                     f"{worker.oldest_held_seconds:.1f}s{loaded}{leased}")
         for g in worker.groups:
             lease = f", lease {g.lease_remaining_seconds:.0f}s left" if g.lease_remaining_seconds is not None else ""
             lines.append(f"  {g.prompt_id} seq {g.seq}: {g.trajectories}/{g.group_size} trajectories, held "

@@ -815,9 +815,13 @@ class WorkerHoldings:
     groups: list[HeldGroup]
     # The weight version its engine reported loaded on its last Dispatch or KeepAlive; None: never said.
     loaded_weight_version: int | None = None
+    # Groups leased to it as a trainer (leases its silence ends: batches()'), and those leases, oldest first.
+    leased: int = 0
+    lease_ids: list[str] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.WorkerHoldings) -> WorkerHoldings:
         """From the wire message."""
         return _from_fields(cls, msg, groups=[HeldGroup.from_pb(g) for g in msg.groups],
-                            loaded_weight_version=_optional(msg, "loaded_weight_version"))
+                            loaded_weight_version=_optional(msg, "loaded_weight_version"),
+                            lease_ids=list(msg.lease_ids))

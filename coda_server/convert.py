@@ -339,11 +339,13 @@ def prompt_cursor(cursor: dict) -> pb.PromptCursor:
 
 
 def list_workers_response(held: list[HeldGroup], max_groups_per_worker: int = 0,
-                          loaded_versions: Optional[dict[str, int]] = None) -> pb.ListWorkersResponse:
+                          loaded_versions: Optional[dict[str, int]] = None,
+                          leases: Optional[dict[str, tuple[list[str], int]]] = None) -> pb.ListWorkersResponse:
     """The held groups (oldest first) grouped by client id, ordered by client id, with the weight version each
-    worker's engine reported loaded; a worker that reported one is listed even when it holds nothing."""
-    loaded_versions = loaded_versions or {}
-    by_client: dict[str, list[HeldGroup]] = {client: [] for client in loaded_versions}
+    worker's engine reported loaded and the leases each trainer holds (`leases`: client id -> lease ids, groups); a
+    client that reported a version or holds a lease is listed even when it runs no group."""
+    loaded_versions, leases = loaded_versions or {}, leases or {}
+    by_client: dict[str, list[HeldGroup]] = {client: [] for client in (*loaded_versions, *leases)}
     for group in held:
         by_client.setdefault(group.client_id, []).append(group)
     response = pb.ListWorkersResponse()
@@ -352,6 +354,9 @@ def list_workers_response(held: list[HeldGroup], max_groups_per_worker: int = 0,
                                       oldest_held_seconds=max((g.held_seconds for g in groups), default=0.0))
         if client in loaded_versions:
             worker.loaded_weight_version = loaded_versions[client]
+        if client in leases:
+            worker.lease_ids.extend(leases[client][0])
+            worker.leased = leases[client][1]
         for g in groups[:max_groups_per_worker or None]:
             entry = worker.groups.add(prompt_id=g.prompt_id, seq=g.seq, ds_index=g.ds_index,
                                       held_seconds=g.held_seconds, trajectories=g.trajectories,

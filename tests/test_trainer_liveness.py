@@ -256,6 +256,28 @@ def test_the_async_iterator_heartbeats_while_a_step_blocks_its_event_loop(tmp_pa
         assert (state.consumed, state.leased, state.redelivered) == (2, 0, 0)
 
 
+def test_list_workers_and_the_cli_show_which_trainer_holds_which_leases(tmp_path) -> None:
+    """An operator seeing `leased` in the state can tell who holds them: the trainer is listed with its leases."""
+    import io
+
+    from coda_client import cli as client_cli
+
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, [f"w{i}" for i in range(4)])
+        with PacerClient(running.address, client_id="trainer@node-3") as trainer_client:
+            with trainer_client.batches(2 * N, lease=LEASE, poll=1, num_batches=2) as batches:
+                next(batches)
+                until(lambda: pacer.state().leased == 4, "the prefetch to lease the second batch")
+                [trainer] = pacer.list_workers("trainer@node-3")
+                assert (trainer.running, trainer.leased, len(trainer.lease_ids)) == (0, 4, 2)
+                assert [w.client_id for w in pacer.list_workers()] == ["trainer@node-3"]
+                out = io.StringIO()
+                assert client_cli.main(["--address", running.address, "workers"], out=out) == 0
+                assert f"trainer@node-3: 0 running, oldest held 0.0s, 4 groups leased ({', '.join(trainer.lease_ids)})" \
+                    in out.getvalue()
+        assert pacer.list_workers() == []  # acknowledged: nothing held
+
+
 def test_release_when_silent_needs_a_client_id_and_a_lease(tmp_path) -> None:
     with _server(tmp_path) as running, PacerClient(running.address) as pacer:
         _fill(pacer, ["q0", "q1"])

@@ -653,18 +653,22 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerHoldings, _Mapping]]] = ...) -> None: ...
 
 class WorkerHoldings(_message.Message):
-    __slots__ = ("client_id", "running", "oldest_held_seconds", "groups", "loaded_weight_version")
+    __slots__ = ("client_id", "running", "oldest_held_seconds", "groups", "loaded_weight_version", "leased", "lease_ids")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     OLDEST_HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LOADED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     running: int
     oldest_held_seconds: float
     groups: _containers.RepeatedCompositeFieldContainer[HeldGroup]
     loaded_weight_version: int
-    def __init__(self, client_id: _Optional[str] = ..., running: _Optional[int] = ..., oldest_held_seconds: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[HeldGroup, _Mapping]]] = ..., loaded_weight_version: _Optional[int] = ...) -> None: ...
+    leased: int
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_id: _Optional[str] = ..., running: _Optional[int] = ..., oldest_held_seconds: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[HeldGroup, _Mapping]]] = ..., loaded_weight_version: _Optional[int] = ..., leased: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeldGroup(_message.Message):
     __slots__ = ("prompt_id", "seq", "ds_index", "held_seconds", "trajectories", "group_size", "lease_remaining_seconds")

@@ -432,6 +432,10 @@ class AsyncPacer:
         self.check_ready()
         return self.pacer.held_groups(client_id)
 
+    def held_leases(self, client_id: Optional[str] = None) -> dict[str, tuple[list[str], int]]:
+        self.check_ready()
+        return self.pacer.held_leases(client_id)
+
     def state(self) -> PacerState:
         self.check_ready()
         return self.pacer.state(self.waits.waiting_calls, ages=True)

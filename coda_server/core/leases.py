@@ -160,6 +160,17 @@ class Leases:
         holders = set(holders)
         return [lease_id for lease_id, lease in self.collect.items() if lease.holder and lease.holder in holders]
 
+    def held(self, holder: Optional[str] = None) -> dict[str, tuple[list[str], int]]:
+        """Holder -> (the ids of its Collect leases, oldest first, and the groups in them); one holder's with
+        `holder`. Leases without a holder are not listed."""
+        held: dict[str, tuple[list[str], int]] = {}
+        for lease_id, lease in self.collect.items():
+            if lease.holder and (holder is None or lease.holder == holder):
+                lease_ids, groups = held.get(lease.holder, ([], 0))
+                lease_ids.append(lease_id)
+                held[lease.holder] = (lease_ids, groups + len(lease.entries))
+        return held
+
     def holders(self) -> set[str]:
         """The client ids holding a Collect lease."""
         return {lease.holder for lease in self.collect.values() if lease.holder}

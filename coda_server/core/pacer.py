@@ -162,7 +162,7 @@ class Pacer(PacerViews):
         self.heard_from, self.watch_opened = workers.heard_from, workers.watch_opened
         self.watch_closed, self.release_silent_workers = workers.watch_closed, workers.release_silent_workers
         self.note_loaded_version, self.loaded_versions = workers.note_loaded_version, workers.loaded_versions
-        self.held_groups, self.keep_alive = workers.held_groups, workers.keep_alive
+        self.held_groups, self.keep_alive, self.held_leases = workers.held_groups, workers.keep_alive, workers.held_leases
         boundary = self.boundary
         self.begin_reset, self.reset_ready, self.finish_reset = boundary.begin, boundary.ready, boundary.finish
         self.abandon_reset, self.apply_resume = boundary.abandon, boundary.resume

@@ -65,6 +65,11 @@ class Workers:
         with self._lock:
             return self._inflight.held(client_id, self._clock.now())
 
+    def held_leases(self, client_id: Optional[str] = None) -> dict[str, tuple[list[str], int]]:
+        """Which trainer (client id) holds which Collect leases bound to its liveness, and how many groups in them."""
+        with self._lock:
+            return self._leases.held(client_id)
+
     def keep_alive(self, prompt_ids: Sequence[str],
                    dispatch_seqs: Optional[Mapping[str, int]] = None) -> KeepAliveResult:
         """Renew the in-flight lease of these running groups (their worker is alive and generating).
