@@ -155,11 +155,6 @@ class Leases:
         raise UnknownLeaseError(f"lease {lease_id!r} is not known (never granted, or already acknowledged or "
                                 f"released)")
 
-    def held_by(self, holders: Iterable[str]) -> list[str]:
-        """The ids of the Collect leases these clients hold, oldest first."""
-        holders = set(holders)
-        return [lease_id for lease_id, lease in self.collect.items() if lease.holder and lease.holder in holders]
-
     def held(self, holder: Optional[str] = None) -> dict[str, tuple[list[str], int]]:
         """Holder -> (the ids of its Collect leases, oldest first, and the groups in them); one holder's with
         `holder`. Leases without a holder are not listed."""

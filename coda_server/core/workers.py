@@ -99,21 +99,20 @@ class Workers:
             if not gone or self._lifecycle.closed:
                 return {}
             groups = [g for g in self._inflight.in_dispatch_order() if g.client_id in gone and not g.complete]
-            lease_ids = self._leases.held_by(gone)
             released: dict[str, SilentRelease] = {}
             for group in groups:
                 released.setdefault(group.client_id, SilentRelease()).prompt_ids.append(group.prompt_id)
-            for lease_id in lease_ids:
-                lease = self._leases.collect[lease_id]
-                lost = released.setdefault(lease.holder, SilentRelease())
-                lost.lease_ids.append(lease_id)
-                lost.leased_groups += len(lease.entries)
-            if groups or lease_ids:
+            leases = {holder: held for holder, held in self._leases.held().items() if holder in gone}
+            for holder, (lease_ids, leased_groups) in leases.items():
+                lost = released.setdefault(holder, SilentRelease())
+                lost.lease_ids, lost.leased_groups = lease_ids, leased_groups
+            if groups or leases:
                 prompt_ids = [group.prompt_id for group in groups]
-                self._collector.expire(prompt_ids, [])
-                for holder, lost in released.items():  # each holder's leases: an Ack of one is told whose silence
-                    if lost.lease_ids:
-                        self._collector.expire([], lost.lease_ids, holder_silent(holder, self._liveness.grace))
+                if prompt_ids:
+                    self._collector.expire(prompt_ids, [])
+                for holder, (lease_ids, _) in leases.items():  # an Ack of one is told whose silence ended it
+                    self._collector.expire([], lease_ids, holder_silent(holder, self._liveness.grace))
                 # In the order they went back, so that a replay rebuilds the buffer as it was.
-                self._record(Expired(now, prompt_ids, [lease_id for lost in released.values() for lease_id in lost.lease_ids]))
+                self._record(Expired(now, prompt_ids, [lease_id for lease_ids, _ in leases.values()
+                                                       for lease_id in lease_ids]))
             return released
