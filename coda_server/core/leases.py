@@ -166,10 +166,6 @@ class Leases:
                 held[lease.holder] = (lease_ids, groups + len(lease.entries))
         return held
 
-    def holders(self) -> set[str]:
-        """The client ids holding a Collect lease."""
-        return {lease.holder for lease in self.collect.values() if lease.holder}
-
     def lapsing(self, now: float) -> list[str]:
         """The ids of the Collect leases whose time ran out by `now`."""
         return [lease_id for lease_id, lease in self.collect.items() if lease.deadline <= now]

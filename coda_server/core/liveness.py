@@ -38,11 +38,6 @@ class Liveness:
         else:
             self._streams.pop(client_id, None)
 
-    def watch(self, client_id: str, now: float) -> None:
-        """`client_id` holds something its silence should give back (a trainer's lease): watched from now on."""
-        if client_id and self.grace:
-            self._last_heard[client_id] = now
-
     def heard(self, client_id: str, now: float) -> None:
         """A call from `client_id`: alive (a client released as silent is watched again while it holds a stream)."""
         if client_id and (client_id in self._last_heard or client_id in self._streams):
@@ -75,8 +70,9 @@ class Liveness:
             del self._loaded[client_id]
         return {client_id: version for client_id, (version, _) in self._loaded.items()}
 
-    def restore(self, client_ids: Iterable[str], now: float) -> None:
-        """Replay: these clients were watched when they dispatched."""
+    def watch(self, client_ids: Iterable[str], now: float) -> None:
+        """These clients hold something their silence should give back (a trainer's lease; in a replay, what a watched
+        worker dispatched): watched from `now` on."""
         if self.grace:
             for client_id in client_ids:
                 if client_id:

@@ -375,7 +375,7 @@ class Pacer(PacerViews):
             result, count, split = self.delivery.take(count, timed_out, lease_seconds, shape, num_groups, max_bytes,
                                                       now, split, holder)
             if holder and result.lease_id:
-                self.liveness.watch(holder, now)
+                self.liveness.watch([holder], now)
             self.record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
                                    shape.world_size, num_groups, split, holder))
             return result

@@ -160,7 +160,7 @@ class Recovery:
             now = self._clock()
             self._steps.restart_pause_clock(now)
             self._leases.restart_clocks(now, self._inflight.values())
-            self._liveness.restore(self._leases.holders(), now)  # a trainer that does not come back loses its leases
+            self._liveness.watch(self._leases.held().keys(), now)  # a trainer that does not come back loses its leases
             self._liveness.restart_clocks(now)
         return len(recorded_events)
 
@@ -185,7 +185,7 @@ class Recovery:
         remember, boundary = self._answers.remember, self._boundary
         if isinstance(event, Dispatched):
             if event.watched:
-                self._liveness.restore([event.client_id], event.at)
+                self._liveness.watch([event.client_id], event.at)
             result = self._dispatch(event.refs, event.request_id, event.client_id, continued_ids=event.continued)
             if result.admitted_ids != [r.prompt_id for r in event.refs]:
                 raise RuntimeError(f"recovery diverged: the strategy admitted {len(result.admitted_ids)} of the "
