@@ -694,11 +694,15 @@ class _IteratorBase:
                 client.close()
 
     def _in_hand(self, batch: MiniBatch | None) -> None:
-        """The batch now in hand (None: acknowledged or given back; then, once closed, the heartbeats end)."""
+        """The batch now in hand (None: acknowledged or given back)."""
         self._current = batch
         if batch is not None:
             self._handed_at = time.monotonic()
-        elif self._closed:
+        self._end_beats_when_done()
+
+    def _end_beats_when_done(self) -> None:
+        """The heartbeats end once the iterator is closed with no batch in hand (ack() may still come for one)."""
+        if self._closed and self._current is None:
             self._beats_end.set()
 
     def _heartbeat_call(self) -> _calls.Call[Any]:
@@ -1028,8 +1032,7 @@ class BatchIterator(_IteratorBase):
             concurrent.futures.wait([self._pending], timeout=_CLOSE_PREFETCH_WAIT_SECONDS)
         prefetched = self._prefetched() if first else None
         self._closing.set()
-        if self._current is None:
-            self._beats_end.set()
+        self._end_beats_when_done()
         self._cancel_inflight(self._inflight)
         self._watch.cancel()
         self._executor.shutdown(wait=False)
@@ -1287,8 +1290,7 @@ class AsyncBatchIterator(_IteratorBase):
         if first and pending is not None and pending is not asyncio.current_task():
             await asyncio.wait([pending], timeout=_CLOSE_PREFETCH_WAIT_SECONDS)  # see BatchIterator.close
         prefetched = self._prefetched() if first else None
-        if self._current is None:
-            self._beats_end.set()
+        self._end_beats_when_done()
         for task in (*self._inflight, self._pending, self._watcher):
             if task is not None and not task.done():
                 task.cancel()
