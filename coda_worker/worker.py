@@ -811,20 +811,20 @@ class AsyncRolloutWorker:
         """Each admitting Dispatch at debug level; at info level the first, then what they admitted since, once a
         minute at most."""
         tally = self._dispatched
-        due = tally.add(admitted, continued, result.seqs[0])
-        if due or logger.isEnabledFor(logging.DEBUG):
+        if tally.add(admitted, continued, result.seqs[0]):  # the tally since the last info line
+            level, groups, continuing, first_seq = logging.INFO, tally.groups, tally.continued, tally.first_seq
             since = "" if tally.said_at is None else f" in {time.monotonic() - tally.said_at:.0f} s"
-            groups, first_seq = (tally.groups, tally.first_seq) if due else (admitted, result.seqs[0])
-            continuing = tally.continued if due else continued
-            logger.log(logging.INFO if due else logging.DEBUG,
-                       "%s: dispatched %d groups%s (seqs %d..%d)%s; %d running here, window R=%d Q=%d C=%d",
-                       self.worker_id, groups, since if due else "", first_seq, result.seqs[-1],
-                       f", continuing {continuing} restored" if continuing else "", len(self._groups),
-                       result.running, result.buffered, result.capacity,
-                       extra=_fields(worker=self.worker_id, admitted=groups, continued=continuing,
-                                     generation=result.generation))
-        if due:
             tally.said()
+        elif logger.isEnabledFor(logging.DEBUG):  # this Dispatch alone
+            level, groups, continuing, first_seq, since = logging.DEBUG, admitted, continued, result.seqs[0], ""
+        else:
+            return
+        logger.log(level, "%s: dispatched %d groups%s (seqs %d..%d)%s; %d running here, window R=%d Q=%d C=%d",
+                   self.worker_id, groups, since, first_seq, result.seqs[-1],
+                   f", continuing {continuing} restored" if continuing else "", len(self._groups),
+                   result.running, result.buffered, result.capacity,
+                   extra=_fields(worker=self.worker_id, admitted=groups, continued=continuing,
+                                 generation=result.generation))
 
     def _drop_refused_candidates(self, candidates: list[Prompt], exc: BadRequestError) -> None:
         """A Dispatch refused as malformed: drop the candidates it names (all when it names none)."""
