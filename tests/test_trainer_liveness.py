@@ -14,10 +14,10 @@ import pytest
 
 from coda_client import PacerClient
 from coda_client._proto import pacer_pb2 as pb, pacer_pb2_grpc
+from coda_server.core import PromptRef
 from coda_server.core.errors import InvalidArgumentError, LeaseExpiredError
 from conftest import REPO_ROOT
 from server_harness import ServerProcess, until
-from coda_server.core import PromptRef
 from test_leases import group, make_pacer
 
 GRACE = 3.0  # seconds: short for the test, long enough for a heartbeat every second on a busy machine
