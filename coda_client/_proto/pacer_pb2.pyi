@@ -187,7 +187,7 @@ class SubmitResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., groups_completed: _Optional[int] = ...) -> None: ...
 
 class CollectRequest(_message.Message):
-    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds", "rank", "world_size", "token_budget", "trainer_step", "max_response_bytes", "release_when_silent")
+    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds", "rank", "world_size", "token_budget", "trainer_step", "max_response_bytes", "release_when_silent", "held_lease_ids")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class CollectRequest(_message.Message):
     TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
     MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_WHEN_SILENT_FIELD_NUMBER: _ClassVar[int]
+    HELD_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
     wait_seconds: float
     allow_partial: bool
@@ -210,7 +211,8 @@ class CollectRequest(_message.Message):
     trainer_step: int
     max_response_bytes: int
     release_when_silent: bool
-    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., trainer_step: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., release_when_silent: _Optional[bool] = ...) -> None: ...
+    held_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., trainer_step: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., release_when_silent: _Optional[bool] = ..., held_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("lease_id", "request_id")
@@ -305,7 +307,7 @@ class ResetResponse(_message.Message):
     def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., quarantined: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., kept_prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("prompt_ids", "dispatch_seqs", "loaded_weight_version")
+    __slots__ = ("prompt_ids", "dispatch_seqs", "loaded_weight_version", "lease_ids")
     class DispatchSeqsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -316,10 +318,12 @@ class KeepAliveRequest(_message.Message):
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_SEQS_FIELD_NUMBER: _ClassVar[int]
     LOADED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     dispatch_seqs: _containers.ScalarMap[str, int]
     loaded_weight_version: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ..., dispatch_seqs: _Optional[_Mapping[str, int]] = ..., loaded_weight_version: _Optional[int] = ...) -> None: ...
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ..., dispatch_seqs: _Optional[_Mapping[str, int]] = ..., loaded_weight_version: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("renewed", "unknown_prompt_ids", "lease_seconds", "liveness_seconds")
