@@ -109,7 +109,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     @maps_errors
     async def KeepAlive(self, request: pb.KeepAliveRequest, context) -> pb.KeepAliveResponse:
         caller = client_id(context)
-        self._pacer.heard_from(caller)  # the worker's heartbeat
+        self._pacer.heard_from(caller, request.lease_ids)  # the worker's (or trainer's) heartbeat
         if request.HasField("loaded_weight_version"):
             self._pacer.note_loaded_version(caller, request.loaded_weight_version)
         return convert.keep_alive_response(self._pacer.keep_alive(list(request.prompt_ids),
@@ -133,7 +133,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     async def _collect(self, request: pb.CollectRequest, context) -> CollectResult:
         caller = client_id(context)
-        self._pacer.heard_from(caller)
+        self._pacer.heard_from(caller, request.held_lease_ids)
         return await self._pacer.collect(request.num_groups, bounded_wait(request.wait_seconds, context),
                                          request.allow_partial, request.request_id, request.lease_seconds,
                                          convert.batch_shape(request),
@@ -142,7 +142,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
-        self._pacer.heard_from(client_id(context))
+        self._pacer.heard_from(client_id(context), (request.lease_id,))
         return pb.AckResponse(groups=await self._pacer.ack(request.lease_id, request.request_id))
 
     @maps_errors

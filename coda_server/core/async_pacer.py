@@ -229,10 +229,20 @@ class AsyncPacer:
 
         return await self._applied("Dispatch", request_id, call)
 
-    def heard_from(self, client_id: str) -> None:
-        """A call from `client_id`: the worker is alive (see liveness.py). Cheap; made by every worker call."""
+    def heard_from(self, client_id: str, held_leases: Sequence[str] = ()) -> None:
+        """A call from `client_id`: the worker or trainer is alive (see liveness.py). Cheap; made by every worker call.
+        `held_leases`: the Collect leases a trainer says it holds (those its silence ended come back to it)."""
         if client_id:
-            self.pacer.heard_from(client_id)
+            reclaim = self.pacer.heard_from(client_id, held_leases)
+            if reclaim is not None:
+                if reclaim.lease_ids:
+                    log.warning("trainer %s heard again after its silence: its lease(s) %s given back to it, %d "
+                                "group(s) that still waited in the buffer", client_id, ", ".join(reclaim.lease_ids),
+                                reclaim.groups)
+                if reclaim.missed:
+                    log.warning("trainer %s heard again after its silence: its lease(s) %s cannot be given back, their "
+                                "groups went out again meanwhile (an Ack of them fails LEASE_EXPIRED)", client_id,
+                                ", ".join(reclaim.missed))
 
     def note_loaded_version(self, client_id: str, weight_version: int) -> None:
         """The weight version `client_id`'s engine reports loaded (ListWorkers shows it)."""

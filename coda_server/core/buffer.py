@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import heapq
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional, Sequence
 
 from .errors import MessageTooLargeError
 from .inflight import ANSWER_OVERHEAD_BYTES, encoded_group_bound
@@ -55,6 +55,17 @@ class PipelineBuffer:
             size += group_size
             taken.append(entry)
         return taken
+
+    def take_exact(self, priorities: Sequence[tuple]) -> Optional[list[Entry]]:
+        """The entries of exactly these priorities, in this order, taken out; None (nothing taken) when one of them
+        is not here. Scans the buffer: for a lease given back to its holder (leases.py), not for every Collect."""
+        wanted = set(priorities)
+        found = {entry[0]: entry for entry in self.entries if entry[0] in wanted}
+        if len(found) < len(wanted):
+            return None
+        self.entries[:] = [entry for entry in self.entries if entry[0] not in wanted]
+        heapq.heapify(self.entries)
+        return [found[priority] for priority in priorities]
 
     def groups(self) -> list[TrajectoryGroup]:
         """The buffered groups, in heap (not priority) order."""

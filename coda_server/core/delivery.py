@@ -109,6 +109,21 @@ class Delivery:
         self._answers.forget("Collect", lambda answer: answer.lease_id == lease_id)
         return len(lease.entries)
 
+    def reclaim(self, holder: str, now: float, claimed: Sequence[tuple]) -> tuple[list[tuple], list[str]]:
+        """Leases of `holder` that ended with its silence, claimed back by it (`Leases.claimed`, or a replay's
+        journal): each one whose groups all still wait in the buffer is its again (same lease id, its full time from
+        `now`). Returns (those given back, as claimed, for the journal; the ids of those whose groups went elsewhere
+        meanwhile)."""
+        reclaimed, missed = [], []
+        for lease_id, seconds, priorities in claimed:
+            entries = self._buffer.take_exact(priorities)
+            if entries is None:
+                missed.append(lease_id)
+                continue
+            self._leases.regrant(lease_id, entries, seconds, now, holder)
+            reclaimed.append((lease_id, seconds, priorities))
+        return reclaimed, missed
+
     def consume(self, groups: list[TrajectoryGroup], now: float) -> None:
         """The trainer has these groups for good: count them, free their bytes (the pacer keeps only each
         trajectory's content key, for duplicate detection), tell listeners."""

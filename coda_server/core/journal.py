@@ -97,6 +97,12 @@ class Expired(JournalEvent):
 
 
 @dataclass(slots=True)
+class Reclaimed(JournalEvent):
+    holder: str  # a trainer heard again after its silence lapsed these leases of its
+    leases: list[tuple[str, float, tuple]]  # (lease id, seconds, its groups' buffer priorities), given back to it
+
+
+@dataclass(slots=True)
 class ResetBegun(JournalEvent):
     mode: ResetMode
     resume: bool
@@ -134,7 +140,7 @@ class JobEnded(JournalEvent):
 
 EVENT_TYPES: tuple[type[JournalEvent], ...] = (
     Dispatched, Submitted, StaleRejected, Collected, Acked, Expired, ResetBegun, ResetFinished, ResetAbandoned,
-    Resumed, GatesRechecked, JobEnded)
+    Resumed, GatesRechecked, JobEnded, Reclaimed)
 # Journals written before the records were named held positional tuples, first the kind: read them still.
 _LEGACY_KINDS = {"dispatch": Dispatched, "submit": Submitted, "stale": StaleRejected, "collect": Collected,
                  "ack": Acked, "expire": Expired, "begin_reset": ResetBegun, "finish_reset": ResetFinished,

@@ -51,6 +51,13 @@ class Leases:
         self.serial = 0
         # Recently ended lease ids -> why (RAN_OUT, RELEASED, a silent holder), oldest first, LAPSED_LEASES_KEPT at most.
         self.lapsed: dict[str, str] = {}
+        # Leases that went back to the buffer because their holder fell silent, by id, oldest first: (holder,
+        # seconds, the priorities of its groups), LAPSED_LEASES_KEPT at most. One is given back to its holder when the
+        # holder names it again (a heartbeat's or Collect's held leases, an Ack) while all its groups still wait: a
+        # trainer stopped or cut off for longer than the grace that goes on trains them once. Not in snapshots.
+        self.reclaimable: dict[str, tuple[str, float, tuple]] = {}
+        # Holder -> how many times it was taken as silent: a Collect it sent before that takes nothing (polls.py).
+        self.silences: dict[str, int] = {}
         # Shares of data-parallel mini-batches (shares.py) not handed to their rank yet, by the ranks' shape key:
         # per mini-batch, oldest first, each rank's share lease id (None once handed out).
         self.open_shares: dict[tuple, list[list[Optional[str]]]] = {}
@@ -166,6 +173,30 @@ class Leases:
                 held[lease.holder] = (lease_ids, groups + len(lease.entries))
         return held
 
+    def keep_reclaimable(self, holder: str, lease_ids: Sequence[str]) -> None:
+        """`holder` is taken as silent and these leases of its are about to lapse: remember them (reclaimable)."""
+        self.silences[holder] = self.silences.pop(holder, 0) + 1
+        for lease_id in lease_ids:
+            lease = self.collect[lease_id]
+            self.reclaimable[lease_id] = (holder, lease.seconds, tuple(priority for priority, _ in lease.entries))
+        for kept in (self.reclaimable, self.silences):
+            while len(kept) > LAPSED_LEASES_KEPT:
+                del kept[next(iter(kept))]
+
+    def claimed(self, holder: str, lease_ids: Iterable[str]) -> list[tuple[str, float, tuple]]:
+        """Of these lease ids `holder` says it holds, its reclaimable ones, oldest first, as (lease id, seconds,
+        priorities), forgotten here (given back now, or never)."""
+        reclaimable = self.reclaimable
+        wanted = {lease_id for lease_id in lease_ids if reclaimable.get(lease_id, ("",))[0] == holder}
+        return [(lease_id, *reclaimable.pop(lease_id)[1:])
+                for lease_id in [lease_id for lease_id in reclaimable if lease_id in wanted]]
+
+    def regrant(self, lease_id: str, entries: list, seconds: float, now: float, holder: str) -> CollectLease:
+        """A lapsed lease given back to its holder, with these entries (as they were) and its full time from `now`."""
+        self.lapsed.pop(lease_id, None)
+        lease = self.collect[lease_id] = CollectLease(lease_id, entries, seconds, now + seconds, holder)
+        return lease
+
     def lapsing(self, now: float) -> list[str]:
         """The ids of the Collect leases whose time ran out by `now`."""
         return [lease_id for lease_id, lease in self.collect.items() if lease.deadline <= now]
@@ -182,6 +213,7 @@ class Leases:
         """Every Collect lease ends unacknowledged (a Restore discards its groups); an Ack of one then fails."""
         leases = [self.lapse(lease_id, DISCARDED) for lease_id in list(self.collect)]
         self.open_shares.clear()
+        self.reclaimable.clear()  # the buffer is the checkpoint's: nothing in it is a lapsed lease's any more
         return leases
 
     @property

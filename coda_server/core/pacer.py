@@ -156,7 +156,7 @@ class Pacer(PacerViews):
             self.answers, self._clock, default_mode=default_mode, continue_restored=continue_restored,
             on_resume=self._on_resume, snapshot=self.snapshots.export)
         self.workers = workers = Workers(self.lock, self.lifecycle, self.checks, self.inflight, self.leases,
-                                         self.liveness, self.collector, self.recorder, self._clock)
+                                         self.liveness, self.collector, self.delivery, self.recorder, self._clock)
         # The calls about workers are Workers' (workers.py); Reset's steps, Resume and EndJob are BoundaryCalls'
         # (reset_steps.py): here under the names the servers call.
         self.heard_from, self.watch_opened = workers.heard_from, workers.watch_opened
@@ -170,7 +170,7 @@ class Pacer(PacerViews):
         self.recovery = Recovery(
             self.lock, self.recorder, self.snapshots, self.boundary, steps, self.inflight, self.leases,
             self.liveness, self.collector, self.answers, self.totals, self._clock, dispatch=self.apply_dispatch,
-            submit=self.apply_submit, take=self.apply_take, ack=self.apply_ack)
+            submit=self.apply_submit, take=self.apply_take, ack=self.apply_ack, reclaim=self.delivery.reclaim)
         # read_state(waiting_calls, ages): a reading of the state (StateReader), as a PacerState by `state_of`.
         self.state_reader = StateReader(
             self.lock, steps, self.checkpoints, self.inflight, buffer, self.admission, self.leases, self.held_bytes,

@@ -5,6 +5,7 @@ import dataclasses
 import threading
 from typing import Optional, Protocol, Sequence, Sized
 
+from .leases import Leases
 from .shares import PLAIN, BatchShape
 from .types import CollectResult, DispatchResult, PromptRef
 
@@ -33,6 +34,7 @@ class Collecting(Protocol):
 
     lock: threading.RLock
     buffer: Sized  # the pipeline buffer: len() is the groups waiting
+    leases: Leases  # its `silences`: how many times each holder was taken as silent
 
     def check_trainer_step(self, trainer_step: Optional[int]) -> None: ...
     def report_incidents(self) -> None: ...
@@ -114,7 +116,7 @@ class CollectPoll:
     rank's share waits; at the deadline, whatever is there with `allow_partial`."""
 
     __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds", "_shape", "_trainer_step",
-                 "_max_bytes", "_holder")
+                 "_max_bytes", "_holder", "_silences")
 
     def __init__(self, pacer: Collecting, num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float,
                  shape: BatchShape = PLAIN, trainer_step: Optional[int] = None, max_bytes: int = 0, holder: str = ""):
@@ -127,6 +129,7 @@ class CollectPoll:
         self._trainer_step = trainer_step  # None: the trainer does not state its step
         self._max_bytes = max_bytes  # the largest answer the caller takes (0: the server's limit)
         self._holder = holder  # the client whose silence ends the lease too ("": none)
+        self._silences = pacer.leases.silences.get(holder) if holder else None  # the holder taken as silent since?
 
     def attempt(self) -> Optional[CollectResult]:
         pacer = self._pacer
@@ -144,6 +147,8 @@ class CollectPoll:
 
     def _ready(self) -> Optional[int]:
         """What `attempt` would take now, or None (the caller holds the lock)."""
+        if self._away():
+            return None
         if self._shape.plain:  # the common case, without the shape's bookkeeping
             return self._num_groups if len(self._pacer.buffer) >= self._num_groups else None
         return self._pacer.ready_count(self._num_groups, self._shape)
@@ -153,6 +158,8 @@ class CollectPoll:
         with pacer.lock:
             pacer.check_trainer_step(self._trainer_step)
             pacer.report_incidents()
+            if self._away():
+                return CollectResult([], timed_out=True)
             count = pacer.ready_count(self._num_groups, self._shape)
             if count is not None:
                 return self._take(count, False)
@@ -160,6 +167,12 @@ class CollectPoll:
             if count:
                 return self._take(count, True)
             return CollectResult([], timed_out=True)
+
+    def _away(self) -> bool:
+        """The holder was taken as silent since this Collect came (its leases lapsed): a stopped process's call stays
+        open. It takes nothing, so that the groups the holder held wait for it to come back and claim them
+        (Workers.heard_from) instead of going out to it again in an answer it may never read."""
+        return self._holder != "" and self._pacer.leases.silences.get(self._holder) != self._silences
 
     def _take(self, count: int, timed_out: bool) -> CollectResult:
         return self._pacer.apply_take(count, timed_out, self._request_id, self._lease_seconds, self._shape,

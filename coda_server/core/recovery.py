@@ -28,6 +28,7 @@ from .journal import (
     GatesRechecked,
     JobEnded,
     JournalEvent,
+    Reclaimed,
     Recorder,
     ResetAbandoned,
     ResetBegun,
@@ -115,11 +116,11 @@ class Recovery:
                  steps: StepBoundary, inflight: InflightTable, leases: Leases, liveness: Liveness,
                  collector: Collector, answers: AnswerBook, totals: dict, clock: PacerClock, *,
                  dispatch: Callable[..., Any], submit: Callable[..., Any], take: Callable[..., Any],
-                 ack: Callable[..., Any]):
+                 ack: Callable[..., Any], reclaim: Callable[..., Any]):
         self._lock, self._recorder, self._snapshot, self._boundary = lock, recorder, snapshot, boundary
         self._steps, self._inflight, self._leases, self._liveness = steps, inflight, leases, liveness
         self._collector, self._answers, self._totals, self._clock = collector, answers, totals, clock
-        self._dispatch, self._submit, self._take, self._ack = dispatch, submit, take, ack
+        self._dispatch, self._submit, self._take, self._ack, self._reclaim = dispatch, submit, take, ack, reclaim
 
     def recover(self) -> int:
         """Rebuild the state: the snapshot, then the events replayed in order. The strategy is a fresh instance
@@ -207,6 +208,11 @@ class Recovery:
             remember("Ack", event.request_id, self._ack(event.lease_id, event.request_id))
         elif isinstance(event, Expired):
             self._collector.expire(event.prompt_ids, event.lease_ids)
+        elif isinstance(event, Reclaimed):
+            reclaimed, _ = self._reclaim(event.holder, event.at, event.leases)
+            if len(reclaimed) != len(event.leases):
+                raise RuntimeError(f"recovery diverged: the leases {event.holder} reclaimed are not in the buffer")
+            self._liveness.watch([event.holder], event.at)
         elif isinstance(event, ResetBegun):
             boundary.begin(event.mode, resume=event.resume, weight_version=event.weight_version)
         elif isinstance(event, ResetFinished):

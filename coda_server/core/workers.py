@@ -10,7 +10,8 @@ from .clock import PacerClock
 from .collector import Collector
 from .inflight import InflightTable
 from .job_end import Lifecycle
-from .journal import Expired, Recorder
+from .delivery import Delivery
+from .journal import Expired, Reclaimed, Recorder
 from .leases import Leases, holder_silent
 from .liveness import Liveness
 from .types import HeldGroup, KeepAliveResult
@@ -25,20 +26,50 @@ class SilentRelease:
     leased_groups: int = 0
 
 
+@dataclass
+class Reclaim:
+    """What a trainer heard again after its silence got back: the leases given back to it (their groups all still
+    waited in the buffer), how many groups they hold, and the leases whose groups went elsewhere meanwhile."""
+
+    lease_ids: list[str]
+    groups: int
+    missed: list[str]
+
+
 class Workers:
     """The calls about workers rather than groups, over the owners they read and change. Each takes the pacer's
     lock itself, but for the liveness notes (`heard_from`, `watch_opened`, `watch_closed`): single dictionary
     writes made without it, on every call's path (docs/architecture.md)."""
 
     def __init__(self, lock: threading.RLock, lifecycle: Lifecycle, checks: RequestChecks, inflight: InflightTable,
-                 leases: Leases, liveness: Liveness, collector: Collector, recorder: Recorder, clock: PacerClock):
+                 leases: Leases, liveness: Liveness, collector: Collector, delivery: Delivery, recorder: Recorder,
+                 clock: PacerClock):
         self._lock, self._lifecycle, self._checks, self._inflight = lock, lifecycle, checks, inflight
-        self._leases, self._liveness, self._collector = leases, liveness, collector
+        self._leases, self._liveness, self._collector, self._delivery = leases, liveness, collector, delivery
         self._record, self._clock = recorder.record, clock
 
-    def heard_from(self, client_id: str) -> None:
-        """A call from `client_id` (a worker's heartbeat, Dispatch or Submit): it is alive."""
+    def heard_from(self, client_id: str, held_leases: Sequence[str] = ()) -> Optional[Reclaim]:
+        """A call from `client_id` (a worker's heartbeat, Dispatch or Submit, a trainer's Collect, Ack or heartbeat):
+        it is alive. `held_leases`: the Collect leases it says it holds; those that ended with its silence are given
+        back to it, before its call is served, when their groups all still wait in the buffer (returned, for the log;
+        None when it named none of them)."""
         self._liveness.heard(client_id, self._clock.now())
+        if held_leases and self._leases.reclaimable:
+            return self._reclaim(client_id, held_leases)
+        return None
+
+    def _reclaim(self, holder: str, held_leases: Sequence[str]) -> Optional[Reclaim]:
+        with self._lock:
+            claimed = [] if self._lifecycle.closed else self._leases.claimed(holder, held_leases)
+            if not claimed:
+                return None
+            now = self._clock.now()
+            reclaimed, missed = self._delivery.reclaim(holder, now, claimed)
+            if reclaimed:
+                self._liveness.watch([holder], now)
+                self._record(Reclaimed(now, holder, reclaimed))
+            return Reclaim([lease_id for lease_id, _, _ in reclaimed],
+                           sum(len(priorities) for _, _, priorities in reclaimed), missed)
 
     def watch_opened(self, client_id: str) -> None:
         """`client_id` opened a control stream: it is a watched worker from now on (see liveness.py)."""
@@ -111,6 +142,7 @@ class Workers:
                 if prompt_ids:
                     self._collector.expire(prompt_ids, [])
                 for holder, (lease_ids, _) in leases.items():  # an Ack of one is told whose silence ended it
+                    self._leases.keep_reclaimable(holder, lease_ids)
                     self._collector.expire([], lease_ids, holder_silent(holder, self._liveness.grace))
                 # In the order they went back, so that a replay rebuilds the buffer as it was.
                 self._record(Expired(now, prompt_ids, [lease_id for lease_ids, _ in leases.values()
