@@ -134,13 +134,13 @@ def dispatch(
 
 
 def keep_alive(prompt_ids: Sequence[str], *, timeout: float, dispatch_seqs: Mapping[str, int] | None = None,
-               loaded_weight_version: int | None = None) -> Call[KeepAliveResult]:
+               loaded_weight_version: int | None = None, lease_ids: Sequence[str] = ()) -> Call[KeepAliveResult]:
     """KeepAlive: renewing a lease twice is harmless, so no request id. `dispatch_seqs`: the fences (see submit);
-    `loaded_weight_version`: as for dispatch."""
+    `loaded_weight_version`: as for dispatch; `lease_ids`: the Collect leases a trainer holds."""
     if isinstance(prompt_ids, (str, bytes)):
         raise TypeError("prompt_ids must be a list of prompt ids, not a single string")
     request = _message(pacer_pb2.KeepAliveRequest, prompt_ids=list(prompt_ids), dispatch_seqs=dispatch_seqs or {},
-                       loaded_weight_version=loaded_weight_version)
+                       loaded_weight_version=loaded_weight_version, lease_ids=list(lease_ids))
     return Call("KeepAlive", request, timeout, KeepAliveResult.from_pb)
 
 
@@ -188,14 +188,15 @@ def collect(
     num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0,
     arrays: ArrayMode = "list", rank: int = 0, world_size: int = 1, token_budget: int = 0,
     trainer_step: int | None = None, max_response_bytes: int = 0, streamed: bool = False,
-    release_when_silent: bool = False,
+    release_when_silent: bool = False, held_lease_ids: Sequence[str] = (),
 ) -> Call[CollectResult]:
     """Collect: a retried Collect must not take a second batch, hence the request id here too. `rank` and
     `world_size` ask for one rank's share of a data-parallel mini-batch; `token_budget` cuts it by tokens. With
     `trainer_step`, the server refuses it unless it is at that step (a trainer restarted from a checkpoint).
     `max_response_bytes`: the largest answer this client receives, so the server cuts the answer to fit.
     `streamed`: through CollectStream, the same answer in messages of a few MiB (received faster when large).
-    `release_when_silent`: the lease also ends once this client (its client id) stops heartbeating."""
+    `release_when_silent`: the lease also ends once this client (its client id) stops heartbeating;
+    `held_lease_ids`: the leases it holds, given back to it first if its silence ended them."""
     request = _message(
         pacer_pb2.CollectRequest,
         num_groups=num_groups,
@@ -208,6 +209,7 @@ def collect(
         token_budget=token_budget,
         max_response_bytes=max(0, max_response_bytes),
         release_when_silent=release_when_silent,
+        held_lease_ids=list(held_lease_ids),
     )
     if trainer_step is not None:
         check_numbers(pacer_pb2.CollectRequest, trainer_step=trainer_step)

@@ -642,6 +642,9 @@ class _IteratorBase:
         self._beats_end = threading.Event()
         self._handed_at = 0.0  # when the batch in hand was handed out (time.monotonic())
         self._heartbeat: threading.Thread | None = None
+        # The leases taken and not yet acknowledged or given back, oldest first: each heartbeat and Collect names them,
+        # so that those the server ended while this trainer was silent (stopped, cut off) come back to it.
+        self._held_leases: dict[str, None] = {}
 
     @property
     def num_groups(self) -> int:
@@ -657,7 +660,7 @@ class _IteratorBase:
                               arrays="numpy", rank=shape.rank, world_size=shape.world_size,
                               token_budget=shape.token_budget, trainer_step=self.step,
                               max_response_bytes=self._client.max_receive_bytes, streamed=self._streamed,
-                              release_when_silent=self._release_when_silent)
+                              release_when_silent=self._release_when_silent, held_lease_ids=list(self._held_leases))
 
     def _start_heartbeats(self, twin: bool) -> None:
         """Names the client (trainer-...) if it has no id, before its first call, then heartbeats on a thread of its
@@ -706,8 +709,10 @@ class _IteratorBase:
             self._beats_end.set()
 
     def _heartbeat_call(self) -> _calls.Call[Any]:
-        """A KeepAlive naming no group: this trainer is alive, so the server keeps its leases (release_when_silent)."""
-        return _calls.keep_alive([], timeout=min(self._client.timeout, max(self._beat_seconds, 1.0)))
+        """A KeepAlive naming no group, and the leases this trainer holds: it is alive, so the server keeps them
+        (release_when_silent), or gives back those it ended while the trainer was silent."""
+        return _calls.keep_alive([], timeout=min(self._client.timeout, max(self._beat_seconds, 1.0)),
+                                 lease_ids=list(self._held_leases))
 
     def _next_beat(self, answer: Any) -> float | None:
         """Seconds until the next heartbeat after this answer (a KeepAliveResult or the call's error); None: no more
@@ -740,6 +745,17 @@ class _IteratorBase:
                     "Collect, which receives large batches more slowly", self._client.target)
         self._streamed = False
         return True
+
+    def _took(self, result: CollectResult) -> None:
+        """A Collect's answer arrived: its lease is held until acknowledged or given back."""
+        if result.lease_id:
+            self._held_leases[result.lease_id] = None
+        self._note_other_shapes(result)
+
+    def _let_go(self, lease_ids: Sequence[str]) -> None:
+        """These leases were acknowledged or given back: no longer held."""
+        for lease_id in lease_ids:
+            self._held_leases.pop(lease_id, None)
 
     def _note_other_shapes(self, result: CollectResult) -> None:
         """Warn when this rank's share came from a new global mini-batch while shares of another shape waited for
@@ -782,8 +798,9 @@ class _IteratorBase:
     def _release_calls(self, batches: Sequence[MiniBatch | None]) -> list[_calls.Call[int]]:
         """Release calls giving back the leases of batches not trained on, bounded in time: close() waits for them."""
         timeout = min(self._client.timeout, _CLOSE_WAIT_SECONDS)
-        return [_calls.release(lease_id, request_id=None, timeout=timeout)
-                for batch in batches if batch is not None for lease_id in batch.lease_ids]
+        lease_ids = [lease_id for batch in batches if batch is not None for lease_id in batch.lease_ids]
+        self._let_go(lease_ids)  # not trained on: not to be claimed back, whether the Release arrives or not
+        return [_calls.release(lease_id, request_id=None, timeout=timeout) for lease_id in lease_ids]
 
     def _release_failed(self, call: _calls.Call[int], exc: Exception) -> None:
         log.warning("batches: lease %s could not be given back (%s); its groups return to the buffer when it runs out "
@@ -949,7 +966,7 @@ class BatchIterator(_IteratorBase):
                 if not self._without_stream(exc):
                     raise
                 result = self._call(self._collect_call(missing if results else None))  # nothing was taken
-            self._note_other_shapes(result)
+            self._took(result)
             if result.groups:
                 results.append(result)
             elif job_ended and not results:
@@ -1017,6 +1034,7 @@ class BatchIterator(_IteratorBase):
     def _acknowledge(self, batch: MiniBatch) -> int:
         groups = sum(self._call(_calls.ack(lease_id, request_id=None, timeout=self._client.timeout),
                                 survives_close=True) for lease_id in batch.lease_ids)
+        self._let_go(batch.lease_ids)
         self.acknowledged += 1
         return groups
 
@@ -1214,7 +1232,7 @@ class AsyncBatchIterator(_IteratorBase):
                 if not self._without_stream(exc):
                     raise
                 result = await self._call(self._collect_call(missing if results else None))  # nothing was taken
-            self._note_other_shapes(result)
+            self._took(result)
             if result.groups:
                 results.append(result)
             elif job_ended and not results:
@@ -1280,6 +1298,7 @@ class AsyncBatchIterator(_IteratorBase):
         for lease_id in batch.lease_ids:
             groups += await self._call(_calls.ack(lease_id, request_id=None, timeout=self._client.timeout),
                                        survives_close=True)
+        self._let_go(batch.lease_ids)
         self.acknowledged += 1
         return groups
 
