@@ -106,6 +106,64 @@ def test_after_a_restart_a_holder_that_does_not_come_back_loses_its_leases_withi
     pacer.journal.close()
 
 
+def test_a_silent_holder_that_comes_back_claims_its_leases_while_their_groups_still_wait():
+    """A trainer stopped or cut off past the grace loses its leases; heard again naming them (a heartbeat's or
+    Collect's held leases, an Ack), it gets back each lease whose groups all still wait, and its Ack lands."""
+    pacer, clock = _filled("data_source.num_prompts_per_step=8", prompts="abcdef")
+    first = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    second = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    clock.now += 21
+    assert pacer.release_silent_workers()["trainer-1"].lease_ids == [first.lease_id, second.lease_id]
+    other = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-2")  # the first in line: the first lease's
+    assert [g.prompt_id for g in other.groups] == ["a", "b"]
+    assert pacer.heard_from("trainer-2", [second.lease_id]) is None  # not its lease: nothing given back
+    assert pacer.heard_from("trainer-1") is None  # a call naming no lease changes nothing
+    reclaim = pacer.heard_from("trainer-1", [first.lease_id, second.lease_id, "lease-99"])
+    assert (reclaim.lease_ids, reclaim.groups, reclaim.missed) == ([second.lease_id], 2, [first.lease_id])
+    state = pacer.state()
+    assert (state.leased, state.buffered) == (4, 2) and state.invariant_holds()
+    assert pacer.heard_from("trainer-1", [second.lease_id]) is None  # given back once
+    assert pacer.ack(second.lease_id) == 2
+    with pytest.raises(LeaseExpiredError, match="its holder trainer-1 was silent"):  # its groups went to trainer-2
+        pacer.ack(first.lease_id)
+    assert [g.prompt_id for g in pacer.collect_now(2).groups] == ["e", "f"]  # c and d were trained once
+    assert pacer.ack(other.lease_id) == 2 and pacer.state().consumed == 6
+
+
+def test_a_lease_given_back_is_journaled_and_stays_given_back_after_a_restart(tmp_path):
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    first, clock = _filled(journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    held = first.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    clock.now += 21
+    first.release_silent_workers()
+    assert first.heard_from("trainer-1", [held.lease_id]).lease_ids == [held.lease_id]
+    first.journal.close()
+
+    pacer, _ = make_pacer("server.inflight_lease_seconds=0", "server.worker_liveness_seconds=20",
+                          journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    pacer.recover()
+    state = pacer.state()
+    assert (state.leased, state.buffered) == (2, 2) and state.invariant_holds()
+    assert pacer.ack(held.lease_id) == 2
+    assert [g.prompt_id for g in pacer.collect_now(2).groups] == ["c", "d"]
+    pacer.journal.close()
+
+
+def test_a_collect_sent_before_its_holder_fell_silent_takes_nothing_of_what_it_held():
+    """A stopped process's waiting Collect stays open: when the holder's leases lapse it must not take their groups
+    again in an answer the holder may never read (and would train twice); a Collect sent after takes as usual."""
+    pacer, clock = _filled()
+    held = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    waiting = pacer.collect_poll(2, lease_seconds=LEASE, holder="trainer-1")  # sent before the silence, not tried
+    clock.now += 21
+    pacer.release_silent_workers()
+    assert waiting.attempt() is None and waiting.give_up().groups == []
+    assert pacer.heard_from("trainer-1", [held.lease_id]).lease_ids == [held.lease_id]
+    fresh = pacer.collect_poll(2, lease_seconds=LEASE, holder="trainer-1").attempt()
+    assert fresh is not None and [g.prompt_id for g in fresh.groups] == ["c", "d"]
+
+
 # --- against a server ---------------------------------------------------------------------------------
 
 
@@ -294,3 +352,75 @@ def test_release_when_silent_needs_a_client_id_and_a_lease(tmp_path) -> None:
             assert "applies to a leased Collect" in unleased.value.details()
             assert pacer.state().buffered == 2  # neither took anything
             assert stub.KeepAlive(pb.KeepAliveRequest(), metadata=named, timeout=10).liveness_seconds == GRACE
+
+
+STOPPED_TRAINER = """
+    import sys, time
+    from coda_client import PacerClient
+    pacer = PacerClient({address!r})
+    trained = []
+    with pacer.batches({size}, lease={lease}, poll={poll}, num_batches={batches}) as batches:
+        for i, batch in enumerate(batches):
+            trained += [g.prompt_id for g in batch.groups]
+            if i == 0:
+                while pacer.state().leased < {leased}:  # the prefetch took the second batch, if there was one
+                    time.sleep(0.01)
+                print("holding", flush=True)
+                sys.stdin.readline()  # "training": stopped (SIGSTOP) here, then told to go on
+    print(" ".join(trained), flush=True)
+"""
+ASYNC_STOPPED_TRAINER = """
+    import asyncio, sys, time
+    from coda_client import AsyncPacerClient
+
+    async def main():
+        pacer = AsyncPacerClient({address!r})
+        trained = []
+        async with pacer.batches({size}, lease={lease}, poll={poll}, num_batches={batches}) as batches:
+            i = 0
+            async for batch in batches:
+                trained += [g.prompt_id for g in batch.groups]
+                if i == 0:
+                    while (await pacer.state()).leased < {leased}:
+                        await asyncio.sleep(0.01)
+                    print("holding", flush=True)
+                    sys.stdin.readline()  # blocks the event loop: stopped here, then told to go on
+                i += 1
+        print(" ".join(trained), flush=True)
+
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("script, prefetched", [(STOPPED_TRAINER, True), (ASYNC_STOPPED_TRAINER, True),
+                                                (STOPPED_TRAINER, False)],
+                         ids=["blocking", "async", "blocking-prefetch-waiting"])
+def test_a_trainer_stopped_past_the_grace_goes_on_and_trains_each_group_once(tmp_path, script, prefetched) -> None:
+    """SIGSTOP for longer than the grace (a frozen node, a pause, a cut network): the server takes the trainer as
+    gone and its leases back. SIGCONT: its heartbeat (or its Ack, or its next Collect) names the leases it holds and
+    gets them back, their groups still waiting; its Acks land and no group is trained twice. Prefetch waiting: the
+    Collect it sent before the stop, still open (it waits 20 s, longer than the grace), must not take the lapsed
+    groups again."""
+    first = [f"s{i}" for i in range(4 if prefetched else 2)]
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, first)
+        trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script).format(
+            address=running.address, size=2 * N, lease=LEASE, batches=3 if prefetched else 2,
+            poll=1 if prefetched else 20, leased=len(first))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        try:
+            assert trainer.stdout.readline().strip() == "holding"
+            trainer.send_signal(signal.SIGSTOP)
+            try:
+                until(lambda: pacer.state().leased == 0, "the stopped trainer's leases to be taken back", timeout=60)
+                _fill(pacer, ["s4", "s5"] if prefetched else ["s2", "s3"])  # newer groups
+            finally:
+                trainer.send_signal(signal.SIGCONT)
+            out, _ = trainer.communicate("go\n", timeout=120)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+        assert trainer.returncode == 0
+        trained = out.split()
+        assert sorted(trained) == [f"s{i}" for i in range(6 if prefetched else 4)]  # each once
+        state = pacer.state()
+        assert (state.consumed, state.leased) == (len(trained), 0)
