@@ -11,6 +11,7 @@ time, in a seeded order, each after the job made progress since the last:
     worker_sigstop    SIGSTOP of a worker for 1.5 liveness graces, then SIGCONT
     worker_partition  a worker's traffic cut at its proxy (a black hole both ways) for 1.5 graces, restored
     trainer_kill9     kill -9 of the trainer at a random moment, restarted at once
+    trainer_sigstop   SIGSTOP of the trainer for 1.5 liveness graces (its leases are taken back), then SIGCONT
 
 Checked at the end, from what the workers' Submits had acknowledged and what the trainer trained:
 nothing acknowledged lost (every prompt trained, every trajectory trained with the content of one of its
@@ -51,7 +52,7 @@ WORKERS = 3
 B, N, M = 4, 2, 4  # groups per step, trajectories per group, trajectories per mini-batch (2 groups)
 GRACE = 1.5  # server.worker_liveness_seconds of the run: short, so a run is short
 FAULT_KINDS = ("server_kill9", "server_sigterm", "worker_kill9", "worker_sigstop", "worker_partition",
-               "trainer_kill9")
+               "trainer_kill9", "trainer_sigstop")
 PROGRESS_TIMEOUT = 60.0  # a fault after which the job makes no progress for this long fails the run
 
 
@@ -350,6 +351,11 @@ class Job:
             self.trainer.kill()
             self.trainer.wait()
             self.start_trainer()
+        elif kind == "trainer_sigstop":
+            time.sleep(rng.uniform(0, 0.5))
+            self.trainer.send_signal(signal.SIGSTOP)
+            time.sleep(1.5 * GRACE)
+            self.trainer.send_signal(signal.SIGCONT)
         return fault
 
     def stop(self) -> None:
