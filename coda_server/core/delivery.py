@@ -122,6 +122,8 @@ class Delivery:
                 continue
             self._leases.regrant(lease_id, entries, seconds, now, holder)
             reclaimed.append((lease_id, seconds, priorities))
+        if reclaimed:
+            self._signals.notify()  # fewer groups buffered: a strategy counting them may admit a waiting Dispatch
         return reclaimed, missed
 
     def consume(self, groups: list[TrajectoryGroup], now: float) -> None:

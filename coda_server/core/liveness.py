@@ -5,7 +5,8 @@ that asked to end with its silence (release_when_silent): from then on every cal
 heartbeat, a Dispatch, a Submit, a Collect, an Ack, another stream) says it is alive. Silent for `grace` seconds
 (killed, stopped, cut off by the network: an open stream alone proves nothing, a stopped process keeps its
 socket), it is taken as gone and the Pacer releases its incomplete running groups the way an expired in-flight
-lease does, and its Collect leases the way a Release does. Callers that never opened a stream (raw clients) are
+lease does, and its Collect leases the way a Release does (a trainer heard again naming those leases gets back the
+ones whose groups still all wait: Workers.heard_from). Callers that never opened a stream (raw clients) are
 not watched: their leases are their bound.
 """
 from __future__ import annotations
