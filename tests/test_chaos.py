@@ -18,7 +18,7 @@ spec.loader.exec_module(chaos)
 
 @pytest.mark.chaos
 def test_a_short_seeded_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path):
-    result = chaos.run(seed=11, faults=len(chaos.FAULT_KINDS), prompts=36, workdir=tmp_path)
+    result = chaos.run(seed=11, faults=len(chaos.FAULT_KINDS), prompts=60, workdir=tmp_path)
     report = chaos.table([result])
     assert result.finished, report
     assert sorted(f.kind for f in result.faults) == sorted(chaos.FAULT_KINDS), report  # each kind, with progress
