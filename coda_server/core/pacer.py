@@ -170,7 +170,7 @@ class Pacer(PacerViews):
         self.recovery = Recovery(
             self.lock, self.recorder, self.snapshots, self.boundary, steps, self.inflight, self.leases,
             self.liveness, self.collector, self.answers, self.totals, self._clock, dispatch=self.apply_dispatch,
-            submit=self.apply_submit, take=self.apply_take, ack=self.apply_ack, reclaim=self.delivery.reclaim)
+            submit=self.apply_submit, take=self.apply_take, ack=self.apply_ack, reclaim=workers.apply_reclaim)
         # read_state(waiting_calls, ages): a reading of the state (StateReader), as a PacerState by `state_of`.
         self.state_reader = StateReader(
             self.lock, steps, self.checkpoints, self.inflight, buffer, self.admission, self.leases, self.held_bytes,

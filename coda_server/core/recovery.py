@@ -209,10 +209,9 @@ class Recovery:
         elif isinstance(event, Expired):
             self._collector.expire(event.prompt_ids, event.lease_ids)
         elif isinstance(event, Reclaimed):
-            reclaimed, _ = self._reclaim(event.holder, event.at, event.leases)
+            reclaimed, _ = self._reclaim(event.holder, event.leases)
             if len(reclaimed) != len(event.leases):
                 raise RuntimeError(f"recovery diverged: the leases {event.holder} reclaimed are not in the buffer")
-            self._liveness.watch([event.holder], event.at)
         elif isinstance(event, ResetBegun):
             boundary.begin(event.mode, resume=event.resume, weight_version=event.weight_version)
         elif isinstance(event, ResetFinished):

@@ -63,13 +63,20 @@ class Workers:
             claimed = [] if self._lifecycle.closed else self._leases.claimed(holder, held_leases)
             if not claimed:
                 return None
+            reclaimed, missed = self.apply_reclaim(holder, claimed)
+            return Reclaim([lease_id for lease_id, _, _ in reclaimed],
+                           sum(len(priorities) for _, _, priorities in reclaimed), missed)
+
+    def apply_reclaim(self, holder: str, claimed: Sequence[tuple]) -> tuple[list[tuple], list[str]]:
+        """Give `holder` back the claimed leases whose groups all still wait (`Delivery.reclaim`), watch it again and
+        record it; the journal's Reclaimed is replayed through here. Returns (given back, the ids missed)."""
+        with self._lock:
             now = self._clock.now()
             reclaimed, missed = self._delivery.reclaim(holder, now, claimed)
             if reclaimed:
                 self._liveness.watch([holder], now)
                 self._record(Reclaimed(now, holder, reclaimed))
-            return Reclaim([lease_id for lease_id, _, _ in reclaimed],
-                           sum(len(priorities) for _, _, priorities in reclaimed), missed)
+            return reclaimed, missed
 
     def watch_opened(self, client_id: str) -> None:
         """`client_id` opened a control stream: it is a watched worker from now on (see liveness.py)."""
