@@ -63,8 +63,7 @@ class PipelineBuffer:
         found = {entry[0]: entry for entry in self.entries if entry[0] in wanted}
         if len(found) < len(wanted):
             return None
-        self.entries[:] = [entry for entry in self.entries if entry[0] not in wanted]
-        heapq.heapify(self.entries)
+        self.replace(entry for entry in self.entries if entry[0] not in wanted)
         return [found[priority] for priority in priorities]
 
     def groups(self) -> list[TrajectoryGroup]:
