@@ -188,6 +188,8 @@ class Leases:
         priorities), forgotten here (given back now, or never)."""
         reclaimable = self.reclaimable
         wanted = {lease_id for lease_id in lease_ids if reclaimable.get(lease_id, ("",))[0] == holder}
+        if not wanted:  # the usual call: no walk over what dead trainers left
+            return []
         return [(lease_id, *reclaimable.pop(lease_id)[1:])
                 for lease_id in [lease_id for lease_id in reclaimable if lease_id in wanted]]
 
