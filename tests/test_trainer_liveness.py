@@ -152,13 +152,20 @@ def test_a_lease_given_back_is_journaled_and_stays_given_back_after_a_restart(tm
 
 def test_a_collect_sent_before_its_holder_fell_silent_takes_nothing_of_what_it_held():
     """A stopped process's waiting Collect stays open: when the holder's leases lapse it must not take their groups
-    again in an answer the holder may never read (and would train twice); a Collect sent after takes as usual."""
+    again in an answer the holder may never read (and would train twice); it is answered at once, empty, so that a
+    holder that comes back asks again, naming its leases, instead of waiting out the call's deadline; a Collect sent
+    after takes as usual."""
     pacer, clock = _filled()
     held = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
-    waiting = pacer.collect_poll(2, lease_seconds=LEASE, holder="trainer-1")  # sent before the silence, not tried
+    waiting = pacer.collect_poll(3, lease_seconds=LEASE, holder="trainer-1")  # sent before the silence, not tried
+    assert not waiting.could_answer()  # "c" and "d" wait: two of the three it asks for
     clock.now += 21
     pacer.release_silent_workers()
-    assert waiting.attempt() is None and waiting.give_up().groups == []
+    assert waiting.could_answer()  # woken by the lapse, not left asleep until its deadline
+    answer = waiting.attempt()  # before any deadline: the clock has not moved since the lapse
+    assert answer is not None and (answer.groups, answer.timed_out) == ([], True)
+    assert waiting.give_up().groups == []
+    assert pacer.state().buffered == 4  # it took nothing
     assert pacer.heard_from("trainer-1", [held.lease_id]).lease_ids == [held.lease_id]
     fresh = pacer.collect_poll(2, lease_seconds=LEASE, holder="trainer-1").attempt()
     assert fresh is not None and [g.prompt_id for g in fresh.groups] == ["c", "d"]
@@ -399,14 +406,14 @@ def test_a_trainer_stopped_past_the_grace_goes_on_and_trains_each_group_once(tmp
     """SIGSTOP for longer than the grace (a frozen node, a pause, a cut network): the server takes the trainer as
     gone and its leases back. SIGCONT: its heartbeat (or its Ack, or its next Collect) names the leases it holds and
     gets them back, their groups still waiting; its Acks land and no group is trained twice. Prefetch waiting: the
-    Collect it sent before the stop, still open (it waits 20 s, longer than the grace), must not take the lapsed
-    groups again."""
+    Collect it sent before the stop, still open (it would wait LEASE seconds, far longer than the test), must not
+    take the lapsed groups again, and is answered empty at once, so that the trainer asks again when it goes on."""
     first = [f"s{i}" for i in range(4 if prefetched else 2)]
     with _server(tmp_path) as running, PacerClient(running.address) as pacer:
         _fill(pacer, first)
         trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script).format(
             address=running.address, size=2 * N, lease=LEASE, batches=3 if prefetched else 2,
-            poll=1 if prefetched else 20, leased=len(first))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+            poll=1 if prefetched else LEASE, leased=len(first))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
         try:
             assert trainer.stdout.readline().strip() == "holding"
             trainer.send_signal(signal.SIGSTOP)

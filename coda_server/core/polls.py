@@ -136,6 +136,8 @@ class CollectPoll:
         with pacer.lock:
             pacer.check_trainer_step(self._trainer_step)  # on every attempt: a Restore may come while it waits
             pacer.report_incidents()  # a raising hook or a refused dirty group fails the trainer's Collect, once
+            if self._away():
+                return CollectResult([], timed_out=True)
             count = self._ready()
             return None if count is None else self._take(count, False)
 
@@ -143,12 +145,10 @@ class CollectPoll:
         """False only when `attempt` would give None now (see waiting.Poll): cheap, changes nothing."""
         pacer = self._pacer
         with pacer.lock:
-            return pacer.collect_must_attempt(self._trainer_step) or self._ready() is not None
+            return pacer.collect_must_attempt(self._trainer_step) or self._away() or self._ready() is not None
 
     def _ready(self) -> Optional[int]:
         """What `attempt` would take now, or None (the caller holds the lock)."""
-        if self._away():
-            return None
         if self._shape.plain:  # the common case, without the shape's bookkeeping
             return self._num_groups if len(self._pacer.buffer) >= self._num_groups else None
         return self._pacer.ready_count(self._num_groups, self._shape)
@@ -170,8 +170,10 @@ class CollectPoll:
 
     def _away(self) -> bool:
         """The holder was taken as silent since this Collect came (its leases lapsed): a stopped process's call stays
-        open. It takes nothing, so that the groups the holder held wait for it to come back and claim them
-        (Workers.heard_from) instead of going out to it again in an answer it may never read."""
+        open. It is answered at once, empty and timed out, so that the groups the holder held wait for it to come
+        back and claim them (Workers.heard_from) instead of going out to it again in an answer it may never read, and
+        so that a holder that does come back reads that answer and asks again at once, naming its leases, instead of
+        waiting out this call's deadline."""
         return self._holder != "" and self._pacer.leases.silences.get(self._holder) != self._silences
 
     def _take(self, count: int, timed_out: bool) -> CollectResult:
