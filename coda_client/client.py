@@ -324,9 +324,9 @@ class _ClientBase:
                                max_continuations=max_continuations, loaded_weight_version=loaded_weight_version)
 
     def _keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Mapping[str, int] | None = None,
-                    loaded_weight_version: int | None = None) -> Call[Any]:
+                    loaded_weight_version: int | None = None, lease_ids: Sequence[str] = ()) -> Call[Any]:
         return _calls.keep_alive(prompt_ids, timeout=self.timeout, dispatch_seqs=dispatch_seqs,
-                                 loaded_weight_version=loaded_weight_version)
+                                 loaded_weight_version=loaded_weight_version, lease_ids=lease_ids)
 
     def _submit(self, trajectories: Sequence[Trajectory], request_id: str | None,
                 dispatch_seqs: Mapping[str, int] | None = None) -> Call[Any]:
@@ -335,11 +335,12 @@ class _ClientBase:
 
     def _collect(
         self, num_groups: int, wait: float, allow_partial: bool, request_id: str | None, lease: float = 0.0,
-        trainer_step: int | None = None,
+        trainer_step: int | None = None, release_when_silent: bool = False, held_lease_ids: Sequence[str] = (),
     ) -> Call[Any]:
         return _calls.collect(
             num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id, timeout=self.timeout,
             lease=lease, arrays=self.arrays, trainer_step=trainer_step, max_response_bytes=self.max_receive_bytes,
+            release_when_silent=release_when_silent, held_lease_ids=held_lease_ids,
         )
 
     def _ack(self, lease_id: str, request_id: str | None) -> Call[Any]:
@@ -422,11 +423,13 @@ class PacerClient(_ClientBase):
         return self._run(self._dispatch(candidates, wait, request_id, max_continuations, loaded_weight_version))
 
     def keep_alive(self, prompt_ids: Sequence[str], *, dispatch_seqs: Mapping[str, int] | None = None,
-                   loaded_weight_version: int | None = None) -> KeepAliveResult:
+                   loaded_weight_version: int | None = None, lease_ids: Sequence[str] = ()) -> KeepAliveResult:
         """Renews the in-flight leases of running groups this worker is still generating (and is the worker's
         liveness heartbeat; with no prompt ids, the heartbeat alone, as batches() sends it for a trainer).
-        `dispatch_seqs`: fencing tokens, as for submit(); `loaded_weight_version`: as for dispatch()."""
-        return self._run(self._keep_alive(prompt_ids, dispatch_seqs, loaded_weight_version))
+        `dispatch_seqs`: fencing tokens, as for submit(); `loaded_weight_version`: as for dispatch().
+        `lease_ids`: the Collect leases a trainer holds (collect_result(release_when_silent=True)): those its
+        silence ended are given back to it while their groups still wait in the buffer."""
+        return self._run(self._keep_alive(prompt_ids, dispatch_seqs, loaded_weight_version, lease_ids))
 
     def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None,
                dispatch_seqs: Mapping[str, int] | None = None) -> SubmitResult:
@@ -445,13 +448,19 @@ class PacerClient(_ClientBase):
 
     def collect_result(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None,
-        lease: float = 0.0, trainer_step: int | None = None,
+        lease: float = 0.0, trainer_step: int | None = None, release_when_silent: bool = False,
+        held_lease_ids: Sequence[str] = (),
     ) -> CollectResult:
         """Like collect(), also telling whether the wait timed out (and `cut_to_fit`: fewer groups, as more
         would not fit this client's message limit); with `lease` seconds, the groups come back to the buffer
         unless ack(result.lease_id) is called in time. With `trainer_step` (the steps the trainer has trained),
-        the server refuses the Collect unless it is at that step ("restore first")."""
-        return self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step))
+        the server refuses the Collect unless it is at that step ("restore first").
+        `release_when_silent` (needs a client id and a lease): the lease also ends once this client has been silent
+        for the server's liveness grace, so a dead trainer's groups come back within it: heartbeat with
+        keep_alive([], lease_ids=...) meanwhile. `held_lease_ids`: the leases it holds, given back to it first if
+        its silence ended them (as keep_alive's lease_ids). batches() does all of this itself."""
+        return self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step,
+                                       release_when_silent, held_lease_ids))
 
     def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
         """Consumes a leased Collect's groups for good; returns how many."""
@@ -678,9 +687,9 @@ class AsyncPacerClient(_ClientBase):
         return await self._run(self._dispatch(candidates, wait, request_id, max_continuations, loaded_weight_version))
 
     async def keep_alive(self, prompt_ids: Sequence[str], *, dispatch_seqs: Mapping[str, int] | None = None,
-                         loaded_weight_version: int | None = None) -> KeepAliveResult:
+                         loaded_weight_version: int | None = None, lease_ids: Sequence[str] = ()) -> KeepAliveResult:
         """Coroutine form of PacerClient.keep_alive."""
-        return await self._run(self._keep_alive(prompt_ids, dispatch_seqs, loaded_weight_version))
+        return await self._run(self._keep_alive(prompt_ids, dispatch_seqs, loaded_weight_version, lease_ids))
 
     async def submit(self, trajectories: Sequence[Trajectory], *, request_id: str | None = None,
                      dispatch_seqs: Mapping[str, int] | None = None) -> SubmitResult:
@@ -696,10 +705,12 @@ class AsyncPacerClient(_ClientBase):
 
     async def collect_result(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None,
-        lease: float = 0.0, trainer_step: int | None = None,
+        lease: float = 0.0, trainer_step: int | None = None, release_when_silent: bool = False,
+        held_lease_ids: Sequence[str] = (),
     ) -> CollectResult:
         """Coroutine form of PacerClient.collect_result."""
-        return await self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step))
+        return await self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step,
+                                             release_when_silent, held_lease_ids))
 
     async def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
         """Coroutine form of PacerClient.ack."""

@@ -361,6 +361,28 @@ def test_release_when_silent_needs_a_client_id_and_a_lease(tmp_path) -> None:
             assert stub.KeepAlive(pb.KeepAliveRequest(), metadata=named, timeout=10).liveness_seconds == GRACE
 
 
+def test_a_loop_of_its_own_heartbeats_with_its_leases_and_gets_them_back_after_a_silence(tmp_path) -> None:
+    """A trainer on collect_result() and ack() rather than batches(): release_when_silent=True, and the lease ids it
+    holds named in its keep_alive() heartbeat or its next Collect, as the iterators name theirs."""
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer, \
+            PacerClient(running.address, client_id="trainer-own-loop") as trainer:
+        _fill(pacer, ["r0", "r1", "r2", "r3"])
+        first = trainer.collect_result(2, lease=LEASE, release_when_silent=True)
+        until(lambda: pacer.state().leased == 0, "the silent trainer's lease to be taken back", timeout=60)
+        assert trainer.keep_alive([], lease_ids=[first.lease_id]).liveness_seconds == GRACE
+        assert pacer.state().leased == 2  # given back by the heartbeat that named it
+        assert trainer.ack(first.lease_id) == 2
+
+        second = trainer.collect_result(2, lease=LEASE, release_when_silent=True)
+        until(lambda: pacer.state().leased == 0, "the silent trainer's lease to be taken back", timeout=60)
+        after = trainer.collect_result(2, lease=LEASE, release_when_silent=True, held_lease_ids=[second.lease_id])
+        assert after.groups == [] and after.timed_out  # given back before the Collect was served: nothing left
+        assert trainer.ack(second.lease_id) == 2
+        assert [g.prompt_id for g in first.groups + second.groups] == ["r0", "r1", "r2", "r3"]
+        state = pacer.state()
+        assert (state.consumed, state.leased, state.buffered) == (4, 0, 0)
+
+
 STOPPED_TRAINER = """
     import sys, time
     from coda_client import PacerClient
