@@ -72,9 +72,24 @@ if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
     )
 
 
+# The rollout worker kit's public names (coda_worker.__all__ and its HTTP adapters), which users reach for here: the
+# import says where they are. An ImportError, as `from coda_client import RolloutWorker` would otherwise replace an
+# AttributeError's message with Python's plain "cannot import name".
+_IN_THE_WORKER_KIT = frozenset({
+    "RolloutWorker", "AsyncRolloutWorker", "Prompt", "PromptSource", "ListPromptSource", "WorkerStats", "RewardFn",
+    "WorkerFailedError", "RewardFunctionError", "EngineFailedError", "trajectory_id_of", "AsyncEngine", "ServedEngine",
+    "FakeEngine", "Engine", "EngineError", "EngineUnreachableError", "FinishReason", "Generation", "GenerationRequest",
+    "SamplingParams", "VLLMEngine", "SGLangEngine",
+})
+
+
 def __getattr__(name: str) -> Any:
     module = _MODULE_OF.get(name)
     if module is None:
+        if name in _IN_THE_WORKER_KIT:
+            raise ImportError(f"{name} is in the rollout worker kit, not the client: from coda_worker import {name} "
+                              "(the same distribution; pip install 'coda-pacer[worker]' adds httpx for the vLLM and "
+                              "SGLang adapters)", name=name)
         raise AttributeError(f"module 'coda_client' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups skip this function

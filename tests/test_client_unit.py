@@ -697,6 +697,18 @@ def test_public_api_is_exported() -> None:
         assert name in coda_client.__all__ and hasattr(coda_client, name), name
 
 
+def test_a_worker_kit_name_imported_from_the_client_says_where_it_is() -> None:
+    import coda_worker
+    from coda_worker.engines import _ADAPTERS
+
+    # Every public name of the kit, and only those, gets the hint (the list in coda_client must follow the kit's).
+    assert coda_client._IN_THE_WORKER_KIT == set(coda_worker.__all__) | set(_ADAPTERS)
+    for name in ("RolloutWorker", "VLLMEngine"):
+        with pytest.raises(ImportError, match=f"from coda_worker import {name}"):
+            exec(f"from coda_client import {name}", {})
+    assert not hasattr(coda_client, "NoSuchName")  # any other missing name stays a plain AttributeError
+
+
 class _StuckStream(grpc.RpcError):
     """A streamed call as gRPC's iterator leaves it in grpc/grpc#20562: the call ended with UNAVAILABLE (its done
     callbacks ran) while a read it had started never completes."""
