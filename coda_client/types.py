@@ -655,6 +655,9 @@ class PacerState:
     expired: int
     #: Leased groups returned to the buffer because no Ack came in time. Metric: coda_pacer_redelivered_groups_total.
     redelivered: int
+    #: Of the redelivered groups, those given back under their lease to a trainer heard again after its silence,
+    #: before anyone else took them. Metric: coda_pacer_reclaimed_groups_total.
+    reclaimed: int
     #: Groups handed out under a Collect lease, not yet acknowledged. Metric: coda_pacer_leased_groups.
     leased: int
     #: Bytes of trajectories queued, buffered or leased. Metric: coda_pacer_held_bytes.

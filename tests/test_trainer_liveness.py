@@ -122,6 +122,7 @@ def test_a_silent_holder_that_comes_back_claims_its_leases_while_their_groups_st
     assert (reclaim.lease_ids, reclaim.groups, reclaim.missed) == ([second.lease_id], 2, [first.lease_id])
     state = pacer.state()
     assert (state.leased, state.buffered) == (4, 2) and state.invariant_holds()
+    assert (state.redelivered, state.reclaimed) == (4, 2)  # two went back and out again, two to their trainer
     assert pacer.heard_from("trainer-1", [second.lease_id]) is None  # given back once
     assert pacer.ack(second.lease_id) == 2
     with pytest.raises(LeaseExpiredError, match="its holder trainer-1 was silent"):  # its groups went to trainer-2
@@ -145,6 +146,7 @@ def test_a_lease_given_back_is_journaled_and_stays_given_back_after_a_restart(tm
     pacer.recover()
     state = pacer.state()
     assert (state.leased, state.buffered) == (2, 2) and state.invariant_holds()
+    assert (state.redelivered, state.reclaimed) == (2, 2)
     assert pacer.ack(held.lease_id) == 2
     assert [g.prompt_id for g in pacer.collect_now(2).groups] == ["c", "d"]
     pacer.journal.close()

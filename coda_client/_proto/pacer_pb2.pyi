@@ -358,7 +358,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "leased", "held_bytes", "quarantined", "recent_incidents", "restored_kept", "rolled_back", "reinstated", "checkpoints", "restores", "last_checkpoint_step", "last_checkpoint_weight_version", "last_restore_step", "last_restore_weight_version", "job_ended", "prompts_per_step", "group_sizes", "mini_batch_size", "stale_steps", "collect_limit", "restored_kept_oldest_seconds")
+    __slots__ = ("running", "buffered", "queued_trajectories", "capacity", "window_size", "step", "weight_version", "generation", "paused", "resetting", "strategy", "dispatched", "submitted", "collected", "consumed", "filtered", "restored", "dropped", "stale_rejected", "duplicates", "config_summary", "waiting_calls", "recent_reports", "expired", "redelivered", "reclaimed", "leased", "held_bytes", "quarantined", "recent_incidents", "restored_kept", "rolled_back", "reinstated", "checkpoints", "restores", "last_checkpoint_step", "last_checkpoint_weight_version", "last_restore_step", "last_restore_weight_version", "job_ended", "prompts_per_step", "group_sizes", "mini_batch_size", "stale_steps", "collect_limit", "restored_kept_oldest_seconds")
     class ConfigSummaryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +391,7 @@ class GetStateResponse(_message.Message):
     RECENT_REPORTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +437,7 @@ class GetStateResponse(_message.Message):
     recent_reports: _containers.RepeatedCompositeFieldContainer[StepReport]
     expired: int
     redelivered: int
+    reclaimed: int
     leased: int
     held_bytes: int
     quarantined: int
@@ -456,7 +458,7 @@ class GetStateResponse(_message.Message):
     stale_steps: float
     collect_limit: int
     restored_kept_oldest_seconds: float
-    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., restored_kept: _Optional[int] = ..., rolled_back: _Optional[int] = ..., reinstated: _Optional[int] = ..., checkpoints: _Optional[int] = ..., restores: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., last_checkpoint_weight_version: _Optional[int] = ..., last_restore_step: _Optional[int] = ..., last_restore_weight_version: _Optional[int] = ..., job_ended: _Optional[bool] = ..., prompts_per_step: _Optional[int] = ..., group_sizes: _Optional[_Iterable[int]] = ..., mini_batch_size: _Optional[int] = ..., stale_steps: _Optional[float] = ..., collect_limit: _Optional[int] = ..., restored_kept_oldest_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., reclaimed: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., restored_kept: _Optional[int] = ..., rolled_back: _Optional[int] = ..., reinstated: _Optional[int] = ..., checkpoints: _Optional[int] = ..., restores: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., last_checkpoint_weight_version: _Optional[int] = ..., last_restore_step: _Optional[int] = ..., last_restore_weight_version: _Optional[int] = ..., job_ended: _Optional[bool] = ..., prompts_per_step: _Optional[int] = ..., group_sizes: _Optional[_Iterable[int]] = ..., mini_batch_size: _Optional[int] = ..., stale_steps: _Optional[float] = ..., collect_limit: _Optional[int] = ..., restored_kept_oldest_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

@@ -121,6 +121,7 @@ class Delivery:
                 missed.append(lease_id)
                 continue
             self._leases.regrant(lease_id, entries, seconds, now, holder)
+            self._totals["reclaimed"] += len(entries)
             reclaimed.append((lease_id, seconds, priorities))
         if reclaimed:
             self._signals.notify()  # fewer groups buffered: a strategy counting them may admit a waiting Dispatch

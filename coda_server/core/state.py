@@ -83,6 +83,8 @@ class PacerState:
                            "Running groups reclaimed because their in-flight lease ran out.")
     redelivered: int = counter("coda_pacer_redelivered_groups",
                                "Leased groups returned to the buffer because no Ack came in time.")
+    reclaimed: int = counter("coda_pacer_reclaimed_groups", "Of the redelivered groups, those given back under "
+                             "their lease to a trainer heard again after its silence, before anyone else took them.")
     leased: int = gauge("coda_pacer_leased_groups", "Groups handed out under a Collect lease, not yet acknowledged.",
                         default=0)
     held_bytes: int = gauge("coda_pacer_held_bytes", "Bytes of trajectories queued, buffered or leased.", default=0)

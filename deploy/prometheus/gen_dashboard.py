@@ -103,6 +103,7 @@ panel("Leases", "Running groups reclaimed after their in-flight lease ran out (a
       "redelivered because no Ack came, groups leased now.",
       [(f"sum(increase(coda_pacer_expired_groups_total{{{SEL}}}[{R}]))", "expired (in-flight lease)"),
        (f"sum(increase(coda_pacer_redelivered_groups_total{{{SEL}}}[{R}]))", "redelivered (Collect lease)"),
+       (f"sum(increase(coda_pacer_reclaimed_groups_total{{{SEL}}}[{R}]))", "given back to their silent trainer"),
        (f"coda_pacer_leased_groups{{{SEL}}}", "leased now {{instance}}")])
 panel("Bytes held", "Trajectory bytes queued, buffered or leased (capped by server.max_held_bytes when set).",
       [(f"coda_pacer_held_bytes{{{SEL}}}", "{{instance}}")], unit="bytes")
