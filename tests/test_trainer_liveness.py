@@ -152,6 +152,66 @@ def test_a_lease_given_back_is_journaled_and_stays_given_back_after_a_restart(tm
     pacer.journal.close()
 
 
+def _restarted(tmp_path, first, snapshot: bool):
+    """`first`'s state as a restarted server recovers it: from the journal's events, or from a snapshot of it."""
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    if snapshot:
+        first.recorder.snapshot(first.export_state())
+    first.journal.close()
+    pacer, clock = make_pacer("server.inflight_lease_seconds=0", "server.worker_liveness_seconds=20",
+                              "data_source.num_prompts_per_step=8", journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    pacer.recover()
+    return pacer, clock
+
+
+@pytest.mark.parametrize("snapshot", [False, True], ids=["replayed", "snapshot"])
+def test_a_silent_holder_that_comes_back_after_a_server_restart_claims_its_leases(tmp_path, snapshot):
+    """The silence that ended the leases is journaled with its holder (and kept in snapshots): a trainer stopped
+    past the grace while the server restarted gets back what still waits for it, and only that."""
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    first, clock = _filled("data_source.num_prompts_per_step=8", prompts="abcdef",
+                           journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    held = first.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    taken = first.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    clock.now += 21
+    first.release_silent_workers()
+    other = first.collect_now(2, lease_seconds=LEASE, holder="trainer-2")  # a and b, the first in line: `held`'s
+    pacer, _ = _restarted(tmp_path, first, snapshot)
+    reclaim = pacer.heard_from("trainer-1", [held.lease_id, taken.lease_id])
+    assert (reclaim.lease_ids, reclaim.missed) == ([taken.lease_id], [held.lease_id])
+    assert pacer.ack(taken.lease_id) == 2 and pacer.ack(other.lease_id) == 2
+    with pytest.raises(LeaseExpiredError, match="its holder trainer-1 was silent for 20 s"):
+        pacer.ack(held.lease_id)
+    state = pacer.state()
+    assert (state.consumed, state.leased, state.buffered, state.reclaimed) == (4, 0, 2, 2) and state.invariant_holds()
+    pacer.journal.close()
+
+
+@pytest.mark.parametrize("snapshot", [False, True], ids=["replayed", "snapshot"])
+def test_an_ack_after_a_restart_says_why_its_lease_ended(tmp_path, snapshot):
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    first, clock = _filled("data_source.num_prompts_per_step=8", prompts="abcdef",
+                           journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    ran_out = first.collect_now(2, lease_seconds=5)
+    released = first.collect_now(2, lease_seconds=LEASE)
+    silent = first.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    clock.now += 6
+    first.expire_leases()
+    assert first.release(released.lease_id) == 2
+    clock.now += 20
+    first.release_silent_workers()
+    pacer, _ = _restarted(tmp_path, first, snapshot)
+    for lease, why in [(ran_out, "ran out before this Ack"), (released, r"was given back \(Release\)"),
+                       (silent, "its holder trainer-1 was silent")]:
+        with pytest.raises(LeaseExpiredError, match=why):
+            pacer.ack(lease.lease_id)
+    assert [g.prompt_id for g in pacer.collect_now(6).groups] == ["a", "b", "c", "d", "e", "f"]
+    pacer.journal.close()
+
+
 def test_a_collect_sent_before_its_holder_fell_silent_takes_nothing_of_what_it_held():
     """A stopped process's waiting Collect stays open: when the holder's leases lapse it must not take their groups
     again in an answer the holder may never read (and would train twice); it is answered at once, empty, so that a

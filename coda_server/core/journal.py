@@ -94,6 +94,10 @@ class Acked(JournalEvent):
 class Expired(JournalEvent):
     prompt_ids: list[str]  # running groups whose in-flight lease ran out
     lease_ids: list[str]  # Collect leases that ran out without Ack
+    # Why the leases ended, as an Ack of one is told ("": not said, in records written before it was journaled).
+    why: str = ""
+    # The trainer whose silence ended them ("": another cause): replay keeps them for it to claim back.
+    holder: str = ""
 
 
 @dataclass(slots=True)

@@ -54,7 +54,7 @@ class Leases:
         # Leases that went back to the buffer because their holder fell silent, by id, oldest first: (holder,
         # seconds, the priorities of its groups), LAPSED_LEASES_KEPT at most. One is given back to its holder when the
         # holder names it again (a heartbeat's or Collect's held leases, an Ack) while all its groups still wait: a
-        # trainer stopped or cut off for longer than the grace that goes on trains them once. Not in snapshots.
+        # trainer stopped or cut off for longer than the grace that goes on trains them once, after a restart too.
         self.reclaimable: dict[str, tuple[str, float, tuple]] = {}
         # Holder -> how many times it was taken as silent: a Collect it sent before that takes nothing (polls.py).
         self.silences: dict[str, int] = {}
@@ -234,7 +234,8 @@ class Leases:
     def export(self) -> dict:
         return {"leases": [(lease.lease_id, lease.entries, lease.seconds, lease.holder)
                            for lease in self.collect.values()],
-                "lease_serial": self.serial, "lapsed_leases": list(self.lapsed),
+                "lease_serial": self.serial, "lapsed_leases": list(self.lapsed.items()),
+                "reclaimable_leases": list(self.reclaimable.items()),
                 "open_shares": [(key, [list(slots) for slots in batches]) for key, batches in self.open_shares.items()]}
 
     def restore(self, snapshot: Mapping, now: float) -> None:
@@ -242,6 +243,9 @@ class Leases:
             # The old deadline was on the old process's clock: a recovered lease gets its full time again.
             self.collect[lease_id] = CollectLease(lease_id, entries, seconds, now + seconds, *holder)
         self.serial = snapshot["lease_serial"]
-        self.lapsed.update(dict.fromkeys(snapshot["lapsed_leases"], LAPSED_UNKNOWN))
+        for lapsed in snapshot["lapsed_leases"]:  # (id, why); a bare id in snapshots written before reasons were kept
+            lease_id, why = (lapsed, LAPSED_UNKNOWN) if isinstance(lapsed, str) else lapsed
+            self.lapsed[lease_id] = why
+        self.reclaimable.update(snapshot.get("reclaimable_leases", ()))  # absent from snapshots before it was kept
         self.open_shares = {tuple(key): [list(slots) for slots in batches]
                             for key, batches in snapshot.get("open_shares", ())}  # absent before shares existed

@@ -170,7 +170,7 @@ class Pacer(PacerViews):
         self.recovery = Recovery(
             self.lock, self.recorder, self.snapshots, self.boundary, steps, self.inflight, self.leases,
             self.liveness, self.collector, self.answers, self.totals, self._clock, dispatch=self.apply_dispatch,
-            submit=self.apply_submit, take=self.apply_take, ack=self.apply_ack, reclaim=workers.apply_reclaim)
+            submit=self.apply_submit, take=self.apply_take, ack=self.apply_ack, workers=workers)
         # read_state(waiting_calls, ages): a reading of the state (StateReader), as a PacerState by `state_of`.
         self.state_reader = StateReader(
             self.lock, steps, self.checkpoints, self.inflight, buffer, self.admission, self.leases, self.held_bytes,
@@ -420,7 +420,7 @@ class Pacer(PacerViews):
         """These in-flight groups and Collect leases end now, recorded (`why`: what an Ack of such a lease is told)."""
         with self.lock:
             self.collector.expire(prompt_ids, lease_ids, why)
-            self.record(Expired(self._clock.now(), prompt_ids, lease_ids))
+            self.record(Expired(self._clock.now(), prompt_ids, lease_ids, why))
 
     def recheck_gates(self, min_age: float = 0.0) -> int:
         """Re-examine the held groups (the strategy refused them) although nothing changed: a gate that opens

@@ -8,7 +8,7 @@ over its owners, passed explicitly.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .answers import AnswerBook
 from .buffer import PipelineBuffer
@@ -38,12 +38,15 @@ from .journal import (
     Submitted,
     as_event,
 )
-from .leases import Leases
+from .leases import LAPSED_UNKNOWN, Leases
 from .liveness import Liveness
 from .replay import RestoredGroups
 from .reset_steps import BoundaryCalls
 from .shares import BatchShape
 from .steps import StepBoundary
+
+if TYPE_CHECKING:
+    from .workers import Workers
 
 SNAPSHOT_FORMAT = 2  # 2: DispatchResult keeps admitted prompt ids and the first seq
 
@@ -116,11 +119,11 @@ class Recovery:
                  steps: StepBoundary, inflight: InflightTable, leases: Leases, liveness: Liveness,
                  collector: Collector, answers: AnswerBook, totals: dict, clock: PacerClock, *,
                  dispatch: Callable[..., Any], submit: Callable[..., Any], take: Callable[..., Any],
-                 ack: Callable[..., Any], reclaim: Callable[..., Any]):
+                 ack: Callable[..., Any], workers: Workers):
         self._lock, self._recorder, self._snapshot, self._boundary = lock, recorder, snapshot, boundary
         self._steps, self._inflight, self._leases, self._liveness = steps, inflight, leases, liveness
         self._collector, self._answers, self._totals, self._clock = collector, answers, totals, clock
-        self._dispatch, self._submit, self._take, self._ack, self._reclaim = dispatch, submit, take, ack, reclaim
+        self._dispatch, self._submit, self._take, self._ack, self._workers = dispatch, submit, take, ack, workers
 
     def recover(self) -> int:
         """Rebuild the state: the snapshot, then the events replayed in order. The strategy is a fresh instance
@@ -207,9 +210,12 @@ class Recovery:
         elif isinstance(event, Acked):
             remember("Ack", event.request_id, self._ack(event.lease_id, event.request_id))
         elif isinstance(event, Expired):
-            self._collector.expire(event.prompt_ids, event.lease_ids)
+            if event.holder:  # its silence ended them: kept for it to claim back, as live
+                self._workers.lapse_silent(event.at, event.holder, event.lease_ids, event.why)
+            else:
+                self._collector.expire(event.prompt_ids, event.lease_ids, event.why or LAPSED_UNKNOWN)
         elif isinstance(event, Reclaimed):
-            reclaimed, _ = self._reclaim(event.holder, event.leases)
+            reclaimed, _ = self._workers.apply_reclaim(event.holder, event.leases)
             if len(reclaimed) != len(event.leases):
                 raise RuntimeError(f"recovery diverged: the leases {event.holder} reclaimed are not in the buffer")
         elif isinstance(event, ResetBegun):

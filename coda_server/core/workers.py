@@ -148,10 +148,18 @@ class Workers:
                 prompt_ids = [group.prompt_id for group in groups]
                 if prompt_ids:
                     self._collector.expire(prompt_ids, [])
-                for holder, (lease_ids, _) in leases.items():  # an Ack of one is told whose silence ended it
-                    self._leases.keep_reclaimable(holder, lease_ids)
-                    self._collector.expire([], lease_ids, holder_silent(holder, self._liveness.grace))
-                # In the order they went back, so that a replay rebuilds the buffer as it was.
-                self._record(Expired(now, prompt_ids, [lease_id for lease_ids, _ in leases.values()
-                                                       for lease_id in lease_ids]))
+                    self._record(Expired(now, prompt_ids, []))
+                # In the order they went back, so that a replay rebuilds the buffer as it was; an Ack of one is told
+                # whose silence ended it, after a restart too, and its holder can claim it back then as well.
+                for holder, (lease_ids, _) in leases.items():
+                    why = holder_silent(holder, self._liveness.grace)
+                    self.lapse_silent(now, holder, lease_ids, why)
             return released
+
+    def lapse_silent(self, now: float, holder: str, lease_ids: list[str], why: str) -> None:
+        """These leases of `holder` end with its silence, kept for it to claim back, and recorded; the journal's
+        Expired naming a holder is replayed through here."""
+        with self._lock:
+            self._leases.keep_reclaimable(holder, lease_ids)
+            self._collector.expire([], lease_ids, why)
+            self._record(Expired(now, [], lease_ids, why, holder))
