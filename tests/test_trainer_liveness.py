@@ -515,3 +515,45 @@ def test_a_trainer_stopped_past_the_grace_goes_on_and_trains_each_group_once(tmp
         assert sorted(trained) == [f"s{i}" for i in range(6 if prefetched else 4)]  # each once
         state = pacer.state()
         assert (state.consumed, state.leased) == (len(trained), 0)
+
+
+def test_a_trainer_stopped_past_the_grace_while_the_server_restarts_trains_each_group_once(tmp_path) -> None:
+    """SIGSTOP past the grace, and the server restarted (SIGTERM, a rolling update) before the trainer goes on: the
+    restarted server knows from its journal whose silence ended the lease, so the trainer's heartbeat or Collect
+    claims it back there, its Ack lands, and the groups are not delivered to it a second time."""
+    from test_durability_crash import free_port
+
+    overrides = (f"server.address=127.0.0.1:{free_port()}", f"server.state_dir={tmp_path / 'state'}")
+    running = _server(tmp_path, *overrides).start()
+    try:
+        with PacerClient(running.address) as pacer:
+            _fill(pacer, ["s0", "s1"])
+        trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(STOPPED_TRAINER).format(
+            address=running.address, size=2 * N, lease=LEASE, batches=2, poll=LEASE, leased=2)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        try:
+            assert trainer.stdout.readline().strip() == "holding"
+            trainer.send_signal(signal.SIGSTOP)
+            try:
+                with PacerClient(running.address) as pacer:
+                    until(lambda: pacer.state().leased == 0, "the stopped trainer's lease to be taken back", timeout=60)
+                assert running.terminate() == 0
+                running.close()
+                running = _server(tmp_path, *overrides).start()
+                with PacerClient(running.address) as pacer:
+                    assert (pacer.state().buffered, pacer.state().leased) == (2, 0)
+                    _fill(pacer, ["s2", "s3"])  # newer groups
+            finally:
+                trainer.send_signal(signal.SIGCONT)
+            out, _ = trainer.communicate("go\n", timeout=120)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+        assert trainer.returncode == 0
+        assert out.split() == ["s0", "s1", "s2", "s3"]  # each once, in order
+        with PacerClient(running.address) as pacer:
+            state = pacer.state()
+            assert (state.consumed, state.leased, state.reclaimed) == (4, 0, 2)
+        assert "given back to it" in running.log()
+    finally:
+        running.close()
