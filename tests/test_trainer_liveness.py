@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any, Callable
 
 import grpc
 import pytest
@@ -483,6 +484,26 @@ ASYNC_STOPPED_TRAINER = """
 """
 
 
+def _stopped_past_the_grace(script: str, while_stopped: Callable[[], None], **fields: Any) -> list[str]:
+    """Runs a trainer `script` (formatted with `fields`) until it holds its first batch, stops it (SIGSTOP) while
+    `while_stopped()` runs, continues it, and returns the prompt ids it trained, in order (it must exit 0)."""
+    trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script).format(**fields)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        assert trainer.stdout.readline().strip() == "holding"
+        trainer.send_signal(signal.SIGSTOP)
+        try:
+            while_stopped()
+        finally:
+            trainer.send_signal(signal.SIGCONT)
+        out, _ = trainer.communicate("go\n", timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 0
+    return out.split()
+
+
 @pytest.mark.parametrize("script, prefetched", [(STOPPED_TRAINER, True), (ASYNC_STOPPED_TRAINER, True),
                                                 (STOPPED_TRAINER, False)],
                          ids=["blocking", "async", "blocking-prefetch-waiting"])
@@ -495,23 +516,14 @@ def test_a_trainer_stopped_past_the_grace_goes_on_and_trains_each_group_once(tmp
     first = [f"s{i}" for i in range(4 if prefetched else 2)]
     with _server(tmp_path) as running, PacerClient(running.address) as pacer:
         _fill(pacer, first)
-        trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script).format(
-            address=running.address, size=2 * N, lease=LEASE, batches=3 if prefetched else 2,
-            poll=1 if prefetched else LEASE, leased=len(first))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-        try:
-            assert trainer.stdout.readline().strip() == "holding"
-            trainer.send_signal(signal.SIGSTOP)
-            try:
-                until(lambda: pacer.state().leased == 0, "the stopped trainer's leases to be taken back", timeout=60)
-                _fill(pacer, ["s4", "s5"] if prefetched else ["s2", "s3"])  # newer groups
-            finally:
-                trainer.send_signal(signal.SIGCONT)
-            out, _ = trainer.communicate("go\n", timeout=120)
-        finally:
-            if trainer.poll() is None:
-                trainer.kill()
-        assert trainer.returncode == 0
-        trained = out.split()
+
+        def while_stopped() -> None:
+            until(lambda: pacer.state().leased == 0, "the stopped trainer's leases to be taken back", timeout=60)
+            _fill(pacer, ["s4", "s5"] if prefetched else ["s2", "s3"])  # newer groups
+
+        trained = _stopped_past_the_grace(script, while_stopped, address=running.address, size=2 * N, lease=LEASE,
+                                          batches=3 if prefetched else 2, poll=1 if prefetched else LEASE,
+                                          leased=len(first))
         assert sorted(trained) == [f"s{i}" for i in range(6 if prefetched else 4)]  # each once
         state = pacer.state()
         assert (state.consumed, state.leased) == (len(trained), 0)
@@ -528,29 +540,22 @@ def test_a_trainer_stopped_past_the_grace_while_the_server_restarts_trains_each_
     try:
         with PacerClient(running.address) as pacer:
             _fill(pacer, ["s0", "s1"])
-        trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(STOPPED_TRAINER).format(
-            address=running.address, size=2 * N, lease=LEASE, batches=2, poll=LEASE, leased=2)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-        try:
-            assert trainer.stdout.readline().strip() == "holding"
-            trainer.send_signal(signal.SIGSTOP)
-            try:
-                with PacerClient(running.address) as pacer:
-                    until(lambda: pacer.state().leased == 0, "the stopped trainer's lease to be taken back", timeout=60)
-                assert running.terminate() == 0
-                running.close()
-                running = _server(tmp_path, *overrides).start()
-                with PacerClient(running.address) as pacer:
-                    assert (pacer.state().buffered, pacer.state().leased) == (2, 0)
-                    _fill(pacer, ["s2", "s3"])  # newer groups
-            finally:
-                trainer.send_signal(signal.SIGCONT)
-            out, _ = trainer.communicate("go\n", timeout=120)
-        finally:
-            if trainer.poll() is None:
-                trainer.kill()
-        assert trainer.returncode == 0
-        assert out.split() == ["s0", "s1", "s2", "s3"]  # each once, in order
+        address = running.address
+
+        def while_stopped() -> None:
+            nonlocal running
+            with PacerClient(address) as pacer:
+                until(lambda: pacer.state().leased == 0, "the stopped trainer's lease to be taken back", timeout=60)
+            assert running.terminate() == 0
+            running.close()
+            running = _server(tmp_path, *overrides).start()
+            with PacerClient(address) as pacer:
+                assert (pacer.state().buffered, pacer.state().leased) == (2, 0)
+                _fill(pacer, ["s2", "s3"])  # newer groups
+
+        trained = _stopped_past_the_grace(STOPPED_TRAINER, while_stopped, address=address, size=2 * N, lease=LEASE,
+                                          batches=2, poll=LEASE, leased=2)
+        assert trained == ["s0", "s1", "s2", "s3"]  # each once, in order
         with PacerClient(running.address) as pacer:
             state = pacer.state()
             assert (state.consumed, state.leased, state.reclaimed) == (4, 0, 2)
