@@ -190,6 +190,26 @@ def test_a_silent_holder_that_comes_back_after_a_server_restart_claims_its_lease
     pacer.journal.close()
 
 
+def test_a_lease_given_back_once_is_not_claimable_again_after_a_restart(tmp_path):
+    """Replaying the give-back forgets the lease's claim as the live call did: the lease, given back and then run
+    out (not silence), stays ended after a restart, and its groups wait for anyone's next Collect."""
+    from coda_server.core.sqlite_journal import SqliteJournal
+
+    first, clock = _filled("data_source.num_prompts_per_step=8", journal=SqliteJournal(tmp_path / "state", fsync="off"))
+    held = first.collect_now(2, lease_seconds=30, holder="trainer-1")
+    clock.now += 21
+    first.release_silent_workers()
+    assert first.heard_from("trainer-1", [held.lease_id]).lease_ids == [held.lease_id]
+    clock.now += 31
+    assert first.expire_leases() == ([], [held.lease_id])  # ran out this time
+    pacer, _ = _restarted(tmp_path, first, snapshot=False)
+    assert pacer.heard_from("trainer-1", [held.lease_id]) is None  # as the live server would answer
+    with pytest.raises(LeaseExpiredError, match="ran out before this Ack"):
+        pacer.ack(held.lease_id)
+    assert [g.prompt_id for g in pacer.collect_now(4).groups] == ["a", "b", "c", "d"]
+    pacer.journal.close()
+
+
 @pytest.mark.parametrize("snapshot", [False, True], ids=["replayed", "snapshot"])
 def test_an_ack_after_a_restart_says_why_its_lease_ended(tmp_path, snapshot):
     from coda_server.core.sqlite_journal import SqliteJournal

@@ -194,8 +194,10 @@ class Leases:
                 for lease_id in [lease_id for lease_id in reclaimable if lease_id in wanted]]
 
     def regrant(self, lease_id: str, entries: list, seconds: float, now: float, holder: str) -> CollectLease:
-        """A lapsed lease given back to its holder, with these entries (as they were) and its full time from `now`."""
+        """A lapsed lease given back to its holder, with these entries (as they were) and its full time from `now`;
+        no longer claimable (`claimed` forgot it already; a replayed give-back forgets it here)."""
         self.lapsed.pop(lease_id, None)
+        self.reclaimable.pop(lease_id, None)
         lease = self.collect[lease_id] = CollectLease(lease_id, entries, seconds, now + seconds, holder)
         return lease
 
