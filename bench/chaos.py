@@ -1,7 +1,7 @@
 """Chaos run: a realistic job under seeded faults, checked for conservation (issue 25).
 
 One durable server, WORKERS RolloutWorkers (FakeEngine, each reaching the server through a TCP proxy this
-script controls on 127.0.0.1) and a trainer on `batches()` (Reset WAIT + Resume at every step boundary),
+script controls on 127.0.0.1) and a trainer on `batches()` (through a proxy of its own) (Reset WAIT + Resume at every step boundary),
 each in a process of its own, run a fixed set of prompts to the end while faults are injected one at a
 time, in a seeded order, each after the job made progress since the last:
 
@@ -12,6 +12,7 @@ time, in a seeded order, each after the job made progress since the last:
     worker_partition  a worker's traffic cut at its proxy (a black hole both ways) for 1.5 graces, restored
     trainer_kill9     kill -9 of the trainer at a random moment, restarted at once
     trainer_sigstop   SIGSTOP of the trainer for 1.5 liveness graces (its leases are taken back), then SIGCONT
+    trainer_partition the trainer's traffic cut at its proxy for 1.5 graces (its leases are taken back), restored
 
 Checked at the end, from what the workers' Submits had acknowledged and what the trainer trained:
 nothing acknowledged lost (every prompt trained, every trajectory trained with the content of one of its
@@ -52,7 +53,7 @@ WORKERS = 3
 B, N, M = 4, 2, 4  # groups per step, trajectories per group, trajectories per mini-batch (2 groups)
 GRACE = 1.5  # server.worker_liveness_seconds of the run: short, so a run is short
 FAULT_KINDS = ("server_kill9", "server_sigterm", "worker_kill9", "worker_sigstop", "worker_partition",
-               "trainer_kill9", "trainer_sigstop")
+               "trainer_kill9", "trainer_sigstop", "trainer_partition")
 PROGRESS_TIMEOUT = 60.0  # a fault after which the job makes no progress for this long fails the run
 
 
@@ -134,7 +135,9 @@ def trainer_main(address: str, prompts: int, record: str) -> None:
                 append_line(record_path, {"kind": "trained", "id": t.trajectory_id, "fp": fingerprint(t),
                                           "process": process, "at": time.time()})
                 trained.add(t.trajectory_id)
-            append_line(record_path, {"kind": "batch", "at": time.time()})
+            # Which leases brought it, for reading a run kept with --keep beside the server's log in processes.log.
+            append_line(record_path, {"kind": "batch", "at": time.time(), "leases": list(batch.lease_ids),
+                                      "process": process})
             in_step += len(ids) // N
             if in_step >= B:
                 batches.ack()
@@ -265,6 +268,7 @@ class Job:
         self.env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         self.server: Optional[subprocess.Popen] = None
         self.proxies = [Proxy(self.port) for _ in range(WORKERS)]
+        self.trainer_proxy = Proxy(self.port)
         self.workers: list[Optional[subprocess.Popen]] = [None] * WORKERS
         self.trainer: Optional[subprocess.Popen] = None
         self.trainer_record = workdir / "trainer.jsonl"
@@ -296,7 +300,7 @@ class Job:
 
     def start_trainer(self) -> None:
         self.trainer = subprocess.Popen(
-            [sys.executable, __file__, "--trainer", f"127.0.0.1:{self.port}", str(self.prompts),
+            [sys.executable, __file__, "--trainer", f"127.0.0.1:{self.trainer_proxy.port}", str(self.prompts),
              str(self.trainer_record)], cwd=REPO_ROOT, env=self.env, stdout=self.logs, stderr=subprocess.STDOUT)
 
     def start(self) -> None:
@@ -356,6 +360,11 @@ class Job:
             self.trainer.send_signal(signal.SIGSTOP)
             time.sleep(1.5 * GRACE)
             self.trainer.send_signal(signal.SIGCONT)
+        elif kind == "trainer_partition":
+            time.sleep(rng.uniform(0, 0.5))
+            self.trainer_proxy.cut()
+            time.sleep(1.5 * GRACE)
+            self.trainer_proxy.restore()
         return fault
 
     def stop(self) -> None:
@@ -364,7 +373,7 @@ class Job:
                 process.send_signal(signal.SIGCONT)
                 process.kill()
                 process.wait()
-        for proxy in self.proxies:
+        for proxy in [*self.proxies, self.trainer_proxy]:
             proxy.loop.call_soon_threadsafe(proxy.loop.stop)
         self.logs.close()
 

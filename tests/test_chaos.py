@@ -1,5 +1,5 @@
 """The short seeded chaos run of bench/chaos.py (a few tens of seconds): server kill -9 and graceful restart,
-worker kill -9, SIGSTOP and partition, trainer kill -9 and SIGSTOP, with nothing acknowledged lost, nothing
+worker kill -9, SIGSTOP and partition, trainer kill -9, SIGSTOP and partition, with nothing acknowledged lost, nothing
 trained twice, and progress after every fault."""
 from __future__ import annotations
 
