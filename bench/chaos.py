@@ -133,11 +133,9 @@ def trainer_main(address: str, prompts: int, record: str) -> None:
                 continue  # delivered again after this trainer's own restart: it trained it before dying
             for t in batch.trajectories:
                 append_line(record_path, {"kind": "trained", "id": t.trajectory_id, "fp": fingerprint(t),
-                                          "process": process, "at": time.time()})
+                                          "process": process, "leases": list(batch.lease_ids), "at": time.time()})
                 trained.add(t.trajectory_id)
-            # Which leases brought it, for reading a run kept with --keep beside the server's log in processes.log.
-            append_line(record_path, {"kind": "batch", "at": time.time(), "leases": list(batch.lease_ids),
-                                      "process": process})
+            append_line(record_path, {"kind": "batch", "at": time.time()})
             in_step += len(ids) // N
             if in_step >= B:
                 batches.ack()
@@ -248,6 +246,9 @@ class RunResult:
     lost: list[str] = field(default_factory=list)  # acknowledged trajectories never trained
     altered: list[str] = field(default_factory=list)  # trained with content no Submit had acknowledged
     twice: list[tuple[str, float]] = field(default_factory=list)  # (trajectory id, when) trained twice by one process
+    # Each trajectory trained twice: by which trainer process, under which leases, when (to read beside the server's
+    # log, which names the leases it released and gave back; a run kept with --keep has it in processes.log).
+    twice_how: list[str] = field(default_factory=list)
     redelivered: list[float] = field(default_factory=list)  # batches a restarted trainer skipped, when
     batches: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
@@ -431,6 +432,8 @@ def check(job: Job, result: RunResult) -> None:
         if any(count > 1 for count in by_process.values()) or len(times) > 1:
             # more than once: by one process (a bug), or again by a restarted trainer that did not skip it
             result.twice.append((trajectory_id, times[1]["at"]))
+            result.twice_how.append(f"{trajectory_id}: " + "; ".join(
+                f"process {t['process']} leases {','.join(t.get('leases', [])) or '-'} at {t['at']:.2f}" for t in times))
 
 
 def table(results: list[RunResult]) -> str:
@@ -505,6 +508,8 @@ def main() -> int:
         print(f"seed {seed}: {len(r.faults)} faults, {'finished' if r.finished else 'DID NOT FINISH'} in "
               f"{r.wall:.0f} s; {len(r.batches)} batches, {len(r.steps)} steps; lost {len(r.lost)}, trained twice "
               f"{len(r.twice)}, altered {len(r.altered)}, redelivered {len(r.redelivered)}", flush=True)
+        for how in r.twice_how:
+            print(f"  trained twice: {how}", flush=True)
     print(table(results))
     return 0 if all(r.ok for r in results) else 1
 

@@ -22,6 +22,6 @@ def test_a_short_seeded_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_pat
     report = chaos.table([result])
     assert result.finished, report
     assert sorted(f.kind for f in result.faults) == sorted(chaos.FAULT_KINDS), report  # each kind, with progress
-    assert (result.lost, result.altered, result.twice) == ([], [], []), report
+    assert (result.lost, result.altered, result.twice) == ([], [], []), "\n".join([report, *result.twice_how])
     for fault in result.faults:  # the job went on after every fault
         assert any(at > fault.at for at in result.batches) or result.faults[-1] is fault, report
