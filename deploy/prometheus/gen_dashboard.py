@@ -100,7 +100,7 @@ panel("Groups lost or set aside", "Filtered (rollout.filter), dropped incomplete
        (f"sum(increase(coda_pacer_stale_rejected_trajectories_total{{{SEL}}}[{R}]))", "stale-rejected trajectories")])
 
 panel("Leases", "Running groups reclaimed after their in-flight lease ran out (a worker went silent), leased groups "
-      "redelivered because no Ack came, groups leased now.",
+      "redelivered because no Ack came (and of those, given back to their trainer heard again), groups leased now.",
       [(f"sum(increase(coda_pacer_expired_groups_total{{{SEL}}}[{R}]))", "expired (in-flight lease)"),
        (f"sum(increase(coda_pacer_redelivered_groups_total{{{SEL}}}[{R}]))", "redelivered (Collect lease)"),
        (f"sum(increase(coda_pacer_reclaimed_groups_total{{{SEL}}}[{R}]))", "given back to their silent trainer"),
