@@ -1,8 +1,8 @@
 """Chaos run: a realistic job under seeded faults, checked for conservation (issue 25).
 
-One durable server, WORKERS RolloutWorkers (FakeEngine, each reaching the server through a TCP proxy this
-script controls on 127.0.0.1) and a trainer on `batches()` (through a proxy of its own) (Reset WAIT + Resume at every step boundary),
-each in a process of its own, run a fixed set of prompts to the end while faults are injected one at a
+One durable server, WORKERS RolloutWorkers (FakeEngine) and a trainer on `batches()` (Reset WAIT + Resume at
+every step boundary), each reaching the server through a TCP proxy of its own this script controls on 127.0.0.1
+and each in a process of its own, run a fixed set of prompts to the end while faults are injected one at a
 time, in a seeded order, each after the job made progress since the last:
 
     server_kill9      kill -9 of the server, restarted at once on the same state directory
