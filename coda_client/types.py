@@ -403,11 +403,15 @@ class KeepAliveResult:
     lease_seconds: float  # 0: in-flight leases never run out
     # A worker holding a control stream that makes no call for this long loses its running groups (0: off).
     liveness_seconds: float = 0.0
+    # Of the Collect leases named (lease_ids), those not live any more: a batch of one, not trained yet, went (or
+    # goes) to another trainer, and is not to be trained.
+    ended_lease_ids: list[str] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.KeepAliveResponse) -> KeepAliveResult:
         """From the wire message."""
-        return _from_fields(cls, msg, unknown_prompt_ids=list(msg.unknown_prompt_ids))
+        return _from_fields(cls, msg, unknown_prompt_ids=list(msg.unknown_prompt_ids),
+                            ended_lease_ids=list(msg.ended_lease_ids))
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,8 @@ def dispatch_response(result: DispatchResult) -> Union[pb.DispatchResponse, wire
 
 def keep_alive_response(result: KeepAliveResult) -> pb.KeepAliveResponse:
     return pb.KeepAliveResponse(renewed=result.renewed, unknown_prompt_ids=result.unknown_prompt_ids,
-                                lease_seconds=result.lease_seconds, liveness_seconds=result.liveness_seconds)
+                                lease_seconds=result.lease_seconds, liveness_seconds=result.liveness_seconds,
+                                ended_lease_ids=result.ended_lease_ids)
 
 
 def submit_response(result: SubmitResult) -> pb.SubmitResponse:

@@ -113,7 +113,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         if request.HasField("loaded_weight_version"):
             self._pacer.note_loaded_version(caller, request.loaded_weight_version)
         return convert.keep_alive_response(self._pacer.keep_alive(list(request.prompt_ids),
-                                                                  dict(request.dispatch_seqs)))
+                                                                  dict(request.dispatch_seqs), list(request.lease_ids)))
 
     @maps_errors
     async def Submit(self, request: wire.ParsedSubmit, context) -> pb.SubmitResponse:

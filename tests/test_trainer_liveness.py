@@ -132,6 +132,29 @@ def test_a_silent_holder_that_comes_back_claims_its_leases_while_their_groups_st
     assert pacer.ack(other.lease_id) == 2 and pacer.state().consumed == 6
 
 
+def test_a_heartbeat_names_the_held_leases_that_are_not_live_any_more():
+    """KeepAlive's lease_ids, after the give-back: those not live any more (their groups went to another trainer,
+    acknowledged, never granted) are named in ended_lease_ids, so a trainer does not train a prefetched batch of
+    one; a lease given back or still held is not."""
+    pacer, clock = _filled("data_source.num_prompts_per_step=8", prompts="abcdef")
+    first = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    second = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    kept = pacer.collect_now(1, lease_seconds=LEASE, holder="trainer-2")
+    assert pacer.keep_alive([], lease_ids=[first.lease_id, second.lease_id]).ended_lease_ids == []
+    clock.now += 15
+    pacer.heard_from("trainer-2")
+    clock.now += 6
+    pacer.release_silent_workers()  # trainer-1's two leases end
+    other = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-2")  # the first lease's groups
+    assert pacer.ack(other.lease_id) == 2
+    named = [first.lease_id, second.lease_id, kept.lease_id, other.lease_id, "lease-99"]
+    pacer.heard_from("trainer-1", named)  # gives the second lease back, as the servicer does before keep_alive
+    answer = pacer.keep_alive([], lease_ids=named)
+    assert answer.ended_lease_ids == [first.lease_id, other.lease_id, "lease-99"]
+    state = pacer.state()
+    assert (state.leased, state.buffered, state.consumed) == (3, 1, 2) and state.invariant_holds()  # nothing moved
+
+
 def test_a_lease_given_back_is_journaled_and_stays_given_back_after_a_restart(tmp_path):
     from coda_server.core.sqlite_journal import SqliteJournal
 

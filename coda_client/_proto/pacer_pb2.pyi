@@ -326,16 +326,18 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ..., dispatch_seqs: _Optional[_Mapping[str, int]] = ..., loaded_weight_version: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("renewed", "unknown_prompt_ids", "lease_seconds", "liveness_seconds")
+    __slots__ = ("renewed", "unknown_prompt_ids", "lease_seconds", "liveness_seconds", "ended_lease_ids")
     RENEWED_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LIVENESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     renewed: int
     unknown_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_seconds: float
     liveness_seconds: float
-    def __init__(self, renewed: _Optional[int] = ..., unknown_prompt_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., liveness_seconds: _Optional[float] = ...) -> None: ...
+    ended_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, renewed: _Optional[int] = ..., unknown_prompt_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., liveness_seconds: _Optional[float] = ..., ended_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("weight_version", "request_id")

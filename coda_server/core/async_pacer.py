@@ -251,10 +251,11 @@ class AsyncPacer:
     def loaded_versions(self) -> dict[str, int]:
         return self.pacer.loaded_versions()
 
-    def keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Optional[Mapping[str, int]] = None) -> KeepAliveResult:
+    def keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Optional[Mapping[str, int]] = None,
+                   lease_ids: Sequence[str] = ()) -> KeepAliveResult:
         """Renews in-flight leases at once (nothing to wait for: it is not journaled)."""
         self.check_ready()
-        return self.pacer.keep_alive(prompt_ids, dispatch_seqs)
+        return self.pacer.keep_alive(prompt_ids, dispatch_seqs, lease_ids)
 
     async def submit(self, trajectories: Sequence[Trajectory], request_id: str = "",
                      dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:

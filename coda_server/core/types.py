@@ -283,6 +283,7 @@ class KeepAliveResult:
     unknown_prompt_ids: list[str]
     lease_seconds: float
     liveness_seconds: float = 0.0
+    ended_lease_ids: list[str] = field(default_factory=list)  # of the Collect leases named, those not live any more
 
 
 @dataclass

@@ -108,9 +108,11 @@ class Workers:
         with self._lock:
             return self._leases.held(client_id)
 
-    def keep_alive(self, prompt_ids: Sequence[str],
-                   dispatch_seqs: Optional[Mapping[str, int]] = None) -> KeepAliveResult:
-        """Renew the in-flight lease of these running groups (their worker is alive and generating).
+    def keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Optional[Mapping[str, int]] = None,
+                   lease_ids: Sequence[str] = ()) -> KeepAliveResult:
+        """Renew the in-flight lease of these running groups (their worker is alive and generating), and say which of
+        the Collect leases a trainer names (`lease_ids`, after `heard_from` gave back what it could) are not live any
+        more: a batch of one it has not trained yet went, or goes, to another trainer.
 
         Not journaled: a restarted server gives every running group its full lease again anyway.
         """
@@ -123,8 +125,10 @@ class Workers:
             running = [g for g in map(get, prompt_ids) if g is not None and seqs.get(g.prompt_id, g.seq) == g.seq]
             self._leases.extend([g for g in running if not g.complete], self._clock.now())
             known = {g.prompt_id for g in running}
+            live = self._leases.collect
             return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
-                                   self._leases.inflight_seconds, self._liveness.grace)
+                                   self._leases.inflight_seconds, self._liveness.grace,
+                                   [lease_id for lease_id in lease_ids if lease_id not in live])
 
     def release_silent_workers(self) -> dict[str, SilentRelease]:
         """Release what watched clients silent for the liveness grace hold: a worker's incomplete running groups, as
