@@ -30,7 +30,7 @@ from ._channel import read_stream
 from ._outage import OutageLog
 from .arrays import dtype_of, numpy
 from .errors import PacerClientError, ServerGoneError, translate
-from .types import CollectResult, ControlEventType, PacerState, Trajectory, TrajectoryGroup
+from .types import CollectResult, ControlEventType, KeepAliveResult, PacerState, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -536,6 +536,10 @@ def default_trainer_id(shape: BatchShape) -> str:
     return f"trainer-{rank}{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+def _lease_ids(batch: MiniBatch | None) -> tuple[str, ...]:
+    return () if batch is None else batch.lease_ids
+
+
 def _reopened_watch(client: Any) -> Any:
     """The client's control stream opened again, or None when the client was closed under the iterator: there is
     nothing left to follow, and the iterator's own calls say that the client is closed."""
@@ -618,6 +622,9 @@ class _IteratorBase:
         self.step = step  # the trainer's step, stated with every Collect (None: not stated)
         self.delivered = 0  # batches handed to the caller
         self.acknowledged = 0  # batches acknowledged
+        # Prefetched batches not handed out because their lease ended while this trainer was silent (stopped, cut
+        # off) and their groups went to another trainer or rank meanwhile: trained there, not here.
+        self.superseded = 0
         self.reconnect = float(reconnect)  # seconds calls wait for an away server to answer again
         self._asked_at: float | None = None  # when the caller asked for the batch it waits for now (None: it does not)
         # The control stream's outages, logged once each (a dead server would otherwise log a line every two
@@ -645,6 +652,11 @@ class _IteratorBase:
         # The leases taken and not yet acknowledged or given back, oldest first: each heartbeat and Collect names them,
         # so that those the server ended while this trainer was silent (stopped, cut off) come back to it.
         self._held_leases: dict[str, None] = {}
+        # What the heartbeats tell of the server: its liveness grace (0: off or not known yet), when the latest
+        # heartbeat it answered was sent (time.monotonic()), and which held leases it says are not live any more.
+        self._grace = 0.0
+        self._heard_at = 0.0
+        self._ended_leases: set[str] = set()
 
     @property
     def num_groups(self) -> int:
@@ -682,13 +694,14 @@ class _IteratorBase:
             while not self._beats_end.wait(wait):
                 if self._closed and time.monotonic() > self._handed_at + self.lease:
                     return  # closed, and the lease of the batch in hand has run out: nothing left to keep
+                sent = time.monotonic()
                 try:
                     answer = client._run(self._heartbeat_call())
                 except PacerClientError as exc:
                     answer = exc
                 except Exception:  # noqa: BLE001 - the client was closed under the iterator: nothing more to keep
                     return
-                next_wait = self._next_beat(answer)
+                next_wait = self._next_beat(answer, sent)
                 if next_wait is None:
                     return
                 wait = next_wait
@@ -714,9 +727,10 @@ class _IteratorBase:
         return _calls.keep_alive([], timeout=min(self._client.timeout, max(self._beat_seconds, 1.0)),
                                  lease_ids=list(self._held_leases))
 
-    def _next_beat(self, answer: Any) -> float | None:
-        """Seconds until the next heartbeat after this answer (a KeepAliveResult or the call's error); None: no more
-        (the server's liveness is off, or the server is older than heartbeats: its leases end by time alone)."""
+    def _next_beat(self, answer: Any, sent: float) -> float | None:
+        """Seconds until the next heartbeat after this answer (a KeepAliveResult or the call's error) to the one
+        `sent` then; None: no more (the server's liveness is off, or the server is older than heartbeats: its
+        leases end by time alone)."""
         if isinstance(answer, Exception):
             if getattr(answer, "code", None) in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
                 log.info("batches: the server at %s takes no heartbeat (it is older than this client); a batch of a "
@@ -724,10 +738,42 @@ class _IteratorBase:
                          self.lease)
                 return None
             return self._beat_seconds  # away or busy: the next beat tries again
+        self._heard(answer, sent)
         if not answer.liveness_seconds:
             return None
         self._beat_seconds = answer.liveness_seconds / 3
         return self._beat_seconds
+
+    def _heard(self, answer: KeepAliveResult, sent: float) -> None:
+        """A heartbeat sent at `sent` was answered: the server heard this trainer then, and says which of the
+        leases named are not live any more (they are not held: nothing to name again, nothing to Ack)."""
+        self._grace = answer.liveness_seconds
+        self._heard_at = max(self._heard_at, sent)
+        for lease_id in answer.ended_lease_ids:
+            if lease_id in self._held_leases:
+                self._ended_leases.add(lease_id)
+                self._held_leases.pop(lease_id, None)
+
+    def _may_have_lapsed(self) -> bool:
+        """Whether the server may have taken this trainer as gone since it last answered a heartbeat: longer than
+        half its grace ago (heartbeats go every third of it), e.g. the process was stopped or its network cut."""
+        return bool(self._grace) and time.monotonic() - self._heard_at > self._grace / 2
+
+    def _superseded(self, batch: MiniBatch) -> list[str] | None:
+        """None when this prefetched batch is the trainer's to train; otherwise a lease of it ended while the trainer
+        was silent and its groups went to another trainer or rank, which trains them: the batch is not handed out,
+        and the ids of its other leases, still live, are returned, to give back."""
+        ended = [lease_id for lease_id in batch.lease_ids if lease_id in self._ended_leases]
+        if not ended:
+            return None
+        live = [lease_id for lease_id in batch.lease_ids if lease_id not in ended and lease_id in self._held_leases]
+        self._let_go(batch.lease_ids)
+        self.superseded += 1
+        log.warning("batches: a prefetched batch (lease %s) is not handed out: this trainer was silent past the "
+                    "server's liveness grace (stopped or cut off) and its groups went to another trainer or rank "
+                    "meanwhile, which trains them; collecting the next batch", ", ".join(ended))
+        return live
+
 
     def _without_stream(self, exc: Exception) -> bool:
         """Whether a failed Collect says the server has no CollectStream (it is older than this client): then
@@ -756,6 +802,7 @@ class _IteratorBase:
         """These leases were acknowledged or given back: no longer held."""
         for lease_id in lease_ids:
             self._held_leases.pop(lease_id, None)
+            self._ended_leases.discard(lease_id)
 
     def _note_other_shapes(self, result: CollectResult) -> None:
         """Warn when this rank's share came from a new global mini-batch while shares of another shape waited for
@@ -795,10 +842,10 @@ class _IteratorBase:
             return None
         return pending.result()
 
-    def _release_calls(self, batches: Sequence[MiniBatch | None]) -> list[_calls.Call[int]]:
-        """Release calls giving back the leases of batches not trained on, bounded in time: close() waits for them."""
+    def _release_calls(self, lease_ids: Sequence[str]) -> list[_calls.Call[int]]:
+        """Release calls giving back these leases, of batches not trained on, bounded in time: close() waits for
+        them."""
         timeout = min(self._client.timeout, _CLOSE_WAIT_SECONDS)
-        lease_ids = [lease_id for batch in batches if batch is not None for lease_id in batch.lease_ids]
         self._let_go(lease_ids)  # not trained on: not to be claimed back, whether the Release arrives or not
         return [_calls.release(lease_id, request_id=None, timeout=timeout) for lease_id in lease_ids]
 
@@ -997,6 +1044,8 @@ class BatchIterator(_IteratorBase):
             self._asked_at = time.monotonic()
             try:
                 batch = pending.result()
+                while not self._still_held(batch):
+                    batch = self._executor.submit(self._prefetch).result()
             finally:
                 self._asked_at = None
         except _Stopped:
@@ -1014,6 +1063,23 @@ class BatchIterator(_IteratorBase):
         if self._wants_more():
             self._pending = self._executor.submit(self._prefetch)
         return batch
+
+    def _still_held(self, batch: MiniBatch) -> bool:
+        """Whether the prefetched `batch` is still this trainer's to hand out. After a silence the server may have
+        taken as long as its grace (a stop, a cut network), a heartbeat asks it first: a lease given back is the
+        trainer's again, one whose groups went to another trainer is not (its other leases are given back)."""
+        if self._may_have_lapsed():
+            sent = time.monotonic()
+            try:
+                self._heard(self._call(self._heartbeat_call()), sent)
+            except PacerClientError as exc:
+                log.warning("batches: could not ask the server whether the prefetched batch is still this trainer's "
+                            "after a silence (%s); handing it out", exc)
+        live = self._superseded(batch)
+        if live is None:
+            return True
+        self._give_back(live)
+        return False
 
     def ack(self) -> int:
         """Acknowledges the batch handed out last now and waits for it (otherwise the next __next__ sends
@@ -1055,10 +1121,10 @@ class BatchIterator(_IteratorBase):
         self._watch.cancel()
         self._executor.shutdown(wait=False)
         self._acker.shutdown(wait=False)
-        self._give_back([prefetched])
+        self._give_back(_lease_ids(prefetched))
 
-    def _give_back(self, batches: Sequence[MiniBatch | None]) -> None:
-        for call in self._release_calls(batches):
+    def _give_back(self, lease_ids: Sequence[str]) -> None:
+        for call in self._release_calls(lease_ids):
             try:
                 self._client._run(call)
             except PacerClientError as exc:
@@ -1078,7 +1144,7 @@ class BatchIterator(_IteratorBase):
             else:
                 self.wait_for_ack()
                 current, self._current = self._current, None
-                self._give_back([current])
+                self._give_back(_lease_ids(current))
         except _Stopped:
             pass
         finally:
@@ -1262,6 +1328,8 @@ class AsyncBatchIterator(_IteratorBase):
             self._asked_at = time.monotonic()
             try:
                 batch = await pending
+                while not await self._still_held(batch):
+                    batch = await self._prefetch()
             finally:
                 self._asked_at = None
         except _Stopped:
@@ -1279,6 +1347,21 @@ class AsyncBatchIterator(_IteratorBase):
         if self._wants_more():
             self._pending = asyncio.ensure_future(self._prefetch())
         return batch
+
+    async def _still_held(self, batch: MiniBatch) -> bool:
+        """Coroutine form of BatchIterator._still_held."""
+        if self._may_have_lapsed():
+            sent = time.monotonic()
+            try:
+                self._heard(await self._call(self._heartbeat_call()), sent)
+            except PacerClientError as exc:
+                log.warning("batches: could not ask the server whether the prefetched batch is still this trainer's "
+                            "after a silence (%s); handing it out", exc)
+        live = self._superseded(batch)
+        if live is None:
+            return True
+        await self._give_back(live)
+        return False
 
     async def ack(self) -> int:
         """Coroutine form of BatchIterator.ack."""
@@ -1322,10 +1405,10 @@ class AsyncBatchIterator(_IteratorBase):
             ended, _ = await asyncio.wait(left, timeout=_CLOSE_WAIT_SECONDS)
             for task in ended:
                 _read_quietly(task)
-        await self._give_back([prefetched])
+        await self._give_back(_lease_ids(prefetched))
 
-    async def _give_back(self, batches: Sequence[MiniBatch | None]) -> None:
-        for call in self._release_calls(batches):
+    async def _give_back(self, lease_ids: Sequence[str]) -> None:
+        for call in self._release_calls(lease_ids):
             try:
                 await self._client._run(call)
             except PacerClientError as exc:
@@ -1345,7 +1428,7 @@ class AsyncBatchIterator(_IteratorBase):
             else:
                 await self.wait_for_ack()
                 current, self._current = self._current, None
-                await self._give_back([current])
+                await self._give_back(_lease_ids(current))
         except _Stopped:
             pass
         finally:

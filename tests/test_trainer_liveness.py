@@ -572,6 +572,69 @@ def test_a_trainer_stopped_past_the_grace_goes_on_and_trains_each_group_once(tmp
         assert (state.consumed, state.leased) == (len(trained), 0)
 
 
+SUPERSEDED_TRAINER = """
+    import sys, time
+    from coda_client import PacerClient
+    pacer = PacerClient({address!r})
+    trained = []
+    with pacer.batches({size}, lease={lease}, poll=1, num_batches=2) as batches:
+        for i, batch in enumerate(batches):
+            trained += [g.prompt_id for g in batch.groups]
+            if i == 0:
+                batches.ack()
+                while pacer.state().leased < 2:  # the prefetch took the second batch: the only one held
+                    time.sleep(0.01)
+                print("holding", flush=True)
+                sys.stdin.readline()  # stopped here, then told to go on
+    print(" ".join(trained), batches.superseded, flush=True)
+"""
+ASYNC_SUPERSEDED_TRAINER = """
+    import asyncio, sys, time
+    from coda_client import AsyncPacerClient
+
+    async def main():
+        pacer = AsyncPacerClient({address!r})
+        trained = []
+        async with pacer.batches({size}, lease={lease}, poll=1, num_batches=2) as batches:
+            i = 0
+            async for batch in batches:
+                trained += [g.prompt_id for g in batch.groups]
+                if i == 0:
+                    await batches.ack()
+                    while (await pacer.state()).leased < 2:
+                        await asyncio.sleep(0.01)
+                    print("holding", flush=True)
+                    sys.stdin.readline()  # blocks the event loop: stopped here, then told to go on
+                i += 1
+        print(" ".join(trained), batches.superseded, flush=True)
+
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("script", [SUPERSEDED_TRAINER, ASYNC_SUPERSEDED_TRAINER], ids=["blocking", "async"])
+def test_a_prefetched_batch_another_trainer_took_meanwhile_is_not_trained_again(tmp_path, script) -> None:
+    """SIGSTOP past the grace while a prefetched batch waits to be handed out; meanwhile another trainer takes its
+    groups (they went back first in line) and trains them. SIGCONT: the stopped trainer must not hand out that batch
+    (its groups would be trained twice): it asks the server first, drops it, and trains the next one."""
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer, \
+            PacerClient(running.address, client_id="trainer-other") as other:
+        _fill(pacer, ["s0", "s1", "s2", "s3"])
+
+        def while_stopped() -> None:
+            until(lambda: pacer.state().leased == 0, "the stopped trainer's lease to be taken back", timeout=60)
+            taken = other.collect_result(2, lease=LEASE)
+            assert [g.prompt_id for g in taken.groups] == ["s2", "s3"]  # the prefetched batch's groups
+            assert other.ack(taken.lease_id) == 2
+            _fill(pacer, ["s4", "s5"])  # newer groups
+
+        *trained, superseded = _stopped_past_the_grace(script, while_stopped, address=running.address, size=2 * N,
+                                                       lease=LEASE)
+        assert trained == ["s0", "s1", "s4", "s5"] and superseded == "1"  # s2 and s3 trained by the other alone
+        state = pacer.state()
+        assert (state.consumed, state.leased, state.buffered) == (6, 0, 0)
+
+
 def test_a_trainer_stopped_past_the_grace_while_the_server_restarts_trains_each_group_once(tmp_path) -> None:
     """SIGSTOP past the grace, and the server restarted (SIGTERM, a rolling update) before the trainer goes on: the
     restarted server knows from its journal whose silence ended the lease, so the trainer's heartbeat or Collect
