@@ -650,12 +650,14 @@ class _IteratorBase:
         self._handed_at = 0.0  # when the batch in hand was handed out (time.monotonic())
         self._heartbeat: threading.Thread | None = None
         # The leases taken and not yet acknowledged or given back, oldest first: each heartbeat and Collect names them,
-        # so that those the server ended while this trainer was silent (stopped, cut off) come back to it.
-        self._held_leases: dict[str, None] = {}
-        # What the heartbeats tell of the server: its liveness grace (0: off or not known yet), when the latest
-        # heartbeat it answered was sent (time.monotonic()), and which held leases it says are not live any more.
+        # so that those the server ended while this trainer was silent (stopped, cut off) come back to it, and so that
+        # another process under the same client id does not keep them alive. Each with when the server last
+        # confirmed it: the latest answered heartbeat naming it (or the Collect that took it) was sent then.
+        self._held_leases: dict[str, float] = {}
+        self._held_lock = threading.Lock()  # the heartbeat thread confirms them while the caller's thread lets go
+        # What the heartbeats tell of the server: its liveness grace (0: off or not known yet), and which held leases
+        # it says are not live any more.
         self._grace = 0.0
-        self._heard_at = 0.0
         self._ended_leases: set[str] = set()
 
     @property
@@ -694,14 +696,14 @@ class _IteratorBase:
             while not self._beats_end.wait(wait):
                 if self._closed and time.monotonic() > self._handed_at + self.lease:
                     return  # closed, and the lease of the batch in hand has run out: nothing left to keep
-                sent = time.monotonic()
+                sent, named = time.monotonic(), list(self._held_leases)
                 try:
-                    answer = client._run(self._heartbeat_call())
+                    answer = client._run(self._heartbeat_call(named))
                 except PacerClientError as exc:
                     answer = exc
                 except Exception:  # noqa: BLE001 - the client was closed under the iterator: nothing more to keep
                     return
-                next_wait = self._next_beat(answer, sent)
+                next_wait = self._next_beat(answer, sent, named)
                 if next_wait is None:
                     return
                 wait = next_wait
@@ -721,16 +723,16 @@ class _IteratorBase:
         if self._closed and self._current is None:
             self._beats_end.set()
 
-    def _heartbeat_call(self) -> _calls.Call[Any]:
+    def _heartbeat_call(self, lease_ids: Sequence[str]) -> _calls.Call[Any]:
         """A KeepAlive naming no group, and the leases this trainer holds: it is alive, so the server keeps them
         (release_when_silent), or gives back those it ended while the trainer was silent."""
         return _calls.keep_alive([], timeout=min(self._client.timeout, max(self._beat_seconds, 1.0)),
-                                 lease_ids=list(self._held_leases))
+                                 lease_ids=lease_ids)
 
-    def _next_beat(self, answer: Any, sent: float) -> float | None:
+    def _next_beat(self, answer: Any, sent: float, named: Sequence[str]) -> float | None:
         """Seconds until the next heartbeat after this answer (a KeepAliveResult or the call's error) to the one
-        `sent` then; None: no more (the server's liveness is off, or the server is older than heartbeats: its
-        leases end by time alone)."""
+        `sent` then naming the leases `named`; None: no more (the server's liveness is off, or the server is older
+        than heartbeats: its leases end by time alone)."""
         if isinstance(answer, Exception):
             if getattr(answer, "code", None) in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
                 log.info("batches: the server at %s takes no heartbeat (it is older than this client); a batch of a "
@@ -738,26 +740,35 @@ class _IteratorBase:
                          self.lease)
                 return None
             return self._beat_seconds  # away or busy: the next beat tries again
-        self._heard(answer, sent)
+        self._heard(answer, sent, named)
         if not answer.liveness_seconds:
             return None
         self._beat_seconds = answer.liveness_seconds / 3
         return self._beat_seconds
 
-    def _heard(self, answer: KeepAliveResult, sent: float) -> None:
-        """A heartbeat sent at `sent` was answered: the server heard this trainer then, and says which of the
-        leases named are not live any more (they are not held: nothing to name again, nothing to Ack)."""
+    def _heard(self, answer: KeepAliveResult, sent: float, named: Sequence[str]) -> None:
+        """A heartbeat sent at `sent` naming the leases `named` was answered: those still live are confirmed as of
+        then; those it says are not live any more are not held (nothing to name again, nothing to Ack)."""
         self._grace = answer.liveness_seconds
-        self._heard_at = max(self._heard_at, sent)
-        for lease_id in answer.ended_lease_ids:
-            if lease_id in self._held_leases:
-                self._ended_leases.add(lease_id)
-                self._held_leases.pop(lease_id, None)
+        ended = set(answer.ended_lease_ids)
+        held = self._held_leases
+        with self._held_lock:
+            for lease_id in named:
+                if lease_id not in held:
+                    continue  # acknowledged or given back meanwhile
+                if lease_id in ended:
+                    self._ended_leases.add(lease_id)
+                    del held[lease_id]
+                elif held[lease_id] < sent:
+                    held[lease_id] = sent
 
-    def _may_have_lapsed(self) -> bool:
-        """Whether the server may have taken this trainer as gone since it last answered a heartbeat: longer than
-        half its grace ago (heartbeats go every third of it), e.g. the process was stopped or its network cut."""
-        return bool(self._grace) and time.monotonic() - self._heard_at > self._grace / 2
+    def _may_have_lapsed(self, batch: MiniBatch) -> bool:
+        """Whether the server may have ended a lease of `batch` since it last confirmed it: more than half its grace
+        ago (heartbeats go every third of it), e.g. the process was stopped or its network cut meanwhile."""
+        if not self._grace:
+            return False
+        now, held = time.monotonic(), self._held_leases
+        return any(now - held.get(lease_id, 0.0) > self._grace / 2 for lease_id in batch.lease_ids)
 
     def _superseded(self, batch: MiniBatch) -> list[str] | None:
         """None when this prefetched batch is the trainer's to train; otherwise a lease of it ended while the trainer
@@ -773,7 +784,6 @@ class _IteratorBase:
                     "server's liveness grace (stopped or cut off) and its groups went to another trainer or rank "
                     "meanwhile, which trains them; collecting the next batch", ", ".join(ended))
         return live
-
 
     def _without_stream(self, exc: Exception) -> bool:
         """Whether a failed Collect says the server has no CollectStream (it is older than this client): then
@@ -792,17 +802,19 @@ class _IteratorBase:
         self._streamed = False
         return True
 
-    def _took(self, result: CollectResult) -> None:
-        """A Collect's answer arrived: its lease is held until acknowledged or given back."""
+    def _took(self, result: CollectResult, sent: float) -> None:
+        """The answer of a Collect `sent` then arrived: its lease is held until acknowledged or given back."""
         if result.lease_id:
-            self._held_leases[result.lease_id] = None
+            with self._held_lock:
+                self._held_leases[result.lease_id] = sent
         self._note_other_shapes(result)
 
     def _let_go(self, lease_ids: Sequence[str]) -> None:
         """These leases were acknowledged or given back: no longer held."""
-        for lease_id in lease_ids:
-            self._held_leases.pop(lease_id, None)
-            self._ended_leases.discard(lease_id)
+        with self._held_lock:
+            for lease_id in lease_ids:
+                self._held_leases.pop(lease_id, None)
+                self._ended_leases.discard(lease_id)
 
     def _note_other_shapes(self, result: CollectResult) -> None:
         """Warn when this rank's share came from a new global mini-batch while shares of another shape waited for
@@ -1007,13 +1019,14 @@ class BatchIterator(_IteratorBase):
         wait = self._batch_wait()
         while missing := self._rest(results):
             job_ended = self.job_ended  # read before the Collect: a batch completed after the end still counts
+            sent = time.monotonic()
             try:
                 result = self._call(self._collect_call(missing if results else None))
             except PacerClientError as exc:
                 if not self._without_stream(exc):
                     raise
                 result = self._call(self._collect_call(missing if results else None))  # nothing was taken
-            self._took(result)
+            self._took(result, sent)
             if result.groups:
                 results.append(result)
             elif job_ended and not results:
@@ -1068,10 +1081,10 @@ class BatchIterator(_IteratorBase):
         """Whether the prefetched `batch` is still this trainer's to hand out. After a silence the server may have
         taken as long as its grace (a stop, a cut network), a heartbeat asks it first: a lease given back is the
         trainer's again, one whose groups went to another trainer is not (its other leases are given back)."""
-        if self._may_have_lapsed():
-            sent = time.monotonic()
+        if self._may_have_lapsed(batch):
+            sent, named = time.monotonic(), list(self._held_leases)
             try:
-                self._heard(self._call(self._heartbeat_call()), sent)
+                self._heard(self._call(self._heartbeat_call(named)), sent, named)
             except PacerClientError as exc:
                 log.warning("batches: could not ask the server whether the prefetched batch is still this trainer's "
                             "after a silence (%s); handing it out", exc)
@@ -1292,13 +1305,14 @@ class AsyncBatchIterator(_IteratorBase):
         wait = self._batch_wait()
         while missing := self._rest(results):
             job_ended = self.job_ended
+            sent = time.monotonic()
             try:
                 result = await self._call(self._collect_call(missing if results else None))
             except PacerClientError as exc:
                 if not self._without_stream(exc):
                     raise
                 result = await self._call(self._collect_call(missing if results else None))  # nothing was taken
-            self._took(result)
+            self._took(result, sent)
             if result.groups:
                 results.append(result)
             elif job_ended and not results:
@@ -1350,10 +1364,10 @@ class AsyncBatchIterator(_IteratorBase):
 
     async def _still_held(self, batch: MiniBatch) -> bool:
         """Coroutine form of BatchIterator._still_held."""
-        if self._may_have_lapsed():
-            sent = time.monotonic()
+        if self._may_have_lapsed(batch):
+            sent, named = time.monotonic(), list(self._held_leases)
             try:
-                self._heard(await self._call(self._heartbeat_call()), sent)
+                self._heard(await self._call(self._heartbeat_call(named)), sent, named)
             except PacerClientError as exc:
                 log.warning("batches: could not ask the server whether the prefetched batch is still this trainer's "
                             "after a silence (%s); handing it out", exc)
