@@ -142,7 +142,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
-        self._pacer.heard_from(client_id(context), (request.lease_id,))
+        self._pacer.heard_from(client_id(context), (request.lease_id,), all_held=False)
         return pb.AckResponse(groups=await self._pacer.ack(request.lease_id, request.request_id))
 
     @maps_errors

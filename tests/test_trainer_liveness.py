@@ -132,6 +132,70 @@ def test_a_silent_holder_that_comes_back_claims_its_leases_while_their_groups_st
     assert pacer.ack(other.lease_id) == 2 and pacer.state().consumed == 6
 
 
+def test_a_lease_no_call_names_ends_within_the_grace_though_its_client_id_is_heard():
+    """Two processes under one client id (ranks given the same id, a trainer restarted under its fixed id): a client
+    whose heartbeats or Collects name the leases they hold is taken at its word, so a lease none of its calls named
+    for the grace ends as its holder's silence would end it, first in line again, while the lease named stays; the
+    process that comes back naming it gets it back."""
+    pacer, clock = _filled()
+    first = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer")  # process A's
+    second = pacer.collect_now(1, lease_seconds=LEASE, holder="trainer")  # process B's
+    pacer.heard_from("trainer", [first.lease_id, second.lease_id])  # A's, naming both
+    clock.now += 15
+    pacer.heard_from("trainer", [second.lease_id])  # B's, after A was killed: B names its own
+    clock.now += 6  # 21 s since A's last call named its lease, 6 since B's
+    [(holder, lost)] = pacer.release_silent_workers().items()
+    assert (holder, lost.lease_ids, lost.prompt_ids) == ("trainer", [], [])
+    assert (lost.unnamed_lease_ids, lost.leased_groups) == ([first.lease_id], 2)
+    state = pacer.state()
+    assert (state.leased, state.buffered, state.redelivered) == (1, 3, 2) and state.invariant_holds()
+    clock.now += 10
+    pacer.heard_from("trainer", [second.lease_id])  # B still names its own: kept
+    clock.now += 10
+    assert pacer.release_silent_workers() == {} and pacer.state().leased == 1
+    with pytest.raises(LeaseExpiredError, match="no call under its client id trainer named it for 20 s"):
+        pacer.ack(first.lease_id)
+    assert pacer.heard_from("trainer", [first.lease_id, second.lease_id]).lease_ids == [first.lease_id]  # A again
+    assert pacer.ack(first.lease_id) == 2 and pacer.ack(second.lease_id) == 1
+
+
+def test_a_lease_whose_answer_is_not_read_yet_stays_and_one_only_a_later_leases_naming_omits_ends():
+    """A lease never named yet is its process's while that process has not read its answer (an async trainer's event
+    loop blocked by a step: its heartbeats name the older leases it knows); it ends when calls under the id name a
+    lease granted after it, but not it, for the grace (another process under the id holds that later one)."""
+    pacer, clock = _filled()
+    first = pacer.collect_now(1, lease_seconds=LEASE, holder="trainer")
+    second = pacer.collect_now(1, lease_seconds=LEASE, holder="trainer")  # answered, not read yet
+    for _ in range(3):
+        clock.now += 10
+        pacer.heard_from("trainer", [first.lease_id])  # the heartbeat names the one lease its process read
+        assert pacer.release_silent_workers() == {}
+    third = pacer.collect_now(1, lease_seconds=LEASE, holder="trainer")  # another process's, granted after
+    for _ in range(2):
+        pacer.heard_from("trainer", [third.lease_id])  # the other process names its own
+        pacer.heard_from("trainer", [first.lease_id])
+        assert pacer.release_silent_workers() == {}
+        clock.now += 10.5
+    [(_, lost)] = pacer.release_silent_workers().items()
+    assert lost.unnamed_lease_ids == [second.lease_id]  # not first, named all along; not third
+    assert pacer.state().leased == 2 and pacer.state().invariant_holds()
+
+
+def test_a_client_that_never_names_its_leases_keeps_them_while_it_is_heard():
+    """Naming is opt-in: a trainer whose heartbeats and Collects name none of the leases it holds (an older client, a
+    loop of its own without lease_ids) keeps them as long as any call under its id is heard; an Ack naming its own
+    lease does not opt it in."""
+    pacer, clock = _filled()
+    first = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer")
+    second = pacer.collect_now(1, lease_seconds=LEASE, holder="trainer")
+    for _ in range(4):
+        clock.now += 15
+        pacer.heard_from("trainer", [first.lease_id], all_held=False)  # an Ack's
+        pacer.heard_from("trainer")  # a heartbeat naming nothing
+        assert pacer.release_silent_workers() == {}
+    assert pacer.state().leased == 3 and pacer.ack(second.lease_id) == 1
+
+
 def test_a_heartbeat_names_the_held_leases_that_are_not_live_any_more():
     """KeepAlive's lease_ids, after the give-back: those not live any more (their groups went to another trainer,
     acknowledged, never granted) are named in ended_lease_ids, so a trainer does not train a prefetched batch of
@@ -343,6 +407,30 @@ def test_a_trainer_killed_mid_batch_has_its_batches_back_within_the_grace_not_th
             [again] = list(batches)
         assert [g.prompt_id for g in again.groups] == [f"k{i}" for i in range(6)]
         assert pacer.state().redelivered == 4
+
+
+def test_a_trainer_restarted_under_its_fixed_client_id_gets_the_dead_ones_batches_within_the_grace(tmp_path) -> None:
+    """A trainer with a client id of its own choosing (client_id="trainer", as on every pod it restarts in) killed -9
+    and restarted at once: the new process heartbeats under the same id, which kept the dead one's leases alive for
+    their whole lease before. Its calls name the leases it holds, so the dead one's, named by no call any more, are
+    first in line again within about the grace, and the new process trains them, in order."""
+    script = BLOCKING_TRAINER.replace("PacerClient({address!r})", "PacerClient({address!r}, client_id='trainer')")
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        _fill(pacer, [f"k{i}" for i in range(4)])
+        trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script).format(
+            address=running.address, size=2 * N, lease=LEASE)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        try:
+            assert trainer.stdout.readline().strip() == "trainer"
+        finally:
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(10)
+        with PacerClient(running.address, client_id="trainer") as again, \
+                again.batches(2 * N, lease=LEASE, poll=1, num_batches=3) as batches:
+            until(lambda: pacer.state().redelivered == 4, "the dead process's leases to go back", timeout=60)
+            _fill(pacer, ["k4", "k5"])  # newer groups, after the dead one's in line
+            trained = [g.prompt_id for batch in batches for g in batch.groups]
+        assert trained == [f"k{i}" for i in range(6)]
+        assert "heard, but no call under that id named these for 3 s" in running.log()
 
 
 def _counting_heartbeats(client: PacerClient) -> list[float]:

@@ -120,10 +120,10 @@ class AsyncPacer:
                     log.warning("worker %s silent for %.0f s (no heartbeat or call): its %d running group(s) released "
                                 "(%s%s)", client, self.pacer.liveness_seconds, len(lost.prompt_ids),
                                 ", ".join(lost.prompt_ids[:5]), ", ..." if len(lost.prompt_ids) > 5 else "")
-                if lost.lease_ids:
-                    log.warning("trainer %s silent for %.0f s (no heartbeat or call): its lease(s) %s released, %d "
-                                "group(s) back in the buffer first in line", client, self.pacer.liveness_seconds,
-                                ", ".join(lost.lease_ids), lost.leased_groups)
+                if lost.lease_ids or lost.unnamed_lease_ids:  # one or the other: an unnamed lease's holder is heard
+                    log.warning("trainer %s %s: its lease(s) %s released, %d group(s) back in the buffer first in "
+                                "line", client, lost.why_leases_went(self.pacer.liveness_seconds),
+                                ", ".join(lost.lease_ids or lost.unnamed_lease_ids), lost.leased_groups)
             if leases:
                 log.warning("Collect lease(s) %s ran out without Ack: their groups are back in the buffer",
                             ", ".join(leases))
@@ -229,11 +229,11 @@ class AsyncPacer:
 
         return await self._applied("Dispatch", request_id, call)
 
-    def heard_from(self, client_id: str, held_leases: Sequence[str] = ()) -> None:
+    def heard_from(self, client_id: str, held_leases: Sequence[str] = (), all_held: bool = True) -> None:
         """A call from `client_id`: the worker or trainer is alive (see liveness.py). Cheap; made by every worker call.
-        `held_leases`: the Collect leases a trainer says it holds (those its silence ended come back to it)."""
+        `held_leases`: the Collect leases a trainer says it holds, `all_held` or not (Workers.heard_from)."""
         if client_id:
-            reclaim = self.pacer.heard_from(client_id, held_leases)
+            reclaim = self.pacer.heard_from(client_id, held_leases, all_held)
             if reclaim is not None:
                 if reclaim.lease_ids:
                     log.warning("trainer %s heard again after its silence: its lease(s) %s given back to it, %d "

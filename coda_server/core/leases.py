@@ -25,11 +25,19 @@ def holder_silent(holder: str, grace: float) -> str:
             f"server.worker_liveness_seconds); {_BACK}")
 
 
+def lease_unnamed(holder: str, grace: float) -> str:
+    """Why a lease ended that no call of its holder's named, though calls under its client id went on."""
+    return (f"ended before this Ack: no call under its client id {holder} named it for {grace:g} s, though calls "
+            f"under that id went on (the process holding it stopped, died or was cut off while another process "
+            f"under the same client id went on; server.worker_liveness_seconds); {_BACK}")
+
+
 class CollectLease:
     """Groups handed to the trainer that go back to the buffer unless acknowledged before `deadline`, or sooner
-    when `holder` (the client id of a trainer that heartbeats) goes silent."""
+    when `holder` (the client id of a trainer that heartbeats) goes silent, or when its holder's calls stopped naming
+    it (`Leases.unnamed`)."""
 
-    __slots__ = ("lease_id", "entries", "seconds", "deadline", "holder")
+    __slots__ = ("lease_id", "entries", "seconds", "deadline", "holder", "named_at", "unnamed_since")
 
     def __init__(self, lease_id: str, entries: list, seconds: float, deadline: float, holder: str = ""):
         self.lease_id = lease_id
@@ -37,6 +45,10 @@ class CollectLease:
         self.seconds = seconds
         self.deadline = deadline
         self.holder = holder  # "": bound by its time alone
+        # When a call of its holder naming the leases it holds last named this one (None: none has since it was
+        # granted, given back or restored), and when one first named a lease granted after it but not it.
+        self.named_at: Optional[float] = None
+        self.unnamed_since: Optional[float] = None
 
 
 class Leases:
@@ -173,15 +185,59 @@ class Leases:
                 held[lease.holder] = (lease_ids, groups + len(lease.entries))
         return held
 
-    def keep_reclaimable(self, holder: str, lease_ids: Sequence[str]) -> None:
-        """`holder` is taken as silent and these leases of its are about to lapse: remember them (reclaimable)."""
+    def named(self, holder: str, lease_ids: Sequence[str], now: float) -> None:
+        """A call of `holder` named these leases as every one its process holds (a heartbeat's or a Collect's held
+        leases): each of its live ones was named `now`; and a lease of its granted before one of them, never named,
+        was not known to the process that named them (it is another's under the same client id, or one whose
+        answer this process has not read yet: `unnamed` waits the grace on it)."""
+        collect = self.collect
+        newest = None  # the deadline of the latest granted of those named: granted last, it runs out last
+        for lease_id in lease_ids:
+            lease = collect.get(lease_id)
+            if lease is not None and lease.holder == holder:
+                lease.named_at = now
+                lease.unnamed_since = None
+                granted = lease.deadline - lease.seconds
+                newest = granted if newest is None or granted > newest else newest
+        if newest is None:
+            return
+        for lease in collect.values():
+            if (lease.holder == holder and lease.named_at is None and lease.unnamed_since is None
+                    and lease.deadline - lease.seconds < newest):
+                lease.unnamed_since = now
+
+    def unnamed(self, now: float, grace: float, besides: Iterable[str] = ()) -> dict[str, list[str]]:
+        """Holder -> its leases its calls stopped naming, but those of the holders in `besides` (taken as silent: all
+        theirs end anyway). A holder whose calls name the leases they hold (docs/protocol.md) names each of its own
+        every third of the grace, so one named before but not for `grace` seconds, or one never named while for
+        `grace` seconds its calls named a lease granted after it, is held by a process that stopped, died or was cut
+        off while another under the same client id went on (ranks given one id, a trainer restarted under its fixed
+        id). A lease never named by a holder whose calls name none is bound by the holder's silence alone."""
+        if not grace or not self.collect:
+            return {}
+        cutoff = now - grace
+        skip = set(besides)
+        unnamed: dict[str, list[str]] = {}
+        for lease_id, lease in self.collect.items():
+            since = lease.named_at if lease.named_at is not None else lease.unnamed_since
+            if since is not None and since <= cutoff and lease.holder and lease.holder not in skip:
+                unnamed.setdefault(lease.holder, []).append(lease_id)
+        return unnamed
+
+    def note_silence(self, holder: str) -> None:
+        """`holder` is taken as silent: a Collect it sent before now takes nothing (polls.py)."""
         self.silences[holder] = self.silences.pop(holder, 0) + 1
+        while len(self.silences) > LAPSED_LEASES_KEPT:
+            del self.silences[next(iter(self.silences))]
+
+    def keep_reclaimable(self, holder: str, lease_ids: Sequence[str]) -> None:
+        """These leases of `holder` are about to lapse with its silence, or because none of its calls named them:
+        remember them (reclaimable)."""
         for lease_id in lease_ids:
             lease = self.collect[lease_id]
             self.reclaimable[lease_id] = (holder, lease.seconds, tuple(priority for priority, _ in lease.entries))
-        for kept in (self.reclaimable, self.silences):
-            while len(kept) > LAPSED_LEASES_KEPT:
-                del kept[next(iter(kept))]
+        while len(self.reclaimable) > LAPSED_LEASES_KEPT:
+            del self.reclaimable[next(iter(self.reclaimable))]
 
     def claimed(self, holder: str, lease_ids: Iterable[str]) -> list[tuple[str, float, tuple]]:
         """Of these lease ids `holder` says it holds, its reclaimable ones, oldest first, as (lease id, seconds,
@@ -232,6 +288,7 @@ class Leases:
         self.extend(list(running), now)
         for lease in self.collect.values():
             lease.deadline = now + lease.seconds
+            lease.named_at = lease.unnamed_since = None  # named again by its holder's next calls, if it names them
 
     def export(self) -> dict:
         return {"leases": [(lease.lease_id, lease.entries, lease.seconds, lease.holder)

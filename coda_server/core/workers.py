@@ -12,18 +12,27 @@ from .inflight import InflightTable
 from .job_end import Lifecycle
 from .delivery import Delivery
 from .journal import Expired, Reclaimed, Recorder
-from .leases import Leases, holder_silent
+from .leases import Leases, holder_silent, lease_unnamed
 from .liveness import Liveness
 from .types import HeldGroup, KeepAliveResult
 
 
 @dataclass
 class SilentRelease:
-    """What a client taken as gone lost: its running groups (a worker's) and its Collect leases (a trainer's)."""
+    """What a client taken as gone lost: its running groups (a worker's) and its Collect leases (a trainer's); or,
+    heard but its calls naming the leases they hold, the leases none of them named (`unnamed_lease_ids`)."""
 
     prompt_ids: list[str] = field(default_factory=list)
     lease_ids: list[str] = field(default_factory=list)
     leased_groups: int = 0
+    unnamed_lease_ids: list[str] = field(default_factory=list)
+
+    def why_leases_went(self, grace: float) -> str:
+        """Why its leases were released, for the log: its silence, or no call under its id naming them."""
+        if self.lease_ids:
+            return f"silent for {grace:.0f} s (no heartbeat or call)"
+        return (f"heard, but no call under that id named these for {grace:.0f} s (the process holding them stopped, "
+                "died or was cut off)")
 
 
 @dataclass
@@ -48,13 +57,20 @@ class Workers:
         self._leases, self._liveness, self._collector, self._delivery = leases, liveness, collector, delivery
         self._record, self._clock = recorder.record, clock
 
-    def heard_from(self, client_id: str, held_leases: Sequence[str] = ()) -> Optional[Reclaim]:
+    def heard_from(self, client_id: str, held_leases: Sequence[str] = (), all_held: bool = True) -> Optional[Reclaim]:
         """A call from `client_id` (a worker's heartbeat, Dispatch or Submit, a trainer's Collect, Ack or heartbeat):
-        it is alive. `held_leases`: the Collect leases it says it holds; those that ended with its silence are given
-        back to it, before its call is served, when their groups all still wait in the buffer (returned, for the log;
-        None when it named none of them)."""
-        self._liveness.heard(client_id, self._clock.now())
-        if held_leases and self._leases.reclaimable:
+        it is alive. `held_leases`: the Collect leases it says it holds (`all_held`: every one its process holds, as
+        a heartbeat and a Collect name them; an Ack names its own alone); they were named now (Leases.named), and
+        those that ended with its silence, or unnamed, are given back to it, before its call is served, when their
+        groups all still wait in the buffer (returned, for the log; None when it named none of them)."""
+        now = self._clock.now()
+        self._liveness.heard(client_id, now)
+        if not held_leases:
+            return None
+        if all_held:
+            with self._lock:
+                self._leases.named(client_id, held_leases, now)
+        if self._leases.reclaimable:
             return self._reclaim(client_id, held_leases)
         return None
 
@@ -133,12 +149,14 @@ class Workers:
     def release_silent_workers(self) -> dict[str, SilentRelease]:
         """Release what watched clients silent for the liveness grace hold: a worker's incomplete running groups, as
         an expired in-flight lease releases them, and a trainer's Collect leases bound to its liveness, as a Release
-        gives them back (first in line again). Returns what each gone client lost. Called periodically by the
-        server."""
+        gives them back (first in line again); and the leases of a trainer heard but whose calls, which name the
+        leases they hold, named them for no grace (Leases.unnamed). Returns what each client lost. Called
+        periodically by the server."""
         with self._lock:
             now = self._clock.now()
             gone = set(self._liveness.silent(now))
-            if not gone or self._lifecycle.closed:
+            unnamed = self._leases.unnamed(now, self._liveness.grace, gone)
+            if not (gone or unnamed) or self._lifecycle.closed:
                 return {}
             groups = [g for g in self._inflight.in_dispatch_order() if g.client_id in gone and not g.complete]
             released: dict[str, SilentRelease] = {}
@@ -148,7 +166,11 @@ class Workers:
             for holder, (lease_ids, leased_groups) in leases.items():
                 lost = released.setdefault(holder, SilentRelease())
                 lost.lease_ids, lost.leased_groups = lease_ids, leased_groups
-            if groups or leases:
+            for holder, lease_ids in unnamed.items():
+                lost = released.setdefault(holder, SilentRelease())
+                lost.unnamed_lease_ids = lease_ids
+                lost.leased_groups = sum(len(self._leases.collect[lease_id].entries) for lease_id in lease_ids)
+            if groups or leases or unnamed:
                 prompt_ids = [group.prompt_id for group in groups]
                 if prompt_ids:
                     self._collector.expire(prompt_ids, [])
@@ -156,13 +178,15 @@ class Workers:
                 # In the order they went back, so that a replay rebuilds the buffer as it was; an Ack of one is told
                 # whose silence ended it, after a restart too, and its holder can claim it back then as well.
                 for holder, (lease_ids, _) in leases.items():
-                    why = holder_silent(holder, self._liveness.grace)
-                    self.lapse_silent(now, holder, lease_ids, why)
+                    self._leases.note_silence(holder)
+                    self.lapse_silent(now, holder, lease_ids, holder_silent(holder, self._liveness.grace))
+                for holder, lease_ids in unnamed.items():
+                    self.lapse_silent(now, holder, lease_ids, lease_unnamed(holder, self._liveness.grace))
             return released
 
     def lapse_silent(self, now: float, holder: str, lease_ids: list[str], why: str) -> None:
-        """These leases of `holder` end with its silence, kept for it to claim back, and recorded; the journal's
-        Expired naming a holder is replayed through here."""
+        """These leases of `holder` end with its silence (or unnamed by its calls), kept for it to claim back, and
+        recorded; the journal's Expired naming a holder is replayed through here."""
         with self._lock:
             self._leases.keep_reclaimable(holder, lease_ids)
             self._collector.expire([], lease_ids, why)
