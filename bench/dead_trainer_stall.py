@@ -8,6 +8,12 @@ third batch first. The restarted trainer's first batch is then checked to be the
 
     python bench/dead_trainer_stall.py              # about the liveness grace (20 s) on today's defaults
     python bench/dead_trainer_stall.py --cap 700    # bound the wait (code before trainer liveness: the 600 s lease)
+    python bench/dead_trainer_stall.py --client-id trainer   # a fixed client id, the restart started at once
+
+With `--client-id`, the trainer has a client id of its own choosing and its restart, under the same id, starts right
+after the kill (as a pod restarted by its orchestrator does) and heartbeats while it waits: the figure is the time
+from the kill until the dead one's batches are back in the buffer (GetState's `redelivered`; the restart holds the
+third batch meanwhile), and the restart's next two batches are checked to be the dead one's, in order.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ BATCHES = 3
 TRAINER = textwrap.dedent("""
     import sys, time
     from coda_client import PacerClient
-    pacer = PacerClient(sys.argv[1])
+    pacer = PacerClient(sys.argv[1], client_id=sys.argv[3] if len(sys.argv) > 3 else None)
     batches = pacer.batches(int(sys.argv[2]))  # the server's mini_batch_size, the default lease (600 s)
     batch = next(batches)
     while pacer.state().leased < 2 * len(batch.groups):  # the prefetch has leased the second batch
@@ -44,6 +50,7 @@ TRAINER = textwrap.dedent("""
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cap", type=float, default=900.0, help="give up after this many seconds")
+    parser.add_argument("--client-id", help="the trainer's fixed client id, its restart's too, started at once")
     args = parser.parse_args()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +63,8 @@ def main() -> int:
                 group_size = state.group_sizes[0] if state.group_sizes else 1
                 per_batch = state.mini_batch_size // group_size
                 fill(client, BATCHES * per_batch, group_size, tokens=16)
-                trainer = subprocess.Popen([sys.executable, "-c", TRAINER, address, str(state.mini_batch_size)],
+                named = [args.client_id] if args.client_id else []
+                trainer = subprocess.Popen([sys.executable, "-c", TRAINER, address, str(state.mini_batch_size), *named],
                                            stdout=subprocess.PIPE, text=True, env=env)
                 first = trainer.stdout.readline().strip().split(",")
                 if first == [""]:
@@ -65,6 +73,9 @@ def main() -> int:
                 trainer.kill()
                 trainer.wait()
                 killed = time.monotonic()
+                if args.client_id:
+                    return restarted_at_once(address, args.client_id, state.mini_batch_size, per_batch, first, killed,
+                                             args.cap)
                 back = None
                 while time.monotonic() - killed < args.cap:
                     if client.state().leased == 0:
@@ -89,6 +100,34 @@ def main() -> int:
                 trainer.kill()
             server.kill()
             server.wait()
+    return 0
+
+
+def restarted_at_once(address: str, client_id: str, mini_batch_size: int, per_batch: int, first: list[str],
+                      killed: float, cap: float) -> int:
+    """The restart under the dead trainer's client id, started at once: seconds until the dead one's two batches are
+    back (the restart heartbeating meanwhile, holding the third batch), then the order it trains them in."""
+    with PacerClient(address, client_id=client_id, timeout=30) as client:
+        restarted = client.batches(mini_batch_size)
+        try:
+            back = None
+            while time.monotonic() - killed < cap:
+                if client.state().redelivered >= 2 * per_batch:
+                    back = time.monotonic() - killed
+                    break
+                time.sleep(0.1)
+            shown = f"{back:.1f} s" if back is not None else f"more than {cap:.0f} s (gave up)"
+            print(f"a dead trainer (kill -9, 2 leased batches of {per_batch} groups, client id {client_id!r}, restarted "
+                  f"at once under it) kept them for {shown}")
+            if back is not None:
+                order = [[g.prompt_id for g in next(restarted).groups] for _ in range(3)]
+                print("the restart trained the third batch it held, then "
+                      + ("the dead one's first batch and its second" if order[1] == first else
+                         f"another batch ({order[1][0]}...) where the dead one's first was due"))
+            print(f"server: built-in defaults (liveness grace {client.keep_alive([]).liveness_seconds:g} s); code at "
+                  f"{REPO_ROOT}")
+        finally:
+            restarted.close()
     return 0
 
 
