@@ -22,6 +22,7 @@ progress after every fault (time from the fault to the next batch and to the nex
 
     python bench/chaos.py                      # seeds 1, 2, 3; 12 faults each on 96 prompts
     python bench/chaos.py --seeds 7 --faults 6 --prompts 40    # a short run (tests/test_chaos.py runs one)
+    python bench/chaos.py --trainer-id trainer   # every trainer process under one fixed client id, as a pod's
 
 Exit status 1 when a conservation check fails.
 """
@@ -109,9 +110,10 @@ def worker_main(address: str, index: int, prompts: int, seed: int, record: str) 
 
 # ----------------------------------------------------------------------------- the trainer process
 
-def trainer_main(address: str, prompts: int, record: str) -> None:
+def trainer_main(address: str, prompts: int, record: str, client_id: Optional[str] = None) -> None:
     """Trains (records) every batch, skipping one this trainer's earlier processes trained already; Reset
-    WAIT + Resume after each step's B groups; ends when every prompt was trained."""
+    WAIT + Resume after each step's B groups; ends when every prompt was trained. `client_id`: the same for every
+    trainer process (None: each takes a default one of its own)."""
     from coda_client import PacerClient
     from coda_client.errors import PacerClientError
 
@@ -120,7 +122,7 @@ def trainer_main(address: str, prompts: int, record: str) -> None:
     trained = {r["id"] for r in earlier if r.get("kind") == "trained"}
     steps = sum(1 for r in earlier if r.get("kind") == "step")
     process = os.getpid()
-    with PacerClient(address, timeout=120) as client:
+    with PacerClient(address, timeout=120, client_id=client_id) as client:
         batches = client.batches(M, lease=30, poll=1, reconnect=120)
         threading.Thread(target=end_when_nothing_is_left, args=(client, batches, prompts), daemon=True).start()
         in_step = (len(trained) // N) % B
@@ -263,8 +265,8 @@ class RunResult:
 class Job:
     """The processes of one run and the faults done to them."""
 
-    def __init__(self, workdir: Path, seed: int, prompts: int) -> None:
-        self.workdir, self.seed, self.prompts = workdir, seed, prompts
+    def __init__(self, workdir: Path, seed: int, prompts: int, trainer_id: Optional[str] = None) -> None:
+        self.workdir, self.seed, self.prompts, self.trainer_id = workdir, seed, prompts, trainer_id
         self.port = free_port()
         self.env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         self.server: Optional[subprocess.Popen] = None
@@ -302,7 +304,7 @@ class Job:
     def start_trainer(self) -> None:
         self.trainer = subprocess.Popen(
             [sys.executable, __file__, "--trainer", f"127.0.0.1:{self.trainer_proxy.port}", str(self.prompts),
-             str(self.trainer_record)], cwd=REPO_ROOT, env=self.env, stdout=self.logs, stderr=subprocess.STDOUT)
+             str(self.trainer_record), *([self.trainer_id] if self.trainer_id else [])], cwd=REPO_ROOT, env=self.env, stdout=self.logs, stderr=subprocess.STDOUT)
 
     def start(self) -> None:
         self.start_server()
@@ -379,12 +381,13 @@ class Job:
         self.logs.close()
 
 
-def run(seed: int, faults: int, prompts: int, workdir: Path) -> RunResult:
-    """One seeded run: start, inject `faults` faults (each after progress since the last), run to the end."""
+def run(seed: int, faults: int, prompts: int, workdir: Path, trainer_id: Optional[str] = None) -> RunResult:
+    """One seeded run: start, inject `faults` faults (each after progress since the last), run to the end; every
+    trainer process under the client id `trainer_id` when given."""
     rng = random.Random(seed)
     kinds = [FAULT_KINDS[i % len(FAULT_KINDS)] for i in range(faults)]
     rng.shuffle(kinds)
-    job = Job(workdir, seed, prompts)
+    job = Job(workdir, seed, prompts, trainer_id)
     result = RunResult(seed)
     started = time.time()
     try:
@@ -485,25 +488,26 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=96, help="prompt groups per run")
     parser.add_argument("--keep", type=Path, help="keep each run's directory (logs, records) under this one")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
-    parser.add_argument("--trainer", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--trainer-id", help="one fixed client id for every trainer process (default: each its own)")
+    parser.add_argument("--trainer", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         address, index, prompts, seed, record = args.worker
         worker_main(address, int(index), int(prompts), int(seed), record)
         return 0
     if args.trainer:
-        address, prompts, record = args.trainer
-        trainer_main(address, int(prompts), record)
+        address, prompts, record, *client_id = args.trainer
+        trainer_main(address, int(prompts), record, *client_id)
         return 0
     results = []
     for seed in args.seeds:
         if args.keep:
             workdir = args.keep / f"seed-{seed}"
             workdir.mkdir(parents=True, exist_ok=True)
-            results.append(run(seed, args.faults, args.prompts, workdir))
+            results.append(run(seed, args.faults, args.prompts, workdir, args.trainer_id))
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                results.append(run(seed, args.faults, args.prompts, Path(tmp)))
+                results.append(run(seed, args.faults, args.prompts, Path(tmp), args.trainer_id))
         r = results[-1]
         print(f"seed {seed}: {len(r.faults)} faults, {'finished' if r.finished else 'DID NOT FINISH'} in "
               f"{r.wall:.0f} s; {len(r.batches)} batches, {len(r.steps)} steps; lost {len(r.lost)}, trained twice "

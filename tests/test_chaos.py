@@ -17,8 +17,11 @@ spec.loader.exec_module(chaos)
 
 
 @pytest.mark.chaos
-def test_a_short_seeded_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path):
-    result = chaos.run(seed=11, faults=len(chaos.FAULT_KINDS), prompts=60, workdir=tmp_path)
+@pytest.mark.parametrize("trainer_id", [None, "trainer"], ids=["own-ids", "one-fixed-id"])
+def test_a_short_seeded_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path, trainer_id):
+    """Each trainer process with a client id of its own, or all under one fixed id (a restarted pod's): then the
+    restart after a kill -9 heartbeats under the id the dead one's leases are held by."""
+    result = chaos.run(seed=11, faults=len(chaos.FAULT_KINDS), prompts=60, workdir=tmp_path, trainer_id=trainer_id)
     report = chaos.table([result])
     assert result.finished, report
     assert sorted(f.kind for f in result.faults) == sorted(chaos.FAULT_KINDS), report  # each kind, with progress
