@@ -191,7 +191,7 @@ class Leases:
         was not known to the process that named them (it is another's under the same client id, or one whose
         answer this process has not read yet: `unnamed` waits the grace on it)."""
         collect = self.collect
-        newest = None  # the deadline of the latest granted of those named: granted last, it runs out last
+        newest = None  # when the latest granted of those named was granted (its deadline less its seconds)
         for lease_id in lease_ids:
             lease = collect.get(lease_id)
             if lease is not None and lease.holder == holder:
