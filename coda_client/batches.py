@@ -647,6 +647,9 @@ class _IteratorBase:
         self._beat_seconds = _FIRST_BEAT_RETRY_SECONDS
         # Heartbeats end at close(), or later while a batch is in hand: ack() may still come after close().
         self._beats_end = threading.Event()
+        # Set to send a heartbeat at once: a lease just taken is named to the server within milliseconds, so that a
+        # process killed right after it arrived has it back within the grace under a client id shared with another.
+        self._beat_now = threading.Event()
         self._handed_at = 0.0  # when the batch in hand was handed out (time.monotonic())
         self._heartbeat: threading.Thread | None = None
         # The leases taken and not yet acknowledged or given back, oldest first: each heartbeat and Collect names them,
@@ -690,10 +693,15 @@ class _IteratorBase:
     def _heartbeats(self, client: Any) -> None:
         """Tells the server this trainer is alive every third of its liveness grace until close() (and, after it,
         until the batch in hand is acknowledged or given back, or its lease has run out): a trainer that dies (kill
-        -9, a lost node) has its batches delivered again within that grace, not its lease."""
+        -9, a lost node) has its batches delivered again within that grace, not its lease. One goes at once as each
+        lease arrives too (`_beat_now`)."""
         try:
             wait = 0.0
-            while not self._beats_end.wait(wait):
+            while True:
+                self._beat_now.wait(wait)
+                self._beat_now.clear()
+                if self._beats_end.is_set():
+                    return
                 if self._closed and time.monotonic() > self._handed_at + self.lease:
                     return  # closed, and the lease of the batch in hand has run out: nothing left to keep
                 sent, named = time.monotonic(), list(self._held_leases)
@@ -722,6 +730,7 @@ class _IteratorBase:
         """The heartbeats end once the iterator is closed with no batch in hand (ack() may still come for one)."""
         if self._closed and self._current is None:
             self._beats_end.set()
+            self._beat_now.set()
 
     def _heartbeat_call(self, lease_ids: Sequence[str]) -> _calls.Call[Any]:
         """A KeepAlive naming no group, and the leases this trainer holds: it is alive, so the server keeps them
@@ -807,6 +816,7 @@ class _IteratorBase:
         if result.lease_id:
             with self._held_lock:
                 self._held_leases[result.lease_id] = sent
+            self._beat_now.set()  # named to the server at once (`_heartbeats`)
         self._note_other_shapes(result)
 
     def _let_go(self, lease_ids: Sequence[str]) -> None:
