@@ -465,6 +465,33 @@ def test_a_live_trainer_keeps_its_batch_through_several_graces_and_acknowledges_
         assert (state.consumed, state.leased, state.redelivered) == (2, 0, 0)
 
 
+def test_each_lease_is_named_to_the_server_as_it_arrives_not_at_the_next_periodic_heartbeat(tmp_path) -> None:
+    """A heartbeat goes at once as a lease arrives, naming it: under a client id shared with another process, a lease
+    its process never named comes back only a grace after a later lease is named, so a process killed right after
+    its prefetched batch arrived would hold that batch a grace longer. With a grace of 1800 s the periodic heartbeats
+    are 600 s apart: only the prompt ones name the leases within the test's wait."""
+    with _server(tmp_path, "server.worker_liveness_seconds=1800") as running, PacerClient(running.address) as pacer, \
+            PacerClient(running.address) as trainer_client:
+        _fill(pacer, [f"n{i}" for i in range(4)])
+        named: list[list[str]] = []
+        run = trainer_client._run
+
+        def recording(call):
+            if call.method == "KeepAlive":
+                named.append(list(call.request.lease_ids))
+            return run(call)
+
+        trainer_client._run = recording
+        with trainer_client.batches(2 * N, lease=LEASE, poll=1, num_batches=2) as batches:
+            first = next(batches)
+            until(lambda: any(len(ids) == 2 for ids in named), "a heartbeat naming both leases", timeout=60)
+            [both] = [ids for ids in named if len(ids) == 2]
+            assert first.lease_ids[0] in both  # and the prefetched batch's, which arrived after it
+            second = next(batches)
+            assert both == [*first.lease_ids, *second.lease_ids]
+        assert pacer.state().consumed == 4
+
+
 def test_after_close_the_heartbeats_go_on_until_the_batch_in_hand_is_acknowledged(tmp_path) -> None:
     """close() does not acknowledge the batch in hand, and ack() may still come after it: the heartbeats go on
     until then, so a step longer than the grace after close() still acknowledges its batch; then they stop."""
