@@ -536,6 +536,11 @@ def default_trainer_id(shape: BatchShape) -> str:
     return f"trainer-{rank}{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+def _not_confirmed(exc: Exception) -> None:
+    log.warning("batches: could not ask the server whether the prefetched batch is still this trainer's after a "
+                "silence (%s); handing it out", exc)
+
+
 def _lease_ids(batch: MiniBatch | None) -> tuple[str, ...]:
     return () if batch is None else batch.lease_ids
 
@@ -1096,13 +1101,11 @@ class BatchIterator(_IteratorBase):
             try:
                 self._heard(self._call(self._heartbeat_call(named)), sent, named)
             except PacerClientError as exc:
-                log.warning("batches: could not ask the server whether the prefetched batch is still this trainer's "
-                            "after a silence (%s); handing it out", exc)
+                _not_confirmed(exc)
         live = self._superseded(batch)
-        if live is None:
-            return True
-        self._give_back(live)
-        return False
+        if live is not None:
+            self._give_back(live)
+        return live is None
 
     def ack(self) -> int:
         """Acknowledges the batch handed out last now and waits for it (otherwise the next __next__ sends
@@ -1379,13 +1382,11 @@ class AsyncBatchIterator(_IteratorBase):
             try:
                 self._heard(await self._call(self._heartbeat_call(named)), sent, named)
             except PacerClientError as exc:
-                log.warning("batches: could not ask the server whether the prefetched batch is still this trainer's "
-                            "after a silence (%s); handing it out", exc)
+                _not_confirmed(exc)
         live = self._superseded(batch)
-        if live is None:
-            return True
-        await self._give_back(live)
-        return False
+        if live is not None:
+            await self._give_back(live)
+        return live is None
 
     async def ack(self) -> int:
         """Coroutine form of BatchIterator.ack."""
