@@ -657,7 +657,8 @@ class PacerState:
     recent_reports: list[StepReport]
     #: Running groups reclaimed because their in-flight lease ran out. Metric: coda_pacer_expired_groups_total.
     expired: int
-    #: Leased groups returned to the buffer because no Ack came in time. Metric: coda_pacer_redelivered_groups_total.
+    #: Leased groups returned to the buffer unacknowledged (the lease ran out or was given back, or its trainer went
+    #: silent or stopped naming it). Metric: coda_pacer_redelivered_groups_total.
     redelivered: int
     #: Of the redelivered groups, those given back under their lease to a trainer heard again after its silence,
     #: before anyone else took them. Metric: coda_pacer_reclaimed_groups_total.

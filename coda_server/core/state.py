@@ -82,7 +82,8 @@ class PacerState:
     expired: int = counter("coda_pacer_expired_groups",
                            "Running groups reclaimed because their in-flight lease ran out.")
     redelivered: int = counter("coda_pacer_redelivered_groups",
-                               "Leased groups returned to the buffer because no Ack came in time.")
+                               "Leased groups returned to the buffer unacknowledged (the lease ran out or was "
+                               "given back, or its trainer went silent or stopped naming it).")
     reclaimed: int = counter("coda_pacer_reclaimed_groups", "Of the redelivered groups, those given back under "
                              "their lease to a trainer heard again after its silence, before anyone else took them.")
     leased: int = gauge("coda_pacer_leased_groups", "Groups handed out under a Collect lease, not yet acknowledged.",
