@@ -653,8 +653,10 @@ class _IteratorBase:
         # Heartbeats end at close(), or later while a batch is in hand: ack() may still come after close().
         self._beats_end = threading.Event()
         # Set to send a heartbeat at once: a lease just taken is named to the server within milliseconds, so that a
-        # process killed right after it arrived has it back within the grace under a client id shared with another.
+        # process killed right after it arrived has it back within the grace under a client id shared with another
+        # (only a client id the caller chose can be: the iterator's own default is unique).
         self._beat_now = threading.Event()
+        self._id_may_be_shared = False
         self._handed_at = 0.0  # when the batch in hand was handed out (time.monotonic())
         self._heartbeat: threading.Thread | None = None
         # The leases taken and not yet acknowledged or given back, oldest first: each heartbeat and Collect names them,
@@ -688,6 +690,7 @@ class _IteratorBase:
         """Names the client (trainer-...) if it has no id, before its first call, then heartbeats on a thread of its
         own; with `twin`, through a blocking twin of the client (the async iterator's: a training step that blocks
         its event loop must not stop them)."""
+        self._id_may_be_shared = self._client.client_id is not None
         self._client.adopt_client_id(default_trainer_id(self.shape))
         self._release_when_silent = True
         client = self._client.blocking_twin() if twin else self._client
@@ -821,7 +824,8 @@ class _IteratorBase:
         if result.lease_id:
             with self._held_lock:
                 self._held_leases[result.lease_id] = sent
-            self._beat_now.set()  # named to the server at once (`_heartbeats`)
+            if self._id_may_be_shared:
+                self._beat_now.set()  # named to the server at once (`_heartbeats`)
         self._note_other_shapes(result)
 
     def _let_go(self, lease_ids: Sequence[str]) -> None:

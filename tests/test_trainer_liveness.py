@@ -468,10 +468,11 @@ def test_a_live_trainer_keeps_its_batch_through_several_graces_and_acknowledges_
 def test_each_lease_is_named_to_the_server_as_it_arrives_not_at_the_next_periodic_heartbeat(tmp_path) -> None:
     """A heartbeat goes at once as a lease arrives, naming it: under a client id shared with another process, a lease
     its process never named comes back only a grace after a later lease is named, so a process killed right after
-    its prefetched batch arrived would hold that batch a grace longer. With a grace of 1800 s the periodic heartbeats
-    are 600 s apart: only the prompt ones name the leases within the test's wait."""
+    its prefetched batch arrived would hold that batch a grace longer (only a client id the caller chose can be
+    shared: the iterator's own default is unique). With a grace of 1800 s the periodic heartbeats are 600 s apart:
+    only the prompt ones name the leases within the test's wait."""
     with _server(tmp_path, "server.worker_liveness_seconds=1800") as running, PacerClient(running.address) as pacer, \
-            PacerClient(running.address) as trainer_client:
+            PacerClient(running.address, client_id="trainer") as trainer_client:
         _fill(pacer, [f"n{i}" for i in range(4)])
         named: list[list[str]] = []
         run = trainer_client._run
