@@ -1077,7 +1077,7 @@ class BatchIterator(_IteratorBase):
             try:
                 batch = pending.result()
                 while not self._still_held(batch):
-                    batch = self._executor.submit(self._prefetch).result()
+                    batch = self._prefetch()  # here, not on the executor: close() may have shut that down
             finally:
                 self._asked_at = None
         except _Stopped:
