@@ -50,6 +50,17 @@ class CollectLease:
         self.named_at: Optional[float] = None
         self.unnamed_since: Optional[float] = None
 
+    @property
+    def granted_at(self) -> float:
+        """When it was granted, given back or claimed by its rank (its time runs from then)."""
+        return self.deadline - self.seconds
+
+
+def _keep_newest(kept: dict) -> None:
+    """Forget the oldest entries of an insertion-ordered record beyond LAPSED_LEASES_KEPT."""
+    while len(kept) > LAPSED_LEASES_KEPT:
+        del kept[next(iter(kept))]
+
 
 class Leases:
     """Deadlines only: which running groups and which Collect leases ran out. The Pacer decides what that means."""
@@ -191,19 +202,18 @@ class Leases:
         was not known to the process that named them (it is another's under the same client id, or one whose
         answer this process has not read yet: `unnamed` waits the grace on it)."""
         collect = self.collect
-        newest = None  # when the latest granted of those named was granted (its deadline less its seconds)
+        newest = None  # when the latest granted of those named was granted
         for lease_id in lease_ids:
             lease = collect.get(lease_id)
             if lease is not None and lease.holder == holder:
                 lease.named_at = now
                 lease.unnamed_since = None
-                granted = lease.deadline - lease.seconds
-                newest = granted if newest is None or granted > newest else newest
+                newest = lease.granted_at if newest is None else max(newest, lease.granted_at)
         if newest is None:
             return
         for lease in collect.values():
             if (lease.holder == holder and lease.named_at is None and lease.unnamed_since is None
-                    and lease.deadline - lease.seconds < newest):
+                    and lease.granted_at < newest):
                 lease.unnamed_since = now
 
     def unnamed(self, now: float, grace: float, besides: Iterable[str] = ()) -> dict[str, list[str]]:
@@ -227,8 +237,7 @@ class Leases:
     def note_silence(self, holder: str) -> None:
         """`holder` is taken as silent: a Collect it sent before now takes nothing (polls.py)."""
         self.silences[holder] = self.silences.pop(holder, 0) + 1
-        while len(self.silences) > LAPSED_LEASES_KEPT:
-            del self.silences[next(iter(self.silences))]
+        _keep_newest(self.silences)
 
     def keep_reclaimable(self, holder: str, lease_ids: Sequence[str]) -> None:
         """These leases of `holder` are about to lapse with its silence, or because none of its calls named them:
@@ -236,8 +245,7 @@ class Leases:
         for lease_id in lease_ids:
             lease = self.collect[lease_id]
             self.reclaimable[lease_id] = (holder, lease.seconds, tuple(priority for priority, _ in lease.entries))
-        while len(self.reclaimable) > LAPSED_LEASES_KEPT:
-            del self.reclaimable[next(iter(self.reclaimable))]
+        _keep_newest(self.reclaimable)
 
     def claimed(self, holder: str, lease_ids: Iterable[str]) -> list[tuple[str, float, tuple]]:
         """Of these lease ids `holder` says it holds, its reclaimable ones, oldest first, as (lease id, seconds,
@@ -263,10 +271,8 @@ class Leases:
 
     def lapse(self, lease_id: str, why: str = LAPSED_UNKNOWN) -> CollectLease:
         lease = self.collect.pop(lease_id)
-        lapsed = self.lapsed
-        lapsed[lease_id] = why
-        if len(lapsed) > LAPSED_LEASES_KEPT:
-            del lapsed[next(iter(lapsed))]
+        self.lapsed[lease_id] = why
+        _keep_newest(self.lapsed)
         return lease
 
     def lapse_all(self) -> list[CollectLease]:
