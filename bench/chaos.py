@@ -304,7 +304,8 @@ class Job:
     def start_trainer(self) -> None:
         self.trainer = subprocess.Popen(
             [sys.executable, __file__, "--trainer", f"127.0.0.1:{self.trainer_proxy.port}", str(self.prompts),
-             str(self.trainer_record), *([self.trainer_id] if self.trainer_id else [])], cwd=REPO_ROOT, env=self.env, stdout=self.logs, stderr=subprocess.STDOUT)
+             str(self.trainer_record), *([self.trainer_id] if self.trainer_id else [])],
+            cwd=REPO_ROOT, env=self.env, stdout=self.logs, stderr=subprocess.STDOUT)
 
     def start(self) -> None:
         self.start_server()

@@ -25,6 +25,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -76,25 +77,17 @@ def main() -> int:
                 if args.client_id:
                     return restarted_at_once(address, args.client_id, state.mini_batch_size, per_batch, first, killed,
                                              args.cap)
-                back = None
-                while time.monotonic() - killed < args.cap:
-                    if client.state().leased == 0:
-                        back = time.monotonic() - killed
-                        break
-                    time.sleep(0.1)
-                try:  # the heartbeat alone answers the grace; a server older than it refuses an empty KeepAlive
-                    liveness = f"{client.keep_alive([]).liveness_seconds:g} s"
-                except Exception:  # noqa: BLE001
-                    liveness = "none (older server)"
+                back = seconds_until(lambda: client.state().leased == 0, killed, args.cap)
+                server_line = described(client)
                 if back is not None:
                     with client.batches(state.mini_batch_size, num_batches=1) as restarted:
                         again = [g.prompt_id for g in next(restarted).groups]
                     order = "its first batch" if again == first else f"another batch first ({again[0]}...)"
-            shown = f"{back:.1f} s" if back is not None else f"more than {args.cap:.0f} s (gave up)"
-            print(f"a dead trainer (kill -9, 2 leased batches of {per_batch} groups) kept them for {shown}")
+            print(f"a dead trainer (kill -9, 2 leased batches of {per_batch} groups) kept them for "
+                  f"{shown(back, args.cap)}")
             if back is not None:
                 print(f"the trainer restarted after that trained {order}")
-            print(f"server: built-in defaults (liveness grace {liveness}); code at {REPO_ROOT}")
+            print(server_line)
         finally:
             if trainer is not None:
                 trainer.kill()
@@ -110,25 +103,40 @@ def restarted_at_once(address: str, client_id: str, mini_batch_size: int, per_ba
     with PacerClient(address, client_id=client_id, timeout=30) as client:
         restarted = client.batches(mini_batch_size)
         try:
-            back = None
-            while time.monotonic() - killed < cap:
-                if client.state().redelivered >= 2 * per_batch:
-                    back = time.monotonic() - killed
-                    break
-                time.sleep(0.1)
-            shown = f"{back:.1f} s" if back is not None else f"more than {cap:.0f} s (gave up)"
-            print(f"a dead trainer (kill -9, 2 leased batches of {per_batch} groups, client id {client_id!r}, restarted "
-                  f"at once under it) kept them for {shown}")
+            back = seconds_until(lambda: client.state().redelivered >= 2 * per_batch, killed, cap)
+            print(f"a dead trainer (kill -9, 2 leased batches of {per_batch} groups, client id {client_id!r}, "
+                  f"restarted at once under it) kept them for {shown(back, cap)}")
             if back is not None:
                 order = [[g.prompt_id for g in next(restarted).groups] for _ in range(3)]
                 print("the restart trained the third batch it held, then "
                       + ("the dead one's first batch and its second" if order[1] == first else
                          f"another batch ({order[1][0]}...) where the dead one's first was due"))
-            print(f"server: built-in defaults (liveness grace {client.keep_alive([]).liveness_seconds:g} s); code at "
-                  f"{REPO_ROOT}")
+            print(described(client))
         finally:
             restarted.close()
     return 0
+
+
+def seconds_until(condition: Callable[[], bool], since: float, cap: float) -> Optional[float]:
+    """Seconds from `since` until `condition()` held (read every 0.1 s), or None when `cap` seconds passed first."""
+    while time.monotonic() - since < cap:
+        if condition():
+            return time.monotonic() - since
+        time.sleep(0.1)
+    return None
+
+
+def shown(back: Optional[float], cap: float) -> str:
+    return f"{back:.1f} s" if back is not None else f"more than {cap:.0f} s (gave up)"
+
+
+def described(client: PacerClient) -> str:
+    """The report's last line: the server's liveness grace and the code measured."""
+    try:  # the heartbeat alone answers the grace; a server older than it refuses an empty KeepAlive
+        liveness = f"{client.keep_alive([]).liveness_seconds:g} s"
+    except Exception:  # noqa: BLE001
+        liveness = "none (older server)"
+    return f"server: built-in defaults (liveness grace {liveness}); code at {REPO_ROOT}"
 
 
 if __name__ == "__main__":
