@@ -22,7 +22,8 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coda-client", description="Talk to a running coda-server.")
+    # No abbreviations of the options before the command: `--server HOST:PORT` would be taken for --server-name.
+    parser = argparse.ArgumentParser(prog="coda-client", description="Talk to a running coda-server.", allow_abbrev=False)
     parser.add_argument("--address", "--target", default=os.environ.get("CODA_ADDRESS", DEFAULT_ADDRESS),
                         help=f"server host:port, PacerClient's target (default: $CODA_ADDRESS, else {DEFAULT_ADDRESS})")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
@@ -104,8 +105,26 @@ def tls_config(args: argparse.Namespace) -> Optional[TlsConfig]:
                      server_name=args.server_name)
 
 
+def refuse_unknown_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Stop at an option before the command that is not one (argparse would take its value for the command and
+    say only that the command is not known), saying which options there are; --server, --host, --port: --address."""
+    known = {o for action in parser._actions for o in action.option_strings}
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for argument in argv:
+        if argument in commands:
+            return
+        name = argument.partition("=")[0]
+        if name.startswith("--") and name not in known:
+            where = (" the server's address is --address HOST:PORT (or $CODA_ADDRESS);"
+                     if name in ("--server", "--host", "--port", "--addr") else "")
+            parser.error(f"unrecognized option {name!r};{where} the options before the command are "
+                         f"{', '.join(sorted(o for o in known if o.startswith('--')))} (spelled out in full)")
+
+
 def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    refuse_unknown_options(parser, sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     try:
         tls = tls_config(args)
         if tls is not None:

@@ -26,6 +26,9 @@ CONFIG_ENV = "CODA_CONFIG"
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        # No abbreviations: `--port 50052` would otherwise be taken for `--port-file 50052` (a file named 50052 written,
+        # the server on its default port), and `--conf` for whichever option begins so.
+        allow_abbrev=False,
         prog="coda-server",
         description="Serve the coda rollout pacer over gRPC. Starts on the built-in conf/default.yaml.",
         epilog="Examples: coda-server --config run.yaml server.address=0.0.0.0:50051 fully_async.stale_steps=2.0; "
@@ -45,7 +48,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                              "plus \"uds\" and \"health_port\" when those listeners are set; address and port "
                              "are null without a TCP listener")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied last")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(unknown_option_message(parser, unknown, argv if argv is not None else sys.argv[1:]))
     hydra = args.config_path is not None or args.config_name is not None
     if hydra and args.config is not None:
         parser.error("--config FILE and --config-path/--config-name are two ways to name the run config; give one")
@@ -55,6 +60,28 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if not hydra and args.config is None:
         args.config = os.environ.get(CONFIG_ENV) or None
     return args
+
+
+# Options users reach for to choose where the server listens; the address is a setting (server.address).
+_LISTEN_OPTIONS = ("--port", "--host", "--address", "--addr", "--bind", "--listen")
+
+
+def unknown_option_message(parser: argparse.ArgumentParser, unknown: Sequence[str], argv: Sequence[str]) -> str:
+    """What an unrecognized argument was and what to give instead: the server's address is the override
+    server.address=HOST:PORT, and an option is spelled out in full."""
+    first = unknown[0]
+    name, _, value = first.partition("=")
+    if name in _LISTEN_OPTIONS:
+        if not value and first in argv and argv.index(first) + 1 < len(argv):
+            value = argv[argv.index(first) + 1]
+        port = value.rpartition(":")[2] if value.rpartition(":")[2].isdigit() else "50051"
+        host = value.rpartition(":")[0] if ":" in value else ("127.0.0.1" if name == "--port" or not value else value)
+        return (f"{first!r}: coda-server has no such option; where it listens is the setting server.address, "
+                f"e.g. server.address={host}:{port} (port 0: a free one, which --port-file writes down)")
+    options = sorted(o for action in parser._actions for o in action.option_strings if o.startswith("--"))
+    near = [o for o in options if o.startswith(name)]
+    hint = f"; did you mean {' or '.join(near)}? (options are spelled out in full)" if near else ""
+    return f"unrecognized argument {first!r}{hint}; the options are {', '.join(options)}, then key=value overrides"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

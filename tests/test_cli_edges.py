@@ -236,3 +236,33 @@ def test_a_client_that_could_never_make_a_call_is_refused_when_made(arguments, m
     for client_class in (PacerClient, AsyncPacerClient):
         with pytest.raises(ValueError, match=re.escape(message)):
             client_class("127.0.0.1:50051", **arguments)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--port", "50052"], "server.address=127.0.0.1:50052"),
+    (["--port=6000"], "server.address=127.0.0.1:6000"),
+    (["--host", "0.0.0.0"], "server.address=0.0.0.0:50051"),
+    (["--conf", "run.yaml"], "did you mean --config or --config-name or --config-path?"),
+])
+def test_coda_server_refuses_an_option_it_has_not_instead_of_taking_it_for_another(argv, says, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """`coda-server --port 50052` was taken for `--port-file 50052`: the server started on its default port and wrote a
+    file named 50052 where it was run, saying nothing of the port asked for."""
+    from coda_server import cli as server_cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        server_cli.parse_args(argv)
+    assert stopped.value.code == 2
+    assert says in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_coda_client_says_the_address_option_when_given_server_or_port(capsys):
+    """`coda-client --server HOST:PORT state` was taken for --server-name (a TLS name check) and dialled the default
+    address; `--port N state` said only that N is no command."""
+    for argv in (["--server", "127.0.0.1:1", "state"], ["--port", "1", "state"]):
+        with pytest.raises(SystemExit) as stopped:
+            client_cli.main(argv)
+        assert stopped.value.code == 2
+        assert "the server's address is --address HOST:PORT" in capsys.readouterr().err
