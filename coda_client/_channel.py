@@ -250,16 +250,33 @@ def _host_and_port(name: str) -> tuple[str, str | None]:
     return host, port
 
 
-def check_target(target: str) -> str:
+# URL schemes users paste (a gRPC target is no URL): gRPC reports them only at the first call, as a name it cannot
+# resolve, which reads as a server that is down.
+_URL_SCHEMES = ("http://", "https://", "grpc://", "grpcs://")
+
+
+def check_target(target: str, plaintext: bool = False) -> str:
     """`target` if gRPC can dial it as given, else ValueError saying why: a plain `host:port` needs a port in
-    1..65535 (gRPC would dial 99999 as 34463, and port 0 or one that is no number only fails at the first call)."""
+    1..65535 (gRPC would dial 99999 as 34463, and port 0 or one that is no number only fails at the first call);
+    a URL or a name with spaces fails every call as unreachable; and without TLS (`plaintext`) a name without a
+    port dials 443, gRPC's default for TLS, where no plaintext pacer listens."""
+    example = "e.g. 127.0.0.1:50051"
     if not isinstance(target, str) or not target.strip():
-        raise ValueError(f"target {target!r} is not an address: give host:port, e.g. 127.0.0.1:50051")
+        raise ValueError(f"target {target!r} is not an address: give host:port, {example}")
+    if target != target.strip() or any(c.isspace() for c in target):
+        raise ValueError(f"target {target!r} holds white space; give host:port alone, {example}")
+    if target.lower().startswith(_URL_SCHEMES):
+        bare = target.split("://", 1)[1].rstrip("/")
+        raise ValueError(f"target {target!r} is a URL; a gRPC target is host:port without a scheme, here {bare!r} "
+                         f"(TLS is the client's tls= setting, not https://)")
     if "://" in target or target.startswith(_TARGET_SCHEMES):
         return target
     host, port = _host_and_port(target)
     if port is not None and (not host or not port.isdigit() or not 0 < int(port) <= 65535):
-        raise ValueError(f"target {target!r} is not host:port with a port in 1..65535, e.g. 127.0.0.1:50051")
+        raise ValueError(f"target {target!r} is not host:port with a port in 1..65535, {example}")
+    if port is None and plaintext:
+        raise ValueError(f"target {target!r} has no port: without TLS gRPC would dial port 443, its default for TLS; "
+                         f"give host:port, e.g. {target}:50051")
     return target
 
 

@@ -216,8 +216,8 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
     """
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # only the probe needs the health stubs
 
-    check_target(address)  # a port gRPC would dial modulo 65536 would probe another server
     credentials, tls_options = resolve_tls(tls)
+    check_target(address, plaintext=credentials is None)  # a port gRPC would dial modulo 65536 probes another server
     options = [*proxy_options(address).items(), *tls_options]  # a sidecar's probe must not go through a proxy
     channel = (grpc.secure_channel(address, credentials, options) if credentials
                else grpc.insecure_channel(address, options))

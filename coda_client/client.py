@@ -217,7 +217,7 @@ class _ClientBase:
         client_id: str | None = None,
         wait_for_ready: bool = False,
     ) -> None:
-        self.target = check_target(target)
+        check_target(target)  # before anything else: a bad address is the first thing to hear of
         # As given (client_id apart, which may be adopted later): a blocking twin is made with them.
         self._settings = dict(token=token, tls=tls, timeout=timeout, options=options, max_message_bytes=max_message_bytes,
                               arrays=arrays, wait_for_ready=wait_for_ready)
@@ -228,6 +228,7 @@ class _ClientBase:
         self._metadata = call_metadata(token, client_id)
         # Resolved now so a bad certificate path fails at construction, not at the first call.
         self._credentials, tls_options = resolve_tls(tls)
+        self.target = check_target(target, plaintext=self._credentials is None)
         user_options = dict(options.items() if isinstance(options, Mapping) else options or ())
         self._options = channel_options(
             max_message_bytes=self.max_message_bytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
 import logging
 import re
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 import coda_client
 from coda_client import _calls, _channel
+from coda_client import cli as client_cli
 from coda_client import client as client_module
 from coda_client._proto import pacer_pb2
 from coda_client._status import FieldViolation, decode_status
@@ -770,12 +772,31 @@ def test_a_target_grpc_would_dial_elsewhere_or_never_is_refused_at_construction(
             client_class(target)
 
 
-@pytest.mark.parametrize("target", ["127.0.0.1:50051", "localhost", "[::1]:50051", "dns:///pacer.svc:50051",
-                                    "unix:/tmp/pacer.sock", "ipv4:127.0.0.1:50051"])
-def test_targets_in_grpcs_own_forms_are_taken_as_they_are(target: str) -> None:
-    client = coda_client.PacerClient(target)
+@pytest.mark.parametrize("target, tls", [("127.0.0.1:50051", None), ("pacer.example.com", True), ("[::1]:50051", None),
+                                         ("dns:///pacer.svc:50051", None), ("unix:/tmp/pacer.sock", None),
+                                         ("ipv4:127.0.0.1:50051", None)])
+def test_targets_in_grpcs_own_forms_are_taken_as_they_are(target: str, tls) -> None:
+    """A name without a port is gRPC's port 443: taken over TLS (a load balancer's name), refused in plaintext (below)."""
+    client = coda_client.PacerClient(target, tls=tls)
     assert client.target == target
     client.close()
+
+
+@pytest.mark.parametrize("target, says", [
+    ("http://127.0.0.1:50051", "is a URL; a gRPC target is host:port without a scheme, here '127.0.0.1:50051'"),
+    ("grpc://pacer:50051/", "is a URL; a gRPC target is host:port without a scheme, here 'pacer:50051'"),
+    ("localhost", "has no port: without TLS gRPC would dial port 443, its default for TLS; give host:port, "
+                  "e.g. localhost:50051"),
+    (" 127.0.0.1:50051", "holds white space"),
+])
+def test_an_address_no_call_could_reach_is_refused_when_the_client_is_made(target: str, says: str) -> None:
+    """A URL or a name with a leading space failed only at the first call, as UNAVAILABLE "cannot reach the pacer"
+    (a resolver error), as if the server were down; a plaintext name without a port dialled 443."""
+    for client_class in (coda_client.PacerClient, coda_client.AsyncPacerClient):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            client_class(target)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        client_cli.probe_health(target, "readiness", 1.0, io.StringIO())
 
 
 @pytest.mark.parametrize("field, value, error, takes", [
