@@ -511,7 +511,7 @@ class PacerClient(_ClientBase):
 
         The next Collect runs in the background while the caller trains on the current batch; asking for the
         next batch (or `ack()`) acknowledges the current one. A thread heartbeats while the caller trains, so a
-        trainer that dies gets its groups delivered again, in order, within server.worker_liveness_seconds (the
+        trainer that dies gets its groups delivered again, in order, within server.trainer_liveness_seconds (the
         client takes a client id `trainer-...` if it has none); otherwise after `lease` seconds (which must cover a
         training step plus the prefetch). Stops
         after `num_batches` batches without prefetching beyond them (a step boundary; "step": one training

@@ -58,6 +58,36 @@ def test_a_silent_holders_leases_go_back_first_in_line_and_a_heard_ones_stay():
     assert pacer.ack(plain.lease_id) == 1
 
 
+@pytest.mark.parametrize("trainer_grace, lapses_after", [("120", 120), ("null", 20), ("0", None), ("5", 5)])
+def test_a_trainers_grace_of_its_own_lets_a_step_be_silent_longer_than_a_worker_may(trainer_grace, lapses_after):
+    """server.trainer_liveness_seconds: a step holding the GIL (and with it the heartbeats) for longer than the workers'
+    grace kept its leases only by giving every worker that long grace too. A worker silent for its 20 s loses its
+    running groups while the trainer's leases stay until the trainer's own grace (null: the workers', 0: never)."""
+    pacer, clock = _filled(f"server.trainer_liveness_seconds={trainer_grace}", prompts="ab")
+    pacer.dispatch([PromptRef("w0")], client_id="worker-1")
+    pacer.watch_opened("worker-1")
+    held = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer-1")
+    assert pacer.keep_alive([]).liveness_seconds == min(20, lapses_after or 20)  # the kits beat within the shorter
+    clock.now += 4
+    assert pacer.release_silent_workers() == {}
+    clock.now += 17
+    lost = pacer.release_silent_workers()
+    assert lost["worker-1"].prompt_ids == ["w0"] and not lost["worker-1"].lease_ids
+    assert ("trainer-1" in lost) == (lapses_after in (5, 20))
+    for _ in range(3):  # silent for longer still: the worker's groups are not released twice
+        clock.now += 50
+        lost.update({holder: what for holder, what in pacer.release_silent_workers().items() if what.lease_ids})
+        assert pacer.state().invariant_holds()
+    assert ("trainer-1" in lost) == (lapses_after is not None)
+    if lapses_after is None:
+        assert pacer.ack(held.lease_id) == 2
+        return
+    assert lost["trainer-1"].lease_ids == [held.lease_id]
+    with pytest.raises(LeaseExpiredError, match=f"its holder trainer-1 was silent for {lapses_after} s .*"
+                                                f"server.trainer_liveness_seconds"):
+        pacer.ack(held.lease_id)
+
+
 def test_a_holder_without_a_lease_is_refused_and_changes_nothing():
     pacer, _ = _filled()
     before = pacer.state()
@@ -784,3 +814,26 @@ def test_a_trainer_stopped_past_the_grace_while_the_server_restarts_trains_each_
         assert "given back to it" in running.log()
     finally:
         running.close()
+
+
+def test_a_trainer_grace_of_its_own_keeps_a_stopped_trainers_batches_while_a_silent_workers_groups_go(tmp_path):
+    """server.trainer_liveness_seconds=60 beside the workers' 3 s: a trainer stopped (as a step holding the GIL stops
+    its heartbeats) from before a worker fell silent keeps both its batches while the worker's running group is
+    released; it goes on and acknowledges them, nothing delivered twice. One grace for both (null) took the trainer's
+    batches back first."""
+    from test_liveness import watched_worker_dispatching
+
+    with _server(tmp_path, "server.trainer_liveness_seconds=60") as running, PacerClient(running.address) as pacer:
+        _fill(pacer, ["s0", "s1", "s2", "s3"])
+
+        def while_stopped() -> None:
+            watched_worker_dispatching(running.address, "worker-1", "w0")()  # dispatches, then falls silent
+            until(lambda: pacer.state().expired == 1, "the silent worker's group to be released", timeout=60)
+            assert pacer.state().leased == 4  # the trainer, silent for longer than the worker, holds both batches
+            assert pacer.keep_alive([]).liveness_seconds == GRACE  # the kits beat within the shorter grace
+
+        trained = _stopped_past_the_grace(STOPPED_TRAINER, while_stopped, address=running.address, size=2 * N,
+                                          lease=LEASE, batches=2, poll=1, leased=4)
+        assert trained == ["s0", "s1", "s2", "s3"]
+        state = pacer.state()
+        assert (state.consumed, state.leased, state.redelivered) == (4, 0, 0)

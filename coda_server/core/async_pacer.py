@@ -122,7 +122,7 @@ class AsyncPacer:
                                 ", ".join(lost.prompt_ids[:5]), ", ..." if len(lost.prompt_ids) > 5 else "")
                 if lost.lease_ids or lost.unnamed_lease_ids:  # one or the other: an unnamed lease's holder is heard
                     log.warning("trainer %s %s: its lease(s) %s released, %d group(s) back in the buffer first in "
-                                "line", client, lost.why_leases_went(self.pacer.liveness_seconds),
+                                "line", client, lost.why_leases_went(self.pacer.trainer_liveness_seconds),
                                 ", ".join(lost.lease_ids or lost.unnamed_lease_ids), lost.leased_groups)
             if leases:
                 log.warning("Collect lease(s) %s ran out without Ack: their groups are back in the buffer",

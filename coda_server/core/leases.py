@@ -22,14 +22,14 @@ LAPSED_UNKNOWN = f"ran out or was given back before this Ack; {_BACK}"
 def holder_silent(holder: str, grace: float) -> str:
     """Why a lease ended whose holder went silent."""
     return (f"ended before this Ack: its holder {holder} was silent for {grace:g} s (no heartbeat or call; "
-            f"server.worker_liveness_seconds); {_BACK}")
+            f"server.trainer_liveness_seconds); {_BACK}")
 
 
 def lease_unnamed(holder: str, grace: float) -> str:
     """Why a lease ended that no call of its holder's named, though calls under its client id went on."""
     return (f"ended before this Ack: no call under its client id {holder} named it for {grace:g} s, though calls "
             f"under that id went on (the process holding it stopped, died or was cut off while another process "
-            f"under the same client id went on; server.worker_liveness_seconds); {_BACK}")
+            f"under the same client id went on; server.trainer_liveness_seconds); {_BACK}")
 
 
 class CollectLease:

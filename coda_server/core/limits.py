@@ -26,6 +26,7 @@ SERVER_KEYS = {
     "answers_kept": "request_id_cache_size",
     "inflight_lease_seconds": "inflight_lease_seconds",
     "worker_liveness_seconds": "worker_liveness_seconds",
+    "trainer_liveness_seconds": "trainer_liveness_seconds",
     "max_buffered_groups": "max_buffered_groups",
     "max_held_bytes": "max_held_bytes",
     "remembered_answer_bytes": "remembered_answer_bytes",
@@ -35,7 +36,8 @@ SERVER_KEYS = {
 }
 
 
-_SECONDS = ("inflight_lease_seconds", "worker_liveness_seconds", "abort_wait_seconds", "collect_stall_warning_seconds")
+_SECONDS = ("inflight_lease_seconds", "worker_liveness_seconds", "trainer_liveness_seconds", "abort_wait_seconds",
+            "collect_stall_warning_seconds")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Limits:
     data_answers_kept: int  # the same for Collect and Reset, whose answers carry trajectories
     inflight_lease_seconds: float  # 0: running groups never expire
     worker_liveness_seconds: float  # a watched worker silent this long loses its running groups; 0: off
+    trainer_liveness_seconds: float  # a trainer silent this long loses its leases that end with silence; 0: off
     max_buffered_groups: int  # 0: unbounded
     max_held_bytes: int  # 0: unbounded
     remembered_answer_bytes: int  # trajectory bytes of remembered Collect and Reset answers; 0: only the count bounds
@@ -68,6 +71,8 @@ class Limits:
         server = config.get("server") or {}
         defaults = shipped_server_defaults()
         values = {name: server.get(key, defaults[key]) for name, key in SERVER_KEYS.items()}
+        if values["trainer_liveness_seconds"] is None:  # null: the workers' grace, one setting for both as before
+            values["trainer_liveness_seconds"] = values["worker_liveness_seconds"]
         numbers: dict[str, Any] = {name: float(value) if name in _SECONDS else int(value)
                                    for name, value in values.items()}
         return cls(max_opaque_id_length=max(numbers["max_id_length"], OPAQUE_ID_MIN_LIMIT),

@@ -4,29 +4,39 @@ A worker that opens WatchControl with a client id is watched, and so is a traine
 that asked to end with its silence (release_when_silent): from then on every call it makes (a KeepAlive
 heartbeat, a Dispatch, a Submit, a Collect, an Ack, another stream) says it is alive. Silent for `grace` seconds
 (killed, stopped, cut off by the network: an open stream alone proves nothing, a stopped process keeps its
-socket), it is taken as gone and the Pacer releases its incomplete running groups the way an expired in-flight
-lease does, and its Collect leases the way a Release does (a trainer heard again naming those leases gets back the
-ones whose groups still all wait: Workers.heard_from). Callers that never opened a stream (raw clients) are
-not watched: their leases are their bound.
+socket), it is taken as gone as a worker and the Pacer releases its incomplete running groups the way an expired
+in-flight lease does; silent for `trainer_grace` seconds (server.trainer_liveness_seconds, the same by default),
+as a trainer: its Collect leases go back the way a Release gives them (a trainer heard again naming those leases
+gets back the ones whose groups still all wait: Workers.heard_from). Two graces, because a trainer's step may hold
+the GIL, and so its heartbeats, far longer than a worker is ever quiet (serializing its weights in memory for the
+engines). Callers that never opened a stream (raw clients) are not watched: their leases are their bound.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 
 class Liveness:
-    """When each watched client was last heard from; `silent(now)` takes those quiet for `grace` seconds."""
+    """When each watched client was last heard from; `silent(now)` takes those quiet for a grace."""
 
-    def __init__(self, grace_seconds: float):
-        self.grace = grace_seconds  # 0: off (only leases bound running groups)
+    def __init__(self, grace_seconds: float, trainer_grace_seconds: Optional[float] = None):
+        self.grace = grace_seconds  # a worker's; 0: off (only leases bound running groups)
+        # a trainer's, for the leases that end with its silence; 0: off (the lease's own length bounds them)
+        self.trainer_grace = grace_seconds if trainer_grace_seconds is None else trainer_grace_seconds
+        self._on = bool(self.grace or self.trainer_grace)
         self._last_heard: dict[str, float] = {}
         self._streams: dict[str, int] = {}  # open control streams per client id
         # client id -> (the weight version its engine reports loaded, when it said so) for ListWorkers; not
         # journaled: every worker says it again on its next Dispatch or KeepAlive
         self._loaded: dict[str, tuple[int, float]] = {}
 
+    @property
+    def shortest_grace(self) -> float:
+        """The shortest silence the server acts on (0: none), which a KeepAlive's answer tells callers to beat within."""
+        return min((g for g in (self.grace, self.trainer_grace) if g), default=0.0)
+
     def stream_opened(self, client_id: str, now: float) -> None:
-        if not client_id or not self.grace:
+        if not client_id or not self._on:
             return
         self._streams[client_id] = self._streams.get(client_id, 0) + 1
         self._last_heard[client_id] = now
@@ -47,16 +57,24 @@ class Liveness:
     def watched(self, client_id: str) -> bool:
         return bool(client_id) and client_id in self._last_heard
 
-    def silent(self, now: float) -> list[str]:
-        """The watched clients not heard from for `grace` seconds; they are no longer watched."""
-        if not self.grace or not self._last_heard:
-            return []
-        cutoff = now - self.grace
-        gone = [client_id for client_id, heard in list(self._last_heard.items()) if heard <= cutoff]
-        for client_id in gone:
-            del self._last_heard[client_id]
-            self._loaded.pop(client_id, None)  # a gone worker's engine runs no version
-        return gone
+    def silent(self, now: float) -> tuple[set[str], set[str]]:
+        """The watched clients not heard from for `grace` seconds (gone as workers) and for `trainer_grace` seconds
+        (gone as trainers); one silent for both is no longer watched. Asking again before then names it again."""
+        if not self._on or not self._last_heard:
+            return set(), set()
+        workers_cutoff = now - self.grace if self.grace else float("-inf")
+        trainers_cutoff = now - self.trainer_grace if self.trainer_grace else float("-inf")
+        forget_cutoff = now - max(self.grace, self.trainer_grace)
+        workers, trainers = set(), set()
+        for client_id, heard in list(self._last_heard.items()):
+            if heard <= workers_cutoff:
+                workers.add(client_id)
+                self._loaded.pop(client_id, None)  # a gone worker's engine runs no version
+            if heard <= trainers_cutoff:
+                trainers.add(client_id)
+            if heard <= forget_cutoff:
+                del self._last_heard[client_id]
+        return workers, trainers
 
     def note_loaded(self, client_id: str, weight_version: int, now: float) -> None:
         self._loaded[client_id] = (weight_version, now)
@@ -74,7 +92,7 @@ class Liveness:
     def watch(self, client_ids: Iterable[str], now: float) -> None:
         """These clients hold something their silence should give back (a trainer's lease; in a replay, what a watched
         worker dispatched): watched from `now` on."""
-        if self.grace:
+        if self._on:
             for client_id in client_ids:
                 if client_id:
                     self._last_heard[client_id] = now

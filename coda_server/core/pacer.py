@@ -111,7 +111,7 @@ class Pacer(PacerViews):
         self.waits = ThreadWaits(self.lock, self._clock, lambda: self.lifecycle.closed)
         self.answers = AnswerBook(limits, self.lock, self.checks.check_request_id)
         self.leases = Leases(limits.inflight_lease_seconds)
-        self.liveness = Liveness(limits.worker_liveness_seconds)
+        self.liveness = Liveness(limits.worker_liveness_seconds, limits.trainer_liveness_seconds)
         self.inflight = InflightTable(limits.remembered_generations)
         self.buffer = buffer = PipelineBuffer()
         attach = getattr(hooks, "attach", None)  # a strategy not derived from SlidingWindowStrategy may lack it

@@ -192,6 +192,9 @@ SCHEMA: tuple[Key, ...] = (
              allowed="must be a finite number >= 0 (0: no lease)"),
     _seconds("server.worker_liveness_seconds", 20.0, "Seconds a watched worker may stay silent before its groups are released",
              allowed="must be a finite number >= 0 (0: off)"),
+    Key("server.trainer_liveness_seconds", "number", None, "Seconds a trainer may stay silent before its leases that "
+        "end with its silence go back to the buffer (null: server.worker_liveness_seconds)", low=0, nullable=True,
+        allowed="must be a finite number >= 0 (0: off), or null for server.worker_liveness_seconds"),
     _count("server.max_buffered_groups", 0, "Cap on complete groups in the buffer (0: none)", low=0,
            allowed="must be an integer >= 0 (0: no cap)"),
     _count("server.max_held_bytes", 0, "Cap on bytes of trajectories held (0: none)", low=0,

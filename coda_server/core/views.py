@@ -24,3 +24,5 @@ class PacerViews:
     last_ticket = property(lambda self: self.recorder.last_ticket,
                            doc="The journal ticket of the latest recorded change (what a caller waits on to be durable).")
     liveness_seconds = property(lambda self: self.liveness.grace, doc="server.worker_liveness_seconds.")
+    trainer_liveness_seconds = property(lambda self: self.liveness.trainer_grace,
+                                        doc="server.trainer_liveness_seconds (the workers' when null).")

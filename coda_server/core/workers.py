@@ -143,26 +143,27 @@ class Workers:
             known = {g.prompt_id for g in running}
             live = self._leases.collect
             return KeepAliveResult(len(running), [p for p in prompt_ids if p not in known],
-                                   self._leases.inflight_seconds, self._liveness.grace,
+                                   self._leases.inflight_seconds, self._liveness.shortest_grace,
                                    [lease_id for lease_id in lease_ids if lease_id not in live])
 
     def release_silent_workers(self) -> dict[str, SilentRelease]:
-        """Release what watched clients silent for the liveness grace hold: a worker's incomplete running groups, as
-        an expired in-flight lease releases them, and a trainer's Collect leases bound to its liveness, as a Release
+        """Release what watched clients silent for their grace hold: a worker's incomplete running groups, as an
+        expired in-flight lease releases them, and a trainer's Collect leases bound to its liveness, as a Release
         gives them back (first in line again); and the leases of a trainer heard but whose calls, which name the
         leases they hold, named them for no grace (Leases.unnamed). Returns what each client lost. Called
         periodically by the server."""
         with self._lock:
             now = self._clock.now()
-            gone = set(self._liveness.silent(now))
-            unnamed = self._leases.unnamed(now, self._liveness.grace, gone)
-            if not (gone or unnamed) or self._lifecycle.closed:
+            gone, gone_trainers = self._liveness.silent(now)
+            trainer_grace = self._liveness.trainer_grace
+            unnamed = self._leases.unnamed(now, trainer_grace, gone_trainers)
+            if not (gone or gone_trainers or unnamed) or self._lifecycle.closed:
                 return {}
             groups = [g for g in self._inflight.in_dispatch_order() if g.client_id in gone and not g.complete]
             released: dict[str, SilentRelease] = {}
             for group in groups:
                 released.setdefault(group.client_id, SilentRelease()).prompt_ids.append(group.prompt_id)
-            leases = {holder: held for holder, held in self._leases.held().items() if holder in gone}
+            leases = {holder: held for holder, held in self._leases.held().items() if holder in gone_trainers}
             for holder, (lease_ids, leased_groups) in leases.items():
                 lost = released.setdefault(holder, SilentRelease())
                 lost.lease_ids, lost.leased_groups = lease_ids, leased_groups
@@ -179,9 +180,9 @@ class Workers:
                 # whose silence ended it, after a restart too, and its holder can claim it back then as well.
                 for holder, (lease_ids, _) in leases.items():
                     self._leases.note_silence(holder)
-                    self.lapse_silent(now, holder, lease_ids, holder_silent(holder, self._liveness.grace))
+                    self.lapse_silent(now, holder, lease_ids, holder_silent(holder, trainer_grace))
                 for holder, lease_ids in unnamed.items():
-                    self.lapse_silent(now, holder, lease_ids, lease_unnamed(holder, self._liveness.grace))
+                    self.lapse_silent(now, holder, lease_ids, lease_unnamed(holder, trainer_grace))
             return released
 
     def lapse_silent(self, now: float, holder: str, lease_ids: list[str], why: str) -> None:
