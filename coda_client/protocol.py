@@ -2,6 +2,7 @@
 and the LoongSage prompt-id form that orders the buffer and places a prompt in the prompt cursor."""
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -26,6 +27,15 @@ CLIENT_ID_RULE = (f"1 to {MAX_CLIENT_ID_LENGTH} characters, each a letter, a dig
 # tests/test_rpc_table.py fails while the table and the proto's service disagree.
 
 SERVICE = "coda.pacer.v1.RolloutPacer"
+
+
+def package_version() -> str:
+    """The installed coda-pacer's version, for --version and the server's start-up log ("unknown" when the code
+    runs from a source tree that was never installed)."""
+    try:
+        return importlib.metadata.version("coda-pacer")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 @dataclass(frozen=True)

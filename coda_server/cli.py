@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+import grpc
+
+from coda_client.protocol import SERVICE, package_version
+
 from . import allocator, event_loop
 from .core.config import config_summary, load_config
 from .core.errors import ConfigError, RecoveryError
@@ -47,6 +51,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="once serving, write {\"address\", \"port\", \"metrics_port\"} as JSON here (for scripts and tests), "
                              "plus \"uds\" and \"health_port\" when those listeners are set; address and port "
                              "are null without a TCP listener")
+    parser.add_argument("--version", action="version", version=f"coda-server {package_version()} ({SERVICE})")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied last")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -110,6 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 async def serve(config, *, port_file: Optional[Path] = None) -> int:
     server = PacerServer(config)
     await server.start()
+    log.info("coda-pacer %s (Python %s, grpcio %s)", package_version(), sys.version.split()[0], grpc.__version__,
+             extra=fields(event="version", version=package_version()))
     if not config.fully_async.enable:  # after start: a start-up that fails says so in one line
         log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
     log.info("%s", allocator.describe(int(config.server.allocator_retain_bytes), server.allocator_retains))

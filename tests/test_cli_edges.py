@@ -266,3 +266,20 @@ def test_coda_client_says_the_address_option_when_given_server_or_port(capsys):
             client_cli.main(argv)
         assert stopped.value.code == 2
         assert "the server's address is --address HOST:PORT" in capsys.readouterr().err
+
+
+def test_both_commands_say_their_version_and_the_server_logs_it_at_start(server, capsys):
+    """`--version` was an unrecognized argument; a bug report needs the version, and so does an operator reading a
+    server's log."""
+    from coda_server import cli as server_cli
+    from coda_client.protocol import package_version
+
+    for main in (server_cli.parse_args, client_cli.main):
+        with pytest.raises(SystemExit) as stopped:
+            main(["--version"])
+        assert stopped.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"coda-server {package_version()} (coda.pacer.v1.RolloutPacer)",
+                   f"coda-client {package_version()} (coda.pacer.v1.RolloutPacer)"]
+    assert re.match(r"\d+\.\d+", package_version())  # installed (pip install -e) in the test environment
+    assert f"coda-pacer {package_version()} (Python " in server.log()

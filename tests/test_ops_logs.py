@@ -50,7 +50,7 @@ def test_json_log_has_one_line_per_rpc_and_each_lifecycle_event_once(tmp_path):
         assert isinstance(r["duration_ms"], float) and 0 <= r["duration_ms"] < 5000
         assert PEER.match(r["peer"]), r["peer"]
     events = [line["event"] for line in lines if line.get("event") not in (None, "rpc")]
-    assert events == ["metrics", "event_loop", "start", "pause", "resume", "shutdown", "stopped"]
+    assert events == ["metrics", "version", "event_loop", "start", "pause", "resume", "shutdown", "stopped"]
     loop = next(line for line in lines if line.get("event") == "event_loop")
     assert loop["loop"].split()[0] in ("uvloop", "asyncio")
     start = next(line for line in lines if line.get("event") == "start")
