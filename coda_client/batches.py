@@ -536,9 +536,8 @@ def default_trainer_id(shape: BatchShape) -> str:
     return f"trainer-{rank}{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def _not_confirmed(exc: Exception) -> None:
-    log.warning("batches: could not ask the server whether the prefetched batch is still this trainer's after a "
-                "silence (%s); handing it out", exc)
+# What a server older than heartbeats answers a KeepAlive naming no group (or no KeepAlive at all).
+_NO_HEARTBEATS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
 
 
 def _lease_ids(batch: MiniBatch | None) -> tuple[str, ...]:
@@ -665,9 +664,9 @@ class _IteratorBase:
         # confirmed it: the latest answered heartbeat naming it (or the Collect that took it) was sent then.
         self._held_leases: dict[str, float] = {}
         self._held_lock = threading.Lock()  # the heartbeat thread confirms them while the caller's thread lets go
-        # What the heartbeats tell of the server: its liveness grace (0: off or not known yet), and which held leases
-        # it says are not live any more.
-        self._grace = 0.0
+        # What the heartbeats tell of the server: its liveness grace (0: off; None: no heartbeat answered yet), and
+        # which held leases it says are not live any more.
+        self._grace: float | None = None
         self._ended_leases: set[str] = set()
 
     @property
@@ -751,7 +750,8 @@ class _IteratorBase:
         `sent` then naming the leases `named`; None: no more (the server's liveness is off, or the server is older
         than heartbeats: its leases end by time alone)."""
         if isinstance(answer, Exception):
-            if getattr(answer, "code", None) in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+            if getattr(answer, "code", None) in _NO_HEARTBEATS:
+                self._grace = 0.0  # no liveness to ask about
                 log.info("batches: the server at %s takes no heartbeat (it is older than this client); a batch of a "
                          "trainer that dies returns when its lease runs out (lease=%g s)", self._client.target,
                          self.lease)
@@ -779,11 +779,22 @@ class _IteratorBase:
                 elif held[lease_id] < sent:
                     held[lease_id] = sent
 
+    def _not_confirmed(self, exc: Exception) -> None:
+        """The heartbeat asking whether a prefetched batch is still this trainer's failed: the batch is handed out."""
+        if getattr(exc, "code", None) in _NO_HEARTBEATS:
+            self._grace = 0.0  # a server older than heartbeats: its leases end by time alone
+            return
+        log.warning("batches: could not ask the server whether the prefetched batch is still this trainer's after a "
+                    "silence (%s); handing it out", exc)
+
     def _may_have_lapsed(self, batch: MiniBatch) -> bool:
         """Whether the server may have ended a lease of `batch` since it last confirmed it: more than half its grace
-        ago (heartbeats go every third of it), e.g. the process was stopped or its network cut meanwhile."""
-        if not self._grace:
-            return False
+        ago (heartbeats go every third of it), e.g. the process was stopped or its network cut meanwhile; or the grace
+        is not known yet, no heartbeat having been answered (the process stopped before the first answer came)."""
+        if self._heartbeat is None or self._grace == 0.0:
+            return False  # no heartbeats, or the server's liveness is off: leases end by time alone
+        if self._grace is None:
+            return True
         now, held = time.monotonic(), self._held_leases
         return any(now - held.get(lease_id, 0.0) > self._grace / 2 for lease_id in batch.lease_ids)
 
@@ -1105,7 +1116,7 @@ class BatchIterator(_IteratorBase):
             try:
                 self._heard(self._call(self._heartbeat_call(named)), sent, named)
             except PacerClientError as exc:
-                _not_confirmed(exc)
+                self._not_confirmed(exc)
         live = self._superseded(batch)
         if live is not None:
             self._give_back(live)
@@ -1386,7 +1397,7 @@ class AsyncBatchIterator(_IteratorBase):
             try:
                 self._heard(await self._call(self._heartbeat_call(named)), sent, named)
             except PacerClientError as exc:
-                _not_confirmed(exc)
+                self._not_confirmed(exc)
         live = self._superseded(batch)
         if live is not None:
             await self._give_back(live)
