@@ -758,8 +758,20 @@ ASYNC_SUPERSEDED_TRAINER = """
 """
 
 
+# The check before handing out a prefetched batch compared the lease's age with the grace the heartbeats' answers
+# tell; a trainer stopped before the first answer came (the async iterator's heartbeats go through a second channel,
+# which may still be connecting) took the unknown grace for "off", handed out the batch another trainer had trained
+# meanwhile and failed at its Ack (LEASE_EXPIRED). This prelude keeps every heartbeat unanswered.
+NO_HEARTBEAT_ANSWERED = """
+    import time
+    import coda_client.batches
+    coda_client.batches._IteratorBase._heartbeats = lambda self, client: time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("prelude", ["", NO_HEARTBEAT_ANSWERED], ids=["heartbeats", "no-heartbeat-answered"])
 @pytest.mark.parametrize("script", [SUPERSEDED_TRAINER, ASYNC_SUPERSEDED_TRAINER], ids=["blocking", "async"])
-def test_a_prefetched_batch_another_trainer_took_meanwhile_is_not_trained_again(tmp_path, script) -> None:
+def test_a_prefetched_batch_another_trainer_took_meanwhile_is_not_trained_again(tmp_path, script, prelude) -> None:
     """SIGSTOP past the grace while a prefetched batch waits to be handed out; meanwhile another trainer takes its
     groups (they went back first in line) and trains them. SIGCONT: the stopped trainer must not hand out that batch
     (its groups would be trained twice): it asks the server first, drops it, and trains the next one."""
@@ -774,8 +786,8 @@ def test_a_prefetched_batch_another_trainer_took_meanwhile_is_not_trained_again(
             assert other.ack(taken.lease_id) == 2
             _fill(pacer, ["s4", "s5"])  # newer groups
 
-        *trained, superseded = _stopped_past_the_grace(script, while_stopped, address=running.address, size=2 * N,
-                                                       lease=LEASE)
+        *trained, superseded = _stopped_past_the_grace(textwrap.dedent(prelude) + textwrap.dedent(script),
+                                                       while_stopped, address=running.address, size=2 * N, lease=LEASE)
         assert trained == ["s0", "s1", "s4", "s5"] and superseded == "1"  # s2 and s3 trained by the other alone
         state = pacer.state()
         assert (state.consumed, state.leased, state.buffered) == (6, 0, 0)
@@ -837,33 +849,3 @@ def test_a_trainer_grace_of_its_own_keeps_a_stopped_trainers_batches_while_a_sil
         assert trained == ["s0", "s1", "s2", "s3"]
         state = pacer.state()
         assert (state.consumed, state.leased, state.redelivered) == (4, 0, 0)
-
-
-NO_HEARTBEAT_ANSWERED = """
-    import time
-    import coda_client.batches
-    coda_client.batches._IteratorBase._heartbeats = lambda self, client: time.sleep(3600)  # none answered yet
-"""
-
-
-@pytest.mark.parametrize("script", [SUPERSEDED_TRAINER, ASYNC_SUPERSEDED_TRAINER], ids=["blocking", "async"])
-def test_a_prefetched_batch_is_checked_after_a_silence_though_no_heartbeat_was_answered_yet(tmp_path, script) -> None:
-    """The check before handing out a prefetched batch compared the lease's age with the grace the heartbeats' answers
-    tell; stopped before the first answer came (the async iterator's heartbeats go through a second channel, which
-    may still be connecting), the trainer took the grace for "off", handed out the batch another trainer had trained
-    meanwhile and failed at its Ack (LEASE_EXPIRED). Not knowing the grace, it asks the server."""
-    with _server(tmp_path) as running, PacerClient(running.address) as pacer, \
-            PacerClient(running.address, client_id="trainer-other") as other:
-        _fill(pacer, ["s0", "s1", "s2", "s3"])
-
-        def while_stopped() -> None:
-            until(lambda: pacer.state().leased == 0, "the stopped trainer's lease to be taken back", timeout=60)
-            taken = other.collect_result(2, lease=LEASE)
-            assert other.ack(taken.lease_id) == 2
-            _fill(pacer, ["s4", "s5"])
-
-        *trained, superseded = _stopped_past_the_grace(textwrap.dedent(NO_HEARTBEAT_ANSWERED) + textwrap.dedent(script),
-                                                       while_stopped, address=running.address, size=2 * N, lease=LEASE)
-        assert trained == ["s0", "s1", "s4", "s5"] and superseded == "1"
-        state = pacer.state()
-        assert (state.consumed, state.leased, state.buffered) == (6, 0, 0)
