@@ -58,6 +58,9 @@ _AWAY_RETRY_MAX_SECONDS = 2.0
 # trainer), and again every STALL_REPEAT_SECONDS while it stays away: the server's own warning
 # (server.collect_stall_warning_seconds) is in the server's log, not the trainer's.
 STALL_WARNING_SECONDS = 60.0
+# Sooner while the control stream says dispatch is paused: nothing comes until a Resume, and a trainer that reset
+# without resuming and now waits for a batch waits on itself.
+PAUSED_WARNING_SECONDS = 5.0
 STALL_REPEAT_SECONDS = 600.0
 # The longest close() waits for the iterator's own tasks to end once cut (they end at once).
 _CLOSE_WAIT_SECONDS = 5.0
@@ -536,6 +539,9 @@ def default_trainer_id(shape: BatchShape) -> str:
     return f"trainer-{rank}{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+# Control events that say whether dispatch is paused.
+_PAUSE_STATE_EVENTS = (ControlEventType.STATE, ControlEventType.PAUSE, ControlEventType.RESUME)
+
 # What a server older than heartbeats answers a KeepAlive naming no group (or no KeepAlive at all).
 _NO_HEARTBEATS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
 
@@ -566,12 +572,12 @@ class _BatchWait:
         self.next_report = 0.0
         self.reported_at: float | None = None  # when the caller began waiting, once a warning said so
 
-    def due(self, asked_at: float | None) -> bool:
+    def due(self, asked_at: float | None, paused: bool = False) -> bool:
         """Whether to ask the server's state and report it now; `asked_at`: when the caller asked for the batch
-        (None: it has not yet)."""
+        (None: it has not yet); `paused`: the control stream last said dispatch is paused."""
         now = time.monotonic()
-        return (asked_at is not None and now - max(self.began, asked_at) >= STALL_WARNING_SECONDS
-                and now >= self.next_report)
+        after = min(PAUSED_WARNING_SECONDS, STALL_WARNING_SECONDS) if paused else STALL_WARNING_SECONDS
+        return asked_at is not None and now - max(self.began, asked_at) >= after and now >= self.next_report
 
     def report(self, state: PacerState | Exception, asked_at: float) -> None:
         since = max(self.began, asked_at)
@@ -631,6 +637,7 @@ class _IteratorBase:
         self.superseded = 0
         self.reconnect = float(reconnect)  # seconds calls wait for an away server to answer again
         self._asked_at: float | None = None  # when the caller asked for the batch it waits for now (None: it does not)
+        self._paused = False  # what the control stream last said: dispatch is paused (a Reset without its Resume)
         # The control stream's outages, logged once each (a dead server would otherwise log a line every two
         # seconds until `reconnect` runs out).
         self._outage = OutageLog(
@@ -958,6 +965,8 @@ class BatchIterator(_IteratorBase):
                     self._outage.answered()
                     delay = _AWAY_RETRY_INITIAL_SECONDS
                     self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
+                    if event.type in _PAUSE_STATE_EVENTS:
+                        self._paused = bool(event.paused)
                     if event.type == ControlEventType.SHUTDOWN:
                         self._present.clear()
                         self._shutdown.set()
@@ -1061,7 +1070,7 @@ class BatchIterator(_IteratorBase):
                 results.append(result)
             elif job_ended and not results:
                 raise _Stopped  # the job ended and a whole poll brought nothing: no batch will come
-            if wait.due(asked_at := self._asked_at):
+            if wait.due(asked_at := self._asked_at, self._paused):
                 try:
                     wait.report(self._call(_calls.get_state(timeout=self._client.timeout)), asked_at)
                 except PacerClientError as exc:
@@ -1256,6 +1265,8 @@ class AsyncBatchIterator(_IteratorBase):
                     self._outage.answered()
                     delay = _AWAY_RETRY_INITIAL_SECONDS
                     self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
+                    if event.type in _PAUSE_STATE_EVENTS:
+                        self._paused = bool(event.paused)
                     if event.type == ControlEventType.SHUTDOWN:
                         self._present.clear()
                         self._shutdown.set()
@@ -1345,7 +1356,7 @@ class AsyncBatchIterator(_IteratorBase):
                 results.append(result)
             elif job_ended and not results:
                 raise _Stopped  # as in BatchIterator._prefetch
-            if wait.due(asked_at := self._asked_at):
+            if wait.due(asked_at := self._asked_at, self._paused):
                 try:
                     wait.report(await self._call(_calls.get_state(timeout=self._client.timeout)), asked_at)
                 except PacerClientError as exc:

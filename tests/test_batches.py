@@ -23,7 +23,7 @@ import pytest
 from coda_client import (AsyncPacerClient, DeadlineExceededError, MiniBatch, PacerClient, ServerGoneError, Trajectory,
                          TrajectoryGroup, TrajectoryStatus)
 from coda_client import batches as batches_module
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, core_overrides
 from server_harness import ServerProcess
 from test_durability_crash import free_port
 
@@ -641,3 +641,21 @@ def test_batches_takes_numpy_integers_as_counts():
     assert shape == BatchShape(8, 0, 1, 2) and all(type(v) is int for v in (shape.num_groups, shape.rank,
                                                                             shape.world_size))
     assert BatchShape.of(None, None, lambda: [8], token_budget=np.int64(4096), rank=0, world_size=1).token_budget == 4096
+
+
+def test_a_trainer_waiting_for_a_batch_while_dispatch_is_paused_is_told_so_within_seconds(tmp_path, monkeypatch, caplog):
+    """A Reset without its Resume, then next(): nothing can come until a Resume, yet the iterator said so only after
+    the minute it gives any slow batch. Knowing from the control stream that dispatch is paused, it says so after
+    PAUSED_WARNING_SECONDS."""
+    from server_harness import until
+
+    monkeypatch.setattr(batches_module, "STALL_WARNING_SECONDS", 3600.0)  # only the pause may warn in this test
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=2, stale=0.0, N=2, M=2)) as server, \
+            PacerClient(server.address) as pacer, caplog.at_level(logging.WARNING, logger="coda_client"):
+        pacer.reset("wait", wait=0)  # paused; the trainer forgot resume()
+        with pacer.batches(2, poll=1) as batches:
+            waiting = threading.Thread(target=lambda: next(batches, None), daemon=True)
+            waiting.start()
+            until(lambda: "dispatch is paused (step 0): a Reset without its Resume" in caplog.text,
+                  "the paused warning", timeout=60)
+            assert waiting.is_alive()  # it waits on: another process may resume
