@@ -76,6 +76,9 @@ def unknown_option_message(parser: argparse.ArgumentParser, unknown: Sequence[st
     server.address=HOST:PORT, and an option is spelled out in full."""
     first = unknown[0]
     name, _, value = first.partition("=")
+    if not first.startswith("-"):  # an override after an option that follows other overrides: argparse takes one run
+        return (f"override {first!r} comes after an option that follows other overrides; give the options first, "
+                f"then every key=value override together")
     if name in _LISTEN_OPTIONS:
         if not value and first in argv and argv.index(first) + 1 < len(argv):
             value = argv[argv.index(first) + 1]

@@ -243,6 +243,7 @@ def test_a_client_that_could_never_make_a_call_is_refused_when_made(arguments, m
     (["--port=6000"], "server.address=127.0.0.1:6000"),
     (["--host", "0.0.0.0"], "server.address=0.0.0.0:50051"),
     (["--conf", "run.yaml"], "did you mean --config or --config-name or --config-path?"),
+    (["a.b=1", "--config", "run.yaml", "c.d=2"], "override 'c.d=2' comes after an option that follows other overrides"),
 ])
 def test_coda_server_refuses_an_option_it_has_not_instead_of_taking_it_for_another(argv, says, tmp_path, monkeypatch,
                                                                                  capsys):
