@@ -30,7 +30,8 @@ from ._channel import read_stream
 from ._outage import OutageLog
 from .arrays import dtype_of, numpy
 from .errors import PacerClientError, ServerGoneError, translate
-from .types import CollectResult, ControlEventType, KeepAliveResult, PacerState, Trajectory, TrajectoryGroup
+from .types import (CollectResult, ControlEvent, ControlEventType, KeepAliveResult, PacerState, Trajectory,
+                    TrajectoryGroup)
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -786,6 +787,12 @@ class _IteratorBase:
                 elif held[lease_id] < sent:
                     held[lease_id] = sent
 
+    def _note_event(self, event: ControlEvent) -> None:
+        """What a control event says of the job, whichever iterator follows the stream: ended, dispatch paused."""
+        self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
+        if event.type in _PAUSE_STATE_EVENTS:
+            self._paused = bool(event.paused)
+
     def _not_confirmed(self, exc: Exception) -> None:
         """The heartbeat asking whether a prefetched batch is still this trainer's failed: the batch is handed out."""
         if getattr(exc, "code", None) in _NO_HEARTBEATS:
@@ -964,9 +971,7 @@ class BatchIterator(_IteratorBase):
                     self._watching.set()
                     self._outage.answered()
                     delay = _AWAY_RETRY_INITIAL_SECONDS
-                    self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
-                    if event.type in _PAUSE_STATE_EVENTS:
-                        self._paused = bool(event.paused)
+                    self._note_event(event)
                     if event.type == ControlEventType.SHUTDOWN:
                         self._present.clear()
                         self._shutdown.set()
@@ -1264,9 +1269,7 @@ class AsyncBatchIterator(_IteratorBase):
                 async for event in self._watch:
                     self._outage.answered()
                     delay = _AWAY_RETRY_INITIAL_SECONDS
-                    self.job_ended = self.job_ended or bool(getattr(event, "job_ended", False))
-                    if event.type in _PAUSE_STATE_EVENTS:
-                        self._paused = bool(event.paused)
+                    self._note_event(event)
                     if event.type == ControlEventType.SHUTDOWN:
                         self._present.clear()
                         self._shutdown.set()
