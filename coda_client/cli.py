@@ -24,7 +24,8 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations of the options before the command: `--server HOST:PORT` would be taken for --server-name.
-    parser = argparse.ArgumentParser(prog="coda-client", description="Talk to a running coda-server.", allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="coda-client", description="Talk to a running coda-server.",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"coda-client {package_version()} ({SERVICE})")
     parser.add_argument("--address", "--target", default=os.environ.get("CODA_ADDRESS", DEFAULT_ADDRESS),
                         help=f"server host:port, PacerClient's target (default: $CODA_ADDRESS, else {DEFAULT_ADDRESS})")

@@ -217,7 +217,6 @@ class _ClientBase:
         client_id: str | None = None,
         wait_for_ready: bool = False,
     ) -> None:
-        check_target(target)  # before anything else: a bad address is the first thing to hear of
         # As given (client_id apart, which may be adopted later): a blocking twin is made with them.
         self._settings = dict(token=token, tls=tls, timeout=timeout, options=options, max_message_bytes=max_message_bytes,
                               arrays=arrays, wait_for_ready=wait_for_ready)

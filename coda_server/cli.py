@@ -82,8 +82,9 @@ def unknown_option_message(parser: argparse.ArgumentParser, unknown: Sequence[st
     if name in _LISTEN_OPTIONS:
         if not value and first in argv and argv.index(first) + 1 < len(argv):
             value = argv[argv.index(first) + 1]
-        port = value.rpartition(":")[2] if value.rpartition(":")[2].isdigit() else "50051"
-        host = value.rpartition(":")[0] if ":" in value else ("127.0.0.1" if name == "--port" or not value else value)
+        typed_host, colon, typed_port = value.rpartition(":")
+        port = typed_port if typed_port.isdigit() else "50051"
+        host = typed_host if colon else ("127.0.0.1" if name == "--port" or not value else value)
         return (f"{first!r}: coda-server has no such option; where it listens is the setting server.address, "
                 f"e.g. server.address={host}:{port} (port 0: a free one, which --port-file writes down)")
     options = sorted(o for action in parser._actions for o in action.option_strings if o.startswith("--"))
