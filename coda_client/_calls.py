@@ -188,7 +188,7 @@ def collect(
     num_groups: int, *, wait: float, allow_partial: bool, request_id: str | None, timeout: float, lease: float = 0.0,
     arrays: ArrayMode = "list", rank: int = 0, world_size: int = 1, token_budget: int = 0,
     trainer_step: int | None = None, max_response_bytes: int = 0, streamed: bool = False,
-    release_when_silent: bool = False, held_lease_ids: Sequence[str] = (),
+    release_when_silent: bool = False, held_lease_ids: Sequence[str] = (), named_at_grant: bool = False,
 ) -> Call[CollectResult]:
     """Collect: a retried Collect must not take a second batch, hence the request id here too. `rank` and
     `world_size` ask for one rank's share of a data-parallel mini-batch; `token_budget` cuts it by tokens. With
@@ -196,7 +196,8 @@ def collect(
     `max_response_bytes`: the largest answer this client receives, so the server cuts the answer to fit.
     `streamed`: through CollectStream, the same answer in messages of a few MiB (received faster when large).
     `release_when_silent`: the lease also ends once this client (its client id) stops heartbeating;
-    `held_lease_ids`: the leases it holds, given back to it first if its silence ended them."""
+    `held_lease_ids`: the leases it holds, given back to it first if its silence ended them; `named_at_grant`: the
+    lease counts as named at its grant (this client reads the answer as it arrives and names the lease from then on)."""
     request = _message(
         pacer_pb2.CollectRequest,
         num_groups=num_groups,
@@ -210,6 +211,7 @@ def collect(
         max_response_bytes=max(0, max_response_bytes),
         release_when_silent=release_when_silent,
         held_lease_ids=list(held_lease_ids),
+        named_at_grant=named_at_grant,
     )
     if trainer_step is not None:
         check_numbers(pacer_pb2.CollectRequest, trainer_step=trainer_step)

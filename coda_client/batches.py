@@ -661,9 +661,14 @@ class _IteratorBase:
         self._beats_end = threading.Event()
         # Set to send a heartbeat at once: a lease just taken is named to the server within milliseconds, so that a
         # process killed right after it arrived has it back within the grace under a client id shared with another
-        # (only a client id the caller chose can be: the iterator's own default is unique).
+        # (only a client id the caller chose can be: the iterator's own default is unique). Not needed when the
+        # Collect asked the server to count the lease named at its grant (`_named_at_grant`).
         self._beat_now = threading.Event()
         self._id_may_be_shared = False
+        # Whether each Collect asks the server to count its lease named at its grant (CollectRequest.named_at_grant):
+        # only when its answers are read on a thread of their own, as they arrive (the blocking iterator's); an async
+        # trainer's may wait unread while a step blocks its event loop, and are named by a heartbeat once read.
+        self._named_at_grant = False
         self._handed_at = 0.0  # when the batch in hand was handed out (time.monotonic())
         self._heartbeat: threading.Thread | None = None
         # The leases taken and not yet acknowledged or given back, oldest first: each heartbeat and Collect names them,
@@ -691,13 +696,15 @@ class _IteratorBase:
                               arrays="numpy", rank=shape.rank, world_size=shape.world_size,
                               token_budget=shape.token_budget, trainer_step=self.step,
                               max_response_bytes=self._client.max_receive_bytes, streamed=self._streamed,
-                              release_when_silent=self._release_when_silent, held_lease_ids=list(self._held_leases))
+                              release_when_silent=self._release_when_silent, held_lease_ids=list(self._held_leases),
+                              named_at_grant=self._named_at_grant)
 
     def _start_heartbeats(self, twin: bool) -> None:
         """Names the client (trainer-...) if it has no id, before its first call, then heartbeats on a thread of its
         own; with `twin`, through a blocking twin of the client (the async iterator's: a training step that blocks
-        its event loop must not stop them)."""
+        its event loop must not stop them); without it, each Collect's lease counts as named at its grant."""
         self._id_may_be_shared = self._client.client_id is not None
+        self._named_at_grant = not twin
         self._client.adopt_client_id(default_trainer_id(self.shape))
         self._release_when_silent = True
         client = self._client.blocking_twin() if twin else self._client
@@ -849,7 +856,7 @@ class _IteratorBase:
         if result.lease_id:
             with self._held_lock:
                 self._held_leases[result.lease_id] = sent
-            if self._id_may_be_shared:
+            if self._id_may_be_shared and not self._named_at_grant:
                 self._beat_now.set()  # named to the server at once (`_heartbeats`)
         self._note_other_shapes(result)
 

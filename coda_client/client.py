@@ -336,11 +336,12 @@ class _ClientBase:
     def _collect(
         self, num_groups: int, wait: float, allow_partial: bool, request_id: str | None, lease: float = 0.0,
         trainer_step: int | None = None, release_when_silent: bool = False, held_lease_ids: Sequence[str] = (),
+        named_at_grant: bool = False,
     ) -> Call[Any]:
         return _calls.collect(
             num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id, timeout=self.timeout,
             lease=lease, arrays=self.arrays, trainer_step=trainer_step, max_response_bytes=self.max_receive_bytes,
-            release_when_silent=release_when_silent, held_lease_ids=held_lease_ids,
+            release_when_silent=release_when_silent, held_lease_ids=held_lease_ids, named_at_grant=named_at_grant,
         )
 
     def _ack(self, lease_id: str, request_id: str | None) -> Call[Any]:
@@ -449,7 +450,7 @@ class PacerClient(_ClientBase):
     def collect_result(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None,
         lease: float = 0.0, trainer_step: int | None = None, release_when_silent: bool = False,
-        held_lease_ids: Sequence[str] = (),
+        held_lease_ids: Sequence[str] = (), named_at_grant: bool = False,
     ) -> CollectResult:
         """Like collect(), also telling whether the wait timed out (and `cut_to_fit`: fewer groups, as more
         would not fit this client's message limit); with `lease` seconds, the groups come back to the buffer
@@ -458,9 +459,12 @@ class PacerClient(_ClientBase):
         `release_when_silent` (needs a client id and a lease): the lease also ends once this client has been silent
         for the server's liveness grace, so a dead trainer's groups come back within it: heartbeat with
         keep_alive([], lease_ids=...) meanwhile. `held_lease_ids`: the leases it holds, given back to it first if
-        its silence ended them (as keep_alive's lease_ids). batches() does all of this itself."""
+        its silence ended them (as keep_alive's lease_ids). `named_at_grant` (with release_when_silent): this client
+        reads the answer at once and names the lease in every heartbeat from then on, so the server counts it named
+        at its grant: if this process dies before naming it, it comes back within the grace even while another
+        process under the same client id goes on. batches() does all of this itself."""
         return self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step,
-                                       release_when_silent, held_lease_ids))
+                                       release_when_silent, held_lease_ids, named_at_grant))
 
     def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
         """Consumes a leased Collect's groups for good; returns how many."""
@@ -706,11 +710,11 @@ class AsyncPacerClient(_ClientBase):
     async def collect_result(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None,
         lease: float = 0.0, trainer_step: int | None = None, release_when_silent: bool = False,
-        held_lease_ids: Sequence[str] = (),
+        held_lease_ids: Sequence[str] = (), named_at_grant: bool = False,
     ) -> CollectResult:
         """Coroutine form of PacerClient.collect_result."""
         return await self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step,
-                                             release_when_silent, held_lease_ids))
+                                             release_when_silent, held_lease_ids, named_at_grant))
 
     async def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
         """Coroutine form of PacerClient.ack."""

@@ -138,7 +138,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
                                          request.allow_partial, request.request_id, request.lease_seconds,
                                          convert.batch_shape(request),
                                          request.trainer_step if request.HasField("trainer_step") else None,
-                                         request.max_response_bytes, convert.lease_holder(request, caller))
+                                         request.max_response_bytes, convert.lease_holder(request, caller),
+                                         request.named_at_grant)
 
     @maps_errors
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:

@@ -211,6 +211,42 @@ def test_a_lease_whose_answer_is_not_read_yet_stays_and_one_only_a_later_leases_
     assert pacer.state().leased == 2 and pacer.state().invariant_holds()
 
 
+@pytest.mark.parametrize("named_at_grant, named_later, ends", [(True, False, True), (False, False, False),
+                                                              (True, True, False)])
+def test_a_lease_counted_named_at_its_grant_ends_a_grace_after_it_when_no_call_names_it(named_at_grant, named_later,
+                                                                                       ends):
+    """A Collect that says its process reads the answer at once and names the lease from then on (named_at_grant: the
+    blocking iterator's) has its lease counted named at the grant: when that process dies before naming it, it ends a
+    grace after the grant though another process under the client id goes on naming its own, older lease. Without
+    the flag such a lease stays (its answer may not be read yet; only a later lease's naming ends it), and with it a
+    lease its process does name stays."""
+    pacer, clock = _filled()
+    other = pacer.collect_now(1, lease_seconds=LEASE, holder="trainer")  # process B's, granted first
+    mine = pacer.collect_now(2, lease_seconds=LEASE, holder="trainer", named_at_grant=named_at_grant)  # process A's
+    for _ in range(2):
+        clock.now += 10.5
+        pacer.heard_from("trainer", [other.lease_id, mine.lease_id] if named_later else [other.lease_id])
+        if named_later:
+            named_later = False  # A named it once, then died
+    lost = pacer.release_silent_workers()
+    if not ends:
+        assert lost == {} and pacer.state().leased == 3
+        return
+    assert lost["trainer"].unnamed_lease_ids == [mine.lease_id] and lost["trainer"].leased_groups == 2
+    state = pacer.state()
+    assert (state.leased, state.buffered, state.redelivered) == (1, 3, 2) and state.invariant_holds()
+    with pytest.raises(LeaseExpiredError, match="no call under its client id trainer named it for 20 s"):
+        pacer.ack(mine.lease_id)
+    assert pacer.ack(other.lease_id) == 1
+
+
+def test_named_at_grant_needs_a_holder_and_a_refused_collect_takes_nothing():
+    pacer, _ = _filled()
+    with pytest.raises(InvalidArgumentError, match="named_at_grant applies to a lease its holder's silence ends"):
+        pacer.collect_now(2, lease_seconds=LEASE, named_at_grant=True)
+    assert pacer.state().buffered == 4 and pacer.state().leased == 0
+
+
 def test_a_client_that_never_names_its_leases_keeps_them_while_it_is_heard():
     """Naming is opt-in: a trainer whose heartbeats and Collects name none of the leases it holds (an older client, a
     loop of its own without lease_ids) keeps them as long as any call under its id is heard; an Ack naming its own
@@ -495,32 +531,92 @@ def test_a_live_trainer_keeps_its_batch_through_several_graces_and_acknowledges_
         assert (state.consumed, state.leased, state.redelivered) == (2, 0, 0)
 
 
-def test_each_lease_is_named_to_the_server_as_it_arrives_not_at_the_next_periodic_heartbeat(tmp_path) -> None:
-    """A heartbeat goes at once as a lease arrives, naming it: under a client id shared with another process, a lease
-    its process never named comes back only a grace after a later lease is named, so a process killed right after
-    its prefetched batch arrived would hold that batch a grace longer (only a client id the caller chose can be
-    shared: the iterator's own default is unique). With a grace of 1800 s the periodic heartbeats are 600 s apart:
-    only the prompt ones name the leases within the test's wait."""
-    with _server(tmp_path, "server.worker_liveness_seconds=1800") as running, PacerClient(running.address) as pacer, \
-            PacerClient(running.address, client_id="trainer") as trainer_client:
+def _recording_calls(monkeypatch) -> list[tuple[str, Any]]:
+    """(method, request) of every Collect any iterator builds and every call any PacerClient makes from now on (the
+    async iterator's heartbeats go through a blocking twin)."""
+    from coda_client import _calls
+
+    calls: list[tuple[str, Any]] = []
+    collect, run = _calls.collect, PacerClient._run
+
+    def building(*args, **kwargs):
+        call = collect(*args, **kwargs)
+        calls.append((call.method, call.request))
+        return call
+
+    def running(client, call):
+        calls.append((call.method, call.request))
+        return run(client, call)
+
+    monkeypatch.setattr(_calls, "collect", building)
+    monkeypatch.setattr(PacerClient, "_run", running)
+    return calls
+
+
+def _two_batches_async(address: str, size: int) -> list[list[str]]:
+    from coda_client import AsyncPacerClient
+
+    async def main() -> list[list[str]]:
+        async with AsyncPacerClient(address, client_id="trainer") as client:
+            async with client.batches(size, lease=LEASE, poll=1, num_batches=2) as batches:
+                return [batch.lease_ids async for batch in batches]
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["blocking", "async"])
+def test_each_lease_counts_as_named_from_its_grant_without_a_heartbeat_per_batch(tmp_path, monkeypatch, kind) -> None:
+    """Under a client id shared with another process, a lease its process never named would come back only a grace
+    after a later lease is named, so a process killed right after its prefetched batch arrived would hold that batch
+    a grace longer (only a client id the caller chose can be shared: the iterator's own default is unique). The
+    blocking iterator reads each answer on a thread of its own as it arrives, so its Collects ask the server to count
+    the lease named at its grant (named_at_grant) and no heartbeat goes per batch; the async iterator's answers may
+    wait unread while a step blocks its event loop, so it names each lease by a heartbeat as it reads it. With a grace
+    of 1800 s the periodic heartbeats are 600 s apart: any KeepAlive naming a lease here is a prompt one."""
+    calls = _recording_calls(monkeypatch)
+    with _server(tmp_path, "server.worker_liveness_seconds=1800") as running, PacerClient(running.address) as pacer:
         _fill(pacer, [f"n{i}" for i in range(4)])
-        named: list[list[str]] = []
-        run = trainer_client._run
-
-        def recording(call):
-            if call.method == "KeepAlive":
-                named.append(list(call.request.lease_ids))
-            return run(call)
-
-        trainer_client._run = recording
-        with trainer_client.batches(2 * N, lease=LEASE, poll=1, num_batches=2) as batches:
-            first = next(batches)
-            until(lambda: any(len(ids) == 2 for ids in named), "a heartbeat naming both leases", timeout=60)
-            [both] = [ids for ids in named if len(ids) == 2]
-            assert first.lease_ids[0] in both  # and the prefetched batch's, which arrived after it
-            second = next(batches)
-            assert both == [*first.lease_ids, *second.lease_ids]
+        if kind == "blocking":
+            with PacerClient(running.address, client_id="trainer") as trainer_client, \
+                    trainer_client.batches(2 * N, lease=LEASE, poll=1, num_batches=2) as batches:
+                leases = [batch.lease_ids for batch in batches]
+        else:
+            leases = _two_batches_async(running.address, 2 * N)
         assert pacer.state().consumed == 4
+    collects = [request for method, request in calls if method == "CollectStream"]
+    naming = [list(request.lease_ids) for method, request in calls if method == "KeepAlive" and request.lease_ids]
+    assert collects and all(request.release_when_silent for request in collects)
+    if kind == "blocking":
+        assert all(request.named_at_grant for request in collects) and naming == []
+    else:
+        assert not any(request.named_at_grant for request in collects)
+        assert [*leases[0], *leases[1]] in naming  # the prefetched batch's lease named as it was read
+
+
+def test_a_lease_counted_named_at_its_grant_that_its_process_never_names_goes_back_within_the_grace(tmp_path):
+    """Over gRPC: process A under the client id "trainer" takes a batch with named_at_grant and dies before naming
+    it; process B under the same id goes on, heartbeating with its own lease, granted before A's. A's batch is first
+    in line again about a grace after its grant, and B keeps its own."""
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer, \
+            PacerClient(running.address, client_id="trainer") as process_b:
+        _fill(pacer, ["g0", "g1", "g2"])
+        own = process_b.collect_result(1, lease=LEASE, release_when_silent=True)
+        with grpc.insecure_channel(running.address) as channel:  # process A
+            stub = pacer_pb2_grpc.RolloutPacerStub(channel)
+            taken = stub.Collect(pb.CollectRequest(num_groups=2, lease_seconds=LEASE, release_when_silent=True,
+                                                   named_at_grant=True), metadata=(("x-coda-client-id", "trainer"),),
+                                 timeout=10)
+        assert [g.prompt_id for g in taken.groups] == ["g1", "g2"]
+
+        def back() -> bool:
+            process_b.keep_alive([], lease_ids=[own.lease_id])
+            return pacer.state().redelivered == 2
+
+        until(back, "A's batch to go back", timeout=60)
+        assert pacer.state().leased == 1
+        assert [g.prompt_id for g in pacer.collect(2)] == ["g1", "g2"]
+        assert process_b.ack(own.lease_id) == 1
+        assert "heard, but no call under that id named these for 3 s" in running.log()
 
 
 def test_after_close_the_heartbeats_go_on_until_the_batch_in_hand_is_acknowledged(tmp_path) -> None:
@@ -609,7 +705,13 @@ def test_release_when_silent_needs_a_client_id_and_a_lease(tmp_path) -> None:
                 stub.Collect(pb.CollectRequest(num_groups=2, release_when_silent=True), metadata=named, timeout=10)
             assert unleased.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "applies to a leased Collect" in unleased.value.details()
-            assert pacer.state().buffered == 2  # neither took anything
+            with pytest.raises(grpc.RpcError) as unheld:
+                stub.Collect(pb.CollectRequest(num_groups=2, lease_seconds=60, named_at_grant=True), metadata=named,
+                             timeout=10)
+            assert unheld.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "named_at_grant applies to a lease its holder's silence ends" in unheld.value.details()
+            assert "set release_when_silent too" in unheld.value.details()
+            assert pacer.state().buffered == 2  # none took anything
             assert stub.KeepAlive(pb.KeepAliveRequest(), metadata=named, timeout=10).liveness_seconds == GRACE
 
 

@@ -270,12 +270,13 @@ class AsyncPacer:
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
-                      trainer_step: Optional[int] = None, max_bytes: int = 0, holder: str = "") -> CollectResult:
+                      trainer_step: Optional[int] = None, max_bytes: int = 0, holder: str = "",
+                      named_at_grant: bool = False) -> CollectResult:
         async def call() -> CollectResult:
             pacer = self.pacer
             if pacer.closed:  # like every other call; a Collect already waiting is answered timed_out instead
                 raise ShuttingDownError("the pacer is shutting down and takes no new calls")
-            groups = pacer.checks.check_collect(num_groups, lease_seconds, shape, holder)
+            groups = pacer.checks.check_collect(num_groups, lease_seconds, shape, holder, named_at_grant)
             pacer.check_collect_reachable(groups, allow_partial, shape)
             wait_id = self._next_wait_id = self._next_wait_id + 1
             now = asyncio.get_running_loop().time()
@@ -287,7 +288,8 @@ class AsyncPacer:
             self._collect_waits[wait_id] = groups
             try:
                 answer = await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds,
-                                                                   shape, trainer_step, max_bytes, holder), wait)
+                                                                   shape, trainer_step, max_bytes, holder,
+                                                                   named_at_grant), wait)
             finally:
                 del self._collect_waits[wait_id]
                 self._collects_idle_since = asyncio.get_running_loop().time()

@@ -268,7 +268,7 @@ class RequestChecks:
                 f"retry after the trainer collects", retry_after=RESOURCE_RETRY_SECONDS, reason="BUFFER_FULL")
 
     def check_collect(self, num_groups: Any, lease_seconds: Any = 0.0, shape: BatchShape = PLAIN,
-                      holder: str = "") -> int:
+                      holder: str = "", named_at_grant: bool = False) -> int:
         """Checks a Collect; returns the groups it asks for at most (with a token budget, 0 is the server's limit)."""
         limit = self.limits.max_collect
         if shape.token_budget and num_groups == 0:
@@ -283,6 +283,10 @@ class RequestChecks:
             raise InvalidArgumentError(
                 "release_when_silent applies to a leased Collect (lease_seconds > 0): without a lease the groups are "
                 "consumed as they are answered", violations=[("release_when_silent", "needs lease_seconds > 0")])
+        if named_at_grant and not holder:
+            raise InvalidArgumentError(
+                "named_at_grant applies to a lease its holder's silence ends: set release_when_silent too (with a "
+                "client id and lease_seconds > 0)", violations=[("named_at_grant", "needs release_when_silent")])
         if shape.plain:
             return num_groups
         if shape.token_budget < 0:

@@ -216,6 +216,12 @@ class Leases:
                     and lease.granted_at < newest):
                 lease.unnamed_since = now
 
+    def named_at_grant(self, lease_id: str, now: float) -> None:
+        """The lease just granted counts as named by its holder now: its Collect said its process reads the answer as
+        it arrives and names the lease from then on (CollectRequest.named_at_grant), so one it never names ends a
+        grace from now (`unnamed`), not a grace after a later lease's naming."""
+        self.collect[lease_id].named_at = now
+
     def unnamed(self, now: float, grace: float, besides: Iterable[str] = ()) -> dict[str, list[str]]:
         """Holder -> its leases its calls stopped naming, but those of the holders in `besides` (taken as silent: all
         theirs end anyway). A holder whose calls name the leases they hold (docs/protocol.md) names each of its own

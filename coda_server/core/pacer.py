@@ -219,33 +219,32 @@ class Pacer(PacerViews):
                dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready.
         `dispatch_seqs` (prompt id -> the seq its dispatch answered): the fence, see `InflightTable.check_fences`."""
-        return self.answers.once("Submit", request_id,
-                                 lambda: self.apply_submit(trajectories, request_id, dispatch_seqs))
+        return self.answers.once("Submit", request_id, lambda: self.apply_submit(trajectories, request_id, dispatch_seqs))
 
     def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False, request_id: str = "",
-                lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
-                trainer_step: Optional[int] = None, max_bytes: int = 0, holder: str = "") -> CollectResult:
-        """Take `num_groups` groups, oldest priority first, waiting up to `wait` seconds for them.
-
-        Without `allow_partial`, fewer than `num_groups` at the deadline gives nothing and `timed_out`.
-        With `lease_seconds` > 0 the groups are leased: they return to the buffer, in their original
-        order, unless `ack(lease_id)` comes within that time (at-least-once delivery). `shape` cuts the
-        mini-batch by a token budget and/or hands the caller one rank's share of it (shares.py). `max_bytes`:
-        the largest answer the caller takes (0: server.max_message_bytes); `holder`: see `apply_take`."""
-        num_groups = self.checks.check_collect(num_groups, lease_seconds, shape, holder)
+                lease_seconds: float = 0.0, shape: BatchShape = PLAIN, trainer_step: Optional[int] = None,
+                max_bytes: int = 0, holder: str = "", named_at_grant: bool = False) -> CollectResult:
+        """Take `num_groups` groups, oldest priority first, waiting up to `wait` seconds for them. Without
+        `allow_partial`, fewer than `num_groups` at the deadline gives nothing and `timed_out`. With `lease_seconds`
+        > 0 the groups are leased: they return to the buffer, in their original order, unless `ack(lease_id)` comes
+        within that time (at-least-once delivery). `shape` cuts the mini-batch by a token budget and/or hands the
+        caller one rank's share of it (shares.py). `max_bytes`: the largest answer the caller takes (0:
+        server.max_message_bytes); `holder`, `named_at_grant`: see `apply_take`."""
+        num_groups = self.checks.check_collect(num_groups, lease_seconds, shape, holder, named_at_grant)
         self.collect_bound.check(num_groups, allow_partial, shape)
         self.check_open()  # once: a waiter woken by close() answers with what is there
-        poll = self.collect_poll(num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes, holder)
+        poll = self.collect_poll(num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes,
+                                 holder, named_at_grant)
         return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
 
     def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
                     lease_seconds: float = 0.0, shape: BatchShape = PLAIN, max_bytes: int = 0,
-                    holder: str = "") -> CollectResult:
+                    holder: str = "", named_at_grant: bool = False) -> CollectResult:
         """Non-waiting collect: all `num_groups`, or with `allow_partial` whatever is there."""
-        num_groups = self.checks.check_collect(num_groups, lease_seconds, shape, holder)
+        num_groups = self.checks.check_collect(num_groups, lease_seconds, shape, holder, named_at_grant)
         self.collect_bound.check(num_groups, allow_partial, shape)
-        return self.answers.once("Collect", request_id, self.collect_poll(
-            num_groups, allow_partial, request_id, lease_seconds, shape, max_bytes=max_bytes, holder=holder).give_up)
+        return self.answers.once("Collect", request_id, self.collect_poll(num_groups, allow_partial, request_id,
+                                 lease_seconds, shape, None, max_bytes, holder, named_at_grant).give_up)
 
     def ack(self, lease_id: str, request_id: str = "") -> int:
         """The trainer has the leased groups: they are consumed for good. Returns how many."""
@@ -344,9 +343,10 @@ class Pacer(PacerViews):
         self.collect_bound.check(num_groups, allow_partial, shape)
 
     def collect_poll(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
-                     lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
-                     trainer_step: Optional[int] = None, max_bytes: int = 0, holder: str = "") -> CollectPoll:
-        return CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes, holder)
+                     lease_seconds: float = 0.0, shape: BatchShape = PLAIN, trainer_step: Optional[int] = None,
+                     max_bytes: int = 0, holder: str = "", named_at_grant: bool = False) -> CollectPoll:
+        return CollectPoll(self, num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes,
+                           holder, named_at_grant)
 
     def check_trainer_step(self, trainer_step: Optional[int]) -> None:
         """Refuse a Collect from a trainer at another step than the server's (see `StepBoundary.check_trainer_step`)."""
@@ -360,22 +360,24 @@ class Pacer(PacerViews):
 
     def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
                    shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0, split: Sequence[int] = (),
-                   holder: str = "") -> CollectResult:
+                   holder: str = "", named_at_grant: bool = False) -> CollectResult:
         """Hand `count` groups from the buffer to the trainer, leased when `lease_seconds` > 0. A rank's share
         (`shape.world_size` > 1) is the oldest one waiting for it, or with `count` > 0 its share of a new mini-batch
         of `count` groups, split as `split` says when a replay gives one (`Collected.split`); `num_groups` (what the
         Collect asked for) tells the ranks of one trainer apart from another's. `holder`: a heartbeating trainer's
-        client id, watched from now on: its silence ends the lease too (liveness.py).
-
-        Fewer (`cut_to_fit`) when the answer would be larger than the caller can receive (`max_bytes`, within
-        server.max_message_bytes): whole groups, oldest first, the rest stay buffered. A first group (or a rank's
-        share) larger than that alone is refused (MessageTooLargeError) before anything is taken."""
+        client id, watched from now on: its silence ends the lease too (liveness.py); `named_at_grant`: the lease
+        counts as named by it now (`Leases.named_at_grant`). Fewer (`cut_to_fit`) when the answer would be larger
+        than the caller can receive (`max_bytes`, within server.max_message_bytes): whole groups, oldest first, the
+        rest stay buffered. A first group (or a rank's share) larger than that alone is refused
+        (MessageTooLargeError) before anything is taken."""
         with self.lock:
             now = self._clock.now()
             result, count, split = self.delivery.take(count, timed_out, lease_seconds, shape, num_groups, max_bytes,
                                                       now, split, holder)
             if holder and result.lease_id:
                 self.liveness.watch([holder], now)
+                if named_at_grant:
+                    self.leases.named_at_grant(result.lease_id, now)
             self.record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
                                    shape.world_size, num_groups, split, holder))
             return result
@@ -404,10 +406,8 @@ class Pacer(PacerViews):
             return groups
 
     def expire_leases(self) -> tuple[list[str], list[str]]:
-        """Reclaim what ran out: in-flight groups (their slots) and Collect leases (back to the buffer).
-
-        Returns (expired prompt ids, expired lease ids). Called periodically by the server.
-        """
+        """Reclaim what ran out: in-flight groups (their slots) and Collect leases (back to the buffer). Returns
+        (expired prompt ids, expired lease ids). Called periodically by the server."""
         with self.lock:
             now = self._clock.now()
             prompt_ids = [group.prompt_id for group in self.leases.running_out(now, self.inflight)]

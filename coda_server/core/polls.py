@@ -42,7 +42,7 @@ class Collecting(Protocol):
     def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]: ...
     def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
                    shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0, split: Sequence[int] = (),
-                   holder: str = "") -> CollectResult: ...
+                   holder: str = "", named_at_grant: bool = False) -> CollectResult: ...
 
 
 class Assembling(Protocol):
@@ -116,10 +116,11 @@ class CollectPoll:
     rank's share waits; at the deadline, whatever is there with `allow_partial`."""
 
     __slots__ = ("_pacer", "_num_groups", "_allow_partial", "_request_id", "_lease_seconds", "_shape", "_trainer_step",
-                 "_max_bytes", "_holder", "_silences")
+                 "_max_bytes", "_holder", "_named_at_grant", "_silences")
 
     def __init__(self, pacer: Collecting, num_groups: int, allow_partial: bool, request_id: str, lease_seconds: float,
-                 shape: BatchShape = PLAIN, trainer_step: Optional[int] = None, max_bytes: int = 0, holder: str = ""):
+                 shape: BatchShape = PLAIN, trainer_step: Optional[int] = None, max_bytes: int = 0, holder: str = "",
+                 named_at_grant: bool = False):
         self._pacer = pacer
         self._num_groups = num_groups
         self._allow_partial = allow_partial
@@ -129,6 +130,7 @@ class CollectPoll:
         self._trainer_step = trainer_step  # None: the trainer does not state its step
         self._max_bytes = max_bytes  # the largest answer the caller takes (0: the server's limit)
         self._holder = holder  # the client whose silence ends the lease too ("": none)
+        self._named_at_grant = named_at_grant  # the lease counts as named by the holder at its grant
         self._silences = pacer.leases.silences.get(holder) if holder else None  # the holder taken as silent since?
 
     def attempt(self) -> Optional[CollectResult]:
@@ -178,7 +180,8 @@ class CollectPoll:
 
     def _take(self, count: int, timed_out: bool) -> CollectResult:
         return self._pacer.apply_take(count, timed_out, self._request_id, self._lease_seconds, self._shape,
-                                      self._num_groups, self._max_bytes, holder=self._holder)
+                                      self._num_groups, self._max_bytes, holder=self._holder,
+                                      named_at_grant=self._named_at_grant)
 
 
 class ResetPoll:
