@@ -553,13 +553,26 @@ def _recording_calls(monkeypatch) -> list[tuple[str, Any]]:
     return calls
 
 
-def _two_batches_async(address: str, size: int) -> list[list[str]]:
+def _named(calls: list[tuple[str, Any]], lease_ids: list[str]) -> bool:
+    """Whether a KeepAlive recorded in `calls` named all of these leases."""
+    return any(method == "KeepAlive" and set(lease_ids) <= set(request.lease_ids) for method, request in calls)
+
+
+def _two_batches_async(address: str, size: int, calls: list[tuple[str, Any]]) -> list[list[str]]:
+    """Two batches through the async iterator under a chosen id, each held until a heartbeat named its lease."""
     from coda_client import AsyncPacerClient
 
     async def main() -> list[list[str]]:
+        leases = []
         async with AsyncPacerClient(address, client_id="trainer") as client:
             async with client.batches(size, lease=LEASE, poll=1, num_batches=2) as batches:
-                return [batch.lease_ids async for batch in batches]
+                async for batch in batches:
+                    leases.append(batch.lease_ids)
+                    deadline = time.monotonic() + 60
+                    while not _named(calls, batch.lease_ids):
+                        assert time.monotonic() < deadline, f"no heartbeat named {batch.lease_ids}"
+                        await asyncio.sleep(0.02)
+        return leases
 
     return asyncio.run(main())
 
@@ -572,25 +585,27 @@ def test_each_lease_counts_as_named_from_its_grant_without_a_heartbeat_per_batch
     blocking iterator reads each answer on a thread of its own as it arrives, so its Collects ask the server to count
     the lease named at its grant (named_at_grant) and no heartbeat goes per batch; the async iterator's answers may
     wait unread while a step blocks its event loop, so it names each lease by a heartbeat as it reads it. With a grace
-    of 1800 s the periodic heartbeats are 600 s apart: any KeepAlive naming a lease here is a prompt one."""
+    of 1800 s the periodic heartbeats are 600 s apart: any KeepAlive naming a lease here is one sent per batch."""
     calls = _recording_calls(monkeypatch)
     with _server(tmp_path, "server.worker_liveness_seconds=1800") as running, PacerClient(running.address) as pacer:
         _fill(pacer, [f"n{i}" for i in range(4)])
         if kind == "blocking":
+            leases = []
             with PacerClient(running.address, client_id="trainer") as trainer_client, \
                     trainer_client.batches(2 * N, lease=LEASE, poll=1, num_batches=2) as batches:
-                leases = [batch.lease_ids for batch in batches]
+                for batch in batches:
+                    leases.append(batch.lease_ids)
+                    until(lambda: pacer.state().leased == 4 or len(leases) == 2, "the prefetch to take its batch")
         else:
-            leases = _two_batches_async(running.address, 2 * N)
-        assert pacer.state().consumed == 4
+            leases = _two_batches_async(running.address, 2 * N, calls)
+        assert pacer.state().consumed == 4 and len(leases) == 2
     collects = [request for method, request in calls if method == "CollectStream"]
-    naming = [list(request.lease_ids) for method, request in calls if method == "KeepAlive" and request.lease_ids]
     assert collects and all(request.release_when_silent for request in collects)
     if kind == "blocking":
-        assert all(request.named_at_grant for request in collects) and naming == []
-    else:
+        assert all(request.named_at_grant for request in collects)
+        assert not [request for method, request in calls if method == "KeepAlive" and request.lease_ids]
+    else:  # each lease named as it was read (_two_batches_async waited for it)
         assert not any(request.named_at_grant for request in collects)
-        assert [*leases[0], *leases[1]] in naming  # the prefetched batch's lease named as it was read
 
 
 def test_a_lease_counted_named_at_its_grant_that_its_process_never_names_goes_back_within_the_grace(tmp_path):
