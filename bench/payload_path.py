@@ -34,7 +34,8 @@ With --concurrent (issue 29): 8 worker processes submit long-tailed groups while
 batches(512, rank=r, world_size=4), against our server and against a relay (a gRPC server with our server's
 options, routing and Submit parsing that queues each Submit's encoded trajectories and answers each Collect, and each
 CollectStream in messages split as ours splits them, with the rank's share of the next global mini-batch in arrival
-order, nothing else; --relay-split arrival: the next groups, whatever rank asks), alternately:
+order, nothing else; --relay-split arrival: the next groups, whatever rank asks), alternately, after one
+unmeasured run of each (--warmup: the first run is often slower, whichever server it meets):
 aggregate MB/s in and out as ratios, token imbalance across ranks per step (max/mean, and over the least any split
 of that step's groups into equal counts could reach), each rank's time in
 next() (the prefetch gap; --step-seconds adds a training step), each Submit's time at the writers (p50, p90, p99: a
@@ -536,16 +537,27 @@ def concurrent_once(kind: str, workdir: Path, lengths: list[list[list[int]]], st
     }
 
 
-def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, json_path: Path | None) -> int:
+def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, json_path: Path | None,
+                    warmups: int = 1) -> int:
     lengths = [long_tailed_lengths(groups_per_writer, seed=100 + w) for w in range(WRITERS)]
     all_lengths = [n for w in lengths for g in w for n in g]
     print(f"payload_path --concurrent: {WRITERS} writer processes x {groups_per_writer} groups of {GROUP_SIZE}, "
           f"{RANKS} ranks iterating batches({DP_MINI_BATCH}, rank=r, world_size={RANKS}); response lengths "
           f"median {int(np.median(all_lengths))}, p90 {int(np.percentile(all_lengths, 90))}, max {max(all_lengths)} "
           f"tokens; step {step_seconds} s; python {platform.python_version()}, {os.cpu_count()} cores")
-    busy0 = machine_busy_ticks()
     runs: dict[str, list[dict]] = {"ours": [], "relay": []}
+    warmup_runs: dict[str, list[dict]] = {"ours": [], "relay": []}
     with tempfile.TemporaryDirectory(prefix="payload-concurrent-") as tmp:
+        # The first run is often slower, whichever server it meets (bench/README.md, "thirty-third round"), and repeat
+        # 0 runs ours first: unmeasured pairs first, so that no measured run is that one.
+        for warmup in range(warmups):
+            for kind in ("ours", "relay"):
+                workdir = Path(tmp) / f"warmup-{kind}-{warmup}"
+                workdir.mkdir()
+                warmup_runs[kind].append(concurrent_once(kind, workdir, lengths, step_seconds))
+            print(f"  warm-up pair {warmup + 1}/{warmups} done (not measured): in MB/s ours "
+                  f"{warmup_runs['ours'][-1]['in_mb_s']:.1f}, relay {warmup_runs['relay'][-1]['in_mb_s']:.1f}", flush=True)
+        busy0 = machine_busy_ticks()
         for repeat in range(repeats):
             for kind in (("relay", "ours") if repeat % 2 else ("ours", "relay")):
                 workdir = Path(tmp) / f"{kind}-{repeat}"
@@ -558,8 +570,8 @@ def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, j
     def med(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[kind])
 
-    print(f"\n{repeats} repeat(s); {runs['ours'][0]['bytes_in'] / 1e6:.0f} MB of arrays each way; machine busy "
-          f"{busy:.0f}% (all cores, anyone's) during the run\n")
+    print(f"\n{repeats} repeat(s) after {warmups} unmeasured warm-up pair(s); {runs['ours'][0]['bytes_in'] / 1e6:.0f} MB "
+          f"of arrays each way; machine busy {busy:.0f}% (all cores, anyone's) during the repeats\n")
     print(f"{'':38} {'ours':>9} {'relay':>9} {'ratio':>7}  target")
     ok = True
     for name, key in (("aggregate MB/s in (8 writers)", "in_mb_s"), ("aggregate MB/s out (4 ranks)", "out_mb_s")):
@@ -622,7 +634,7 @@ def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, j
           f"{med('relay', 'writers_cpu_s'):.2f}; ranks ours {med('ours', 'ranks_cpu_s'):.2f}, relay "
           f"{med('relay', 'ranks_cpu_s'):.2f}")
     if json_path:
-        json_path.write_text(json.dumps({"runs": runs, "busy_percent": busy}, indent=2))
+        json_path.write_text(json.dumps({"runs": runs, "warmup_runs": warmup_runs, "busy_percent": busy}, indent=2))
     return 0 if ok else 1
 
 
@@ -760,6 +772,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.0,
                         help="--concurrent: each rank's training step (a sleep) between batches")
     parser.add_argument("--groups-per-writer", type=int, default=DP_GROUPS_PER_WRITER)
+    parser.add_argument("--warmup", type=int, default=1, metavar="PAIRS",
+                        help="--concurrent: unmeasured runs of each server before the repeats (the first run is "
+                             "often slower, whichever server it meets)")
     parser.add_argument("--floor-event-loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="the empty-handler server's (and the relay's) event loop: asyncio's (a plain grpc.aio "
                              "server) or uvloop, the loop our server runs on when uvloop is installed")
@@ -775,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[FLOOR_PASSTHROUGH_ENV] = "1"
         os.environ[RELAY_SPLIT_ENV] = args.relay_split  # read by the relay's subprocess
         print(f"the relay's split: {args.relay_split} (--relay-split)")
-        return concurrent_main(args.repeats, args.step_seconds, args.groups_per_writer, args.json)
+        return concurrent_main(args.repeats, args.step_seconds, args.groups_per_writer, args.json, args.warmup)
     if args.quick:
         args.repeats, args.trajectories = 1, 2 * MINI_BATCH
     if args.trajectories % MINI_BATCH:
