@@ -659,12 +659,13 @@ class _IteratorBase:
         self._beat_seconds = _FIRST_BEAT_RETRY_SECONDS
         # Heartbeats end at close(), or later while a batch is in hand: ack() may still come after close().
         self._beats_end = threading.Event()
-        # Set to send a heartbeat at once: a lease just taken is named to the server within milliseconds, so that a
-        # process killed right after it arrived has it back within the grace under a client id shared with another
-        # (only a client id the caller chose can be: the iterator's own default is unique). Not needed when the
-        # Collect asked the server to count the lease named at its grant (`_named_at_grant`).
+        # Set to send a heartbeat at once (`_beat_per_lease`): a lease just taken is named to the server within
+        # milliseconds, so that a process killed right after it arrived has it back within the grace under a client
+        # id shared with another.
         self._beat_now = threading.Event()
-        self._id_may_be_shared = False
+        # Whether each lease taken is named by a heartbeat at once: under a client id the caller chose (the iterator's
+        # own default is unique, so never shared), when the server does not count the lease named at its grant.
+        self._beat_per_lease = False
         # Whether each Collect asks the server to count its lease named at its grant (CollectRequest.named_at_grant):
         # only when its answers are read on a thread of their own, as they arrive (the blocking iterator's); an async
         # trainer's may wait unread while a step blocks its event loop, and are named by a heartbeat once read.
@@ -703,8 +704,8 @@ class _IteratorBase:
         """Names the client (trainer-...) if it has no id, before its first call, then heartbeats on a thread of its
         own; with `twin`, through a blocking twin of the client (the async iterator's: a training step that blocks
         its event loop must not stop them); without it, each Collect's lease counts as named at its grant."""
-        self._id_may_be_shared = self._client.client_id is not None
         self._named_at_grant = not twin
+        self._beat_per_lease = twin and self._client.client_id is not None
         self._client.adopt_client_id(default_trainer_id(self.shape))
         self._release_when_silent = True
         client = self._client.blocking_twin() if twin else self._client
@@ -856,7 +857,7 @@ class _IteratorBase:
         if result.lease_id:
             with self._held_lock:
                 self._held_leases[result.lease_id] = sent
-            if self._id_may_be_shared and not self._named_at_grant:
+            if self._beat_per_lease:
                 self._beat_now.set()  # named to the server at once (`_heartbeats`)
         self._note_other_shapes(result)
 
