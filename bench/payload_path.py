@@ -548,21 +548,22 @@ def concurrent_main(repeats: int, step_seconds: float, groups_per_writer: int, j
     runs: dict[str, list[dict]] = {"ours": [], "relay": []}
     warmup_runs: dict[str, list[dict]] = {"ours": [], "relay": []}
     with tempfile.TemporaryDirectory(prefix="payload-concurrent-") as tmp:
+        def run(kind: str, name: str) -> dict:
+            workdir = Path(tmp) / name
+            workdir.mkdir()
+            return concurrent_once(kind, workdir, lengths, step_seconds)
+
         # The first run is often slower, whichever server it meets (bench/README.md, "thirty-third round"), and repeat
         # 0 runs ours first: unmeasured pairs first, so that no measured run is that one.
         for warmup in range(warmups):
             for kind in ("ours", "relay"):
-                workdir = Path(tmp) / f"warmup-{kind}-{warmup}"
-                workdir.mkdir()
-                warmup_runs[kind].append(concurrent_once(kind, workdir, lengths, step_seconds))
+                warmup_runs[kind].append(run(kind, f"warmup-{kind}-{warmup}"))
             print(f"  warm-up pair {warmup + 1}/{warmups} done (not measured): in MB/s ours "
                   f"{warmup_runs['ours'][-1]['in_mb_s']:.1f}, relay {warmup_runs['relay'][-1]['in_mb_s']:.1f}", flush=True)
         busy0 = machine_busy_ticks()
         for repeat in range(repeats):
             for kind in (("relay", "ours") if repeat % 2 else ("ours", "relay")):
-                workdir = Path(tmp) / f"{kind}-{repeat}"
-                workdir.mkdir()
-                runs[kind].append(concurrent_once(kind, workdir, lengths, step_seconds))
+                runs[kind].append(run(kind, f"{kind}-{repeat}"))
             print(f"  repeat {repeat + 1}/{repeats} done", flush=True)
     busy1 = machine_busy_ticks()
     busy = 100 * (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
