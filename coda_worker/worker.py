@@ -651,7 +651,9 @@ class AsyncRolloutWorker:
                 await connection
 
     async def _run(self) -> WorkerStats:
-        state = await self._retrying("GetState", self.pacer.state, reads_only=True)
+        state = await self._starting_state()
+        if state is None:  # stopped before it started: it holds nothing, so there is nothing to finish or submit
+            return self.stats
         await self._engine_ready_at_start()
         self._group_sizes = list(state.group_sizes) or [1]
         self.weight_version, self.generation, self._paused = state.weight_version, state.generation, state.paused
@@ -687,6 +689,23 @@ class AsyncRolloutWorker:
         if self._failure is not None:
             raise self._failure
         return self.stats
+
+    async def _starting_state(self) -> Any:
+        """The pacer's state the worker starts from, or None when stop() came first: before run() (no call is made)
+        or while the first GetState was unanswered (the pacer away or slow). A stop is not a failure: run() then
+        returns its empty stats; that the pacer never answered is said in the log."""
+        if self._stopping:
+            logger.info("%s: stopped before it started (stop() before run()); nothing was dispatched", self.worker_id,
+                        extra=_fields(worker=self.worker_id))
+            return None
+        try:
+            return await self._retrying("GetState", self.pacer.state, reads_only=True)
+        except UnavailableError as exc:
+            if not self._stopping:
+                raise
+            logger.warning("%s: stopped before it started: %s; nothing was dispatched", self.worker_id, exc.details,
+                           extra=_fields(worker=self.worker_id))
+            return None
 
     def _helper_ended(self, task: asyncio.Task) -> None:
         """A helper (control stream, submitter, keep-alive) that raised would leave the worker holding its groups

@@ -398,19 +398,21 @@ def test_a_worker_where_nothing_listens_says_so_at_once_and_stop_ends_it_at_once
             worker.stop()
             done, _ = await asyncio.wait({task}, timeout=CONDITION_TIMEOUT)  # not the grace's 600 s
             assert done, "run() still waits for the call after stop()"
-            return task.exception()
+            return task.result()  # a stop is not a failure: the worker held nothing
 
     with caplog.at_level(logging.WARNING, logger="coda_worker"):
-        error = asyncio.run(go())
-    assert isinstance(error, UnavailableError)
-    assert f"GetState not answered before stop(): the pacer at {address} did not answer" in str(error)
-    away = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        stats = asyncio.run(go())
+    assert stats.groups_started == 0 and stats.trajectories_submitted == 0, stats
+    stopped = [r.getMessage() for r in caplog.records if "stopped before it started" in r.getMessage()]
+    assert len(stopped) == 1, stopped
+    assert f"GetState not answered before stop(): the pacer at {address} did not answer" in stopped[0], stopped
+    away = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "is away" in r.getMessage()]
     assert len(away) == 1 and f"the pacer at {address} is away: no connection can be made to it" in away[0], away
 
 
 def test_stop_before_run_ends_the_run_at_once_where_nothing_listens():
     """stop() before run() on a worker whose server is not there: run()'s first call waited for the call's deadline
-    (60 s here), the grace never having begun."""
+    (60 s here), the grace never having begun; then it raised UNAVAILABLE. Now run() makes no call and returns."""
     async def go():
         async with AsyncPacerClient(f"127.0.0.1:{free_port()}", timeout=60.0, wait_for_ready=True) as pacer:
             worker = make_worker(pacer, HeldEngine(), prompts(2), shutdown_grace=600.0)
@@ -418,10 +420,25 @@ def test_stop_before_run_ends_the_run_at_once_where_nothing_listens():
             task = asyncio.create_task(worker.run())
             done, _ = await asyncio.wait({task}, timeout=CONDITION_TIMEOUT)
             assert done, "run() after stop() waits for a server that is not there"
-            return task.exception()
+            return task.result()
 
-    error = asyncio.run(go())
-    assert isinstance(error, UnavailableError) and "GetState not answered before stop()" in str(error), error
+    stats = asyncio.run(go())
+    assert stats.groups_started == 0, stats
+
+
+def test_stop_before_run_returns_at_once_without_an_error_where_the_server_answers(server):
+    """stop() before run() (or a RolloutWorker stopped as it starts) with the server up: run() raised UNAVAILABLE
+    saying the pacer at that address "did not answer" (the first GetState was ended by the stop before its answer
+    came), which was false. Now it returns its empty stats; the pacer saw no dispatch."""
+    async def go():
+        async with AsyncPacerClient(server.address, timeout=60.0, wait_for_ready=True) as pacer:
+            worker = make_worker(pacer, HeldEngine(), prompts(2), shutdown_grace=600.0)
+            worker.stop()
+            stats = await asyncio.wait_for(worker.run(), CONDITION_TIMEOUT)
+            return stats, await pacer.state()
+
+    stats, state = asyncio.run(go())
+    assert stats.groups_started == 0 and state.running == 0 and state.dispatched == 0, (stats, state)
 
 
 def test_stop_ends_a_submit_waiting_for_a_dead_server_when_the_grace_runs_out(tmp_path, caplog):
