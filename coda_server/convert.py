@@ -74,37 +74,55 @@ def trajectories(submitted: Sequence[wire.SubmittedTrajectory]) -> list[Trajecto
     """Core trajectories read from a Submit's trajectories, whose body is their encoded bytes
     (wire.EncodedTrajectory), so the trainer gets them back byte for byte; `size_bytes`, which the
     server.max_held_bytes cap counts, is the encoded size."""
-    converted = []
-    violations = []
+    converted: list[Trajectory] = []
+    append, body_of, statuses, usual_token_count = (converted.append, wire.EncodedTrajectory, _STATUSES,
+                                                    wire.usual_token_count)
     for i, submitted_trajectory in enumerate(submitted):
         m, data = submitted_trajectory.fields, submitted_trajectory.encoded
-        problem = wire.array_problem(submitted_trajectory)
+        # The usual trajectory (the three per-token arrays of one length, nothing else to check) in one test, as
+        # wire.usual_token_count tells it; anything else through the checks that name what is wrong.
+        num_tokens = usual_token_count(submitted_trajectory)
         metadata = _NO_METADATA
-        # Decoded now: an entry the trainer's parser refuses must not get in.
-        if problem is None and submitted_trajectory.has_metadata:
-            try:
-                metadata = submitted_trajectory.metadata_map()
-            except DecodeError:
-                problem = "metadata must map UTF-8 strings to UTF-8 strings; an entry does not decode as one"
-        if problem:
-            violations.append((f"trajectories[{i}]", problem))
-            continue
-        token_ids = submitted_trajectory.runs.get("token_ids")
+        if num_tokens is None or submitted_trajectory.has_metadata:
+            problem, num_tokens, metadata = _array_and_metadata_problem(submitted_trajectory)
+            if problem:
+                raise _refused(submitted, i)
+        status = m.status
         # Positional, in Trajectory's field order: a keyword call to a dataclass builds a kwargs dict and costs
         # about twice as much, once per submitted trajectory.
-        converted.append(Trajectory(
+        append(Trajectory(
             m.trajectory_id, m.prompt_id, m.ds_index,
-            _STATUSES.get(m.status, m.status),  # kept as a plain int when unknown, so the core refuses it by value
+            statuses.get(status, status),  # kept as a plain int when unknown, so the core refuses it by value
             m.reward, m.start_weight_version, m.end_weight_version, m.num_turns,
-            wire.EncodedTrajectory(data, submitted_trajectory),  # body
+            body_of(data, submitted_trajectory),  # body
             len(data),  # size_bytes
             metadata,
-            len(token_ids) // _TOKEN_ID_WIDTH if token_ids else 0,  # num_tokens (array_problem found it whole)
+            num_tokens,
         ))
-    if violations:
-        raise InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
-                                   violations=violations)
     return converted
+
+
+def _refused(submitted: Sequence[wire.SubmittedTrajectory], first: int) -> InvalidArgumentError:
+    """The error refusing a Submit whose trajectory `first` is the first with a problem: every violation named."""
+    violations = [(f"trajectories[{j}]", problem) for j in range(first, len(submitted))
+                  if (problem := _array_and_metadata_problem(submitted[j])[0])]
+    return InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
+                                violations=violations)
+
+
+def _array_and_metadata_problem(submitted_trajectory: wire.SubmittedTrajectory
+                                ) -> tuple[Optional[str], int, Mapping[str, str]]:
+    """(what is wrong with the trajectory's arrays or metadata or None, its token count, its metadata)."""
+    problem = wire.array_problem(submitted_trajectory)
+    metadata = _NO_METADATA
+    # Decoded now: an entry the trainer's parser refuses must not get in.
+    if problem is None and submitted_trajectory.has_metadata:
+        try:
+            metadata = submitted_trajectory.metadata_map()
+        except DecodeError:
+            problem = "metadata must map UTF-8 strings to UTF-8 strings; an entry does not decode as one"
+    token_ids = submitted_trajectory.runs.get("token_ids")
+    return problem, (len(token_ids) // _TOKEN_ID_WIDTH if token_ids else 0), metadata
 
 
 def reset_mode(value: int) -> ResetMode:

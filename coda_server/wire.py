@@ -303,21 +303,28 @@ _RETIRED_NUMBERS = {Trajectory.DESCRIPTOR.fields_by_name[name].number: name for 
 _ARRAYS_NOW = ", ".join(f"{name}={field.number}" for name, field in _wire.ARRAY_FIELDS.items())
 
 
-def array_problem(trajectory: SubmittedTrajectory) -> Optional[str]:
-    """What is wrong with a submitted trajectory's arrays, or None: a retired field number (a sender built
-    from an older pacer.proto), a run that is not a whole number of values, or non-empty arrays of
-    different lengths."""
+def usual_token_count(trajectory: SubmittedTrajectory) -> Optional[int]:
+    """The token count of the usual trajectory, told in one test: the three per-token arrays, each a whole number of
+    values, of one length, and no segments nor retired field; None for anything else (`array_problem` says what is
+    wrong, if anything). Every submitted trajectory is checked on arrival."""
     runs = trajectory.runs
-    # The usual trajectory, told in one test (every trajectory is checked on arrival): the three per-token arrays,
-    # each a whole number of values, of one length, and no segments nor retired field. Anything else goes through
-    # the checks below, which say what is wrong.
     token_ids, logprobs, loss_mask = runs.get("token_ids"), runs.get("logprobs"), runs.get("loss_mask")
     if token_ids is not None and logprobs is not None and loss_mask is not None and not trajectory.retired:
         count = len(token_ids) // TOKEN_ID_WIDTH
         if (count * TOKEN_ID_WIDTH == len(token_ids) and len(logprobs) == count * _LOGPROB_WIDTH
                 and len(loss_mask) == count * _LOSS_MASK_WIDTH
                 and "segment_lengths" not in runs and "segment_weight_versions" not in runs):
-            return None
+            return count
+    return None
+
+
+def array_problem(trajectory: SubmittedTrajectory) -> Optional[str]:
+    """What is wrong with a submitted trajectory's arrays, or None: a retired field number (a sender built
+    from an older pacer.proto), a run that is not a whole number of values, or non-empty arrays of
+    different lengths."""
+    runs = trajectory.runs
+    if usual_token_count(trajectory) is not None:  # the usual trajectory, told in one test
+        return None
     if trajectory.retired:
         retired = sorted(set(trajectory.retired))
         return (f"uses field number {retired[0]}, which pacer.proto has retired (token_ids and loss_mask "

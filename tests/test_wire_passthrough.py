@@ -251,3 +251,34 @@ def test_varint_encodes_as_protobuf_does(value):
     assert wire_forms.varint(value) == encoder._VarintBytes(value)
     for edge in (0, 0x7F, 0x80, 0x3FFF, 0x4000, 0x1FFFFF, 0x200000, 2**63):
         assert wire_forms.varint(edge) == encoder._VarintBytes(edge)
+
+
+def test_a_refused_submit_names_every_trajectory_that_is_wrong_and_converts_the_usual_ones_with_their_metadata():
+    """The conversion tells the usual trajectory in one test and checks the others in full: a Submit whose
+    trajectories 1 and 3 are wrong (arrays of unequal lengths; a metadata entry that is not UTF-8) is refused naming
+    both, and one whose trajectories are all right, metadata included, converts each with its token count."""
+    from coda_server import convert
+    from coda_server.core.errors import InvalidArgumentError
+
+    def message(i: int, tokens: int = 3, **fields) -> pb.Trajectory:
+        return pb.Trajectory(trajectory_id=f"t{i}", prompt_id="p", token_ids=list(range(tokens)),
+                             logprobs=[-0.5] * tokens, loss_mask=[1] * tokens, **fields)
+
+    entry = b"\x0a\x02\xff\xfe\x12\x01v"  # a map entry whose key is not UTF-8
+    not_utf8 = message(3).SerializeToString() + b"\x62" + bytes([len(entry)]) + entry
+    unequal = message(1)
+    del unequal.logprobs[-1]
+    trajectory_tag = b"\x0a"  # SubmitRequest.trajectories = 1
+    encoded = (message(0).SerializeToString(), unequal.SerializeToString(),
+               message(2, metadata={"k": "v"}).SerializeToString(), not_utf8)
+    data = b"".join(trajectory_tag + bytes([len(t)]) + t for t in encoded)
+    assert pb.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number == 1
+    with pytest.raises(InvalidArgumentError) as refused:
+        convert.trajectories(wire.parse_submit(data).trajectories)
+    assert [field for field, _ in refused.value.violations] == ["trajectories[1]", "trajectories[3]"]
+    assert "equal lengths" in refused.value.violations[0][1] and "UTF-8" in refused.value.violations[1][1]
+
+    good = pb.SubmitRequest(trajectories=[message(0, tokens=5), message(1, tokens=2, metadata={"k": "v"})])
+    converted = convert.trajectories(wire.parse_submit(good.SerializeToString()).trajectories)
+    assert [(t.trajectory_id, t.num_tokens, dict(t.metadata)) for t in converted] == [
+        ("t0", 5, {}), ("t1", 2, {"k": "v"})]
