@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from coda_client import AsyncPacerClient, PacerClient, TrajectoryStatus
-from coda_client.errors import UnavailableError
 from coda_worker.engines import FinishReason, Generation, GenerationRequest, SamplingParams
 from coda_worker import worker as worker_module
 from coda_worker.worker import AsyncRolloutWorker, ListPromptSource, Prompt, RolloutWorker, trajectory_id_of
