@@ -82,11 +82,18 @@ def trajectories(submitted: Sequence[wire.SubmittedTrajectory]) -> list[Trajecto
         # The usual trajectory (the three per-token arrays of one length, nothing else to check) in one test, as
         # wire.usual_token_count tells it; anything else through the checks that name what is wrong.
         num_tokens = usual_token_count(submitted_trajectory)
-        metadata = _NO_METADATA
-        if num_tokens is None or submitted_trajectory.has_metadata:
-            problem, num_tokens, metadata = _array_and_metadata_problem(submitted_trajectory)
-            if problem:
+        if num_tokens is None:
+            if wire.array_problem(submitted_trajectory):
                 raise _refused(submitted, i)
+            token_ids = submitted_trajectory.runs.get("token_ids")
+            num_tokens = len(token_ids) // _TOKEN_ID_WIDTH if token_ids else 0
+        metadata = _NO_METADATA
+        if submitted_trajectory.has_metadata:
+            # Decoded now: an entry the trainer's parser refuses must not get in.
+            try:
+                metadata = submitted_trajectory.metadata_map()
+            except DecodeError:
+                raise _refused(submitted, i) from None
         status = m.status
         # Positional, in Trajectory's field order: a keyword call to a dataclass builds a kwargs dict and costs
         # about twice as much, once per submitted trajectory.
@@ -105,24 +112,20 @@ def trajectories(submitted: Sequence[wire.SubmittedTrajectory]) -> list[Trajecto
 def _refused(submitted: Sequence[wire.SubmittedTrajectory], first: int) -> InvalidArgumentError:
     """The error refusing a Submit whose trajectory `first` is the first with a problem: every violation named."""
     violations = [(f"trajectories[{j}]", problem) for j in range(first, len(submitted))
-                  if (problem := _array_and_metadata_problem(submitted[j])[0])]
+                  if (problem := _problem(submitted[j]))]
     return InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
                                 violations=violations)
 
 
-def _array_and_metadata_problem(submitted_trajectory: wire.SubmittedTrajectory
-                                ) -> tuple[Optional[str], int, Mapping[str, str]]:
-    """(what is wrong with the trajectory's arrays or metadata or None, its token count, its metadata)."""
+def _problem(submitted_trajectory: wire.SubmittedTrajectory) -> Optional[str]:
+    """What is wrong with a submitted trajectory's arrays or metadata, or None."""
     problem = wire.array_problem(submitted_trajectory)
-    metadata = _NO_METADATA
-    # Decoded now: an entry the trainer's parser refuses must not get in.
     if problem is None and submitted_trajectory.has_metadata:
         try:
-            metadata = submitted_trajectory.metadata_map()
+            submitted_trajectory.metadata_map()
         except DecodeError:
             problem = "metadata must map UTF-8 strings to UTF-8 strings; an entry does not decode as one"
-    token_ids = submitted_trajectory.runs.get("token_ids")
-    return problem, (len(token_ids) // _TOKEN_ID_WIDTH if token_ids else 0), metadata
+    return problem
 
 
 def reset_mode(value: int) -> ResetMode:
