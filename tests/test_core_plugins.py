@@ -140,3 +140,15 @@ def test_unknown_strategy_after_plugins_lists_plugin_names_too(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(overrides=[f"server.custom_strategy_dirs=[{tmp_path}]", "fully_async.sliding_window=missing"])
     assert f"listed-{tag}" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["{dir}", "[{dir}, 5]", "[{dir}, '']"])
+def test_custom_strategy_dirs_that_is_no_list_of_paths_is_refused_before_anything_is_imported(tmp_path, monkeypatch,
+                                                                                              value):
+    # A bare path (the usual slip) was read one character at a time: "." (or "/") imported what lay there.
+    (tmp_path / "side_effect.py").write_text(f"open({str(tmp_path / 'IMPORTED')!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"server.custom_strategy_dirs={value.format(dir='.x')}"])
+    assert "server.custom_strategy_dirs" in str(info.value) and "list of directory paths" in str(info.value)
+    assert not (tmp_path / "IMPORTED").exists()

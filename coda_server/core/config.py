@@ -14,7 +14,7 @@ from .errors import ConfigError
 from .filters import FILTERS, filter_problems, filter_specs, normalize_filters
 from .plugins import load_custom_modules
 from .replay import REPLAY_STRATEGIES
-from .settings import SCHEMA, lookup, setting, parse_file_mode, parse_host_port, unknown_key_problems  # noqa: F401
+from .settings import SCHEMA, SCHEMA_BY_PATH, lookup, setting, parse_file_mode, parse_host_port, unknown_key_problems  # noqa: F401
 from .strategy import STRATEGIES, options_section, window_size
 
 RESET_MODES_BY_PARTIAL = {True: "abort", False: "wait"}
@@ -64,12 +64,26 @@ def load_config(
         raise ConfigError(f"configuration file could not be read: {exc}") from None
     try:
         if load_plugins:
-            load_custom_modules(config.server.get("custom_strategy_dirs") or [])
+            load_custom_modules(_plugin_directories(config))
         validate_config(config)
         config.rollout.filter = normalize_filters(config.rollout.filter)
     except OmegaConfBaseException as exc:  # e.g. an interpolation to a key that does not exist
         raise ConfigError(_omegaconf_problem(exc)) from None
     return config
+
+
+def _plugin_directories(config: DictConfig) -> list[str]:
+    """server.custom_strategy_dirs, checked before anything is imported from it (a bare path string would otherwise
+    be read one character at a time, and "." or "/" import whatever lies there)."""
+    key = SCHEMA_BY_PATH["server.custom_strategy_dirs"]
+    directories = config.server.get("custom_strategy_dirs")
+    if directories is None:
+        return []
+    problem = key.problem(directories)
+    if problem is not None:
+        shown = OmegaConf.to_container(directories) if isinstance(directories, ListConfig) else directories
+        raise ConfigError(f"invalid configuration:\n  {key.path} = {shown!r}: {problem}")
+    return [str(directory) for directory in directories]
 
 
 def read_config_file(path: str | Path) -> DictConfig:

@@ -161,7 +161,8 @@ SCHEMA: tuple[Key, ...] = (
     # server: the service itself
     Key("server.address", "any", "127.0.0.1:50051", "host:port of the gRPC listener (checked with server.uds_path)"),
     Key("server.custom_strategy_dirs", "list", [], "Directories whose modules register custom strategies",
-        allowed="must be a list of directories"),
+        check=lambda dirs: all(isinstance(directory, str) and directory for directory in dirs),
+        allowed="must be a list of directory paths, e.g. [/opt/coda/strategies] (a single path too goes in [ ])"),
     Key("server.reflection", "bool", False, "Serve gRPC server reflection"),
     # gRPC's channel arguments are C ints; below 64 KiB the small calls' messages may not fit.
     Key("server.max_message_bytes", "int", 67108864, "Largest request or response message, in bytes",
