@@ -562,3 +562,26 @@ def test_after_a_crash_each_rank_gets_the_share_it_was_split_and_nothing_twice(t
             assert (state.consumed, state.redelivered, state.leased, state.buffered) == (8, 0, 0, 0), state
     finally:
         running.close()
+
+
+def test_a_token_budget_a_full_window_cannot_reach_takes_the_full_buffer_over_grpc(tmp_path):
+    """The window holds at most C = 4 groups; a budget above what they hold waited for ever (nothing more could
+    arrive) and is answered with the whole buffer instead; ranks that could never each get a group are refused."""
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=2",
+                       "trainer.mini_batch_size=2", "fully_async.sliding_window=windowed-fifo",
+                       "fully_async.stale_steps=0") as server, PacerClient(server.address) as worker:
+        prompts = ["w0", "w1", "w2", "w3"]
+        _fill_over_grpc(worker, prompts, [3, 4, 5, 6])
+        assert worker.dispatch(["w4"]).admitted == []  # the window is full: nothing more can arrive
+        from coda_client import _calls
+        first = worker._run(_calls.collect(0, wait=10, allow_partial=False, request_id=None, timeout=30, lease=60,
+                                           token_budget=10**9))
+        assert not first.timed_out and [g.prompt_id for g in first.groups] == prompts  # before: timed out, empty
+        worker.release(first.lease_id)
+        with worker.batches(token_budget=10**9, num_batches=1, lease=60, poll=5) as batches:
+            batch, = list(batches)
+            assert list(dict.fromkeys(batch.prompt_id)) == prompts and batch.num_tokens == 2 * (3 + 4 + 5 + 6)
+        with pytest.raises(BadRequestError, match="world_size 5") as refused:
+            with worker.batches(token_budget=100, rank=0, world_size=5, num_batches=1, lease=60, poll=5) as batches:
+                next(iter(batches))
+        assert "at most 4" in str(refused.value)

@@ -356,8 +356,13 @@ class CollectLimit:
 
     def check(self, num_groups: int, allow_partial: bool, shape: BatchShape = PLAIN) -> None:
         """A Collect that must have `num_groups` buffered at once (no allow_partial, no token budget) is refused
-        when that many can never be: it would wait forever, silently."""
+        when that many can never be: it would wait forever, silently. (A token budget the buffer cannot reach takes
+        what a full buffer holds, see Delivery; its ranks must be able to get a group each.)"""
         limit = self.limit
+        if shape.token_budget and limit and shape.world_size > limit:  # each rank's share holds a group at least
+            raise InvalidArgumentError(
+                f"world_size {shape.world_size} ranks can never each get a group of one token-budget mini-batch: "
+                f"{self.terms}; at most {limit} ranks share one", violations=[("world_size", f"must be at most {limit}")])
         if not allow_partial and not shape.token_budget and limit and num_groups > limit:
             raise InvalidArgumentError(
                 f"num_groups {num_groups} can never be buffered at once, so this Collect could never be answered: "

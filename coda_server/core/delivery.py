@@ -23,11 +23,14 @@ class Delivery:
 
     def __init__(self, buffer: PipelineBuffer, leases: Leases, inflight: InflightTable, steps: StepBoundary,
                  held_bytes: HeldBytes, totals: dict, answers: AnswerBook, signals: Signals, failures: HookFailures,
-                 limits: Limits, on_consumed: Optional[Callable[[list[TrajectoryGroup]], Any]]):
+                 limits: Limits, on_consumed: Optional[Callable[[list[TrajectoryGroup]], Any]], buffer_bound: int = 0):
         self._buffer, self._leases, self._inflight, self._steps = buffer, leases, inflight, steps
         self._held_bytes, self._totals, self._answers, self._signals = held_bytes, totals, answers, signals
         self._failures, self._limits = failures, limits
         self._on_consumed = on_consumed  # the strategy's optional hook, None when it does not define one
+        # The most groups the buffer can ever hold (CollectLimit.limit; 0: no bound known): a token budget the buffer
+        # cannot reach even when full takes what a full buffer holds instead of waiting for ever.
+        self._buffer_bound = buffer_bound
 
     def ready_count(self, num_groups: int, shape: BatchShape, partial: bool = False) -> Optional[int]:
         """Groups the next Collect of this shape takes from the buffer now (0: a rank's share of a mini-batch
@@ -37,7 +40,8 @@ class Delivery:
         entries = self._buffer.entries
         available = len(entries)
         if shape.token_budget:
-            count = budget_count(entries, shape.token_budget, num_groups, shape.world_size)
+            most = min(num_groups, self._buffer_bound) if self._buffer_bound else num_groups
+            count = budget_count(entries, shape.token_budget, most, shape.world_size)
             return count if count is not None or not partial or available < shape.world_size else available
         if available >= num_groups:
             return num_groups

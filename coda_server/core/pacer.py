@@ -139,7 +139,7 @@ class Pacer(PacerViews):
         self.intake = Intake(self.checks, limits, self.inflight, self.held_bytes, self.leases, buffer, self.collector,
                              steps, self.totals, signals, self.failures, self.recorder, self._clock, self._on_submitted)
         self.delivery = Delivery(buffer, self.leases, self.inflight, steps, self.held_bytes, self.totals,
-                                 self.answers, signals, self.failures, limits, self._on_consumed)
+                                 self.answers, signals, self.failures, limits, self._on_consumed, self.collect_limit)
 
         # The calls that cross many owners at once, each an object given the owners it crosses.
         self.checkpoints = Checkpoints(
