@@ -72,10 +72,13 @@ _CLOSE_PREFETCH_WAIT_SECONDS = 1.0
 _FIRST_BEAT_RETRY_SECONDS = 1.0
 
 
-def _server_away(code: Any, client: Any) -> bool:
-    """Whether a call that ended with `code` found no server: the server shut down or died (CANCELLED, UNAVAILABLE),
-    or, for a client that waits for a server to be ready, its deadline passed while none was (DEADLINE_EXCEEDED)."""
-    return code in _ENDED_BY_SHUTDOWN or (code == grpc.StatusCode.DEADLINE_EXCEEDED and client.wait_for_ready)
+def _server_away(code: Any) -> bool:
+    """Whether a call that ended with `code` is to be sent again (same request id) once a server answers: the server
+    shut down or died (CANCELLED, UNAVAILABLE), or no answer was read before the deadline (DEADLINE_EXCEEDED): a
+    client that waits for a server to be ready and found none, a server that did not answer in time, or this process
+    stopped (SIGSTOP, a paused VM) past the deadline of a Collect that was waiting, whose answer it then reads too
+    late. The retry takes nothing twice; `reconnect` bounds the whole."""
+    return code in _ENDED_BY_SHUTDOWN or code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 @dataclass(frozen=True, eq=False)
@@ -1053,7 +1056,7 @@ class BatchIterator(_IteratorBase):
             if self._closed and not survives_close:
                 raise _Stopped from None
             # A server that shut down, died or (waiting for ready) never came: away until it is back.
-            if _server_away(exc.code(), self._client):
+            if _server_away(exc.code()):
                 if not self._shutdown.wait(SHUTDOWN_EVENT_WAIT_SECONDS if exc.code() == grpc.StatusCode.CANCELLED
                                            else 0):
                     self._present.clear()
@@ -1338,7 +1341,7 @@ class AsyncBatchIterator(_IteratorBase):
         except Exception as exc:
             if self._closed and not survives_close:
                 raise _Stopped from None
-            if _server_away(getattr(exc, "code", None), self._client):  # see BatchIterator._call_once
+            if _server_away(getattr(exc, "code", None)):  # see BatchIterator._call_once
                 if not self._shutdown.is_set():
                     try:
                         await asyncio.wait_for(self._shutdown.wait(), SHUTDOWN_EVENT_WAIT_SECONDS

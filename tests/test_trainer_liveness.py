@@ -966,3 +966,47 @@ def test_a_trainer_grace_of_its_own_keeps_a_stopped_trainers_batches_while_a_sil
         assert trained == ["s0", "s1", "s2", "s3"]
         state = pacer.state()
         assert (state.consumed, state.leased, state.redelivered) == (4, 0, 0)
+
+
+WAITING_TRAINER = """
+    from coda_client import PacerClient
+    pacer = PacerClient({address!r}, timeout={timeout})
+    trained = []
+    with pacer.batches({size}, lease={lease}, poll={poll}, num_batches=1) as batches:
+        print("waiting", flush=True)  # its first Collect waits on an empty buffer, and is stopped there
+        for batch in batches:
+            trained += [g.prompt_id for g in batch.groups]
+    print(" ".join(trained), flush=True)
+"""
+
+
+def test_a_trainer_stopped_past_its_collects_deadline_goes_on(tmp_path) -> None:
+    """SIGSTOP while the iterator's Collect waits, for longer than that call's deadline (poll + the client's timeout):
+    the deadline passes while the process cannot read the answer. Going on, it asked again instead of ending the
+    training loop with DEADLINE_EXCEEDED, and trains the groups once."""
+    poll, timeout = 1.0, 1.0
+    with _server(tmp_path) as running, PacerClient(running.address) as pacer:
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(WAITING_TRAINER).format(address=running.address, timeout=timeout,
+                                                                           size=2 * N, lease=LEASE, poll=poll)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        try:
+            assert trainer.stdout.readline().strip() == "waiting"
+            trainer.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                _fill(pacer, ["d0", "d1"])
+                # Past the call's deadline, and past the grace (the groups back in the buffer if the open Collect
+                # had taken them).
+                until(lambda: time.monotonic() - stopped_at > poll + timeout + GRACE + 1
+                      and pacer.state().leased == 0, "the stopped trainer's Collect deadline to pass", timeout=60)
+            finally:
+                trainer.send_signal(signal.SIGCONT)
+            out, err = trainer.communicate(timeout=120)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+        assert trainer.returncode == 0, err[-2000:]
+        assert sorted(out.split()) == ["d0", "d1"]
+        state = pacer.state()
+        assert (state.consumed, state.leased, state.buffered) == (2, 0, 0)
