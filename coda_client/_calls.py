@@ -170,7 +170,10 @@ def submit(trajectories: Sequence[Trajectory], *, request_id: str | None, timeou
         raise TypeError("trajectories must be a list of Trajectory, not a single Trajectory")
     if max_message_bytes:
         trajectories = [_trajectory(t) for t in trajectories]
-        size = estimated_submit_bytes(trajectories)
+        try:
+            size = estimated_submit_bytes(trajectories)
+        except (TypeError, AttributeError):  # a field of the wrong type: the encoding below names it
+            size = 0
         if size > max_message_bytes:
             raise MessageTooLargeError(len(trajectories), size, max_message_bytes)
     request = _wire.EncodedSubmitRequest((_trajectory(t).encoded_parts() for t in trajectories),

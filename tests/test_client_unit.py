@@ -832,3 +832,17 @@ def test_an_outage_is_one_warning_debug_lines_between_and_one_info_line_at_its_e
         (logging.INFO, caplog.records[-1].getMessage())]
     assert re.fullmatch(r"w\{0\}%s: back after \d+\.\d s", caplog.records[-1].getMessage())
     assert caplog.records[0].fields == {"worker": "w{0}%s"}
+
+
+@pytest.mark.parametrize("field, value, named", [("prompt_id", 5, "Trajectory.prompt_id = 5"),
+                                                 ("metadata", {"a": 1}, "Trajectory.metadata"),
+                                                 ("payload", "text", "Trajectory.payload")])
+def test_a_submitted_field_of_the_wrong_type_is_named_before_the_size_check(field, value, named) -> None:
+    """The size estimate (len() of the strings and arrays) ran first and failed with a bare "object of type 'int' has
+    no len()", naming no field; the encoding's error names it."""
+    from coda_client import Trajectory, TrajectoryStatus, _calls
+
+    fields = {**dict(trajectory_id="c0#0", prompt_id="c0", status=TrajectoryStatus.COMPLETED, token_ids=[1],
+                     logprobs=[-0.1]), field: value}
+    with pytest.raises(TypeError, match=re.escape(named)):
+        _calls.submit([Trajectory(**fields)], request_id=None, timeout=1, max_message_bytes=1 << 20)
