@@ -345,3 +345,16 @@ def test_a_snapshot_written_before_reasons_were_kept_restores_its_ended_leases_w
     with pytest.raises(LeaseExpiredError, match="ran out or was given back"):
         leases.acknowledge("lease-1")
     assert leases.reclaimable == {} and leases.serial == 3
+
+
+def test_a_submit_fenced_with_a_seq_never_given_to_its_group_is_refused_as_such():
+    """A seq later than the group's latest was never its dispatch: refused as a bad argument, not told that the group
+    "was released from seq 999 and dispatched again to another worker" (false: this worker still holds it)."""
+    pacer, _ = make_pacer()
+    seq = pacer.dispatch([PromptRef("a")], client_id="w1").first_seq
+    before = pacer.state()
+    with pytest.raises(InvalidArgumentError, match=f"seq 999 for group 'a', a seq the server never gave it: its "
+                                                   f"dispatch is seq {seq}"):
+        pacer.submit([Trajectory("a/t0", "a")], dispatch_seqs={"a": 999})
+    assert pacer.state() == before
+    assert pacer.submit([Trajectory("a/t0", "a")], dispatch_seqs={"a": seq}).accepted == 1

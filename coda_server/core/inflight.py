@@ -5,7 +5,7 @@ import math
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from .errors import StaleDispatchError
+from .errors import InvalidArgumentError, StaleDispatchError
 from .prompt_ids import loongsage_order
 from .types import HeldGroup, PromptRef, StepReport, Trajectory, TrajectoryGroup, TrajectoryStatus
 
@@ -248,6 +248,14 @@ class InflightTable:
         """Refuse a Submit from a worker that lost a group: the group was released from it (lease or liveness)
         and handed out again, so its running dispatch has another seq than the one the Submit names."""
         stale = self.stale_fences(dispatch_seqs)
+        never = [(prompt_id, yours, now) for prompt_id, yours, now in stale if yours > now]
+        if never:  # seqs only grow: a later seq than the group's latest was never this group's
+            prompt_id, yours, now = never[0]
+            raise InvalidArgumentError(
+                f"dispatch_seqs names seq {yours} for group {prompt_id!r}, a seq the server never gave it: its "
+                f"dispatch is seq {now}; send each group's seq as its Dispatch answered it",
+                violations=[(f"dispatch_seqs[{p!r}]", f"seq {y} was never a dispatch of this group (its latest: {n})")
+                            for p, y, n in never])
         if stale:
             prompt_id, yours, now = stale[0]
             raise StaleDispatchError(
