@@ -170,7 +170,13 @@ def translate(rpc_error: grpc.RpcError, target: str | None = None, waited_for_re
         cls = StaleGenerationError
     elif cls is UnknownPromptError and status.reason == UNKNOWN_LEASE:
         cls = UnknownLeaseError
-    if cls is UnavailableError and target and not status.reason:
+    if cls is ResourceExhaustedError and not status.reason and "larger than max" in (message or ""):
+        # gRPC's own refusal of a request over the server's limit ("Received message larger than max (N vs. M)"),
+        # sent before any handler: no reason, no retry delay; a retry fails alike.
+        message = (f"the request is larger than the server takes ({message}): the server's limit is its "
+                   f"server.max_message_bytes; send less per call (a Submit: fewer or shorter trajectories) or raise "
+                   f"that limit, and the client's max_message_bytes with it (it refuses such a call before sending)")
+    elif cls is UnavailableError and target and not status.reason:
         message = f"cannot reach the pacer at {target}: {message}"
     elif cls is DeadlineExceededError and target and not status.reason:
         waited = (" (or no server reachable there all along: the call waited for one, wait_for_ready=True)"

@@ -161,3 +161,23 @@ def test_a_dispatch_reoffers_only_the_kept_groups_its_answer_can_carry(tmp_path)
             assert [g.prompt_id for g in first.continuations] == ["a"] and first.admitted == ["n0"]
             second = client.dispatch(["n2"])
             assert [g.prompt_id for g in second.continuations] == ["b"] and second.admitted == []
+
+
+def test_a_submit_over_the_servers_limit_is_refused_naming_that_limit(tmp_path):
+    """A client allowing more than the server takes: gRPC refuses the request before any handler, with a bare
+    RESOURCE_EXHAUSTED "Received message larger than max" (no reason, no setting named); the client says what to
+    change. Nothing is accepted."""
+    from coda_client.errors import ResourceExhaustedError
+
+    overrides = core_overrides("no-window", B=4, stale=1.0, N=2)
+    with ServerProcess(tmp_path, *overrides, f"server.max_message_bytes={LIMIT}") as server:
+        with PacerClient(server.address) as client:  # its own limit: the default, far over the server's
+            client.dispatch(["big"])
+            with pytest.raises(ResourceExhaustedError) as refused:
+                client.submit(payload_trajectories("big", 2, 600 * KB))
+            assert "server.max_message_bytes" in refused.value.details and "larger than max" in refused.value.details
+            assert refused.value.retry_delay is None
+            state = client.state()
+            assert (state.running, state.buffered) == (1, 0)
+            client.submit(payload_trajectories("big", 2, 100 * KB))  # what fits is taken
+            assert client.state().buffered == 1
