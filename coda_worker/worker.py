@@ -36,6 +36,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import math
 import numbers
 import os
 import re
@@ -299,6 +300,18 @@ def _check_seconds(name: str, value: Any, *, positive: bool) -> None:
         raise ValueError(f"{name} {value!r} must be a number of seconds {'> 0' if positive else '>= 0'}")
 
 
+def _finite_reward(value: Any) -> float:
+    """A reward function's answer as a float; ValueError or TypeError when it is no finite number. The server
+    refuses NaN and inf in a Submit, and that refusal would take the group's valid trajectories with it; a str is
+    refused though float() parses one ("nan" among them): a verifier that returns text has a bug."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"it returned {value!r} ({type(value).__name__}); a reward must be a finite number")
+    reward = float(value)  # bool, int, NumPy and torch scalars convert; None and other objects raise TypeError
+    if not math.isfinite(reward):
+        raise ValueError(f"it returned {reward!r}; a reward must be a finite number")
+    return reward
+
+
 def default_worker_id() -> str:
     """A worker id unique on this machine and run: worker-PID-random."""
     return f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -316,11 +329,15 @@ class WorkerStats:
     groups_started: int = 0
     groups_continued: int = 0  # restored groups taken back from the server and continued
     groups_done: int = 0  # every trajectory acknowledged (or refused as stale)
+    groups_given_up: int = 0  # not all acknowledged when stop()'s grace ran out: left to the server's lease
     trajectories_submitted: int = 0  # acknowledged by the server
     trajectories_aborted: int = 0  # submitted as ABORTED (at a PAUSE with ABORT)
     trajectories_continued: int = 0  # ABORTED trajectories this worker continued after a Reset
     trajectories_failed: int = 0  # the engine or the reward function failed them (submitted as FAILED)
     trajectories_refused: int = 0  # refused by the server (stale generation, lease ran out): not acknowledged
+    # Not acknowledged when stop()'s grace ran out (still generating, their Submit unanswered or pushed back): given
+    # up, the server reclaims their groups by lease. Not "refused": the server refused nothing.
+    trajectories_given_up: int = 0
     trajectories_too_large: int = 0  # larger than a message may be: submitted as FAILED, saying why
     tokens_generated: int = 0
     submit_calls: int = 0
@@ -328,7 +345,7 @@ class WorkerStats:
     dispatch_calls: int = 0
     keepalive_calls: int = 0
     engine_aborts: int = 0
-    reward_errors: int = 0  # calls of the reward function that raised (or gave what float() refuses)
+    reward_errors: int = 0  # calls of the reward function that raised or gave no finite number (None, a str, NaN, inf)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -394,6 +411,7 @@ class _Group:
         self.continued = continued
         self.abort_requested = False
         self.unacknowledged = len(trajectories)
+        self.given_up = False  # some of it was not acknowledged when stop()'s grace ran out
         self.task: asyncio.Task | None = None
 
 
@@ -437,6 +455,12 @@ class _TooLarge(Exception):
         self.limit_text = f"the server's message limit ({details})"
 
 
+class _GivenUp(Exception):
+    """A Submit the worker stopped trying when stop()'s grace ran out, nothing acknowledged; says what the pacer
+    last did (answered nothing, or kept pushing back): the server still holds its groups and reclaims them by
+    their in-flight lease, so these are given up, not refused."""
+
+
 
 class AsyncRolloutWorker:
     """The rollout loop on asyncio. `await worker.run()` works until the source is exhausted (and every
@@ -448,7 +472,7 @@ class AsyncRolloutWorker:
     pacer: an AsyncPacerClient (the worker does not close it). engine: an AsyncEngine (e.g. VLLMEngine).
     source: a PromptSource. sampling: SamplingParams of every trajectory. reward: optional
     `reward(prompt, response_token_ids) -> float` (or a coroutine) for completed trajectories; a call that raises
-    (or gives what float() refuses) makes its trajectory FAILED, the error in its metadata ("error") and the log,
+    (or gives no finite number: None, a str, NaN, inf) makes its trajectory FAILED, the error in its metadata ("error") and the log,
     and the others go on; reward_failure_limit such failures in a row, none scored between, stop the worker and
     run() raises RewardFunctionError (a reward function that cannot run at all would otherwise turn every prompt
     of the source into FAILED trajectories); so do engine_failure_limit requests in a row that the engine failed
@@ -577,6 +601,8 @@ class AsyncRolloutWorker:
         self._calls_in_flight: dict[asyncio.Future[Any], str] = {}
         self._stop_asked: asyncio.Future[None] | None = None
         self._grace_over: asyncio.Future[None] | None = None
+        # The back-pressure refusal a Submit waits out now, if one does: a give-up at the grace names it as the cause.
+        self._pushed_back: ResourceExhaustedError | None = None
         self._stream_up = False  # the control stream's first event (STATE) arrived
         self._staying_logged = False  # said that its prompts are done and it stays for continuations
         self._job_ended = False  # the trainer ended the job (JOB_ENDED): submit what is held, then return
@@ -682,10 +708,12 @@ class AsyncRolloutWorker:
             if self._engine_probe is not None:
                 self._engine_probe.cancel()
             self._return_pending()
+        given_up = (f", {self.stats.groups_given_up} groups given up at stop() ({self.stats.trajectories_given_up} "
+                    f"trajectories not acknowledged)" if self.stats.groups_given_up else "")
         logger.info("%s: stopped: %d groups done, %d trajectories acknowledged (%d aborted, %d continued), "
-                    "%d tokens", self.worker_id, self.stats.groups_done, self.stats.trajectories_submitted,
+                    "%d tokens%s", self.worker_id, self.stats.groups_done, self.stats.trajectories_submitted,
                     self.stats.trajectories_aborted, self.stats.trajectories_continued, self.stats.tokens_generated,
-                    extra=_fields(worker=self.worker_id, **self.stats.as_dict()))
+                    given_up, extra=_fields(worker=self.worker_id, **self.stats.as_dict()))
         if self._failure is not None:
             raise self._failure
         return self.stats
@@ -1142,15 +1170,15 @@ class AsyncRolloutWorker:
             self._poke()
 
     async def _reward_of(self, group: _Group, traj: _Traj) -> tuple[float, str | None]:
-        """The trajectory's reward, and None; or 0.0 and what went wrong when the reward function raised or gave
-        what float() refuses (the trajectory then goes FAILED, saying so)."""
+        """The trajectory's reward, and None; or 0.0 and what went wrong when the reward function raised or gave no
+        finite number (the trajectory then goes FAILED, saying so)."""
         if self.reward is None or traj.status != TrajectoryStatus.COMPLETED:
             return 0.0, None
         try:
             value = self.reward(group.prompt, traj.token_ids)
             if inspect.isawaitable(value):
                 value = await value
-            reward = float(value)
+            reward = _finite_reward(value)
         except Exception as exc:  # the user's verifier: one response it cannot score must not stop the others
             return 0.0, self._reward_failed(traj, exc)
         self._reward_failures.succeeded()
@@ -1242,7 +1270,10 @@ class AsyncRolloutWorker:
                 return
             self._refused(batch, exc)
             return
-        except PacerClientError as exc:  # e.g. the server went away for good: nothing was acknowledged
+        except _GivenUp as exc:  # stop()'s grace ran out first: the server refused nothing
+            self._given_up(batch, str(exc))
+            return
+        except PacerClientError as exc:
             self._refused(batch, exc)
             return
         self._acknowledged(batch)
@@ -1294,19 +1325,38 @@ class AsyncRolloutWorker:
                           metadata={**message.metadata, "error": reason, "finish_reason": "error"})
 
     async def _submit(self, trajectories: list[Trajectory], fences: dict[str, int] | None = None) -> None:
+        """Submits `trajectories` until acknowledged; raises what the server refused them with, or _GivenUp when
+        stop()'s grace ran out before an answer or while the server pushed back."""
+        try:
+            await self._submit_until_answered(trajectories, fences)
+        finally:
+            self._pushed_back = None
+
+    async def _submit_until_answered(self, trajectories: list[Trajectory], fences: dict[str, int] | None) -> None:
+        assert self._grace_over is not None
         request_id = str(uuid.uuid4())
         while True:
+            if self._pushed_back is not None and self._grace_over.done():
+                # Checked before calling again: a call made now would be cut at once and read as unanswered.
+                raise _GivenUp(f"the pacer at {self._target} kept refusing it for now with "
+                               f"{self._pushed_back.reason or 'RESOURCE_EXHAUSTED'} (back-pressure: nothing accepted) "
+                               f"until the {self.shutdown_grace:g} s shutdown grace after stop() ran out")
             try:
                 await self._retrying("Submit", lambda: self.pacer.submit(trajectories, request_id=request_id,
                                                                         dispatch_seqs=fences))
                 self.stats.submit_calls += 1
                 return
+            except UnavailableError as exc:  # a Submit is retried while unanswered until the grace, never after
+                if not self._grace_over.done():
+                    raise
+                raise _GivenUp(exc.details or str(exc)) from exc
             except ResourceExhaustedError as exc:
                 if _MESSAGE_LIMIT.search(exc.details or "") and not exc.reason:
                     # gRPC's own message limit (not the server's back-pressure): the same call would fail again.
                     raise _TooLarge(exc.details) from exc
-                if self._grace_over is not None and self._grace_over.done():
-                    raise
+                self._pushed_back = exc  # (_drain names it if the grace runs out meanwhile)
+                if self._grace_over.done():
+                    continue  # given up above, saying so
                 # Back-pressure: nothing was applied. Wait as the server asks, then propose the same again.
                 delay = exc.retry_delay if exc.retry_delay is not None else 1.0
                 logger.warning("%s: Submit of %d trajectories refused for now (%s); retrying in %.1f s",
@@ -1340,11 +1390,27 @@ class AsyncRolloutWorker:
                 self._request_abort([group], reason="the server refused its trajectories")
             self._trajectory_settled(group)
 
+    def _given_up(self, batch: list[tuple[_Group, _Traj]], why: str) -> None:
+        """A Submit ended by stop()'s grace: its trajectories are given up (the server refused nothing)."""
+        group = batch[0][0]
+        logger.warning("%s: Submit of %d trajectories of group %r given up: %s", self.worker_id, len(batch),
+                       group.prompt.prompt_id, why,
+                       extra=_fields(worker=self.worker_id, prompt_id=group.prompt.prompt_id))
+        for group, _traj in batch:
+            if self._groups.get((group.prompt.prompt_id, group.seq)) is not group:
+                continue  # settled already, and counted: given up by run() when the grace ran out
+            self.stats.trajectories_given_up += 1
+            group.given_up = True
+            self._trajectory_settled(group)
+
     def _trajectory_settled(self, group: _Group) -> None:
         group.unacknowledged -= 1
         if group.unacknowledged == 0:
             self._groups.pop((group.prompt.prompt_id, group.seq), None)
-            self.stats.groups_done += 1
+            if group.given_up:
+                self.stats.groups_given_up += 1
+            else:
+                self.stats.groups_done += 1
             self._poke()
 
     # ------------------------------------------------------------------ control events
@@ -1545,12 +1611,17 @@ class AsyncRolloutWorker:
         while self._groups:
             self._changed.clear()
             if self._grace_over.done():
-                logger.warning("%s: %d groups not acknowledged within the %g s grace, given up: %s", self.worker_id,
+                # Why, when the pacer answered: its back-pressure, not a pacer away, held them.
+                why = (f" (the pacer at {self._target} kept refusing Submits for now with "
+                       f"{self._pushed_back.reason or 'RESOURCE_EXHAUSTED'}: back-pressure, nothing accepted)"
+                       if self._pushed_back is not None else "")
+                logger.warning("%s: %d groups not acknowledged within the %g s grace, given up: %s%s", self.worker_id,
                                len(self._groups), self.shutdown_grace,
-                               ", ".join(g.prompt.prompt_id for g in list(self._groups.values())[:5]),
+                               ", ".join(g.prompt.prompt_id for g in list(self._groups.values())[:5]), why,
                                extra=_fields(worker=self.worker_id, given_up=len(self._groups)))
-                for group in list(self._groups.values()):  # settled as refused: nothing more of them is sent
-                    self.stats.trajectories_refused += max(0, group.unacknowledged)
+                for group in list(self._groups.values()):  # nothing more of them is sent; the server refused none
+                    self.stats.trajectories_given_up += max(0, group.unacknowledged)
+                    group.given_up = True
                     group.unacknowledged = 1
                     self._trajectory_settled(group)
                 return
@@ -1608,19 +1679,26 @@ class AsyncRolloutWorker:
 
     def _ended_by_stop(self, what: str, reads_only: bool) -> UnavailableError:
         """The error of a call still unanswered at stop() (one that reads only) or when its grace ran out."""
-        target = getattr(self.pacer, "target", "?")
+        target = self._target
         if reads_only:
             return UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered before stop(): the pacer at "
                                     f"{target} did not answer")
         return UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered within the {self.shutdown_grace:g} s "
-                                f"shutdown grace after stop(); the pacer at {target} is unreachable")
+                                f"shutdown grace after stop(): the pacer at {target} did not answer it")
+
+    @property
+    def _target(self) -> str:
+        return str(getattr(self.pacer, "target", "?"))
 
     async def _pause(self, seconds: float, ends: asyncio.Future[None] | None = None) -> None:
         """Sleeps `seconds`, less if `ends` (default: stop()'s grace running out) is set meanwhile."""
         ends = self._grace_over if ends is None else ends
         assert ends is not None
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(ends), seconds)
+        # Not wait_for(shield(ends)): on Python 3.10 and 3.11, wait_for returns the shielded future's result when
+        # its task is cancelled in the same turn of the loop as `ends` is set, swallowing the cancel (as happens
+        # when the grace runs out and run() cancels the helpers at once); a helper that lost its cancel kept
+        # run() waiting for it for ever. asyncio.wait never cancels `ends` and always passes a cancel on.
+        await asyncio.wait([ends], timeout=seconds)
 
     async def _watch_connection(self) -> None:
         """Says at once that the pacer cannot be reached: its calls wait for it (wait_for_ready, as RolloutWorker

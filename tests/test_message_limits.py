@@ -144,7 +144,7 @@ def test_stop_ends_a_worker_within_its_grace_while_its_submits_are_refused(tmp_p
                 return await asyncio.wait_for(task, 30)  # the grace is 1 s: it ends, it does not retry for ever
 
         stats = asyncio.run(go())
-    assert stats.trajectories_refused == 2 and stats.groups_done == 1
+    assert stats.trajectories_given_up == 2 and stats.groups_given_up == 1 and stats.trajectories_refused == 0
 
 
 def test_a_dispatch_reoffers_only_the_kept_groups_its_answer_can_carry(tmp_path):

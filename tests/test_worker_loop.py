@@ -442,7 +442,8 @@ def test_stop_before_run_returns_at_once_without_an_error_where_the_server_answe
 
 def test_stop_ends_a_submit_waiting_for_a_dead_server_when_the_grace_runs_out(tmp_path, caplog):
     """kill -9, then stop(): a Submit waiting for a server (wait_for_ready) ended at its deadline (60 s here), not
-    at shutdown_grace; what it carried is refused (counted and logged), and run() returns."""
+    at shutdown_grace; what it carried is given up (counted and logged; the server refused nothing), and run()
+    returns."""
     overrides = [*core_overrides("no-window", B=2, stale=1.0, N=2, M=4), f"server.state_dir={tmp_path / 'state'}"]
     server = ServerProcess(tmp_path, *overrides).start()
     try:
@@ -462,7 +463,8 @@ def test_stop_ends_a_submit_waiting_for_a_dead_server_when_the_grace_runs_out(tm
 
         with caplog.at_level(logging.WARNING, logger="coda_worker"):
             stats = asyncio.run(go())
-        assert stats.trajectories_refused == 4 and stats.trajectories_submitted == 0
+        assert stats.trajectories_given_up == 4 and stats.groups_given_up == 2, stats
+        assert stats.trajectories_refused == 0 and stats.trajectories_submitted == 0 and stats.groups_done == 0, stats
         # Said by the Submit cut at the grace, or by run() giving its groups up then, whichever comes first.
         assert any("not answered within the 1 s shutdown grace after stop()" in r.getMessage()
                    or "2 groups not acknowledged within the 1 s grace, given up" in r.getMessage()
