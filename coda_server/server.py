@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import logging
+import shutil
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import grpc
@@ -17,7 +20,10 @@ from .allocator import HeapTrimmer, in_a_thread, retain_freed_memory
 from .admission import Admission, call_limits
 from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
-from .core.sqlite_journal import SqliteJournal
+from .core.errors import ConfigError
+from .core.strategy import STRATEGIES, ThreadSafeStrategy, create_strategy
+from .core.journal import StateDirError, StateDirLockedError
+from .core.sqlite_journal import LOW_SPACE_BYTES, SqliteJournal
 from .core.pacer import Pacer
 from .method_wrapping import WrappingRegistrar
 from .metrics_listener import check_metrics_security
@@ -85,16 +91,71 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, GC_MIDDLE_THRESHOLD, GC_OLD_THRESHOLD)
 
 
+def open_journal(state_dir: str, fsync: str) -> SqliteJournal:
+    """The journal of `state_dir`; a StateDirError whose cause is a full file system says so, and what to do
+    (the journal's own advice is about permissions)."""
+    try:
+        return SqliteJournal(state_dir, fsync=fsync, codec=ProtoTrajectories())
+    except StateDirLockedError:
+        raise
+    except StateDirError as exc:
+        text = str(exc)
+        free = _free_bytes(Path(state_dir).absolute())
+        lower = text.lower()
+        full = (any(sign in lower for sign in ("disk is full", "no space left", "disk quota exceeded"))
+                or (free is not None and free < LOW_SPACE_BYTES
+                    and not any(sign in lower for sign in ("permission denied", "read-only", "not a directory"))))
+        if not full:
+            raise
+        cause = text.split("; it must be a directory")[0]
+        left = f"{free / 2**20:.1f} MiB free" if free is not None else "no space left"
+        raise StateDirError(f"{cause}; its file system is full ({left}): free space on it, or set server.state_dir "
+                            f"to a directory on a file system with room") from None
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    """Free bytes of the file system `path` is (or would be created) on; None when that cannot be told."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
+def build_strategy(config: Any) -> ThreadSafeStrategy:
+    """The strategy fully_async.sliding_window names, built; ConfigError naming it and what its constructor
+    raised (a custom strategy's bug, or a configuration it refuses) instead of a traceback."""
+    name = str(config.fully_async.sliding_window)
+    try:
+        return create_strategy(config)
+    except ConfigError:  # already names the key and what is allowed (e.g. read_options)
+        raise
+    except Exception as exc:
+        cls = STRATEGIES.get(name) if name in STRATEGIES else None
+        try:
+            where = f" ({inspect.getsourcefile(cls)})" if cls is not None else ""
+        except TypeError:
+            where = ""
+        problem = " ".join(str(exc).split()) or "(no message)"
+        raise ConfigError(f"fully_async.sliding_window = {name!r}: the strategy could not be built: its __init__ "
+                          f"raised {type(exc).__name__}: {problem}; fix the strategy{where} or choose another "
+                          f"(registered: {', '.join(STRATEGIES.names())})") from None
+
+
 class PacerServer:
     """One pacing server: owns the Pacer, its asyncio face, the grpc.aio server and the health states."""
 
     def __init__(self, config: Any, pacer: Optional[Pacer] = None):
         self.config = config
+        # The strategy first: one whose __init__ fails stops start-up before the state directory is touched.
+        strategy = build_strategy(config) if pacer is None else None
+        transport.check_tls_files(config)  # so is a certificate and key that do not go together
         state_dir = str(config.server.state_dir or "")
         # The journal takes the state directory's lock now: a second server on it fails before binding.
-        self.journal = (SqliteJournal(state_dir, fsync=str(config.server.fsync), codec=ProtoTrajectories())
-                        if state_dir and pacer is None else None)
-        self.pacer = pacer if pacer is not None else Pacer(config, journal=self.journal)
+        self.journal = open_journal(state_dir, str(config.server.fsync)) if state_dir and pacer is None else None
+        self.pacer = pacer if pacer is not None else Pacer(config, strategy=strategy, journal=self.journal)
         self._journal_failure_reported = False
         self.async_pacer = AsyncPacer(
             self.pacer,

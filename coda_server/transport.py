@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import socket
+import ssl
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Optional
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from .core.settings import parse_file_mode, setting
+from .core.settings import parse_file_mode, parse_host_port, setting
 from .core.errors import ConfigError
 
 log = logging.getLogger("coda_server")
@@ -84,12 +85,49 @@ def _read(key: str, path: str) -> bytes:
     return data
 
 
+def _tls_files(config: Any) -> tuple[str, str, str]:
+    tls = config.server.get("tls") or {}
+    return tuple(str(tls.get(key) or "") for key in ("cert_file", "key_file", "client_ca_file"))  # type: ignore[return-value]
+
+
+def check_tls_files(config: Any) -> None:
+    """ConfigError naming the key when server.tls's files cannot serve: unreadable, not PEM, or a private key
+    that is not the certificate's (gRPC would only fail to bind, naming neither). Call before anything else
+    starts; server_credentials calls it too."""
+    cert_file, key_file, ca_file = _tls_files(config)
+    if not cert_file:
+        return
+    chain, key = _read("cert_file", cert_file), _read("key_file", key_file)
+    if ca_file:
+        _read("client_ca_file", ca_file)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:  # the password callback: an encrypted key fails here instead of prompting on the terminal
+        context.load_cert_chain(cert_file, key_file, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        keys = f"server.tls.cert_file = {cert_file!r} and server.tls.key_file = {key_file!r}"
+        reason = getattr(exc, "reason", None) or " ".join(str(exc).split())
+        if b"CERTIFICATE-----" in key and b"PRIVATE KEY-----" in chain:
+            advice = "they look swapped: cert_file takes the certificate, key_file its private key"
+        elif b"PRIVATE KEY-----" not in key:
+            advice = "key_file holds no private key (no -----BEGIN ... PRIVATE KEY----- line); set it to the certificate's key"
+        elif b"CERTIFICATE-----" not in chain:
+            advice = "cert_file holds no certificate (no -----BEGIN CERTIFICATE----- line)"
+        elif reason == "KEY_VALUES_MISMATCH":
+            advice = "the private key is not the certificate's; set key_file to the key the certificate was issued for"
+        elif b"ENCRYPTED" in key:
+            advice = "the private key is encrypted; give key_file an unencrypted key (openssl pkey -in KEY -out KEY2)"
+        else:
+            advice = ("they are not a PEM certificate chain and its matching private key; cert_file takes the "
+                      "certificate (chain), key_file its private key")
+        raise ConfigError(f"{keys}: {advice} ({reason})") from None
+
+
 def server_credentials(config: Any) -> tuple[Optional[grpc.ServerCredentials], str]:
     """(credentials, kind) for the TCP listener: (None, "plaintext") unless server.tls.cert_file is set."""
-    tls = config.server.get("tls") or {}
-    cert_file, key_file, ca_file = (str(tls.get(key) or "") for key in ("cert_file", "key_file", "client_ca_file"))
+    cert_file, key_file, ca_file = _tls_files(config)
     if not cert_file:
         return None, "plaintext"
+    check_tls_files(config)
     chain, key = _read("cert_file", cert_file), _read("key_file", key_file)
     if ca_file:
         roots = _read("client_ca_file", ca_file)
@@ -132,13 +170,47 @@ def secure_socket(listeners: Listeners) -> None:
 
 
 def _add_port(server: grpc.aio.Server, address: str, credentials: Optional[grpc.ServerCredentials]) -> int:
+    in_use = _in_use(address)  # first: gRPC's own error says only "Failed to bind", after lines of its C core
+    if in_use:
+        raise BindError(in_use)
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise BindError(f"cannot listen on {address}: {exc}") from None
+        raise BindError(_in_use(address) or f"cannot listen on {address}: {exc}") from None
     if port == 0:
-        raise BindError(f"cannot listen on {address}: the address is in use or not available")
+        raise BindError(_in_use(address) or f"cannot listen on {address}: the address is in use or not available")
     return port
+
+
+def _in_use(address: str) -> Optional[str]:
+    """The refusal of a TCP `address` whose port another socket already listens on (tried with a socket of our
+    own, as gRPC binds: SO_REUSEADDR, no SO_REUSEPORT); None when it is free, port 0, or not plain TCP."""
+    if address.startswith("unix:"):
+        return None
+    parsed = parse_host_port(address)
+    if parsed is None or parsed[1] == 0:
+        return None
+    host, port = parsed
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:
+            continue
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (f"cannot listen on {address}: the address is already in use (another coda-server, or "
+                        f"another program, listens on port {port}); stop it, or choose another port (port 0: a free "
+                        f"one, which --port-file writes down)")
+        finally:
+            probe.close()
+    return None
 
 
 def _check_socket_path(path: str) -> None:

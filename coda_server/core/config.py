@@ -14,7 +14,8 @@ from .errors import ConfigError
 from .filters import FILTERS, filter_problems, filter_specs, normalize_filters
 from .plugins import load_custom_modules
 from .replay import REPLAY_STRATEGIES
-from .settings import SCHEMA, SCHEMA_BY_PATH, lookup, setting, parse_file_mode, parse_host_port, unknown_key_problems  # noqa: F401
+from .settings import (SCHEMA, SCHEMA_BY_PATH, SECTIONS, lookup, mapping_paths, mapping_problem,  # noqa: F401
+                       setting, parse_file_mode, parse_host_port, unknown_key_problems)
 from .strategy import STRATEGIES, options_section, window_size
 
 RESET_MODES_BY_PARTIAL = {True: "abort", False: "wait"}
@@ -96,7 +97,9 @@ def read_config_file(path: str | Path) -> DictConfig:
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config {path} is not valid YAML: {exc}") from None
     if not isinstance(raw, DictConfig):
-        raise ConfigError(f"--config {path} must hold a mapping of configuration keys, not a {type(raw).__name__}")
+        what = "a list" if isinstance(raw, ListConfig) else f"a {type(raw).__name__}"
+        raise ConfigError(f"--config {path} must hold a mapping of configuration keys (section: {{key: value}}), "
+                          f"not {what}")
     defaults = raw.get("defaults")
     if defaults is None:
         return raw
@@ -179,6 +182,9 @@ def _merge_layer(base: DictConfig, *layers: DictConfig) -> DictConfig:
     """OmegaConf.merge, except for `rollout.filter`: two mappings merge key by key (LoongSage's rule: a same-name
     key overrides, `name: false` turns a filter off, a new key appends), anything else (a list) replaces."""
     for layer in layers:
+        # Before the merge: a section or sub-mapping given as a scalar would be replaced by (or merge into) a
+        # later layer's keys and lose every default under it, to fail far from the key that is wrong.
+        _refuse_non_mappings(layer, sections_may_be_null=False)
         replacement: Any = _ABSENT
         rollout = layer.get("rollout") if isinstance(layer, DictConfig) else None
         if isinstance(rollout, DictConfig) and "filter" in rollout:
@@ -193,6 +199,48 @@ def _merge_layer(base: DictConfig, *layers: DictConfig) -> DictConfig:
         if replacement is not _ABSENT:
             base.rollout.filter = replacement
     return base
+
+
+def _refuse_non_mappings(config: Any, *, sections_may_be_null: bool) -> None:
+    """ConfigError naming every section, sub-mapping (server.tls, server.client_rate_limits,
+    data_source.dataset) or strategy option section (fully_async.latency_aware) of `config` (a layer or the
+    merged configuration) that holds something other than a mapping; null is allowed below the sections."""
+    paths = mapping_paths(strategy_option_sections())
+    problems: list[str] = []
+
+    def visit(node: Any, path: str, shown: str) -> None:
+        for name in list(node.keys()):
+            child_path = f"{path}.{name}" if path else str(name)
+            if child_path not in paths or _is_interpolation(node, name):
+                continue  # an interpolation is judged once resolved (_check_sections)
+            value = node.get(name)
+            child_shown = f"{shown}.{name}" if shown else str(name)
+            if isinstance(value, (DictConfig, dict)):
+                visit(value, child_path, child_shown)
+            elif value is not None or (child_path in SECTIONS and not sections_may_be_null):
+                shown_value = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+                problems.append(mapping_problem(child_shown, shown_value, paths[child_path]))
+
+    if not isinstance(config, (DictConfig, dict)):
+        return
+    visit(config, "", "")
+    entries = None if _is_interpolation(config, "data_sources") else config.get("data_sources")
+    if isinstance(entries, (ListConfig, list)):
+        for i in range(len(entries)):
+            entry = None if _is_interpolation(entries, i) else entries[i]
+            if isinstance(entry, (DictConfig, dict)):
+                visit(entry, "data_source", f"data_sources[{i}]")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _is_interpolation(node: Any, key: Any) -> bool:
+    if not isinstance(node, (DictConfig, ListConfig)):
+        return False
+    try:
+        return OmegaConf.is_interpolation(node, key)
+    except (OmegaConfBaseException, KeyError, IndexError, ValueError):
+        return False
 
 
 def parse_overrides(overrides: list[str], example: str = "fully_async.stale_steps=2.0") -> DictConfig:
@@ -268,8 +316,6 @@ def _defaults_entry_exists(root: Path, group: Path, entry: Any) -> bool:
     return (base / f"{target.lstrip('/')}.yaml").is_file()
 
 
-from .settings import SECTIONS  # noqa: E402  (the sections the service reads)
-
 
 def _check_sections(config: DictConfig) -> None:
     """Each section the service reads must be a mapping; anything else stops here, naming it."""
@@ -303,6 +349,9 @@ def validate_config(config: Any) -> None:
     """Raise ConfigError naming every invalid key, its value and what is allowed: each key against its
     declaration in the schema (settings.py), unknown keys under the service's sections, the registered
     strategies' and filters' options, and the rules that tie several keys together."""
+    # First, as everything below reads into them: sections and sub-mappings that are mappings (a custom
+    # strategy's option section is known only now, its module imported).
+    _refuse_non_mappings(config, sections_may_be_null=True)
     problems: list[str] = unknown_key_problems(config, strategy_option_sections())
 
     def need(ok: bool, key: str, value: Any, allowed: str) -> None:

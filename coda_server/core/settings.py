@@ -222,8 +222,8 @@ SCHEMA: tuple[Key, ...] = (
              allowed="must be a finite number >= 0 (a rate of 0: no limit)"),
     _seconds("server.client_rate_limits.submit_per_second", 0.0, "Submit calls per second per client (0: no limit)",
              allowed="must be a finite number >= 0 (a rate of 0: no limit)"),
-    _seconds("server.client_rate_limits.burst", 10.0, "Calls a client may make at once above its rate",
-             allowed="must be a finite number >= 0 (a rate of 0: no limit)"),
+    Key("server.client_rate_limits.burst", "number", 10.0, "Calls a client may make at once above its rate",
+        low=1, allowed="must be a finite number >= 1 (the calls a client may make at once, the token bucket's size)"),
     _path("server.auth_token_file", "", "File holding the bearer token (\"\": $CODA_TOKEN or none)"),
     _path("server.tls.cert_file", "", "Server certificate chain (PEM)", allowed="must be a path string (\"\" for none)"),
     _path("server.tls.key_file", "", "Server private key (PEM)", allowed="must be a path string (\"\" for none)"),
@@ -400,6 +400,33 @@ def unknown_key_problems(config: Any, option_sections: Mapping[str, Sequence[Key
             if hasattr(entry, "keys"):
                 walk(entry, "data_source", f"data_sources[{i}]", inherited)
     return problems
+
+
+def mapping_paths(option_sections: Mapping[str, Sequence[Key]] = {}) -> dict[str, tuple[str, ...]]:  # noqa: B006
+    """Every dotted path that must hold a mapping (the sections, their sub-mappings such as server.tls, the
+    strategies' option sections, `option_sections`: dotted section -> its options), with the names of the keys
+    declared under it."""
+    children: dict[str, set[str]] = {section: set() for section in SECTIONS}
+    for key in (*SCHEMA, *LOONGSAGE_UNUSED):  # a refusal names the service's own keys, LoongSage's unread ones
+        parts = key.path.split(".")           # only where there are none
+        for i in range(1, len(parts)):
+            names = children.setdefault(".".join(parts[:i]), set())
+            if not key.unused or not names:
+                names.add(parts[i])
+    for section, options in option_sections.items():
+        children.setdefault(section, set()).update(key.path for key in options)
+        for prefix, leaf in zip(_prefixes(section), section.split(".")[1:]):
+            children.setdefault(prefix, set()).add(leaf)
+    return {path: tuple(sorted(names)) for path, names in children.items()}
+
+
+def mapping_problem(path: str, value: Any, names: Sequence[str]) -> str:
+    """The refusal of `value` at `path`, a key that must hold a mapping of `names`."""
+    if path in SECTIONS or not names:
+        what = "a mapping of options (see conf/default.yaml)"
+    else:
+        what = f"a mapping of {', '.join(names)} (see conf/default.yaml), e.g. {path}.{names[0]}=..."
+    return f"{path} = {value!r}: must be {what}"
 
 
 def _raw_child(config: Any, name: str) -> Any:
