@@ -93,7 +93,7 @@ class Progress:
 
 def _seeds(text: str) -> list[int]:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",")]  # an empty item ("0,,1", "") is refused, not skipped
     except ValueError:
         raise ConfigError(f"--seeds {text!r}: must be comma-separated integers, e.g. 0,1,2,3,4") from None
     if not values or len(set(values)) != len(values):
@@ -103,7 +103,7 @@ def _seeds(text: str) -> list[int]:
 
 def _floats(text: str, option: str) -> list[float]:
     try:
-        values = [float(x) for x in text.split(",") if x.strip()]
+        values = [float(x) for x in text.split(",")]  # an empty item ("1,,2", "") is refused, not skipped
     except ValueError:
         raise ConfigError(f"{option} {text!r}: must be comma-separated numbers, e.g. 1.0,2.0") from None
     if not values or any(not math.isfinite(v) or v < 0 for v in values):
@@ -159,10 +159,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         unknown = [s for s in strategies if s not in known]
         if unknown:
             raise ConfigError(f"unknown strategy {unknown[0]!r}; registered: {', '.join(known)}")
-        stale_values = _floats(args.stale_steps, "--stale-steps") if args.stale_steps else [
+        stale_values = _floats(args.stale_steps, "--stale-steps") if args.stale_steps is not None else [
             float(pacer.fully_async.stale_steps)]
         runs_total = len(strategies) * len(stale_values)
-        seeds = _seeds(args.seeds) if args.seeds else None
+        seeds = _seeds(args.seeds) if args.seeds is not None else None
         baseline = None
         if seeds is not None:
             if args.seed is not None:

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from coda_server.core import load_config
@@ -94,11 +95,13 @@ def load_sim_config(path: Optional[str | Path] = None, overrides: Iterable[str] 
             layers.append(OmegaConf.load(preset_path(preset)))
         base_dir = None
         if path is not None:
-            layers.append(OmegaConf.load(path))
+            layers.append(_read_file(path))
             base_dir = Path(path).resolve().parent
         overrides = list(overrides)
         if overrides:
             layers.append(parse_overrides(overrides, example="sim.steps=20"))
+        for layer in layers[1:]:  # before the merge, which would fail on a scalar over a mapping, or take it
+            _check_shape(defaults.sim, layer.get("sim", _ABSENT), "sim")
         merged = OmegaConf.merge(*layers)
     except ConfigKeyError as exc:  # a sim key defaults.yaml does not have: named with the closest one it has
         parent = exc.full_key.rpartition(".")[0] if exc.full_key else ""
@@ -111,8 +114,43 @@ def load_sim_config(path: Optional[str | Path] = None, overrides: Iterable[str] 
     except OSError as exc:
         raise ConfigError(f"simulator configuration file could not be read: {exc}") from None
     config = SimConfig(merged, base_dir)
+    for key, low in (("seed", None), ("steps", 1)):  # read with int(): anything else is refused here, named
+        value = config.sim[key]
+        if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
+            allowed = f"an integer >= {low}" if low is not None else "an integer"
+            raise ConfigError(f"sim.{key} = {value!r}: must be {allowed}")
     config.pacer_config()  # validate the pacer half now, with the core's own messages
     return config
+
+
+_ABSENT = object()
+
+
+def _read_file(path: str | Path) -> DictConfig:
+    """The --config file, a mapping; ConfigError naming the file and what is wrong with it."""
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(raw, DictConfig):
+        what = "a list" if isinstance(raw, ListConfig) else f"{type(raw).__name__}"
+        raise ConfigError(f"--config {path} must hold a mapping of configuration keys (pacer sections and a sim: "
+                          f"section), not {what}")
+    return raw
+
+
+def _check_shape(defaults: DictConfig, value: object, path: str) -> None:
+    """ConfigError when `value` (a layer's `path`) is not a mapping where defaults.yaml has one, at any depth."""
+    if value is _ABSENT:
+        return
+    if not isinstance(value, DictConfig):
+        shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+        names = ", ".join(str(name) for name in defaults.keys())
+        raise ConfigError(f"{path} = {shown!r}: must be a mapping of {names} "
+                          f"(see coda_sim/presets/defaults.yaml)")
+    for name in value.keys():
+        if name in defaults and isinstance(defaults.get(name), DictConfig) and not OmegaConf.is_interpolation(value, name):
+            _check_shape(defaults.get(name), value.get(name), f"{path}.{name}")
 
 
 def _first_line(exc: Exception) -> str:

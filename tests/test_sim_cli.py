@@ -119,3 +119,43 @@ def test_config_file_and_custom_strategy_dir(tmp_path, capsys):
     assert main(["--config", str(config), "--json", "--no-progress", *TINY]) == 0
     runs = json.loads(capsys.readouterr().out)
     assert [r["strategy"] for r in runs] == ["fixed-capacity"] and runs[0]["steps"] == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sim.steps=abc"], "sim.steps = 'abc': must be an integer >= 1"),
+    (["sim.steps=2.5"], "sim.steps = 2.5: must be an integer >= 1"),
+    (["sim.seed=abc"], "sim.seed = 'abc': must be an integer"),
+    (["sim=5"], "sim = 5: must be a mapping of seed, steps"),
+    (["sim.cluster=5"], "sim.cluster = 5: must be a mapping of rollout_replicas"),
+    (["server.tls=5"], "server.tls = 5: must be a mapping of cert_file"),
+])
+def test_a_sim_value_of_the_wrong_kind_exits_2_naming_key_and_value(overrides, message, capsys):
+    assert main([*overrides, "--no-progress"]) == 2  # no --steps: it would override sim.steps
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("fully_async:\n  sliding_window: no-window\n   stale_steps: 1\n", "is not valid YAML: mapping values are not allowed"),
+    ("sim:\n  steps: abc\n", "sim.steps = 'abc': must be an integer >= 1"),
+    ("sim: 5\n", "sim = 5: must be a mapping of"),
+    ("- 1\n- 2\n", "must hold a mapping of configuration keys (pacer sections and a sim: section), not a list"),
+])
+def test_a_bad_config_file_exits_2_with_one_line_and_no_traceback(tmp_path, content, message):
+    path = tmp_path / "job.yaml"
+    path.write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "coda_sim", "--config", str(path), "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stale-steps", "1,,2"], "--stale-steps '1,,2': must be comma-separated numbers"),
+    (["--stale-steps", ""], "--stale-steps '': must be comma-separated numbers"),
+    (["--seeds", ""], "--seeds '': must be comma-separated integers"),
+    (["--seeds", "0,,1"], "--seeds '0,,1': must be comma-separated integers"),
+])
+def test_an_empty_item_in_a_list_option_is_refused(args, message, capsys):
+    assert main([*args, "--steps", "1", "--no-progress", *TINY]) == 2
+    assert message in capsys.readouterr().err
