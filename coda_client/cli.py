@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import queue
 import sys
 import threading
+import time
 from typing import Any, Optional, Sequence, TextIO, Union
 
 import grpc
@@ -20,6 +22,13 @@ from .protocol import SERVICE, package_version
 from .types import ControlEvent, ControlEventType, JobEndReport, PacerState, ResetResult, StepReport, WorkerHoldings
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+# How long `reset` and `end-job` wait, by default, for the running groups to be submitted (--wait): a worker that
+# died holding a group must not keep the command (and the server's pause) waiting until its in-flight lease runs out.
+DEFAULT_WAIT_SECONDS = 60.0
+# A waiting call's deadline is its --wait plus this margin (the client's own, coda_client._channel.WAIT_MARGIN_SECONDS).
+WAIT_MARGIN_NOTE = "--wait plus 5 s"
+INT64_MAX = 2**63 - 1
+UINT32_MAX = 2**32 - 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"coda-client {package_version()} ({SERVICE})")
     parser.add_argument("--address", "--target", default=os.environ.get("CODA_ADDRESS", DEFAULT_ADDRESS),
                         help=f"server host:port, PacerClient's target (default: $CODA_ADDRESS, else {DEFAULT_ADDRESS})")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds per call, each call's deadline (default 10); a call that waits (reset, "
+                             f"end-job) gets at least its {WAIT_MARGIN_NOTE}")
     parser.add_argument("--token-file", default=os.environ.get("CODA_TOKEN_FILE"),
                         help="file holding the bearer token (default: $CODA_TOKEN_FILE; $CODA_TOKEN also works)")
     parser.add_argument("--client-id", default=os.environ.get("CODA_CLIENT_ID"),
@@ -64,10 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     reset = command("reset", help="step boundary: pause, restore/drop running groups")
     reset.add_argument("--mode", choices=["abort", "wait"], default=None, help="default: the server's rollout.partial")
-    reset.add_argument("--wait", type=float, default=None,
-                       help="seconds to wait for running groups to assemble; 0: drop the incomplete now; default: "
-                            "until all are assembled, within server.max_wait_seconds (ABORT mode: within "
-                            "server.abort_wait_seconds, the time workers need to submit their partial trajectories)")
+    reset.add_argument("--wait", type=float, default=DEFAULT_WAIT_SECONDS,
+                       help=f"seconds to wait at most for the running groups to be submitted (default "
+                            f"{DEFAULT_WAIT_SECONDS:g}, within server.max_wait_seconds; in ABORT mode too, instead of "
+                            "server.abort_wait_seconds); it ends as soon as all are in, and drops those still "
+                            "incomplete then; 0: drop the incomplete ones now. Ctrl-C leaves the reset running on the "
+                            "server until its wait ends")
     reset.add_argument("--resume", action="store_true", help="resume at once with --weight-version")
     reset.add_argument("--weight-version", type=int, default=0)
 
@@ -88,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     end_job = command("end-job", help="end the job: dispatch closes for good, workers submit and stop")
     end_job.add_argument("--mode", choices=["abort", "wait"], default=None,
                          help="what workers do with the groups they hold; default: the server's rollout.partial")
-    end_job.add_argument("--wait", type=float, default=60.0,
-                         help="seconds to wait for the running groups to be assembled (default 60)")
+    end_job.add_argument("--wait", type=float, default=DEFAULT_WAIT_SECONDS,
+                         help=f"seconds to wait for the running groups to be assembled (default "
+                              f"{DEFAULT_WAIT_SECONDS:g}); 0: end now")
     return parser
 
 
@@ -101,11 +115,52 @@ def read_token(token_file: Optional[str]) -> Optional[str]:
 
 
 def tls_config(args: argparse.Namespace) -> Optional[TlsConfig]:
-    """TLS settings from --tls/--ca-file/--cert-file/--key-file/--server-name; None for plaintext."""
+    """TLS settings from --tls/--ca-file/--cert-file/--key-file/--server-name; None for plaintext. ValueError, naming
+    the flags, for a client certificate without its key or a key without its certificate."""
     if not (args.tls or args.ca_file or args.cert_file or args.key_file):
         return None
+    if bool(args.cert_file) != bool(args.key_file):
+        given, missing = (("--cert-file", "--key-file") if args.cert_file else ("--key-file", "--cert-file"))
+        raise ValueError(f"mutual TLS needs both --cert-file and --key-file (or $CODA_TLS_CERT_FILE and "
+                         f"$CODA_TLS_KEY_FILE): {given} is given, {missing} is not")
     return TlsConfig(root_certificates=args.ca_file, certificate_chain=args.cert_file, private_key=args.key_file,
                      server_name=args.server_name)
+
+
+def _seconds(allow_zero: bool) -> tuple[Any, str]:
+    if allow_zero:
+        return (lambda v: 0 <= v < math.inf), "a number of seconds >= 0"
+    return (lambda v: 0 < v < math.inf), "a number of seconds > 0"
+
+
+def _integer(low: int, high: Optional[int] = None) -> tuple[Any, str]:
+    if high is None:
+        return (lambda v: v >= low), f"an integer >= {low}"
+    return (lambda v: low <= v <= high), f"an integer from {low} to {high}"
+
+
+# Every numeric option, by command ("" before the command): (flag, attribute, (check, what it takes)).
+NUMERIC_OPTIONS: dict[str, list[tuple[str, str, tuple[Any, str]]]] = {
+    "": [("--timeout", "timeout", _seconds(allow_zero=False))],
+    "watch": [("--count", "count", _integer(0)), ("--interval", "interval", _seconds(allow_zero=False))],
+    "reset": [("--wait", "wait", _seconds(allow_zero=True)),
+              ("--weight-version", "weight_version", _integer(0, INT64_MAX))],
+    "workers": [("--groups", "groups", _integer(0, UINT32_MAX))],
+    "resume": [("--weight-version", "weight_version", _integer(0, INT64_MAX))],
+    "end-job": [("--wait", "wait", _seconds(allow_zero=True))],
+}
+
+
+def bad_number(args: argparse.Namespace) -> Optional[str]:
+    """The first numeric option out of its range, as one line naming the flag and what it takes; None if none is."""
+    for where in ("", args.command):
+        for flag, attribute, (check, takes) in NUMERIC_OPTIONS.get(where, ()):
+            value = getattr(args, attribute)
+            if not check(value):
+                command = f"{where} " if where else ""
+                return f"{command}{flag} must be {takes}, not {value:g}" if isinstance(value, float) else \
+                    f"{command}{flag} must be {takes}, not {value}"
+    return None
 
 
 def refuse_unknown_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
@@ -128,6 +183,10 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
     parser = build_parser()
     refuse_unknown_options(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    refused = bad_number(args)
+    if refused is not None:  # said in one line, as argparse's own type errors are not: exit 2, nothing is called
+        print(f"coda-client: {refused}", file=sys.stderr)
+        return 2
     try:
         tls = tls_config(args)
         if tls is not None:
@@ -150,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
                 text = "".join(json.dumps(as_json(item), sort_keys=True) + "\n" for item in items)
             out.write(text)
     except PacerClientError as error:
-        print(f"coda-client: {error}", file=sys.stderr)
+        print(f"coda-client: {error}{tls_hint(error, tls)}", file=sys.stderr)
         return 1
     except OSError as error:  # a checkpoint file that cannot be written or read: nothing was asked of the server
         print(f"coda-client: {error}", file=sys.stderr)
@@ -166,8 +225,7 @@ def run_command(client: PacerClient, args: argparse.Namespace) -> tuple[Any, str
         state = client.state()
         return state, render_state(state) + "\n"
     if args.command == "reset":
-        result = client.reset(args.mode, wait=args.wait, resume=args.resume, weight_version=args.weight_version)
-        return result, render_reset(result)
+        return run_reset(client, args)
     if args.command == "resume":
         resumed = client.resume(args.weight_version)
         return resumed, f"resumed: step {resumed.step}, weight version {resumed.weight_version}\n"
@@ -185,12 +243,62 @@ def run_command(client: PacerClient, args: argparse.Namespace) -> tuple[Any, str
                           f"{restored.discarded_groups} discarded ({restored.dropped_running} running), "
                           f"{restored.reoffered_prompts} prompts offered again\n")
     if args.command == "end-job":
+        announce_wait(client, args, "end-job", "--wait 0 ends the job now")
         report = client.end_job(args.mode, wait=args.wait)
         return report, render_end_job(report)
     if args.command == "workers":
         holdings = client.list_workers(args.client, max_groups_per_worker=max(0, args.groups))
         return holdings, render_workers(holdings)
     raise ValueError(f"unknown command {args.command!r}")
+
+
+def tls_hint(error: PacerClientError, tls: Optional[TlsConfig]) -> str:
+    """A hint for a plaintext call the server closed the connection on: a TLS listener does that to plaintext."""
+    if tls is None and error.code == grpc.StatusCode.UNAVAILABLE and "Socket closed" in str(error):
+        return "; the server may require TLS: try --tls, or --ca-file FILE for a private CA"
+    return ""
+
+
+def _groups(count: int) -> str:
+    return f"{count} running group{'' if count == 1 else 's'}"
+
+
+def announce_wait(client: PacerClient, args: argparse.Namespace, command: str, alternative: str) -> int:
+    """Says on stderr, before a command that waits for the running groups (reset, end-job), what it waits for and
+    for how long at most; returns how many groups are running (0: nothing said, nothing to wait for)."""
+    if args.wait <= 0:
+        return 0
+    state = client.state()
+    if not state.running or state.resetting:  # nothing to wait for, or a reset already running: the call says so
+        return 0
+    mode = (args.mode or state.config_summary.get("reset_mode") or "").upper()
+    what = ("the partial trajectories of" if mode == "ABORT" else "all the trajectories of")
+    print(f"coda-client: {command} is waiting up to {args.wait:g} s for {what} {_groups(state.running)} to be "
+          f"submitted ({mode or 'server default'} mode); {alternative}", file=sys.stderr, flush=True)
+    return state.running
+
+
+def run_reset(client: PacerClient, args: argparse.Namespace) -> tuple[ResetResult, str]:
+    """The Reset: says first what it waits for and for how long at most (--wait), and at its end what happened."""
+    running = announce_wait(client, args, "reset",
+                            "--wait 0 drops them now, Ctrl-C leaves the reset running on the server until then")
+    started = time.monotonic()
+    try:
+        result = client.reset(args.mode, wait=args.wait, resume=args.resume, weight_version=args.weight_version)
+    except KeyboardInterrupt:
+        print(f"coda-client: interrupted; the reset keeps running on the server (at most {args.wait:g} s from its "
+              "start), then dispatch stays paused: `coda-client state` says \"reset in progress\" until it ends, "
+              "`coda-client resume --weight-version V` reopens dispatch after it", file=sys.stderr, flush=True)
+        raise
+    if running:
+        dropped = len(result.dropped_prompt_ids)
+        outcome = (f"{dropped} incomplete group{'' if dropped == 1 else 's'} dropped" if dropped
+                   else "no group dropped")
+        expired = f", {len(result.expired)} expired (in-flight lease ran out)" if result.expired else ""
+        paused = "" if not result.paused else "; dispatch stays paused until `coda-client resume --weight-version V`"
+        print(f"coda-client: the reset ended after {time.monotonic() - started:.1f} s: {outcome}{expired}{paused}",
+              file=sys.stderr, flush=True)
+    return result, render_reset(result)
 
 
 def render_reset(result: ResetResult) -> str:
@@ -230,6 +338,10 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as error:
             status = error.code().name
+            if credentials is None and error.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in (
+                    error.details() or ""):
+                print(f"coda-client: {address} closed the connection; the server may require TLS: try --tls, or "
+                      "--ca-file FILE for a private CA", file=sys.stderr)
         else:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     out.write(json.dumps({"service": service, "status": status}) + "\n" if json_lines
