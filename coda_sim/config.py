@@ -11,12 +11,11 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
-import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from coda_server.core import load_config
-from coda_server.core.config import parse_overrides
+from coda_server.core.config import parse_overrides, read_yaml_mapping
 from coda_server.core.errors import ConfigError
 from coda_server.core.settings import unknown_key
 
@@ -95,7 +94,7 @@ def load_sim_config(path: Optional[str | Path] = None, overrides: Iterable[str] 
             layers.append(OmegaConf.load(preset_path(preset)))
         base_dir = None
         if path is not None:
-            layers.append(_read_file(path))
+            layers.append(read_yaml_mapping(path, "pacer sections and a sim: section"))
             base_dir = Path(path).resolve().parent
         overrides = list(overrides)
         if overrides:
@@ -124,19 +123,6 @@ def load_sim_config(path: Optional[str | Path] = None, overrides: Iterable[str] 
 
 
 _ABSENT = object()
-
-
-def _read_file(path: str | Path) -> DictConfig:
-    """The --config file, a mapping; ConfigError naming the file and what is wrong with it."""
-    try:
-        raw = OmegaConf.load(path)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path} is not valid YAML: {' '.join(str(exc).split())}") from None
-    if not isinstance(raw, DictConfig):
-        what = "a list" if isinstance(raw, ListConfig) else f"{type(raw).__name__}"
-        raise ConfigError(f"--config {path} must hold a mapping of configuration keys (pacer sections and a sim: "
-                          f"section), not {what}")
-    return raw
 
 
 def _check_shape(defaults: DictConfig, value: object, path: str) -> None:

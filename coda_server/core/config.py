@@ -87,19 +87,25 @@ def _plugin_directories(config: DictConfig) -> list[str]:
     return [str(directory) for directory in directories]
 
 
-def read_config_file(path: str | Path) -> DictConfig:
-    """The YAML file at `path`; a Hydra defaults list in it is composed by Hydra or refused, never ignored."""
-    path = Path(path)
+def read_yaml_mapping(path: str | Path, holds: str = "section: {key: value}") -> DictConfig:
+    """The YAML file at `path` (a --config file), which must hold a mapping; ConfigError naming the file and what is
+    wrong with it (`holds`: what the mapping holds, for the message)."""
     try:
         raw = OmegaConf.load(path)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"--config {path}: {_omegaconf_problem(exc)}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"--config {path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(raw, DictConfig):
         what = "a list" if isinstance(raw, ListConfig) else f"a {type(raw).__name__}"
-        raise ConfigError(f"--config {path} must hold a mapping of configuration keys (section: {{key: value}}), "
-                          f"not {what}")
+        raise ConfigError(f"--config {path} must hold a mapping of configuration keys ({holds}), not {what}")
+    return raw
+
+
+def read_config_file(path: str | Path) -> DictConfig:
+    """The YAML file at `path`; a Hydra defaults list in it is composed by Hydra or refused, never ignored."""
+    path = Path(path)
+    raw = read_yaml_mapping(path)
     defaults = raw.get("defaults")
     if defaults is None:
         return raw
