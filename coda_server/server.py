@@ -21,6 +21,7 @@ from .admission import Admission, call_limits
 from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
 from .core.errors import ConfigError
+from .core.filters import create_filters
 from .core.strategy import STRATEGIES, ThreadSafeStrategy, create_strategy
 from .core.journal import StateDirError, StateDirLockedError
 from .core.sqlite_journal import LOW_SPACE_BYTES, SqliteJournal
@@ -149,13 +150,15 @@ class PacerServer:
 
     def __init__(self, config: Any, pacer: Optional[Pacer] = None):
         self.config = config
-        # The strategy first: one whose __init__ fails stops start-up before the state directory is touched.
+        # The strategy and filters first: one whose __init__ fails stops start-up before the state directory is
+        # touched.
         strategy = build_strategy(config) if pacer is None else None
+        filters = create_filters(list(config.rollout.filter), config) if pacer is None else None
         transport.check_tls_files(config)  # so is a certificate and key that do not go together
         state_dir = str(config.server.state_dir or "")
         # The journal takes the state directory's lock now: a second server on it fails before binding.
         self.journal = open_journal(state_dir, str(config.server.fsync)) if state_dir and pacer is None else None
-        self.pacer = pacer if pacer is not None else Pacer(config, strategy=strategy, journal=self.journal)
+        self.pacer = pacer if pacer is not None else Pacer(config, strategy=strategy, filters=filters, journal=self.journal)
         self._journal_failure_reported = False
         self.async_pacer = AsyncPacer(
             self.pacer,

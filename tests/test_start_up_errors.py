@@ -57,6 +57,27 @@ def test_a_strategy_whose_init_raises_stops_with_exit_2_naming_it_before_the_sta
     assert not (tmp_path / "sd").exists()  # checked before the state directory is made
 
 
+def test_a_filter_whose_init_raises_stops_with_exit_2_naming_it_before_the_state_dir_is_made(tmp_path):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "filterfail.py").write_text(textwrap.dedent("""\
+        from coda_server.core.filters import GroupFilter, register_group_filter
+
+        @register_group_filter("init-fail-filter")
+        class InitFailFilter(GroupFilter):
+            def __init__(self, config, **params):
+                raise RuntimeError("boom in filter init")
+
+            def keep(self, group):
+                return True
+        """))
+    proc = run_server(tmp_path, f"server.custom_strategy_dirs=[{plugins}]", "rollout.filter=[status,init-fail-filter]")
+    err = assert_one_line(proc, 2, "rollout.filter: the filter 'init-fail-filter' could not be built",
+                          "RuntimeError: boom in filter init")
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "sd").exists()
+
+
 # ------------------------------------------------------------------ a section or sub-mapping that is not a mapping
 
 @pytest.mark.parametrize("overrides, names", [

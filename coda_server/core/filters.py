@@ -190,7 +190,15 @@ def create_filters(spec: Any, config: Any = None) -> list[GroupFilter]:
         plugin = FILTERS.get(name)
         if isinstance(plugin, type):
             declared = {key.path: key.default for key in (getattr(plugin, "options", None) or ())}
-            filters.append(plugin(config, **{**declared, **params}))
+            try:
+                filters.append(plugin(config, **{**declared, **params}))
+            except ConfigError:  # names its key already
+                raise
+            except Exception as exc:  # a custom filter's bug: said in one line at start-up, not a traceback
+                problem = " ".join(str(exc).split()) or "(no message)"
+                raise ConfigError(f"rollout.filter: the filter {name!r} could not be built: its __init__ raised "
+                                  f"{type(exc).__name__}: {problem}; fix the filter or take it out of "
+                                  f"rollout.filter") from None
         else:
             filters.append(FunctionFilter(name, plugin, params, config))
     return filters
