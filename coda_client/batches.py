@@ -1314,10 +1314,13 @@ class AsyncBatchIterator(_IteratorBase):
                 deadline = now + self.reconnect if deadline is None else deadline
                 if now >= deadline:
                     raise self._gone(call.method, self._shutdown.is_set()) from None
+                # Not wait_for: on Python 3.10 and 3.11 it can swallow the caller's cancel when the event is set in
+                # the same turn of the loop.
+                present = asyncio.ensure_future(self._present.wait())
                 try:
-                    await asyncio.wait_for(self._present.wait(), min(delay, deadline - now))
-                except asyncio.TimeoutError:
-                    pass
+                    await asyncio.wait((present,), timeout=min(delay, deadline - now))
+                finally:
+                    present.cancel()
                 if self._closed and not survives_close:
                     raise _Stopped from None
                 delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
@@ -1331,13 +1334,19 @@ class AsyncBatchIterator(_IteratorBase):
         calls = self._acks_inflight if survives_close else self._inflight
         calls.add(task)
         try:
-            return await task
+            # Not `await task`: the caller's cancel would cancel the call too, and read as the server's SHUTDOWN
+            # cutting it (below), to be sent again: a trainer cancelled while it waits went on waiting.
+            await asyncio.wait((task,))
+        except asyncio.CancelledError:  # the caller's own task was cancelled: end the call, pass the cancel on
+            task.cancel()
+            calls.discard(task)
+            raise
+        try:
+            return task.result()
         except asyncio.CancelledError:
-            if not task.cancelled():
-                raise  # the caller's own task was cancelled
             if self._closed and not survives_close:
                 raise _Stopped from None
-            raise _Away from None  # cut by the server's SHUTDOWN
+            raise _Away from None  # the call alone was cut: by the server's SHUTDOWN
         except Exception as exc:
             if self._closed and not survives_close:
                 raise _Stopped from None

@@ -659,3 +659,35 @@ def test_a_trainer_waiting_for_a_batch_while_dispatch_is_paused_is_told_so_withi
             until(lambda: "dispatch is paused (step 0): a Reset without its Resume" in caplog.text,
                   "the paused warning", timeout=60)
             assert waiting.is_alive()  # it waits on: another process may resume
+
+
+def test_cancelling_a_task_waiting_in_the_async_iterator_ends_it(tmp_path) -> None:
+    """A trainer task cancelled while its iterator waits for a mini-batch (asyncio.wait_for or asyncio.timeout around
+    it, a supervisor stopping it): the cancel read as the server's SHUTDOWN cutting the Collect, which was sent again,
+    and the task never ended. Now it ends cancelled, and a later iterator of the same client takes the groups."""
+
+    async def scenario(address: str) -> tuple[bool, bool, list[str]]:
+        async with AsyncPacerClient(address) as pacer:
+            async def consume() -> None:
+                async with pacer.batches(2 * N, lease=60, poll=30) as batches:
+                    async for _ in batches:
+                        raise AssertionError("no group was submitted: no batch can come")
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.5)  # its first Collect is sent and waits (a 30 s poll)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=20)
+            ended = task in done
+            cancelled = ended and task.cancelled()
+            if not ended:
+                return False, False, []
+            with PacerClient(address) as worker:
+                _fill(worker, ["c0", "c1"])
+            async with pacer.batches(2 * N, lease=60, poll=5, num_batches=1) as batches:
+                taken = [g.prompt_id async for batch in batches for g in batch.groups]
+            return ended, cancelled, taken
+
+    with _server(tmp_path) as running:
+        ended, cancelled, taken = asyncio.run(asyncio.wait_for(scenario(running.address), 90))
+    assert ended, "the cancelled task was still waiting 20 s after its cancel"
+    assert cancelled and taken == ["c0", "c1"]
