@@ -585,3 +585,21 @@ def test_a_token_budget_a_full_window_cannot_reach_takes_the_full_buffer_over_gr
             with worker.batches(token_budget=100, rank=0, world_size=5, num_batches=1, lease=60, poll=5) as batches:
                 next(iter(batches))
         assert "at most 4" in str(refused.value)
+
+
+def test_a_collect_of_more_than_the_window_that_the_buffer_holds_now_is_answered_over_grpc(tmp_path):
+    """Leased groups do not count against the window, so a lease given back can take the buffer past C. A Collect of
+    what the buffer holds then was refused as one that "could never be answered"; it is answered. One of more than
+    the buffer holds and than C is still refused at once."""
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=2",
+                       "trainer.mini_batch_size=2", "fully_async.sliding_window=windowed-fifo",
+                       "fully_async.stale_steps=0") as server, PacerClient(server.address) as pacer:
+        _fill_over_grpc(pacer, ["o0", "o1", "o2", "o3"], [3, 3, 3, 3])
+        leased = pacer.collect_result(4, lease=60)
+        _fill_over_grpc(pacer, ["o4", "o5", "o6", "o7"], [3, 3, 3, 3])  # the window is free again: C = 4 more
+        assert pacer.release(leased.lease_id) == 4
+        assert pacer.state().buffered == 8
+        with pytest.raises(BadRequestError, match="num_groups 9"):
+            pacer.collect(9, wait=5)
+        taken = pacer.collect(8, wait=5)
+        assert sorted(g.prompt_id for g in taken) == [f"o{i}" for i in range(8)]

@@ -354,16 +354,17 @@ class CollectLimit:
                            f"server.max_buffered_groups caps the buffer at {limits.max_buffered_groups} groups"))
         self.limit, self.terms = min(bounds) if bounds else (0, "")
 
-    def check(self, num_groups: int, allow_partial: bool, shape: BatchShape = PLAIN) -> None:
+    def check(self, num_groups: int, allow_partial: bool, shape: BatchShape = PLAIN, buffered: int = 0) -> None:
         """A Collect that must have `num_groups` buffered at once (no allow_partial, no token budget) is refused
-        when that many can never be: it would wait forever, silently. (A token budget the buffer cannot reach takes
+        when that many can never be: it would wait forever, silently. `buffered`: what the buffer holds now, which
+        leased groups given back can take past the bound; a Collect it answers now is not refused. (A token budget the buffer cannot reach takes
         what a full buffer holds, see Delivery; its ranks must be able to get a group each.)"""
         limit = self.limit
         if shape.token_budget and limit and shape.world_size > limit:  # each rank's share holds a group at least
             raise InvalidArgumentError(
                 f"world_size {shape.world_size} ranks can never each get a group of one token-budget mini-batch: "
                 f"{self.terms}; at most {limit} ranks share one", violations=[("world_size", f"must be at most {limit}")])
-        if not allow_partial and not shape.token_budget and limit and num_groups > limit:
+        if not allow_partial and not shape.token_budget and limit and num_groups > max(limit, buffered):
             raise InvalidArgumentError(
                 f"num_groups {num_groups} can never be buffered at once, so this Collect could never be answered: "
                 f"{self.terms}; ask for at most {limit} groups a Collect (a mini-batch of at most {limit} x N "

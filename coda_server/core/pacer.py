@@ -231,7 +231,7 @@ class Pacer(PacerViews):
         caller one rank's share of it (shares.py). `max_bytes`: the largest answer the caller takes (0:
         server.max_message_bytes); `holder`, `named_at_grant`: see `apply_take`."""
         num_groups = self.checks.check_collect(num_groups, lease_seconds, shape, holder, named_at_grant)
-        self.collect_bound.check(num_groups, allow_partial, shape)
+        self.collect_bound.check(num_groups, allow_partial, shape, len(self.buffer))
         self.check_open()  # once: a waiter woken by close() answers with what is there
         poll = self.collect_poll(num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes,
                                  holder, named_at_grant)
@@ -242,7 +242,7 @@ class Pacer(PacerViews):
                     holder: str = "", named_at_grant: bool = False) -> CollectResult:
         """Non-waiting collect: all `num_groups`, or with `allow_partial` whatever is there."""
         num_groups = self.checks.check_collect(num_groups, lease_seconds, shape, holder, named_at_grant)
-        self.collect_bound.check(num_groups, allow_partial, shape)
+        self.collect_bound.check(num_groups, allow_partial, shape, len(self.buffer))
         return self.answers.once("Collect", request_id, self.collect_poll(num_groups, allow_partial, request_id,
                                  lease_seconds, shape, None, max_bytes, holder, named_at_grant).give_up)
 
@@ -340,7 +340,7 @@ class Pacer(PacerViews):
 
     def check_collect_reachable(self, num_groups: int, allow_partial: bool, shape: BatchShape = PLAIN) -> None:
         """Refuse a Collect that could never be answered (see `CollectLimit.check`)."""
-        self.collect_bound.check(num_groups, allow_partial, shape)
+        self.collect_bound.check(num_groups, allow_partial, shape, len(self.buffer))
 
     def collect_poll(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
                      lease_seconds: float = 0.0, shape: BatchShape = PLAIN, trainer_step: Optional[int] = None,
