@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import sys
 from typing import Any
@@ -42,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 from torch.nn.parallel import DistributedDataParallel
 
-from coda_client import MiniBatch, PacerClient
+from coda_client import MiniBatch, PacerClient, PacerClientError
 from coda_worker import FakeEngine, ListPromptSource, Prompt, RolloutWorker
 
 VOCAB = 64  # FakeEngine's token ids, and the bigram policy's vocabulary
@@ -215,6 +216,8 @@ def rank_entry(rank: int, world_size: int, port: int, args: argparse.Namespace) 
         summary = run_rank(rank, world_size, args)
         if summary is not None:
             print(json.dumps(summary), flush=True)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the parent says it once
+        pass
     finally:
         dist.destroy_process_group()
 
@@ -240,10 +243,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--world-size and --steps must be at least 1, got {args.world_size} and {args.steps}")
     if args.token_budget is not None and args.recipe != "shares":
         parser.error("--token-budget goes with --recipe shares (the scatter recipe cuts by trajectories)")
-    with PacerClient(args.address, timeout=10) as pacer:  # an unreachable server is said here, before any rank starts
-        if pacer.state().job_ended:  # this example ends the job it runs: a second run needs a server of its own
-            parser.exit(1, f"the pacer at {args.address} has ended its job (EndJob, e.g. by an earlier run of this "
-                           f"example): start a fresh coda-server, or one on another server.state_dir\n")
+    if args.token_budget is not None and args.token_budget < 1:
+        parser.error(f"--token-budget must be a positive number of tokens, got {args.token_budget}")
+    try:
+        with PacerClient(args.address, timeout=10) as pacer:  # an unreachable server is said here, before any rank
+            state = pacer.state()
+    except PacerClientError as error:
+        parser.exit(1, f"{parser.prog}: {error}\n")
+    if state.job_ended:  # this example ends the job it runs: a second run needs a server of its own
+        parser.exit(1, f"the pacer at {args.address} has ended its job (EndJob, e.g. by an earlier run of this "
+                       f"example): start a fresh coda-server, or one on another server.state_dir\n")
+    groups = state.mini_batch_size // state.group_sizes[0]  # groups of a global mini-batch, each whole on one rank
+    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
+    if args.recipe == "shares" and args.token_budget is None and (world_size > groups or groups % world_size):
+        parser.error(f"world size {world_size} must divide the {groups} groups of a global mini-batch "
+                     f"(trainer.mini_batch_size {state.mini_batch_size} / N {state.group_sizes[0]}): each rank gets "
+                     f"the same number of whole groups (the scatter recipe splits them on rank 0 instead)")
     if "RANK" in os.environ:  # launched by torchrun: this process is one rank, the group is in the environment
         dist.init_process_group("gloo")
         try:
@@ -253,7 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
         return 0
-    torch.multiprocessing.spawn(rank_entry, args=(args.world_size, free_port(), args), nprocs=args.world_size)
+    try:
+        torch.multiprocessing.spawn(rank_entry, args=(args.world_size, free_port(), args), nprocs=args.world_size)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C would only interrupt the exit's clean-up
+        print(f"{parser.prog}: interrupted; the groups the ranks held go back to the buffer when their leases end "
+              f"(`coda-client --address {args.address} state` shows them)", file=sys.stderr)
+        return 130
     return 0
 
 
