@@ -771,6 +771,15 @@ def has_torch() -> bool:
     return True
 
 
+def registered_strategies() -> set[str] | None:
+    """The strategies coda-server knows, where its package is importable here (the vLLM venv may not have it)."""
+    try:
+        from coda_server.core.strategy import STRATEGIES
+    except ImportError:
+        return None
+    return set(STRATEGIES.names())
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24, help="training steps of every run")
@@ -811,6 +820,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workdir", help="logs, weights and coda state (default: a temporary directory)")
     parser.add_argument("--plot", help="where the reward curve PNG goes (default WORKDIR/reward-curve.png)")
     args = parser.parse_args(argv)
+    # Checked now, not after vLLM's minute of start-up.
+    for flag, value in (("--steps", args.steps), ("--workers", args.workers), ("--prompts-per-step",
+                        args.prompts_per_step), ("--group-size", args.group_size), ("--max-tokens", args.max_tokens),
+                        ("--max-groups", args.max_groups), ("--seeds", 1 if args.seeds is None else args.seeds)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if not 0 <= args.stale_steps < float("inf"):
+        parser.error(f"--stale-steps must be a finite number >= 0, got {args.stale_steps}")
+    if args.kill_server_at is not None and not 1 <= args.kill_server_at <= args.steps:
+        parser.error(f"--kill-server-at must be a step from 1 to --steps ({args.steps}), got {args.kill_server_at}")
+    if args.rollback_at is not None and not 1 <= args.rollback_at <= args.steps - 2:
+        parser.error(f"--rollback-at K needs steps K + 1 and K + 2 to run (the trainer dies after K + 2): K from 1 to "
+                     f"{args.steps - 2} with --steps {args.steps}, got {args.rollback_at}")
+    known = registered_strategies()
+    if known is not None:
+        asked = args.strategies.split(",") if args.compare else [] if args.strategy == "sync" else [args.strategy]
+        unknown = [name for name in asked if name not in known]
+        if unknown:
+            parser.error(f"unknown strategy {unknown[0]!r}; registered: {', '.join(sorted(known))}"
+                         f"{'' if args.compare else ', or sync'}")
     if args.mini_batch_size <= 0 or (args.prompts_per_step * args.group_size) % args.mini_batch_size:
         parser.error(f"--mini-batch-size {args.mini_batch_size} must divide B*N = "
                      f"{args.prompts_per_step * args.group_size}")
@@ -825,6 +854,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "plot":
         return plot_main(argv[1:])
     args = parse(argv)
+    # SIGTERM (timeout, an orchestrator) ends the run as Ctrl-C does: the clean-up below stops vLLM, coda-server and
+    # the workers, which a plain SIGTERM left running.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     wall_started = time.monotonic()
     python, model = vllm_setup(args)
@@ -880,4 +912,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the clean-up has run on the way out
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("run.py: interrupted; vLLM, coda-server and the workers it started are stopped (the runs' logs are in "
+              "the work directory named at the start)", file=sys.stderr)
+        sys.exit(130)
