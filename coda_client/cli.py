@@ -286,9 +286,18 @@ def run_reset(client: PacerClient, args: argparse.Namespace) -> tuple[ResetResul
     try:
         result = client.reset(args.mode, wait=args.wait, resume=args.resume, weight_version=args.weight_version)
     except KeyboardInterrupt:
-        print(f"coda-client: interrupted; the reset keeps running on the server (at most {args.wait:g} s from its "
-              "start), then dispatch stays paused: `coda-client state` says \"reset in progress\" until it ends, "
-              "`coda-client resume --weight-version V` reopens dispatch after it", file=sys.stderr, flush=True)
+        try:  # a Ctrl-C may come before the Reset reached the server: said as it is
+            running_on = client.state().resetting
+        except PacerClientError:
+            running_on = None
+        if running_on is False:
+            print("coda-client: interrupted; no reset is running on the server (the call had not reached it, or it "
+                  "ended): `coda-client state` says where it stands", file=sys.stderr, flush=True)
+        else:
+            print(f"coda-client: interrupted; the reset keeps running on the server (at most {args.wait:g} s from its "
+                  "start), then dispatch stays paused: `coda-client state` says \"reset in progress\" until it "
+                  "ends, `coda-client resume --weight-version V` reopens dispatch after it", file=sys.stderr,
+                  flush=True)
         raise
     if running:
         dropped = len(result.dropped_prompt_ids)

@@ -17,7 +17,7 @@ import pytest
 from coda_client import PacerClient
 from coda_client import cli as client_cli
 from conftest import core_overrides
-from server_harness import REPO_ROOT, ServerProcess
+from server_harness import REPO_ROOT, ServerProcess, until
 
 # The console script's entry point, run by this interpreter with this test run's PYTHONPATH (so the code under test).
 CODA_CLIENT = [sys.executable, "-c", "import sys; from coda_client.cli import main; sys.exit(main())"]
@@ -74,6 +74,8 @@ def test_reset_waits_60_s_at_most_by_default_and_ctrl_c_leaves_it_running_on_the
         reader.join(60)  # said at once (the old command said nothing for as long as the groups' lease)
         assert first and first[0].startswith(
             "coda-client: reset is waiting up to 60 s for all the trajectories of 2 running groups"), first
+        with PacerClient(address) as pacer:  # the line comes just before the Reset is sent: wait for it to arrive
+            until(lambda: pacer.state().resetting, "the Reset to reach the server", timeout=60)
         reset.send_signal(signal.SIGINT)
         out, rest = reset.communicate(timeout=60)
     finally:
