@@ -472,8 +472,8 @@ class AsyncRolloutWorker:
     pacer: an AsyncPacerClient (the worker does not close it). engine: an AsyncEngine (e.g. VLLMEngine).
     source: a PromptSource. sampling: SamplingParams of every trajectory. reward: optional
     `reward(prompt, response_token_ids) -> float` (or a coroutine) for completed trajectories; a call that raises
-    (or gives no finite number: None, a str, NaN, inf) makes its trajectory FAILED, the error in its metadata ("error") and the log,
-    and the others go on; reward_failure_limit such failures in a row, none scored between, stop the worker and
+    (or gives no finite number: None, a str, NaN, inf) makes its trajectory FAILED, the error in its metadata
+    ("error") and the log, and the others go on; reward_failure_limit such failures in a row, none scored between, stop the worker and
     run() raises RewardFunctionError (a reward function that cannot run at all would otherwise turn every prompt
     of the source into FAILED trajectories); so do engine_failure_limit requests in a row that the engine failed
     (retries spent; EngineFailedError).

@@ -357,8 +357,8 @@ class CollectLimit:
     def check(self, num_groups: int, allow_partial: bool, shape: BatchShape = PLAIN, buffered: int = 0) -> None:
         """A Collect that must have `num_groups` buffered at once (no allow_partial, no token budget) is refused
         when that many can never be: it would wait forever, silently. `buffered`: what the buffer holds now, which
-        leased groups given back can take past the bound; a Collect it answers now is not refused. (A token budget the buffer cannot reach takes
-        what a full buffer holds, see Delivery; its ranks must be able to get a group each.)"""
+        leased groups given back can take past the bound; a Collect it answers now is not refused. (A token budget
+        the buffer cannot reach takes what a full buffer holds, see Delivery; its ranks must each get a group.)"""
         limit = self.limit
         if shape.token_budget and limit and shape.world_size > limit:  # each rank's share holds a group at least
             raise InvalidArgumentError(
