@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import inspect
 import logging
 import shutil
 import time
@@ -20,9 +19,8 @@ from .allocator import HeapTrimmer, in_a_thread, retain_freed_memory
 from .admission import Admission, call_limits
 from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
-from .core.errors import ConfigError
 from .core.filters import create_filters
-from .core.strategy import STRATEGIES, ThreadSafeStrategy, create_strategy
+from .core.strategy import create_strategy
 from .core.journal import StateDirError, StateDirLockedError
 from .core.sqlite_journal import LOW_SPACE_BYTES, SqliteJournal
 from .core.pacer import Pacer
@@ -125,26 +123,6 @@ def _free_bytes(path: Path) -> Optional[int]:
     return None
 
 
-def build_strategy(config: Any) -> ThreadSafeStrategy:
-    """The strategy fully_async.sliding_window names, built; ConfigError naming it and what its constructor
-    raised (a custom strategy's bug, or a configuration it refuses) instead of a traceback."""
-    name = str(config.fully_async.sliding_window)
-    try:
-        return create_strategy(config)
-    except ConfigError:  # already names the key and what is allowed (e.g. read_options)
-        raise
-    except Exception as exc:
-        cls = STRATEGIES.get(name) if name in STRATEGIES else None
-        try:
-            where = f" ({inspect.getsourcefile(cls)})" if cls is not None else ""
-        except TypeError:
-            where = ""
-        problem = " ".join(str(exc).split()) or "(no message)"
-        raise ConfigError(f"fully_async.sliding_window = {name!r}: the strategy could not be built: its __init__ "
-                          f"raised {type(exc).__name__}: {problem}; fix the strategy{where} or choose another "
-                          f"(registered: {', '.join(STRATEGIES.names())})") from None
-
-
 class PacerServer:
     """One pacing server: owns the Pacer, its asyncio face, the grpc.aio server and the health states."""
 
@@ -152,7 +130,7 @@ class PacerServer:
         self.config = config
         # The strategy and filters first: one whose __init__ fails stops start-up before the state directory is
         # touched.
-        strategy = build_strategy(config) if pacer is None else None
+        strategy = create_strategy(config) if pacer is None else None
         filters = create_filters(list(config.rollout.filter), config) if pacer is None else None
         transport.check_tls_files(config)  # so is a certificate and key that do not go together
         state_dir = str(config.server.state_dir or "")

@@ -144,6 +144,13 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names the key, the value and what is allowed."""
 
 
+def not_built(subject: str, what: str, exc: BaseException, remedy: str) -> ConfigError:
+    """The one-line start-up refusal of a plugin (`what`: the strategy, a filter) whose __init__ raised `exc`."""
+    problem = " ".join(str(exc).split()) or "(no message)"
+    return ConfigError(f"{subject}: {what} could not be built: its __init__ raised {type(exc).__name__}: {problem}; "
+                       f"{remedy}")
+
+
 class RecoveryError(RuntimeError):
     """Start-up cannot rebuild the state kept in server.state_dir (e.g. it was written under another
     pacing configuration); the server must not serve a state that differs from the one it acknowledged."""

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .errors import ConfigError
+from .errors import ConfigError, not_built
 from .registry import Registry
 from .types import TrajectoryGroup, TrajectoryStatus
 
@@ -195,10 +195,8 @@ def create_filters(spec: Any, config: Any = None) -> list[GroupFilter]:
             except ConfigError:  # names its key already
                 raise
             except Exception as exc:  # a custom filter's bug: said in one line at start-up, not a traceback
-                problem = " ".join(str(exc).split()) or "(no message)"
-                raise ConfigError(f"rollout.filter: the filter {name!r} could not be built: its __init__ raised "
-                                  f"{type(exc).__name__}: {problem}; fix the filter or take it out of "
-                                  f"rollout.filter") from None
+                raise not_built("rollout.filter", f"the filter {name!r}", exc,
+                                "fix the filter or take it out of rollout.filter") from None
         else:
             filters.append(FunctionFilter(name, plugin, params, config))
     return filters

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+from .errors import ConfigError, not_built
 from .registry import Registry
 from .settings import setting
 from .types import TrajectoryStatus
@@ -306,12 +307,26 @@ def create_strategy(config: Any, name: str | None = None, lock: Any = None) -> T
 
     `config` is any object with `config.data_sources[0].num_prompts_per_step`,
     `config.fully_async.stale_steps` and `.get()`, e.g. an OmegaConf DictConfig. An unknown name raises
-    ConfigError (a ValueError) saying "Unknown sliding_window strategy" and listing the registered ones.
+    ConfigError (a ValueError) saying "Unknown sliding_window strategy" and listing the registered ones; so does
+    a strategy whose __init__ raises (a custom strategy's bug, or a configuration it refuses), naming it, what it
+    raised and its file, in one line instead of a traceback at start-up.
     """
     if name is None:
         name = setting(config, "fully_async.sliding_window")
     cls = STRATEGIES.get(name)
-    return ThreadSafeStrategy(cls(config), name, lock)
+    try:
+        strategy = cls(config)
+    except ConfigError:  # already names the key and what is allowed (e.g. read_options)
+        raise
+    except Exception as exc:
+        try:
+            where = f" ({inspect.getsourcefile(cls)})"
+        except TypeError:
+            where = ""
+        raise not_built(f"fully_async.sliding_window = {name!r}", "the strategy", exc,
+                        f"fix the strategy{where} or choose another (registered: {', '.join(STRATEGIES.names())})"
+                        ) from None
+    return ThreadSafeStrategy(strategy, name, lock)
 
 
 def options_section(cls: type, name: str) -> str:
