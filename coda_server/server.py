@@ -4,9 +4,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import shutil
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import grpc
@@ -21,8 +19,7 @@ from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
 from .core.filters import create_filters
 from .core.strategy import create_strategy
-from .core.journal import StateDirError, StateDirLockedError
-from .core.sqlite_journal import LOW_SPACE_BYTES, SqliteJournal
+from .core.sqlite_journal import SqliteJournal
 from .core.pacer import Pacer
 from .method_wrapping import WrappingRegistrar
 from .metrics_listener import check_metrics_security
@@ -90,39 +87,6 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, GC_MIDDLE_THRESHOLD, GC_OLD_THRESHOLD)
 
 
-def open_journal(state_dir: str, fsync: str) -> SqliteJournal:
-    """The journal of `state_dir`; a StateDirError whose cause is a full file system says so, and what to do
-    (the journal's own advice is about permissions)."""
-    try:
-        return SqliteJournal(state_dir, fsync=fsync, codec=ProtoTrajectories())
-    except StateDirLockedError:
-        raise
-    except StateDirError as exc:
-        text = str(exc)
-        free = _free_bytes(Path(state_dir).absolute())
-        lower = text.lower()
-        full = (any(sign in lower for sign in ("disk is full", "no space left", "disk quota exceeded"))
-                or (free is not None and free < LOW_SPACE_BYTES
-                    and not any(sign in lower for sign in ("permission denied", "read-only", "not a directory"))))
-        if not full:
-            raise
-        cause = text.split("; it must be a directory")[0]
-        left = f"{free / 2**20:.1f} MiB free" if free is not None else "no space left"
-        raise StateDirError(f"{cause}; its file system is full ({left}): free space on it, or set server.state_dir "
-                            f"to a directory on a file system with room") from None
-
-
-def _free_bytes(path: Path) -> Optional[int]:
-    """Free bytes of the file system `path` is (or would be created) on; None when that cannot be told."""
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            try:
-                return shutil.disk_usage(candidate).free
-            except OSError:
-                return None
-    return None
-
-
 class PacerServer:
     """One pacing server: owns the Pacer, its asyncio face, the grpc.aio server and the health states."""
 
@@ -135,7 +99,8 @@ class PacerServer:
         transport.check_tls_files(config)  # so is a certificate and key that do not go together
         state_dir = str(config.server.state_dir or "")
         # The journal takes the state directory's lock now: a second server on it fails before binding.
-        self.journal = open_journal(state_dir, str(config.server.fsync)) if state_dir and pacer is None else None
+        self.journal = (SqliteJournal(state_dir, fsync=str(config.server.fsync), codec=ProtoTrajectories())
+                        if state_dir and pacer is None else None)
         self.pacer = pacer if pacer is not None else Pacer(config, strategy=strategy, filters=filters, journal=self.journal)
         self._journal_failure_reported = False
         self.async_pacer = AsyncPacer(

@@ -188,7 +188,6 @@ def test_a_port_in_use_is_said_to_be_in_use(tmp_path):
 # ------------------------------------------------------------------ a full disk
 
 def test_a_full_disk_at_start_up_says_the_file_system_is_full_not_who_may_write(tmp_path, monkeypatch):
-    from coda_server import server as server_module
     from coda_server.core import sqlite_journal
 
     def full(*args, **kwargs):
@@ -196,7 +195,7 @@ def test_a_full_disk_at_start_up_says_the_file_system_is_full_not_who_may_write(
 
     monkeypatch.setattr(sqlite_journal.sqlite3, "connect", full)
     with pytest.raises(StateDirError) as caught:
-        server_module.open_journal(str(tmp_path / "sd"), "normal")
+        sqlite_journal.SqliteJournal(str(tmp_path / "sd"), fsync="normal")
     message = str(caught.value)
     assert "database or disk is full" in message and "file system is full" in message
     assert "this user can write" not in message
@@ -210,8 +209,8 @@ def test_a_state_dir_this_user_cannot_write_keeps_its_advice(tmp_path):
     else:
         target = tmp_path / "ro" / "sd"
         target.parent.mkdir(mode=0o500)
-    from coda_server import server as server_module
+    from coda_server.core.sqlite_journal import SqliteJournal
 
     with pytest.raises(StateDirError) as caught:
-        server_module.open_journal(str(target), "normal")
+        SqliteJournal(str(target), fsync="normal")
     assert "that this user can write" in str(caught.value) and "file system is full" not in str(caught.value)

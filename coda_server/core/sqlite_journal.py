@@ -36,6 +36,32 @@ _REFUSED_MEANWHILE = (f"changes are refused with UNAVAILABLE (reason STATE_DIR_U
 LOW_SPACE_BYTES = 64 << 20
 
 
+def _open_advice(directory: Path, exc: BaseException) -> str:
+    """What to do about a state directory that could not be opened: make room when its file system is full (the
+    cause, or too little free space and no sign of another), else give a directory this user can write."""
+    text = str(exc).lower()
+    free = _free_bytes(directory)
+    full = (any(sign in text for sign in ("disk is full", "no space left", "disk quota exceeded"))
+            or (free is not None and free < LOW_SPACE_BYTES
+                and not any(sign in text for sign in ("permission denied", "read-only", "not a directory"))))
+    if not full:
+        return "it must be a directory (or a path where one can be made) that this user can write"
+    left = f"{free / 2**20:.1f} MiB free" if free is not None else "no space left"
+    return (f"its file system is full ({left}): free space on it, or set server.state_dir to a directory on a file "
+            f"system with room")
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    """Free bytes of the file system `path` is (or would be created) on; None when that cannot be told."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
 class SqliteJournal:
     """The `Journal` of one state directory: SQLite in WAL mode, written in order by one background thread
     with group commit.
@@ -55,8 +81,8 @@ class SqliteJournal:
             self._lock_file = self._take_lock()
             self._db = self._open_database(fsync)
         except (OSError, sqlite3.Error) as exc:
-            raise StateDirError(f"server.state_dir {str(self.directory)!r} cannot be used: {exc}; it must be a "
-                                f"directory (or a path where one can be made) that this user can write") from None
+            raise StateDirError(f"server.state_dir {str(self.directory)!r} cannot be used: {exc}; "
+                                f"{_open_advice(self.directory, exc)}") from None
         self._queue: deque[tuple[int, str, Any]] = deque()
         self._cond = threading.Condition()
         self._queued = 0  # tickets handed out
