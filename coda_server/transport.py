@@ -85,21 +85,17 @@ def _read(key: str, path: str) -> bytes:
     return data
 
 
-def _tls_files(config: Any) -> tuple[str, str, str]:
+def check_tls_files(config: Any) -> Optional[tuple[bytes, bytes, Optional[bytes]]]:
+    """server.tls's files as read (certificate chain, private key, client CA or None), or None without TLS;
+    ConfigError naming the key when they cannot serve: unreadable, not PEM, or a private key that is not the
+    certificate's (gRPC would only fail to bind, naming neither). Call before anything else starts;
+    server_credentials builds the credentials from what it returns."""
     tls = config.server.get("tls") or {}
-    return tuple(str(tls.get(key) or "") for key in ("cert_file", "key_file", "client_ca_file"))  # type: ignore[return-value]
-
-
-def check_tls_files(config: Any) -> None:
-    """ConfigError naming the key when server.tls's files cannot serve: unreadable, not PEM, or a private key
-    that is not the certificate's (gRPC would only fail to bind, naming neither). Call before anything else
-    starts; server_credentials calls it too."""
-    cert_file, key_file, ca_file = _tls_files(config)
+    cert_file, key_file, ca_file = (str(tls.get(key) or "") for key in ("cert_file", "key_file", "client_ca_file"))
     if not cert_file:
-        return
+        return None
     chain, key = _read("cert_file", cert_file), _read("key_file", key_file)
-    if ca_file:
-        _read("client_ca_file", ca_file)
+    roots = _read("client_ca_file", ca_file) if ca_file else None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:  # the password callback: an encrypted key fails here instead of prompting on the terminal
         context.load_cert_chain(cert_file, key_file, password=lambda: b"")
@@ -120,17 +116,16 @@ def check_tls_files(config: Any) -> None:
             advice = ("they are not a PEM certificate chain and its matching private key; cert_file takes the "
                       "certificate (chain), key_file its private key")
         raise ConfigError(f"{keys}: {advice} ({reason})") from None
+    return chain, key, roots
 
 
 def server_credentials(config: Any) -> tuple[Optional[grpc.ServerCredentials], str]:
     """(credentials, kind) for the TCP listener: (None, "plaintext") unless server.tls.cert_file is set."""
-    cert_file, key_file, ca_file = _tls_files(config)
-    if not cert_file:
+    files = check_tls_files(config)
+    if files is None:
         return None, "plaintext"
-    check_tls_files(config)
-    chain, key = _read("cert_file", cert_file), _read("key_file", key_file)
-    if ca_file:
-        roots = _read("client_ca_file", ca_file)
+    chain, key, roots = files
+    if roots is not None:
         # Mutual TLS: the handshake fails for a client without a certificate chaining to `roots`.
         return grpc.ssl_server_credentials([(key, chain)], root_certificates=roots, require_client_auth=True), "mutual TLS"
     return grpc.ssl_server_credentials([(key, chain)]), "TLS"
