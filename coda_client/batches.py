@@ -81,6 +81,17 @@ def _server_away(code: Any) -> bool:
     return code in _ENDED_BY_SHUTDOWN or code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+async def _set_within(event: asyncio.Event, seconds: float) -> bool:
+    """Whether `event` is set within `seconds`. Not wait_for: on Python 3.10 and 3.11 it can swallow the caller's
+    cancel when the event is set in the same turn of the loop."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((waiter,), timeout=seconds)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
 @dataclass(frozen=True, eq=False)
 class PaddedBatch:
     """A mini-batch as [B, L] matrices; `attention_mask` is True on real tokens, False on padding."""
@@ -1314,13 +1325,7 @@ class AsyncBatchIterator(_IteratorBase):
                 deadline = now + self.reconnect if deadline is None else deadline
                 if now >= deadline:
                     raise self._gone(call.method, self._shutdown.is_set()) from None
-                # Not wait_for: on Python 3.10 and 3.11 it can swallow the caller's cancel when the event is set in
-                # the same turn of the loop.
-                present = asyncio.ensure_future(self._present.wait())
-                try:
-                    await asyncio.wait((present,), timeout=min(delay, deadline - now))
-                finally:
-                    present.cancel()
+                await _set_within(self._present, min(delay, deadline - now))
                 if self._closed and not survives_close:
                     raise _Stopped from None
                 delay = min(delay * 2, _AWAY_RETRY_MAX_SECONDS)
@@ -1351,12 +1356,9 @@ class AsyncBatchIterator(_IteratorBase):
             if self._closed and not survives_close:
                 raise _Stopped from None
             if _server_away(getattr(exc, "code", None)):  # see BatchIterator._call_once
-                if not self._shutdown.is_set():
-                    try:
-                        await asyncio.wait_for(self._shutdown.wait(), SHUTDOWN_EVENT_WAIT_SECONDS
-                                               if exc.code == grpc.StatusCode.CANCELLED else 0.001)
-                    except asyncio.TimeoutError:
-                        self._present.clear()
+                if not self._shutdown.is_set() and not await _set_within(
+                        self._shutdown, SHUTDOWN_EVENT_WAIT_SECONDS if exc.code == grpc.StatusCode.CANCELLED else 0.001):
+                    self._present.clear()
                 raise _Away from None
             raise
         finally:
