@@ -322,10 +322,9 @@ def _defaults_entry_exists(root: Path, group: Path, entry: Any) -> bool:
     return (base / f"{target.lstrip('/')}.yaml").is_file()
 
 
-
 def _check_sections(config: DictConfig) -> None:
     """Each section the service reads must be a mapping; anything else stops here, naming it."""
-    wrong = [f"{section} = {config.get(section)!r}: must be a mapping of options (see conf/default.yaml)"
+    wrong = [mapping_problem(section, config.get(section), ())
              for section in SECTIONS if not isinstance(config.get(section), DictConfig)]
     if wrong:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(wrong))
