@@ -35,10 +35,21 @@ def assert_one_line(proc: subprocess.CompletedProcess, code: int, *says: str) ->
 
 # ------------------------------------------------------------------ a custom strategy whose __init__ raises
 
-def test_a_strategy_whose_init_raises_stops_with_exit_2_naming_it_before_the_state_dir_is_made(tmp_path):
+def assert_plugin_refused_before_the_state_dir(tmp_path: Path, filename: str, source: str, setting: str,
+                                               *says: str) -> None:
+    """Starts coda-server with the plugin module `source` (as plugins/`filename`) chosen by `setting`: it must stop
+    with exit 2 and one line saying `says`, the state directory not made."""
     plugins = tmp_path / "plugins"
     plugins.mkdir()
-    (plugins / "initfail.py").write_text(textwrap.dedent("""\
+    (plugins / filename).write_text(textwrap.dedent(source))
+    proc = run_server(tmp_path, f"server.custom_strategy_dirs=[{plugins}]", setting)
+    err = assert_one_line(proc, 2, *says)
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "sd").exists()  # checked before the state directory is made
+
+
+def test_a_strategy_whose_init_raises_stops_with_exit_2_naming_it_before_the_state_dir_is_made(tmp_path):
+    assert_plugin_refused_before_the_state_dir(tmp_path, "initfail.py", """\
         from coda_server import SlidingWindowStrategy, register_sliding_window_strategy
 
         @register_sliding_window_strategy("init-fail")
@@ -49,18 +60,12 @@ def test_a_strategy_whose_init_raises_stops_with_exit_2_naming_it_before_the_sta
 
             def compute_dispatch_count(self, running_count):
                 return 1
-        """))
-    proc = run_server(tmp_path, f"server.custom_strategy_dirs=[{plugins}]", "fully_async.sliding_window=init-fail")
-    err = assert_one_line(proc, 2, "fully_async.sliding_window = 'init-fail'", "RuntimeError: boom in init",
-                          str(plugins / "initfail.py"))
-    assert len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "sd").exists()  # checked before the state directory is made
+        """, "fully_async.sliding_window=init-fail", "fully_async.sliding_window = 'init-fail'",
+        "RuntimeError: boom in init", str(tmp_path / "plugins" / "initfail.py"))
 
 
 def test_a_filter_whose_init_raises_stops_with_exit_2_naming_it_before_the_state_dir_is_made(tmp_path):
-    plugins = tmp_path / "plugins"
-    plugins.mkdir()
-    (plugins / "filterfail.py").write_text(textwrap.dedent("""\
+    assert_plugin_refused_before_the_state_dir(tmp_path, "filterfail.py", """\
         from coda_server.core.filters import GroupFilter, register_group_filter
 
         @register_group_filter("init-fail-filter")
@@ -70,12 +75,8 @@ def test_a_filter_whose_init_raises_stops_with_exit_2_naming_it_before_the_state
 
             def keep(self, group):
                 return True
-        """))
-    proc = run_server(tmp_path, f"server.custom_strategy_dirs=[{plugins}]", "rollout.filter=[status,init-fail-filter]")
-    err = assert_one_line(proc, 2, "rollout.filter: the filter 'init-fail-filter' could not be built",
-                          "RuntimeError: boom in filter init")
-    assert len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "sd").exists()
+        """, "rollout.filter=[status,init-fail-filter]",
+        "rollout.filter: the filter 'init-fail-filter' could not be built", "RuntimeError: boom in filter init")
 
 
 # ------------------------------------------------------------------ a section or sub-mapping that is not a mapping
