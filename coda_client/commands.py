@@ -27,7 +27,24 @@ def _run(command: str, module: str, argv: Optional[Sequence[str]]) -> int:
         if not package or package.startswith("coda_"):  # our own code missing: a broken install, shown as it is
             raise
         # The plain distribution is the client alone (pyproject.toml): a traceback would bury what to do.
-        print(f"{command}: the package {package!r} is not installed; {command} needs the server's packages: "
-              f"{SERVER_EXTRA}", file=sys.stderr)
+        print(missing_extra_line(command, package), file=sys.stderr)
         return 1
     return main(argv)
+
+
+def missing_extra_line(command: str, package: str) -> str:
+    """What `command` says when the server extra's `package` is not installed."""
+    return f"{command}: the package {package!r} is not installed; {command} needs the server's packages: {SERVER_EXTRA}"
+
+
+def exit_if_run_as_module(missing: ModuleNotFoundError) -> None:
+    """Called by the server extra's packages when an import of theirs is missing: under `python -m coda_server`
+    (or coda_sim), which is loading them (argv[0] is "-m" only then), the process ends with the console command's one
+    line instead of a traceback through the package's import. Otherwise returns: an importer gets the error."""
+    package = (missing.name or "").split(".")[0]
+    if sys.argv[:1] != ["-m"] or not package or package.startswith("coda_"):
+        return
+    orig_argv = getattr(sys, "orig_argv", [])
+    module = orig_argv[orig_argv.index("-m") + 1] if "-m" in orig_argv[:-1] else "the module"
+    print(missing_extra_line(f"python -m {module}", package), file=sys.stderr)
+    raise SystemExit(1)

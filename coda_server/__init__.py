@@ -13,6 +13,9 @@ try:
         register_sliding_window_strategy,
     )
 except ModuleNotFoundError as missing:  # the plain distribution is the client; the server is an extra
+    from coda_client.commands import exit_if_run_as_module
+
+    exit_if_run_as_module(missing)
     raise ModuleNotFoundError(f"{missing.msg}: coda-server needs the server's packages: "
                               f"pip install 'coda-pacer[server]'", name=missing.name) from missing
 

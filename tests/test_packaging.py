@@ -132,7 +132,9 @@ def test_the_client_floors_are_the_versions_the_stubs_were_generated_with():
 def test_the_server_imports_only_the_public_and_protocol_parts_of_the_client():
     import ast
 
-    allowed = {"coda_client", "coda_client.protocol", "coda_client.wire_forms", "coda_client._proto"}
+    # coda_client.commands: the console commands' one-line refusal when the server extra is missing
+    allowed = {"coda_client", "coda_client.protocol", "coda_client.wire_forms", "coda_client._proto",
+               "coda_client.commands"}
 
     def is_allowed(name: str) -> bool:
         return name in allowed or name.startswith("coda_client._proto.")
@@ -163,4 +165,10 @@ def test_the_plain_install_brings_the_client_alone_and_coda_server_names_its_ext
         refused = subprocess.run([str(environment / "bin" / command)], capture_output=True, text=True, cwd=tmp_path)
         assert refused.returncode == 1, (command, refused.stderr)
         assert refused.stderr.startswith(f"{command}: the package ") and "Traceback" not in refused.stderr, refused.stderr
+        assert refused.stderr.strip().endswith("pip install 'coda-pacer[server]'"), refused.stderr
+    for module in ("coda_server", "coda_sim"):  # and so do their `python -m` forms
+        refused = subprocess.run([str(python), "-m", module, "--help"], capture_output=True, text=True, cwd=tmp_path)
+        assert refused.returncode == 1, (module, refused.stderr)
+        assert refused.stderr.startswith(f"python -m {module}: the package ") and "Traceback" not in refused.stderr, \
+            refused.stderr
         assert refused.stderr.strip().endswith("pip install 'coda-pacer[server]'"), refused.stderr
