@@ -28,7 +28,7 @@ __all__ = [
     "translate",
 ]
 
-# google.rpc.ErrorInfo reason for a trajectory whose prompt was dispatched before the last Reset.
+# google.rpc.ErrorInfo reason for a trajectory whose prompt was dispatched before the last Reset or Restore.
 STALE_GENERATION = "STALE_GENERATION"
 # google.rpc.ErrorInfo reason for an Ack naming a lease the server does not know.
 UNKNOWN_LEASE = "UNKNOWN_LEASE"
@@ -87,7 +87,7 @@ class FailedPreconditionError(PacerClientError):
 
 
 class StaleGenerationError(FailedPreconditionError):
-    """FAILED_PRECONDITION with reason STALE_GENERATION: the prompt was dispatched before the last Reset."""
+    """FAILED_PRECONDITION with reason STALE_GENERATION: the prompt was dispatched before the last Reset or Restore."""
 
 
 class MessageTooLargeError(BadRequestError):

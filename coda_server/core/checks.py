@@ -53,7 +53,7 @@ class SubmitSorting:
                                      f"dispatched (or was dispatched more than {remembered_generations} resets ago)")
         if self.stale:
             raise StaleGenerationError(f"Submit refused, nothing accepted: prompt {self.stale[0]!r} was dispatched "
-                                       f"before the last Reset (current generation {generation})")
+                                       f"before the pacer's last Reset or Restore (current generation {generation})")
         if self.expired:
             raise LeaseExpiredError(f"Submit refused, nothing accepted: the in-flight lease of prompt "
                                     f"{self.expired[0]!r} ran out (server.inflight_lease_seconds = "

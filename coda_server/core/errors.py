@@ -37,7 +37,7 @@ class FailedPreconditionError(PacerError):
 
 
 class StaleGenerationError(FailedPreconditionError):
-    """A trajectory belongs to a prompt dispatched before the last Reset."""
+    """A trajectory belongs to a prompt dispatched before the last Reset or Restore."""
 
     reason = "STALE_GENERATION"
 
