@@ -124,6 +124,7 @@ ENGINE_VERSION_RECHECK_SECONDS = 0.2
 DEFAULT_REWARD_FAILURE_LIMIT = 32
 DEFAULT_ENGINE_FAILURE_LIMIT = 32
 REWARD_ERROR_CHARS = 500  # of a reward function's error, kept in the FAILED trajectory's metadata
+REFUSAL_ERROR_CHARS = 500  # of the server's refusal of a malformed Submit, kept in the FAILED stand-ins' metadata
 # The Dispatches that admitted groups are said at info level once a minute at most (the first at once), each one at
 # debug level: a worker admits about one group each time one of its groups ends, a line per group otherwise.
 DISPATCH_LOG_SECONDS = 60.0
@@ -339,6 +340,9 @@ class WorkerStats:
     # up, the server reclaims their groups by lease. Not "refused": the server refused nothing.
     trajectories_given_up: int = 0
     trajectories_too_large: int = 0  # larger than a message may be: submitted as FAILED, saying why
+    # Of a group whose Submit the server refused as malformed (INVALID_ARGUMENT): acknowledged as FAILED stand-ins
+    # saying why (the refused ones sent once more, the rest of the group as it ended), so the group completes.
+    trajectories_failed_after_refusal: int = 0
     tokens_generated: int = 0
     submit_calls: int = 0
     submit_retries: int = 0
@@ -355,7 +359,7 @@ class _Traj:
     """One trajectory being generated: the response so far and its segments (length, weight version)."""
 
     __slots__ = ("trajectory_id", "token_ids", "logprobs", "segments", "status", "finish", "start_version",
-                 "was_aborted", "done")
+                 "was_aborted", "done", "failed_after_refusal")
 
     def __init__(self, trajectory_id: str) -> None:
         self.trajectory_id = trajectory_id
@@ -367,6 +371,7 @@ class _Traj:
         self.start_version: int | None = None
         self.was_aborted = False  # came back ABORTED from an earlier generation
         self.done = False  # nothing left to generate (an earlier COMPLETED or FAILED answer)
+        self.failed_after_refusal = False  # sent as a FAILED stand-in: its group's Submit was refused as malformed
 
     @classmethod
     def resumed(cls, t: Trajectory) -> _Traj:
@@ -412,6 +417,9 @@ class _Group:
         self.abort_requested = False
         self.unacknowledged = len(trajectories)
         self.given_up = False  # some of it was not acknowledged when stop()'s grace ran out
+        # The server's message when it refused a Submit of this group as malformed (INVALID_ARGUMENT): the rest of
+        # the group is submitted as FAILED stand-ins carrying it.
+        self.refusal: str | None = None
         self.task: asyncio.Task | None = None
 
 
@@ -1209,17 +1217,21 @@ class AsyncRolloutWorker:
             metadata["finish_reason"] = traj.finish.value
         if traj.was_aborted:
             metadata["continued"] = "true"  # aborted at a Reset, then continued under newer weights
-        reward, reward_error = await self._reward_of(group, traj)
+        # The rest of a group the server refused as malformed goes as FAILED, so nothing is scored.
+        reward, reward_error = (0.0, None) if group.refusal is not None else await self._reward_of(group, traj)
         if reward_error is not None:
             traj.status = TrajectoryStatus.FAILED
             metadata["error"] = reward_error
-        return Trajectory(
+        message = Trajectory(
             trajectory_id=traj.trajectory_id, prompt_id=group.prompt.prompt_id, ds_index=group.prompt.ds_index,
             status=traj.status, reward=reward, token_ids=traj.token_ids,
             logprobs=traj.logprobs, start_weight_version=start, end_weight_version=end, metadata=metadata,
             segment_lengths=[n for n, _ in traj.segments],
             segment_weight_versions=[v for _, v in traj.segments],
         )
+        if group.refusal is not None:
+            return self._refusal_stand_in(traj, message, group.refusal)
+        return message
 
     # ------------------------------------------------------------------ submitting
 
@@ -1268,7 +1280,10 @@ class AsyncRolloutWorker:
                 for entries, messages in by_group.values():
                     await self._submit_batch(entries, messages)
                 return
-            self._refused(batch, exc)
+            if isinstance(exc, BadRequestError):  # its content: the group is ours and can still complete
+                await self._submit_refused_as_failed(batch, wire, fences, exc)
+                return
+            self._refused(batch, exc)  # stale or unknown: the group is not this worker's any more
             return
         except _GivenUp as exc:  # stop()'s grace ran out first: the server refused nothing
             self._given_up(batch, str(exc))
@@ -1319,10 +1334,7 @@ class AsyncRolloutWorker:
                      extra=_fields(worker=self.worker_id, trajectory_id=traj.trajectory_id))
         traj.status = TrajectoryStatus.FAILED
         self.stats.trajectories_too_large += 1
-        return Trajectory(trajectory_id=message.trajectory_id, prompt_id=message.prompt_id, ds_index=message.ds_index,
-                          status=TrajectoryStatus.FAILED, start_weight_version=message.start_weight_version,
-                          end_weight_version=message.end_weight_version,
-                          metadata={**message.metadata, "error": reason, "finish_reason": "error"})
+        return _failed_without_arrays(message, {**message.metadata, "error": reason, "finish_reason": "error"})
 
     async def _submit(self, trajectories: list[Trajectory], fences: dict[str, int] | None = None) -> None:
         """Submits `trajectories` until acknowledged; raises what the server refused them with, or _GivenUp when
@@ -1375,13 +1387,76 @@ class AsyncRolloutWorker:
                 self.stats.trajectories_continued += 1
             if traj.status == TrajectoryStatus.FAILED:
                 self.stats.trajectories_failed += 1
+            if traj.failed_after_refusal:
+                self.stats.trajectories_failed_after_refusal += 1
             self._trajectory_settled(group)
+
+    async def _submit_refused_as_failed(self, batch: list[tuple[_Group, _Traj]], wire: list[Trajectory],
+                                        fences: dict[str, int], exc: BadRequestError) -> None:
+        """A Submit of one group's trajectories refused as malformed (INVALID_ARGUMENT: nothing of it accepted). The
+        server counts a group complete at its N trajectories, so without these it would hold the group in flight,
+        and its step with it, until the group's in-flight lease runs out. They are submitted once more (same fence)
+        as FAILED stand-ins without their arrays, saying why, and so is the rest of the group as it ends (its
+        requests are aborted): the group completes at once and the status filter drops it. Stand-ins refused too
+        are dropped, as any refusal is: never sent a third time."""
+        group = batch[0][0]
+        prompt_id, ids = group.prompt.prompt_id, [traj.trajectory_id for _, traj in batch]
+        error = (exc.details or str(exc))[:REFUSAL_ERROR_CHARS]
+        if group.refusal is None:
+            group.refusal = error
+        if not group.abort_requested:  # nothing more of this group is worth generating
+            self._request_abort([group], reason="the server refused its trajectories as malformed")
+        if all(traj.failed_after_refusal for _, traj in batch):  # already the stand-ins: the same would be refused
+            self._stand_ins_refused(batch, exc)
+            return
+        logger.error("%s: Submit of group %r refused as malformed: %s; submitting its trajectories %s once more as "
+                     "FAILED, without their arrays, so the group completes instead of holding its step until its "
+                     "in-flight lease runs out", self.worker_id, prompt_id, exc, ", ".join(ids),
+                     extra=_fields(worker=self.worker_id, prompt_id=prompt_id, trajectory_ids=ids, reason=exc.reason))
+        stand_ins = [self._refusal_stand_in(traj, message, error) for (_, traj), message in zip(batch, wire)]
+        try:
+            await self._submit(stand_ins, fences)
+        except _GivenUp as given_up:  # stop()'s grace ran out first: the server refused nothing
+            self._given_up(batch, str(given_up))
+            return
+        except _TooLarge as too_large:  # (without arrays a stand-in is a few hundred bytes: not expected)
+            self._stand_ins_refused(batch, too_large)
+            return
+        except PacerClientError as again:
+            self._stand_ins_refused(batch, again)
+            return
+        self._acknowledged(batch)
+        if self.on_submitted is not None:
+            try:
+                self.on_submitted(stand_ins)
+            except Exception:
+                logger.exception("%s: on_submitted failed", self.worker_id, extra=_fields(worker=self.worker_id))
+
+    def _refusal_stand_in(self, traj: _Traj, message: Trajectory, error: str) -> Trajectory:
+        """The FAILED trajectory submitted in place of one of a group the server refused as malformed: none of its
+        arrays (they may be what was refused), `error` (the server's message) in its metadata."""
+        traj.status = TrajectoryStatus.FAILED
+        traj.failed_after_refusal = True
+        return _failed_without_arrays(message, {"worker": self.worker_id, "error": error, "finish_reason": "error"})
+
+    def _stand_ins_refused(self, batch: list[tuple[_Group, _Traj]], exc: Exception) -> None:
+        """FAILED stand-ins of a refused group were refused too: dropped (counted as refused), said once."""
+        group = batch[0][0]
+        prompt_id, ids = group.prompt.prompt_id, [traj.trajectory_id for _, traj in batch]
+        logger.error("%s: the FAILED stand-ins %s of group %r were refused too, dropped: %s; the server holds the "
+                     "group until its in-flight lease runs out", self.worker_id, ", ".join(ids), prompt_id, exc,
+                     extra=_fields(worker=self.worker_id, prompt_id=prompt_id, trajectory_ids=ids))
+        self._drop_refused(batch)
 
     def _refused(self, batch: list[tuple[_Group, _Traj]], exc: PacerClientError) -> None:
         group = batch[0][0]
         logger.warning("%s: Submit of %d trajectories of group %r refused, dropped (%s)", self.worker_id, len(batch),
                        group.prompt.prompt_id, exc,
                        extra=_fields(worker=self.worker_id, prompt_id=group.prompt.prompt_id, reason=exc.reason))
+        self._drop_refused(batch)
+
+    def _drop_refused(self, batch: list[tuple[_Group, _Traj]]) -> None:
+        """Refused trajectories are settled unacknowledged; their group's other requests are aborted."""
         for group, _traj in batch:
             if self._groups.get((group.prompt.prompt_id, group.seq)) is not group:
                 continue  # settled already, and counted: given up when the shutdown grace ran out
@@ -1717,6 +1792,14 @@ class AsyncRolloutWorker:
                                         "cannot be reached from here)")
         except (RuntimeError, grpc.RpcError) as exc:  # the client closed, or a channel of another loop: its calls say
             logger.debug("%s: the connection's state is not watched: %s", self.worker_id, exc)
+
+
+def _failed_without_arrays(message: Trajectory, metadata: dict[str, str]) -> Trajectory:
+    """`message` as FAILED: its ids and weight versions, no arrays, `metadata`. Submitted in place of a trajectory
+    that can never be accepted as it is, so that its group completes (and the status filter drops it)."""
+    return Trajectory(trajectory_id=message.trajectory_id, prompt_id=message.prompt_id, ds_index=message.ds_index,
+                      status=TrajectoryStatus.FAILED, start_weight_version=message.start_weight_version,
+                      end_weight_version=message.end_weight_version, metadata=metadata)
 
 
 def _settle(future: asyncio.Future[None]) -> None:
