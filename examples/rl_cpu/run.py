@@ -49,7 +49,7 @@ for path in (str(HERE.parent / "vllm_e2e"), str(HERE), str(REPO)):  # the checko
         sys.path.insert(0, path)
 
 import task  # noqa: E402
-from vllm_process import DEFAULT_VENV, run_worker, start_vllm, stop, wait_for_vllm, worker_arguments  # noqa: E402
+from vllm_process import DEFAULT_VENV, run_worker, start_vllm, stop, stop_vllm, wait_for_vllm, worker_arguments  # noqa: E402
 
 log = logging.getLogger("rl_cpu")
 ENGINE_CORE, TRAINER_CORE = 0, 1
@@ -882,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_seconds = 0.0
         if not args.vllm_url:
             vllm = start_vllm(python, model, args.vllm_port, workdir, cores=[ENGINE_CORE])
-            cleanup.callback(stop, vllm)
+            cleanup.callback(stop_vllm, vllm)
             vllm_seconds = wait_for_vllm(vllm, engine_url, workdir)
         log.info("vLLM ready in %.0f s; logs in %s", vllm_seconds, workdir)
         import torch

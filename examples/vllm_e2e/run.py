@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 from coda_client import PacerClient  # noqa: E402
 from coda_client.batches import MiniBatch  # noqa: E402
 from vllm_process import (  # noqa: E402
-    DEFAULT_MODEL, DEFAULT_VENV, run_worker, start_vllm, stop, wait_for_vllm, worker_arguments)
+    DEFAULT_MODEL, DEFAULT_VENV, run_worker, start_vllm, stop, stop_vllm, wait_for_vllm, worker_arguments)
 
 log = logging.getLogger("coda_example")
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_url = f"http://127.0.0.1:{args.vllm_port}"
     with ExitStack() as cleanup:
         vllm = start_vllm(python, model, args.vllm_port, logs)
-        cleanup.callback(stop, vllm)
+        cleanup.callback(stop_vllm, vllm)
         coda, address = start_coda(args, logs)
         cleanup.callback(stop, coda)
         vllm_seconds = wait_for_vllm(vllm, engine_url, logs)

@@ -19,6 +19,9 @@ from typing import Any
 DEFAULT_VENV = Path.home() / ".cache" / "coda-pacer" / "vllm-venv"
 DEFAULT_MODEL = Path.home() / ".cache" / "coda-pacer" / "tiny-llama"
 VLLM_START_TIMEOUT_SECONDS = 900.0  # the first start compiles the model (minutes on two cores)
+# vLLM holds nothing to save: serving, it stops within a second of SIGTERM; stopped while it starts, its workers' start
+# fails and its server waits on them until killed, so a longer grace would only delay an interrupted run's end.
+VLLM_STOP_GRACE_SECONDS = 10.0
 
 
 def start_vllm(python: str, model: Path, port: int, logs: Path, *, cores: Sequence[int] = ()) -> subprocess.Popen:
@@ -66,6 +69,11 @@ def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
+
+
+def stop_vllm(process: subprocess.Popen) -> None:
+    """Stops vLLM (`stop`, SIGKILL after VLLM_STOP_GRACE_SECONDS)."""
+    stop(process, signal.SIGTERM, VLLM_STOP_GRACE_SECONDS)
 
 
 def worker_arguments(argv: Sequence[str], *, extra_integers: Sequence[str] = ()) -> argparse.Namespace:
