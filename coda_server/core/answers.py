@@ -11,6 +11,11 @@ Every operation whose answer the RPC table (coda_client/protocol.py, plain data)
   calls that changed nothing are kept in memory and in the next snapshot, but are not journaled (a
   journal event is written only for a change), so after a restart such a retry runs again, harmlessly;
 * a call that fails (raises) is not remembered: its retry runs again;
+* a call under an answered (or running) request_id whose request differs from the first's in what it asks for
+  (`request`, each caller's own summary: the trajectory ids of a Submit, the lease of an Ack, ...) is refused
+  (INVALID_ARGUMENT): answering it the first call's answer would drop what it asked for without a word. The
+  summaries are kept in memory beside the answers, not in snapshots: after a restart, or for an answer a replay
+  rebuilt, a retry is answered without the comparison, as before;
 * remembering is idempotent (the first answer stays). The one change that ends in a snapshot, the end of
   a Reset, remembers its answer just before taking it, since the snapshot replaces the Reset's event.
 
@@ -22,17 +27,20 @@ import asyncio
 import threading
 from collections import OrderedDict
 from types import MappingProxyType
-from typing import Any, Awaitable, Callable, Mapping, Optional, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, TypeVar
 
 from coda_client.protocol import remembered_methods
 
 from .checks import well_formed_id
+from .errors import InvalidArgumentError
 from .limits import Limits
 
 R = TypeVar("R")
 # Method -> whether its answers carry trajectories (then fewer are kept, and their bytes count).
 REMEMBERED_METHODS: Mapping[str, bool] = MappingProxyType(remembered_methods())
 ANSWERED_METHODS = tuple(REMEMBERED_METHODS)
+# What a call asks for, as its caller sums it up for the comparison with a retry: (field name, value) pairs.
+Request = tuple
 DATA_METHODS = tuple(method for method, carries_data in REMEMBERED_METHODS.items() if carries_data)
 
 
@@ -54,6 +62,9 @@ class AnswerBook:
         self._byte_budget = limits.remembered_answer_bytes
         self._bytes = {method: 0 for method, carries_data in methods.items() if carries_data}
         self._running: dict[tuple[str, str], Optional[asyncio.Future]] = {}  # calls under way, see once_awaited
+        # What each answered or running call asked for (its `request`), by method and request_id: a retry must ask
+        # the same. Dropped with its answer, or when its call fails.
+        self._requests: dict[str, dict[str, Request]] = {method: {} for method in methods}
 
     def of(self, method: str) -> Mapping[str, Any]:
         """The remembered answers of `method`, by request_id: read-only and live."""
@@ -63,8 +74,9 @@ class AnswerBook:
         """A call of `method` with this request_id is running now (`once_awaited`): a retry must await it."""
         return (method, request_id) in self._running
 
-    def once(self, method: str, request_id: str, call: Callable[[], R]) -> R:
-        """In-process callers: the remembered answer of `request_id`, else `call()`'s, remembered."""
+    def once(self, method: str, request_id: str, call: Callable[[], R], request: Request = ()) -> R:
+        """In-process callers: the remembered answer of `request_id`, else `call()`'s, remembered. `request`: what
+        the call asks for, which a retry under the same request_id must repeat (see the module docstring)."""
         if not request_id:
             return call()
         if not well_formed_id(request_id, self._id_limit):
@@ -73,13 +85,14 @@ class AnswerBook:
             answers = self._answers[method]
             answer = answers.get(request_id)
             if answer is not None:
+                self._check_same_request(method, request_id, request)
                 return answer
-            result = call()
+            result = self._noting_request(method, request_id, request, call)
             self._keep(method, answers, request_id, result)  # remember(), under the lock already held
             return result
 
     async def once_awaited(self, method: str, request_id: str, call: Callable[[], Awaitable[R]], *,
-                           outlives_caller: bool = False) -> R:
+                           outlives_caller: bool = False, request: Request = ()) -> R:
         """The asyncio face: as `once`, and a retry arriving while the first call runs awaits its answer.
 
         The future such a retry awaits is made by the first retry, not by every call: most calls finish
@@ -93,14 +106,18 @@ class AnswerBook:
             self._check_request_id(request_id)
         answer = self._answers[method].get(request_id)  # a single dict read is atomic: no lock to see it
         if answer is not None:
+            self._check_same_request(method, request_id, request)
             return answer
         key = (method, request_id)
         running = self._running
         if key in running:
+            self._check_same_request(method, request_id, request)
             shared = running[key]
             if shared is None:
                 shared = running[key] = asyncio.get_running_loop().create_future()
             return await asyncio.shield(shared)
+        if request:
+            self._requests[method][request_id] = request
         if outlives_caller:
             # The call's own task is what retries await: it stays under way (and in `running`) when the
             # first caller goes away, so a retry waits for its answer instead of starting it a second time.
@@ -111,6 +128,7 @@ class AnswerBook:
         try:
             result = await call()
         except BaseException as exc:
+            self._requests[method].pop(request_id, None)
             shared = running.pop(key)
             if shared is not None:
                 shared.set_exception(exc)
@@ -125,6 +143,32 @@ class AnswerBook:
     def _remember_outcome(self, method: str, request_id: str, done: asyncio.Future) -> None:
         if not done.cancelled() and done.exception() is None:
             self.remember(method, request_id, done.result())
+        else:
+            self._requests[method].pop(request_id, None)
+
+    def _noting_request(self, method: str, request_id: str, request: Request, call: Callable[[], R]) -> R:
+        """`call()`, with `request` noted as what `request_id` asked for while it runs and once it is answered."""
+        if not request:
+            return call()
+        requests = self._requests[method]
+        requests[request_id] = request
+        try:
+            return call()
+        except BaseException:
+            requests.pop(request_id, None)
+            raise
+
+    def _check_same_request(self, method: str, request_id: str, request: Request) -> None:
+        """Refuse a call that reuses the request_id of an earlier one which asked for something else."""
+        first = self._requests[method].get(request_id)
+        if not first or not request or first == request:
+            return
+        names = [name for (name, was), (_, now) in zip(first, request) if was != now] or [name for name, _ in request]
+        raise InvalidArgumentError(
+            f"{method} refused, nothing done: request_id {request_id!r} was used by an earlier {method} that asked for "
+            f"other {', '.join(names)}; a retry must repeat its call as it was (it then gets the first call's "
+            f"answer), and a new call needs a new request_id",
+            violations=[("request_id", f"already used by a {method} with other {', '.join(names)}")])
 
     def _settle_detached(self, method: str, request_id: str, key: tuple[str, str], done: asyncio.Future) -> None:
         """A detached call ended: remember its answer (a failure is not remembered), then let retries run anew."""
@@ -148,17 +192,18 @@ class AnswerBook:
             self._bytes[method] += _trajectory_bytes(result)
             while len(answers) > kept or (
                     self._byte_budget and len(answers) > 1 and self._bytes[method] > self._byte_budget):
-                self._dropped(method, answers.popitem(last=False)[1])
+                self._dropped(method, *answers.popitem(last=False))
         else:  # answers without trajectories: bounded by their count alone (no bytes to count down)
             while len(answers) > kept:
-                answers.popitem(last=False)
+                self._dropped(method, *answers.popitem(last=False))
 
     def remembered_bytes(self) -> int:
         """Trajectory bytes of the remembered Collect and Reset answers."""
         with self._lock:
             return sum(self._bytes.values())
 
-    def _dropped(self, method: str, answer: Any) -> None:
+    def _dropped(self, method: str, request_id: str, answer: Any) -> None:
+        self._requests[method].pop(request_id, None)
         if method in self._bytes:
             self._bytes[method] -= _trajectory_bytes(answer)
 
@@ -167,7 +212,7 @@ class AnswerBook:
         with self._lock:
             answers = self._answers[method]
             for request_id in [r for r, answer in answers.items() if matches(answer)]:
-                self._dropped(method, answers.pop(request_id))
+                self._dropped(method, request_id, answers.pop(request_id))
 
     def export(self) -> dict[str, list]:
         with self._lock:
@@ -179,6 +224,39 @@ class AnswerBook:
                 self._answers[method].update(items)
             for method in self._bytes:
                 self._bytes[method] = sum(map(_trajectory_bytes, self._answers[method].values()))
+
+
+# What each remembered call asks for, summed up for `once`'s comparison with a retry. Only what a retry repeats: never a
+# wait or a deadline (a client retrying may send what is left of them), nor the answer size a receiver takes.
+
+def dispatch_request(candidates: Sequence[Any], max_continuations: Optional[int]) -> Request:
+    return ("candidates", tuple(c.prompt_id for c in candidates)), ("max_continuations", max_continuations)
+
+
+def submit_request(trajectories: Sequence[Any], dispatch_seqs: Optional[Mapping[str, int]]) -> Request:
+    return (("trajectories", tuple(t.trajectory_id for t in trajectories)),
+            ("dispatch_seqs", tuple(sorted(dispatch_seqs.items())) if dispatch_seqs else ()))
+
+
+def collect_request(num_groups: int, allow_partial: bool, lease_seconds: float, shape: Any) -> Request:
+    return (("num_groups", num_groups), ("allow_partial", allow_partial), ("lease", lease_seconds > 0),
+            ("token_budget, rank and world_size", shape))
+
+
+def lease_request(lease_id: str) -> Request:
+    return (("lease_id", lease_id),)
+
+
+def reset_request(mode: Any, resume: bool, weight_version: Optional[int]) -> Request:
+    return ("mode", mode), ("resume", resume), ("weight_version", weight_version)
+
+
+def resume_request(weight_version: int) -> Request:
+    return (("weight_version", weight_version),)
+
+
+def end_job_request(mode: Any) -> Request:
+    return (("mode", mode),)
 
 
 def _trajectory_bytes(answer: Any) -> int:

@@ -9,6 +9,8 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence
 
 from . import checkpoints
+from .answers import (Request, collect_request, dispatch_request, end_job_request, lease_request, reset_request,
+                      resume_request, submit_request)
 from .content_keys import ContentKeys
 from .errors import NotReadyError, ShuttingDownError, StateDirUnwritableError
 from .journal import Journal, TrajectoryCodec
@@ -216,7 +218,8 @@ class AsyncPacer:
             journal = self._applicable()
             if candidates or max_continuations is not None:
                 result = pacer.answers.once("Dispatch", request_id, lambda: self.waits.now(
-                    pacer.dispatch_poll(candidates, request_id, client_id, max_continuations)))
+                    pacer.dispatch_poll(candidates, request_id, client_id, max_continuations)),
+                    dispatch_request(candidates, max_continuations) if request_id else ())
             else:  # a peek: the window as it is (see Pacer.peek)
                 result = pacer.peek(request_id)
             if journal is not None:
@@ -227,7 +230,7 @@ class AsyncPacer:
             return await self.waits.until(
                 self.pacer.dispatch_poll(candidates, request_id, client_id, max_continuations), wait)
 
-        return await self._applied("Dispatch", request_id, call)
+        return await self._applied("Dispatch", request_id, call, dispatch_request(candidates, max_continuations))
 
     def heard_from(self, client_id: str, held_leases: Sequence[str] = (), all_held: bool = True) -> None:
         """A call from `client_id`: the worker or trainer is alive (see liveness.py). Cheap; made by every worker call.
@@ -266,7 +269,8 @@ class AsyncPacer:
                 self.content_keys.after_submit(trajectories)
             return result
 
-        return await self._applied("Submit", request_id, call)
+        return await self._applied("Submit", request_id, call,
+                                   submit_request(trajectories, dispatch_seqs) if request_id else ())
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
@@ -297,7 +301,8 @@ class AsyncPacer:
                 self._starved_since, self._stall_warned = None, False
             return answer
 
-        result = await self._applied("Collect", request_id, call)
+        result = await self._applied("Collect", request_id, call,
+                                     collect_request(num_groups, allow_partial, lease_seconds, shape))
         if result.lease_id and result.groups:
             self.content_keys.after_collect(result.lease_id, result.groups)
         if result.other_shapes_waiting:
@@ -335,7 +340,8 @@ class AsyncPacer:
 
         # The reset runs to its end even if the caller goes away: a half-done reset would leave dispatch
         # paused forever. A retry with the same request_id gets the answer.
-        return await self._applied("Reset", request_id, call, outlives_caller=True)
+        return await self._applied("Reset", request_id, call, reset_request(mode, resume, weight_version),
+                                   outlives_caller=True)
 
     async def ack(self, lease_id: str, request_id: str = "") -> int:
         await self.content_keys.before_ack(lease_id)  # keys computed in the keys thread: let them finish there
@@ -344,7 +350,7 @@ class AsyncPacer:
             self.pacer.checks.check_lease_id(lease_id)
             return self.pacer.apply_ack(lease_id, request_id)
 
-        return await self._applied("Ack", request_id, call)
+        return await self._applied("Ack", request_id, call, lease_request(lease_id))
 
     async def release(self, lease_id: str, request_id: str = "") -> int:
         """Pacer.release: the leased groups back to the buffer, untrained."""
@@ -352,13 +358,13 @@ class AsyncPacer:
             self.pacer.checks.check_lease_id(lease_id)
             return self.pacer.apply_release(lease_id)
 
-        return await self._applied("Release", request_id, call)
+        return await self._applied("Release", request_id, call, lease_request(lease_id))
 
     async def resume(self, weight_version: int, request_id: str = "") -> ResumeResult:
         async def call() -> ResumeResult:
             return self.pacer.apply_resume(weight_version, request_id)
 
-        return await self._applied("Resume", request_id, call)
+        return await self._applied("Resume", request_id, call, resume_request(weight_version))
 
     async def checkpoint(self, encode: Callable[[dict], Any]) -> Any:
         """`encode(checkpoint)` of a checkpoint (checkpoints.take), run off the event loop: nothing pauses. The
@@ -380,7 +386,7 @@ class AsyncPacer:
         async def call() -> RestoreResult:
             return self.pacer.apply_restore(checkpoint, request_id)
 
-        result = await self._applied("Restore", request_id, call)
+        result = await self._applied("Restore", request_id, call, (("checkpoint", hash(blob)),))
         checkpoint_log.warning(checkpoints.restore_summary(result), extra={"fields": dataclasses.asdict(result)})
         return result
 
@@ -398,14 +404,16 @@ class AsyncPacer:
             await self.waits.until(self.pacer.reset_poll(), wait)
             return self.pacer.job_end_report(time.monotonic() - started)
 
-        return await self._applied("EndJob", request_id, call)
+        return await self._applied("EndJob", request_id, call, end_job_request(mode))
 
-    async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]],
+    async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]], request: Request = (),
                        outlives_caller: bool = False) -> Any:
-        """Run `call` once per request_id, and answer only when what it changed is durable. While the journal
-        cannot write, nothing is applied: the call is refused UNAVAILABLE (STATE_DIR_UNWRITABLE), to retry."""
+        """Run `call` once per request_id (`request`: what it asks for, see AnswerBook.once), and answer only when
+        what it changed is durable. While the journal cannot write, nothing is applied: the call is refused
+        UNAVAILABLE (STATE_DIR_UNWRITABLE), to retry."""
         journal = self._applicable()
-        result = await self.pacer.answers.once_awaited(method, request_id, call, outlives_caller=outlives_caller)
+        result = await self.pacer.answers.once_awaited(method, request_id, call, outlives_caller=outlives_caller,
+                                                       request=request)
         if journal is not None:  # state in memory: nothing to wait for
             await self._durable(journal)
         return result

@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .answers import AnswerBook
+from .answers import (AnswerBook, collect_request, dispatch_request, end_job_request, lease_request, reset_request,
+                      resume_request, submit_request)
 from .buffer import PipelineBuffer
 from .checkpoints import Checkpoints
 from .checks import CollectLimit, RequestChecks
@@ -213,13 +214,15 @@ class Pacer(PacerViews):
         if not candidates and max_continuations is None:  # a peek: answered at once, whatever the wait
             return self.peek(request_id)
         poll = self.dispatch_poll(candidates, request_id, client_id, max_continuations)
-        return self.answers.once("Dispatch", request_id, lambda: self.waits.until(poll, wait))
+        return self.answers.once("Dispatch", request_id, lambda: self.waits.until(poll, wait),
+                                 dispatch_request(candidates, max_continuations))
 
     def submit(self, trajectories: Sequence[Trajectory], request_id: str = "",
                dispatch_seqs: Optional[Mapping[str, int]] = None) -> SubmitResult:
         """Accept finished trajectories all-or-nothing, then collect every group that became ready.
         `dispatch_seqs` (prompt id -> the seq its dispatch answered): the fence, see `InflightTable.check_fences`."""
-        return self.answers.once("Submit", request_id, lambda: self.apply_submit(trajectories, request_id, dispatch_seqs))
+        return self.answers.once("Submit", request_id, lambda: self.apply_submit(trajectories, request_id, dispatch_seqs),
+                                 submit_request(trajectories, dispatch_seqs))
 
     def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False, request_id: str = "",
                 lease_seconds: float = 0.0, shape: BatchShape = PLAIN, trainer_step: Optional[int] = None,
@@ -235,7 +238,8 @@ class Pacer(PacerViews):
         self.check_open()  # once: a waiter woken by close() answers with what is there
         poll = self.collect_poll(num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes,
                                  holder, named_at_grant)
-        return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait))
+        return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait),
+                                 collect_request(num_groups, allow_partial, lease_seconds, shape))
 
     def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
                     lease_seconds: float = 0.0, shape: BatchShape = PLAIN, max_bytes: int = 0,
@@ -244,12 +248,13 @@ class Pacer(PacerViews):
         num_groups = self.checks.check_collect(num_groups, lease_seconds, shape, holder, named_at_grant)
         self.collect_bound.check(num_groups, allow_partial, shape, len(self.buffer))
         return self.answers.once("Collect", request_id, self.collect_poll(num_groups, allow_partial, request_id,
-                                 lease_seconds, shape, None, max_bytes, holder, named_at_grant).give_up)
+                                 lease_seconds, shape, None, max_bytes, holder, named_at_grant).give_up,
+                                 collect_request(num_groups, allow_partial, lease_seconds, shape))
 
     def ack(self, lease_id: str, request_id: str = "") -> int:
         """The trainer has the leased groups: they are consumed for good. Returns how many."""
         self.checks.check_lease_id(lease_id)
-        return self.answers.once("Ack", request_id, lambda: self.apply_ack(lease_id, request_id))
+        return self.answers.once("Ack", request_id, lambda: self.apply_ack(lease_id, request_id), lease_request(lease_id))
 
     def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,
               weight_version: Optional[int] = None, request_id: str = "") -> ResetResult:
@@ -265,11 +270,12 @@ class Pacer(PacerViews):
                                                              self.limits.abort_wait_seconds))
                 return self.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
 
-        return self.answers.once("Reset", request_id, call)
+        return self.answers.once("Reset", request_id, call, reset_request(mode, resume, weight_version))
 
     def resume(self, weight_version: int, request_id: str = "") -> ResumeResult:
         """step += 1, record the weight version, reopen dispatch, tell watchers."""
-        return self.answers.once("Resume", request_id, lambda: self.apply_resume(weight_version, request_id))
+        return self.answers.once("Resume", request_id, lambda: self.apply_resume(weight_version, request_id),
+                                 resume_request(weight_version))
 
     def end_job(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: float = 0.0, request_id: str = "") -> JobEndReport:
         """End the job: close dispatch, wait up to `wait` for the running groups to be assembled, report."""
@@ -280,7 +286,7 @@ class Pacer(PacerViews):
                 self.waits.until(ResetPoll(self), wait)
                 return self.job_end_report(self._clock.now() - started)
 
-        return self.answers.once("EndJob", request_id, call)
+        return self.answers.once("EndJob", request_id, call, end_job_request(mode))
 
     def restore(self, checkpoint: dict, request_id: str = "") -> RestoreResult:
         """Bring the pacer back to `checkpoint` (a dict from `checkpoint()`), see `Checkpoints.restore`."""
@@ -297,7 +303,7 @@ class Pacer(PacerViews):
         """`dispatch` without candidates or `max_continuations`: the window as it is (Admission.peek), at once (a
         poll's first attempt answers it), under the lock taken once, remembered under `request_id` alike."""
         with self.lock:
-            return self.answers.once("Dispatch", request_id, self.admission.peek)
+            return self.answers.once("Dispatch", request_id, self.admission.peek, dispatch_request((), None))
 
     def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "",
                        max_continuations: Optional[int] = None,
@@ -394,7 +400,7 @@ class Pacer(PacerViews):
         """The trainer gives leased groups back untrained: they return to the buffer now, as if the lease had run
         out (the same expiry, journaled alike). Returns how many (0: the lease had run out already)."""
         self.checks.check_lease_id(lease_id)
-        return self.answers.once("Release", request_id, lambda: self.apply_release(lease_id))
+        return self.answers.once("Release", request_id, lambda: self.apply_release(lease_id), lease_request(lease_id))
 
     def apply_release(self, lease_id: str) -> int:
         # No request id: a Release is journaled as the expiry it is, which carries none.
