@@ -303,18 +303,36 @@ def run_reset(client: PacerClient, args: argparse.Namespace) -> tuple[ResetResul
         dropped = len(result.dropped_prompt_ids)
         outcome = (f"{dropped} incomplete group{'' if dropped == 1 else 's'} dropped" if dropped
                    else "no group dropped")
-        expired = f", {len(result.expired)} expired (in-flight lease ran out)" if result.expired else ""
+        expired = f", {len(result.expired)} expired (their worker went silent)" if result.expired else ""
+        released = len(released_kept(result))
+        kept = f", {released} released from silent workers and kept for continuation" if released else ""
         paused = "" if not result.paused else "; dispatch stays paused until `coda-client resume --weight-version V`"
-        print(f"coda-client: the reset ended after {time.monotonic() - started:.1f} s: {outcome}{expired}{paused}",
-              file=sys.stderr, flush=True)
+        print(f"coda-client: the reset ended after {time.monotonic() - started:.1f} s: "
+              f"{outcome}{expired}{kept}{paused}", file=sys.stderr, flush=True)
     return result, render_reset(result)
 
 
+def released_kept(result: ResetResult) -> list[str]:
+    """The kept groups a silent worker's release kept (not this Reset's restore): the server lists them first in
+    `kept_prompt_ids`, and the step report counts the groups the Reset itself restored."""
+    released = len(result.kept_prompt_ids) - result.report.partial_restored_group_count
+    return result.kept_prompt_ids[:released] if released > 0 else []
+
+
+def _some(prompt_ids: Sequence[str], shown: int = 5) -> str:
+    """The first few prompt ids, for a line a human reads (`--json` has them all)."""
+    more = f" and {len(prompt_ids) - shown} more" if len(prompt_ids) > shown else ""
+    return ", ".join(prompt_ids[:shown]) + more
+
+
 def render_reset(result: ResetResult) -> str:
-    kept = f", {len(result.kept_prompt_ids)} kept for continuation" if result.kept_prompt_ids else ""
+    released = released_kept(result)
+    kept = (f", {len(result.kept_prompt_ids)} kept for continuation" if result.kept_prompt_ids else "") + (
+        f" ({len(released)} released from silent workers: {_some(released)})" if released else "")
+    expired = f" ({_some([group.prompt_id for group in result.expired])})" if result.expired else ""
     return (f"reset: generation {result.generation}, step {result.step}, weight version {result.weight_version}, "
             f"{'paused' if result.paused else 'resumed'}; {len(result.restored)} groups restored{kept}, "
-            f"{len(result.dropped_prompt_ids)} dropped, {len(result.expired)} expired, "
+            f"{len(result.dropped_prompt_ids)} dropped, {len(result.expired)} expired{expired}, "
             f"{len(result.quarantined)} quarantined; pause delay {result.pause_delay_seconds:.3f}s\n")
 
 
@@ -405,7 +423,9 @@ def render_state(state: PacerState) -> str:
         f"dispatch would admit {state.capacity}",
         f"totals dispatched {state.dispatched}  submitted {state.submitted}  collected {state.collected}  "
         f"consumed {state.consumed}  filtered {state.filtered}  restored {state.restored}  dropped {state.dropped}  "
-        f"stale {state.stale_rejected}  duplicates {state.duplicates}",
+        f"expired {state.expired}  stale {state.stale_rejected}  duplicates {state.duplicates}   "
+        f"kept for continuation {state.restored_kept}"
+        + (f" (oldest waiting {state.restored_kept_oldest_seconds:.1f}s)" if state.restored_kept else ""),
         f"queued trajectories {state.queued_trajectories}   waiting long-polls {state.waiting_calls}",
         render_report(state.recent_reports[-1]) if state.recent_reports else "no step report yet (none before the first Reset)",
     ])

@@ -508,7 +508,8 @@ class ResetResult:
     report: StepReport
     expired: list[TrajectoryGroup]  # partial groups whose in-flight lease ran out, for their data source
     quarantined: list[TrajectoryGroup]  # complete groups never buffered (a raising hook, dirty data)
-    # Restored groups the server keeps and re-offers on Dispatch (rollout.continue_restored): `restored` is empty then.
+    # Groups the server keeps and re-offers on Dispatch (rollout.continue_restored): those released from silent
+    # workers this step that still wait, then those this Reset restored; `restored` is empty then.
     kept_prompt_ids: list[str] = field(default_factory=list)
 
     @classmethod

@@ -21,7 +21,8 @@ class Collector:
     """Moves complete groups out of the in-flight table: to the buffer when the strategy's gate (will_collect)
     lets them go and no filter drops them, else held (gate refused, re-examined when the strategy's state
     changes), or quarantined (a hook raised, or dirty data). Owns the held heap, the quarantined and expired
-    groups (returned by the next Reset) and the hook failures of the call running now (raised to its caller)."""
+    groups (returned by the next Reset), the ids of the released groups kept for continuation (named by the next
+    Reset) and the hook failures of the call running now (raised to its caller)."""
 
     def __init__(self, hooks: Any, filters: list, inflight: InflightTable, buffer: PipelineBuffer,
                  held_bytes: HeldBytes, tally: StepTally, totals: dict, restored: RestoredGroups, leases: Leases,
@@ -47,6 +48,9 @@ class Collector:
         self._strategy_touched = False  # the strategy's state changed since held groups were last examined
         self.last_gate_pass = clock()  # when held groups were last re-examined (for the periodic re-check)
         self._expired: list[TrajectoryGroup] = []  # reclaimed this generation; the next Reset returns them
+        # Prompt ids released this generation and kept for continuation (rollout.continue_restored), in the order of
+        # their latest release: the next Reset names those still kept, as it names `_expired` without continuation.
+        self._released_kept: dict[str, None] = {}
         # Complete groups a raising hook or dirty data kept out of the buffer; the next Reset returns them.
         self._quarantined: list[TrajectoryGroup] = []
         self._call_failures: list[StrategyHookError] = []  # hook failures of the call running now
@@ -226,6 +230,8 @@ class Collector:
             if self._continue_restored:
                 # Kept for continuation like a restored group (its bytes stay held) and re-offered first on Dispatch.
                 self._restored.keep([group.to_group()])
+                self._released_kept.pop(prompt_id, None)  # released again after a continuation: its latest place
+                self._released_kept[prompt_id] = None
             else:
                 self._expired.append(group.to_group())
             self._totals["expired"] += 1
@@ -246,10 +252,17 @@ class Collector:
         self._expired, self._quarantined = [], []
         return expired, quarantined
 
+    def take_released_kept(self) -> list[str]:
+        """The prompt ids released this generation and kept for continuation, in the order of their latest release,
+        handed over (a Reset names those still kept): none is named again."""
+        released, self._released_kept = list(self._released_kept), {}
+        return released
+
     def new_generation(self, quarantined: Iterable[TrajectoryGroup] = ()) -> None:
         """Nothing is in flight any more (a Restore): nothing held or set aside but `quarantined`."""
         self._held.clear()
         self._expired, self._quarantined = [], list(quarantined)
+        self._released_kept = {}
         self._strategy_touched = True
 
     def clear_held(self) -> None:

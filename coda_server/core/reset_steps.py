@@ -111,10 +111,15 @@ class BoundaryCalls:
             totals["restored"] += len(restored)
             totals["dropped"] += len(dropped)
             expired, quarantined = self._collector.set_aside()
+            released = self._collector.take_released_kept()
             kept: list[str] = []
             restored_here: list[TrajectoryGroup] = restored  # the step report counts every group this Reset restored
             if self.continue_restored:  # the server keeps them (their bytes stay held) and re-offers them on Dispatch
-                kept, restored = self._restored.keep(restored), []
+                # First the groups released this step (a silent worker's, during this Reset's wait too) that still
+                # wait: they were kept at their release, as `expired` holds them without continuation; a group
+                # continued since is running again and this Reset restores or drops it like any other.
+                kept_before = [prompt_id for prompt_id in released if prompt_id in self._restored]
+                kept, restored = kept_before + self._restored.keep(restored), []
             for group in (*restored, *expired, *quarantined):
                 held_bytes.release(group.trajectories)
             for running_group in dropped_groups:

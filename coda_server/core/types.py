@@ -251,7 +251,8 @@ class ResetResult:
     expired: list[TrajectoryGroup] = field(default_factory=list)
     # Complete groups quarantined this generation (a hook raised on them, or dirty data), never buffered.
     quarantined: list[TrajectoryGroup] = field(default_factory=list)
-    # Restored groups kept for continuation (rollout.continue_restored): then `restored` is empty.
+    # Groups kept for continuation (rollout.continue_restored): those released this step (a silent worker's) that
+    # still wait, then those this Reset restored; `restored` is empty then.
     kept_prompt_ids: list[str] = field(default_factory=list)
 
     def trajectory_bytes(self) -> int:
