@@ -41,7 +41,7 @@ class Intake:
                dispatch_seqs: Optional[Mapping[str, int]]) -> SubmitResult:
         """See `Pacer.apply_submit`."""
         if dispatch_seqs:
-            self._inflight.check_fences(dispatch_seqs)
+            self._inflight.check_fences(dispatch_seqs, trajectories)
         collector, totals = self._collector, self._totals
         collector.clear_failures()
         stale_before = totals["stale_rejected"]
