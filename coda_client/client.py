@@ -472,8 +472,8 @@ class PacerClient(_ClientBase):
 
     def release(self, lease_id: str, *, request_id: str | None = None) -> int:
         """Gives a leased Collect's groups back untrained: they return to the buffer now, ahead of newer groups, and
-        are delivered again (as when the lease runs out). Returns how many (0: the lease had run out already);
-        UnknownLeaseError for a lease never granted, or already acknowledged or released."""
+        are delivered again (as when the lease runs out). Returns how many (0: the lease had run out or was released
+        already); UnknownLeaseError for a lease never granted or already acknowledged."""
         return self._run(self._release(lease_id, request_id))
 
     @contextlib.contextmanager
