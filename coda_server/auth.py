@@ -73,10 +73,14 @@ def _unauthenticated(reason: str, message: str) -> grpc.Status:
     return rpc_status.to_status(details)
 
 
-MISSING = ("MISSING_TOKEN", "this server requires a bearer token: send the metadata "
-           "'authorization: Bearer <token>' (coda_client: PacerClient(target, token=...))")
-MALFORMED = ("MALFORMED_TOKEN", "the authorization metadata must read 'Bearer <token>'")
-WRONG = ("INVALID_TOKEN", "the bearer token is not the one this server was configured with")
+# Said in gRPC terms first, for a caller in any language; the Python client's form after.
+MISSING = ("MISSING_TOKEN", "this server requires a bearer token: send the token as the call metadata "
+           "(header) 'authorization: Bearer <token>' on every call (with the Python client: "
+           "PacerClient(target, token=...))")
+MALFORMED = ("MALFORMED_TOKEN", "the call metadata (header) 'authorization' must be sent once and read "
+             "'Bearer <token>'")
+WRONG = ("INVALID_TOKEN", "the bearer token in the 'authorization' metadata is not the one this server was "
+         "configured with")
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

@@ -14,7 +14,7 @@ from coda_client._proto import pacer_pb2 as pb
 
 from . import wire
 from .core import checkpoints
-from .core.errors import InvalidArgumentError, ResourceExhaustedError
+from .core.errors import InvalidArgumentError, ResourceExhaustedError, refused
 from .core.shares import PLAIN, BatchShape
 from .core.state import STATE_FIELD_NAMES, PacerState
 from .core.types import (
@@ -113,8 +113,7 @@ def _refused(submitted: Sequence[wire.SubmittedTrajectory], first: int) -> Inval
     """The error refusing a Submit whose trajectory `first` is the first with a problem: every violation named."""
     violations = [(f"trajectories[{j}]", problem) for j in range(first, len(submitted))
                   if (problem := _problem(submitted[j]))]
-    return InvalidArgumentError(f"Submit refused, nothing accepted: {violations[0][0]} {violations[0][1]}",
-                                violations=violations)
+    return refused("Submit", "accepted", violations)
 
 
 def _problem(submitted_trajectory: wire.SubmittedTrajectory) -> Optional[str]:
@@ -203,7 +202,8 @@ def lease_holder(request: pb.CollectRequest, caller: str) -> str:
 
 
 def batch_shape(request: pb.CollectRequest) -> BatchShape:
-    """A Collect's shape (world_size 0, the proto default, is a single consumer)."""
+    """A Collect's shape (world_size 0, the proto default, is a single consumer: RequestChecks.check_collect refuses
+    any rank but 0 with it)."""
     if not (request.token_budget or request.world_size > 1 or request.rank):
         return PLAIN
     return BatchShape(request.token_budget, request.rank, request.world_size or 1)

@@ -172,7 +172,7 @@ def test_a_released_lease_returns_its_groups_at_once_ahead_of_newer_ones():
     assert [g.prompt_id for g in again.groups] == ["a", "b", "c"]
     assert pacer.ack(again.lease_id) == 3
     before = pacer.state()
-    with pytest.raises(UnknownLeaseError, match="already acknowledged or released"):
+    with pytest.raises(UnknownLeaseError, match="never granted, already acknowledged, or ended so long ago"):
         pacer.release(again.lease_id)  # acknowledged: consumed for good, nothing to give back
     with pytest.raises(UnknownLeaseError):
         pacer.release("lease-999")

@@ -127,7 +127,7 @@ CASES = [
       for bad in CONTROL_IDS[:3]],
     ("Submit", pb.SubmitRequest(trajectories=[traj(trajectory_id="")]), INVALID, ["trajectory_id", "non-empty"]),
     ("Submit", pb.SubmitRequest(trajectories=[traj(status=pb.TRAJECTORY_STATUS_UNSPECIFIED)]), INVALID,
-     ["status", "COMPLETED, FAILED or ABORTED"]),
+     ["trajectories[0].status TRAJECTORY_STATUS_UNSPECIFIED (0) is not allowed", "TRAJECTORY_STATUS_COMPLETED (1)"]),
     ("Submit", pb.SubmitRequest(trajectories=[traj(status=7)]), INVALID, ["status 7 is not allowed"]),
     ("Submit", pb.SubmitRequest(trajectories=[traj(status=-5)]), INVALID, ["status -5 is not allowed"]),
     *[("Submit", pb.SubmitRequest(trajectories=[traj(reward=bad)]), INVALID, ["reward", "finite"])

@@ -136,9 +136,14 @@ class RolloutPacerServicer:
     def Submit(self, request, context):
         """Reports finished, failed or aborted trajectories; all-or-nothing.
         Errors: INVALID_ARGUMENT (empty ids, status UNSPECIFIED, array lengths differ, ds_index
-        mismatch, more than N trajectories for a group, known trajectory_id with different content),
-        NOT_FOUND (prompt never dispatched), FAILED_PRECONDITION reason STALE_GENERATION (prompt
-        dispatched before the last Reset), RESOURCE_EXHAUSTED (cap full), UNAUTHENTICATED, UNAVAILABLE.
+        mismatch, more than N trajectories for a group, known trajectory_id with different content,
+        dispatch_seqs naming a prompt none of the trajectories belongs to), NOT_FOUND (prompt never
+        dispatched), FAILED_PRECONDITION reason STALE_GENERATION (prompt dispatched before the last Reset
+        or Restore), FAILED_PRECONDITION reason LEASE_EXPIRED (the group's in-flight
+        lease ran out: kept and re-offered as a continuation with rollout.continue_restored, else returned
+        by the next Reset; the message says which), FAILED_PRECONDITION reason STALE_DISPATCH (dispatch_seqs
+        names a dispatch the group was released from), RESOURCE_EXHAUSTED (cap full), UNAUTHENTICATED,
+        UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,7 +156,7 @@ class RolloutPacerServicer:
         holds fewer groups (`cut_to_fit`) rather than fail in transit and lose them.
         Errors: INVALID_ARGUMENT (num_groups 0, negative wait or lease; num_groups above what the window
         can ever hold without allow_partial, naming num_groups, B, N, stale_steps and C: see
-        GetState.collect_limit), FAILED_PRECONDITION reason
+        GetState.collect_limit; a rank not below world_size), FAILED_PRECONDITION reason
         MESSAGE_TOO_LARGE (the oldest buffered group alone is larger than the caller can receive; nothing
         is taken, the message names its size and the settings that lift the limit),
         UNAUTHENTICATED, UNAVAILABLE; and, once for each incident since the previous Collect
@@ -178,7 +183,8 @@ class RolloutPacerServicer:
 
     def Ack(self, request, context):
         """Acknowledges the groups of a leased Collect: they are consumed for good.
-        Errors: NOT_FOUND reason UNKNOWN_LEASE (never granted, or already acknowledged),
+        Errors: NOT_FOUND reason UNKNOWN_LEASE (never granted, already acknowledged, or ended longer ago
+        than the server remembers),
         FAILED_PRECONDITION reason LEASE_EXPIRED (the groups went back to the buffer), UNAUTHENTICATED,
         UNAVAILABLE.
         """
@@ -189,10 +195,11 @@ class RolloutPacerServicer:
     def Release(self, request, context):
         """Gives the groups of a leased Collect back, untrained (the trainer failed or stops before training
         on them): they return to the buffer at once, in their order, ahead of newer groups, and are
-        delivered again, as when the lease runs out. A lease that ran out already answers 0 groups.
-        A rank's share returns alone; the other ranks keep theirs.
-        Errors: NOT_FOUND reason UNKNOWN_LEASE (never granted, or already acknowledged or released),
-        UNAUTHENTICATED, UNAVAILABLE.
+        delivered again, as when the lease runs out. A lease that ran out or was released already answers
+        0 groups (OK; the server remembers the last 4096 ended leases). A rank's share returns alone; the
+        other ranks keep theirs.
+        Errors: NOT_FOUND reason UNKNOWN_LEASE (never granted, already acknowledged, or ended longer ago
+        than the server remembers), UNAUTHENTICATED, UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -200,16 +207,20 @@ class RolloutPacerServicer:
 
     def Reset(self, request, context):
         """The step boundary: pause, wait for running groups, restore assembled groups, drop the rest.
-        Errors: INVALID_ARGUMENT (bad mode, negative wait), FAILED_PRECONDITION (a Reset is already
-        running), UNAUTHENTICATED, UNAVAILABLE.
+        Errors: INVALID_ARGUMENT (bad mode, negative wait), FAILED_PRECONDITION reason RESET_IN_PROGRESS
+        (a Reset is already running), FAILED_PRECONDITION reason JOB_ENDED (EndJob ended the job),
+        UNAUTHENTICATED, UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Resume(self, request, context):
-        """Increments step, records the weight version and reopens dispatch.
-        Errors: INVALID_ARGUMENT (bad value), UNAUTHENTICATED, UNAVAILABLE.
+        """Increments step, records the weight version and reopens dispatch. Without a Reset before it
+        (dispatch not paused) it does the same: the step still increments and the version is recorded.
+        Errors: INVALID_ARGUMENT (bad value, weight_version below the current one), FAILED_PRECONDITION
+        reason RESET_IN_PROGRESS (a Reset is running; Reset with resume=true resumes when it ends),
+        FAILED_PRECONDITION reason JOB_ENDED (EndJob ended the job), UNAUTHENTICATED, UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -290,8 +301,8 @@ class RolloutPacerServicer:
         for the running groups to be assembled and answers with what was left. Journaled: a restarted server
         stays ended. Submit, Collect, Ack and GetState still work; Dispatch admits nothing (job_ended set);
         Reset and Resume are refused. A second EndJob answers the report of now, without a new event.
-        Errors: INVALID_ARGUMENT (bad mode, negative wait), FAILED_PRECONDITION (a Reset is running),
-        UNAUTHENTICATED, UNAVAILABLE.
+        Errors: INVALID_ARGUMENT (bad mode, negative wait), FAILED_PRECONDITION reason RESET_IN_PROGRESS
+        (a Reset is running), UNAUTHENTICATED, UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,6 +9,7 @@ magic line and a format number.
 """
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -30,9 +31,13 @@ from .signals import Signals
 from .steps import StepBoundary
 from .types import ControlEventType, ResetMode, RestoreResult
 
+log = logging.getLogger("coda_server.checkpoints")
+
 CHECKPOINT_FORMAT = 1
 MAGIC = b"coda-pacer checkpoint\n"
 _HEADER = struct.Struct(">I")  # the format number, after the magic line
+# What a Restore of bytes that are not a whole checkpoint is told to send instead, in terms of the RPCs.
+_PASS_THE_BLOB = "pass the bytes an earlier Checkpoint call returned (its `checkpoint` field), unchanged"
 
 
 class CheckpointFormatError(InvalidArgumentError):
@@ -57,24 +62,37 @@ def encode(checkpoint: dict[str, Any], codec: TrajectoryCodec) -> bytes:
 
 def decode(blob: bytes, codec: TrajectoryCodec) -> dict[str, Any]:
     """The checkpoint in `blob`; CheckpointFormatError (changing nothing) when it is not one this version reads."""
+    # The messages say what is wrong in terms of the RPCs, for a caller in any language: never the decoder's own
+    # words (a Python exception's), which the server log keeps.
     if not isinstance(blob, (bytes, bytearray, memoryview)) or bytes(blob[:len(MAGIC)]) != MAGIC:
-        raise CheckpointFormatError("the blob is not a pacer checkpoint (pass the bytes PacerClient.checkpoint() "
-                                    "returned, or wrote to its path, unchanged)",
+        raise CheckpointFormatError("Restore refused, nothing changed: checkpoint holds bytes that are not a pacer "
+                                    f"checkpoint (they do not begin as one); {_PASS_THE_BLOB}",
                                     violations=[("checkpoint", "must be a blob taken by Checkpoint")])
     blob = memoryview(blob)
-    (found,) = _HEADER.unpack_from(blob, len(MAGIC)) if len(blob) >= len(MAGIC) + _HEADER.size else (None,)
+    if len(blob) < len(MAGIC) + _HEADER.size:
+        raise _undecodable("it ends inside its header")
+    (found,) = _HEADER.unpack_from(blob, len(MAGIC))
     if found != CHECKPOINT_FORMAT:
-        raise CheckpointFormatError(f"the checkpoint is in format {found}, this server reads format "
-                                    f"{CHECKPOINT_FORMAT}; restore it with the coda-server version that took it",
-                                    violations=[("checkpoint", f"format must be {CHECKPOINT_FORMAT}")])
+        raise CheckpointFormatError(f"Restore refused, nothing changed: checkpoint is in format {found}, this server "
+                                    f"reads format {CHECKPOINT_FORMAT}; restore it with the coda-server version "
+                                    f"that took it", violations=[("checkpoint", f"format must be {CHECKPOINT_FORMAT}")])
     try:
         checkpoint = loads(blob[len(MAGIC) + _HEADER.size:], codec)
         if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
             raise ValueError("its body is not a checkpoint record")
     except Exception as exc:
-        raise CheckpointFormatError(f"the checkpoint cannot be read ({exc}); it is damaged or truncated",
-                                    violations=[("checkpoint", "must be a blob taken by Checkpoint")]) from None
+        raise _undecodable(f"{type(exc).__name__}: {exc}") from None
     return checkpoint
+
+
+def _undecodable(cause: str) -> CheckpointFormatError:
+    """The refusal of a blob that begins as a checkpoint but does not decode; `cause`, the decoder's words, is
+    logged, not sent."""
+    log.info("Restore refused: the checkpoint blob does not decode (%s)", cause)
+    return CheckpointFormatError(
+        "Restore refused, nothing changed: checkpoint holds bytes that are not a checkpoint this server wrote (they "
+        f"do not decode: truncated, damaged or of another format); {_PASS_THE_BLOB}",
+        violations=[("checkpoint", "must be a blob taken by Checkpoint, unchanged")])
 
 
 def strategy_state(hooks: Any, failures: HookFailures) -> Any:

@@ -11,6 +11,7 @@ from .errors import (
     ResourceExhaustedError,
     StaleGenerationError,
     UnknownPromptError,
+    refused,
 )
 from .limits import Limits
 from .shares import PLAIN, BatchShape
@@ -19,6 +20,17 @@ from .types import PromptRef, ResetMode, Trajectory, TrajectoryStatus
 
 VALID_STATUSES = (TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED)
 RESOURCE_RETRY_SECONDS = 1.0
+
+
+def wire_status(status: Any) -> str:
+    """A trajectory status as the contract names it (the .proto's TRAJECTORY_STATUS_* value and its number): the
+    messages are read by callers in any language. A number the enum does not define is shown as it came."""
+    if isinstance(status, TrajectoryStatus):
+        return f"TRAJECTORY_STATUS_{status.name} ({int(status)})"
+    return repr(status)
+
+
+ALLOWED_STATUSES = ", ".join(wire_status(s) for s in VALID_STATUSES[:-1]) + f" or {wire_status(VALID_STATUSES[-1])}"
 
 
 @dataclass
@@ -36,6 +48,8 @@ class SubmitSorting:
     # without them, in a Submit not fenced to that dispatch (fenced, they are violations): (trajectory id, prompt
     # id, the running dispatch's seq). A late retry of the earlier Submit, or new work under reused ids.
     earlier_dispatch: list[tuple[str, str, int]] = field(default_factory=list)
+    # rollout.continue_restored: what became of an expired prompt's group (kept, or returned by the next Reset).
+    kept_for_continuation: bool = True
 
     @property
     def refused_as_stale(self) -> bool:
@@ -45,9 +59,7 @@ class SubmitSorting:
     def refuse(self, generation: int, remembered_generations: Optional[int], inflight_lease_seconds: float) -> None:
         """Raise for the first kind of problem found, in this order: malformed, unknown, stale, expired."""
         if self.violations:
-            first = self.violations[0]
-            raise InvalidArgumentError(f"Submit refused, nothing accepted: {first[0]} {first[1]}",
-                                       violations=self.violations)
+            raise refused("Submit", "accepted", self.violations)
         if self.unknown:
             raise UnknownPromptError(f"Submit refused, nothing accepted: prompt {self.unknown[0]!r} was never "
                                      f"dispatched (or was dispatched more than {remembered_generations} resets ago)")
@@ -57,8 +69,17 @@ class SubmitSorting:
         if self.expired:
             raise LeaseExpiredError(f"Submit refused, nothing accepted: the in-flight lease of prompt "
                                     f"{self.expired[0]!r} ran out (server.inflight_lease_seconds = "
-                                    f"{inflight_lease_seconds:g}); its slot was reclaimed and its partial "
-                                    f"trajectories are returned by the next Reset")
+                                    f"{inflight_lease_seconds:g}) and its slot was reclaimed; "
+                                    f"{expired_group_fate(self.kept_for_continuation)}")
+
+
+def expired_group_fate(kept_for_continuation: bool) -> str:
+    """What became of a group whose in-flight lease ran out, under rollout.continue_restored."""
+    if kept_for_continuation:
+        return ("the server keeps the group, with the trajectories it had, and re-offers it on Dispatch as a "
+                "continuation (rollout.continue_restored); whoever continues it submits the whole group anew, so "
+                "drop this work")
+    return "its partial trajectories are returned by the next Reset (in `expired`); drop this work"
 
 
 def well_formed_id(value: Any, limit: int) -> bool:
@@ -70,9 +91,10 @@ def well_formed_id(value: Any, limit: int) -> bool:
 class RequestChecks:
     """Refuses malformed requests with InvalidArgumentError naming every violation; holds no pacing state."""
 
-    def __init__(self, limits: Limits, group_sizes: Sequence[int]):
+    def __init__(self, limits: Limits, group_sizes: Sequence[int], continue_restored: bool):
         self.limits = limits
         self._datasets = len(group_sizes)
+        self.continue_restored = continue_restored  # rollout.continue_restored: the LEASE_EXPIRED refusal says it
 
     def id_problem(self, value: Any, limit: Optional[int] = None) -> Optional[str]:
         """What is wrong with an id (None: nothing); `limit` defaults to server.max_id_length."""
@@ -127,20 +149,20 @@ class RequestChecks:
             problem = self.id_problem(prompt_id)
             if problem is None:
                 if prompt_id in seen:
-                    problem = f"prompt {prompt_id!r} is named twice in this request"
+                    problem = f"{prompt_id!r} is named twice in this request"
                 elif prompt_id in inflight:
-                    problem = f"prompt {prompt_id!r} is already in flight"
+                    problem = f"{prompt_id!r} is already in flight"
                 elif prompt_id in kept:
-                    problem = (f"prompt {prompt_id!r} was restored by a Reset and is kept for continuation; it is "
-                               f"re-offered by Dispatch (max_continuations)")
+                    problem = (f"{prompt_id!r} is kept for continuation (restored by a Reset, or released from a "
+                               f"worker); it is re-offered by Dispatch (max_continuations)")
                 seen.add(prompt_id)
             if problem is not None:
                 violations.append((f"candidates[{i}].prompt_id", problem))
             if not (isinstance(ds_index, int) and 0 <= ds_index < datasets):
                 violations.append((f"candidates[{i}].ds_index",
-                                   f"ds_index {ds_index!r} is not configured; allowed: 0..{datasets - 1}"))
+                                   f"{ds_index!r} is not configured; allowed: 0..{datasets - 1}"))
         if violations:
-            raise InvalidArgumentError(f"Dispatch refused, nothing admitted: {violations[0][1]}", violations=violations)
+            raise refused("Dispatch", "admitted", violations)
 
     def check_max_continuations(self, count: Any) -> None:
         """None (re-offer as many kept groups as candidates) or an integer >= 0."""
@@ -159,8 +181,7 @@ class RequestChecks:
         violations = [(f"prompt_ids[{i}]", problem) for i, prompt_id in enumerate(prompt_ids)
                       if (problem := self.id_problem(prompt_id)) is not None]
         if violations:
-            raise InvalidArgumentError(f"KeepAlive refused: {violations[0][0]} {violations[0][1]}",
-                                       violations=violations)
+            raise refused("KeepAlive", "renewed", violations)
 
     def check_submit_size(self, trajectories: Sequence[Trajectory]) -> None:
         limit = self.limits.max_trajectories
@@ -195,7 +216,7 @@ class RequestChecks:
             if earlier is not None:
                 if not t.same_content(earlier):
                     violations.append((f"trajectories[{i}].trajectory_id",
-                                       f"trajectory {tid!r} was already accepted with different content"))
+                                       f"{tid!r} was already accepted with different content"))
                     continue
                 group = inflight.get(pid) if tid not in in_batch else None
                 if group is not None and tid not in group.trajectories:
@@ -217,15 +238,15 @@ class RequestChecks:
                 if pid in expired_prompts:
                     sorting.expired.append(pid)
                 elif pid in generation_prompts:
-                    violations.append((f"trajectories[{i}].prompt_id", f"the group of prompt {pid!r} is already "
-                                       f"complete and collected; it takes no more trajectories"))
+                    violations.append((f"trajectories[{i}].prompt_id", f"{pid!r} names a group already complete "
+                                       f"and collected; it takes no more trajectories"))
                 elif any(pid in past for past in past_generations):
                     sorting.stale.append(pid)
                 else:
                     sorting.unknown.append(pid)
                 continue
             if t.ds_index != group.ds_index:
-                violations.append((f"trajectories[{i}].ds_index", f"ds_index {t.ds_index!r} differs from the prompt's "
+                violations.append((f"trajectories[{i}].ds_index", f"{t.ds_index!r} differs from the prompt's "
                                    f"ds_index {group.ds_index}"))
                 continue
             added = added_per_group.get(pid, 0) + 1
@@ -236,6 +257,7 @@ class RequestChecks:
             added_per_group[pid] = added
             in_batch[tid] = t
             fresh.append(t)
+        sorting.kept_for_continuation = self.continue_restored
         return sorting
 
     def _trajectory_problems(self, i: int, t: Trajectory) -> list[tuple[str, str]]:
@@ -248,9 +270,9 @@ class RequestChecks:
                 problems.append((f"{field_name}.{name}", problem))
         if t.status not in VALID_STATUSES:
             problems.append((f"{field_name}.status",
-                             f"status {t.status!r} is not allowed; use COMPLETED, FAILED or ABORTED"))
+                             f"{wire_status(t.status)} is not allowed; use {ALLOWED_STATUSES}"))
         if not isinstance(t.reward, (int, float)) or not math.isfinite(t.reward):
-            problems.append((f"{field_name}.reward", f"reward {t.reward!r} must be a finite number"))
+            problems.append((f"{field_name}.reward", f"{t.reward!r} is not allowed; it must be a finite number"))
         return problems
 
     def check_room(self, held_bytes: int, incoming_bytes: int, buffered: int, completing: int) -> None:
@@ -287,6 +309,14 @@ class RequestChecks:
             raise InvalidArgumentError(
                 "named_at_grant applies to a lease its holder's silence ends: set release_when_silent too (with a "
                 "client id and lease_seconds > 0)", violations=[("named_at_grant", "needs release_when_silent")])
+        if shape.rank and shape.world_size <= 1:
+            # Before the plain return: a single consumer's Collect (world_size 0 or 1) that names a rank would
+            # otherwise be answered as if the rank were 0, the whole mini-batch to one of several ranks.
+            raise InvalidArgumentError(
+                f"rank {shape.rank} needs world_size > {shape.rank}: world_size 0 (unset) or 1 is a single consumer, "
+                f"whose rank is 0; allowed: rank in 0..world_size-1 with world_size > 1 for one rank of a "
+                f"data-parallel trainer", violations=[("rank", "must be 0 when world_size is 0 or 1"),
+                                                      ("world_size", f"must be > rank ({shape.rank}) to name a rank")])
         if shape.plain:
             return num_groups
         if shape.token_budget < 0:
@@ -297,8 +327,9 @@ class RequestChecks:
                 f"world_size {shape.world_size} must be in 1..num_groups ({num_groups}): every rank gets whole "
                 f"groups, at least one", violations=[("world_size", f"must be in 1..{num_groups}")])
         if not 0 <= shape.rank < shape.world_size:
-            raise InvalidArgumentError(f"rank {shape.rank} must be in 0..{shape.world_size - 1} (world_size "
-                                       f"{shape.world_size})", violations=[("rank", "must be in 0..world_size-1")])
+            raise InvalidArgumentError(f"rank {shape.rank} must be in 0..{shape.world_size - 1}: world_size is "
+                                       f"{shape.world_size}, and rank must be below it",
+                                       violations=[("rank", f"must be in 0..world_size-1 (0..{shape.world_size - 1})")])
         if shape.world_size > 1 and not shape.token_budget and num_groups % shape.world_size:
             raise InvalidArgumentError(
                 f"num_groups {num_groups} is not a multiple of world_size {shape.world_size}: each rank gets the "
@@ -318,7 +349,8 @@ class RequestChecks:
         if not isinstance(weight_version, int) or isinstance(weight_version, bool) or weight_version < current:
             behind = ("" if not isinstance(weight_version, int) or isinstance(weight_version, bool) else
                       "; the server is at a newer weight version than the trainer: a trainer restarted from an older "
-                      "checkpoint must restore first (PacerClient.restore with the pacer checkpoint saved with it)")
+                      "checkpoint must restore first (a Restore call with the pacer checkpoint saved with it; in "
+                      "Python, PacerClient.restore)")
             raise InvalidArgumentError(f"weight_version {weight_version!r} must be an integer >= the current "
                                        f"{current}{behind}", violations=[("weight_version", f"must be >= {current}")])
 

@@ -24,6 +24,16 @@ class InvalidArgumentError(PacerError):
     reason = "INVALID_ARGUMENT"
 
 
+def refused(call: str, undone: str, violations: Sequence[tuple[str, str]]) -> InvalidArgumentError:
+    """The INVALID_ARGUMENT refusing `call` for `violations` (field path, problem), every one in the details: its
+    message reads "<call> refused, nothing <undone>: <field> <problem>" for the first, so that a reader of the
+    message alone learns which field is wrong, and how many more there are."""
+    field, problem = violations[0]
+    more = len(violations) - 1
+    also = f" ({more} more field violation{'s' if more > 1 else ''} in the details)" if more else ""
+    return InvalidArgumentError(f"{call} refused, nothing {undone}: {field} {problem}{also}", violations=violations)
+
+
 class UnknownPromptError(PacerError):
     """A trajectory names a prompt that was never dispatched (or is too old to remember)."""
 
@@ -56,7 +66,8 @@ class StaleDispatchError(FailedPreconditionError):
 
 
 class UnknownLeaseError(PacerError):
-    """An Ack or Release names a lease that was never granted, or was already acknowledged or released."""
+    """An Ack or Release names a lease the server does not know: never granted, already acknowledged, or ended
+    (ran out, released) longer ago than the server remembers ended leases."""
 
     reason = "UNKNOWN_LEASE"
 

@@ -171,7 +171,9 @@ class Leases:
         if lease is None:
             if lease_id in self.lapsed:
                 raise LeaseExpiredError(f"lease {lease_id!r} {self.lapsed[lease_id]}")
-            raise UnknownLeaseError(f"lease {lease_id!r} is not known (never granted, or already acknowledged)")
+            raise UnknownLeaseError(f"lease {lease_id!r} is not known: never granted, already acknowledged, or "
+                                    f"ended so long ago that the server no longer remembers it (it remembers the "
+                                    f"last {LAPSED_LEASES_KEPT} leases that ran out or were released)")
         return lease
 
     def releasable(self, lease_id: str) -> int:
@@ -182,8 +184,10 @@ class Leases:
             return len(lease.entries)
         if lease_id in self.lapsed:
             return 0
-        raise UnknownLeaseError(f"lease {lease_id!r} is not known (never granted, or already acknowledged or "
-                                f"released)")
+        raise UnknownLeaseError(f"lease {lease_id!r} is not known: never granted, already acknowledged, or ended so "
+                                f"long ago that the server no longer remembers it (it remembers the last "
+                                f"{LAPSED_LEASES_KEPT} leases that ran out or were released; a Release of one of "
+                                f"those answers 0 groups)")
 
     def held(self, holder: Optional[str] = None) -> dict[str, tuple[list[str], int]]:
         """Holder -> (the ids of its Collect leases, oldest first, and the groups in them); one holder's with

@@ -95,10 +95,10 @@ class Pacer(PacerViews):
         # The most groups a Collect may wait for: more can never be buffered at once (0: no bound known).
         self.collect_bound = CollectLimit(config, hooks, limits)
         self.collect_limit = self.collect_bound.limit
-        self.checks = RequestChecks(limits, self._group_sizes)
-        default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
         # Restored groups: kept and re-offered for continuation, or handed to the Reset's caller (the old way).
         continue_restored = bool(setting(config, "rollout.continue_restored"))
+        self.checks = RequestChecks(limits, self._group_sizes, continue_restored)
+        default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
         self.restored = RestoredGroups(self._clock, [create_replay_strategy(
             (s.get("dataset") or {}).get("buffer_replay_strategy"), config) for s in config.data_sources])
         self.summary = config_summary(config)
