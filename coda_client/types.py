@@ -644,8 +644,8 @@ class PacerState:
     restored: int
     #: Incomplete groups dropped by a Reset. Metric: coda_pacer_dropped_groups_total.
     dropped: int
-    #: Trajectories refused by Submit with reason STALE_GENERATION (prompt dispatched before the last Reset). Metric:
-    #: coda_pacer_stale_rejected_trajectories_total.
+    #: Trajectories refused by Submit with reason STALE_GENERATION (prompt dispatched before the last Reset or
+    #: Restore). Metric: coda_pacer_stale_rejected_trajectories_total.
     stale_rejected: int
     #: Re-submitted identical trajectories acknowledged as duplicates. Metric:
     #: coda_pacer_duplicate_trajectories_total.
@@ -674,8 +674,8 @@ class PacerState:
     quarantined: int
     #: The last server.incidents_kept incidents (a raising strategy hook, a refused dirty group), oldest first.
     recent_incidents: list[Incident]
-    #: Restored groups the server keeps for continuation (rollout.continue_restored), waiting to be re-offered by a
-    #: Dispatch. Metric: coda_pacer_restored_kept_groups.
+    #: Groups the server keeps for continuation (rollout.continue_restored: restored by a Reset, or released from a
+    #: silent worker), waiting to be re-offered by a Dispatch. Metric: coda_pacer_restored_kept_groups.
     restored_kept: int
     #: Buffered or leased groups a Restore discarded (the server had them after the restored checkpoint was taken).
     #: Metric: coda_pacer_rolled_back_groups_total.

@@ -70,7 +70,7 @@ class PacerState:
     restored: int = counter("coda_pacer_restored_groups", "Assembled groups returned by a Reset for continuation.")
     dropped: int = counter("coda_pacer_dropped_groups", "Incomplete groups dropped by a Reset.")
     stale_rejected: int = counter("coda_pacer_stale_rejected_trajectories", "Trajectories refused by Submit with "
-                                  "reason STALE_GENERATION (prompt dispatched before the last Reset).")
+                                  "reason STALE_GENERATION (prompt dispatched before the last Reset or Restore).")
     duplicates: int = counter("coda_pacer_duplicate_trajectories",
                               "Re-submitted identical trajectories acknowledged as duplicates.")
     config_summary: Mapping[str, str] = described("The pacing settings the state is made under.",
@@ -94,8 +94,9 @@ class PacerState:
                                "(recent_incidents says which; the next Reset returns them).")
     recent_incidents: list[Incident] = described("The last server.incidents_kept incidents (a raising strategy hook, "
                                                  "a refused dirty group), oldest first.", default_factory=list)
-    restored_kept: int = gauge("coda_pacer_restored_kept_groups", "Restored groups the server keeps for "
-                               "continuation (rollout.continue_restored), waiting to be re-offered by a Dispatch.",
+    restored_kept: int = gauge("coda_pacer_restored_kept_groups", "Groups the server keeps for continuation "
+                               "(rollout.continue_restored: restored by a Reset, or released from a silent worker), "
+                               "waiting to be re-offered by a Dispatch.",
                                default=0)
     rolled_back: int = counter("coda_pacer_rolled_back_groups", "Buffered or leased groups a Restore discarded "
                                "(the server had them after the restored checkpoint was taken).")
