@@ -13,6 +13,7 @@ import logging
 import mmap
 import operator
 import os
+import queue
 import sys
 import threading
 import time
@@ -927,6 +928,50 @@ class _IteratorBase:
         self._let_go(lease_ids)  # not trained on: not to be claimed back, whether the Release arrives or not
         return [_calls.release(lease_id, request_id=None, timeout=timeout) for lease_id in lease_ids]
 
+    def _give_back_through(self, client: PacerClient, lease_ids: Sequence[str]) -> int:
+        """Gives back these leases (Release) through a blocking client; returns the groups given back."""
+        groups = 0
+        for call in self._release_calls(lease_ids):
+            try:
+                groups += client._run(call)
+            except PacerClientError as exc:
+                self._release_failed(call, exc)
+                break  # the server is away or older: the others' leases run out alike
+        return groups
+
+    @property
+    def _left_open(self) -> bool:
+        """Whether the iterator started (its heartbeats run, it may hold leases) and was not closed."""
+        return not self._closed and self._heartbeat is not None
+
+    def _abandoned(self) -> None:
+        """The iterator the trainer held was collected without close() (on a thread of its own, see
+        _AbandonedIterators): its prefetch, control stream and heartbeats end, and every lease it holds is given back,
+        to be delivered again at once rather than kept alive by heartbeats for the life of the process."""
+        try:
+            self._give_back_abandoned()
+        except Exception as exc:  # noqa: BLE001 - nobody is left to raise it to; the heartbeats end all the same
+            self._closed = True
+            self._in_hand(None)
+            log.warning("batches: a batch iterator of the pacer at %s was abandoned without close() and collected; "
+                        "its heartbeats stopped, but its leases could not be given back (%r): the server gives them "
+                        "back after its liveness grace", self._client.target, exc)
+
+    def _give_back_abandoned(self) -> None:
+        raise NotImplementedError
+
+    def _held_now(self) -> list[str]:
+        with self._held_lock:
+            return list(self._held_leases)
+
+    def _report_abandoned(self, lease_ids: Sequence[str], groups: int) -> None:
+        given = (f"its unacknowledged lease(s) {', '.join(lease_ids)} were given back ({groups} groups), to be "
+                 "delivered again at once" if lease_ids else "it held no lease")
+        log.warning("batches: a batch iterator of the pacer at %s was abandoned without close() (%d batches delivered, "
+                    "%d acknowledged) and collected: its prefetch and heartbeats stopped, and %s; use `with "
+                    "client.batches(...)` or call close()", self._client.target, self.delivered, self.acknowledged,
+                    given)
+
     def _release_failed(self, call: _calls.Call[int], exc: Exception) -> None:
         log.warning("batches: lease %s could not be given back (%s); its groups return to the buffer when it runs out "
                     "(lease=%g s)", call.request.lease_id, exc, self.lease)
@@ -948,8 +993,8 @@ class _Away(Exception):
     """A call found the server away (it announced SHUTDOWN, or did not answer): retried until it is back."""
 
 
-class BatchIterator(_IteratorBase):
-    """Blocking iterator of MiniBatch; see PacerClient.batches."""
+class _BatchIteratorCore(_IteratorBase):
+    """The work of a BatchIterator, shared by its threads (which hold this, never the BatchIterator)."""
 
     def __init__(self, client: PacerClient, shape: BatchShape | int, *, lease: float = DEFAULT_LEASE_SECONDS,
                  poll: float = DEFAULT_POLL_SECONDS, num_batches: int | str | None = None,
@@ -1105,9 +1150,6 @@ class BatchIterator(_IteratorBase):
         wait.done()
         return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
 
-    def __iter__(self) -> BatchIterator:
-        return self
-
     def __next__(self) -> MiniBatch:
         """Sends the acknowledgement of the batch handed out last, hands out the prefetched one and
         prefetches the next. The acknowledgement completes in the background (wait_for_ack() waits for it);
@@ -1187,6 +1229,11 @@ class BatchIterator(_IteratorBase):
         its groups return to the server's buffer at once, to be delivered again, ahead of newer ones. A prefetch
         still in progress gets up to a second to bring its batch (then given back too) before it is cut; a batch cut
         while it is received returns once the heartbeats have stopped for the server's liveness grace."""
+        self._give_back(self._stop())
+
+    def _stop(self) -> tuple[str, ...]:
+        """close() but for the give-back: stops prefetching and the control stream; returns the leases of the batch
+        prefetched and not handed out (none when closed before)."""
         with self._lock:
             first, self._closed = not self._closed, True
         if first and self._pending is not None:  # no Collect starts now; one under way may bring a leased batch
@@ -1198,18 +1245,21 @@ class BatchIterator(_IteratorBase):
         self._watch.cancel()
         self._executor.shutdown(wait=False)
         self._acker.shutdown(wait=False)
-        self._give_back(_lease_ids(prefetched))
+        return _lease_ids(prefetched)
 
-    def _give_back(self, lease_ids: Sequence[str]) -> None:
-        for call in self._release_calls(lease_ids):
-            try:
-                self._client._run(call)
-            except PacerClientError as exc:
-                self._release_failed(call, exc)
-                return  # the server is away or older: the others' leases run out alike
+    def _give_back(self, lease_ids: Sequence[str]) -> int:
+        return self._give_back_through(self._client, lease_ids)
 
-    def __enter__(self) -> BatchIterator:
-        return self
+    def _give_back_abandoned(self) -> None:
+        try:
+            self.wait_for_ack()  # the Ack sent for the batch before (trained on) lands first
+        except Exception as exc:  # noqa: BLE001 - nobody is left to raise it to
+            log.warning("batches: the acknowledgement sent by an iterator abandoned without close() failed: %s", exc)
+        self._stop()
+        lease_ids = self._held_now()  # the batch in hand, the one prefetched, any cut while received
+        groups = self._give_back(lease_ids)
+        self._in_hand(None)  # closed, nothing in hand: the heartbeats end
+        self._report_abandoned(lease_ids, groups)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -1234,8 +1284,9 @@ def _read_quietly(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-class AsyncBatchIterator(_IteratorBase):
-    """Async iterator of MiniBatch; see AsyncPacerClient.batches. Use it from the client's event loop."""
+class _AsyncBatchIteratorCore(_IteratorBase):
+    """The work of an AsyncBatchIterator, shared by its tasks and heartbeat thread (which hold this, never the
+    AsyncBatchIterator)."""
 
     def __init__(self, client: AsyncPacerClient, mini_batch_size: int | None, group_size: int | None = None, *,
                  lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
@@ -1260,6 +1311,7 @@ class AsyncBatchIterator(_IteratorBase):
         self._acking: asyncio.Task[int] | None = None
         self._watch: Any = None
         self._watcher: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop it runs on, once started
 
     async def _start(self) -> None:
         # The server's state is asked for whenever the blocking iterator's batches() asks for it.
@@ -1277,6 +1329,7 @@ class AsyncBatchIterator(_IteratorBase):
             if not self.shape.token_budget:
                 check_reachable(state, self.shape.num_groups, self.mini_batch_size)
         if self._watcher is None:
+            self._loop = asyncio.get_running_loop()
             self._start_heartbeats(twin=True)
             self._watch = self._client.watch()
             self._watcher = asyncio.ensure_future(self._watch_events())
@@ -1284,7 +1337,7 @@ class AsyncBatchIterator(_IteratorBase):
                 self._pending = asyncio.ensure_future(self._prefetch())
 
     async def _watch_events(self) -> None:
-        """Coroutine form of BatchIterator._watch_events."""
+        """Coroutine form of _BatchIteratorCore._watch_events."""
         delay = _AWAY_RETRY_INITIAL_SECONDS
         while not self._closed:
             try:
@@ -1314,7 +1367,7 @@ class AsyncBatchIterator(_IteratorBase):
                 self._watch = watch
 
     async def _call(self, call: _calls.Call[_T], *, survives_close: bool = False) -> _T:
-        """Coroutine form of BatchIterator._call."""
+        """Coroutine form of _BatchIteratorCore._call."""
         deadline: float | None = None
         delay = _AWAY_RETRY_INITIAL_SECONDS
         while True:
@@ -1355,7 +1408,7 @@ class AsyncBatchIterator(_IteratorBase):
         except Exception as exc:
             if self._closed and not survives_close:
                 raise _Stopped from None
-            if _server_away(getattr(exc, "code", None)):  # see BatchIterator._call_once
+            if _server_away(getattr(exc, "code", None)):  # see _BatchIteratorCore._call_once
                 if not self._shutdown.is_set() and not await _set_within(
                         self._shutdown, SHUTDOWN_EVENT_WAIT_SECONDS if exc.code == grpc.StatusCode.CANCELLED else 0.001):
                     self._present.clear()
@@ -1380,7 +1433,7 @@ class AsyncBatchIterator(_IteratorBase):
             if result.groups:
                 results.append(result)
             elif job_ended and not results:
-                raise _Stopped  # as in BatchIterator._prefetch
+                raise _Stopped  # as in _BatchIteratorCore._prefetch
             if wait.due(asked_at := self._asked_at, self._paused):
                 try:
                     wait.report(await self._call(_calls.get_state(timeout=self._client.timeout)), asked_at)
@@ -1388,9 +1441,6 @@ class AsyncBatchIterator(_IteratorBase):
                     wait.report(exc, asked_at)
         wait.done()
         return MiniBatch.from_collects(results, mask_offpolicy=self.mask_offpolicy)
-
-    def __aiter__(self) -> AsyncBatchIterator:
-        return self
 
     async def __anext__(self) -> MiniBatch:
         """Acknowledges the batch handed out last, then hands out the prefetched one and prefetches the next."""
@@ -1427,7 +1477,7 @@ class AsyncBatchIterator(_IteratorBase):
         return batch
 
     async def _still_held(self, batch: MiniBatch) -> bool:
-        """Coroutine form of BatchIterator._still_held."""
+        """Coroutine form of _BatchIteratorCore._still_held."""
         if self._may_have_lapsed(batch):
             sent, named = time.monotonic(), list(self._held_leases)
             try:
@@ -1469,11 +1519,7 @@ class AsyncBatchIterator(_IteratorBase):
             await asyncio.wait([pending], timeout=_CLOSE_PREFETCH_WAIT_SECONDS)  # see BatchIterator.close
         prefetched = self._prefetched() if first else None
         self._end_beats_when_done()
-        for task in (*self._inflight, self._pending, self._watcher):
-            if task is not None and not task.done():
-                task.cancel()
-        if self._watch is not None:
-            self._watch.cancel()
+        self._cut_tasks()
         # A prefetch cut by the close ends with _Stopped, which nobody is left to read: waited for here (they end at
         # once) and read, or asyncio would log it as an unhandled exception at the loop's end.
         left = [t for t in (self._pending, self._watcher) if t is not None and t is not asyncio.current_task()]
@@ -1483,6 +1529,14 @@ class AsyncBatchIterator(_IteratorBase):
                 _read_quietly(task)
         await self._give_back(_lease_ids(prefetched))
 
+    def _cut_tasks(self) -> None:
+        """Cuts the calls in progress, the prefetch and the control stream (on the event loop)."""
+        for task in (*self._inflight, self._pending, self._watcher):
+            if task is not None and not task.done():
+                task.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
+
     async def _give_back(self, lease_ids: Sequence[str]) -> None:
         for call in self._release_calls(lease_ids):
             try:
@@ -1491,13 +1545,51 @@ class AsyncBatchIterator(_IteratorBase):
                 self._release_failed(call, exc)
                 return  # the server is away or older: the others' leases run out alike
 
-    async def __aenter__(self) -> AsyncBatchIterator:
-        await self._start()
-        return self
+    def _give_back_abandoned(self) -> None:
+        """_BatchIteratorCore's, for an event loop that may be blocked by a step, stopped or closed meanwhile: the
+        tasks are cut on the loop if it still runs, and the leases given back through a blocking twin of the client,
+        as the heartbeats go."""
+        self._closed = True  # no call starts any more
+        cut = threading.Event()
+        try:
+            self._loop.call_soon_threadsafe(self._cut_abandoned, cut)
+        except RuntimeError:  # the loop is closed, and the tasks with it
+            pass
+        else:
+            # The Ack sent for the batch before lands first; a loop blocked by a step is not waited for long.
+            cut.wait(_CLOSE_WAIT_SECONDS)
+        lease_ids = self._held_now()
+        twin = self._client.blocking_twin()
+        try:
+            groups = self._give_back_through(twin, lease_ids)
+        finally:
+            twin.close()
+        self._in_hand(None)  # closed, nothing in hand: the heartbeats end
+        self._report_abandoned(lease_ids, groups)
+
+    def _cut_abandoned(self, cut: threading.Event) -> None:
+        """On the event loop: cuts the tasks, which nobody is left to read (their ends are read here, so that asyncio
+        logs none of them), and sets `cut` once the Ack in progress, if any, has ended."""
+        self._cut_tasks()
+        for task in (self._pending, self._watcher):
+            if task is not None:
+                task.add_done_callback(_read_quietly)
+        acking = self._acking
+        if acking is None:
+            cut.set()
+            return
+
+        def acknowledged(task: asyncio.Future[int]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("batches: the acknowledgement sent by an iterator abandoned without close() failed: "
+                            "%s", task.exception())
+            cut.set()
+
+        acking.add_done_callback(acknowledged)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        """Coroutine form of BatchIterator.__exit__."""
+        """Coroutine form of _BatchIteratorCore.__exit__."""
         try:
             if exc_type is None:
                 await self.ack()
@@ -1509,3 +1601,146 @@ class AsyncBatchIterator(_IteratorBase):
             pass
         finally:
             await self.close()
+
+
+class _AbandonedIterators:
+    """Gives back the leases of iterators collected without close(), on threads of this process's own: their
+    finalizers only queue them, as SimpleQueue.put is safe wherever the collector runs a finalizer (any thread, any
+    point, a lock held), and starting a thread or calling the server there is not."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_IteratorBase] | None = None
+
+    def queue(self) -> queue.SimpleQueue[_IteratorBase]:
+        """The queue finalizers put iterators on, its thread started on first use (called as an iterator is made)."""
+        with self._lock:
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                threading.Thread(target=self._give_back_queued, args=(self._queue,), name="coda-batches-abandoned",
+                                 daemon=True).start()
+            return self._queue
+
+    def forget_in_child(self) -> None:
+        """In a forked child: the parent's thread did not come along (and another thread may have held the lock)."""
+        self._lock = threading.Lock()
+        self._queue = None
+
+    @staticmethod
+    def _give_back_queued(queued: queue.SimpleQueue[_IteratorBase]) -> None:
+        while True:
+            iterator = queued.get()
+            if iterator._left_open:
+                # A thread each: one whose server is away (its Releases wait out their deadlines) holds no other back.
+                try:
+                    threading.Thread(target=iterator._abandoned, name="coda-batches-abandoned", daemon=True).start()
+                except RuntimeError:  # the interpreter is shutting down: no new thread
+                    iterator._abandoned()
+            del iterator  # not kept alive until the next one comes
+
+
+_ABANDONED = _AbandonedIterators()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ABANDONED.forget_in_child)
+
+
+class _Handle:
+    """What the trainer holds of an iterator: its work is done by a core that the iterator's threads and tasks share
+    and that refers to nothing of this object, so an iterator dropped without close() (a loop left by `break` in a
+    function that returned, an exception path) is collected; its finalizer then has the core's prefetch, control
+    stream and heartbeats end and its leases given back (`_IteratorBase._abandoned`). Attributes and methods
+    (delivered, acknowledged, ack(), close(), ...) are the core's."""
+
+    __slots__ = ("_core", "__weakref__")
+
+    def __init__(self, core: _IteratorBase) -> None:
+        object.__setattr__(self, "_core", core)
+        # Not at exit: an iterator still held then was not abandoned, and the interpreter is going down.
+        weakref.finalize(self, _ABANDONED.queue().put, core).atexit = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_core":  # not set: the core could not be made
+            raise AttributeError(name)
+        return getattr(self._core, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._core, name, value)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *dir(self._core)})
+
+
+class BatchIterator(_Handle):
+    """Blocking iterator of MiniBatch; see PacerClient.batches (arguments: those of _BatchIteratorCore)."""
+
+    __slots__ = ()
+
+    def __init__(self, client: PacerClient, *args: Any, **options: Any) -> None:
+        super().__init__(_BatchIteratorCore(client, *args, **options))
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> MiniBatch:
+        return self._core.__next__()
+
+    def __enter__(self) -> BatchIterator:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._core.__exit__(exc_type, exc, tb)
+
+    # The public methods, declared (not only passed through) so that help() and editors list them.
+    def ack(self) -> int:
+        return self._core.ack()
+
+    def wait_for_ack(self) -> None:
+        self._core.wait_for_ack()
+
+    def close(self) -> None:
+        self._core.close()
+
+    def wait_watching(self, timeout: float | None = None) -> bool:
+        return self._core.wait_watching(timeout)
+
+    ack.__doc__ = _BatchIteratorCore.ack.__doc__
+    wait_for_ack.__doc__ = _BatchIteratorCore.wait_for_ack.__doc__
+    close.__doc__ = _BatchIteratorCore.close.__doc__
+    wait_watching.__doc__ = _BatchIteratorCore.wait_watching.__doc__
+
+
+class AsyncBatchIterator(_Handle):
+    """Async iterator of MiniBatch; see AsyncPacerClient.batches (arguments: those of _AsyncBatchIteratorCore). Use
+    it from the client's event loop."""
+
+    __slots__ = ()
+
+    def __init__(self, client: AsyncPacerClient, *args: Any, **options: Any) -> None:
+        super().__init__(_AsyncBatchIteratorCore(client, *args, **options))
+
+    def __aiter__(self) -> AsyncBatchIterator:
+        return self
+
+    async def __anext__(self) -> MiniBatch:
+        return await self._core.__anext__()
+
+    async def __aenter__(self) -> AsyncBatchIterator:
+        await self._core._start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._core.__aexit__(exc_type, exc, tb)
+
+    async def ack(self) -> int:
+        """Coroutine form of BatchIterator.ack."""
+        return await self._core.ack()
+
+    async def wait_for_ack(self) -> None:
+        """Coroutine form of BatchIterator.wait_for_ack."""
+        await self._core.wait_for_ack()
+
+    async def close(self) -> None:
+        """Coroutine form of BatchIterator.close."""
+        await self._core.close()
