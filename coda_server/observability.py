@@ -64,12 +64,17 @@ def log_control_event(pacer_state: Callable[[], PacerState]) -> Callable[[Contro
     SHUTDOWN is logged by the command line, which knows the grace period.
     """
 
+    restores_seen = [pacer_state().restores]  # a PAUSE whose `restores` grew is a Restore's, not a Reset's
+
     def on_event(event: ControlEvent) -> None:
         if event.type == ControlEventType.PAUSE:
             state = pacer_state()
             mode = ResetMode(event.mode).name.lower()
-            log.info("paused dispatch for a Reset (mode %s) at step %d, weight version %d: %d groups running, "
-                     "%d buffered, %d trajectories queued", mode, event.step, event.weight_version,
+            by_restore, restores_seen[0] = event.restores > restores_seen[0], event.restores
+            what = ("told the workers to abort what they generate for a Restore" if by_restore
+                    else "paused dispatch for a Reset")
+            log.info("%s (mode %s) at step %d, weight version %d: %d groups running, "
+                     "%d buffered, %d trajectories queued", what, mode, event.step, event.weight_version,
                      state.running, state.buffered, state.queued_trajectories,
                      extra=fields(event="pause", mode=mode, step=event.step, weight_version=event.weight_version,
                                   generation=event.generation, running=state.running, buffered=state.buffered,

@@ -97,6 +97,21 @@ def test_rpc_lines_can_be_turned_off_keeping_the_lifecycle_lines(tmp_path):
         assert log.count(line) == 1, line
 
 
+def test_a_restore_is_logged_once_as_a_restore_even_when_its_retry_is_answered_again(tmp_path):
+    with ServerProcess(tmp_path, *CONFIG) as server, PacerClient(server.address) as pacer:
+        taken = pacer.checkpoint()
+        pacer.dispatch(["p0"])
+        first = pacer.restore(taken.blob, request_id="restore-1")
+        again = pacer.restore(taken.blob, request_id="restore-1")  # a retry: the remembered answer, nothing restored
+        assert (again.step, again.generation) == (first.step, first.generation)
+        assert pacer.state().restores == 1
+        assert server.terminate() == 0
+    log = server.log()
+    assert log.count("restored the checkpoint of step 0") == 1, log
+    assert "told the workers to abort what they generate for a Restore (mode abort)" in log, log
+    assert "paused dispatch for a Reset" not in log, log
+
+
 @pytest.mark.parametrize("override, problem", [
     ("server.log_rpcs=sometimes", "server.log_rpcs = 'sometimes': must be true or false"),
     ("server.log_format=xml", "server.log_format = 'xml': must be text or json"),

@@ -384,11 +384,12 @@ class AsyncPacer:
         checkpoint = await asyncio.to_thread(checkpoints.decode, blob, codec)
 
         async def call() -> RestoreResult:
-            return self.pacer.apply_restore(checkpoint, request_id)
+            result = self.pacer.apply_restore(checkpoint, request_id)
+            # Said here, where it happens: a retry answered the remembered result restores nothing.
+            checkpoint_log.warning(checkpoints.restore_summary(result), extra={"fields": dataclasses.asdict(result)})
+            return result
 
-        result = await self._applied("Restore", request_id, call, (("checkpoint", hash(blob)),))
-        checkpoint_log.warning(checkpoints.restore_summary(result), extra={"fields": dataclasses.asdict(result)})
-        return result
+        return await self._applied("Restore", request_id, call, (("checkpoint", hash(blob)),))
 
     def prompt_cursor(self) -> dict:
         self.check_ready()
