@@ -1291,12 +1291,7 @@ class AsyncRolloutWorker:
         except PacerClientError as exc:
             self._refused(batch, exc)
             return
-        self._acknowledged(batch)
-        if self.on_submitted is not None:
-            try:
-                self.on_submitted(wire)
-            except Exception:
-                logger.exception("%s: on_submitted failed", self.worker_id, extra=_fields(worker=self.worker_id))
+        self._acknowledged(batch, wire)
 
     def _parts_that_fit(self, batch: list[tuple[_Group, _Traj]],
                         wire: list[Trajectory]) -> list[tuple[list[tuple[_Group, _Traj]], list[Trajectory]]] | None:
@@ -1378,7 +1373,8 @@ class AsyncRolloutWorker:
                 request_id = str(uuid.uuid4())  # the refusal may be remembered under the old id
                 await self._pause(delay)
 
-    def _acknowledged(self, batch: list[tuple[_Group, _Traj]]) -> None:
+    def _acknowledged(self, batch: list[tuple[_Group, _Traj]], sent: Sequence[Trajectory] = ()) -> None:
+        """The server acknowledged `batch`, submitted as `sent` (what on_submitted hears)."""
         for group, traj in batch:
             self.stats.trajectories_submitted += 1
             if traj.status == TrajectoryStatus.ABORTED:
@@ -1390,6 +1386,11 @@ class AsyncRolloutWorker:
             if traj.failed_after_refusal:
                 self.stats.trajectories_failed_after_refusal += 1
             self._trajectory_settled(group)
+        if sent and self.on_submitted is not None:
+            try:
+                self.on_submitted(list(sent))
+            except Exception:
+                logger.exception("%s: on_submitted failed", self.worker_id, extra=_fields(worker=self.worker_id))
 
     async def _submit_refused_as_failed(self, batch: list[tuple[_Group, _Traj]], wire: list[Trajectory],
                                         fences: dict[str, int], exc: BadRequestError) -> None:
@@ -1425,12 +1426,7 @@ class AsyncRolloutWorker:
         except PacerClientError as again:
             self._stand_ins_refused(batch, again)
             return
-        self._acknowledged(batch)
-        if self.on_submitted is not None:
-            try:
-                self.on_submitted(stand_ins)
-            except Exception:
-                logger.exception("%s: on_submitted failed", self.worker_id, extra=_fields(worker=self.worker_id))
+        self._acknowledged(batch, stand_ins)
 
     def _refusal_stand_in(self, traj: _Traj, message: Trajectory, error: str) -> Trajectory:
         """The FAILED trajectory submitted in place of one of a group the server refused as malformed: none of its
