@@ -7,10 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from coda_client._proto import pacer_pb2_grpc
 
@@ -125,3 +128,38 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class Refusal:
+    """What a failed call said: its code and message, and the google.rpc.Status details the server sent (`rich`)."""
+
+    code: grpc.StatusCode
+    message: str
+    rich: bool = False
+    reason: str = ""  # ErrorInfo
+    violations: list[tuple[str, str]] = field(default_factory=list)  # BadRequest: (field, description)
+    retry_delay: Optional[float] = None  # RetryInfo, seconds
+
+
+def refusal_of(error: grpc.RpcError) -> Refusal:
+    """The code, message and rich details of a failed call."""
+    refusal = Refusal(error.code(), error.details())
+    status = rpc_status.from_call(error)
+    if status is None:
+        return refusal
+    refusal.rich = True
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            refusal.reason = info.reason
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            refusal.violations = [(v.field, v.description) for v in bad.field_violations]
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            refusal.retry_delay = retry.retry_delay.ToNanoseconds() / 1e9
+    return refusal

@@ -8,15 +8,13 @@ import resource
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
-from google.rpc import error_details_pb2
 
 from coda_client._proto import pacer_pb2 as pb
 from coda_server.core.journal import Submitted
 from coda_server.core.sqlite_journal import SqliteJournal
 from coda_server.core.types import Trajectory, TrajectoryStatus
 from conftest import core_overrides
-from server_harness import ServerProcess, until
+from server_harness import ServerProcess, refusal_of, until
 from test_durability_crash import free_port
 
 
@@ -28,17 +26,8 @@ def group(prompt_id: str) -> list[pb.Trajectory]:
 
 def details_of(error: grpc.RpcError) -> tuple[str, float]:
     """The ErrorInfo reason and the RetryInfo delay of a refusal."""
-    reason, delay = "", -1.0
-    for detail in rpc_status.from_call(error).details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            reason = info.reason
-        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            retry = error_details_pb2.RetryInfo()
-            detail.Unpack(retry)
-            delay = retry.retry_delay.ToNanoseconds() / 1e9
-    return reason, delay
+    refused = refusal_of(error)
+    return refused.reason, -1.0 if refused.retry_delay is None else refused.retry_delay
 
 
 def test_a_journal_that_cannot_write_is_said_plainly_refuses_changes_and_recovers_by_itself(tmp_path):

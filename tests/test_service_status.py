@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from coda_client._proto import pacer_pb2 as pb
-from server_harness import ServerProcess
+from server_harness import ServerProcess, refusal_of
 
 SMALL = ("data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
          "trainer.mini_batch_size=2", "fully_async.sliding_window=no-window", "fully_async.stale_steps=1.0")
@@ -22,19 +20,9 @@ def server(tmp_path):
 
 def details_of(error: grpc.RpcError):
     """(ErrorInfo reason, [(field, description)]) from the rich status details."""
-    status = rpc_status.from_call(error)
-    assert status is not None, "the server must send google.rpc.Status details"
-    reason, violations = None, []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            reason = info.reason
-        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            violations = [(v.field, v.description) for v in bad.field_violations]
-    return reason, violations
+    refused = refusal_of(error)
+    assert refused.rich, "the server must send google.rpc.Status details"
+    return refused.reason or None, refused.violations
 
 
 def trajectories(prompt_id: str, count: int, start: int = 0, status=pb.TRAJECTORY_STATUS_COMPLETED):

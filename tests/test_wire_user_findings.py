@@ -7,15 +7,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from coda_client import PacerClient
 from coda_client.batches import BatchShape as ClientBatchShape
 from coda_client._proto import pacer_pb2 as pb
 from coda_server.core.checks import SubmitSorting
 from coda_server.core.errors import LeaseExpiredError
-from server_harness import REPO_ROOT, ServerProcess, until
+from server_harness import REPO_ROOT, ServerProcess, refusal_of, until
 
 # A window of int(2 * (1 + 10)) = 22 groups: the tests sharing one server never fill it.
 SMALL = ("data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
@@ -36,19 +34,8 @@ def refusal(call, request, **kwargs) -> tuple[grpc.StatusCode, str, str, list[st
     """(code, message, ErrorInfo reason, BadRequest fields) of a call that must fail."""
     with pytest.raises(grpc.RpcError) as caught:
         call(request, timeout=TIMEOUT, **kwargs)
-    error = caught.value
-    reason, fields = "", []
-    status = rpc_status.from_call(error)
-    for detail in (status.details if status is not None else ()):
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            reason = info.reason
-        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            fields = [v.field for v in bad.field_violations]
-    return error.code(), error.details(), reason, fields
+    refused = refusal_of(caught.value)
+    return refused.code, refused.message, refused.reason, [name for name, _ in refused.violations]
 
 
 def counters(stub) -> tuple:
@@ -164,15 +151,22 @@ def test_unauthenticated_says_the_metadata_first_and_the_python_client_second(tm
 # ------------------------------------------------------------------ B: a late Submit hears what became of the group
 
 
+def late_submit_refused(leased: ServerProcess) -> tuple[object, str]:
+    """A group's trajectory submitted after its in-flight lease ran out (fenced to its dispatch): the stub and the
+    LEASE_EXPIRED refusal's message."""
+    stub = leased.stub()
+    seq = dispatch(stub, "late")["late"]
+    stub.Submit(pb.SubmitRequest(trajectories=[trajectory("late", 0)]), timeout=TIMEOUT)
+    until(lambda: stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT).expired >= 1, "the group's lease to run out")
+    code, message, reason, _ = refusal(stub.Submit, pb.SubmitRequest(
+        trajectories=[trajectory("late", 1)], dispatch_seqs={"late": seq}))
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_EXPIRED")
+    return stub, message
+
+
 def test_a_late_submit_hears_the_group_is_kept_and_re_offered_as_it_is(tmp_path):
     with ServerProcess(tmp_path, *SMALL, "server.inflight_lease_seconds=0.3") as leased:
-        stub = leased.stub()
-        seq = dispatch(stub, "late")["late"]
-        stub.Submit(pb.SubmitRequest(trajectories=[trajectory("late", 0)]), timeout=TIMEOUT)
-        until(lambda: stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT).expired >= 1, "the group's lease to run out")
-        code, message, reason, _ = refusal(stub.Submit, pb.SubmitRequest(
-            trajectories=[trajectory("late", 1)], dispatch_seqs={"late": seq}))
-        assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_EXPIRED")
+        stub, message = late_submit_refused(leased)
         assert "re-offers it on Dispatch as a continuation" in message, message
         assert "rollout.continue_restored" in message, message
         # What the message says is what happens (continue_restored is on by default): the group comes back as a
@@ -184,13 +178,7 @@ def test_a_late_submit_hears_the_group_is_kept_and_re_offered_as_it_is(tmp_path)
 
 def test_a_late_submit_hears_the_next_reset_returns_the_group_without_continuation(tmp_path):
     with ServerProcess(tmp_path, *SMALL, "server.inflight_lease_seconds=0.3", "rollout.continue_restored=false") as leased:
-        stub = leased.stub()
-        seq = dispatch(stub, "late")["late"]
-        stub.Submit(pb.SubmitRequest(trajectories=[trajectory("late", 0)]), timeout=TIMEOUT)
-        until(lambda: stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT).expired >= 1, "the group's lease to run out")
-        code, message, reason, _ = refusal(stub.Submit, pb.SubmitRequest(
-            trajectories=[trajectory("late", 1)], dispatch_seqs={"late": seq}))
-        assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_EXPIRED")
+        stub, message = late_submit_refused(leased)
         assert "returned by the next Reset" in message and "re-offer" not in message, message
         reset = stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_WAIT, wait_seconds=0), timeout=TIMEOUT)
         assert [(g.prompt_id, [t.trajectory_id for t in g.trajectories]) for g in reset.expired] == [
