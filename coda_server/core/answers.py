@@ -12,10 +12,10 @@ Every operation whose answer the RPC table (coda_client/protocol.py, plain data)
   journal event is written only for a change), so after a restart such a retry runs again, harmlessly;
 * a call that fails (raises) is not remembered: its retry runs again;
 * a call under an answered (or running) request_id whose request differs from the first's in what it asks for
-  (`request`, each caller's own summary: the trajectory ids of a Submit, the lease of an Ack, ...) is refused
-  (INVALID_ARGUMENT): answering it the first call's answer would drop what it asked for without a word. The
-  summaries are kept in memory beside the answers, not in snapshots: after a restart, or for an answer a replay
-  rebuilt, a retry is answered without the comparison, as before;
+  (`asked`: the call's arguments, summed up by REQUEST_SUMMARIES: the trajectory ids of a Submit, the lease of an
+  Ack, ...) is refused (INVALID_ARGUMENT): answering it the first call's answer would drop what it asked for without
+  a word. The summaries are kept in memory beside the answers, not in snapshots: after a restart, or for an answer
+  a replay rebuilt, a retry is answered without the comparison, as before;
 * remembering is idempotent (the first answer stays). The one change that ends in a snapshot, the end of
   a Reset, remembers its answer just before taking it, since the snapshot replaces the Reset's event.
 
@@ -74,13 +74,14 @@ class AnswerBook:
         """A call of `method` with this request_id is running now (`once_awaited`): a retry must await it."""
         return (method, request_id) in self._running
 
-    def once(self, method: str, request_id: str, call: Callable[[], R], request: Request = ()) -> R:
-        """In-process callers: the remembered answer of `request_id`, else `call()`'s, remembered. `request`: what
-        the call asks for, which a retry under the same request_id must repeat (see the module docstring)."""
+    def once(self, method: str, request_id: str, call: Callable[[], R], *asked: Any) -> R:
+        """In-process callers: the remembered answer of `request_id`, else `call()`'s, remembered. `asked`: the
+        call's arguments, which a retry under the same request_id must repeat (see the module docstring)."""
         if not request_id:
             return call()
         if not well_formed_id(request_id, self._id_limit):
             self._check_request_id(request_id)
+        request = _summary(method, asked)
         with self._lock:
             answers = self._answers[method]
             answer = answers.get(request_id)
@@ -91,8 +92,8 @@ class AnswerBook:
             self._keep(method, answers, request_id, result)  # remember(), under the lock already held
             return result
 
-    async def once_awaited(self, method: str, request_id: str, call: Callable[[], Awaitable[R]], *,
-                           outlives_caller: bool = False, request: Request = ()) -> R:
+    async def once_awaited(self, method: str, request_id: str, call: Callable[[], Awaitable[R]], *asked: Any,
+                           outlives_caller: bool = False) -> R:
         """The asyncio face: as `once`, and a retry arriving while the first call runs awaits its answer.
 
         The future such a retry awaits is made by the first retry, not by every call: most calls finish
@@ -104,6 +105,7 @@ class AnswerBook:
             return await (asyncio.shield(asyncio.ensure_future(call())) if outlives_caller else call())
         if not well_formed_id(request_id, self._id_limit):
             self._check_request_id(request_id)
+        request = _summary(method, asked)
         answer = self._answers[method].get(request_id)  # a single dict read is atomic: no lock to see it
         if answer is not None:
             self._check_same_request(method, request_id, request)
@@ -226,14 +228,15 @@ class AnswerBook:
                 self._bytes[method] = sum(map(_trajectory_bytes, self._answers[method].values()))
 
 
-# What each remembered call asks for, summed up for `once`'s comparison with a retry. Only what a retry repeats: never a
-# wait or a deadline (a client retrying may send what is left of them), nor the answer size a receiver takes.
+# What each remembered call asks for, summed up from its arguments for `once`'s comparison with a retry: only what a
+# retry repeats, never a wait or a deadline (a client retrying may send what is left of them), nor the answer size a
+# receiver takes. Made only for a call with a request_id.
 
-def dispatch_request(candidates: Sequence[Any], max_continuations: Optional[int]) -> Request:
+def _dispatch(candidates: Sequence[Any] = (), max_continuations: Optional[int] = None) -> Request:
     return ("candidates", tuple(c.prompt_id for c in candidates)), ("max_continuations", max_continuations)
 
 
-def submit_request(trajectories: Sequence[Any], dispatch_seqs: Optional[Mapping[str, int]]) -> Request:
+def _submit(trajectories: Sequence[Any], dispatch_seqs: Optional[Mapping[str, int]]) -> Request:
     # The count and the first and last trajectory ids tell another batch: every Submit pays for this, and a tuple of
     # every id cost 460 instructions a trajectory (a third of a percent of a Submit's). The fences are copied: an
     # in-process caller may change its mapping after.
@@ -241,25 +244,39 @@ def submit_request(trajectories: Sequence[Any], dispatch_seqs: Optional[Mapping[
     return ("trajectories", ids), ("dispatch_seqs", dict(dispatch_seqs) if dispatch_seqs else None)
 
 
-def collect_request(num_groups: int, allow_partial: bool, lease_seconds: float, shape: Any) -> Request:
+def _collect(num_groups: int, allow_partial: bool, lease_seconds: float, shape: Any) -> Request:
     return (("num_groups", num_groups), ("allow_partial", allow_partial), ("lease", lease_seconds > 0),
             ("token_budget, rank and world_size", shape))
 
 
-def lease_request(lease_id: str) -> Request:
+def _lease(lease_id: str) -> Request:
     return (("lease_id", lease_id),)
 
 
-def reset_request(mode: Any, resume: bool, weight_version: Optional[int]) -> Request:
+def _reset(mode: Any, resume: bool, weight_version: Optional[int]) -> Request:
     return ("mode", mode), ("resume", resume), ("weight_version", weight_version)
 
 
-def resume_request(weight_version: int) -> Request:
+def _resume(weight_version: int) -> Request:
     return (("weight_version", weight_version),)
 
 
-def end_job_request(mode: Any) -> Request:
+def _end_job(mode: Any) -> Request:
     return (("mode", mode),)
+
+
+def _restore(blob: bytes) -> Request:
+    return (("checkpoint", hash(blob)),)
+
+
+REQUEST_SUMMARIES: Mapping[str, Callable[..., Request]] = MappingProxyType({
+    "Dispatch": _dispatch, "Submit": _submit, "Collect": _collect, "Ack": _lease, "Release": _lease, "Reset": _reset,
+    "Resume": _resume, "EndJob": _end_job, "Restore": _restore})
+
+
+def _summary(method: str, asked: tuple) -> Request:
+    """What a call of `method` with these arguments asks for (none given: nothing to compare)."""
+    return REQUEST_SUMMARIES[method](*asked) if asked else ()
 
 
 def _trajectory_bytes(answer: Any) -> int:

@@ -9,8 +9,7 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence
 
 from . import checkpoints
-from .answers import (Request, collect_request, dispatch_request, end_job_request, lease_request, reset_request,
-                      resume_request, submit_request)
+from .collect_stalls import CollectStalls
 from .content_keys import ContentKeys
 from .errors import NotReadyError, ShuttingDownError, StateDirUnwritableError
 from .journal import Journal, TrajectoryCodec
@@ -37,7 +36,6 @@ from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
 
 log = logging.getLogger("coda_server.leases")
 checkpoint_log = logging.getLogger("coda_server.checkpoints")
-stall_log = logging.getLogger("coda_server.pacing")
 
 # Control events reach the watchers this long after they happen (see _queue_control).
 CONTROL_FANOUT_DELAY_SECONDS = 0.002
@@ -62,14 +60,8 @@ class AsyncPacer:
         self._draining = False
         self._lease_task: Optional[asyncio.Task] = None
         self._recheck_task: Optional[asyncio.Task] = None
-        self._collect_waits: dict[int, int] = {}  # waiting Collects: id -> groups asked
-        # When the trainers began waiting: the start of the first Collect since one last took groups (None: none
-        # waits since). A trainer polls in short Collects (batches() every few seconds): its wait spans them.
-        self._starved_since: Optional[float] = None
-        self._stall_warned = False  # this wait was logged
-        self._collects_idle_since = 0.0  # when the last waiting Collect ended (none waits since)
+        self._stalls = CollectStalls(pacer)
         self.content_keys = ContentKeys()
-        self._next_wait_id = 0
         self.recovering = False  # set while the state is rebuilt from the journal: pacer calls are refused
         # Called (on the loop) when the journal can no longer write: the server stops advertising readiness.
         self.on_journal_failure: Optional[Callable[[BaseException], None]] = None
@@ -102,7 +94,7 @@ class AsyncPacer:
             await asyncio.sleep(LEASE_TICK_SECONDS)
             if self.recovering or self.pacer.closed:
                 continue
-            self._warn_stalled_collects()
+            self._stalls.warn_if_stalled(asyncio.get_running_loop().time())
             try:
                 prompts, leases = self.pacer.expire_leases()
             except Exception:  # a broken strategy hook must not stop lease expiry for good
@@ -129,34 +121,6 @@ class AsyncPacer:
             if leases:
                 log.warning("Collect lease(s) %s ran out without Ack: their groups are back in the buffer",
                             ", ".join(leases))
-
-    def _warn_stalled_collects(self) -> None:
-        """Log, once per wait, trainers that have waited longer than server.collect_stall_warning_seconds for groups
-        (in one Collect or a series of polls, none taking any) while dispatch admits nothing: the trainer waits on
-        the window, which the warning spells out."""
-        threshold = self.pacer.limits.collect_stall_warning_seconds
-        if not threshold or not self._collect_waits or self._stall_warned or self._starved_since is None:
-            return
-        waited = asyncio.get_running_loop().time() - self._starved_since
-        if waited < threshold or self.pacer.admissible_now() > 0:
-            return
-        self._stall_warned = True
-        state = self.pacer.state()
-        summary = state.config_summary
-        asked = max(self._collect_waits.values())
-        stall_log.warning(
-            "a trainer has waited %.0f s for groups (Collect for %d groups, in one call or several polls, none taking "
-            "any) while dispatch admits nothing: %d buffered, %d running, %d leased%s; window C = int(B * (1 + "
-            "stale_steps)) = int(%s * (1 + %s)) = %d groups (N = %s, strategy %s)%s", waited, asked, state.buffered,
-            state.running, state.leased,
-            ", dispatch paused (Reset without resume?)" if state.paused else "",
-            summary.get("num_prompts_per_step"), summary.get("stale_steps"), state.window_size,
-            summary.get("num_trajectories_per_prompt"), state.strategy,
-            "" if state.paused else "; running groups must complete (are workers generating?) or the "
-            "trainer must take what is buffered",
-            extra={"fields": {"num_groups": asked, "waited_seconds": round(waited, 1),
-                              "buffered": state.buffered, "running": state.running, "leased": state.leased,
-                              "window_size": state.window_size}})
 
     async def _recheck_gates_periodically(self) -> None:
         """Re-examine held groups every fully_async.gate_recheck_seconds (unless a change just did), so a gate
@@ -218,8 +182,8 @@ class AsyncPacer:
             journal = self._applicable()
             if candidates or max_continuations is not None:
                 result = pacer.answers.once("Dispatch", request_id, lambda: self.waits.now(
-                    pacer.dispatch_poll(candidates, request_id, client_id, max_continuations)),
-                    dispatch_request(candidates, max_continuations) if request_id else ())
+                    pacer.dispatch_poll(candidates, request_id, client_id, max_continuations)), candidates,
+                    max_continuations)
             else:  # a peek: the window as it is (see Pacer.peek)
                 result = pacer.peek(request_id)
             if journal is not None:
@@ -230,7 +194,7 @@ class AsyncPacer:
             return await self.waits.until(
                 self.pacer.dispatch_poll(candidates, request_id, client_id, max_continuations), wait)
 
-        return await self._applied("Dispatch", request_id, call, dispatch_request(candidates, max_continuations))
+        return await self._applied("Dispatch", request_id, call, candidates, max_continuations)
 
     def heard_from(self, client_id: str, held_leases: Sequence[str] = (), all_held: bool = True) -> None:
         """A call from `client_id`: the worker or trainer is alive (see liveness.py). Cheap; made by every worker call.
@@ -269,8 +233,7 @@ class AsyncPacer:
                 self.content_keys.after_submit(trajectories)
             return result
 
-        return await self._applied("Submit", request_id, call,
-                                   submit_request(trajectories, dispatch_seqs) if request_id else ())
+        return await self._applied("Submit", request_id, call, trajectories, dispatch_seqs)
 
     async def collect(self, num_groups: int, wait: float = 0.0, allow_partial: bool = False,
                       request_id: str = "", lease_seconds: float = 0.0, shape: BatchShape = PLAIN,
@@ -282,27 +245,18 @@ class AsyncPacer:
                 raise ShuttingDownError("the pacer is shutting down and takes no new calls")
             groups = pacer.checks.check_collect(num_groups, lease_seconds, shape, holder, named_at_grant)
             pacer.check_collect_reachable(groups, allow_partial, shape)
-            wait_id = self._next_wait_id = self._next_wait_id + 1
-            now = asyncio.get_running_loop().time()
-            # A wait begins with the first Collect since groups were last taken, or after a pause longer than the
-            # warning's threshold with none waiting (a trainer that stopped and came back).
-            if (self._starved_since is None or not self._collect_waits and now - self._collects_idle_since
-                    > self.pacer.limits.collect_stall_warning_seconds):
-                self._starved_since, self._stall_warned = now, False
-            self._collect_waits[wait_id] = groups
+            loop = asyncio.get_running_loop()
+            wait_id = self._stalls.begin(groups, loop.time())
+            answer = None
             try:
                 answer = await self.waits.until(pacer.collect_poll(groups, allow_partial, request_id, lease_seconds,
                                                                    shape, trainer_step, max_bytes, holder,
                                                                    named_at_grant), wait)
             finally:
-                del self._collect_waits[wait_id]
-                self._collects_idle_since = asyncio.get_running_loop().time()
-            if answer.groups:  # the trainers' wait ended
-                self._starved_since, self._stall_warned = None, False
+                self._stalls.end(wait_id, answer is not None and bool(answer.groups), loop.time())
             return answer
 
-        result = await self._applied("Collect", request_id, call,
-                                     collect_request(num_groups, allow_partial, lease_seconds, shape))
+        result = await self._applied("Collect", request_id, call, num_groups, allow_partial, lease_seconds, shape)
         if result.lease_id and result.groups:
             self.content_keys.after_collect(result.lease_id, result.groups)
         if result.other_shapes_waiting:
@@ -340,8 +294,7 @@ class AsyncPacer:
 
         # The reset runs to its end even if the caller goes away: a half-done reset would leave dispatch
         # paused forever. A retry with the same request_id gets the answer.
-        return await self._applied("Reset", request_id, call, reset_request(mode, resume, weight_version),
-                                   outlives_caller=True)
+        return await self._applied("Reset", request_id, call, mode, resume, weight_version, outlives_caller=True)
 
     async def ack(self, lease_id: str, request_id: str = "") -> int:
         await self.content_keys.before_ack(lease_id)  # keys computed in the keys thread: let them finish there
@@ -350,7 +303,7 @@ class AsyncPacer:
             self.pacer.checks.check_lease_id(lease_id)
             return self.pacer.apply_ack(lease_id, request_id)
 
-        return await self._applied("Ack", request_id, call, lease_request(lease_id))
+        return await self._applied("Ack", request_id, call, lease_id)
 
     async def release(self, lease_id: str, request_id: str = "") -> int:
         """Pacer.release: the leased groups back to the buffer, untrained."""
@@ -358,13 +311,13 @@ class AsyncPacer:
             self.pacer.checks.check_lease_id(lease_id)
             return self.pacer.apply_release(lease_id)
 
-        return await self._applied("Release", request_id, call, lease_request(lease_id))
+        return await self._applied("Release", request_id, call, lease_id)
 
     async def resume(self, weight_version: int, request_id: str = "") -> ResumeResult:
         async def call() -> ResumeResult:
             return self.pacer.apply_resume(weight_version, request_id)
 
-        return await self._applied("Resume", request_id, call, resume_request(weight_version))
+        return await self._applied("Resume", request_id, call, weight_version)
 
     async def checkpoint(self, encode: Callable[[dict], Any]) -> Any:
         """`encode(checkpoint)` of a checkpoint (checkpoints.take), run off the event loop: nothing pauses. The
@@ -389,7 +342,7 @@ class AsyncPacer:
             checkpoint_log.warning(checkpoints.restore_summary(result), extra={"fields": dataclasses.asdict(result)})
             return result
 
-        return await self._applied("Restore", request_id, call, (("checkpoint", hash(blob)),))
+        return await self._applied("Restore", request_id, call, blob)
 
     def prompt_cursor(self) -> dict:
         self.check_ready()
@@ -405,16 +358,16 @@ class AsyncPacer:
             await self.waits.until(self.pacer.reset_poll(), wait)
             return self.pacer.job_end_report(time.monotonic() - started)
 
-        return await self._applied("EndJob", request_id, call, end_job_request(mode))
+        return await self._applied("EndJob", request_id, call, mode)
 
-    async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]], request: Request = (),
+    async def _applied(self, method: str, request_id: str, call: Callable[[], Awaitable[Any]], *asked: Any,
                        outlives_caller: bool = False) -> Any:
-        """Run `call` once per request_id (`request`: what it asks for, see AnswerBook.once), and answer only when
-        what it changed is durable. While the journal cannot write, nothing is applied: the call is refused
-        UNAVAILABLE (STATE_DIR_UNWRITABLE), to retry."""
+        """Run `call` once per request_id (`asked`: its arguments, see AnswerBook.once), and answer only when what it
+        changed is durable. While the journal cannot write, nothing is applied: the call is refused UNAVAILABLE
+        (STATE_DIR_UNWRITABLE), to retry."""
         journal = self._applicable()
-        result = await self.pacer.answers.once_awaited(method, request_id, call, outlives_caller=outlives_caller,
-                                                       request=request)
+        answers = self.pacer.answers
+        result = await answers.once_awaited(method, request_id, call, *asked, outlives_caller=outlives_caller)
         if journal is not None:  # state in memory: nothing to wait for
             await self._durable(journal)
         return result

@@ -1,0 +1,71 @@
+"""The trainers' waits for groups: when one began, and the warning when it lasts while dispatch admits nothing."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .pacer import Pacer
+
+log = logging.getLogger("coda_server.pacing")
+
+
+class CollectStalls:
+    """The waiting Collects (asyncio face), as one wait of the trainers: it begins with the first Collect since groups
+    were last taken (a trainer polls in short Collects, batches() every few seconds: its wait spans them), or after
+    a pause longer than server.collect_stall_warning_seconds with none waiting (a trainer that stopped and came
+    back), and ends when a Collect takes groups. Logged once if it lasts past that threshold while dispatch admits
+    nothing."""
+
+    def __init__(self, pacer: Pacer) -> None:
+        self._pacer = pacer
+        self._waiting: dict[int, int] = {}  # waiting Collects: id -> groups asked
+        self._next_id = 0
+        self._starved_since: Optional[float] = None  # when the trainers began waiting (None: none waits since)
+        self._warned = False  # this wait was logged
+        self._idle_since = 0.0  # when the last waiting Collect ended (none waits since)
+
+    def begin(self, groups: int, now: float) -> int:
+        """A Collect for `groups` starts waiting at `now`; returns its id for `end`."""
+        self._next_id += 1
+        if (self._starved_since is None or not self._waiting
+                and now - self._idle_since > self._pacer.limits.collect_stall_warning_seconds):
+            self._starved_since, self._warned = now, False
+        self._waiting[self._next_id] = groups
+        return self._next_id
+
+    def end(self, wait_id: int, took_groups: bool, now: float) -> None:
+        """The Collect `wait_id` ended at `now`, taking groups or not (then the trainers' wait goes on)."""
+        del self._waiting[wait_id]
+        self._idle_since = now
+        if took_groups:
+            self._starved_since, self._warned = None, False
+
+    def warn_if_stalled(self, now: float) -> None:
+        """Log, once per wait, trainers that have waited longer than server.collect_stall_warning_seconds for groups
+        (in one Collect or a series of polls, none taking any) while dispatch admits nothing: the trainer waits on
+        the window, which the warning spells out."""
+        pacer = self._pacer
+        threshold = pacer.limits.collect_stall_warning_seconds
+        if not threshold or not self._waiting or self._warned or self._starved_since is None:
+            return
+        waited = now - self._starved_since
+        if waited < threshold or pacer.admissible_now() > 0:
+            return
+        self._warned = True
+        state = pacer.state()
+        summary = state.config_summary
+        asked = max(self._waiting.values())
+        log.warning(
+            "a trainer has waited %.0f s for groups (Collect for %d groups, in one call or several polls, none taking "
+            "any) while dispatch admits nothing: %d buffered, %d running, %d leased%s; window C = int(B * (1 + "
+            "stale_steps)) = int(%s * (1 + %s)) = %d groups (N = %s, strategy %s)%s", waited, asked, state.buffered,
+            state.running, state.leased,
+            ", dispatch paused (Reset without resume?)" if state.paused else "",
+            summary.get("num_prompts_per_step"), summary.get("stale_steps"), state.window_size,
+            summary.get("num_trajectories_per_prompt"), state.strategy,
+            "" if state.paused else "; running groups must complete (are workers generating?) or the "
+            "trainer must take what is buffered",
+            extra={"fields": {"num_groups": asked, "waited_seconds": round(waited, 1),
+                              "buffered": state.buffered, "running": state.running, "leased": state.leased,
+                              "window_size": state.window_size}})
