@@ -168,6 +168,7 @@ def test_a_late_submit_hears_the_group_is_kept_and_re_offered_as_it_is(tmp_path)
     with ServerProcess(tmp_path, *SMALL, "server.inflight_lease_seconds=0.3") as leased:
         stub, message = late_submit_refused(leased)
         assert "re-offers it on Dispatch as a continuation" in message, message
+        assert "slots reclaimed, kept for continuation (re-offered on Dispatch)" in leased.log()  # the log says so too
         assert "rollout.continue_restored" in message, message
         # What the message says is what happens (continue_restored is on by default): the group comes back as a
         # continuation, with the trajectory it had.
@@ -180,6 +181,7 @@ def test_a_late_submit_hears_the_next_reset_returns_the_group_without_continuati
     with ServerProcess(tmp_path, *SMALL, "server.inflight_lease_seconds=0.3", "rollout.continue_restored=false") as leased:
         stub, message = late_submit_refused(leased)
         assert "returned by the next Reset" in message and "re-offer" not in message, message
+        assert "slots reclaimed, partial trajectories set aside for the next Reset" in leased.log()
         reset = stub.Reset(pb.ResetRequest(mode=pb.RESET_MODE_WAIT, wait_seconds=0), timeout=TIMEOUT)
         assert [(g.prompt_id, [t.trajectory_id for t in g.trajectories]) for g in reset.expired] == [
             ("late", ["late#0"])]

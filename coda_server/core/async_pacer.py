@@ -101,9 +101,10 @@ class AsyncPacer:
                 log.exception("lease expiry failed")
                 continue
             if prompts:
-                log.warning("in-flight lease ran out for %d running group(s) (%s%s): slots reclaimed, partial "
-                            "trajectories set aside for the next Reset", len(prompts), ", ".join(prompts[:5]),
-                            ", ..." if len(prompts) > 5 else "")
+                log.warning("in-flight lease ran out for %d running group(s) (%s%s): slots reclaimed, %s", len(prompts),
+                            ", ".join(prompts[:5]), ", ..." if len(prompts) > 5 else "",
+                            "kept for continuation (re-offered on Dispatch)" if self.pacer.checks.continue_restored
+                            else "partial trajectories set aside for the next Reset")
             try:
                 silent = self.pacer.release_silent_workers()
             except Exception:
