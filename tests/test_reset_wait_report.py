@@ -170,3 +170,17 @@ def test_a_group_released_twice_in_a_step_is_named_once_and_a_restart_during_the
     assert pacer.reset(ResetMode.WAIT, wait=0).kept_prompt_ids == []
     assert pacer.state().restored_kept == 2
     pacer.journal.close()
+
+
+def test_a_waiting_reset_that_drops_groups_at_its_bound_says_so_in_the_log(tmp_path):
+    """LoongSage's waiting pause never drops; here the wait is bounded (server.max_wait_seconds), and a Reset that
+    ends its wait there drops the incomplete groups: the answer lists them, and the log warns with the setting."""
+    with ServerProcess(tmp_path, *overrides(True, "server.max_wait_seconds=1")) as server, \
+            PacerClient(server.address) as pacer:
+        pacer.dispatch(["w0"])
+        pacer.submit([trajectory("w0", 0)])  # one of its two: the group never completes
+        result = pacer.reset("wait")  # no wait given: until assembled, within server.max_wait_seconds
+        assert result.dropped_prompt_ids == ["w0"]
+        log = server.log()
+    assert ("Reset (mode wait) waited" in log and "dropped 1 incomplete group(s) (w0), 1 trajectories of them "
+            "submitted: the wait ended at server.max_wait_seconds or the call's deadline (1 s)" in log), log

@@ -291,11 +291,27 @@ class AsyncPacer:
                 self.pacer.abandon_reset()
                 raise ShuttingDownError("the server shuts down while this Reset waits for running groups; it "
                                         "was abandoned (nothing dropped): retry it once the server is back")
-            return self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
+            result = self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
+            if result.dropped_prompt_ids and wait != 0:  # it waited, and its bound ended the wait: work was lost
+                self._warn_dropped(result, effective, wait, bound)
+            return result
 
         # The reset runs to its end even if the caller goes away: a half-done reset would leave dispatch
         # paused forever. A retry with the same request_id gets the answer.
         return await self._applied("Reset", request_id, call, mode, resume, weight_version, outlives_caller=True)
+
+    def _warn_dropped(self, result: ResetResult, mode: ResetMode, wait: Optional[float], bound: float) -> None:
+        """A Reset that waited for running groups and dropped some when its wait ended: said where the operator sees
+        it (LoongSage's waiting pause never drops), with the setting that bounds the wait."""
+        ids = result.dropped_prompt_ids
+        abort_wait = self.pacer.limits.abort_wait_seconds
+        why = (f"its wait_seconds ({wait:g} s)" if wait is not None else
+               f"server.abort_wait_seconds ({abort_wait:g} s)" if mode == ResetMode.ABORT and abort_wait <= bound
+               else f"server.max_wait_seconds or the call's deadline ({bound:g} s)")
+        log.warning("Reset (mode %s) waited %.1f s for running groups and dropped %d incomplete group(s) (%s%s), "
+                    "%d trajectories of them submitted: the wait ended at %s; raise it to wait longer",
+                    mode.name.lower(), result.pause_delay_seconds, len(ids), ", ".join(ids[:5]),
+                    ", ..." if len(ids) > 5 else "", result.report.partial_dropped_incomplete_count, why)
 
     async def ack(self, lease_id: str, request_id: str = "") -> int:
         await self.content_keys.before_ack(lease_id)  # keys computed in the keys thread: let them finish there
