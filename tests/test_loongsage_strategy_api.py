@@ -92,6 +92,50 @@ def test_trajectory_status_accepts_loongsages_values():
         TrajectoryStatus("unspecified")
 
 
+def test_a_status_compares_equal_to_loongsages_string_value_as_its_str_enum_does():
+    aborted = TrajectoryStatus.ABORTED
+    assert aborted == "aborted" and "aborted" == aborted and aborted in ("completed", "aborted")
+    assert not aborted != "aborted" and aborted != "completed" and aborted != "ABORTED"
+    assert aborted == 3 and aborted == TrajectoryStatus.ABORTED and aborted != TrajectoryStatus.FAILED
+    assert {aborted: "held"}[3] == "held"  # hashing stays the wire number's
+
+
+def test_a_loongsage_gate_testing_status_strings_holds_a_group_with_an_aborted_trajectory(core_config):
+    """LoongSage's statuses are strings: its users' gates test `t.status == "aborted"`. Such a gate must hold the
+    group here too, not pass aborted work to the trainer without a word."""
+    class CompleteOnly(SlidingWindowStrategy):
+        def __init__(self, config):
+            super().__init__()
+
+        def compute_dispatch_count(self, buf_qsize):
+            return 8 - self._running_count - buf_qsize
+
+        def will_collect(self, group):
+            return not any(t.status == "aborted" for t in group.values())
+
+    config = core_config("no-window", N=2)
+    pacer = Pacer(config, strategy=ThreadSafeStrategy(CompleteOnly(config), "complete-only"))
+    pacer.dispatch([PromptRef("p0"), PromptRef("p1")])
+    pacer.submit([Trajectory("p0/t0", "p0", status=TrajectoryStatus.COMPLETED),
+                  Trajectory("p0/t1", "p0", status=TrajectoryStatus.ABORTED),
+                  Trajectory("p1/t0", "p1"), Trajectory("p1/t1", "p1")])
+    assert [group.prompt_id for group in pacer.collect(2, allow_partial=True).groups] == ["p1"]
+    state = pacer.state()
+    assert (state.running, state.buffered) == (1, 0)  # p0 held back by the gate, not buffered
+    pacer.close()
+
+
+@pytest.mark.parametrize("failed", [TrajectoryStatus.FAILED, 2, "failed"])
+def test_a_status_given_in_process_as_a_number_or_loongsages_string_is_a_status_to_the_filters(core_config, failed):
+    pacer = Pacer(core_config("no-window", N=2))  # the `status` filter drops a group holding a FAILED trajectory
+    pacer.dispatch([PromptRef("p0")])
+    failing = Trajectory("p0/t1", "p0", status=failed)
+    pacer.submit([Trajectory("p0/t0", "p0"), failing])
+    assert failing.status is TrajectoryStatus.FAILED
+    assert (pacer.state().filtered, pacer.state().buffered) == (1, 0)
+    pacer.close()
+
+
 def test_trajectories_expose_loongsages_attribute_names():
     t = Trajectory("p0_t0", "p0", start_weight_version=3, end_weight_version=5, metadata={"k": "v"}, num_tokens=7)
     assert (t.start_rollout_weight_version, t.end_rollout_weight_version) == (3, 5)

@@ -19,6 +19,9 @@ from .strategy import window_size
 from .types import PromptRef, ResetMode, Trajectory, TrajectoryStatus
 
 VALID_STATUSES = (TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED)
+# A set's lookup finds a member by identity, without TrajectoryStatus.__eq__ (a Python call, kept for strategies that
+# compare statuses with LoongSage's strings); a plain number is found by value and made a member (`sort_submit`).
+_VALID_STATUS_SET = frozenset(VALID_STATUSES)
 RESOURCE_RETRY_SECONDS = 1.0
 
 
@@ -206,11 +209,14 @@ class RequestChecks:
             # The usual trajectory is told well formed in one test (every submitted one is checked on the loop);
             # anything else gets the checks that name what is wrong.
             if not (well_formed_id(tid, max_id) and (pid == good_pid or well_formed_id(pid, max_id))
-                    and t.status in VALID_STATUSES and reward.__class__ is float and reward - reward == 0.0):
+                    and t.status.__class__ is TrajectoryStatus and t.status in _VALID_STATUS_SET
+                    and reward.__class__ is float and reward - reward == 0.0):
                 problems = self._trajectory_problems(i, t)
                 if problems:
                     violations += problems
                     continue
+                if t.status.__class__ is not TrajectoryStatus:  # an in-process caller's number: the core compares
+                    t.status = TrajectoryStatus(t.status)  # statuses by identity (filters, gates)
             good_pid = pid
             earlier = accepted.get(tid) or in_batch.get(tid)
             if earlier is not None:

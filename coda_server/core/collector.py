@@ -94,7 +94,7 @@ class Collector:
             if self._release(group) is False:
                 group.held = True
                 # An ordered gate never takes an aborted group: it waits for the Reset outside the heap.
-                if not (self._ordered_gate and any(t.status == TrajectoryStatus.ABORTED
+                if not (self._ordered_gate and any(t.status is TrajectoryStatus.ABORTED
                                                    for t in group.trajectories.values())):
                     heapq.heappush(self._held, (group.seq, group.prompt_id))
         self.release_held()

@@ -67,7 +67,7 @@ class StatusFilter(GroupFilter):
 
     def keep(self, group: Mapping[str, Any]) -> bool:
         for t in group.values():  # a loop, not any() over a generator: this runs for every group
-            if t.status == TrajectoryStatus.FAILED:
+            if t.status is TrajectoryStatus.FAILED:  # `is`: statuses are members here (RequestChecks)
                 return False
         return True
 

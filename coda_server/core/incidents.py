@@ -98,7 +98,7 @@ def hook_error(strategy: str, hook: str, exc: BaseException, *, prompt_id: str =
 def failed_trajectory(trajectories: Iterable[Trajectory]) -> Optional[Trajectory]:
     """The first FAILED trajectory of a group, or None."""
     for t in trajectories:
-        if t.status == TrajectoryStatus.FAILED:
+        if t.status is TrajectoryStatus.FAILED:
             return t
     return None
 

@@ -94,7 +94,7 @@ class LatencyAwareStrategy(WindowedFifoStrategy):
 
     def on_submitted(self, trajectory: Any) -> None:
         # `num_tokens` is the whole response so far, so an aborted one that did not grow never ran.
-        if trajectory.status != TrajectoryStatus.ABORTED:
+        if trajectory.status is not TrajectoryStatus.ABORTED:
             return
         tokens = int(trajectory.num_tokens)
         if tokens > self._tokens_at_boundary.get(trajectory.trajectory_id, 0):

@@ -94,7 +94,7 @@ class SlidingWindowStrategy(abc.ABC):
         and the group must not be changed.
         """
         for t in group.values():  # a loop, not any() over a generator: this runs for every group
-            if t.status == TrajectoryStatus.ABORTED:
+            if t.status is TrajectoryStatus.ABORTED:  # `is`: statuses are members here (RequestChecks)
                 return False
         return True
 

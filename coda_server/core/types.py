@@ -26,6 +26,21 @@ class TrajectoryStatus(enum.IntEnum):
                                  f"completed, failed or aborted trajectories")
         return None  # type: ignore[return-value]  # Enum then raises its usual ValueError
 
+    # LoongSage's TrajectoryStatus is a str enum, so a strategy or filter written for it may test
+    # `t.status == "aborted"`: that holds here too (the lower-case name, as LoongSage's value), and `!=` agrees.
+    # Hashing stays the integer's, so a set or dict of strings does not find a status; compare with == or `in` a
+    # tuple or list.
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is str:
+            return other == self._name_.lower()
+        return int.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = int.__hash__
+
 
 class ResetMode(enum.IntEnum):
     """What workers are asked to do with running requests when a Reset pauses dispatch."""
