@@ -672,8 +672,10 @@ class _IteratorBase:
         # Once the heartbeats run, the leases end when they stop too (release_when_silent).
         self._release_when_silent = False
         self._beat_seconds = _FIRST_BEAT_RETRY_SECONDS
-        # Heartbeats end at close(), or later while a batch is in hand: ack() may still come after close().
+        # Heartbeats end at close(), or later while a batch is in hand or an acknowledgement is under way (through a
+        # server restart it may take a while, and the lease must stay this trainer's meanwhile).
         self._beats_end = threading.Event()
+        self._acks_pending = 0  # acknowledgements under way (`_ack_begins`, `_ack_ends`)
         # Set to send a heartbeat at once (`_beat_per_lease`): a lease just taken is named to the server within
         # milliseconds, so that a process killed right after it arrived has it back within the grace under a client
         # id shared with another.
@@ -765,10 +767,21 @@ class _IteratorBase:
         self._end_beats_when_done()
 
     def _end_beats_when_done(self) -> None:
-        """The heartbeats end once the iterator is closed with no batch in hand (ack() may still come for one)."""
-        if self._closed and self._current is None:
+        """The heartbeats end once the iterator is closed with no batch in hand (ack() may still come for one) and no
+        acknowledgement under way."""
+        if self._closed and self._current is None and not self._acks_pending:
             self._beats_end.set()
             self._beat_now.set()
+
+    def _ack_begins(self) -> None:
+        """An acknowledgement is under way: the heartbeats go on until it ends."""
+        with self._held_lock:
+            self._acks_pending += 1
+
+    def _ack_ends(self) -> None:
+        with self._held_lock:
+            self._acks_pending -= 1
+        self._end_beats_when_done()
 
     def _heartbeat_call(self, lease_ids: Sequence[str]) -> _calls.Call[Any]:
         """A KeepAlive naming no group, and the leases this trainer holds: it is alive, so the server keeps them
@@ -1095,7 +1108,9 @@ class _BatchIteratorCore(_IteratorBase):
         with self._lock:
             if self._closed and not survives_close:
                 raise _Stopped
-            if self._shutdown.is_set():
+            if self._shutdown.is_set() and not self._closed:
+                # Closed, the control stream is not followed any more, and nothing would say a server is back: an
+                # acknowledgement then tries the address itself.
                 raise _Away
             rpc = getattr(stub, call.method)
             # A streamed answer's call is a future too: cancel() cuts it short like a unary call's.
@@ -1158,7 +1173,8 @@ class _BatchIteratorCore(_IteratorBase):
             self.wait_for_ack()
             batch, self._current = self._current, None
             if batch is not None and batch.lease_ids:
-                self._acking = self._acker.submit(self._acknowledge, batch)
+                self._ack_begins()  # before it is handed to the thread: a close() meanwhile keeps the heartbeats
+                self._acking = self._acker.submit(self._acknowledge_begun, batch)
             if self._pending is None or self._closed:
                 raise _Stopped
             pending, self._pending = self._pending, None
@@ -1207,8 +1223,12 @@ class _BatchIteratorCore(_IteratorBase):
         means the lease ran out before: the groups will be delivered again."""
         self.wait_for_ack()
         batch = self._current
+        if batch is None or not batch.lease_ids:
+            self._in_hand(None)
+            return 0
+        self._ack_begins()  # first: closed, the heartbeats would end with the batch out of hand
         self._in_hand(None)
-        return 0 if batch is None or not batch.lease_ids else self._acknowledge(batch)
+        return self._acknowledge_begun(batch)
 
     def wait_for_ack(self) -> None:
         """Waits until the acknowledgement sent by the last __next__ is done; raises its error, if any."""
@@ -1216,9 +1236,12 @@ class _BatchIteratorCore(_IteratorBase):
         if acking is not None:
             acking.result()
 
-    def _acknowledge(self, batch: MiniBatch) -> int:
-        groups = sum(self._call(_calls.ack(lease_id, request_id=None, timeout=self._client.timeout),
-                                survives_close=True) for lease_id in batch.lease_ids)
+    def _acknowledge_begun(self, batch: MiniBatch) -> int:
+        try:
+            groups = sum(self._call(_calls.ack(lease_id, request_id=None, timeout=self._client.timeout),
+                                    survives_close=True) for lease_id in batch.lease_ids)
+        finally:
+            self._ack_ends()
         self._let_go(batch.lease_ids)
         self.acknowledged += 1
         return groups
@@ -1314,6 +1337,8 @@ class _AsyncBatchIteratorCore(_IteratorBase):
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop it runs on, once started
 
     async def _start(self) -> None:
+        if self._watcher is not None:  # started (every __anext__ calls this): no GetState per batch
+            return
         # The server's state is asked for whenever the blocking iterator's batches() asks for it.
         if (not self._shape_resolved or self.num_batches == STEP or self._group_size is not None
                 or not self.shape.token_budget):
@@ -1328,13 +1353,12 @@ class _AsyncBatchIteratorCore(_IteratorBase):
                                                 self._shape_arguments["token_budget"])
             if not self.shape.token_budget:
                 check_reachable(state, self.shape.num_groups, self.mini_batch_size)
-        if self._watcher is None:
-            self._loop = asyncio.get_running_loop()
-            self._start_heartbeats(twin=True)
-            self._watch = self._client.watch()
-            self._watcher = asyncio.ensure_future(self._watch_events())
-            if self._wants_more():
-                self._pending = asyncio.ensure_future(self._prefetch())
+        self._loop = asyncio.get_running_loop()
+        self._start_heartbeats(twin=True)
+        self._watch = self._client.watch()
+        self._watcher = asyncio.ensure_future(self._watch_events())
+        if self._wants_more():
+            self._pending = asyncio.ensure_future(self._prefetch())
 
     async def _watch_events(self) -> None:
         """Coroutine form of _BatchIteratorCore._watch_events."""
@@ -1386,7 +1410,7 @@ class _AsyncBatchIteratorCore(_IteratorBase):
     async def _call_once(self, call: _calls.Call[_T], survives_close: bool) -> _T:
         if self._closed and not survives_close:
             raise _Stopped
-        if self._shutdown.is_set():
+        if self._shutdown.is_set() and not self._closed:  # see _BatchIteratorCore._call_once
             raise _Away
         task = asyncio.ensure_future(self._client._run(call))
         calls = self._acks_inflight if survives_close else self._inflight
@@ -1449,7 +1473,7 @@ class _AsyncBatchIteratorCore(_IteratorBase):
             await self.wait_for_ack()
             batch, self._current = self._current, None
             if batch is not None and batch.lease_ids:
-                self._acking = asyncio.ensure_future(self._acknowledge(batch))
+                self._acking = self._acknowledge(batch)
             if self._pending is None or self._closed:
                 raise _Stopped
             pending, self._pending = self._pending, None
@@ -1493,8 +1517,12 @@ class _AsyncBatchIteratorCore(_IteratorBase):
         """Coroutine form of BatchIterator.ack."""
         await self.wait_for_ack()
         batch = self._current
+        if batch is None or not batch.lease_ids:
+            self._in_hand(None)
+            return 0
+        acking = self._acknowledge(batch)  # first: closed, the heartbeats would end with the batch out of hand
         self._in_hand(None)
-        return 0 if batch is None or not batch.lease_ids else await self._acknowledge(batch)
+        return await acking
 
     async def wait_for_ack(self) -> None:
         """Coroutine form of BatchIterator.wait_for_ack."""
@@ -1502,7 +1530,15 @@ class _AsyncBatchIteratorCore(_IteratorBase):
         if acking is not None:
             await acking
 
-    async def _acknowledge(self, batch: MiniBatch) -> int:
+    def _acknowledge(self, batch: MiniBatch) -> asyncio.Future[int]:
+        """The acknowledgement of `batch` as a task, counted under way from now until it ends however it ends (the
+        heartbeats go on meanwhile), even if it is cancelled before it starts."""
+        self._ack_begins()
+        task = asyncio.ensure_future(self._acknowledge_now(batch))
+        task.add_done_callback(lambda _done: self._ack_ends())
+        return task
+
+    async def _acknowledge_now(self, batch: MiniBatch) -> int:
         groups = 0
         for lease_id in batch.lease_ids:
             groups += await self._call(_calls.ack(lease_id, request_id=None, timeout=self._client.timeout),
