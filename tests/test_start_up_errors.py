@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from coda_server.core import ConfigError, load_config
+from coda_server.core.filters import filter_specs
 from coda_server.core.journal import StateDirError
 
 SERVER = [sys.executable, "-m", "coda_server"]
@@ -77,6 +78,59 @@ def test_a_filter_whose_init_raises_stops_with_exit_2_naming_it_before_the_state
                 return True
         """, "rollout.filter=[status,init-fail-filter]",
         "rollout.filter: the filter 'init-fail-filter' could not be built", "RuntimeError: boom in filter init")
+
+
+def test_a_loongsage_style_replay_function_stops_with_exit_2_naming_the_class_api_before_the_state_dir_is_made(
+        tmp_path):
+    # LoongSage's buffer replay strategy is a function (config, step, buffer, num): it used to register, pass the
+    # checks and die at start-up with a traceback (exit 1) when the pacer called it as a class.
+    plugin = tmp_path / "plugins" / "lifo_replay.py"
+    assert_plugin_refused_before_the_state_dir(tmp_path, "lifo_replay.py", """\
+        from coda_server import register_buffer_replay_strategy
+
+        @register_buffer_replay_strategy("lifo")
+        def lifo(config, step, buffer, num):
+            k = min(len(buffer), num)
+            groups = buffer[len(buffer) - k:][::-1]
+            del buffer[len(buffer) - k:]
+            return groups
+        """, "data_source.dataset.buffer_replay_strategy=lifo",
+        "data_sources[0].dataset.buffer_replay_strategy = 'lifo'", f"lifo in {plugin}",
+        "is a function taking (config, step, buffer, num)", "BufferReplayStrategy",
+        "select(self, restored, count, step)")
+
+
+# ------------------------------------------------------------------ Hydra's override syntax without Hydra
+
+@pytest.mark.parametrize("override, instead, filters", [
+    ("+rollout.filter.reward={}", "rollout.filter.reward={}", ["status", "reward"]),
+    ("~rollout.filter.status", "rollout.filter.status=false", []),
+])
+def test_hydras_override_syntax_without_config_name_stops_with_exit_2_saying_what_to_write(tmp_path, override,
+                                                                                          instead, filters):
+    # They used to say "+rollout: unknown section" and "must look like key=value", neither naming Hydra or the fix.
+    proc = run_server(tmp_path, override)
+    err = assert_one_line(proc, 2, f"override {override!r}", "Hydra's override syntax",
+                          "valid with --config-path/--config-name", f"write {instead}")
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "sd").exists()
+    # The plain override it names does what the Hydra one meant: adds the filter, or takes it out.
+    assert [name for name, _ in filter_specs(load_config(None, [instead]).rollout.filter)] == filters
+
+
+# ------------------------------------------------------------------ an undeclared option under fully_async
+
+def test_an_undeclared_key_under_fully_async_says_how_a_custom_strategy_declares_its_options():
+    # docs/custom-strategies.md used to offer config.fully_async.get("my_option", 4) set by fully_async.my_option=8.
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["fully_async.my_option=8"])
+    line = next(line for line in str(caught.value).splitlines() if "fully_async.my_option" in line)
+    assert line.strip().startswith("fully_async.my_option: unknown key (known keys here: fully_async.enable")
+    assert "a custom strategy declares its own options as `options` on its class" in line
+    assert "fully_async.<its section>.<option>" in line and "Strategy options in docs/custom-strategies.md" in line
+    with pytest.raises(ConfigError) as typo:  # a near miss keeps its short hint
+        load_config(None, ["fully_async.stale_step=1"])
+    assert "did you mean fully_async.stale_steps?)" in str(typo.value) and "custom strategy" not in str(typo.value)
 
 
 # ------------------------------------------------------------------ a section or sub-mapping that is not a mapping

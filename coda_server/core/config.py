@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .errors import ConfigError
 from .filters import FILTERS, filter_problems, filter_specs, normalize_filters
 from .plugins import load_custom_modules
-from .replay import REPLAY_STRATEGIES
+from .replay import REPLAY_STRATEGIES, check_replay_strategy
 from .settings import (SCHEMA, SCHEMA_BY_PATH, SECTIONS, lookup, mapping_paths, mapping_problem,  # noqa: F401
                        setting, parse_file_mode, parse_host_port, unknown_key_problems)
 from .strategy import STRATEGIES, options_section, window_size
@@ -54,7 +54,7 @@ def load_config(
             if path is not None:
                 config = _merge_layer(config, read_config_file(path))
             if overrides:
-                config = _merge_layer(config, parse_overrides(overrides))
+                config = _merge_layer(config, parse_overrides(overrides, hydra_by="--config-path/--config-name"))
         _check_sections(config)
         config = inherit_data_source_defaults(config)
         if isinstance(config.get("server"), DictConfig) and config.server.get("fsync") is False:
@@ -249,11 +249,17 @@ def _is_interpolation(node: Any, key: Any) -> bool:
         return False
 
 
-def parse_overrides(overrides: list[str], example: str = "fully_async.stale_steps=2.0") -> DictConfig:
+def parse_overrides(overrides: list[str], example: str = "fully_async.stale_steps=2.0",
+                    hydra_by: str = "") -> DictConfig:
     """`key=value` overrides as one configuration layer, each value read as YAML; ConfigError naming an override
     that is not key=value (`example` shows one) or whose value is not YAML (a bare `[::1]:0` opens a YAML list),
-    and how to pass it as a string."""
+    and how to pass it as a string. An override in Hydra's syntax (`+key=value`, `~key`) is refused saying so,
+    where that syntax is valid (`hydra_by`: the options that compose with Hydra, if the command has them) and the
+    plain override to write instead."""
     for item in overrides:
+        refusal = _hydra_syntax_refusal(item, hydra_by)
+        if refusal is not None:
+            raise ConfigError(refusal)
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. {example}")
     try:
@@ -268,6 +274,32 @@ def parse_overrides(overrides: list[str], example: str = "fully_async.stale_step
                                   f"to pass it as a string, quote it inside the shell's quotes: {key}='\"{value}\"'"
                                   ) from None
         raise
+
+
+def _hydra_syntax_refusal(item: str, hydra_by: str) -> Optional[str]:
+    """The refusal of a plain override written in Hydra's syntax (+key=value, ++key=value, ~key), or None: OmegaConf
+    would take the prefix for part of the key name (an unknown section "+rollout"), and ~key has no "="."""
+    prefix = next((p for p in ("++", "+", "~") if item.startswith(p)), None)
+    if prefix is None:
+        return None
+    key, has_value, value = item[len(prefix):].partition("=")
+    key = key.strip()
+    where = (f"valid with {hydra_by} (a run config Hydra composes); without them" if hydra_by
+             else "which these overrides do not take;")
+    if prefix == "~":
+        what = "~key (delete a key)"
+        if key.startswith("rollout.filter.") and key != "rollout.filter.":
+            instead = f"cannot delete a key; a filter is turned off by its name set to false: write {key}=false"
+        elif key == "rollout.filter":
+            instead = "cannot delete a key; every filter is taken out by an empty list: write rollout.filter=[]"
+        else:
+            instead = (f"cannot delete a key: set {key} to the value you want (conf/default.yaml has the defaults) or "
+                       f"leave it out of the --config file")
+    else:
+        what = f"{prefix}key=value ({'add or override' if prefix == '++' else 'add'} a key)"
+        instead = f"adds a key or changes it: write {key}={value if has_value else 'VALUE'}"
+    return (f"override {item!r}: {what} is Hydra's override syntax, {where} an override is plain key=value, "
+            f"which {instead}")
 
 
 def _omegaconf_problem(exc: OmegaConfBaseException) -> str:
@@ -401,6 +433,9 @@ def validate_config(config: Any) -> None:
     _validate_server(config.server, need)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    for i, source in enumerate(sources):  # a chosen plugin not keeping the API: one line, before anything is built
+        check_replay_strategy((source.get("dataset") or {}).get("buffer_replay_strategy"),
+                              f"data_sources[{i}].dataset.buffer_replay_strategy")
 
 
 def strategy_option_sections() -> dict[str, tuple]:

@@ -3,8 +3,10 @@ choose which of them a Dispatch re-offers, in what order.
 
 A Reset restores the groups that were assembled (their trajectories submitted, aborted ones with their
 partial tokens). With `rollout.continue_restored` on, the pacer keeps them and re-offers them to workers
-before any new prompt; the data source's `dataset.buffer_replay_strategy` (LoongSage's key and meaning;
-null is `fifo`) picks which ones go first. Custom strategies register like sliding-window strategies:
+before any new prompt; the data source's `dataset.buffer_replay_strategy` (LoongSage's key; null is `fifo`,
+oldest first, as in LoongSage) picks which ones go first. A custom strategy is a class, not LoongSage's
+function (config, step, buffer, num) that pops from the buffer itself: it registers like a sliding-window
+strategy, and one that does not keep this API stops start-up in one line (`create_replay_strategy`):
 
     from coda_server import BufferReplayStrategy, register_buffer_replay_strategy
 
@@ -15,8 +17,10 @@ null is `fifo`) picks which ones go first. Custom strategies register like slidi
 """
 from __future__ import annotations
 
+import inspect
 from typing import AbstractSet, Any, Callable, Iterable, Optional, Sequence
 
+from .errors import ConfigError, not_built
 from .registry import Registry
 from .types import TrajectoryGroup
 
@@ -25,17 +29,21 @@ DEFAULT_REPLAY_STRATEGY = "fifo"
 
 
 def register_buffer_replay_strategy(name: str):
-    """Class decorator: make a `BufferReplayStrategy` selectable by name in `dataset.buffer_replay_strategy`."""
+    """Class decorator: make a `BufferReplayStrategy` selectable by name in `dataset.buffer_replay_strategy`.
+
+    Whatever it decorates is registered; what does not keep the API (LoongSage's function form among others)
+    is refused when a configuration chooses it (`check_replay_strategy`), in one line naming it.
+    """
     return REPLAY_STRATEGIES.register(name)
 
 
 class BufferReplayStrategy:
     """Chooses the restored groups of one data source that a Dispatch re-offers.
 
-    `select` gets the groups waiting for continuation in the order they were restored (oldest Reset
-    first, dispatch order within a Reset), how many the Dispatch can take, and the trainer step; it
-    returns at most `count` of them, in the order they are offered. It must not change `restored`, and
-    it runs under the pacer's lock: keep it quick.
+    `select` gets the groups waiting for continuation in the order they were kept (oldest Reset first;
+    within a Reset, in the order their first trajectory arrived), how many the Dispatch can take, and the
+    trainer step; it returns at most `count` of them, in the order they are offered. It must not change
+    `restored`, and it runs under the pacer's lock: keep it quick.
     """
 
     def __init__(self, config: Any = None):
@@ -53,9 +61,80 @@ class FifoReplay(BufferReplayStrategy):
         return list(restored[:count])
 
 
-def create_replay_strategy(name: Any, config: Any = None) -> BufferReplayStrategy:
-    """The named strategy (None or "" is the default, fifo); an unknown name raises ConfigError listing the known."""
-    return REPLAY_STRATEGIES.get(name or DEFAULT_REPLAY_STRATEGY)(config)
+# What a buffer replay strategy must be, as a refusal says it.
+REPLAY_API = ("a class derived from coda_server.BufferReplayStrategy, built with (config), whose "
+              "select(self, restored, count, step) returns at most `count` of the `restored` groups, in the order "
+              "to re-offer them, without changing `restored`")
+
+
+def check_replay_strategy(name: Any, key: str = REPLAY_STRATEGIES.config_key) -> type:
+    """The class registered as `name` (None or "": fifo), checked against the API before anything is built.
+
+    ConfigError, in one line, for an unknown name (listing the registered ones) and for a plugin that does
+    not keep the API (e.g. LoongSage's function form): naming `key`, the plugin and its file, what it is and
+    what is required.
+    """
+    chosen = name or DEFAULT_REPLAY_STRATEGY
+    plugin = REPLAY_STRATEGIES.get(chosen)
+    problem = _api_problem(plugin)
+    if problem is not None:
+        raise ConfigError(f"{key} = {name!r}: the buffer replay strategy {chosen!r} ({_where(plugin)}) {problem}; "
+                          f"a buffer replay strategy is {REPLAY_API} (docs/partial-rollouts.md)")
+    return plugin
+
+
+def create_replay_strategy(name: Any, config: Any = None,
+                           key: str = REPLAY_STRATEGIES.config_key) -> BufferReplayStrategy:
+    """The named strategy (None or "" is the default, fifo), built from `config`.
+
+    As `create_strategy` and `create_filters` do, every refusal is a one-line ConfigError naming `key`: an
+    unknown name, a plugin that does not keep the API (`check_replay_strategy`), an `__init__` that raises.
+    """
+    cls = check_replay_strategy(name, key)
+    try:
+        return cls(config)
+    except ConfigError:  # names its key already
+        raise
+    except Exception as exc:  # a custom strategy's bug: one line at start-up, not a traceback
+        registered = ", ".join(REPLAY_STRATEGIES.names())
+        raise not_built(f"{key} = {name!r}", "the buffer replay strategy", exc,
+                        f"fix it ({_where(cls)}) or choose another (registered: {registered})") from None
+
+
+def _api_problem(plugin: Any) -> Optional[str]:
+    """What `plugin` is that keeps it from serving as a buffer replay strategy, or None when it keeps the API."""
+    if not isinstance(plugin, type):
+        if inspect.isfunction(plugin) or inspect.ismethod(plugin) or inspect.isbuiltin(plugin):
+            return (f"is a function taking {_parameters(plugin)} (LoongSage's form, which pops the groups from "
+                    f"the buffer itself), not a class")
+        return f"is a {type(plugin).__name__} object, not a class"
+    select = getattr(plugin, "select", None)
+    if not callable(select) or select is BufferReplayStrategy.select:
+        return "is a class without a select method of its own"
+    try:
+        inspect.signature(select).bind(None, [], 1, 0)  # (self, restored, count, step)
+    except TypeError:
+        return f"is a class whose select takes {_parameters(select)}"
+    except ValueError:  # no signature to read (a builtin): let it be tried
+        pass
+    return None
+
+
+def _parameters(function: Any) -> str:
+    try:
+        return str(inspect.signature(function)).split(" ->")[0]
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _where(plugin: Any) -> str:
+    """The plugin's name and its file, when known (else its module)."""
+    name = getattr(plugin, "__qualname__", type(plugin).__name__)
+    try:
+        source = inspect.getsourcefile(plugin)
+    except TypeError:
+        source = None
+    return f"{name} in {source}" if source else f"{getattr(plugin, '__module__', '?')}.{name}"
 
 
 class RestoredGroups:

@@ -346,6 +346,9 @@ def unknown_key(path: str, known: Sequence[str], elsewhere: Sequence[str] = ()) 
         cutoff = 0.8 if in_section else 0.6
         close = [by_leaf[c] for c in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=cutoff)]
     hint = f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(shown[:8])}"
+    if section == "fully_async" and not close:  # likely an option of a custom strategy, set where it is not read
+        hint += ("; a custom strategy declares its own options as `options` on its class, set as "
+                 "fully_async.<its section>.<option>: see Strategy options in docs/custom-strategies.md")
     return f"{path}: unknown key ({hint})"
 
 
