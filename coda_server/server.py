@@ -18,6 +18,7 @@ from .admission import Admission, call_limits
 from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
 from .core.filters import create_filters
+from .core.replay import create_replay_strategies
 from .core.strategy import create_strategy
 from .core.sqlite_journal import SqliteJournal
 from .core.pacer import Pacer
@@ -92,16 +93,18 @@ class PacerServer:
 
     def __init__(self, config: Any, pacer: Optional[Pacer] = None):
         self.config = config
-        # The strategy and filters first: one whose __init__ fails stops start-up before the state directory is
-        # touched.
+        # The strategy, filters and replay strategies first: one whose __init__ fails stops start-up before the state
+        # directory is touched.
         strategy = create_strategy(config) if pacer is None else None
         filters = create_filters(list(config.rollout.filter), config) if pacer is None else None
+        replay_strategies = create_replay_strategies(config) if pacer is None else None
         transport.check_tls_files(config)  # so is a certificate and key that do not go together
         state_dir = str(config.server.state_dir or "")
         # The journal takes the state directory's lock now: a second server on it fails before binding.
         self.journal = (SqliteJournal(state_dir, fsync=str(config.server.fsync), codec=ProtoTrajectories())
                         if state_dir and pacer is None else None)
-        self.pacer = pacer if pacer is not None else Pacer(config, strategy=strategy, filters=filters, journal=self.journal)
+        self.pacer = pacer if pacer is not None else Pacer(config, strategy=strategy, filters=filters, journal=self.journal,
+                                                           replay_strategies=replay_strategies)
         self._journal_failure_reported = False
         self.async_pacer = AsyncPacer(
             self.pacer,

@@ -80,6 +80,21 @@ def test_a_filter_whose_init_raises_stops_with_exit_2_naming_it_before_the_state
         "rollout.filter: the filter 'init-fail-filter' could not be built", "RuntimeError: boom in filter init")
 
 
+def test_a_replay_strategy_whose_init_raises_stops_with_exit_2_naming_it_before_the_state_dir_is_made(tmp_path):
+    assert_plugin_refused_before_the_state_dir(tmp_path, "replayfail.py", """\
+        from coda_server import BufferReplayStrategy, register_buffer_replay_strategy
+
+        @register_buffer_replay_strategy("init-fail-replay")
+        class InitFailReplay(BufferReplayStrategy):
+            def __init__(self, config):
+                raise RuntimeError("boom in replay init")
+
+            def select(self, restored, count, step):
+                return list(restored[:count])
+        """, "data_source.dataset.buffer_replay_strategy=init-fail-replay",
+        "data_sources[0].dataset.buffer_replay_strategy = 'init-fail-replay'", "RuntimeError: boom in replay init")
+
+
 def test_a_loongsage_style_replay_function_stops_with_exit_2_naming_the_class_api_before_the_state_dir_is_made(
         tmp_path):
     # LoongSage's buffer replay strategy is a function (config, step, buffer, num): it used to register, pass the

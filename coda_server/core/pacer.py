@@ -36,7 +36,7 @@ from .limits import Limits
 from .liveness import Liveness
 from .polls import CollectPoll, DispatchPoll, ResetPoll
 from .recovery import Recovery, Snapshot
-from .replay import RestoredGroups, create_replay_strategy
+from .replay import BufferReplayStrategy, RestoredGroups, create_replay_strategies
 from .reset_steps import BoundaryCalls, reset_wait
 from .settings import setting
 from .shares import PLAIN, BatchShape
@@ -69,7 +69,7 @@ class Pacer(InProcessCalls, PacerViews):
 
     def __init__(self, config: Any, *, strategy: Optional[ThreadSafeStrategy] = None,
                  filters: Optional[list[GroupFilter]] = None, clock: Callable[[], float] = time.monotonic,
-                 journal: Optional[Journal] = None):
+                 journal: Optional[Journal] = None, replay_strategies: Optional[list[BufferReplayStrategy]] = None):
         self.config = config
         # GetState reports these on every call: read once (an OmegaConf lookup costs more than the rest of it).
         self._prompts_per_step = int(config.data_sources[0].num_prompts_per_step)
@@ -99,8 +99,8 @@ class Pacer(InProcessCalls, PacerViews):
         continue_restored = bool(setting(config, "rollout.continue_restored"))
         self.checks = RequestChecks(limits, self._group_sizes, continue_restored)
         default_mode = ResetMode.ABORT if bool(setting(config, "rollout.partial")) else ResetMode.WAIT
-        self.restored = RestoredGroups(self._clock, [create_replay_strategy(
-            (s.get("dataset") or {}).get("buffer_replay_strategy"), config) for s in config.data_sources])
+        self.restored = RestoredGroups(self._clock, create_replay_strategies(config) if replay_strategies is None
+                                       else replay_strategies)
         self.summary = config_summary(config)
         self.max_wait_seconds = float(setting(config, "server.max_wait_seconds"))
         # How often held groups are re-examined with nothing changed (the server's timer; 0: never).

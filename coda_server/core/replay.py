@@ -101,6 +101,15 @@ def create_replay_strategy(name: Any, config: Any = None,
                         f"fix it ({_where(cls)}) or choose another (registered: {registered})") from None
 
 
+def create_replay_strategies(config: Any) -> list[BufferReplayStrategy]:
+    """Each data source's strategy (`data_sources[i].dataset.buffer_replay_strategy`), in data-source order: what a
+    Pacer is built with. Built before anything else by a server, so that a refusal stops start-up before the state
+    directory is touched."""
+    return [create_replay_strategy((source.get("dataset") or {}).get("buffer_replay_strategy"), config,
+                                   f"data_sources[{i}].dataset.buffer_replay_strategy")
+            for i, source in enumerate(config.data_sources)]
+
+
 def _api_problem(plugin: Any) -> Optional[str]:
     """What `plugin` is that keeps it from serving as a buffer replay strategy, or None when it keeps the API."""
     if not isinstance(plugin, type):
