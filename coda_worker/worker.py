@@ -54,6 +54,7 @@ import grpc
 from coda_client._calls import estimated_submit_bytes
 from coda_client._outage import OutageLog
 from coda_client.client import AsyncPacerClient
+from coda_client.protocol import LOONGSAGE_PROMPT_ID
 from .engines.base import (DEFAULT_GENERATE_TIMEOUT_SECONDS, AsyncEngine, Engine, EngineError, EngineUnreachableError,
                            FinishReason, Generation, GenerationRequest, SamplingParams)
 from coda_client.errors import (
@@ -88,6 +89,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("coda_worker")
+# ListPromptSource's own lines (a child: the same handlers), so a job that knowingly runs prompts without an index
+# can silence that warning alone.
+prompts_logger = logging.getLogger("coda_worker.prompts")
 
 # Figures of a log line, shown as JSON keys by the server's JSON formatter (coda_server.logs.fields).
 def _fields(**values: Any) -> dict[str, Any]:
@@ -182,6 +186,10 @@ class _DispatchTally:
 class Prompt:
     """A prompt group to generate: its id, its token ids and where it comes from (its buffer priority).
 
+    epoch, index: the prompt's epoch and its position in the epoch's order, unique per ds_index and epoch. The
+    server's prompt cursor records admitted prompts by them, so a restarted worker skips what was admitted; a
+    prompt without an index (nor a LoongSage-form id) is not recorded and is proposed, and run, again.
+
     max_tokens: this prompt's response budget, when prompts differ in how long an answer may run (None:
     the worker's `sampling.max_tokens`); like that one, it bounds a trajectory's whole response,
     continuations included.
@@ -218,7 +226,9 @@ class PromptSource(Protocol):
     again; `give_back(prompts)`, when the source has it, takes them back when the worker stops.
     `resume_from(cursor)`, when the source has it, is given the server's prompt cursor (a
     `coda_client.PromptCursor`) when the worker starts and after every Restore: from then on the source
-    hands out only prompts the cursor does not list as admitted (see ListPromptSource.resume_from).
+    hands out only prompts the cursor does not list as admitted (see ListPromptSource.resume_from). The
+    cursor knows a prompt by its (ds_index, epoch, index), or a LoongSage-form id: one with neither is never
+    listed as admitted, so a source of such prompts proposes them all again after a restart.
     """
 
     def take(self, count: int) -> list[Prompt]: ...
@@ -226,15 +236,64 @@ class PromptSource(Protocol):
     def get(self, prompt_id: str) -> Prompt: ...
 
 
+def _cursor_position(prompt: Prompt) -> tuple[int, int, int] | None:
+    """(ds_index, epoch, index): where the server's prompt cursor records the prompt once a Dispatch admitted it
+    (no epoch counts as epoch 0; no index: its LoongSage-form id `epoch{E}_..._prompt{N}` gives both), or None
+    when it has neither an index nor such an id: the cursor does not track it (it keeps no ids, so that it stays
+    the size of the gaps, not of the run), and cannot tell a restarted worker that it was admitted."""
+    if prompt.index is None:
+        match = LOONGSAGE_PROMPT_ID.fullmatch(prompt.prompt_id)
+        if match is None:
+            return None
+        return prompt.ds_index, int(match.group(1)), int(match.group(2))
+    return prompt.ds_index, 0 if prompt.epoch is None else prompt.epoch, prompt.index
+
+
+class _UntrackedPrompts:
+    """The prompts of a ListPromptSource (and its shards) the cursor cannot track, said once as a warning when the
+    source is first resumed from the cursor: before, a restarted worker re-ran such prompts without a word."""
+
+    EXAMPLES = 3
+
+    def __init__(self, prompt_ids: list[str], total: int) -> None:
+        self.count, self.total, self.examples = len(prompt_ids), total, prompt_ids[:self.EXAMPLES]
+        self._lock = threading.Lock()  # the workers of a source's shards resume on threads of their own
+        self._said = False
+
+    def say_once(self) -> None:
+        with self._lock:
+            if self._said or not self.count:
+                return
+            self._said = True
+        examples = ", ".join(repr(prompt_id) for prompt_id in self.examples)
+        prompts_logger.warning(
+            "ListPromptSource: %d of its %d prompts carry no index (nor a LoongSage-form id), e.g. %s, so the "
+            "server's prompt cursor cannot track them: a worker restarted on these prompts cannot skip those a "
+            "Dispatch already admitted and runs them again (the server admits again those it no longer holds: "
+            "prompts already trained are trained twice), and after a checkpoint Restore all of them are proposed "
+            "again. Give each Prompt its epoch and index (its position in the epoch's order): "
+            "Prompt(prompt_id, input_ids, epoch=e, index=i)", self.count, self.total,
+            examples + (", ..." if self.count > len(self.examples) else ""),
+            extra=_fields(untracked_prompts=self.count, prompts=self.total))
+
+
 class ListPromptSource:
     """A PromptSource over prompts in memory, shared safely by the workers of one process.
 
     `shard(index, count)` gives worker `index` of `count` every count-th prompt to take, while `get`
     still finds every prompt (a restored group may have been started by any worker).
+
+    Give each prompt its epoch and index (`Prompt(id, tokens, epoch=e, index=i)`, its position in the epoch's
+    order), unique per data source and epoch: the server's prompt cursor, which a restarted worker resumes from,
+    knows prompts by them. A source with prompts that have neither (nor a LoongSage-form id) says so in a warning
+    the first time a worker resumes it, as a restarted worker re-runs those already admitted; two prompts at one
+    (ds_index, epoch, index) are refused, as one of them would be skipped once the other was admitted.
     """
 
     def __init__(self, prompts: Iterable[Prompt]) -> None:
         self._all: dict[str, Prompt] = {}
+        positions: dict[tuple[int, int, int], str] = {}
+        untracked: list[str] = []
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, Prompt):
                 raise TypeError(f"ListPromptSource takes Prompt values, e.g. Prompt('p0', [1, 2, 3]); item {i} is "
@@ -243,11 +302,23 @@ class ListPromptSource:
                 raise ValueError(f"prompt {prompt.prompt_id!r} has no token ids: engines refuse an empty prompt")
             if prompt.prompt_id in self._all:
                 raise ValueError(f"prompt id {prompt.prompt_id!r} appears twice")
+            position = _cursor_position(prompt)
+            if position is None:
+                untracked.append(prompt.prompt_id)
+            elif position in positions:
+                ds_index, epoch, index = position
+                raise ValueError(f"prompts {positions[position]!r} and {prompt.prompt_id!r} are both at ds_index "
+                                 f"{ds_index}, epoch {epoch}, index {index}: the prompt cursor knows a prompt by "
+                                 f"these, so once one was admitted a restarted worker would skip the other; give "
+                                 f"each prompt of an epoch its own index")
+            else:
+                positions[position] = prompt.prompt_id
             self._all[prompt.prompt_id] = prompt
         self._order: list[Prompt] = list(self._all.values())  # this source's prompts, in the order handed out
         self._queue: deque[Prompt] = deque(self._order)
         self._lock = threading.Lock()
         self._synced_restores: int | None = None  # the cursor's `restores` this source last resumed from
+        self._untracked = _UntrackedPrompts(untracked, len(self._all))  # shared with its shards
 
     def __len__(self) -> int:
         with self._lock:
@@ -265,7 +336,11 @@ class ListPromptSource:
         """Hand out, from now on, this source's prompts (in order) that the server's prompt cursor does not
         list as admitted: after a restart, what was dispatched is not proposed again; after a Restore, the
         prompts in flight at the checkpoint and those admitted since are. Applied once per `cursor.restores`
-        (the workers sharing a source each call it). Returns how many prompts are left to hand out."""
+        (the workers sharing a source each call it). Returns how many prompts are left to hand out.
+
+        Prompts without an index (nor a LoongSage-form id) are not in the cursor: they are all handed out
+        again, admitted or not; the first call says so in a warning (see the class)."""
+        self._untracked.say_once()
         with self._lock:
             if self._synced_restores != cursor.restores:
                 self._synced_restores = cursor.restores
@@ -284,7 +359,7 @@ class ListPromptSource:
         if not 0 <= index < count:
             raise ValueError(f"shard index {index} must be in 0..{count - 1}")
         shard = ListPromptSource([])
-        shard._all = self._all
+        shard._all, shard._untracked = self._all, self._untracked
         with self._lock:
             shard._order = [p for i, p in enumerate(self._queue) if i % count == index]
             shard._queue = deque(shard._order)

@@ -162,7 +162,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | Non
     batches_per_step = state.prompts_per_step * state.group_sizes[0] // M
     worker = source = engine = None
     if rank == 0:
-        source = ListPromptSource([Prompt(f"dp-p{i}", [1, 2, 3, i % VOCAB]) for i in range(10_000)])
+        source = ListPromptSource([Prompt(f"dp-p{i}", [1, 2, 3, i % VOCAB], epoch=0, index=i) for i in range(10_000)])
         engine = FakeEngine(seed=0, vocab_size=VOCAB, mean_tokens=32, seconds_per_token=0.0)
         worker = RolloutWorker(args.address, engine, source, worker_id="dp-rollout-0", max_groups=64,
                                reward=reward).start()
