@@ -428,7 +428,7 @@ def render_state(state: PacerState) -> str:
         + (f" (oldest waiting {state.restored_kept_oldest_seconds:.1f}s)" if state.restored_kept else ""),
         f"queued trajectories {state.queued_trajectories}   waiting long-polls {state.waiting_calls}",
         render_report(state.recent_reports[-1]) if state.recent_reports else "no step report yet (none before the first Reset)",
-    ])
+    ] + ([f"STATE DIRECTORY NOT WRITABLE: {state.state_dir_problem}"] if state.state_dir_problem else []))
 
 
 def render_report(report: StepReport) -> str:

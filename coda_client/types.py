@@ -711,6 +711,10 @@ class PacerState:
     #: Seconds the longest-kept restored group has waited to be re-offered (0 when none is kept): a kept group nobody
     #: continues shows here. Metric: coda_pacer_restored_kept_oldest_seconds.
     restored_kept_oldest_seconds: float
+    #: Why the state directory cannot be written now (a full disk, a read-only or failing volume): until it can,
+    #: changes are refused UNAVAILABLE (reason STATE_DIR_UNWRITABLE) and readiness is NOT_SERVING. Empty when it can
+    #: be written, or state is in memory.
+    state_dir_problem: str
     # END PacerState fields
 
     @classmethod

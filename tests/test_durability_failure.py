@@ -9,7 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coda_client import PacerClient
 from coda_client._proto import pacer_pb2 as pb
+from coda_client.cli import render_state
 from coda_server.core.journal import Submitted
 from coda_server.core.sqlite_journal import SqliteJournal
 from coda_server.core.types import Trajectory, TrajectoryStatus
@@ -67,9 +69,15 @@ def test_a_journal_that_cannot_write_is_said_plainly_refuses_changes_and_recover
             assert details_of(refused)[0] == "STATE_DIR_UNWRITABLE"
         assert stub.GetState(pb.GetStateRequest(), timeout=10).submitted == before.submitted
         assert "writing the journal" in server.log() and "failed" in server.log()
+        # GetState says why, and so does `coda-client state`: an operator sees it where the counters are.
+        assert str(state_dir / "pacer.sqlite3") in before.state_dir_problem, before.state_dir_problem
+        with PacerClient(server.address) as client:
+            shown = render_state(client.state()).splitlines()[-1]
+        assert shown.startswith("STATE DIRECTORY NOT WRITABLE: ") and "I/O error" in shown, shown
         # Space comes back: the server writes what it held back and is ready again by itself.
         resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         until(lambda: readiness() == health_pb2.HealthCheckResponse.SERVING, "readiness SERVING again")
+        assert stub.GetState(pb.GetStateRequest(), timeout=10).state_dir_problem == ""
         answer = stub.Submit(pb.SubmitRequest(trajectories=group("b"), request_id="s-b"), timeout=10)  # the retry
         assert (answer.accepted, answer.groups_completed) == (2, 1)  # the first call's answer: applied once
         stub.Submit(pb.SubmitRequest(trajectories=group("c"), request_id="s-c"), timeout=10)

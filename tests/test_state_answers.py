@@ -62,7 +62,7 @@ def test_getstate_over_grpc_shows_each_change_made_between_two_calls(tmp_path):
 def test_a_reader_that_would_leave_a_field_of_the_state_unread_is_refused_when_built(core_pacer):
     pacer = core_pacer()
     owners = (pacer.lock, pacer.steps, pacer.checkpoints, pacer.inflight, pacer.buffer, pacer.admission, pacer.leases,
-              pacer.held_bytes, pacer.restored, pacer.incidents, pacer.totals, pacer.lifecycle)
+              pacer.held_bytes, pacer.restored, pacer.incidents, pacer.totals, pacer.lifecycle, pacer.recorder)
     fixed = {name: getattr(pacer.state(), name) for name in ("window_size", "strategy", "config_summary", "stale_steps",
                                                              "collect_limit", "prompts_per_step", "group_sizes")}
     with pytest.raises(RuntimeError, match="mini_batch_size"):

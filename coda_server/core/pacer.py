@@ -175,7 +175,7 @@ class Pacer(InProcessCalls, PacerViews):
         # read_state(waiting_calls, ages): a reading of the state (StateReader), as a PacerState by `state_of`.
         self.state_reader = StateReader(
             self.lock, steps, self.checkpoints, self.inflight, buffer, self.admission, self.leases, self.held_bytes,
-            self.restored, self.incidents, self.totals, self.lifecycle, dict(
+            self.restored, self.incidents, self.totals, self.lifecycle, self.recorder, dict(
             window_size=self._window_size, strategy=self._strategy.name, config_summary=self.summary,
             stale_steps=self._stale_steps, collect_limit=self.collect_limit, prompts_per_step=self._prompts_per_step,
             group_sizes=self._group_sizes, mini_batch_size=self._mini_batch_size))

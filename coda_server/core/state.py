@@ -126,6 +126,10 @@ class PacerState:
     restored_kept_oldest_seconds: float = gauge(
         "coda_pacer_restored_kept_oldest_seconds", "Seconds the longest-kept restored group has waited to be "
         "re-offered (0 when none is kept): a kept group nobody continues shows here.", default=0.0)
+    state_dir_problem: str = described("Why the state directory cannot be written now (a full disk, a read-only or "
+                                       "failing volume): until it can, changes are refused UNAVAILABLE (reason "
+                                       "STATE_DIR_UNWRITABLE) and readiness is NOT_SERVING. Empty when it can be "
+                                       "written, or state is in memory.", default="")
 
     def invariant_holds(self) -> bool:
         """dispatched = running + collected + filtered + restored + dropped + expired + quarantined,
@@ -151,7 +155,7 @@ READ_FIELD_NAMES = ("waiting_calls", "running", "buffered", "queued_trajectories
                     "generation", "paused", "resetting", "leased", "held_bytes", "restored_kept",
                     "restored_kept_oldest_seconds", "last_checkpoint_step", "last_checkpoint_weight_version",
                     "last_restore_step", "last_restore_weight_version", "recent_reports", "recent_incidents",
-                    "job_ended")
+                    "job_ended", "state_dir_problem")
 
 
 class StateReader:
@@ -162,12 +166,13 @@ class StateReader:
 
     def __init__(self, lock: threading.RLock, steps: Any, checkpoints: Any, inflight: Any, buffer: Any,
                  admission: Any, leases: Any, held_bytes: Any, restored: Any, incidents: Any, totals: dict,
-                 lifecycle: Any, fixed: Mapping[str, Any]):
+                 lifecycle: Any, recorder: Any, fixed: Mapping[str, Any]):
         """The owners of the state; `fixed`: the fields that never change (the mutable ones are copied for each
         PacerState)."""
         self._lock, self._steps, self._checkpoints, self._inflight = lock, steps, checkpoints, inflight
         self._buffer, self._admission, self._leases, self._held_bytes = buffer, admission, leases, held_bytes
         self._restored, self._incidents, self._totals, self._lifecycle = restored, incidents, totals, lifecycle
+        self._recorder = recorder
         self._fixed = dict(fixed)
         unread = set(STATE_FIELD_NAMES) - {*READ_FIELD_NAMES, *totals, *self._fixed}
         if unread:  # a field added to PacerState must be read here, or every state would show its default
@@ -186,7 +191,13 @@ class StateReader:
                     restored.oldest_age() if ages else 0.0,
                     last_checkpoint[0] if last_checkpoint else -1, last_checkpoint[1] if last_checkpoint else -1,
                     last_restore[0] if last_restore else -1, last_restore[1] if last_restore else -1,
-                    steps.reports, self._incidents.recent(), self._lifecycle.job_ended, *self._totals.values())
+                    steps.reports, self._incidents.recent(), self._lifecycle.job_ended, self._state_dir_problem(),
+                    *self._totals.values())
+
+    def _state_dir_problem(self) -> str:
+        journal = self._recorder.journal
+        error = journal.error if journal is not None else None
+        return "" if error is None else str(error)
 
     def state(self, reading: tuple) -> PacerState:
         """The PacerState of a reading."""
