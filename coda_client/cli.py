@@ -452,6 +452,7 @@ def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: flo
     events: "queue.Queue[Union[ControlEvent, PacerClientError, None]]" = queue.Queue()
     frames = 0
     last: Optional[ControlEvent] = None
+    state: Optional[PacerState] = None
     with client.watch() as stream:
         reader = threading.Thread(target=_pump, args=(stream, events), daemon=True)
         reader.start()
@@ -466,15 +467,23 @@ def run_watch(client: PacerClient, out: TextIO, *, count: int = 0, interval: flo
                 if isinstance(event, PacerClientError):  # e.g. the server died: said, exit status 1
                     raise event
                 last = event
+            shutting_down = last is not None and last.type == ControlEventType.SHUTDOWN
+            try:
+                state = client.state()
+            except PacerClientError:
+                if not shutting_down or state is None:
+                    raise
+                # The server announced SHUTDOWN and went before this frame asked: drawn with the state seen last.
             if json_lines:
-                out.write(json.dumps({"state": as_json(client.state()),
-                                      "last_event": as_json(last)}, sort_keys=True) + "\n")
+                out.write(json.dumps({"state": as_json(state), "last_event": as_json(last)}, sort_keys=True) + "\n")
             else:
                 note = f"last control event: {_name(last.type)}" if last is not None else "waiting for the first event"
-                out.write(f"{clear}{render_state(client.state())}\n{note}\n")
+                if shutting_down:
+                    note += " (the server is shutting down; as it was last seen)"
+                out.write(f"{clear}{render_state(state)}\n{note}\n")
             out.flush()
             frames += 1
-            if (count and frames >= count) or (last is not None and last.type == ControlEventType.SHUTDOWN):
+            if (count and frames >= count) or shutting_down:
                 return frames
 
 

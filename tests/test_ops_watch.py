@@ -94,3 +94,26 @@ def test_state_json_is_one_object_for_scripts(server):
     # a1 was dropped before any of its trajectories came: one group, no trajectories (LoongSage's unit).
     assert state["recent_reports"][0]["partial_dropped_incomplete_group_count"] == 1
     assert state["recent_reports"][0]["partial_dropped_incomplete_count"] == 0
+
+
+def test_watch_ends_0_on_the_servers_shutdown_with_a_last_frame_saying_so(tmp_path):
+    """A clean SIGTERM: the server announces SHUTDOWN and goes; the watch draws that frame from the state it saw last
+    (the server cannot be asked any more) and ends 0, as documented, not 1 with "cannot reach the pacer"."""
+    server = MetricsServer(tmp_path, *CONFIG).start()
+    out = io.StringIO()
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(
+        client_cli.main(["--address", server.address, "watch", "--interval", "60"], out=out)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while "last control event: STATE" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.terminate() == 0
+        thread.join(30)
+    finally:
+        server.close()
+    assert codes == [0], out.getvalue()
+    notes = [line for line in out.getvalue().splitlines() if line.startswith("last control event")]
+    assert notes == ["last control event: STATE",
+                     "last control event: SHUTDOWN (the server is shutting down; as it was last seen)"]
