@@ -108,9 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_token(token_file: Optional[str]) -> Optional[str]:
+    """The token from --token-file (or CODA_TOKEN_FILE), else CODA_TOKEN; OSError naming the flag when the file
+    cannot be read."""
     if token_file:
-        with open(token_file, encoding="utf-8") as handle:
-            return handle.read().strip() or None
+        try:
+            with open(token_file, encoding="utf-8") as handle:
+                return handle.read().strip() or None
+        except OSError as error:
+            raise OSError(f"--token-file {token_file}: {error.strerror or error} (the file holding the server's "
+                          f"bearer token; or set CODA_TOKEN)") from error
     return os.environ.get("CODA_TOKEN") or None
 
 
@@ -369,6 +375,8 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
                     error.details() or ""):
                 print(f"coda-client: {address} closed the connection; the server may require TLS: try --tls, or "
                       "--ca-file FILE for a private CA", file=sys.stderr)
+            else:  # the status line alone would not say the server was never reached
+                print(f"coda-client: no health answer from {address}: {status}: {error.details()}", file=sys.stderr)
         else:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     out.write(json.dumps({"service": service, "status": status}) + "\n" if json_lines
@@ -417,10 +425,12 @@ def render_state(state: PacerState) -> str:
     bar = ("R" * running + "Q" * buffered).ljust(bar_width, ".")[:bar_width]
     return "\n".join([
         f"strategy {state.strategy}   step {state.step}   weight version {state.weight_version}   "
-        f"generation {state.generation}   {'PAUSED' if state.paused else 'running'}"
+        f"generation {state.generation}   "
+        f"{'JOB ENDED (EndJob: dispatch closed for good)' if state.job_ended else 'PAUSED' if state.paused else 'running'}"
         f"{'  (reset in progress)' if state.resetting else ''}",
         f"window [{bar}] running {state.running} + buffered {state.buffered} of {state.window_size}; "
-        f"dispatch would admit {state.capacity}",
+        f"dispatch would admit {state.capacity}"
+        + (f"; {state.leased} leased to trainers, not yet acknowledged (outside the window)" if state.leased else ""),
         f"totals dispatched {state.dispatched}  submitted {state.submitted}  collected {state.collected}  "
         f"consumed {state.consumed}  filtered {state.filtered}  restored {state.restored}  dropped {state.dropped}  "
         f"expired {state.expired}  stale {state.stale_rejected}  duplicates {state.duplicates}   "

@@ -73,9 +73,9 @@ def log_control_event(pacer_state: Callable[[], PacerState]) -> Callable[[Contro
             by_restore, restores_seen[0] = event.restores > restores_seen[0], event.restores
             what = ("told the workers to abort what they generate for a Restore" if by_restore
                     else "paused dispatch for a Reset")
-            log.info("%s (mode %s) at step %d, weight version %d: %d groups running, "
+            log.info("%s (mode %s) at step %d, weight version %d: %d group%s running, "
                      "%d buffered, %d trajectories queued", what, mode, event.step, event.weight_version,
-                     state.running, state.buffered, state.queued_trajectories,
+                     state.running, "" if state.running == 1 else "s", state.buffered, state.queued_trajectories,
                      extra=fields(event="pause", mode=mode, step=event.step, weight_version=event.weight_version,
                                   generation=event.generation, running=state.running, buffered=state.buffered,
                                   queued_trajectories=state.queued_trajectories))

@@ -284,3 +284,19 @@ def test_both_commands_say_their_version_and_the_server_logs_it_at_start(server,
                    f"coda-client {package_version()} (coda.pacer.v1.RolloutPacer)"]
     assert re.match(r"\d+\.\d+", package_version())  # installed (pip install -e) in the test environment
     assert f"coda-pacer {package_version()} (Python " in server.log()
+
+
+def test_a_token_file_that_cannot_be_read_is_named_by_its_flag(tmp_path, capsys):
+    missing = tmp_path / "no-such-token"
+    assert client_cli.main(["--target", "127.0.0.1:50051", "--token-file", str(missing), "state"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"coda-client: --token-file {missing}: No such file or directory"), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_health_where_nothing_listens_says_no_answer_came_besides_the_status(capsys):
+    port = free_port()  # nothing listens there
+    out = io.StringIO()
+    assert client_cli.main(["--target", f"127.0.0.1:{port}", "--timeout", "1", "health"], out=out) == 1
+    assert out.getvalue() == "readiness: UNAVAILABLE\n"  # the line scripts read, unchanged
+    assert f"coda-client: no health answer from 127.0.0.1:{port}: UNAVAILABLE" in capsys.readouterr().err

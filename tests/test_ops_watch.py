@@ -117,3 +117,15 @@ def test_watch_ends_0_on_the_servers_shutdown_with_a_last_frame_saying_so(tmp_pa
     notes = [line for line in out.getvalue().splitlines() if line.startswith("last control event")]
     assert notes == ["last control event: STATE",
                      "last control event: SHUTDOWN (the server is shutting down; as it was last seen)"]
+
+
+def test_state_shows_the_groups_leased_to_trainers_and_a_job_ended(tmp_path):
+    with MetricsServer(tmp_path, *CONFIG) as server, PacerClient(server.address) as pacer:
+        pacer.dispatch(["l0", "l1"])
+        pacer.submit([trajectory("l0", 0), trajectory("l0", 1), trajectory("l1", 0), trajectory("l1", 1)])
+        pacer.collect_result(2, lease=60.0)
+        lines = run_cli("--address", server.address, "state")[1].splitlines()
+        assert lines[1].endswith("; 2 leased to trainers, not yet acknowledged (outside the window)"), lines[1]
+        pacer.end_job(wait=0)
+        head = run_cli("--address", server.address, "state")[1].splitlines()[0]
+        assert head.endswith("JOB ENDED (EndJob: dispatch closed for good)"), head
