@@ -349,9 +349,10 @@ class PacerCollector:
         report = state.recent_reports[-1] if state.recent_reports else StepReport()
         for attribute, name, help_text in STEP_REPORT_GAUGES:
             yield GaugeMetricFamily(name, help_text, value=float(getattr(report, attribute)))
-        # One step report per finished Reset, and every finished Reset increments the generation.
+        # One step report per finished Reset. Every finished Reset increments the generation, and so does every
+        # Restore (journaled and counted in `restores`, as the generation is), which computes no report.
         yield CounterMetricFamily("coda_pacer_step_reports", "Step reports computed (one per finished Reset).",
-                                  value=state.generation)
+                                  value=state.generation - state.restores)
 
 
 class AdmissionCollector:

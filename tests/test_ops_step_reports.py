@@ -100,3 +100,15 @@ def test_staleness_histogram_over_both_steps(scenario):
     buckets = {le: scrape.value("coda_pacer_staleness_versions_bucket", le=le) for le in ("0.0", "1.0", "2.0", "3.0")}
     assert buckets == {"0.0": 4, "1.0": 8, "2.0": 10, "3.0": 10}
     assert scrape.value("coda_pacer_dispatch_to_collect_seconds_count") == 5
+
+
+def test_a_restore_is_not_counted_as_a_step_report(tmp_path):
+    """A Restore starts a new generation as a Reset does, but computes no step report: the counter, exported from the
+    generation, counted it as one."""
+    with MetricsServer(tmp_path, *CONFIG) as server, PacerClient(server.address) as pacer:
+        pacer.restore(pacer.checkpoint())
+        state = pacer.state()
+        assert (state.generation, state.restores, len(state.recent_reports)) == (1, 1, 0)
+        assert server.scrape().value("coda_pacer_step_reports_total") == 0
+        pacer.reset("wait", wait=0)
+        assert server.scrape().value("coda_pacer_step_reports_total") == 1
