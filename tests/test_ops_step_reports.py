@@ -112,3 +112,18 @@ def test_a_restore_is_not_counted_as_a_step_report(tmp_path):
         assert server.scrape().value("coda_pacer_step_reports_total") == 0
         pacer.reset("wait", wait=0)
         assert server.scrape().value("coda_pacer_step_reports_total") == 1
+
+
+def test_a_second_reset_before_the_resume_times_its_own_pause_not_the_first_ones():
+    """Two Resets 5 s apart with dispatch paused between them and nothing running: the second one's pause delay is
+    its own (0), not the 5 s since the first Reset paused dispatch."""
+    from coda_server.core import Pacer, load_config
+    from fake_clock import FakeClock
+
+    clock = FakeClock()
+    pacer = Pacer(load_config(overrides=list(CONFIG)), clock=clock)
+    first = pacer.reset(wait=0)
+    clock.now += 5.0
+    second = pacer.reset(wait=0)
+    assert (first.report.pause_delay, second.report.pause_delay) == (0.0, 0.0)
+    pacer.close()

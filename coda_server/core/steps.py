@@ -64,6 +64,8 @@ class StepBoundary:
         self.tally.clear()
         self.generation += 1
         self.resetting = False
+        # The pause this Reset timed is spent: a next Reset before the Resume times its own, from its begin.
+        self._pause_started = None
         return report, pause_delay
 
     def resume(self, weight_version: Optional[int]) -> None:
