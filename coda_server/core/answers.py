@@ -39,7 +39,8 @@ R = TypeVar("R")
 # Method -> whether its answers carry trajectories (then fewer are kept, and their bytes count).
 REMEMBERED_METHODS: Mapping[str, bool] = MappingProxyType(remembered_methods())
 ANSWERED_METHODS = tuple(REMEMBERED_METHODS)
-# What a call asks for, as its caller sums it up for the comparison with a retry: (field name, value) pairs.
+# What a call asks for, as REQUEST_SUMMARIES sums its arguments up for the comparison with a retry: (field name,
+# value) pairs.
 Request = tuple
 DATA_METHODS = tuple(method for method, carries_data in REMEMBERED_METHODS.items() if carries_data)
 
@@ -62,8 +63,8 @@ class AnswerBook:
         self._byte_budget = limits.remembered_answer_bytes
         self._bytes = {method: 0 for method, carries_data in methods.items() if carries_data}
         self._running: dict[tuple[str, str], Optional[asyncio.Future]] = {}  # calls under way, see once_awaited
-        # What each answered or running call asked for (its `request`), by method and request_id: a retry must ask
-        # the same. Dropped with its answer, or when its call fails.
+        # What each answered or running call asked for (its Request), by method and request_id: a retry must ask the
+        # same. Dropped with its answer, or when its call fails.
         self._requests: dict[str, dict[str, Request]] = {method: {} for method in methods}
 
     def of(self, method: str) -> Mapping[str, Any]:
