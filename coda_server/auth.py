@@ -95,6 +95,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._refusals: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
         self.rejected = 0
         self._rejected_since_log = 0
+        self._latest_rejection = ("", "")  # (method, reason) of the last refused call
         self._last_log = float("-inf")
 
     def wrap_refusals(self, wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]) -> None:
@@ -143,12 +144,24 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def _note_rejection(self, method: str, reason: str) -> None:
         self.rejected += 1
         self._rejected_since_log += 1
+        self._latest_rejection = (method, reason)
         now = time.monotonic()
         if now - self._last_log >= REJECTION_LOG_INTERVAL_SECONDS:
             log.warning("refused %d call(s) without a valid token since the last report (latest: %s, %s); "
                         "next report in %.0fs at the earliest", self._rejected_since_log, method, reason,
                         REJECTION_LOG_INTERVAL_SECONDS)
             self._last_log, self._rejected_since_log = now, 0
+
+    def report_pending_refusals(self) -> None:
+        """Log the refusals the periodic summary has not reported yet (the server calls it as it stops, so the
+        calls refused within the last interval are not lost with the process)."""
+        if not self._rejected_since_log:
+            return
+        method, reason = self._latest_rejection
+        log.warning("refused %d call(s) without a valid token since the last report (latest: %s, %s); "
+                    "%d in all since start-up; the server is stopping", self._rejected_since_log, method, reason,
+                    self.rejected)
+        self._last_log, self._rejected_since_log = time.monotonic(), 0
 
 
 def _ignore_request(_: bytes) -> None:

@@ -22,6 +22,7 @@ from .core.replay import create_replay_strategies
 from .core.strategy import create_strategy
 from .core.sqlite_journal import SqliteJournal
 from .core.pacer import Pacer
+from .logs import fields
 from .method_wrapping import WrappingRegistrar
 from .metrics_listener import check_metrics_security
 from .observability import Observability
@@ -206,10 +207,14 @@ class PacerServer:
             replayed = await asyncio.get_running_loop().run_in_executor(None, self.pacer.recover)
         finally:
             self.async_pacer.recovering = False
-        state = self.pacer.state()
+        state, seconds = self.pacer.state(), time.monotonic() - started
         log.info("recovered state from %s in %.2fs: %d events replayed since the last snapshot; step %d, "
                  "generation %d, %d running, %d buffered groups", self.journal.directory,
-                 time.monotonic() - started, replayed, state.step, state.generation, state.running, state.buffered)
+                 seconds, replayed, state.step, state.generation, state.running, state.buffered,
+                 extra=fields(event="recovered", state_dir=str(self.journal.directory), seconds=round(seconds, 3),
+                              replayed_events=replayed, step=state.step, weight_version=state.weight_version,
+                              generation=state.generation, running=state.running, buffered=state.buffered,
+                              leased=state.leased, paused=state.paused))
 
     def _journal_failed(self, error: BaseException) -> None:
         """The state directory cannot be written now: no caller should be sent here until it can again."""
@@ -261,6 +266,8 @@ class PacerServer:
         await self.drain()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.auth is not None:  # after the last call: every refusal is counted in the summary
+            self.auth.report_pending_refusals()
         if self.health_server is not None:  # last: probes see NOT_SERVING until the main server is gone
             await self.health_server.stop(0)
         await self.observability.stop()

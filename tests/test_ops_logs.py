@@ -13,7 +13,7 @@ from coda_client._proto import pacer_pb2 as pb
 from coda_server.core import load_config
 from coda_server.core.errors import ConfigError
 from ops_harness import trajectory
-from server_harness import ServerProcess
+from server_harness import REPO_ROOT, ServerProcess
 
 CONFIG = ("fully_async.sliding_window=no-window", "fully_async.stale_steps=1.0", "data_source.num_prompts_per_step=2",
           "data_source.num_trajectories_per_prompt=1", "trainer.mini_batch_size=1")
@@ -50,7 +50,8 @@ def test_json_log_has_one_line_per_rpc_and_each_lifecycle_event_once(tmp_path):
         assert isinstance(r["duration_ms"], float) and 0 <= r["duration_ms"] < 5000
         assert PEER.match(r["peer"]), r["peer"]
     events = [line["event"] for line in lines if line.get("event") not in (None, "rpc")]
-    assert events == ["metrics", "version", "event_loop", "start", "pause", "resume", "shutdown", "stopped"]
+    assert events == ["metrics", "recovered", "version", "event_loop", "start", "pause", "reset_finished", "resume",
+                      "shutdown", "stopped"]
     loop = next(line for line in lines if line.get("event") == "event_loop")
     assert loop["loop"].split()[0] in ("uvloop", "asyncio")
     start = next(line for line in lines if line.get("event") == "start")
@@ -59,6 +60,83 @@ def test_json_log_has_one_line_per_rpc_and_each_lifecycle_event_once(tmp_path):
     assert (pause["mode"], pause["step"], pause["running"], pause["buffered"]) == ("wait", 0, 0, 1)
     resume = next(line for line in lines if line.get("event") == "resume")
     assert (resume["step"], resume["weight_version"], resume["generation"]) == (1, 4, 1)
+    finished = next(line for line in lines if line.get("event") == "reset_finished")
+    assert (finished["mode"], finished["step"], finished["generation"], finished["paused"]) == ("wait", 0, 1, True)
+
+
+def lifecycle(log: str) -> dict[str, list[dict]]:
+    """The JSON lines of a server log that carry an `event` other than `rpc`, by event."""
+    by_event: dict[str, list[dict]] = {}
+    for line in log.splitlines():
+        entry = json.loads(line)
+        if entry.get("event") not in (None, "rpc"):
+            by_event.setdefault(entry["event"], []).append(entry)
+    return by_event
+
+
+def test_checkpoint_restore_reset_and_recovery_lines_carry_their_event_and_figures(tmp_path):
+    """A log shipper selects these lines by their `event` (they had none but the Reset's pause and resume), and the
+    end of a Reset says in one line what it did with the groups it found."""
+    state_dir = f"server.state_dir={tmp_path / 'state'}"
+    with ServerProcess(tmp_path, *CONFIG, "server.log_format=json", state_dir) as server, \
+            PacerClient(server.address) as pacer:
+        pacer.dispatch(["p0", "p1"])
+        pacer.submit([trajectory("p0", 0)])  # p0 complete and buffered, p1 running
+        taken = pacer.checkpoint()
+        pacer.dispatch(["p2"])
+        pacer.submit([trajectory("p2", 0)])
+        pacer.restore(taken.blob, request_id="restore-1")  # discards p2 (buffered) and p1 (running); p0 back
+        pacer.dispatch(["q0", "q1"])
+        pacer.submit([trajectory("q0", 0)])  # q0 buffered, q1 still running: a Reset without waiting drops it
+        first = pacer.reset("wait", wait=0, request_id="reset-1")
+        again = pacer.reset("wait", wait=0, request_id="reset-1")  # a retry: the remembered answer, logged once
+        assert first.dropped_prompt_ids == again.dropped_prompt_ids == ["q1"]
+        assert server.terminate() == 0
+        before = lifecycle(server.log())
+    with ServerProcess(tmp_path, *CONFIG, "server.log_format=json", state_dir) as restarted:
+        assert restarted.terminate() == 0
+        after = lifecycle(restarted.log())
+
+    [checkpoint] = before["checkpoint"]
+    assert checkpoint["logger"] == "coda_server.checkpoints" and checkpoint["level"] == "INFO"
+    assert {k: checkpoint[k] for k in ("step", "weight_version", "buffered", "kept", "in_flight")} == \
+        {"step": 0, "weight_version": 0, "buffered": 1, "kept": 0, "in_flight": 1}
+    [restore] = before["restore"]
+    assert restore["logger"] == "coda_server.checkpoints" and restore["level"] == "WARNING"
+    assert {k: restore[k] for k in ("step", "generation", "discarded_groups", "dropped_running", "reinstated_groups")} \
+        == {"step": 0, "generation": 1, "discarded_groups": 3, "dropped_running": 1, "reinstated_groups": 1}
+    assert sorted(restore["discarded_prompt_ids"]) == ["p0", "p1", "p2"]
+    [finished] = before["reset_finished"]
+    assert finished["logger"] == "coda_server" and finished["level"] == "INFO"
+    assert {k: finished[k] for k in ("mode", "step", "weight_version", "generation", "restored", "kept", "dropped",
+                                     "expired", "quarantined", "paused")} == \
+        {"mode": "wait", "step": 0, "weight_version": 0, "generation": 2, "restored": 0, "kept": 0, "dropped": 1,
+         "expired": 0, "quarantined": 0, "paused": True}
+    assert isinstance(finished["pause_delay_seconds"], float) and finished["pause_delay_seconds"] >= 0
+    assert "1 incomplete dropped" in finished["msg"] and "dispatch stays paused" in finished["msg"]
+    # Both starts rebuilt their state from the directory; the second found what the first left.
+    [fresh] = before["recovered"]
+    assert (fresh["step"], fresh["generation"], fresh["running"], fresh["buffered"]) == (0, 0, 0, 0)
+    [recovered] = after["recovered"]
+    assert recovered["logger"] == "coda_server" and recovered["state_dir"] == str(tmp_path / "state")
+    assert {k: recovered[k] for k in ("step", "weight_version", "generation", "running", "buffered", "leased",
+                                      "paused")} == \
+        {"step": 0, "weight_version": 0, "generation": 2, "running": 0, "buffered": 2, "leased": 0, "paused": True}
+    assert isinstance(recovered["replayed_events"], int) and isinstance(recovered["seconds"], float)
+
+
+def test_the_docs_list_every_event_value_the_server_logs():
+    """docs/operations.md's table of `event` values against every `event=` / `"event": ...` in the server's code, both
+    ways: a log shipper's filter is written from that table."""
+    code = "\n".join(path.read_text() for path in (REPO_ROOT / "coda_server").rglob("*.py"))
+    in_code = (set(re.findall(r"""event=["'](\w+)["']""", code))
+               | set(re.findall(r"""["']event["']: ["'](\w+)["']""", code)))
+    docs = (REPO_ROOT / "docs" / "operations.md").read_text()
+    table = docs[docs.index("**Lifecycle lines**"):]
+    table = table[:table.index("\n\n", table.index("| `event` |"))]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.MULTILINE)) - {"event"}
+    assert {"rpc", "start", "stopped"} <= in_code  # the patterns find the known values
+    assert in_code == documented, (sorted(in_code - documented), sorted(documented - in_code))
 
 
 def test_text_log_has_a_readable_line_per_rpc(tmp_path):

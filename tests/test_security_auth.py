@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import grpc
 import pytest
@@ -212,3 +213,24 @@ def test_unreadable_token_file_stops_start_up(tmp_path):
         server.start()
     server.close()
     assert "server.auth_token_file" in str(caught.value) and "cannot be read" in str(caught.value)
+
+
+def test_refusals_not_yet_reported_are_logged_at_shutdown(tmp_path):
+    """Refused calls are summed up at most once a minute; those refused after the last summary are in one more line
+    when the server stops, so a stop within the minute loses none of them."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    with ServerProcess(tmp_path, *SMALL, f"server.auth_token_file={token_file}", env={"CODA_TOKEN": ""}) as server:
+        stub = server.stub()
+        for _ in range(4):
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.GetState(pb.GetStateRequest(), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert server.terminate() == 0
+        log = server.log()
+    counts = [int(n) for n in re.findall(r"refused (\d+) call\(s\) without a valid token", log)]
+    assert sum(counts) == 4, log
+    assert "3 call(s) without a valid token since the last report (latest: /coda.pacer.v1.RolloutPacer/GetState, " \
+           "MISSING_TOKEN); 4 in all since start-up; the server is stopping" in log, log
+    assert log.index("4 in all since start-up") < log.index("stopped: step 0")  # written before the last line
+    assert TOKEN not in log

@@ -36,6 +36,7 @@ from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
 
 log = logging.getLogger("coda_server.leases")
 checkpoint_log = logging.getLogger("coda_server.checkpoints")
+lifecycle_log = logging.getLogger("coda_server")  # the lifecycle lines (docs/operations.md, "Logs")
 
 # Control events reach the watchers this long after they happen (see _queue_control).
 CONTROL_FANOUT_DELAY_SECONDS = 0.002
@@ -292,6 +293,8 @@ class AsyncPacer:
                 raise ShuttingDownError("the server shuts down while this Reset waits for running groups; it "
                                         "was abandoned (nothing dropped): retry it once the server is back")
             result = self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
+            # Logged here, once per Reset: a retry answered the remembered result runs none of this.
+            self._log_reset_finished(result, effective)
             if result.dropped_prompt_ids and wait != 0:  # it waited, and its bound ended the wait: work was lost
                 self._warn_dropped(result, effective, wait, bound)
             return result
@@ -299,6 +302,25 @@ class AsyncPacer:
         # The reset runs to its end even if the caller goes away: a half-done reset would leave dispatch
         # paused forever. A retry with the same request_id gets the answer.
         return await self._applied("Reset", request_id, call, mode, resume, weight_version, outlives_caller=True)
+
+    @staticmethod
+    def _log_reset_finished(result: ResetResult, mode: ResetMode) -> None:
+        """One line saying what the Reset did with the groups it found, in figures (never a line per group)."""
+        paused = "dispatch stays paused until a Resume" if result.paused else \
+            f"dispatch resumed at weight version {result.weight_version}"
+        lifecycle_log.info(
+            "Reset finished (mode %s) at step %d, generation %d: %d complete group(s) restored, %d kept for "
+            "continuation, %d incomplete dropped, %d expired, %d quarantined; pause delay %.3fs; %s",
+            mode.name.lower(), result.step, result.generation, len(result.restored), len(result.kept_prompt_ids),
+            len(result.dropped_prompt_ids), len(result.expired), len(result.quarantined), result.pause_delay_seconds,
+            paused,
+            extra={"fields": {"event": "reset_finished", "mode": mode.name.lower(), "step": result.step,
+                              "weight_version": result.weight_version, "generation": result.generation,
+                              "restored": len(result.restored), "kept": len(result.kept_prompt_ids),
+                              "dropped": len(result.dropped_prompt_ids), "expired": len(result.expired),
+                              "quarantined": len(result.quarantined),
+                              "pause_delay_seconds": round(result.pause_delay_seconds, 6),
+                              "paused": result.paused}})
 
     def _warn_dropped(self, result: ResetResult, mode: ResetMode, wait: Optional[float], bound: float) -> None:
         """A Reset that waited for running groups and dropped some when its wait ended: said where the operator sees
@@ -345,7 +367,10 @@ class AsyncPacer:
         checkpoint_log.info("checkpoint taken at step %d (weight version %d): %d buffered groups, %d kept, %d prompts "
                             "in flight", checkpoint["step"], checkpoint["weight_version"], len(checkpoint["buffer"]),
                             len(checkpoint["kept"]), len(checkpoint["in_flight"]),
-                            extra={"fields": {"step": checkpoint["step"], "buffered": len(checkpoint["buffer"])}})
+                            extra={"fields": {"event": "checkpoint", "step": checkpoint["step"],
+                                              "weight_version": checkpoint["weight_version"],
+                                              "buffered": len(checkpoint["buffer"]), "kept": len(checkpoint["kept"]),
+                                              "in_flight": len(checkpoint["in_flight"])}})
         return encoded
 
     async def restore(self, blob: bytes, codec: TrajectoryCodec, request_id: str = "") -> RestoreResult:
@@ -356,7 +381,8 @@ class AsyncPacer:
         async def call() -> RestoreResult:
             result = self.pacer.apply_restore(checkpoint, request_id)
             # Said here, where it happens: a retry answered the remembered result restores nothing.
-            checkpoint_log.warning(checkpoints.restore_summary(result), extra={"fields": dataclasses.asdict(result)})
+            checkpoint_log.warning(checkpoints.restore_summary(result),
+                                   extra={"fields": {"event": "restore", **dataclasses.asdict(result)}})
             return result
 
         return await self._applied("Restore", request_id, call, blob)
