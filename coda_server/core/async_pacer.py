@@ -14,6 +14,7 @@ from .content_keys import ContentKeys
 from .errors import NotReadyError, ShuttingDownError, StateDirUnwritableError
 from .journal import Journal, TrajectoryCodec
 from .pacer import Pacer
+from .reset_steps import log_reset_finished, warn_dropped
 from .shares import PLAIN, BatchShape, describe_shape
 from .state import PacerState
 from .types import (
@@ -36,7 +37,6 @@ from .watchers import DEFAULT_QUEUE_LIMIT, Watcher, WatcherFanout
 
 log = logging.getLogger("coda_server.leases")
 checkpoint_log = logging.getLogger("coda_server.checkpoints")
-lifecycle_log = logging.getLogger("coda_server")  # the lifecycle lines (docs/operations.md, "Logs")
 
 # Control events reach the watchers this long after they happen (see _queue_control).
 CONTROL_FANOUT_DELAY_SECONDS = 0.002
@@ -294,46 +294,14 @@ class AsyncPacer:
                                         "was abandoned (nothing dropped): retry it once the server is back")
             result = self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
             # Logged here, once per Reset: a retry answered the remembered result runs none of this.
-            self._log_reset_finished(result, effective)
+            log_reset_finished(result, effective)
             if result.dropped_prompt_ids and wait != 0:  # it waited, and its bound ended the wait: work was lost
-                self._warn_dropped(result, effective, wait, bound)
+                warn_dropped(result, effective, wait, bound, self.pacer.limits.abort_wait_seconds)
             return result
 
         # The reset runs to its end even if the caller goes away: a half-done reset would leave dispatch
         # paused forever. A retry with the same request_id gets the answer.
         return await self._applied("Reset", request_id, call, mode, resume, weight_version, outlives_caller=True)
-
-    @staticmethod
-    def _log_reset_finished(result: ResetResult, mode: ResetMode) -> None:
-        """One line saying what the Reset did with the groups it found, in figures (never a line per group)."""
-        paused = "dispatch stays paused until a Resume" if result.paused else \
-            f"dispatch resumed at weight version {result.weight_version}"
-        lifecycle_log.info(
-            "Reset finished (mode %s) at step %d, generation %d: %d complete group(s) restored, %d kept for "
-            "continuation, %d incomplete dropped, %d expired, %d quarantined; pause delay %.3fs; %s",
-            mode.name.lower(), result.step, result.generation, len(result.restored), len(result.kept_prompt_ids),
-            len(result.dropped_prompt_ids), len(result.expired), len(result.quarantined), result.pause_delay_seconds,
-            paused,
-            extra={"fields": {"event": "reset_finished", "mode": mode.name.lower(), "step": result.step,
-                              "weight_version": result.weight_version, "generation": result.generation,
-                              "restored": len(result.restored), "kept": len(result.kept_prompt_ids),
-                              "dropped": len(result.dropped_prompt_ids), "expired": len(result.expired),
-                              "quarantined": len(result.quarantined),
-                              "pause_delay_seconds": round(result.pause_delay_seconds, 6),
-                              "paused": result.paused}})
-
-    def _warn_dropped(self, result: ResetResult, mode: ResetMode, wait: Optional[float], bound: float) -> None:
-        """A Reset that waited for running groups and dropped some when its wait ended: said where the operator sees
-        it (LoongSage's waiting pause never drops), with the setting that bounds the wait."""
-        ids = result.dropped_prompt_ids
-        abort_wait = self.pacer.limits.abort_wait_seconds
-        why = (f"its wait_seconds ({wait:g} s)" if wait is not None else
-               f"server.abort_wait_seconds ({abort_wait:g} s)" if mode == ResetMode.ABORT and abort_wait <= bound
-               else f"server.max_wait_seconds or the call's deadline ({bound:g} s)")
-        log.warning("Reset (mode %s) waited %.1f s for running groups and dropped %d incomplete group(s) (%s%s), "
-                    "%d trajectories of them submitted: the wait ended at %s; raise it to wait longer",
-                    mode.name.lower(), result.pause_delay_seconds, len(ids), ", ".join(ids[:5]),
-                    ", ..." if len(ids) > 5 else "", result.report.partial_dropped_incomplete_count, why)
 
     async def ack(self, lease_id: str, request_id: str = "") -> int:
         await self.content_keys.before_ack(lease_id)  # keys computed in the keys thread: let them finish there

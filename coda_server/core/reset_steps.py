@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable, Optional
 
@@ -24,6 +25,8 @@ from .signals import Signals
 from .steps import StepBoundary
 from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, TrajectoryGroup
 
+
+log = logging.getLogger("coda_server")  # the lifecycle lines (docs/operations.md, "Logs")
 
 def reset_wait(mode: ResetMode, wait: Optional[float], until_assembled: float, abort_wait: float = 0.0) -> float:
     """The seconds a Reset waits: `wait` when given; absent, until every running group is assembled, for at most
@@ -194,3 +197,33 @@ class BoundaryCalls:
             self._signals.notify()
             self._recorder.record(JobEnded(now, mode))
             return mode
+
+
+def log_reset_finished(result: ResetResult, mode: ResetMode) -> None:
+    """One line saying what a Reset did with the groups it found, in figures (never a line per group)."""
+    paused = ("dispatch stays paused until a Resume" if result.paused
+              else f"dispatch resumed at weight version {result.weight_version}")
+    log.info("Reset finished (mode %s) at step %d, generation %d: %d complete group(s) restored, %d kept for "
+             "continuation, %d incomplete dropped, %d expired, %d quarantined; pause delay %.3fs; %s",
+             mode.name.lower(), result.step, result.generation, len(result.restored), len(result.kept_prompt_ids),
+             len(result.dropped_prompt_ids), len(result.expired), len(result.quarantined), result.pause_delay_seconds,
+             paused,
+             extra={"fields": {"event": "reset_finished", "mode": mode.name.lower(), "step": result.step,
+                               "weight_version": result.weight_version, "generation": result.generation,
+                               "restored": len(result.restored), "kept": len(result.kept_prompt_ids),
+                               "dropped": len(result.dropped_prompt_ids), "expired": len(result.expired),
+                               "quarantined": len(result.quarantined),
+                               "pause_delay_seconds": round(result.pause_delay_seconds, 6), "paused": result.paused}})
+
+
+def warn_dropped(result: ResetResult, mode: ResetMode, wait: Optional[float], bound: float, abort_wait: float) -> None:
+    """A Reset that waited for running groups and dropped some when its wait ended: said where the operator sees it
+    (LoongSage's waiting pause never drops), with the setting that bounds the wait (`reset_wait`'s)."""
+    ids = result.dropped_prompt_ids
+    why = (f"its wait_seconds ({wait:g} s)" if wait is not None else
+           f"server.abort_wait_seconds ({abort_wait:g} s)" if mode == ResetMode.ABORT and abort_wait <= bound
+           else f"server.max_wait_seconds or the call's deadline ({bound:g} s)")
+    log.warning("Reset (mode %s) waited %.1f s for running groups and dropped %d incomplete group(s) (%s%s), "
+                "%d trajectories of them submitted: the wait ended at %s; raise it to wait longer",
+                mode.name.lower(), result.pause_delay_seconds, len(ids), ", ".join(ids[:5]),
+                ", ..." if len(ids) > 5 else "", result.report.partial_dropped_incomplete_count, why)
