@@ -57,8 +57,11 @@ _GRPC_TYPES = {(False, False): "unary", (False, True): "server_stream",
 
 # ------------------------------------------------------------------------------------------ logging
 
-def log_control_event(pacer_state: Callable[[], PacerState]) -> Callable[[ControlEvent], None]:
-    """A Pacer control listener that logs each pause, resume and the end of the job once, with its figures.
+def log_control_event(pacer_state: Callable[[], PacerState],
+                      replaying: Callable[[], bool] = lambda: False) -> Callable[[ControlEvent], None]:
+    """A Pacer control listener that logs each pause, resume and the end of the job once, with its figures: not
+    again while `replaying()` (a restart's recovery replays the journal's events, which were logged when they
+    happened).
 
     Runs under the pacer lock (it is a control listener): it reads the state, which is re-entrant, and logs.
     SHUTDOWN is logged by the command line, which knows the grace period.
@@ -67,10 +70,13 @@ def log_control_event(pacer_state: Callable[[], PacerState]) -> Callable[[Contro
     restores_seen = [pacer_state().restores]  # a PAUSE whose `restores` grew is a Restore's, not a Reset's
 
     def on_event(event: ControlEvent) -> None:
+        by_restore = event.type == ControlEventType.PAUSE and event.restores > restores_seen[0]
+        restores_seen[0] = max(restores_seen[0], event.restores)
+        if replaying():
+            return
         if event.type == ControlEventType.PAUSE:
             state = pacer_state()
             mode = ResetMode(event.mode).name.lower()
-            by_restore, restores_seen[0] = event.restores > restores_seen[0], event.restores
             what = ("told the workers to abort what they generate for a Restore" if by_restore
                     else "paused dispatch for a Reset")
             log.info("%s (mode %s) at step %d, weight version %d: %d group%s running, "
@@ -439,7 +445,8 @@ class Observability:
         self.registry.register(PacerCollector(async_pacer, lambda: self.ready))
         self.consumption = ConsumptionMetrics(self.registry)
         async_pacer.pacer.add_consume_listener(self.consumption.on_consumed)
-        async_pacer.pacer.add_control_listener(log_control_event(async_pacer.pacer.state))
+        async_pacer.pacer.add_control_listener(log_control_event(
+            async_pacer.pacer.state, lambda: async_pacer.pacer.recorder.replaying))
         # None when server.log_rpcs is off; else the per-RPC lines, written in batches.
         self.access_log = (AccessLog(str(setting(config, "server.log_format")))
                            if bool(setting(config, "server.log_rpcs")) else None)

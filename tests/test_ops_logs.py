@@ -235,3 +235,20 @@ def test_the_stop_line_counts_the_leased_groups_it_keeps_too(tmp_path):
         stopped = [json.loads(line) for line in server.log().splitlines() if '"stopped"' in line]
     assert [(line["buffered"], line["leased"]) for line in stopped] == [(1, 1)]
     assert "1 buffered and 1 leased groups kept in the state directory" in stopped[0]["msg"]
+
+
+def test_a_restart_does_not_log_again_the_pauses_and_resumes_its_recovery_replays(tmp_path):
+    overrides = (*CONFIG, f"server.state_dir={tmp_path / 'state'}")
+    with ServerProcess(tmp_path, *overrides) as first, PacerClient(first.address) as pacer:
+        pacer.reset("wait", wait=0)
+        pacer.resume(1)
+        pacer.reset("wait", wait=0)  # the last Reset's snapshot: the Resume after it is replayed at the restart
+        pacer.resume(2)
+        assert first.terminate() == 0
+    with ServerProcess(tmp_path, *overrides) as second:
+        with PacerClient(second.address) as pacer:
+            assert (pacer.state().step, pacer.state().weight_version) == (2, 2)  # recovered
+        assert second.terminate() == 0
+        log = second.log()
+    assert "recovered state from" in log, log
+    assert "paused dispatch for a Reset" not in log and "resumed dispatch" not in log, log
