@@ -17,6 +17,16 @@ from coda_server.core.strategy import (
 )
 
 
+class LoongSageStyle(SlidingWindowStrategy):
+    """A strategy as LoongSage's users write one: its base built without the config; 8 groups at most."""
+
+    def __init__(self, config):
+        super().__init__()
+
+    def compute_dispatch_count(self, buf_qsize):
+        return 8 - self._running_count - buf_qsize
+
+
 def loongsage_config(name="no-window", batch=4, stale=0.0):
     """The bare config LoongSage's own strategy tests build."""
     return OmegaConf.create({"data_sources": [{"num_prompts_per_step": batch}],
@@ -103,13 +113,7 @@ def test_a_status_compares_equal_to_loongsages_string_value_as_its_str_enum_does
 def test_a_loongsage_gate_testing_status_strings_holds_a_group_with_an_aborted_trajectory(core_config):
     """LoongSage's statuses are strings: its users' gates test `t.status == "aborted"`. Such a gate must hold the
     group here too, not pass aborted work to the trainer without a word."""
-    class CompleteOnly(SlidingWindowStrategy):
-        def __init__(self, config):
-            super().__init__()
-
-        def compute_dispatch_count(self, buf_qsize):
-            return 8 - self._running_count - buf_qsize
-
+    class CompleteOnly(LoongSageStyle):
         def will_collect(self, group):
             return not any(t.status == "aborted" for t in group.values())
 
@@ -147,13 +151,7 @@ def test_trajectories_expose_loongsages_attribute_names():
 def test_will_collect_sees_loongsage_names_in_a_running_pacer(core_config):
     seen = []
 
-    class Recording(SlidingWindowStrategy):
-        def __init__(self, config):
-            super().__init__()
-
-        def compute_dispatch_count(self, buf_qsize):
-            return 8 - self._running_count - buf_qsize
-
+    class Recording(LoongSageStyle):
         def will_collect(self, group):
             seen.extend((t.trajectory_id, t.prompt_id, t.status, t.reward, t.start_rollout_weight_version,
                          t.end_rollout_weight_version, dict(t.metadata)) for t in group.values())
