@@ -1174,7 +1174,11 @@ class _BatchIteratorCore(_IteratorBase):
             batch, self._current = self._current, None
             if batch is not None and batch.lease_ids:
                 self._ack_begins()  # before it is handed to the thread: a close() meanwhile keeps the heartbeats
-                self._acking = self._acker.submit(self._acknowledge_begun, batch)
+                try:
+                    self._acking = self._acker.submit(self._acknowledge_begun, batch)
+                except BaseException:  # the thread is gone (next() after close()): nothing is under way
+                    self._ack_ends()
+                    raise
             if self._pending is None or self._closed:
                 raise _Stopped
             pending, self._pending = self._pending, None
