@@ -1666,9 +1666,11 @@ class AsyncRolloutWorker:
                 self._request_abort(list(self._groups.values()), reason="the job ended (abort)")
             return
         self._job_ended = True
-        logger.info("%s: JOB_ENDED (%s): submitting the %d groups here, then stopping", self.worker_id,
-                    "abort" if mode == ResetMode.ABORT else "finish", len(self._groups),
-                    extra=_fields(worker=self.worker_id, mode=int(mode), groups=len(self._groups)))
+        # A STATE after EndJob carries its mode (a server older than that says none: the groups then finish).
+        how = ("abort" if mode == ResetMode.ABORT else "finish" if mode == ResetMode.WAIT
+               else "mode not said by the server: finishing")
+        logger.info("%s: JOB_ENDED (%s): submitting the %d groups here, then stopping", self.worker_id, how,
+                    len(self._groups), extra=_fields(worker=self.worker_id, mode=int(mode), groups=len(self._groups)))
         if mode == ResetMode.ABORT:
             self._request_abort(list(self._groups.values()), reason="the job ended (abort)")
         self._poke()

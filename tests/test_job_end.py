@@ -126,6 +126,23 @@ def test_a_restarted_server_stays_ended(tmp_path):
                 pacer.resume(1)
 
 
+@pytest.mark.parametrize("mode", [ResetMode.ABORT, ResetMode.WAIT])
+def test_a_stream_opened_after_the_end_hears_how_the_job_ended_also_after_a_restart(tmp_path, mode):
+    """A worker that reconnects after EndJob gets STATE, not the JOB_ENDED event it missed: the STATE carries EndJob's
+    mode, so in ABORT mode the worker aborts what it holds instead of finishing it (it finished, mode not said)."""
+    overrides = [*core_overrides("no-window", B=2, stale=1.0, N=2, M=2), f"server.state_dir={tmp_path / 'state'}"]
+    with ServerProcess(tmp_path, *overrides) as first, PacerClient(first.address) as pacer:
+        pacer.end_job(mode.name.lower(), wait=0)
+        with pacer.watch() as stream:
+            event = next(stream)
+        assert (event.type, event.job_ended, event.mode) == (ControlEventType.STATE, True, mode)
+        assert first.terminate() == 0
+    with ServerProcess(tmp_path, *overrides) as second, PacerClient(second.address) as pacer:
+        with pacer.watch() as stream:
+            event = next(stream)
+        assert (event.type, event.job_ended, event.mode) == (ControlEventType.STATE, True, mode)
+
+
 def test_the_worker_kit_submits_what_it_holds_and_returns_at_job_ended(server):
     async def go():
         source = ListPromptSource([Prompt(f"p{i}", [1, 2, 3]) for i in range(1000)])

@@ -39,9 +39,13 @@ class Signals:
             callback()
 
     def control_event(self, kind: ControlEventType, mode: ResetMode = ResetMode.UNSPECIFIED) -> ControlEvent:
-        steps = self._steps
+        steps, lifecycle = self._steps, self._lifecycle
+        if kind == ControlEventType.STATE and lifecycle.job_ended:
+            # A stream opened after EndJob (a worker reconnecting) hears how the job ended, not only that it did:
+            # in ABORT mode it aborts what it holds rather than finishing it.
+            mode = lifecycle.job_end_mode
         return ControlEvent(kind, mode, steps.weight_version, steps.step, steps.generation, steps.paused,
-                            self._totals["restores"], self._lifecycle.job_ended)
+                            self._totals["restores"], lifecycle.job_ended)
 
     def emit(self, kind: ControlEventType, mode: ResetMode = ResetMode.UNSPECIFIED) -> None:
         """A PAUSE, RESUME, JOB_ENDED or SHUTDOWN for the control listeners (the watch streams)."""
