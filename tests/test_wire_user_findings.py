@@ -192,9 +192,9 @@ def test_a_late_submit_hears_the_next_reset_returns_the_group_without_continuati
     (False, "returned by the next Reset", "re-offer"),
 ])
 def test_lease_expired_told_the_configuration_says_only_what_happens_under_it(kept, says, never):
-    sorting = SubmitSorting(expired=["p"], kept_for_continuation=kept)
+    sorting = SubmitSorting(expired=["p"])
     with pytest.raises(LeaseExpiredError) as caught:
-        sorting.refuse(1, 4, 30.0)
+        sorting.refuse(1, 4, 30.0, kept)
     assert says in caught.value.message and never not in caught.value.message
 
 

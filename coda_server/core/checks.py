@@ -51,16 +51,16 @@ class SubmitSorting:
     # without them, in a Submit not fenced to that dispatch (fenced, they are violations): (trajectory id, prompt
     # id, the running dispatch's seq). A late retry of the earlier Submit, or new work under reused ids.
     earlier_dispatch: list[tuple[str, str, int]] = field(default_factory=list)
-    # rollout.continue_restored: what became of an expired prompt's group (kept, or returned by the next Reset).
-    kept_for_continuation: bool = True
 
     @property
     def refused_as_stale(self) -> bool:
         """Refused for stale trajectories (which are counted), not for an earlier reason."""
         return bool(self.stale) and not self.violations and not self.unknown
 
-    def refuse(self, generation: int, remembered_generations: Optional[int], inflight_lease_seconds: float) -> None:
-        """Raise for the first kind of problem found, in this order: malformed, unknown, stale, expired."""
+    def refuse(self, generation: int, remembered_generations: Optional[int], inflight_lease_seconds: float,
+               kept_for_continuation: bool) -> None:
+        """Raise for the first kind of problem found, in this order: malformed, unknown, stale, expired.
+        `kept_for_continuation` (rollout.continue_restored) says what became of an expired prompt's group."""
         if self.violations:
             raise refused("Submit", "accepted", self.violations)
         if self.unknown:
@@ -73,7 +73,7 @@ class SubmitSorting:
             raise LeaseExpiredError(f"Submit refused, nothing accepted: the in-flight lease of prompt "
                                     f"{self.expired[0]!r} ran out (server.inflight_lease_seconds = "
                                     f"{inflight_lease_seconds:g}) and its slot was reclaimed; "
-                                    f"{expired_group_fate(self.kept_for_continuation)}")
+                                    f"{expired_group_fate(kept_for_continuation)}")
 
 
 def expired_group_fate(kept_for_continuation: bool) -> str:
@@ -186,6 +186,19 @@ class RequestChecks:
         if violations:
             raise refused("KeepAlive", "renewed", violations)
 
+    @staticmethod
+    def check_fence_targets(dispatch_seqs: Mapping[str, int], trajectories: Sequence[Trajectory]) -> None:
+        """Refuse a fence for a group the Submit carries nothing of: its sender's mistake, which would leave the
+        Submit unfenced (the fence itself is checked against the running dispatches: `InflightTable.check_fences`)."""
+        carried = {t.prompt_id for t in trajectories}
+        absent = [prompt_id for prompt_id in dispatch_seqs if prompt_id not in carried]
+        if absent:
+            raise InvalidArgumentError(
+                f"dispatch_seqs names prompt {absent[0]!r}, which no trajectory of this Submit belongs to; name the "
+                f"groups whose trajectories the Submit carries, each with the seq its Dispatch answered",
+                violations=[(f"dispatch_seqs[{p!r}]", "no trajectory of this Submit belongs to this prompt")
+                            for p in absent])
+
     def check_submit_size(self, trajectories: Sequence[Trajectory]) -> None:
         limit = self.limits.max_trajectories
         if len(trajectories) > limit:
@@ -263,7 +276,6 @@ class RequestChecks:
             added_per_group[pid] = added
             in_batch[tid] = t
             fresh.append(t)
-        sorting.kept_for_continuation = self.continue_restored
         return sorting
 
     def _trajectory_problems(self, i: int, t: Trajectory) -> list[tuple[str, str]]:

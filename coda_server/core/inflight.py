@@ -244,18 +244,9 @@ class InflightTable:
         return [(prompt_id, seq, latest[prompt_id]) for prompt_id, seq in dispatch_seqs.items()
                 if prompt_id in latest and latest[prompt_id] != seq]
 
-    def check_fences(self, dispatch_seqs: Mapping[str, int], trajectories: Sequence[Trajectory]) -> None:
+    def check_fences(self, dispatch_seqs: Mapping[str, int]) -> None:
         """Refuse a Submit from a worker that lost a group: the group was released from it (lease or liveness)
-        and handed out again, so its running dispatch has another seq than the one the Submit names. A fence
-        for a group the Submit carries nothing of is a mistake of its sender (the Submit would go unfenced)."""
-        carried = {t.prompt_id for t in trajectories}
-        absent = [prompt_id for prompt_id in dispatch_seqs if prompt_id not in carried]
-        if absent:
-            raise InvalidArgumentError(
-                f"dispatch_seqs names prompt {absent[0]!r}, which no trajectory of this Submit belongs to; name the "
-                f"groups whose trajectories the Submit carries, each with the seq its Dispatch answered",
-                violations=[(f"dispatch_seqs[{p!r}]", "no trajectory of this Submit belongs to this prompt")
-                            for p in absent])
+        and handed out again, so its running dispatch has another seq than the one the Submit names."""
         stale = self.stale_fences(dispatch_seqs)
         never = [(prompt_id, yours, now) for prompt_id, yours, now in stale if yours > now]
         if never:  # seqs only grow: a later seq than the group's latest was never this group's

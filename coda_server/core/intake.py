@@ -41,7 +41,8 @@ class Intake:
                dispatch_seqs: Optional[Mapping[str, int]]) -> SubmitResult:
         """See `Pacer.apply_submit`."""
         if dispatch_seqs:
-            self._inflight.check_fences(dispatch_seqs, trajectories)
+            self._checks.check_fence_targets(dispatch_seqs, trajectories)
+            self._inflight.check_fences(dispatch_seqs)
         collector, totals = self._collector, self._totals
         collector.clear_failures()
         stale_before = totals["stale_rejected"]
@@ -81,7 +82,8 @@ class Intake:
         sorted_ = inflight.sort_submit(self._checks, trajectories, dispatch_seqs)
         if sorted_.refused_as_stale:
             self._totals["stale_rejected"] += len(sorted_.stale)
-        sorted_.refuse(self._steps.generation, inflight.remembered_generations, self._leases.inflight_seconds)
+        sorted_.refuse(self._steps.generation, inflight.remembered_generations, self._leases.inflight_seconds,
+                       self._checks.continue_restored)
         limits = self._limits
         if limits.max_held_bytes or limits.max_buffered_groups:
             get = inflight.get
