@@ -7,6 +7,8 @@ each one change the Pacer acknowledged. Recovery imports the snapshot and replay
 """
 from __future__ import annotations
 
+import copyreg
+import enum
 import io
 import pickle
 from contextlib import contextmanager
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Optional, Protocol
 
-from .types import PromptRef, ResetMode, Trajectory
+from .types import PromptRef, ResetMode, Trajectory, TrajectoryStatus
 
 # synchronous= levels. WAL mode writes every commit to the OS before returning, so each of these
 # survives kill -9 of the server; they differ in what survives a machine crash or power loss.
@@ -227,6 +229,22 @@ ALLOWED_CLASSES = {
     ("collections", "OrderedDict"), ("collections", "deque")}
 
 
+# The enums a journal holds, pickled by value on every Python: 3.11.0-3.11.3 pickle an enum member as
+# getattr(class, name), which a restricted unpickler cannot allow, so such a journal could not be read back.
+JOURNAL_ENUMS = (TrajectoryStatus, ResetMode)
+
+
+def _enum_by_value(member: enum.Enum) -> tuple:
+    return type(member), (member.value,)
+
+
+def _enum_member_by_name(enum_class: Any, name: Any) -> enum.Enum:
+    """Reads an enum member pickled by name (journals written by Python 3.11.0-3.11.3): only a journal enum's."""
+    if enum_class not in JOURNAL_ENUMS or not isinstance(name, str) or name not in enum_class.__members__:
+        raise pickle.UnpicklingError(f"the journal names {name!r} of {enum_class!r}, which it may not contain")
+    return enum_class[name]
+
+
 def dumps(value: Any, codec: TrajectoryCodec, prefix: bytes = b"") -> bytes:
     """`value` pickled, trajectories as the codec's bytes, written after `prefix` (no second copy to prepend it)."""
     buffer = io.BytesIO()
@@ -242,7 +260,9 @@ def loads(data: bytes, codec: TrajectoryCodec) -> Any:
 # persistent_id and persistent_load are methods of these subclasses, not attributes set on a pickler: from Python
 # 3.13 on, the C pickler's are read-only on an instance.
 class _TrajectoryPickler(pickle.Pickler):
-    """Pickles each trajectory as its codec's bytes (a persistent id), everything else as pickle does."""
+    """Pickles each trajectory as its codec's bytes (a persistent id), enums by value, the rest as pickle does."""
+
+    dispatch_table = {**copyreg.dispatch_table, **{enum_class: _enum_by_value for enum_class in JOURNAL_ENUMS}}
 
     def __init__(self, file: IO[bytes], codec: TrajectoryCodec):
         super().__init__(file, protocol=5)
@@ -263,6 +283,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return self._decode(pid)
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):  # an enum member by name (Python 3.11.0-3.11.3)
+            return _enum_member_by_name
         if (module, name) not in ALLOWED_CLASSES:
             raise pickle.UnpicklingError(f"the journal refers to {module}.{name}, which it may not contain")
         return super().find_class(module, name)
