@@ -18,8 +18,35 @@ PROTO_FILE = "coda/pacer/v1/pacer.proto"
 DEFAULT_OUT = ROOT / "coda_client" / "_proto"
 GENERATED = ("pacer_pb2.py", "pacer_pb2.pyi", "pacer_pb2_grpc.py")
 
+# The package's __init__: imports both modules at once, so that runtimes older than the generating versions (an
+# engine's pinned grpcio or protobuf) fail at `import coda_client` in one line naming coda-pacer and what it needs.
 INIT_TEXT = '''"""Generated protobuf and gRPC modules of coda.pacer.v1 (from scripts/gen_proto.py; do not edit)."""
+
+# The versions these modules were generated with: the oldest runtimes they import under.
+GRPCIO_GENERATED = "{grpcio}"
+PROTOBUF_GENERATED = "{protobuf}"
+
+try:
+    from . import pacer_pb2, pacer_pb2_grpc
+except Exception as error:  # protobuf's VersionError, the gRPC stub's RuntimeError, an ImportError
+    from importlib.metadata import PackageNotFoundError, version
+
+    def _installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "none"
+
+    raise ImportError(
+        f"coda-pacer's client needs grpcio >= {{GRPCIO_GENERATED}} and protobuf >= {{PROTOBUF_GENERATED}} of major "
+        f"version {{PROTOBUF_GENERATED.split('.')[0]}} (installed: grpcio {{_installed('grpcio')}}, protobuf "
+        f"{{_installed('protobuf')}}): pip install 'grpcio>={{GRPCIO_GENERATED}}' "
+        f"'protobuf>={{PROTOBUF_GENERATED}},<{{int(PROTOBUF_GENERATED.split('.')[0]) + 1}}' "
+        f"({{type(error).__name__}}: {{error}})") from None
 '''
+_GRPCIO_GENERATED = re.compile(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", re.MULTILINE)
+_PROTOBUF_GENERATED = re.compile(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*"
+                                 r"(\d+),\s*(\d+),")
 
 # protoc names imports after the proto package (`from coda.pacer.v1 import pacer_pb2`). A top-level `coda`
 # import would resolve to, or shadow, the LoongSage `coda` package in the trainer process, so the gRPC
@@ -76,8 +103,12 @@ def generate(out_dir: Path) -> list[Path]:
             # Bytes, not text mode: identical output on every platform (no newline translation).
             path.write_bytes(text.encode("utf-8"))
             written.append(path)
+    grpcio = _GRPCIO_GENERATED.search((out_dir / "pacer_pb2_grpc.py").read_text(encoding="utf-8"))
+    protobuf = _PROTOBUF_GENERATED.search((out_dir / "pacer_pb2.py").read_text(encoding="utf-8"))
+    if grpcio is None or protobuf is None:
+        raise SystemExit("the generated modules no longer name the versions they were generated with")
     init = out_dir / "__init__.py"
-    init.write_bytes(INIT_TEXT.encode("utf-8"))
+    init.write_bytes(INIT_TEXT.format(grpcio=grpcio.group(1), protobuf=".".join(protobuf.groups())).encode("utf-8"))
     written.append(init)
     return written
 
