@@ -1,6 +1,7 @@
 """Dispatch's admission: the window the strategy opens, kept groups re-offered first, candidates admitted."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Sequence
 
 from .buffer import PipelineBuffer
@@ -15,11 +16,14 @@ from .journal import Dispatched, Recorder
 from .leases import Leases
 from .limits import Limits
 from .liveness import Liveness
+from .plugins import where
 from .replay import RestoredGroups
 from .signals import Signals
 from .steps import StepBoundary
-from .strategy import dispatched_ids_only
+from .strategy import MAX_DISPATCH_COUNT, checked_count, dispatched_ids_only, overridden_hook
 from .types import DispatchResult, PromptRef, TrajectoryGroup
+
+log = logging.getLogger("coda_server.strategy")
 
 
 class Admission:
@@ -41,6 +45,9 @@ class Admission:
         # The built-in strategies read only the ids in on_dispatched: they get the in-flight groups themselves,
         # without a LoongSage-form copy of each (a Python object per admitted group).
         self._ids_only = dispatched_ids_only(hooks)
+        # An on_dispatched of the strategy's own must count the groups in (super()): checked on each admission, two
+        # reads, until a mismatch is warned about once.
+        self._watch_running = overridden_hook(hooks, "on_dispatched") is not None
 
     def admit(self, candidates: Sequence[PromptRef], request_id: str, client_id: str,
               max_continuations: Optional[int], continued_ids: Optional[Sequence[str]]) -> DispatchResult:
@@ -76,6 +83,7 @@ class Admission:
             # The strategy hears first: if a custom strategy raises, the pacer is unchanged. It sees each group
             # with its trajectories as LoongSage hands them to on_dispatched: the N pending ones of a new group,
             # those a continued group brings back.
+            running_before = getattr(self._hooks, "_running_count", None) if self._watch_running else None
             try:
                 if self._ids_only:
                     self._hooks.on_dispatched(groups)
@@ -84,6 +92,9 @@ class Admission:
                     self._hooks.on_dispatched([DispatchedGroup(group, brought.get(group.prompt_id)) for group in groups])
             except Exception as exc:
                 raise self._failures.refused("on_dispatched", exc, "nothing was admitted") from exc
+            if running_before is not None and \
+                    getattr(self._hooks, "_running_count", None) != running_before + len(groups):
+                self._warn_running_count(running_before, len(groups))
             inflight.admit(groups)
             self._cursor.mark_all(admitted_refs)
             admitted_ids = [ref.prompt_id for ref in admitted_refs]
@@ -111,6 +122,17 @@ class Admission:
                                     self._liveness.watched(client_id)))
         return result
 
+    def _warn_running_count(self, before: int, admitted: int) -> None:
+        """Warn, once, that the strategy's _running_count did not grow by the groups its on_dispatched was told of:
+        an override that forgot super().on_dispatched(groups) leaves R at 0, and the window admits past C."""
+        self._watch_running = False
+        after = getattr(self._hooks, "_running_count", None)
+        hook = type(self._hooks).on_dispatched
+        log.warning("strategy %r: its _running_count went from %s to %s while on_dispatched was told of %d admitted "
+                    "group(s); does %s call super().on_dispatched(groups)? Without it the strategy counts fewer "
+                    "running groups than there are (GetState running) and its window admits too many (warned once)",
+                    self._failures.strategy, before, after, admitted, where(hook))
+
     def peek(self) -> DispatchResult:
         """`admit` without candidates, kept groups or their count (a peek at the window): nothing is admitted,
         so the answer is the window as it is, without admission's bookkeeping. A closed pacer refuses it."""
@@ -130,13 +152,16 @@ class Admission:
             return 0
         try:
             count = self._hooks.compute_dispatch_count(len(self._buffer.entries))
-            if count.__class__ is not int:  # a custom strategy may answer a float or a NumPy integer
-                count = int(count)
+            if count.__class__ is not int:  # a NumPy integer is taken; a float, bool, str or None refused
+                count = checked_count(count)
         except Exception as exc:
             if not refusing:
                 return 0
             raise self._failures.refused("compute_dispatch_count", exc, "nothing was admitted") from exc
-        return count if count > 0 else 0  # not max(): a builtin parsing keywords costs several times more
+        # Clamped to 0 .. MAX_DISPATCH_COUNT (not max()/min(): a builtin parsing keywords costs several times more).
+        if count > 0:
+            return count if count < MAX_DISPATCH_COUNT else MAX_DISPATCH_COUNT
+        return 0
 
     def admissible_after_change(self) -> int:
         """What a Dispatch would admit now, for an answer (or GetState) that must not fail: a raising

@@ -1,16 +1,25 @@
 """Incidents (a raising strategy hook, a refused dirty group): their log, and the errors that report them."""
 from __future__ import annotations
 
+import logging
+import sys
 from collections import deque
 from typing import Any, Callable, Iterable, Optional
 
 from .errors import DirtyGroupError, PacerError, StrategyHookError
 from .types import Incident, Trajectory, TrajectoryStatus
 
+log = logging.getLogger("coda_server.strategy")
+
 HOOK_FAILED = "hook_failed"
 DIRTY_GROUP = "dirty_group"
 QUARANTINED = "quarantined"
 REFUSED = "refused"
+
+
+class WrongAnswer(TypeError):
+    """A hook returned what the pacer cannot use (its message says what, beginning "returned"): reported as the
+    hook's incident, as if it had raised."""
 
 
 class IncidentLog:
@@ -68,30 +77,57 @@ class HookFailures:
         self._steps = steps  # the StepBoundary: the step and generation an incident is stamped with
         self._notify = notify
 
-    def incident(self, kind: str, prompt_id: str, hook: str, message: str, action: str = QUARANTINED) -> Incident:
+    @property
+    def strategy(self) -> str:
+        """The strategy's registered name, which every incident is stamped with."""
+        return self._strategy
+
+    def incident(self, kind: str, prompt_id: str, hook: str, message: str, action: str = QUARANTINED,
+                 exc: Optional[BaseException] = None) -> Incident:
+        """Record an incident; a hook's is logged once too, with the traceback of `exc` (by default the exception
+        being handled: every hook's incident is recorded where its exception is caught)."""
         steps = self._steps
         incident = Incident(kind, prompt_id, self._strategy, hook, message, steps.step, steps.generation, action)
         self._log.record(incident)
+        if kind == HOOK_FAILED:
+            _log_hook_failure(incident, exc if exc is not None else sys.exc_info()[1])
         return incident
 
     def refused(self, hook: str, exc: BaseException, consequence: str) -> StrategyHookError:
         """The error of a call a raising hook stopped before it changed anything (recorded as an incident; a
         waiting Collect is woken to report it)."""
-        self.incident(HOOK_FAILED, "", hook, describe_exception(exc), REFUSED)
+        self.incident(HOOK_FAILED, "", hook, describe_exception(exc), REFUSED, exc)
         self._notify()
         return hook_error(self._strategy, hook, exc, consequence=consequence)
 
 
+def _log_hook_failure(incident: Incident, exc: Optional[BaseException]) -> None:
+    """One WARNING per hook incident, with the traceback (the strategy's file and line) when the hook raised."""
+    group = f" for group {incident.prompt_id!r}" if incident.prompt_id else ""
+    # A wrong answer's traceback is the pacer's own: the message says all there is.
+    trace = exc if exc is not None and not isinstance(exc, WrongAnswer) else None
+    log.warning("strategy %r hook %s %s (incident at step %d: %s)", incident.strategy, incident.hook,
+                _outcome(incident.message, group), incident.step, incident.action, exc_info=trace)
+
+
+def _outcome(message: str, group: str = "") -> str:
+    """"raised for group 'p': KeyError: ..." or, for a wrong answer, "for group 'p' returned None (...)"."""
+    return f"{group.lstrip()} {message}".lstrip() if message.startswith("returned ") else f"raised{group}: {message}"
+
+
 def describe_exception(exc: BaseException) -> str:
     text = str(exc)
+    if isinstance(exc, WrongAnswer):  # "returned None (NoneType), not an int: ..."
+        return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def hook_error(strategy: str, hook: str, exc: BaseException, *, prompt_id: str = "", consequence: str = "") -> StrategyHookError:
-    """The INTERNAL error a call gets when a strategy hook raised under it, naming strategy and hook."""
+    """The INTERNAL error a call gets when a strategy hook raised under it (or returned what the pacer cannot use),
+    naming strategy and hook."""
     where = f" for group {prompt_id!r}" if prompt_id else ""
     tail = f"; {consequence}" if consequence else ""
-    return StrategyHookError(f"strategy {strategy!r} hook {hook} raised{where}: {describe_exception(exc)}{tail}",
+    return StrategyHookError(f"strategy {strategy!r} hook {hook} {_outcome(describe_exception(exc), where)}{tail}",
                              strategy=strategy, hook=hook)
 
 
@@ -113,8 +149,8 @@ def collect_error(incidents: list[Incident], dropped: int = 0) -> PacerError:
     groups = "quarantined groups come back in the next Reset's `quarantined`"
     if hooks:
         return StrategyHookError(
-            f"since the last Collect, strategy {first.strategy!r} hook {first.hook} raised"
-            f"{' for group ' + repr(first.prompt_id) if first.prompt_id else ''}: {first.message} "
+            f"since the last Collect, strategy {first.strategy!r} hook {first.hook} "
+            f"{_outcome(first.message, ' for group ' + repr(first.prompt_id) if first.prompt_id else '')} "
             f"(group {first.action}){more}; the buffered groups stay for the next Collect; {groups}",
             strategy=first.strategy, hook=first.hook)
     return DirtyGroupError(

@@ -17,7 +17,7 @@ from .clock import PacerClock
 from .collector import Collector
 from .cursor import PromptCursor
 from .errors import RecoveryError, StrategyHookError
-from .incidents import HookFailures, IncidentLog
+from .incidents import HookFailures, IncidentLog, hook_error
 from .inflight import HeldBytes, InflightTable
 from .job_end import Lifecycle
 from .journal import (
@@ -40,6 +40,7 @@ from .journal import (
 )
 from .leases import LAPSED_UNKNOWN, Leases
 from .liveness import Liveness
+from .plugins import raised_at, source_directory
 from .replay import RestoredGroups
 from .reset_steps import BoundaryCalls
 from .shares import BatchShape
@@ -49,6 +50,18 @@ if TYPE_CHECKING:
     from .workers import Workers
 
 SNAPSHOT_FORMAT = 2  # 2: DispatchResult keeps admitted prompt ids and the first seq
+
+
+class StrategyRestoreError(Exception):
+    """The strategy's restore() raised on the state its state() saved in the snapshot, which was read fine."""
+
+    def __init__(self, strategy: str, exc: BaseException, at: str):
+        place = f" (at {at})" if at else ""
+        super().__init__(
+            f"{hook_error(strategy, 'restore', exc)}{place}; the snapshot itself was read, and the state directory is "
+            f"intact (do not move it aside: that loses the running and buffered groups): make restore() take back "
+            f"what state() saves (e.g. a key renamed since the snapshot was written), or start the strategy version "
+            f"that wrote it")
 
 
 class Snapshot:
@@ -107,7 +120,11 @@ class Snapshot:
         self._checkpoints.restore_marks(snapshot)
         saved = snapshot.get("strategy")  # absent from snapshots written before strategies kept state
         if saved and saved.get("state") is not None and saved.get("name") == self._strategy_name:
-            self._hooks.restore(saved["state"])
+            try:
+                self._hooks.restore(saved["state"])
+            except Exception as exc:  # the strategy's bug, not the snapshot's: said so, or the state dir gets deleted
+                at = raised_at(exc, source_directory(type(self._hooks)))
+                raise StrategyRestoreError(self._strategy_name, exc, at) from exc
         self._lifecycle.restore(snapshot)
 
 
@@ -140,6 +157,8 @@ class Recovery:
             if snapshot is not None:
                 try:
                     self._snapshot.load(snapshot)
+                except StrategyRestoreError as exc:
+                    raise RecoveryError(f"cannot recover the state in {journal.directory}: {exc}") from None
                 except (KeyError, ValueError) as exc:
                     raise RecoveryError(f"cannot read the state snapshot in {journal.directory}: {exc}") from None
             for number, recorded_event in enumerate(recorded_events, 1):

@@ -5,6 +5,7 @@ import difflib
 from typing import Callable, Generic, TypeVar
 
 from .errors import ConfigError
+from .plugins import where
 
 T = TypeVar("T", bound=type)
 
@@ -16,6 +17,9 @@ class Registry(Generic[T]):
         self.kind = kind
         self.config_key = config_key
         self._classes: dict[str, T] = {}
+        # name -> (the class kept, what names it and the refused one with their files): choosing a name two plugins
+        # claim is refused (`clash`). Said now: the refused class's module is gone from sys.modules once skipped.
+        self._clashes: dict[str, tuple[T, str]] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
         if not isinstance(name, str) or not name:
@@ -25,10 +29,10 @@ class Registry(Generic[T]):
             existing = self._classes.get(name)
             # Re-importing the same module (e.g. reloaded plugins) re-registers the same qualified class.
             if existing is not None and _qualified(existing) != _qualified(cls):
-                raise ValueError(
-                    f"{self.kind} name {name!r} is already registered by {_qualified(existing)}; "
-                    f"{_qualified(cls)} must use another name"
-                )
+                kept, refused = where(existing), where(cls)
+                self._clashes[name] = (existing, f"{kept} (kept) and {refused} (refused, its module skipped)")
+                raise ValueError(f"{self.kind} name {name!r} is already registered by {kept}; {refused} must use "
+                                 f"another name")
             self._classes[name] = cls
             return cls
 
@@ -42,6 +46,12 @@ class Registry(Generic[T]):
                 f"{self.config_key}: Unknown {self.kind} {name!r}; registered: {', '.join(self.names())}"
                 f"{self.did_you_mean(name)}"
             ) from None
+
+    def clash(self, name: object) -> str:
+        """What makes `name` ambiguous ("" if nothing): two plugins registered it, and only the first was kept."""
+        if not isinstance(name, str) or name not in self._clashes:
+            return ""
+        return f"two modules register the {self.kind} name {name!r}: {self._clashes[name][1]}"
 
     def names(self) -> list[str]:
         return sorted(self._classes)
@@ -69,6 +79,7 @@ class Registry(Generic[T]):
         """Forget every registration made since `saved()`."""
         self._classes.clear()
         self._classes.update(saved)
+        self._clashes = {name: pair for name, pair in self._clashes.items() if saved.get(name) is pair[0]}
 
 
 def _qualified(cls: type) -> str:

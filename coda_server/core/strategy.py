@@ -4,11 +4,14 @@ from __future__ import annotations
 import abc
 import heapq
 import inspect
+import numbers
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .errors import ConfigError, not_built
+from .incidents import WrongAnswer
+from .plugins import failure, raised_at, source_directory, source_file, where
 from .registry import Registry
 from .settings import setting
 from .types import TrajectoryStatus
@@ -36,6 +39,26 @@ def register_sliding_window_strategy(name: str):
         return register(cls)
 
     return decorate
+
+
+#: The most a Dispatch may admit at once, as the pacer reads compute_dispatch_count (clamped to 0 .. this): a larger
+#: answer ("no limit") reads as this, so Dispatch's `remaining` and GetState's `capacity` fit the wire's uint64 and
+#: a client that reads them as int64.
+MAX_DISPATCH_COUNT = 2**63 - 1
+#: What compute_dispatch_count may return, as a refusal says it.
+DISPATCH_COUNT_ALLOWED = ("an int (a NumPy integer too; not a bool, float, str or None); below 0 reads as 0, above "
+                          "2**63 - 1 as 2**63 - 1")
+
+
+def checked_count(value: Any) -> int:
+    """compute_dispatch_count's answer as an int: an int as it is, a NumPy (numbers.Integral) integer converted;
+    anything else (a bool, a float even if whole, a str, None) is refused with WrongAnswer, saying what it was."""
+    if value.__class__ is int:
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise WrongAnswer(f"returned {value!r:.80} ({type(value).__name__}), not an int: it must return "
+                      f"{DISPATCH_COUNT_ALLOWED}")
 
 
 class SlidingWindowStrategy(abc.ABC):
@@ -250,7 +273,7 @@ class ThreadSafeStrategy(SlidingWindowStrategy):
 
     def compute_dispatch_count(self, buf_qsize: int) -> int:
         with self.lock:
-            return int(self._strategy.compute_dispatch_count(buf_qsize))
+            return checked_count(self._strategy.compute_dispatch_count(buf_qsize))
 
     def on_dispatched(self, groups: Iterable[Any]) -> None:
         with self.lock:
@@ -306,27 +329,77 @@ def create_strategy(config: Any, name: str | None = None, lock: Any = None) -> T
     `lock` when given: a pacer passes its own).
 
     `config` is any object with `config.data_sources[0].num_prompts_per_step`,
-    `config.fully_async.stale_steps` and `.get()`, e.g. an OmegaConf DictConfig. An unknown name raises
-    ConfigError (a ValueError) saying "Unknown sliding_window strategy" and listing the registered ones; so does
-    a strategy whose __init__ raises (a custom strategy's bug, or a configuration it refuses), naming it, what it
-    raised and its file, in one line instead of a traceback at start-up.
+    `config.fully_async.stale_steps` and `.get()`, e.g. an OmegaConf DictConfig. Every refusal is a ConfigError (a
+    ValueError) in one line naming the key, the strategy and its file, so start-up stops before the state directory is
+    touched, not at the first Dispatch: an unknown name (listing the registered ones), a name two modules register
+    and a plugin that is no SlidingWindowStrategy (`check_strategy`); an __init__ that raises or does not call
+    super().__init__(); a compute_dispatch_count(0) that raises or returns no int (asked once here: it must be free of
+    side effects).
     """
     if name is None:
         name = setting(config, "fully_async.sliding_window")
-    cls = STRATEGIES.get(name)
+    cls = check_strategy(name)
+    subject = f"fully_async.sliding_window = {name!r}"
+    remedy = f"fix it or choose another (registered: {', '.join(STRATEGIES.names())})"
     try:
         strategy = cls(config)
     except ConfigError:  # already names the key and what is allowed (e.g. read_options)
         raise
     except Exception as exc:
-        try:
-            where = f" ({inspect.getsourcefile(cls)})"
-        except TypeError:
-            where = ""
-        raise not_built(f"fully_async.sliding_window = {name!r}", "the strategy", exc,
-                        f"fix the strategy{where} or choose another (registered: {', '.join(STRATEGIES.names())})"
-                        ) from None
+        raise not_built(subject, "the strategy", exc, f"fix the strategy (at {_at(cls, exc)}) or choose another "
+                                                      f"(registered: {', '.join(STRATEGIES.names())})") from None
+    try:
+        strategy._running_count
+    except AttributeError:
+        raise ConfigError(f"{subject}: the strategy {where(cls)} was built, but its __init__ does not call "
+                          f"super().__init__(config), which sets _running_count: call it first in __init__") from None
+    try:
+        checked_count(strategy.compute_dispatch_count(0))
+    except WrongAnswer as exc:
+        raise ConfigError(f"{subject}: the strategy {where(cls)}: compute_dispatch_count(0) {exc}; {remedy}") from None
+    except Exception as exc:
+        raise ConfigError(f"{subject}: the strategy {where(cls)}: compute_dispatch_count(0) raised "
+                          f"{failure(exc, source_directory(cls))} (asked once at start-up; it must not raise, nor "
+                          f"change anything); {remedy}") from None
     return ThreadSafeStrategy(strategy, name, lock)
+
+
+# What a sliding-window strategy must be, as a refusal says it.
+STRATEGY_API = ("a class derived from coda_server.SlidingWindowStrategy, built with (config) (its __init__ calling "
+                "super().__init__(config)), whose compute_dispatch_count(self, buf_qsize) returns an int")
+
+
+def check_strategy(name: Any, key: str = "fully_async.sliding_window") -> type:
+    """The class registered as `name`, checked before anything is built, as `check_replay_strategy` checks a buffer
+    replay strategy: ConfigError in one line, naming `key`, for an unknown name, a name two modules register (both
+    files named), and a plugin that is not a SlidingWindowStrategy class (its file named)."""
+    plugin = STRATEGIES.get(name)
+    clash = STRATEGIES.clash(name)
+    if clash:
+        raise ConfigError(f"{key} = {name!r}: {clash}; give one of them another name (@register_sliding_window_"
+                          f"strategy) or take its module out of the strategy directories")
+    if not (isinstance(plugin, type) and issubclass(plugin, SlidingWindowStrategy)):
+        if inspect.isfunction(plugin) or inspect.ismethod(plugin) or inspect.isbuiltin(plugin):
+            what = f"is a function taking {_parameters(plugin)}, not a class"
+        elif isinstance(plugin, type):
+            what = "is a class not derived from SlidingWindowStrategy"
+        else:
+            what = f"is a {type(plugin).__name__} object, not a class"
+        raise ConfigError(f"{key} = {name!r}: the strategy {where(plugin)} {what}; a sliding_window strategy is "
+                          f"{STRATEGY_API} (docs/custom-strategies.md)")
+    return plugin
+
+
+def _parameters(function: Any) -> str:
+    try:
+        return str(inspect.signature(function)).split(" ->")[0]
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _at(cls: type, exc: BaseException) -> str:
+    """Where in the strategy's code `exc` was raised (its file and line), else its file."""
+    return raised_at(exc, source_directory(cls)) or source_file(cls) or where(cls)
 
 
 def options_section(cls: type, name: str) -> str:
