@@ -15,6 +15,9 @@ SEL = 'instance=~"$instance"'  # every query follows the dashboard's instance se
 R = "$__rate_interval"
 SVC = 'grpc_service="coda.pacer.v1.RolloutPacer"'
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+# The long-polls whose handling time is waiting: the trainer's (Collect, and CollectStream, which batches() uses),
+# the workers' Dispatch, the step boundary's Reset.
+WAITING_METHODS = "Collect|CollectStream|Dispatch|Reset"
 WIDTH = 24  # Grafana's grid width
 
 
@@ -71,7 +74,7 @@ panel("Step, weight version, paused", "Resume increments the step and sets the w
        (f"coda_pacer_weight_version{{{SEL}}}", "weight version {{instance}}"),
        (f"coda_pacer_paused{{{SEL}}}", "paused {{instance}}")])
 panel("Trajectory queue, waiting long-polls, watchers", "Trajectories of running groups held in the server; "
-      "long-polls (Dispatch, Collect, Reset) waiting now; WatchControl streams open.",
+      "long-polls (Dispatch, Collect, CollectStream, Reset) waiting now; WatchControl streams open.",
       [(f"coda_pacer_queued_trajectories{{{SEL}}}", "queued trajectories {{instance}}"),
        (f"coda_pacer_waiting_calls{{{SEL}}}", "waiting long-polls {{instance}}"),
        (f"coda_pacer_watchers{{{SEL}}}", "watchers {{instance}}")])
@@ -85,9 +88,10 @@ panel("Groups per second", "Dispatched (generation starts), collected (complete 
       [(f"sum(rate(coda_pacer_dispatched_groups_total{{{SEL}}}[{R}]))", "dispatched"),
        (f"sum(rate(coda_pacer_collected_groups_total{{{SEL}}}[{R}]))", "collected"),
        (f"sum(rate(coda_pacer_consumed_groups_total{{{SEL}}}[{R}]))", "consumed")], unit="ops")
-panel("Seconds waiting per second", "Collect near 1: the trainer is starved (generation is the bottleneck). "
-      "Dispatch high: workers wait for slots (training is the bottleneck). Reset: pause delay.",
-      [(f"sum by (grpc_method) (rate(grpc_server_handling_seconds_sum{{{SEL},{SVC},grpc_method=~\"Collect|Dispatch|Reset\"}}[{R}]))",
+panel("Seconds waiting per second", "Collect and CollectStream (the trainer's batches() waits in CollectStream) "
+      "near 1 per trainer process: the trainer is starved (generation is the bottleneck). Dispatch high: workers "
+      "wait for slots (training is the bottleneck). Reset: pause delay.",
+      [(f"sum by (grpc_method) (rate(grpc_server_handling_seconds_sum{{{SEL},{SVC},grpc_method=~\"{WAITING_METHODS}\"}}[{R}]))",
         "{{grpc_method}}")], unit="s")
 panel("Trajectories per second", "Accepted by Submit, and re-sent duplicates.",
       [(f"sum(rate(coda_pacer_submitted_trajectories_total{{{SEL}}}[{R}]))", "submitted"),
@@ -141,7 +145,8 @@ panel("Errors per second (code not OK)", "INVALID_ARGUMENT and NOT_FOUND are cal
       "STALE_GENERATION follows a Reset; RESOURCE_EXHAUSTED is overload; UNAUTHENTICATED is a token problem.",
       [(f"sum by (grpc_method, grpc_code) (rate(grpc_server_handled_total{{{SEL},grpc_code!=\"OK\"}}[{R}]))",
         "{{grpc_method}} {{grpc_code}}")], unit="reqps")
-panel("p99 handling time by method", "Long-polls (Dispatch, Collect, Reset with a wait) include their wait.",
+panel("p99 handling time by method", "Long-polls (Dispatch, Collect, CollectStream, Reset with a wait) include "
+      "their wait.",
       [(f"histogram_quantile(0.99, sum by (le, grpc_method) (rate(grpc_server_handling_seconds_bucket{{{SEL}}}[{R}])))",
         "{{grpc_method}}")], unit="s")
 panel("RPCs in flight", "Started minus handled, by method (WatchControl streams stay in flight).",
