@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import time
+import traceback
 from typing import Optional, Sequence
 
-from coda_server.core.errors import ConfigError
+from coda_server.core.errors import ConfigError, StrategyHookError
 
 from . import config as sim_config
 from .plot import PlotUnavailable, require_matplotlib, write_pareto, write_plots
@@ -58,7 +60,55 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-invariants", action="store_true",
                         help="check the pacer invariant and the workers' bookkeeping after every event (slower)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--debug", action="store_true", help="on an error, and with the pacer's warnings, print the "
+                        "Python traceback too (e.g. of a strategy hook that raised)")
     return parser
+
+
+class ServerWarnings(logging.Handler):
+    """The pacing core's warnings (a skipped plugin module, a strategy hook's incident) on stderr, one line each
+    as `coda-sim: ...`, with the traceback only under --debug. A hook's incident also stops the run with its own
+    error line, so the strategy's warnings are held until the run ends, and those of the hook it stopped on dropped."""
+
+    def __init__(self, debug: bool, stream=None):
+        super().__init__(logging.WARNING)
+        self.debug = debug
+        self.stream = stream if stream is not None else sys.stderr
+        self.held: list[str] = []
+        self.setFormatter(logging.Formatter("coda-sim: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.debug:
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None, "stack_info": None})
+        line = self.format(record)
+        if not self.debug and record.name == "coda_server.strategy":
+            self.held.append(line)
+        else:
+            self.stream.write(line + "\n")
+
+    def run_ended(self, error: Optional[BaseException] = None) -> None:
+        """The run ended (with `error`): print the held lines but those of the hook it stopped on (its error says it)."""
+        hook = error.__cause__ if error is not None else None
+        said = f"strategy {hook.strategy!r} hook {hook.hook} " if isinstance(hook, StrategyHookError) else None
+        for line in self.held:
+            if said is None or said not in line:
+                self.stream.write(line + "\n")
+        self.held.clear()
+
+    def __enter__(self) -> "ServerWarnings":
+        logger = logging.getLogger("coda_server")
+        self._saved = (logger.propagate, logger.level)
+        logger.addHandler(self)
+        logger.propagate = False  # not also through the root logger (or Python's last-resort handler)
+        if logger.level == logging.NOTSET or logger.level > logging.WARNING:
+            logger.setLevel(logging.WARNING)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("coda_server")
+        logger.removeHandler(self)
+        logger.propagate, level = self._saved
+        logger.setLevel(level)
 
 
 class Progress:
@@ -137,6 +187,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             first = (sim_config.preset_path(name).read_text().splitlines() or [""])[0].lstrip("# ")
             print(f"{name:<16} {first}")
         return 0
+    with ServerWarnings(args.debug) as warnings:
+        return _run(args, warnings)
+
+
+def _failed(args: argparse.Namespace, exc: BaseException, code: int) -> int:
+    """The one `coda-sim:` line of an error (and, with --debug, its traceback first)."""
+    if args.debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    hint = "; --debug shows the traceback" if isinstance(exc.__cause__, StrategyHookError) and not args.debug else ""
+    print(f"coda-sim: {exc}{hint}", file=sys.stderr)
+    return code
+
+
+def _run(args: argparse.Namespace, warnings: ServerWarnings) -> int:
     try:
         if args.plot:
             require_matplotlib()
@@ -190,14 +254,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finally:
             progress.close()
     except PlotUnavailable as exc:
-        print(f"coda-sim: {exc}", file=sys.stderr)
-        return 2
+        return _failed(args, exc, 2)
     except (ConfigError, WorkloadError) as exc:
-        print(f"coda-sim: {exc}", file=sys.stderr)
-        return 2
+        warnings.run_ended(exc)
+        return _failed(args, exc, 2)
     except SimulationError as exc:
-        print(f"coda-sim: {exc}", file=sys.stderr)
-        return 1
+        warnings.run_ended(exc)
+        return _failed(args, exc, 1)
+    warnings.run_ended()
     if seeds is not None:
         entries = aggregate(per_seed, seeds, baseline)
         if args.plot:

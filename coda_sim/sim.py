@@ -1,8 +1,9 @@
 """The simulated fully-async RL job, driving the real `coda_server.core.Pacer`, and the colocate baseline.
 
 Actors (all on one simulated clock, no threads):
-- generation workers: ask the pacer for as many groups as it admits, generate their N trajectories on
-  the generation pool, submit each trajectory when it ends; at a step boundary they abort (partial
+- generation workers: ask the pacer for as many groups as it admits and they have room for
+  (sim.cluster.worker_max_groups, as a real worker's max_groups), generate their N trajectories on the
+  generation pool, submit each trajectory when it ends; at a step boundary they abort (partial
   rollout) or finish (wait) what runs, and continue the groups the Reset restores;
 - the trainer: collects M // N groups per fetch, trains (B x N) / M fetches per step, then runs the step
   boundary: Reset (pause, wait until every running group is assembled, restore / drop), weight sync,
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from coda_server.core import Pacer, PromptRef, ResetMode, Trajectory, TrajectoryStatus
+from coda_server.core.errors import StrategyHookError
 from coda_server.core.filters import GroupFilter, create_filters
 from coda_server.core.strategy import window_size
 from coda_server.core.types import StepReport
@@ -32,7 +34,7 @@ class SimulationError(RuntimeError):
 class GroupRun:
     """The worker / data-source side of one prompt group, across dispatches."""
 
-    __slots__ = ("spec", "reqs", "final", "seq", "dispatches")
+    __slots__ = ("spec", "reqs", "final", "seq", "dispatches", "generating")
 
     def __init__(self, spec: PromptSpec):
         self.spec = spec
@@ -40,6 +42,7 @@ class GroupRun:
         self.final: dict[int, Trajectory] = {}  # trajectories that ended (COMPLETED / FAILED): never regenerated
         self.seq = -1
         self.dispatches = 0
+        self.generating = False  # dispatched, some trajectory not yet submitted: it takes a worker's room
 
     def trajectory_id(self, j: int) -> str:
         return f"{self.spec.prompt_id}_t{j}"
@@ -222,6 +225,11 @@ class AsyncSimulation:
         self._reset_ticket = 0
         self._drawn_this_step = 0
         self._runaway_limit = 100 * max(self.capacity, self.B)  # fresh prompts per step before giving up
+        self._filtered_at_boundary = 0  # fates["filtered"] when the step began
+        # The workers' room (a real worker proposes at most max_groups - the groups it generates): without it a
+        # strategy not bounded by C would be proposed every prompt it admits.
+        self.max_groups = workload.worker_max_groups or 2 * max(self.capacity, self.B)
+        self._generating = 0  # groups with a trajectory still to submit (GroupRun.generating)
         self._dirty = True  # the pacer changed since it was last asked what it admits
         # Newer cores answer "what would Dispatch admit now" without building a result; else peek.
         self._admissible_now = getattr(self.pacer, "admissible_now", None)
@@ -230,17 +238,20 @@ class AsyncSimulation:
 
     def run(self) -> RunResult:
         started = _time.perf_counter()
-        self._settle()
         events = self.events
-        while self.phase != _FINISHED:
-            item = events.pop()
-            if item is None:
-                raise SimulationError(self._stall_message())
-            fn, args = item
-            if fn(*args) is False:
-                continue  # superseded event
-            self.events_handled += 1
+        try:
             self._settle()
+            while self.phase != _FINISHED:
+                item = events.pop()
+                if item is None:
+                    raise SimulationError(self._stall_message())
+                fn, args = item
+                if fn(*args) is False:
+                    continue  # superseded event
+                self.events_handled += 1
+                self._settle()
+        except StrategyHookError as exc:  # a server reports it and goes on; a simulation of it would mean nothing
+            raise SimulationError(self._hook_message(exc)) from exc
         return self._result(_time.perf_counter() - started)
 
     def _settle(self) -> None:
@@ -255,9 +266,9 @@ class AsyncSimulation:
         while self._dirty:
             self._dirty = False
             collected = self._try_collect()
-            admissible = self._admissible()
-            if admissible > 0:
-                self._dispatch(admissible)
+            want = min(self._admissible(), self.max_groups - self._generating)
+            if want > 0:
+                self._dispatch(want)
                 self._dirty = True
             elif collected:
                 self._dirty = True
@@ -291,6 +302,10 @@ class AsyncSimulation:
             if state.buffered != buffered:
                 raise SimulationError(f"at t={now:.3f} the pacer buffers {state.buffered} groups, "
                                       f"the simulation expects {buffered}")
+            generating = sum(g.generating for g in self.inflight.values())
+            if generating != self._generating or generating > self.max_groups:
+                raise SimulationError(f"at t={now:.3f} the workers count {self._generating} groups generating, "
+                                      f"{generating} are (room for {self.max_groups})")
 
     # ------------------------------------------------------------------ workers
 
@@ -314,6 +329,9 @@ class AsyncSimulation:
             g.seq = a.seq
             g.dispatches += 1
             self.inflight[g.spec.prompt_id] = g
+            if len(g.final) < len(g.reqs):
+                g.generating = True
+                self._generating += 1
             for req in g.reqs:
                 if req.j in g.final:
                     finals.append(g.final[req.j])
@@ -327,11 +345,7 @@ class AsyncSimulation:
     def _new_group(self) -> GroupRun:
         self._drawn_this_step += 1
         if self._drawn_this_step > self._runaway_limit:
-            raise SimulationError(
-                f"no progress in step {len(self.steps) - 1}: {self._drawn_this_step - 1} fresh prompts started since "
-                f"the last boundary, the trainer took {self.fetches_done} of {self.fetches_per_step} fetches "
-                f"(filtered so far: {self.fates['filtered']}); do the filters {list(self.config.rollout.filter)} "
-                f"drop (nearly) every group?")
+            raise SimulationError(self._runaway_message(self._drawn_this_step - 1))
         spec = self.workload.prompt(self.next_number)
         self.next_number += 1
         self.population_trajectories += len(spec.trajs)
@@ -348,6 +362,9 @@ class AsyncSimulation:
                        req.start_version if req.start_version is not None else self.version, self.version,
                        len(spec.turns), num_tokens=spec.tokens)
         g.final[req.j] = t
+        if g.generating and len(g.final) == len(g.reqs):  # its last trajectory: the worker has room again
+            g.generating = False
+            self._generating -= 1
         self._submit([t])
 
     def _submit(self, trajectories: list[Trajectory]) -> None:
@@ -432,6 +449,7 @@ class AsyncSimulation:
         if ticket != self._reset_ticket or self.phase != _RESET:
             return False
         aborted = self.pool.abort_all()
+        self._none_generating()  # every request aborted is submitted now
         trajectories = []
         for req in aborted:
             g: GroupRun = req.owner
@@ -487,6 +505,9 @@ class AsyncSimulation:
         if self.inflight:
             raise SimulationError(f"after Reset (restored {restored_ids[:5]} ...), groups "
                                   f"{list(self.inflight)[:5]} are neither restored nor dropped")
+        for g in self.candidates:  # restored groups take room again when dispatched again
+            g.generating = False
+        self._generating = 0
         self.phase, self.phase_since = _SYNC, now
         self.events.after(self.workload.weight_sync_s, self._synced)
 
@@ -505,14 +526,51 @@ class AsyncSimulation:
             return
         self.steps.append(StepRecord(len(self.steps), now))
         self._drawn_this_step = 0
+        self._filtered_at_boundary = self.fates["filtered"]
         self.phase, self.phase_since = _WAIT, now
 
     # ------------------------------------------------------------------ results
 
+    def _none_generating(self) -> None:
+        for g in self.inflight.values():
+            g.generating = False
+        self._generating = 0
+
+    def _runaway_message(self, started: int) -> str:
+        """Why a step started prompts without end: the filters drop what is generated, or the strategy admits
+        more than the trainer takes (only the workers' room bounds it)."""
+        state = self.pacer.state()
+        filtered = self.fates["filtered"] - self._filtered_at_boundary
+        head = (f"no progress in step {len(self.steps) - 1}: {started} fresh prompts started since the last boundary, "
+                f"the trainer took {self.fetches_done} of {self.fetches_per_step} fetches ({filtered} groups filtered "
+                f"this step")
+        if 2 * filtered >= started:
+            return f"{head}); do the filters {list(self.config.rollout.filter)} drop (nearly) every group?"
+        return (f"{head}, {state.buffered} buffered, {state.running} running); strategy {self.strategy!r} admits more "
+                f"than the trainer takes ({self.B} groups a step; C = {self.capacity}): does its "
+                f"compute_dispatch_count count the buffered groups (buf_qsize)? The workers' room "
+                f"(sim.cluster.worker_max_groups = {self.max_groups}) bounds only the groups generating")
+
+    def _hook_message(self, exc: StrategyHookError) -> str:
+        """One line naming the strategy, the hook and what it raised (from the pacer's own incident record)."""
+        cause = exc.__cause__
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+        for incident in reversed(self.pacer.state().recent_incidents):
+            if incident.hook == exc.hook and incident.strategy == exc.strategy:
+                what = incident.message + (f" (group {incident.prompt_id!r})" if incident.prompt_id else "")
+                break
+        verb = "" if what.startswith("returned ") else "raised "  # a hook's wrong answer says "returned ..."
+        return (f"strategy {exc.strategy!r} hook {exc.hook} {verb}{what} at t={self.events.now:.1f}s, step "
+                f"{len(self.steps) - 1}; the simulation stops (a server records it as an incident: "
+                f"docs/custom-strategies.md, 'When a hook raises')")
+
     def _stall_message(self) -> str:
         state = self.pacer.state()
+        # Running groups with every trajectory submitted wait on the strategy's will_collect, not on the workers.
+        held = sum(len(g.final) == len(g.reqs) for g in self.inflight.values())
+        gate = f" ({held} of them complete, held by the strategy's will_collect)" if held else ""
         return (f"simulation stalled at t={self.events.now:.1f}s, step {len(self.steps) - 1}, trainer {self.phase}: "
-                f"nothing left to happen (strategy {self.strategy!r}: running {state.running}, buffered "
+                f"nothing left to happen (strategy {self.strategy!r}: running {state.running}{gate}, buffered "
                 f"{state.buffered}, admissible {state.capacity}, C {state.window_size}); the trainer needs "
                 f"{self.fetch_groups} buffered groups")
 

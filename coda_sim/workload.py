@@ -93,6 +93,8 @@ class Workload:
         if not 0.0 < self.kv_admit_watermark <= 1.0:
             raise WorkloadError(f"sim.cluster.kv_admit_watermark = {self.kv_admit_watermark}: must be in (0, 1]")
         self.kv_reserve = _kv_reserve(cluster["kv_reserve"], self.kv_cache_tokens)
+        # Groups the workers generate at once, all together (0: the simulation's default, 2 x C).
+        self.worker_max_groups = _non_negative_int(cluster, "worker_max_groups", "sim.cluster.")
         self.prompt_tokens = _non_negative(gen, "prompt_tokens", "sim.generation.")
         self.prefill_s = _non_negative(gen, "prefill_s", "sim.generation.")
         self.prefill_tokens_per_s = _non_negative(gen, "prefill_tokens_per_s", "sim.generation.")

@@ -84,6 +84,45 @@ def test_the_block_runner_passes_a_block_that_ends_and_fails_one_that_raises_or_
         run(block("import time\nwhile True:\n    time.sleep(0.1)\n"), {})
 
 
+def test_a_block_that_defines_tests_has_them_run_and_a_failing_assertion_fails_it(runner, monkeypatch):
+    """A block of `def test_...` functions was run as a script: the tests were defined, never called, and a wrong
+    assertion in docs/custom-strategies.md's example passed CI. Such a block now runs under pytest."""
+    monkeypatch.setattr(runner, "DOC_BLOCK_TIMEOUT_SECONDS", 120.0)  # pytest's start-up on a busy machine
+    run = runner.ScriptRunner().runtest
+    with pytest.raises(runner.DocBlockFailed, match=r"(?s)tests failed under pytest.*assert \[\] == \['p0'\]"):
+        run(block("def test_restored():\n    restored = []\n    assert restored == ['p0']\n"), {})
+    run(block("def test_fine():\n    assert 1 + 1 == 2\n"), {})
+    with pytest.raises(runner.DocBlockFailed, match="tests failed under pytest"):
+        run(block("class TestGroup:\n    def test_it(self):\n        assert False, 'class tests run too'\n"), {})
+
+
+def test_a_block_finds_the_repository_paths_the_docs_give_and_writes_outside_the_repository(runner, tmp_path,
+                                                                                           monkeypatch):
+    """The docs give paths from the repository root (`examples/strategies`); blocks ran in an empty temporary
+    directory, where the path did not exist (`skipping custom strategy directory examples/strategies: not a
+    directory`) and the block passed anyway."""
+    monkeypatch.setattr(runner, "DOC_BLOCK_TIMEOUT_SECONDS", 120.0)
+    run = runner.ScriptRunner().runtest
+    run(block("from pathlib import Path\n"
+              "assert Path('examples/strategies/fixed_capacity.py').is_file()\n"
+              "Path('written-by-a-block.txt').write_text('x')\n"), {})
+    assert (tmp_path / "written-by-a-block.txt").is_file() and not (ROOT / "written-by-a-block.txt").exists()
+    run(block("from coda_server.core.plugins import load_custom_modules\n"
+              "from coda_server.core.strategy import STRATEGIES\n"
+              "load_custom_modules(['examples/strategies'])\n\n\n"
+              "def test_registered():\n    assert 'fixed-capacity' in STRATEGIES.names()\n"), {})
+
+
+def test_runnable_blocks_name_only_repository_paths_that_exist():
+    """A path a runnable block gives from the repository root (a custom strategy directory, a config file) exists
+    in the repository, as a reader running the block from the repository root would need it to."""
+    tops = "|".join(re.escape(p.name) for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("."))
+    missing = [f"{path.name}:{line}: {found}" for path, line, words, code in python_fences() if "notest" not in words
+               for found in re.findall(rf"(?<![\w./-])((?:{tops})/[\w./-]*\w)", code)
+               if not (ROOT / found).exists()]
+    assert not missing, f"runnable blocks name repository paths that do not exist: {missing}"
+
+
 def test_the_docs_refer_only_to_files_in_the_repository():
     """Relative links resolve to files of the repository, and no page sends the reader to a folder it does not
     ship (the design notes the project was built from are not part of it)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional
 
+from .types import TrajectoryStatus
+
 if TYPE_CHECKING:
     from .pacer import Pacer
 
@@ -56,6 +58,7 @@ class CollectStalls:
         state = pacer.state()
         summary = state.config_summary
         asked = max(self._waiting.values())
+        held, aborted = self._held_by_gate()
         log.warning(
             "a trainer has waited %.0f s for groups (Collect for %d groups, in one call or several polls, none taking "
             "any) while dispatch admits nothing: %d buffered, %d running, %d leased%s; window C = int(B * (1 + "
@@ -64,8 +67,36 @@ class CollectStalls:
             ", dispatch paused (Reset without resume?)" if state.paused else "",
             summary.get("num_prompts_per_step"), summary.get("stale_steps"), state.window_size,
             summary.get("num_trajectories_per_prompt"), state.strategy,
-            "" if state.paused else "; running groups must complete (are workers generating?) or the "
-            "trainer must take what is buffered",
+            "" if state.paused else self._hint(state.strategy, state.running, state.buffered, held, aborted),
             extra={"fields": {"num_groups": asked, "waited_seconds": round(waited, 1),
                               "buffered": state.buffered, "running": state.running, "leased": state.leased,
-                              "window_size": state.window_size}})
+                              "held_by_gate": held, "window_size": state.window_size}})
+
+    def _held_by_gate(self) -> tuple[int, int]:
+        """(complete running groups the strategy's will_collect has refused so far, those of them holding an ABORTED
+        trajectory); a pass over the running groups, made only when the warning fires."""
+        pacer = self._pacer
+        with pacer.lock:
+            held = [group for group in pacer.inflight.values() if group.held]
+            aborted = sum(1 for group in held
+                          if any(t.status is TrajectoryStatus.ABORTED for t in group.trajectories.values()))
+        return len(held), aborted
+
+    @staticmethod
+    def _hint(strategy: str, running: int, buffered: int, held: int, aborted: int) -> str:
+        """What must change for the trainer to get groups: the workers, the strategy's gate, or its window."""
+        if held:
+            why = (f" ({aborted} of them hold an ABORTED trajectory, which the base will_collect refuses: the next "
+                   f"Reset returns those)" if aborted else "")
+            gate = (f"{held} complete group(s) are held by strategy {strategy}'s will_collect, which refused them so "
+                    f"far{why}: only the strategy can let them go (it is asked again when its state changes and every "
+                    f"fully_async.gate_recheck_seconds), or a Reset returns them")
+            if held < running:
+                return (f"; {gate}; the other {running - held} running group(s) must complete (are workers "
+                        f"generating?)")
+            return f"; all {gate}; workers have nothing left to generate"
+        if not running:
+            take = (f" (or the trainer takes the {buffered} buffered in a smaller Collect)" if buffered else "")
+            return (f"; nothing is running: strategy {strategy}'s window (compute_dispatch_count) admits 0 with "
+                    f"{buffered} buffered, so only the strategy can let groups in{take}; workers cannot")
+        return "; running groups must complete (are workers generating?) or the trainer must take what is buffered"
