@@ -96,7 +96,7 @@ def test_a_holder_without_a_lease_is_refused_and_changes_nothing():
     assert pacer.state() == before
 
 
-def test_only_the_silent_ranks_share_goes_back_and_an_unclaimed_share_waits_for_its_rank():
+def test_the_silent_ranks_shares_go_back_and_take_the_unclaimed_share_of_their_mini_batch_with_them():
     from coda_server.core.shares import BatchShape
 
     pacer, clock = _filled()
@@ -110,8 +110,9 @@ def test_only_the_silent_ranks_share_goes_back_and_an_unclaimed_share_waits_for_
     lost = pacer.release_silent_workers()
     assert list(lost) == ["rank-0"] and lost["rank-0"].lease_ids == [rank0.lease_id, rank0_next.lease_id]
     state = pacer.state()
-    # rank 1's own share stays leased to it, and so does its share of the second mini-batch, not claimed yet
-    assert (state.leased, state.buffered) == (2, 2) and state.invariant_holds()
+    # rank 1's own share stays leased to it; its share of the second mini-batch, not claimed yet, went back with
+    # rank 0's (so that both ranks take their next shares from one new mini-batch)
+    assert (state.leased, state.buffered) == (1, 3) and state.invariant_holds()
     waiting = pacer.collect_now(2, lease_seconds=LEASE, shape=BatchShape(0, 1, 2), holder="rank-1")
     assert [g.prompt_id for g in waiting.groups] != [g.prompt_id for g in rank1.groups]
     assert pacer.ack(rank1.lease_id) == 1 and pacer.ack(waiting.lease_id) == 1

@@ -3,6 +3,7 @@ quarantine), the groups the gate holds, the groups set aside until the next Rese
 from __future__ import annotations
 
 import heapq
+import logging
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Optional
 
@@ -14,6 +15,7 @@ from .leases import LAPSED_UNKNOWN, Leases
 from .replay import RestoredGroups
 from .types import Incident, TrajectoryGroup, TrajectoryStatus
 
+log = logging.getLogger("coda_server.leases")
 IncidentSink = Callable[..., Incident]  # (kind, prompt_id, hook, message, action) -> the recorded incident
 
 
@@ -219,7 +221,7 @@ class Collector:
 
     def expire(self, prompt_ids: list[str], lease_ids: list[str], why: str = LAPSED_UNKNOWN) -> None:
         """Reclaim in-flight groups whose lease ran out (their slots) and lapsed Collect leases (back to the buffer;
-        `why` is what an Ack of one is told)."""
+        `why` is what an Ack of one is told), with the ranks' shares that end with them (`Leases.end`)."""
         for prompt_id in prompt_ids:
             # Kept for continuation, whoever continues it submits every trajectory anew: none counts as accepted.
             group = self._inflight.expire(prompt_id, resubmitted=self._continue_restored)
@@ -235,10 +237,15 @@ class Collector:
             else:
                 self._expired.append(group.to_group())
             self._totals["expired"] += 1
-        for lease_id in lease_ids:
-            lease = self._leases.lapse(lease_id, why)
+        ended = self._leases.end(lease_ids, why) if lease_ids else ()
+        for lease in ended:
             self._buffer.push_all(lease.entries)
             self._totals["redelivered"] += len(lease.entries)
+        if len(ended) > len(lease_ids):
+            log.info("%d rank share(s) not handed out yet (%s) went back to the buffer with their data-parallel "
+                     "mini-batch, as another rank's share of it ended unacknowledged (%s): every rank takes a new one",
+                     len(ended) - len(lease_ids), ", ".join(lease.lease_id for lease in ended[len(lease_ids):]),
+                     ", ".join(lease_ids))
         self._strategy_touched = True
         self.release_held()
         self._call_failures.clear()  # reported as incidents; the expiry stands

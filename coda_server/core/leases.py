@@ -17,6 +17,9 @@ RELEASED = f"was given back (Release) before this Ack; {_BACK}"
 DISCARDED = ("ended with a Restore before this Ack; the pacer went back to the checkpoint, whose buffer holds these "
              "groups again if they were generated before it")
 LAPSED_UNKNOWN = f"ran out or was given back before this Ack; {_BACK}"
+# A rank's share never handed out, ended because another rank's share of its mini-batch was (shares.py).
+WITH_ITS_MINI_BATCH = ("was given back with the mini-batch it belonged to, when another rank's share of it was given "
+                       f"back before this one was handed out (every rank then takes a new mini-batch); {_BACK}")
 
 
 def holder_silent(holder: str, grace: float) -> str:
@@ -72,7 +75,8 @@ class Leases:
         self._heap: list[tuple[float, int, list[str]]] = []
         self.collect: dict[str, CollectLease] = {}  # Collect leases awaiting Ack, by lease id
         self.serial = 0
-        # Recently ended lease ids -> why (RAN_OUT, RELEASED, a silent holder), oldest first, LAPSED_LEASES_KEPT at most.
+        # Recently ended lease ids -> why (RAN_OUT, RELEASED, a silent holder, WITH_ITS_MINI_BATCH), oldest first,
+        # LAPSED_LEASES_KEPT at most.
         self.lapsed: dict[str, str] = {}
         # Leases that went back to the buffer because their holder fell silent, by id, oldest first: (holder,
         # seconds, the priorities of its groups), LAPSED_LEASES_KEPT at most. One is given back to its holder when the
@@ -84,6 +88,9 @@ class Leases:
         # Shares of data-parallel mini-batches (shares.py) not handed to their rank yet, by the ranks' shape key:
         # per mini-batch, oldest first, each rank's share lease id (None once handed out).
         self.open_shares: dict[tuple, list[list[Optional[str]]]] = {}
+        # A rank's share lease id -> its mini-batch's share lease ids, by rank (until its Ack or lapse): a claimed
+        # share that ends unacknowledged ends its mini-batch's unclaimed shares with it (`end`).
+        self.mini_batches: dict[str, tuple[str, ...]] = {}
 
     # ----------------------------------------------------------------- in-flight leases
 
@@ -132,6 +139,10 @@ class Leases:
         wait for their ranks (claim) and lapse like any lease when none comes."""
         leases = [self.grant(entries, seconds, now) for entries in shares]
         slots: list[Optional[str]] = [lease.lease_id for lease in leases]
+        if len(slots) > 1:
+            lease_ids = tuple(slots)
+            for lease_id in lease_ids:
+                self.mini_batches[lease_id] = lease_ids
         slots[rank] = None
         if any(slots):
             self.open_shares.setdefault(key, []).append(slots)
@@ -168,6 +179,7 @@ class Leases:
     def acknowledge(self, lease_id: str) -> CollectLease:
         """The lease, ended by its Ack; LeaseExpiredError / UnknownLeaseError when there is none to end."""
         lease = self.collect.pop(lease_id, None)
+        self.mini_batches.pop(lease_id, None)
         if lease is None:
             if lease_id in self.lapsed:
                 raise LeaseExpiredError(f"lease {lease_id!r} {self.lapsed[lease_id]}")
@@ -285,9 +297,46 @@ class Leases:
         _keep_newest(self.lapsed)
         return lease
 
+    def end(self, lease_ids: Sequence[str], why: str) -> list[CollectLease]:
+        """These live Collect leases end unacknowledged (`why`: what an Ack of one is told), and with each rank's
+        share among them that was handed out, every share of its mini-batch still waiting for its rank: else that
+        rank would claim a share of this mini-batch while the rank given back its own takes a new one, their k-th
+        batches no longer shares of one mini-batch. Claimed shares of other ranks stay. Returns the leases ended:
+        these, then the shares ended with them; a replay of the same ids ends the same ones."""
+        ended = [self.lapse(lease_id, why) for lease_id in lease_ids]
+        mini_batches = self.mini_batches
+        for lease_id in lease_ids:
+            shares = mini_batches.pop(lease_id, None)
+            if shares is not None:
+                ended += self._end_unclaimed(lease_id, shares)
+        return ended
+
+    def _end_unclaimed(self, lease_id: str, shares: tuple[str, ...]) -> list[CollectLease]:
+        """The still unclaimed shares of the mini-batch whose share `lease_id` just ended, ended with it, and the
+        mini-batch out of open_shares; none when every share was handed out, or `lease_id` never was (it ran out
+        waiting for its rank)."""
+        found = next(((key, slots) for key, batches in self.open_shares.items() for slots in batches
+                      if any(slot in shares for slot in slots if slot)), None)
+        if found is None or lease_id in found[1]:
+            return []
+        key, slots = found
+        batches = self.open_shares[key]
+        batches[:] = [other for other in batches if other is not slots]
+        if not batches:
+            del self.open_shares[key]
+        # Nor may its holder claim it back (reclaimable): the other ranks take a new mini-batch.
+        self.reclaimable.pop(lease_id, None)
+        ended = []
+        for slot in slots:
+            if slot in self.collect:
+                self.mini_batches.pop(slot, None)
+                ended.append(self.lapse(slot, WITH_ITS_MINI_BATCH))
+        return ended
+
     def lapse_all(self) -> list[CollectLease]:
         """Every Collect lease ends unacknowledged (a Restore discards its groups); an Ack of one then fails."""
         leases = [self.lapse(lease_id, DISCARDED) for lease_id in list(self.collect)]
+        self.mini_batches.clear()
         self.open_shares.clear()
         self.reclaimable.clear()  # the buffer is the checkpoint's: nothing in it is a lapsed lease's any more
         return leases
@@ -311,7 +360,8 @@ class Leases:
                            for lease in self.collect.values()],
                 "lease_serial": self.serial, "lapsed_leases": list(self.lapsed.items()),
                 "reclaimable_leases": list(self.reclaimable.items()),
-                "open_shares": [(key, [list(slots) for slots in batches]) for key, batches in self.open_shares.items()]}
+                "open_shares": [(key, [list(slots) for slots in batches]) for key, batches in self.open_shares.items()],
+                "share_mini_batches": list(self.mini_batches.items())}
 
     def restore(self, snapshot: Mapping, now: float) -> None:
         for lease_id, entries, seconds, *holder in snapshot["leases"]:  # no holder in snapshots before holders
@@ -324,3 +374,5 @@ class Leases:
         self.reclaimable.update(snapshot.get("reclaimable_leases", ()))  # absent from snapshots before it was kept
         self.open_shares = {tuple(key): [list(slots) for slots in batches]
                             for key, batches in snapshot.get("open_shares", ())}  # absent before shares existed
+        # Absent before a share's end ended its mini-batch's unclaimed ones: those leases' shares end alone.
+        self.mini_batches = {lease_id: tuple(shares) for lease_id, shares in snapshot.get("share_mini_batches", ())}
