@@ -16,6 +16,7 @@ from typing import Any, Union
 
 import grpc
 
+from . import _tls
 from .protocol import RPCS, SERVICE  # noqa: F401  (SERVICE was defined here)
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
@@ -214,14 +215,22 @@ class TlsConfig:
         raise TypeError(f"tls must be None, True, a TlsConfig, a mapping or grpc.ChannelCredentials, not {tls!r}")
 
     def credentials(self) -> grpc.ChannelCredentials:
-        """Channel credentials; raises ValueError when only one of certificate_chain/private_key is set."""
+        """Channel credentials; ValueError when only one of certificate_chain/private_key is set, TlsFileError (a
+        ValueError) naming the setting when one is not PEM of its kind (a key given as the certificate, a CA file
+        that is no certificate) or the key is not the certificate's, OSError when a file cannot be read."""
+        return self.checked_credentials(_tls.PYTHON_NAMES)
+
+    def checked_credentials(self, names: Mapping[str, str]) -> grpc.ChannelCredentials:
+        """credentials(), its errors naming the settings as `names` does (coda-client: its flags)."""
         if (self.certificate_chain is None) != (self.private_key is None):
             raise ValueError("mutual TLS needs both certificate_chain and private_key")
-        return grpc.ssl_channel_credentials(
-            root_certificates=_pem(self.root_certificates),
-            private_key=_pem(self.private_key),
-            certificate_chain=_pem(self.certificate_chain),
-        )
+        # Checked here: gRPC takes any bytes, then fails every call with "Failed to create security handshaker"
+        # after logging lines of its own.
+        roots = _tls.read_pem(self.root_certificates, "root_certificates", names)
+        chain = _tls.read_pem(self.certificate_chain, "certificate_chain", names)
+        key = _tls.read_pem(self.private_key, "private_key", names)
+        _tls.check_key_pair(self.certificate_chain, self.private_key, names)
+        return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=chain)
 
 
 TlsSpec = Union[TlsConfig, Mapping[str, Any], bool, grpc.ChannelCredentials, None]
@@ -371,12 +380,30 @@ def check_client_id(client_id: str) -> str:
     return client_id
 
 
+def check_token(token: str | None) -> str | None:
+    """The bearer token without the white space around it (a file's trailing newline or CRLF, as
+    `open(path).read()` or `$(cat file)` keep it: the server strips its own token file alike); None when nothing is
+    left. ValueError, without the token, when it holds what a gRPC header cannot carry: gRPC would fail every call
+    with INTERNAL "Invalid metadata" after logging a trace of its own."""
+    if token is None:
+        return None
+    if not isinstance(token, str):
+        raise TypeError(f"token must be a str, not {type(token).__name__}")
+    token = token.strip()
+    bad = sorted({f"{c!r}" for c in token if not " " <= c <= "~"})
+    if bad:
+        raise ValueError(f"the token holds characters a gRPC header cannot carry ({', '.join(bad[:5])}; printable "
+                         f"ASCII only): is it the right file or variable?")
+    return token or None
+
+
 def call_metadata(token: str | None, client_id: str | None = None) -> tuple[tuple[str, str], ...]:
     """Metadata sent with every call: the bearer token and the client id, when configured.
 
     Sent as plain call metadata rather than call credentials, which gRPC refuses on plaintext
     channels (a sidecar on localhost often runs without TLS).
     """
+    token = check_token(token)
     metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
     if client_id is not None:
         metadata += ((CLIENT_ID_METADATA_KEY, check_client_id(client_id)),)

@@ -27,17 +27,26 @@ class OutageLog:
         self.back = back
         self.extra = dict(extra or {})
         self.since: float | None = None  # monotonic time the outage began; None while the server answers
+        self.answered_once = False  # the server has answered at least once
+        self._warned: set[str | None] = set()  # the kinds of failure warned of in this outage
 
-    def failed(self, reason: object) -> None:
-        """A call (or the control stream) failed because the server is away."""
+    def failed(self, reason: object, kind: str | None = None) -> None:
+        """A call (or the control stream) failed because the server is away. `kind`: the sort of failure when it is
+        known (e.g. a failed TLS handshake): a kind not yet warned of in this outage is warned of too, so that a
+        server that was down and comes back with a certificate this client refuses is not left at debug level."""
         if self.since is None:
             self.since = time.monotonic()
+            self._warned = {kind}
             self.logger.warning(self.began.replace("{reason}", str(reason)), extra=self.extra)
+        elif kind is not None and kind not in self._warned:
+            self._warned.add(kind)
+            self.logger.warning(self.attempt.replace("{reason}", str(reason)), extra=self.extra)
         else:
             self.logger.debug(self.attempt.replace("{reason}", str(reason)), extra=self.extra)
 
     def answered(self) -> None:
         """The server answered: ends the outage, if one is on."""
+        self.answered_once = True
         if self.since is not None:
             seconds = time.monotonic() - self.since
             self.since = None

@@ -1132,7 +1132,8 @@ class _BatchIteratorCore(_IteratorBase):
                                            else 0):
                     self._present.clear()
                 raise _Away from None
-            raise translate(exc, self._client.target, self._client.wait_for_ready) from exc
+            raise translate(exc, self._client.target, self._client.wait_for_ready,
+                            getattr(self._client, "_explain", None)) from exc
         finally:
             with self._lock:
                 self._inflight.discard(future)

@@ -13,13 +13,28 @@ import threading
 import time
 from typing import Any, Optional, Sequence, TextIO, Union
 
-import grpc
 
-from ._channel import TlsConfig, check_target, proxy_options, resolve_tls
-from .client import PacerClient
-from .errors import PacerClientError
-from .protocol import SERVICE, package_version
-from .types import ControlEvent, ControlEventType, JobEndReport, PacerState, ResetResult, StepReport, WorkerHoldings
+def _quiet_grpc_core() -> None:
+    """As the coda-client command (not when imported), gRPC's C core logs only errors, unless GRPC_VERBOSITY says
+    otherwise: its INFO lines ("Handshake failed ...", one per connection attempt) came before the command's own
+    line saying the same. Read by gRPC when it is imported, so set before."""
+    command = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if "grpc" not in sys.modules and (__name__ == "__main__" or command.startswith("coda-client")):
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+_quiet_grpc_core()
+
+import grpc  # noqa: E402  (after _quiet_grpc_core)
+
+from . import _tls  # noqa: E402
+from ._channel import TlsConfig, check_target, check_token, proxy_options, resolve_tls  # noqa: E402
+from .client import PacerClient  # noqa: E402
+from .errors import PacerClientError, UnauthenticatedError  # noqa: E402
+from .protocol import SERVICE, package_version  # noqa: E402
+from .types import (  # noqa: E402
+    ControlEvent, ControlEventType, JobEndReport, PacerState, ResetResult, StepReport, WorkerHoldings,
+)
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 # How long `reset` and `end-job` wait, by default, for the running groups to be submitted (--wait): a worker that
@@ -108,16 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_token(token_file: Optional[str]) -> Optional[str]:
-    """The token from --token-file (or CODA_TOKEN_FILE), else CODA_TOKEN; OSError naming the flag when the file
-    cannot be read."""
+    """The token from --token-file (or CODA_TOKEN_FILE), else CODA_TOKEN, without the white space around it (a
+    `CODA_TOKEN="$(cat file)"` of a CRLF file keeps its CR); OSError naming the flag when the file cannot be read,
+    ValueError naming where the token came from when it holds what a gRPC header cannot carry."""
     if token_file:
         try:
             with open(token_file, encoding="utf-8") as handle:
-                return handle.read().strip() or None
-        except OSError as error:
-            raise OSError(f"--token-file {token_file}: {error.strerror or error} (the file holding the server's "
+                token, source = handle.read(), f"--token-file {token_file}"
+        except (OSError, UnicodeDecodeError) as error:
+            why = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+            raise OSError(f"--token-file {token_file}: {why or error} (the file holding the server's "
                           f"bearer token; or set CODA_TOKEN)") from error
-    return os.environ.get("CODA_TOKEN") or None
+    else:
+        token, source = os.environ.get("CODA_TOKEN"), "$CODA_TOKEN"
+    try:
+        return check_token(token)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
 
 
 def tls_config(args: argparse.Namespace) -> Optional[TlsConfig]:
@@ -131,6 +153,12 @@ def tls_config(args: argparse.Namespace) -> Optional[TlsConfig]:
                          f"$CODA_TLS_KEY_FILE): {given} is given, {missing} is not")
     return TlsConfig(root_certificates=args.ca_file, certificate_chain=args.cert_file, private_key=args.key_file,
                      server_name=args.server_name)
+
+
+class _CommandClient(PacerClient):
+    """The command's client: its errors' hints name the command's TLS flags (--ca-file ...), not TlsConfig's."""
+
+    _tls_names = _tls.CLI_NAMES
 
 
 def _seconds(allow_zero: bool) -> tuple[Any, str]:
@@ -195,12 +223,12 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
         return 2
     try:
         tls = tls_config(args)
-        if tls is not None:
-            tls.credentials()  # an unreadable certificate file fails here, with a message
+        if tls is not None:  # an unreadable or unusable TLS file fails here, with a message naming its flag
+            tls.checked_credentials(_tls.CLI_NAMES)
         if args.command == "health":
             return probe_health(args.address, args.service, args.timeout, out, tls=tls, json_lines=args.json)
-        client = PacerClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout,
-                             client_id=args.client_id or None)
+        client = _CommandClient(args.address, token=read_token(args.token_file), tls=tls, timeout=args.timeout,
+                                client_id=args.client_id or None)
     except (OSError, ValueError) as error:  # unreadable certificate, key without certificate, bad id or address
         print(f"coda-client: {error}", file=sys.stderr)
         return 2
@@ -215,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
                 text = "".join(json.dumps(as_json(item), sort_keys=True) + "\n" for item in items)
             out.write(text)
     except PacerClientError as error:
-        print(f"coda-client: {error}{tls_hint(error, tls)}", file=sys.stderr)
+        print(f"coda-client: {token_hint(error, args)}", file=sys.stderr)
         return 1
     except OSError as error:  # a checkpoint file that cannot be written or read: nothing was asked of the server
         print(f"coda-client: {error}", file=sys.stderr)
@@ -258,11 +286,16 @@ def run_command(client: PacerClient, args: argparse.Namespace) -> tuple[Any, str
     raise ValueError(f"unknown command {args.command!r}")
 
 
-def tls_hint(error: PacerClientError, tls: Optional[TlsConfig]) -> str:
-    """A hint for a plaintext call the server closed the connection on: a TLS listener does that to plaintext."""
-    if tls is None and error.code == grpc.StatusCode.UNAVAILABLE and "Socket closed" in str(error):
-        return "; the server may require TLS: try --tls, or --ca-file FILE for a private CA"
-    return ""
+def token_hint(error: PacerClientError, args: argparse.Namespace) -> str:
+    """The error's line; a refused token says it in the command's words (the server's message names the Python
+    client's token=...), and where the token sent came from."""
+    if isinstance(error, UnauthenticatedError) and error.reason == "MISSING_TOKEN":
+        return (f"UNAUTHENTICATED: the server at {args.address} requires a bearer token: give --token-file FILE (or "
+                f"set $CODA_TOKEN_FILE, or $CODA_TOKEN to the token itself) (reason MISSING_TOKEN)")
+    if isinstance(error, UnauthenticatedError) and error.reason == "INVALID_TOKEN":
+        source = f"--token-file {args.token_file}" if args.token_file else "$CODA_TOKEN"
+        return f"{error}; the token sent came from {source}"
+    return str(error)
 
 
 def _groups(count: int) -> str:
@@ -371,12 +404,15 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as error:
             status = error.code().name
-            if credentials is None and error.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in (
-                    error.details() or ""):
+            details = _tls.tidy(error.details() or "")
+            trouble = (_tls.diagnose(details, tls, _tls.CLI_NAMES) if error.code() == grpc.StatusCode.UNAVAILABLE
+                       else None)
+            if credentials is None and trouble is not None and trouble.kind == "closed":
                 print(f"coda-client: {address} closed the connection; the server may require TLS: try --tls, or "
                       "--ca-file FILE for a private CA", file=sys.stderr)
             else:  # the status line alone would not say the server was never reached
-                print(f"coda-client: no health answer from {address}: {status}: {error.details()}", file=sys.stderr)
+                hint = f"; {trouble.text}" if trouble is not None else ""
+                print(f"coda-client: no health answer from {address}: {status}: {details}{hint}", file=sys.stderr)
         else:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     out.write(json.dumps({"service": service, "status": status}) + "\n" if json_lines
@@ -510,3 +546,7 @@ def _pump(stream: Any, events: "queue.Queue[Union[ControlEvent, PacerClientError
 
 def _name(value: Any) -> str:
     return value.name if hasattr(value, "name") else str(value)
+
+
+if __name__ == "__main__":  # python -m coda_client.cli, as the coda-client command
+    sys.exit(main())

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -16,12 +16,13 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from . import _calls, arrays as _arrays, wire_forms as _wire
+from . import _calls, _tls, arrays as _arrays, wire_forms as _wire
 from ._calls import Call
 from ._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT_SECONDS,
     ChannelOptions,
+    TlsConfig,
     TlsSpec,
     call_metadata,
     channel_options,
@@ -76,6 +77,10 @@ _LIVE_CLIENTS: weakref.WeakSet[_ClientBase] = weakref.WeakSet()
 # child: their destructors would drive gRPC core state that belongs to the parent process.
 log = logging.getLogger(__name__)
 _INHERITED_CHANNELS: list[Any] = []
+# The call AsyncPacerClient.connection_trouble makes to learn why connections fail: the standard health check
+# (empty request: the server as a whole), needing no token, and answered by any gRPC server that has one.
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+CONNECTION_PROBE_SECONDS = 10.0
 
 
 def _after_fork_in_child() -> None:
@@ -91,9 +96,11 @@ if hasattr(os, "register_at_fork"):
 class _StreamBase:
     """Shared state of a watch stream: the gRPC call and whether this side cancelled it."""
 
-    def __init__(self, call: Any, target: str | None = None) -> None:
+    def __init__(self, call: Any, target: str | None = None,
+                 explain: Callable[[str], str | None] | None = None) -> None:
         self._call = call
         self._target = target
+        self._explain = explain  # the client's reading of a connection error (errors.translate)
         self._cancelled = False
 
     def cancel(self) -> None:
@@ -114,7 +121,7 @@ class ControlStream(_StreamBase):
         except grpc.RpcError as exc:
             if self._cancelled:  # our own cancel (or the client's close): a normal end, not an error
                 raise StopIteration from None
-            raise translate(exc, self._target) from exc
+            raise translate(exc, self._target, explain=self._explain) from exc
         return ControlEvent.from_pb(message)
 
     def __enter__(self) -> ControlStream:
@@ -142,7 +149,7 @@ class AsyncControlStream(_StreamBase):
         except grpc.RpcError as exc:
             if self._cancelled:
                 raise StopAsyncIteration from None
-            raise translate(exc, self._target) from exc
+            raise translate(exc, self._target, explain=self._explain) from exc
         if message is grpc.aio.EOF:
             raise StopAsyncIteration
         return ControlEvent.from_pb(message)
@@ -204,6 +211,9 @@ def checkpoint_bytes(checkpoint: Checkpoint | bytes | str | os.PathLike) -> byte
 class _ClientBase:
     """Configuration, per-process channel bookkeeping and call building shared by both clients."""
 
+    # How an error's hint names the TLS settings (coda-client's own client names its flags).
+    _tls_names = _tls.PYTHON_NAMES
+
     def __init__(
         self,
         target: str,
@@ -227,6 +237,8 @@ class _ClientBase:
         self._metadata = call_metadata(token, client_id)
         # Resolved now so a bad certificate path fails at construction, not at the first call.
         self._credentials, tls_options = resolve_tls(tls)
+        # What a failed connection is read against: None (plaintext), the TlsConfig, or credentials given as such.
+        self._tls = tls if isinstance(tls, grpc.ChannelCredentials) else TlsConfig.of(tls)
         self.target = check_target(target, plaintext=self._credentials is None)
         user_options = dict(options.items() if isinstance(options, Mapping) else options or ())
         self._options = channel_options(
@@ -250,6 +262,15 @@ class _ClientBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.target!r})"
+
+    def _connection_trouble(self, details: str) -> _tls.ConnectionTrouble | None:
+        """What gRPC's connection error says about this client's TLS settings (_tls.diagnose)."""
+        return _tls.diagnose(details, self._tls, self._tls_names)
+
+    def _explain(self, details: str) -> str | None:
+        """The likely cause and fix of an UNAVAILABLE with these `details`, for its message (errors.translate)."""
+        trouble = self._connection_trouble(details)
+        return trouble.text if trouble is not None else None
 
     def adopt_client_id(self, client_id: str) -> str:
         """Names a client that has no client id (the worker kit names its client after the worker, so that
@@ -408,7 +429,7 @@ class PacerClient(_ClientBase):
             if call.streamed:  # the answer's messages, every one received
                 response = read_stream(response)
         except grpc.RpcError as exc:
-            raise translate(exc, self._reach, self.wait_for_ready) from exc
+            raise translate(exc, self._reach, self.wait_for_ready, self._explain) from exc
         return call.convert(response)
 
     def dispatch(
@@ -608,7 +629,7 @@ class PacerClient(_ClientBase):
 
     def watch(self) -> ControlStream:
         """Control events, first the current state; iterate it, cancel() it, or close the client to end it."""
-        stream = ControlStream(self._watch_call(), self._reach)
+        stream = ControlStream(self._watch_call(), self._reach, self._explain)
         self._track(stream)
         return stream
 
@@ -668,7 +689,7 @@ class AsyncPacerClient(_ClientBase):
             else:
                 response = await rpc(call.request, timeout=call.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise translate(exc, self._reach, self.wait_for_ready) from exc
+            raise translate(exc, self._reach, self.wait_for_ready, self._explain) from exc
         return call.convert(response)
 
     async def connection_state(self, after: grpc.ChannelConnectivity | None = None) -> grpc.ChannelConnectivity:
@@ -682,6 +703,23 @@ class AsyncPacerClient(_ClientBase):
         if after is not None:
             await channel.wait_for_state_change(after)
         return channel.get_state(try_to_connect=True)
+
+    async def connection_trouble(self) -> tuple[str, _tls.ConnectionTrouble | None] | None:
+        """Why this client cannot connect now, or None when it can: gRPC's last connection error (e.g. "Connection
+        refused", a failed TLS handshake) and what it says about the TLS settings (ConnectionTrouble: `settled` for
+        a TLS misconfiguration, which waiting does not cure), or None beside the error when it says nothing of them.
+        Read from a health check that does not wait for a connection: the pacer's own calls (wait_for_ready) only
+        time out. The worker kit asks it while its connection fails."""
+        self._stub_for_process()
+        probe = self._channel.unary_unary(_HEALTH_CHECK)
+        try:
+            await probe(b"", timeout=CONNECTION_PROBE_SECONDS, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:  # an answer of some kind: it connected
+                return None
+            details = _tls.tidy(exc.details() or "")
+            return details, self._connection_trouble(details)
+        return None
 
     async def dispatch(
         self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
@@ -804,7 +842,7 @@ class AsyncPacerClient(_ClientBase):
 
     def watch(self) -> AsyncControlStream:
         """Async iterator of control events (`async for event in client.watch()`); cancel() or close() ends it."""
-        stream = AsyncControlStream(self._watch_call(), self._reach)
+        stream = AsyncControlStream(self._watch_call(), self._reach, self._explain)
         self._track(stream)
         return stream
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import grpc
 
 from ._status import STATUS_DETAILS_KEY, FieldViolation, StatusDetails, decode_status
+from ._tls import tidy
 
 __all__ = [
     "STALE_GENERATION",
@@ -153,11 +154,14 @@ def _status_details(rpc_error: grpc.RpcError) -> StatusDetails:
     return StatusDetails()
 
 
-def translate(rpc_error: grpc.RpcError, target: str | None = None, waited_for_ready: bool = False) -> PacerClientError:
+def translate(rpc_error: grpc.RpcError, target: str | None = None, waited_for_ready: bool = False,
+              explain: Callable[[str], str | None] | None = None) -> PacerClientError:
     """Maps a grpc.RpcError (sync or grpc.aio) to the most specific PacerClientError subclass. With `target`, an
     UNAVAILABLE or DEADLINE_EXCEEDED the server did not send (nothing reachable there, or no answer) names where
-    the call was sent; `waited_for_ready`: the call waited for a server to be reachable there (wait_for_ready), so a
-    deadline may also mean that none ever was."""
+    the call was sent, and an UNIMPLEMENTED says the server there has no such method; `waited_for_ready`: the call
+    waited for a server to be reachable there (wait_for_ready), so a deadline may also mean that none ever was;
+    `explain`: given such an UNAVAILABLE's message, the likely cause and fix to add (the client's TLS settings
+    read against gRPC's connection error), or None."""
     code_fn = getattr(rpc_error, "code", None)
     code = code_fn() if callable(code_fn) else None
     if not isinstance(code, grpc.StatusCode):
@@ -177,7 +181,16 @@ def translate(rpc_error: grpc.RpcError, target: str | None = None, waited_for_re
                    f"server.max_message_bytes; send less per call (a Submit: fewer or shorter trajectories) or raise "
                    f"that limit, and the client's max_message_bytes with it (it refuses such a call before sending)")
     elif cls is UnavailableError and target and not status.reason:
-        message = f"cannot reach the pacer at {target}: {message}"
+        message = f"cannot reach the pacer at {target}: {tidy(message or '')}"
+        hint = explain(message) if explain is not None else None
+        if hint:
+            message = f"{message.rstrip('.')}; {hint}"
+    elif (code == grpc.StatusCode.UNIMPLEMENTED and target and not status.reason
+          and "Method not found" in (message or "")):
+        # gRPC's own answer for a service the server does not have: not a pacer, or one older than this call.
+        message = (f"the server at {target} does not serve this call of coda.pacer.v1.RolloutPacer ({message}): it "
+                   f"is not a coda pacer (e.g. the pacer's health-only port, server.health_address; the pacer "
+                   f"listens on server.address), or a pacer older than this client")
     elif cls is DeadlineExceededError and target and not status.reason:
         waited = (" (or no server reachable there all along: the call waited for one, wait_for_ready=True)"
                   if waited_for_ready else "")

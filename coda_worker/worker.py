@@ -106,6 +106,9 @@ DEFAULT_DISPATCH_WAIT_SECONDS = 5.0
 # Backoff of the worker's own retries of UNAVAILABLE (after the channel's), while the server restarts.
 RETRY_INITIAL_SECONDS = 0.2
 RETRY_MAX_SECONDS = 5.0
+# How often the worker looks again at why its connection to the pacer fails while it keeps failing (gRPC tries to
+# connect again at most every 4 s, coda_client._channel.RECONNECT_BACKOFF_MAX_MS).
+CONNECTION_LOOK_SECONDS = 5.0
 # An abort can reach the engine before the request it names: aborts are repeated this often until every
 # aborted request has answered.
 ABORT_REPEAT_SECONDS = 0.5
@@ -812,6 +815,8 @@ class AsyncRolloutWorker:
         try:
             return await self._retrying("GetState", self.pacer.state, reads_only=True)
         except UnavailableError as exc:
+            if self._failure is not None:  # the connection cannot be made as configured (_connection_failing)
+                raise self._failure from None
             if not self._stopping:
                 raise
             logger.warning("%s: stopped before it started: %s; nothing was dispatched", self.worker_id, exc.details,
@@ -1849,22 +1854,59 @@ class AsyncRolloutWorker:
         await asyncio.wait([ends], timeout=seconds)
 
     async def _watch_connection(self) -> None:
-        """Says at once that the pacer cannot be reached: its calls wait for it (wait_for_ready, as RolloutWorker
-        makes them), silently until their deadline, while the channel's connection attempts fail from the first
-        (nothing listens at the address, or it cannot be reached). One warning, the outage's (OutageLog); the first
-        answer ends it. A pacer client that cannot tell its connection's state (not AsyncPacerClient) is not watched."""
+        """Says at once that the pacer cannot be reached, and why: its calls wait for it (wait_for_ready, as
+        RolloutWorker makes them), silently until their deadline, while the channel's connection attempts fail from
+        the first (nothing listens at the address, it cannot be reached, or the TLS handshake fails). One warning,
+        the outage's (OutageLog), and one more if the cause turns out to be a TLS setting; the first answer ends it.
+        A TLS misconfiguration before the pacer ever answered (a CA that did not sign the server's certificate, TLS
+        against a plaintext server) stops the worker: waiting would not cure it. A pacer client that cannot tell its
+        connection's state (not AsyncPacerClient) is not watched."""
         connection_state = getattr(self.pacer, "connection_state", None)
         if connection_state is None:
             return
+        failing = grpc.ChannelConnectivity.TRANSIENT_FAILURE
         state = None
+        closed_before = False  # the last look found the server closing the connection (see _connection_failing)
         try:
             while state is not grpc.ChannelConnectivity.SHUTDOWN:
-                state = await connection_state(state)
-                if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-                    self._outage.failed("no connection can be made to it (nothing listens at that address, or it "
-                                        "cannot be reached from here)")
+                if state is failing:
+                    # gRPC stays in TRANSIENT_FAILURE while its attempts keep failing: looked at again every few
+                    # seconds, so that a cause that changes (the server up, with a certificate refused here) is said.
+                    try:
+                        state = await asyncio.wait_for(connection_state(state), CONNECTION_LOOK_SECONDS)
+                    except asyncio.TimeoutError:
+                        pass
+                else:
+                    state = await connection_state(state)
+                if state is failing:
+                    closed_before = await self._connection_failing(closed_before)
         except (RuntimeError, grpc.RpcError) as exc:  # the client closed, or a channel of another loop: its calls say
             logger.debug("%s: the connection's state is not watched: %s", self.worker_id, exc)
+
+    async def _connection_failing(self, closed_before: bool) -> bool:
+        """The connection to the pacer fails: said (or the worker stopped) after what the client reads from gRPC's
+        connection error (AsyncPacerClient.connection_trouble). Returns whether the server closed the connection."""
+        ask = getattr(self.pacer, "connection_trouble", None)
+        found = await ask() if ask is not None else ("nothing listens at that address, or it cannot be reached from "
+                                                     "here", None)
+        if found is None:  # it connected meanwhile
+            return False
+        details, trouble = found
+        if trouble is None:
+            self._outage.failed(f"no connection can be made to it ({details})")
+            return False
+        if trouble.kind == "closed" and not closed_before:
+            # A server closes connections as it stops, and a port forward before its server is up: said only when
+            # the next look finds it so again.
+            logger.debug("%s: the pacer closed the connection (%s)", self.worker_id, details)
+            return True
+        if trouble.settled and not self._outage.answered_once:
+            self._fail(WorkerFailedError(
+                f"{self.worker_id}: no connection can be made to the pacer at {self._target}: {trouble.text} (gRPC: "
+                f"{details}); the worker stopped: a TLS setting must change, waiting would not help"))
+            return False
+        self._outage.failed(f"no connection can be made to it: {trouble.text} (gRPC: {details})", kind=trouble.kind)
+        return trouble.kind == "closed"
 
 
 def _failed_without_arrays(message: Trajectory, metadata: dict[str, str]) -> Trajectory:
