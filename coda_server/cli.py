@@ -19,6 +19,7 @@ from . import allocator, event_loop
 from .core.config import config_summary, load_config
 from .core.errors import ConfigError, RecoveryError
 from .core.journal import StateDirError
+from .core.recovery import RecoveryInterrupted
 from .core.settings import setting
 from .logs import TEXT_FORMAT, configure_logging, fields
 from .server import BindError, PacerServer
@@ -62,9 +63,38 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if hydra and (args.config_path is None or args.config_name is None):
         parser.error("--config-path DIR and --config-name NAME go together, e.g. --config-path conf "
                      "--config-name qwen3_30b_a3b/dapo_h20_1node")
+    args.config_from_env = False  # whether --config's file is $CODA_CONFIG's, for messages
     if not hydra and args.config is None:
         args.config = os.environ.get(CONFIG_ENV) or None
+        args.config_from_env = args.config is not None
     return args
+
+
+def config_env_problem(path: str) -> Optional[str]:
+    """The refusal of a $CODA_CONFIG that names no readable file, naming the variable (a container or a shell
+    profile may set it unseen), else None."""
+    try:
+        with open(path, "rb"):
+            return None
+    except OSError as exc:
+        return (f"${CONFIG_ENV} = {path!r}: configuration file could not be read: {exc}; point {CONFIG_ENV} at a "
+                f"readable YAML file, give --config FILE, or unset it to start on the built-in defaults")
+
+
+def port_file_problem(port_file: Path) -> Optional[str]:
+    """The refusal of a --port-file that could not be written once serving, else None: checked before anything
+    starts, by writing (and removing) its temporary file as serve() will."""
+    temporary = port_file.with_suffix(port_file.suffix + ".tmp")
+    try:
+        if port_file.is_dir():
+            raise IsADirectoryError(f"{str(port_file)!r} is a directory")
+        with open(temporary, "w"):
+            pass
+        temporary.unlink()
+    except OSError as exc:
+        return (f"--port-file {str(port_file)!r} cannot be written: {exc}; name a file in a directory that exists and "
+                f"that this user can write")
+    return None
 
 
 # Options users reach for to choose where the server listens; the address is a setting (server.address).
@@ -96,6 +126,12 @@ def unknown_option_message(parser: argparse.ArgumentParser, unknown: Sequence[st
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=TEXT_FORMAT)
+    # Before anything starts: a --port-file found unwritable once serving left the server's socket file behind.
+    problem = ((config_env_problem(args.config) if args.config_from_env else None)
+               or (port_file_problem(args.port_file) if args.port_file is not None else None))
+    if problem is not None:
+        print(f"coda-server: {problem}", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config, args.overrides, config_dir=args.config_path, config_name=args.config_name)
     except ConfigError as exc:
@@ -108,6 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         loop = event_loop.loop_factory(str(setting(config, "server.event_loop")))  # before the coroutine exists
         return event_loop.run(serve(config, port_file=args.port_file), loop)
+    except RecoveryInterrupted:  # SIGTERM while recovering: said when it came (serve), the state left intact
+        return 0
     except (BindError, StateDirError, RecoveryError) as exc:  # port taken; state directory unusable, held or unreadable
         log.error("%s", exc)
         return 1
@@ -118,33 +156,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 async def serve(config, *, port_file: Optional[Path] = None) -> int:
     server = PacerServer(config)
-    await server.start()
-    log.info("coda-pacer %s (Python %s, grpcio %s)", package_version(), sys.version.split()[0], grpc.__version__,
-             extra=fields(event="version", version=package_version()))
-    if not config.fully_async.enable:  # after start: a start-up that fails says so in one line
-        log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
-    log.info("%s", allocator.describe(int(config.server.allocator_retain_bytes), server.allocator_retains))
-    loop_name = event_loop.describe(asyncio.get_running_loop())
-    log.info("event loop: %s (server.event_loop %s)", loop_name, setting(config, "server.event_loop"),
-             extra=fields(event="event_loop", loop=loop_name))
-    listeners = server.listeners  # TCP (address, port) if any, Unix socket and health-only port if set
-    window = server.pacer.state().window_size
-    durability = (f"state in {server.journal.directory}" if server.journal is not None else
-                  "state in memory only (server.state_dir is \"\"): a restart loses running and buffered groups")
-    pacing = pacing_summary(config, window)
-    log.info("serving coda.pacer.v1.RolloutPacer on %s (%s; %s)",
-             listeners.describe(), ", ".join(f"{key} {value}" for key, value in pacing.items()), durability,
-             extra=fields(event="start", address=listeners.tcp_address, uds=listeners.uds_path,
-                          health_port=listeners.health_port, strategy=str(config.fully_async.sliding_window),
-                          window=window, metrics_port=server.metrics_port, pacing=pacing))
-    if port_file is not None:
-        temporary = port_file.with_suffix(port_file.suffix + ".tmp")
-        temporary.write_text(json.dumps({**listeners.port_file(), "metrics_port": server.metrics_port}))
-        temporary.replace(port_file)  # readers never see a half-written file
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def stop_signal(signum: int) -> None:
+        if stop.is_set():  # a second signal: the stop under way goes on, said once
+            return
+        stop.set()
+        recovering = server.stop_recovery()  # None once the state is rebuilt (or there is none to rebuild)
+        if recovering is not None:
+            log.info("stopping during recovery: %s came while the state in %s was being rebuilt (%s); it stops "
+                     "before the next event, having written nothing: the state directory is intact and the next "
+                     "start recovers it", signal.Signals(signum).name, server.journal.directory, recovering,
+                     extra=fields(event="recovery_stopped", state_dir=str(server.journal.directory)))
+
+    # Before start(): a long recovery is part of it, and SIGTERM's default action would end the process with 143.
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, stop_signal, signum)
+    try:
+        await server.start()
+        started(server, config)
+        if port_file is not None:
+            write_port_file(port_file, {**server.listeners.port_file(), "metrics_port": server.metrics_port})
+    except BaseException:  # interrupted, state unreadable, a port taken, ...: leave nothing behind
+        await server.close()
+        raise
     await stop.wait()
     grace = float(config.server.shutdown_grace_seconds)
     log.info("shutting down: readiness NOT_SERVING, answering waiting calls, %.1fs grace", grace,
@@ -164,6 +200,39 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
              extra=fields(event="stopped", step=state.step, running=state.running, buffered=state.buffered,
                           leased=state.leased))
     return 0
+
+
+def started(server: PacerServer, config) -> None:
+    """The start-up lines, once the server serves."""
+    log.info("coda-pacer %s (Python %s, grpcio %s)", package_version(), sys.version.split()[0], grpc.__version__,
+             extra=fields(event="version", version=package_version()))
+    if not config.fully_async.enable:  # after start: a start-up that fails says so in one line
+        log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
+    log.info("%s", allocator.describe(int(config.server.allocator_retain_bytes), server.allocator_retains))
+    loop_name = event_loop.describe(asyncio.get_running_loop())
+    log.info("event loop: %s (server.event_loop %s)", loop_name, setting(config, "server.event_loop"),
+             extra=fields(event="event_loop", loop=loop_name))
+    listeners = server.listeners  # TCP (address, port) if any, Unix socket and health-only port if set
+    window = server.pacer.state().window_size
+    durability = (f"state in {server.journal.directory}" if server.journal is not None else
+                  "state in memory only (server.state_dir is \"\"): a restart loses running and buffered groups")
+    pacing = pacing_summary(config, window)
+    log.info("serving coda.pacer.v1.RolloutPacer on %s (%s; %s)",
+             listeners.describe(), ", ".join(f"{key} {value}" for key, value in pacing.items()), durability,
+             extra=fields(event="start", address=listeners.tcp_address, uds=listeners.uds_path,
+                          health_port=listeners.health_port, strategy=str(config.fully_async.sliding_window),
+                          window=window, metrics_port=server.metrics_port, pacing=pacing))
+
+
+def write_port_file(port_file: Path, content: dict) -> None:
+    """--port-file, replaced whole (readers never see a half-written file); ConfigError if it cannot be written
+    after all (checked at start, but a disk may fill or a directory go since)."""
+    temporary = port_file.with_suffix(port_file.suffix + ".tmp")
+    try:
+        temporary.write_text(json.dumps(content))
+        temporary.replace(port_file)
+    except OSError as exc:
+        raise ConfigError(f"--port-file {str(port_file)!r} cannot be written: {exc}; the server stopped") from None
 
 
 def pacing_summary(config, window: int) -> dict[str, str]:

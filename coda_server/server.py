@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import os
+import re
+import ssl
+import stat
 import time
+from datetime import datetime, timezone
 from typing import Any, Optional
 
 import grpc
@@ -17,11 +23,13 @@ from .allocator import HeapTrimmer, in_a_thread, retain_freed_memory
 from .admission import Admission, call_limits
 from .convert import ProtoTrajectories
 from .core.async_pacer import AsyncPacer
+from .core.errors import ConfigError
 from .core.filters import create_filters
 from .core.replay import create_replay_strategies
 from .core.strategy import create_strategy
 from .core.sqlite_journal import SqliteJournal
 from .core.pacer import Pacer
+from .core.recovery import RecoveryInterrupted
 from .logs import fields
 from .method_wrapping import WrappingRegistrar
 from .metrics_listener import check_metrics_security
@@ -82,6 +90,71 @@ def admitted_calls(config: Any) -> int:
     return min(sum(limit.limit for limit in call_limits(config.server).values()) + CONTROL_CALL_ROOM, GRPC_INT_MAX)
 
 
+def check_certificate_dates(config: Any, now: Optional[datetime] = None) -> None:
+    """An expired server certificate (the first of server.tls.cert_file) is a ConfigError naming the file and its
+    notAfter: every client's handshake would fail with 'certificate has expired', and the server would say nothing.
+    A certificate not valid yet (a clock behind the issuer's: it becomes valid by itself) and an expired one further
+    down the chain (clients may build another path, as with a cross-signed root) are warned about."""
+    tls = config.server.get("tls") or {}
+    cert_file = str(tls.get("cert_file") or "")
+    if not cert_file:
+        return
+    now = now or datetime.now(timezone.utc)
+    with open(cert_file, encoding="ascii", errors="replace") as handle:  # read already by check_tls_files
+        blocks = re.findall(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", handle.read(), re.S)
+    for index, block in enumerate(blocks, 1):
+        try:
+            not_before, not_after = certificate_validity(ssl.PEM_cert_to_DER_cert(block))
+        except (ValueError, IndexError):  # not the DER expected: gRPC's own check of the chain is the judge then
+            continue
+        which = "its certificate" if index == 1 else f"certificate {index} of its chain"
+        if not_after < now:
+            problem = (f"server.tls.cert_file = {cert_file!r}: {which} expired on {_utc(not_after)} (notAfter), so "
+                       f"clients refuse the handshake ('certificate has expired')")
+            if index == 1:
+                raise ConfigError(f"{problem}: renew it")
+            log.warning("%s unless they find another path to a root they trust", problem)
+        elif not_before > now:
+            log.warning("server.tls.cert_file = %r: %s is not valid before %s (notBefore; now %s): clients refuse the "
+                        "handshake until then (is this machine's clock, or the issuer's, wrong?)",
+                        cert_file, which, _utc(not_before), _utc(now))
+
+
+def certificate_validity(der: bytes) -> tuple[datetime, datetime]:
+    """(notBefore, notAfter) of a DER X.509 certificate: the ssl module reads them only from a live connection
+    (or from CA certificates), so the few DER fields before them are walked here."""
+
+    def element(at: int) -> tuple[int, int, int]:  # (tag, where its value starts, where it ends)
+        tag, length, at = der[at], der[at + 1], at + 2
+        if length & 0x80:
+            size = length & 0x7F
+            length, at = int.from_bytes(der[at:at + size], "big"), at + size
+        return tag, at, at + length
+
+    _, at, _ = element(0)  # Certificate ::= SEQUENCE { tbsCertificate, ... }
+    _, at, _ = element(at)  # TBSCertificate ::= SEQUENCE { [0] version OPTIONAL, serial, signature, issuer, validity
+    tag, _, end = element(at)
+    if tag == 0xA0:  # the explicit version
+        at = end
+    for _ in range(3):  # serialNumber, signature, issuer
+        at = element(at)[2]
+    _, at, _ = element(at)  # Validity ::= SEQUENCE { notBefore Time, notAfter Time }
+    times = []
+    for _ in range(2):
+        tag, start, at = element(at)
+        text = der[start:at].decode("ascii")
+        if tag == 0x17:  # UTCTime, YYMMDDHHMMSSZ: years 50-99 are 19xx (RFC 5280)
+            text = ("19" if int(text[:2]) >= 50 else "20") + text
+        elif tag != 0x18:  # neither it nor GeneralizedTime (YYYYMMDDHHMMSSZ)
+            raise ValueError(f"unexpected time tag {tag:#x}")
+        times.append(datetime.strptime(text, "%Y%m%d%H%M%SZ").replace(tzinfo=timezone.utc))
+    return times[0], times[1]
+
+
+def _utc(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 def tune_garbage_collector() -> None:
     """Rare full collections: the server holds many long-lived objects (queued and buffered trajectories), which
     every full collection would walk again, stalling the event loop; short young ones (see GC_YOUNG_THRESHOLD)."""
@@ -100,6 +173,7 @@ class PacerServer:
         filters = create_filters(list(config.rollout.filter), config) if pacer is None else None
         replay_strategies = create_replay_strategies(config) if pacer is None else None
         transport.check_tls_files(config)  # so is a certificate and key that do not go together
+        check_certificate_dates(config)  # and an expired certificate, which every client would refuse
         state_dir = str(config.server.state_dir or "")
         # The journal takes the state directory's lock now: a second server on it fails before binding.
         self.journal = (SqliteJournal(state_dir, fsync=str(config.server.fsync), codec=ProtoTrajectories())
@@ -125,6 +199,8 @@ class PacerServer:
         self.metrics_port: Optional[int] = None  # bound port of the /metrics listener; None when disabled
         self.allocator_retains = False  # whether server.allocator_retain_bytes applied (set by start)
         self.heap_trimmer: Optional[HeapTrimmer] = None  # returns freed heap pages once held bytes fall (start)
+        self._recovered = self.journal is None  # whether start() has rebuilt the state (nothing to rebuild: True)
+        self._stop_requested = False  # stop_recovery() was called: start() must not go on to serve
 
     async def start(self) -> list[int]:
         """Bind, start serving and turn readiness on; returns the bound port(s)."""
@@ -201,12 +277,17 @@ class PacerServer:
         """Rebuild the state from server.state_dir, off the event loop; until then pacer calls get UNAVAILABLE."""
         if self.journal is None:
             return
+        if self._stop_requested:  # the signal came before recovery began: do not begin it
+            raise RecoveryInterrupted("stopped before reading the journal")
         self.async_pacer.recovering = True
         started = time.monotonic()
-        try:
-            replayed = await asyncio.get_running_loop().run_in_executor(None, self.pacer.recover)
-        finally:
-            self.async_pacer.recovering = False
+        # Not reset when recovery fails or is interrupted: a state rebuilt in part must be neither served nor
+        # written to (pacer calls stay refused, lease expiry idles) until the process exits.
+        replayed = await asyncio.get_running_loop().run_in_executor(None, self.pacer.recover)
+        self._recovered = True
+        if self._stop_requested:  # asked to stop as the last event was replayed: still no serving
+            raise RecoveryInterrupted(f"stopped after replaying all {replayed} events")
+        self.async_pacer.recovering = False
         state, seconds = self.pacer.state(), time.monotonic() - started
         log.info("recovered state from %s in %.2fs: %d events replayed since the last snapshot; step %d, "
                  "generation %d, %d running, %d buffered groups", self.journal.directory,
@@ -215,6 +296,39 @@ class PacerServer:
                               replayed_events=replayed, step=state.step, weight_version=state.weight_version,
                               generation=state.generation, running=state.running, buffered=state.buffered,
                               leased=state.leased, paused=state.paused))
+
+    def stop_recovery(self) -> Optional[str]:
+        """A stop asked for before the state is rebuilt (SIGTERM during a long recovery): the recovery stops before
+        its next event, having written nothing, and start() raises RecoveryInterrupted instead of serving.
+        Returns how far it got, for the log line; None when there is nothing to stop (no state directory, or
+        recovered already)."""
+        if self._recovered:
+            return None
+        self._stop_requested = True
+        self.pacer.recovery.interrupt()
+        progress = self.pacer.recovery.progress
+        return (f"{progress[0]} of {progress[1]} events replayed" if progress is not None else
+                "reading the journal")
+
+    async def close(self) -> None:
+        """After a start() that failed or was interrupted: stop what it started, at once, so that nothing is left
+        behind (a listener, the Unix socket file). The journal stays open: closing it would fold its write-ahead
+        log into the database file, and a failed start leaves the state directory as it found it (the process
+        exits next, which releases the directory's lock)."""
+        # Each step on its own: the start-up failure is what gets reported, not a failure to clean up after it.
+        with contextlib.suppress(Exception):  # lease expiry and the gate re-checks end: they would write
+            self.async_pacer.drain()
+        for server in (self.server, self.health_server):
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    await server.stop(0)
+        with contextlib.suppress(Exception):
+            await self.observability.stop()
+        # gRPC removes the socket when a started server stops; one bound but never started keeps its file.
+        path = self.listeners.uds_path
+        with contextlib.suppress(OSError):
+            if path is not None and stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
 
     def _journal_failed(self, error: BaseException) -> None:
         """The state directory cannot be written now: no caller should be sent here until it can again."""

@@ -50,6 +50,14 @@ if TYPE_CHECKING:
     from .workers import Workers
 
 SNAPSHOT_FORMAT = 2  # 2: DispatchResult keeps admitted prompt ids and the first seq
+# What to do about a journal that cannot be read back; recovery only reads, so the directory is as it was.
+UNREADABLE_ADVICE = ("the state directory was not modified: start the coda-server version that wrote it, or, if the "
+                     "file is damaged, move server.state_dir aside to start afresh (that loses its running and "
+                     "buffered groups)")
+
+
+class RecoveryInterrupted(Exception):
+    """A stop was asked for (`Recovery.interrupt`) before the state was rebuilt; nothing was written."""
 
 
 class StrategyRestoreError(Exception):
@@ -141,6 +149,22 @@ class Recovery:
         self._steps, self._inflight, self._leases, self._liveness = steps, inflight, leases, liveness
         self._collector, self._answers, self._totals, self._clock = collector, answers, totals, clock
         self._dispatch, self._submit, self._take, self._ack, self._workers = dispatch, submit, take, ack, workers
+        self._interrupted = threading.Event()
+        # (events replayed, events to replay) once the journal is read; None before. Read by another thread.
+        self.progress: Optional[tuple[int, int]] = None
+
+    def interrupt(self) -> None:
+        """From any thread: a recovery in progress (or still to begin) stops before its next event, raising
+        RecoveryInterrupted, with nothing written; a journal that can stop reading early is told to."""
+        self._interrupted.set()
+        stop_reading = getattr(self._recorder.journal, "interrupt", None)
+        if stop_reading is not None:
+            stop_reading()
+
+    def _check_interrupted(self) -> None:
+        if self._interrupted.is_set():
+            raise RecoveryInterrupted(f"stopped after replaying {self.progress[0]} of {self.progress[1]} events"
+                                      if self.progress is not None else "stopped while reading the journal")
 
     def recover(self) -> int:
         """Rebuild the state: the snapshot, then the events replayed in order. The strategy is a fresh instance
@@ -149,7 +173,17 @@ class Recovery:
         journal = self._recorder.journal
         if journal is None:
             return 0
-        snapshot, recorded_events = journal.load()
+        self._check_interrupted()
+        try:
+            snapshot, recorded_events = journal.load()
+        except Exception as exc:
+            self._check_interrupted()  # the journal stopped reading because it was told to
+            # A record the restricted unpickler refuses, a truncated one, a damaged file: one line, not a traceback.
+            what = (f": {exc}" if isinstance(exc, RecoveryError) else  # the backend's own words name its file
+                    f" in {journal.directory}: {type(exc).__name__}: {exc}")
+            raise RecoveryError(f"cannot read the state{what}; {UNREADABLE_ADVICE}") from None
+        self.progress = (0, len(recorded_events))
+        self._check_interrupted()
         recorded = (snapshot or {}).get("config")  # None: a new directory, or a snapshot older than the record
         if recorded_events:
             self.check_recorded_config(recorded, len(recorded_events))
@@ -162,6 +196,8 @@ class Recovery:
                 except (KeyError, ValueError) as exc:
                     raise RecoveryError(f"cannot read the state snapshot in {journal.directory}: {exc}") from None
             for number, recorded_event in enumerate(recorded_events, 1):
+                self._check_interrupted()  # before the event: a stop leaves nothing half-replayed to write
+                self.progress = (number - 1, len(recorded_events))
                 try:
                     event = as_event(recorded_event)
                     with self._clock.pinned(event.at):  # the replayed call sees the time it first ran at
@@ -173,6 +209,8 @@ class Recovery:
                         f"{len(recorded_events)} ({kind}) failed: {exc}. Was the pacing configuration changed "
                         f"since the state was written? Start with the configuration it was written with, or move "
                         f"server.state_dir aside to start afresh") from None
+            self.progress = (len(recorded_events), len(recorded_events))
+        self._check_interrupted()  # the last point at which nothing has been written
         if not recorded_events and recorded != self._snapshot.summary:
             # Nothing in flight (a new directory, or just after a Reset): put these settings on record now, so a
             # restart before the next Reset replays its events under the settings they were recorded with.

@@ -12,6 +12,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .errors import RecoveryError
 from .journal import (
     FSYNC_POLICIES,
     JournalEvent,
@@ -34,12 +35,26 @@ _REFUSED_MEANWHILE = (f"changes are refused with UNAVAILABLE (reason STATE_DIR_U
                       f"every {WRITE_RETRY_SECONDS:g} s")
 # Free space below which a failed write is put down to a full disk.
 LOW_SPACE_BYTES = 64 << 20
+# SQLite's words for a file that is no database, or a damaged one: no permission or free space would help.
+_DAMAGED_SIGNS = ("file is not a database", "malformed", "file is encrypted")
+
+
+class JournalReadError(RecoveryError):
+    """A record of the journal (or the file itself) cannot be read back; the message says which."""
+
+
+class LoadInterrupted(Exception):
+    """`SqliteJournal.interrupt()` stopped `load()` before it read every record."""
 
 
 def _open_advice(directory: Path, exc: BaseException) -> str:
     """What to do about a state directory that could not be opened: make room when its file system is full (the
     cause, or too little free space and no sign of another), else give a directory this user can write."""
     text = str(exc).lower()
+    if any(sign in text for sign in _DAMAGED_SIGNS):
+        return (f"{directory / 'pacer.sqlite3'} is not a readable coda-server journal (damaged, or another file); the "
+                f"state directory was not modified: move server.state_dir aside to start afresh (that loses its "
+                f"running and buffered groups)")
     free = _free_bytes(directory)
     full = (any(sign in text for sign in ("disk is full", "no space left", "disk quota exceeded"))
             or (free is not None and free < LOW_SPACE_BYTES
@@ -90,6 +105,7 @@ class SqliteJournal:
         self._error: Optional[BaseException] = None
         self._callbacks: list[tuple[int, Callable[[], None]]] = []
         self._closing = False
+        self._interrupted = threading.Event()  # set by interrupt(): load() stops at its next record
         self.failing_since: Optional[float] = None  # monotonic time of the first failed write of this spell
         # Called on the writer thread with the error when writes start failing, and with None when they work again.
         self.on_health: Optional[Callable[[Optional[BaseException]], None]] = None
@@ -130,11 +146,41 @@ class SqliteJournal:
     # ------------------------------------------------------------------ reading
 
     def load(self) -> tuple[Optional[dict], list[JournalEvent]]:
-        """(snapshot or None, events after it, in order)."""
-        row = self._db.execute("SELECT body FROM snapshot WHERE id = 1").fetchone()
-        snapshot = loads(row[0], self.codec) if row else None
-        events = [loads(body, self.codec) for (body,) in self._db.execute("SELECT body FROM events ORDER BY id")]
+        """(snapshot or None, events after it, in order). JournalReadError names a record that cannot be read back;
+        LoadInterrupted after `interrupt()`. Reading changes nothing in the directory."""
+        try:
+            row = self._db.execute("SELECT body FROM snapshot WHERE id = 1").fetchone()
+            snapshot = self._decode(row[0], 0) if row else None
+            events = []
+            for number, (body,) in enumerate(self._db.execute("SELECT body FROM events ORDER BY id"), 1):
+                if self._interrupted.is_set():
+                    raise LoadInterrupted(f"stopped after reading {number - 1} events")
+                events.append(self._decode(body, number))
+        except sqlite3.Error as exc:  # a damaged file: SQLite says so only when it reads the damaged page
+            raise JournalReadError(f"the journal {self.directory / 'pacer.sqlite3'} could not be read "
+                                   f"({getattr(exc, 'sqlite_errorname', type(exc).__name__)}: {exc})") from None
         return snapshot, events
+
+    def _decode(self, body: bytes, number: int) -> Any:
+        """Record `number` since the snapshot (0: the snapshot itself) read back."""
+        try:
+            return loads(body, self.codec)
+        except Exception as exc:  # refused by the restricted unpickler, truncated, or a trajectory that does not decode
+            problem = " ".join(str(exc).split()) or "(no message)"
+            what = f"event {number} of {self._event_count()} since the last snapshot" if number else "the snapshot"
+            raise JournalReadError(f"{what} in {self.directory / 'pacer.sqlite3'} could not be read back "
+                                   f"({type(exc).__name__}: {problem})") from None
+
+    def _event_count(self) -> str:
+        """How many events follow the snapshot (counted only for a message: it reads the whole table)."""
+        try:
+            return str(self._db.execute("SELECT count(*) FROM events").fetchone()[0])
+        except sqlite3.Error:
+            return "?"
+
+    def interrupt(self) -> None:
+        """From any thread: a `load()` in progress (or to come) stops at its next record with LoadInterrupted."""
+        self._interrupted.set()
 
     # ------------------------------------------------------------------ writing
 
