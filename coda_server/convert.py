@@ -336,19 +336,20 @@ def control_event(event: ControlEvent) -> pb.ControlEvent:
 def checkpoint_response(checkpoint: dict, codec: ProtoTrajectories, max_message_bytes: int) -> bytes:
     """The encoded CheckpointResponse: its summary fields, then the blob as field 1 (fields may come in any
     order), so the blob is copied once into the answer; RESOURCE_EXHAUSTED when it cannot be sent."""
-    blob = checkpoints.encode(checkpoint, codec)
-    if len(blob) > max_message_bytes:
+    head, body = checkpoints.encode_parts(checkpoint, codec)
+    size = len(head) + len(body)
+    if size > max_message_bytes:
         raise ResourceExhaustedError(
-            f"the checkpoint is {len(blob)} bytes, more than server.max_message_bytes ({max_message_bytes}) lets "
+            f"the checkpoint is {size} bytes, more than server.max_message_bytes ({max_message_bytes}) lets "
             f"one answer carry; raise it (and the client's max_message_bytes) above the buffer's size",
-            retry_after=60.0, reason="CHECKPOINT_TOO_LARGE", metadata={"checkpoint_bytes": str(len(blob))})
+            retry_after=60.0, reason="CHECKPOINT_TOO_LARGE", metadata={"checkpoint_bytes": str(size)})
     buffered = [group for _, group in checkpoint["buffer"]]
     summary = pb.CheckpointResponse(
         step=checkpoint["step"], weight_version=checkpoint["weight_version"],
         buffered_groups=len(buffered), kept_groups=len(checkpoint["kept"]),
         in_flight_prompts=len(checkpoint["in_flight"]),
         trajectory_bytes=groups_bytes(buffered) + groups_bytes(checkpoint["kept"]))
-    return b"".join((summary.SerializeToString(), _BLOB_TAG, _wire.varint(len(blob)), blob))
+    return b"".join((summary.SerializeToString(), _BLOB_TAG, _wire.varint(size), head, body))
 
 
 _BLOB_TAG = _wire.length_delimited_tag(pb.CheckpointResponse.DESCRIPTOR.fields_by_name["checkpoint"].number)

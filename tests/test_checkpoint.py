@@ -110,7 +110,7 @@ def test_a_restore_that_cannot_apply_changes_nothing():
     with pytest.raises(checkpoints.CheckpointFormatError, match="not a pacer checkpoint"):
         checkpoints.decode(b"something else", CODEC)
     newer = checkpoints.MAGIC + checkpoints._HEADER.pack(checkpoints.CHECKPOINT_FORMAT + 1) + b"..."
-    with pytest.raises(checkpoints.CheckpointFormatError, match="format 2, this server reads format 1"):
+    with pytest.raises(checkpoints.CheckpointFormatError, match="format 3, this server reads formats 1 and 2"):
         checkpoints.decode(newer, CODEC)
     pacer.begin_reset()
     before = pacer.state()

@@ -330,8 +330,9 @@ class AsyncPacer:
         """`encode(checkpoint)` of a checkpoint (checkpoints.take), run off the event loop: nothing pauses. The
         checkpoint shares the pacer's groups, which are never changed, so it may be read without the lock."""
         self.check_ready()
-        checkpoint = self.pacer.checkpoint()
-        encoded = await asyncio.to_thread(encode, checkpoint)
+        checkpoint = self.pacer.checkpoint(counted=False)
+        encoded = await asyncio.to_thread(encode, checkpoint)  # may refuse it (CHECKPOINT_TOO_LARGE): not counted
+        self.pacer.checkpoints.taken(checkpoint)
         checkpoint_log.info("checkpoint taken at step %d (weight version %d): %d buffered groups, %d kept, %d prompts "
                             "in flight", checkpoint["step"], checkpoint["weight_version"], len(checkpoint["buffer"]),
                             len(checkpoint["kept"]), len(checkpoint["in_flight"]),
@@ -347,7 +348,7 @@ class AsyncPacer:
         checkpoint = await asyncio.to_thread(checkpoints.decode, blob, codec)
 
         async def call() -> RestoreResult:
-            result = self.pacer.apply_restore(checkpoint, request_id)
+            result = self.pacer.apply_restore(checkpoint, request_id, validated=True)  # decode validated it
             # Said here, where it happens: a retry answered the remembered result restores nothing.
             checkpoint_log.warning(checkpoints.restore_summary(result),
                                    extra={"fields": {"event": "restore", **dataclasses.asdict(result)}})

@@ -5,15 +5,21 @@ rollback) it restores that checkpoint, and the pacer continues from k as if the 
 run. `Checkpoints` is built by the Pacer over the owners a checkpoint reads and a Restore changes, passed
 explicitly; it keeps when the last checkpoint was taken and restored. The blob is the journal's encoding
 (journal.dumps: pickled plain data, trajectories in the transport's own bytes through the codec) behind a
-magic line and a format number.
+magic line, a format number and (from format 2) the SHA-256 digest of that body. A Restore reads it only
+whole and intact: the digest must match and the decoded checkpoint must have every field of the shape `take`
+writes (`validate`), before anything changes.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
+import math
 import struct
+from numbers import Integral, Real
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from .answers import AnswerBook
 from .buffer import PipelineBuffer
@@ -29,13 +35,16 @@ from .leases import Leases
 from .replay import RestoredGroups
 from .signals import Signals
 from .steps import StepBoundary
-from .types import ControlEventType, ResetMode, RestoreResult
+from .types import ControlEventType, ResetMode, RestoreResult, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 log = logging.getLogger("coda_server.checkpoints")
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, 2)  # 1: as the versions before the digest wrote it (read, and validated, all the same)
 MAGIC = b"coda-pacer checkpoint\n"
 _HEADER = struct.Struct(">I")  # the format number, after the magic line
+# SHA-256, the same on every server (xxhash is optional there) and a few tens of ms for 64 MiB: a checkpoint is rare.
+_DIGEST_BYTES = hashlib.sha256().digest_size
 # What a Restore of bytes that are not a whole checkpoint is told to send instead, in terms of the RPCs.
 _PASS_THE_BLOB = "pass the bytes an earlier Checkpoint call returned (its `checkpoint` field), unchanged"
 
@@ -55,13 +64,21 @@ class CheckpointMismatchError(FailedPreconditionError):
 # ------------------------------------------------------------------ the blob
 
 
+def encode_parts(checkpoint: dict[str, Any], codec: TrajectoryCodec) -> tuple[bytes, bytes]:
+    """The opaque blob in two parts, to be sent one after the other: (magic line, format number and the digest
+    of the body; the body, the journal's encoding of the checkpoint). Two parts: the answer copies each once."""
+    body = dumps(checkpoint, codec)
+    return MAGIC + _HEADER.pack(CHECKPOINT_FORMAT) + hashlib.sha256(body).digest(), body
+
+
 def encode(checkpoint: dict[str, Any], codec: TrajectoryCodec) -> bytes:
-    """The opaque blob: magic line, format number, then the journal's encoding of the checkpoint."""
-    return dumps(checkpoint, codec, prefix=MAGIC + _HEADER.pack(CHECKPOINT_FORMAT))
+    """The opaque blob: magic line, format number, digest of the body, then the body."""
+    return b"".join(encode_parts(checkpoint, codec))
 
 
 def decode(blob: bytes, codec: TrajectoryCodec) -> dict[str, Any]:
-    """The checkpoint in `blob`; CheckpointFormatError (changing nothing) when it is not one this version reads."""
+    """The checkpoint in `blob`, validated; CheckpointFormatError (changing nothing) when it is not one this
+    version reads, whole and intact."""
     # The messages say what is wrong in terms of the RPCs, for a caller in any language: never the decoder's own
     # words (a Python exception's), which the server log keeps.
     if not isinstance(blob, (bytes, bytearray, memoryview)) or bytes(blob[:len(MAGIC)]) != MAGIC:
@@ -69,19 +86,32 @@ def decode(blob: bytes, codec: TrajectoryCodec) -> dict[str, Any]:
                                     f"checkpoint (they do not begin as one); {_PASS_THE_BLOB}",
                                     violations=[("checkpoint", "must be a blob taken by Checkpoint")])
     blob = memoryview(blob)
-    if len(blob) < len(MAGIC) + _HEADER.size:
+    start = len(MAGIC) + _HEADER.size
+    if len(blob) < start:
         raise _undecodable("it ends inside its header")
     (found,) = _HEADER.unpack_from(blob, len(MAGIC))
-    if found != CHECKPOINT_FORMAT:
+    if found not in READABLE_FORMATS:
         raise CheckpointFormatError(f"Restore refused, nothing changed: checkpoint is in format {found}, this server "
-                                    f"reads format {CHECKPOINT_FORMAT}; restore it with the coda-server version "
-                                    f"that took it", violations=[("checkpoint", f"format must be {CHECKPOINT_FORMAT}")])
+                                    f"reads formats {' and '.join(map(str, READABLE_FORMATS))}; restore it with the "
+                                    f"coda-server version that took it",
+                                    violations=[("checkpoint", f"format must be {CHECKPOINT_FORMAT} or older")])
+    if found >= 2:  # format 1 carries no digest: only the validation below stands between it and the state
+        if len(blob) < start + _DIGEST_BYTES:
+            raise _undecodable("it ends inside its header")
+        recorded, start = bytes(blob[start:start + _DIGEST_BYTES]), start + _DIGEST_BYTES
+        if hashlib.sha256(blob[start:]).digest() != recorded:
+            log.info("Restore refused: the checkpoint blob's digest does not match its %d bytes", len(blob))
+            raise CheckpointFormatError(
+                "Restore refused, nothing changed: checkpoint is damaged (its digest does not match: bytes were "
+                f"changed, cut or added since Checkpoint returned it); {_PASS_THE_BLOB}",
+                violations=[("checkpoint", "must be a blob taken by Checkpoint, unchanged")])
     try:
-        checkpoint = loads(blob[len(MAGIC) + _HEADER.size:], codec)
-        if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError("its body is not a checkpoint record")
+        checkpoint = loads(blob[start:], codec)
+        if not isinstance(checkpoint, dict) or checkpoint.get("format") != found:
+            raise ValueError("its body is not a checkpoint record of its format")
     except Exception as exc:
         raise _undecodable(f"{type(exc).__name__}: {exc}") from None
+    validate(checkpoint)
     return checkpoint
 
 
@@ -93,6 +123,165 @@ def _undecodable(cause: str) -> CheckpointFormatError:
         "Restore refused, nothing changed: checkpoint holds bytes that are not a checkpoint this server wrote (they "
         f"do not decode: truncated, damaged or of another format); {_PASS_THE_BLOB}",
         violations=[("checkpoint", "must be a blob taken by Checkpoint, unchanged")])
+
+
+# ------------------------------------------------------------------ what a checkpoint must hold
+
+_KEYS = frozenset({"format", "config", "step", "weight_version", "generation", "taken_at", "buffer", "kept",
+                   "quarantined", "in_flight", "cursor", "strategy"})
+_OPTIONAL_KEYS = frozenset({"paused"})  # absent from the first format-1 checkpoints: not paused
+_GROUP_FIELDS = frozenset(f.name for f in dataclasses.fields(TrajectoryGroup))
+# A trajectory pickled as it is (in-process) may carry its content key, built once (Trajectory.prepare_content_key).
+_TRAJECTORY_FIELDS = frozenset(f.name for f in dataclasses.fields(Trajectory)) | {"_content_key"}
+
+
+class _Invalid(Exception):
+    """What is wrong with a decoded checkpoint, in its own terms (validate turns it into CheckpointFormatError)."""
+
+
+def validate(checkpoint: Any) -> None:
+    """Refuse (CheckpointFormatError, changing nothing) anything but a whole checkpoint of the shape `take`
+    writes: a damaged one must be refused before the Restore changes anything, not fail half-way through it or
+    leave the state holding what every later call trips over."""
+    try:
+        _check_checkpoint(checkpoint)
+    except _Invalid as exc:
+        log.info("Restore refused: the checkpoint does not hold what Checkpoint writes (%s)", exc)
+        raise CheckpointFormatError(
+            f"Restore refused, nothing changed: checkpoint is not a whole pacer checkpoint ({exc}); {_PASS_THE_BLOB}",
+            violations=[("checkpoint", "must be a blob taken by Checkpoint, unchanged")]) from None
+
+
+def _require(holds: bool, what: str) -> None:
+    if not holds:
+        raise _Invalid(what)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Numbers as an in-process caller may have given them (a NumPy integer for an index), but no bool.
+def _is_int(value: Any, minimum: Optional[int] = None) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _is_sequence(value: Any, length: Optional[int] = None) -> bool:
+    return isinstance(value, (list, tuple)) and (length is None or len(value) == length)
+
+
+def _check_checkpoint(checkpoint: Any) -> None:
+    _require(isinstance(checkpoint, dict), "it is not a record of named fields")
+    keys = set(checkpoint)
+    missing = _KEYS - keys
+    _require(not missing, f"it lacks {', '.join(sorted(missing))}")
+    unknown = keys - _KEYS - _OPTIONAL_KEYS
+    _require(not unknown, f"it has fields no checkpoint has: {', '.join(sorted(map(_short, unknown)))}")
+    _require(checkpoint["format"] in READABLE_FORMATS, f"format {_short(checkpoint['format'])} is unknown")
+    config = checkpoint["config"]
+    _require(isinstance(config, dict) and all(isinstance(key, str) for key in config),
+             "config is not the pacing settings' record")
+    for name in ("step", "weight_version", "generation"):
+        _require(_is_int(checkpoint[name], 0), f"{name} {_short(checkpoint[name])} is not a whole number >= 0")
+    _require(isinstance(checkpoint.get("paused", False), bool), f"paused {_short(checkpoint.get('paused'))} is not "
+             f"true or false")
+    _require(_is_real(checkpoint["taken_at"]), f"taken_at {_short(checkpoint['taken_at'])} is not a time")
+    buffer = checkpoint["buffer"]
+    _require(isinstance(buffer, list), "buffer is not a list of (priority, group) entries")
+    priorities = set()
+    for i, entry in enumerate(buffer):
+        _require(_is_sequence(entry, 2), f"buffer[{i}] is not a (priority, group) entry")
+        priority, group = entry
+        # The buffer is a heap of (priority, group): priorities must order among themselves and never tie (a tie
+        # would compare the groups, which do not order).
+        _require(isinstance(priority, tuple) and len(priority) == 3 and
+                 all(_is_real(p) and not math.isnan(p) for p in priority),
+                 f"buffer[{i}]'s priority {_short(priority)} is not an (epoch, index, seq) of numbers")
+        _require(priority not in priorities, f"buffer[{i}]'s priority {_short(priority)} is another entry's too")
+        priorities.add(priority)
+        _check_group(group, f"buffer[{i}]")
+    for name in ("kept", "quarantined"):
+        groups = checkpoint[name]
+        _require(isinstance(groups, list), f"{name} is not a list of groups")
+        for i, group in enumerate(groups):
+            _check_group(group, f"{name}[{i}]")
+    in_flight = checkpoint["in_flight"]
+    _require(isinstance(in_flight, list), "in_flight is not a list of prompts")
+    for i, prompt in enumerate(in_flight):
+        _require(_is_sequence(prompt, 4) and _is_int(prompt[0]) and all(p is None or _is_int(p) for p in prompt[1:3])
+                 and isinstance(prompt[3], str), f"in_flight[{i}] is not a (ds_index, epoch, index, prompt_id)")
+    _check_cursor(checkpoint["cursor"])
+
+
+def _check_cursor(cursor: Any) -> None:
+    """As PromptCursor.export writes it: {"marks": [(ds_index, epoch, below, [indices above])]}."""
+    _require(isinstance(cursor, dict) and set(cursor) == {"marks"} and isinstance(cursor["marks"], list),
+             "cursor is not a prompt cursor")
+    seen = set()
+    for i, mark in enumerate(cursor["marks"]):
+        _require(_is_sequence(mark, 4) and _is_int(mark[0]) and _is_int(mark[1]) and _is_int(mark[2], 0) and
+                 _is_sequence(mark[3]) and all(_is_int(index, 0) for index in mark[3]),
+                 f"cursor mark {i} is not a (ds_index, epoch, below, [indices above])")
+        _require((mark[0], mark[1]) not in seen, f"cursor mark {i} repeats data source {mark[0]}, epoch {mark[1]}")
+        seen.add((mark[0], mark[1]))
+
+
+def _check_group(group: Any, where: str) -> None:
+    _require(type(group) is TrajectoryGroup, f"{where} is not a trajectory group")
+    state = vars(group)
+    # A field read from the pickle under another name (a damaged key) is an unknown one here; a field of the
+    # class absent from it reads as the class's default (`seq`), or is missing (`prompt_id`, `trajectories`).
+    unknown = set(state) - _GROUP_FIELDS
+    _require(not unknown, f"{where} has fields no group has: {', '.join(sorted(map(_short, unknown)))}")
+    _require(isinstance(state.get("prompt_id"), str), f"{where} has no prompt_id")
+    where = f"{where} (prompt {_short(group.prompt_id)})"
+    _require(_is_int(group.seq, 0) and _is_int(group.ds_index), f"{where}: seq or ds_index is not a whole number")
+    _require(all(v is None or _is_int(v) for v in (group.epoch, group.index)), f"{where}: epoch or index is not a "
+             f"whole number or none")
+    _require(_is_real(group.dispatched_at), f"{where}: dispatched_at is not a time")
+    trajectories = state.get("trajectories")
+    _require(isinstance(trajectories, list), f"{where} has no list of trajectories")
+    prompt_id = group.prompt_id
+    for j, trajectory in enumerate(trajectories):
+        if not _well_formed(trajectory, prompt_id):  # the usual case costs one test; the message only when not
+            _check_trajectory(trajectory, prompt_id, f"{where} trajectory {j}")
+
+
+def _well_formed(t: Any, prompt_id: str) -> bool:
+    """The usual trajectory, as the transport's codec makes them, told well formed in one expression (a checkpoint
+    may hold 100,000 trajectories); False sends it to _check_trajectory, which also takes other number types."""
+    if type(t) is not Trajectory:
+        return False
+    state = t.__dict__
+    return (state.keys() <= _TRAJECTORY_FIELDS and type(state.get("trajectory_id")) is str and
+            state.get("prompt_id") == prompt_id and type(t.ds_index) is int and type(t.start_weight_version) is int
+            and type(t.end_weight_version) is int and type(t.num_turns) is int and t.num_turns >= 0 and
+            type(t.size_bytes) is int and t.size_bytes >= 0 and type(t.num_tokens) is int and t.num_tokens >= 0 and
+            type(t.status) is TrajectoryStatus and (type(t.reward) is float or type(t.reward) is int) and
+            (type(t.metadata) is dict or isinstance(t.metadata, Mapping)))
+
+
+def _check_trajectory(trajectory: Any, prompt_id: str, where: str) -> None:
+    """Says what is wrong with a trajectory `_well_formed` refused."""
+    _require(type(trajectory) is Trajectory, f"{where} is not a trajectory")
+    state = vars(trajectory)
+    unknown = set(state) - _TRAJECTORY_FIELDS
+    _require(not unknown, f"{where} has fields no trajectory has: {', '.join(sorted(map(_short, unknown)))}")
+    _require(isinstance(state.get("trajectory_id"), str), f"{where} has no trajectory_id")
+    _require(state.get("prompt_id") == prompt_id, f"{where} has prompt_id {_short(state.get('prompt_id'))}, not "
+             f"its group's")
+    t = trajectory
+    _require(all(_is_int(v) for v in (t.ds_index, t.start_weight_version, t.end_weight_version)) and
+             all(_is_int(v, 0) for v in (t.num_turns, t.size_bytes, t.num_tokens)),
+             f"{where}: ds_index, a weight version or a count is not a whole number")
+    _require(isinstance(t.status, TrajectoryStatus), f"{where}: status {_short(t.status)} is not a status")
+    _require(isinstance(t.reward, Real), f"{where}: reward {_short(t.reward)} is not a number")  # as Submit takes
+    _require(isinstance(t.metadata, Mapping), f"{where}: metadata is not a map")
 
 
 def strategy_state(hooks: Any, failures: HookFailures) -> Any:
@@ -126,7 +315,8 @@ class Checkpoints:
 
     def take(self) -> dict[str, Any]:
         """What the pacer needs to continue from the current step: a consistent copy, taken under the lock
-        without pausing anything (the buffer and kept groups are shared, not copied: they are never changed)."""
+        without pausing anything (the buffer and kept groups are shared, not copied: they are never changed).
+        Not counted yet: `taken` counts it once its caller has it (a blob too large to send is no checkpoint)."""
         with self._lock:
             self._lifecycle.check_open()
             steps = self._steps
@@ -141,14 +331,12 @@ class Checkpoints:
             for lease in self._leases.collect.values():
                 buffer.extend(lease.entries)
             buffer.sort(key=lambda entry: entry[0])
-            self._totals["checkpoints"] += 1
-            self.last_checkpoint = (steps.step, steps.weight_version, time.time())
             return {
                 "format": CHECKPOINT_FORMAT,
                 "config": dict(self._summary),
                 "step": steps.step, "weight_version": steps.weight_version, "generation": steps.generation,
                 "paused": steps.paused,  # taken between a Reset and its Resume: restored paused, the Resume reopens
-                "taken_at": self.last_checkpoint[2],
+                "taken_at": time.time(),
                 "buffer": buffer,
                 "kept": self._restored.export(),
                 "quarantined": self._collector.quarantined,
@@ -156,6 +344,12 @@ class Checkpoints:
                 "cursor": self._cursor.copy_without(reoffered).export(),
                 "strategy": strategy_state(self._hooks, self._failures),  # as the journal's snapshot saves it
             }
+
+    def taken(self, checkpoint: dict[str, Any]) -> None:
+        """`checkpoint` (of `take`) reached its caller: GetState counts it and names it the last taken."""
+        with self._lock:
+            self._totals["checkpoints"] += 1
+            self.last_checkpoint = (checkpoint["step"], checkpoint["weight_version"], checkpoint["taken_at"])
 
     def check(self, checkpoint: dict[str, Any]) -> None:
         """Refuse (changing nothing) a checkpoint of another job's settings, or while a Reset runs."""
@@ -173,18 +367,23 @@ class Checkpoints:
                 f"or the configuration changed since; restore it on a server started with the settings it was "
                 f"taken under (nothing was changed)", violations=[("checkpoint", "must be this job's")])
 
-    def restore(self, checkpoint: dict[str, Any]) -> RestoreResult:
+    def restore(self, checkpoint: dict[str, Any], validated: bool = False) -> RestoreResult:
         """Bring the pacer back to the checkpoint's step: everything held now is discarded and counted, the
         checkpoint's buffer and kept groups are put back as they were, the prompts in flight then (and every
         prompt admitted since) are offered again, and workers are told (PAUSE with ABORT, then RESUME at its
-        weight version unless it was taken while dispatch was paused: then the trainer's Resume reopens it)."""
+        weight version unless it was taken while dispatch was paused: then the trainer's Resume reopens it).
+        `validated`: `decode` validated it already (off the event loop), else it is validated here."""
+        if not validated:
+            validate(checkpoint)
         with self._lock:
             self._lifecycle.check_open()
             self.check(checkpoint)
             return self._restore(checkpoint)
 
     def _restore(self, checkpoint: dict[str, Any]) -> RestoreResult:
-        step, version = int(checkpoint["step"]), int(checkpoint["weight_version"])
+        # Everything that can fail comes before the first change (the strategy's hook last): a Restore applies
+        # whole or not at all.
+        step, version = checkpoint["step"], checkpoint["weight_version"]
         now = self._clock()
         buffer, leases, restored, collector, totals = (self._buffer, self._leases, self._restored, self._collector,
                                                        self._totals)
@@ -199,6 +398,11 @@ class Checkpoints:
         trajectories += [t for g in running for t in g.trajectories.values()]
         newer = sum(1 for t in trajectories if max(t.start_weight_version, t.end_weight_version) > version)
         before = len(self._cursor)
+
+        # What is put back, worked out now (validate checked its shape: the heap's priorities order).
+        entries, kept = list(checkpoint["buffer"]), list(checkpoint["kept"])
+        quarantined = list(checkpoint["quarantined"])
+        held = sum(bytes_of(g.trajectories) for g in [*(group for _, group in entries), *kept, *quarantined])
 
         strategy_state = checkpoint.get("strategy")
         hook = getattr(self._hooks, "restore", None)
@@ -218,12 +422,11 @@ class Checkpoints:
         self._answers.forget("Collect", lambda answer: True)
         self._answers.forget("Reset", lambda answer: True)
 
-        buffer.replace(checkpoint["buffer"])
+        buffer.replace(entries)
         totals["reinstated"] += len(buffer)
-        restored.restore(checkpoint["kept"])
-        collector.new_generation(checkpoint["quarantined"])
-        self._held_bytes.total = sum(bytes_of(g.trajectories) for g in
-                                     [*buffer.groups(), *restored.export(), *collector.quarantined])
+        restored.restore(kept)
+        collector.new_generation(quarantined)
+        self._held_bytes.total = held
         self._cursor.restore(checkpoint["cursor"])
         steps = self._steps
         steps.rolled_back(step, version, bool(checkpoint.get("paused")), now)
