@@ -622,12 +622,71 @@ class _BatchWait:
             log.info("batches: the %s came after %.0f s", self.what, time.monotonic() - self.reported_at)
 
 
+def check_reconnect(reconnect: float) -> float:
+    """`reconnect` as a float, or ValueError: a bound of seconds >= 0 (NaN would never end a wait)."""
+    if not reconnect >= 0:
+        raise ValueError(f"reconnect must be >= 0 seconds, not {reconnect}")
+    return float(reconnect)
+
+
+class _StartWait:
+    """GetState asked as an iterator starts (its group size, the step's batches, the window) through an outage: a
+    server away (restarting at a step boundary) is asked again, as the running iterator's calls are, for up to
+    `reconnect` seconds, said once as the outage begins and once as it ends; then ServerGoneError."""
+
+    def __init__(self, target: str, reconnect: float) -> None:
+        self.target = target
+        self.reconnect = check_reconnect(reconnect)
+        self.deadline: float | None = None
+        self.delay = _AWAY_RETRY_INITIAL_SECONDS
+        self.outage = OutageLog(
+            log, began=f"batches: the pacer at {target} did not answer as the iterator started ({{reason}}); asking "
+                       f"again for up to reconnect={self.reconnect:g} s",
+            attempt=f"batches: the pacer at {target} still away as the iterator starts ({{reason}})",
+            back=f"batches: the pacer at {target} answered after {{seconds}} s; the iterator starts")
+
+    def pause(self, exc: PacerClientError) -> float | None:
+        """Seconds to wait before asking again after `exc`; None when `exc` is no outage (the caller raises it).
+        ServerGoneError once `reconnect` has passed since the first failure."""
+        if not _server_away(exc.code):
+            return None
+        now = time.monotonic()
+        self.deadline = now + self.reconnect if self.deadline is None else self.deadline
+        if now >= self.deadline:
+            raise ServerGoneError(f"batches(): the pacer at {self.target} could not be reached as the iterator "
+                                  f"started and no server answered within reconnect={self.reconnect:g} s; nothing "
+                                  f"was collected (last error: {exc})") from exc
+        self.outage.failed(exc)
+        pause, self.delay = min(self.delay, self.deadline - now), min(self.delay * 2, _AWAY_RETRY_MAX_SECONDS)
+        return pause
+
+    def answered(self) -> None:
+        self.outage.answered()
+
+
+def starting_state(client: PacerClient, reconnect: float) -> PacerState:
+    """The server's state for a blocking iterator about to start, through an outage of up to `reconnect` seconds
+    (_StartWait): entering batches() while the server restarts waits for it as the iterator's own calls do."""
+    start = _StartWait(client.target, reconnect)
+    while True:
+        try:
+            state = client.state()
+        except PacerClientError as exc:
+            pause = start.pause(exc)
+            if pause is None:
+                raise
+            time.sleep(pause)
+            continue
+        start.answered()
+        return state
+
+
 class _IteratorBase:
     """Configuration and bookkeeping shared by the blocking and the async iterator."""
 
     def __init__(self, client: Any, shape: BatchShape | int, *, lease: float, poll: float,
                  num_batches: int | str | None, mask_offpolicy: bool = False, step: int | None = None,
-                 reconnect: float = DEFAULT_RECONNECT_SECONDS) -> None:
+                 reconnect: float = DEFAULT_RECONNECT_SECONDS, run: str = "") -> None:
         if lease <= 0:
             raise ValueError(f"lease must be > 0 seconds (the batches are leased until acknowledged), not {lease}")
         if poll <= 0:
@@ -636,11 +695,16 @@ class _IteratorBase:
         if num_batches is not None and num_batches != STEP and not (isinstance(num_batches, int) and num_batches >= 0):
             raise ValueError(f"num_batches must be an integer >= 0, {STEP!r} (one training step) or None, "
                              f"not {num_batches!r}")
-        if not reconnect >= 0:
-            raise ValueError(f"reconnect must be >= 0 seconds, not {reconnect}")
+        reconnect = check_reconnect(reconnect)
         numpy()
         self._client = client
         self.shape = shape if isinstance(shape, BatchShape) else BatchShape(shape)
+        if not isinstance(run, str):
+            raise ValueError(f"run must be a str naming the ranks' launch (the same on every rank), not {run!r}")
+        if run and self.shape.world_size == 1:
+            raise ValueError("run names a launch of data-parallel ranks: it goes with world_size > 1 (a single "
+                             "trainer has no other ranks to start in step with)")
+        self.run = run  # CollectRequest.run of every Collect ("": none)
         self.lease = float(lease)
         self.poll = float(poll)
         self.num_batches = num_batches  # "step" until the async iterator has asked the server
@@ -1347,7 +1411,7 @@ class _AsyncBatchIteratorCore(_IteratorBase):
         # The server's state is asked for whenever the blocking iterator's batches() asks for it.
         if (not self._shape_resolved or self.num_batches == STEP or self._group_size is not None
                 or not self.shape.token_budget):
-            state = await self._client.state()
+            state = await self._starting_state()
             check_group_size(state, self._group_size)
             if not self._shape_resolved:
                 self.shape = BatchShape.of(self.mini_batch_size, None, lambda: state.group_sizes,
@@ -1364,6 +1428,21 @@ class _AsyncBatchIteratorCore(_IteratorBase):
         self._watcher = asyncio.ensure_future(self._watch_events())
         if self._wants_more():
             self._pending = asyncio.ensure_future(self._prefetch())
+
+    async def _starting_state(self) -> PacerState:
+        """Coroutine form of starting_state: a server restarting as the iterator starts is waited for."""
+        start = _StartWait(self._client.target, self.reconnect)
+        while True:
+            try:
+                state = await self._client.state()
+            except PacerClientError as exc:
+                pause = start.pause(exc)
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+                continue
+            start.answered()
+            return state
 
     async def _watch_events(self) -> None:
         """Coroutine form of _BatchIteratorCore._watch_events."""

@@ -27,7 +27,7 @@ _quiet_grpc_core()
 
 import grpc  # noqa: E402  (after _quiet_grpc_core)
 
-from . import _tls  # noqa: E402
+from . import _health, _tls  # noqa: E402
 from ._channel import TlsConfig, check_target, check_token, proxy_options, resolve_tls  # noqa: E402
 from .client import PacerClient  # noqa: E402
 from .errors import PacerClientError, UnauthenticatedError  # noqa: E402
@@ -282,7 +282,10 @@ def run_command(client: PacerClient, args: argparse.Namespace) -> tuple[Any, str
         return report, render_end_job(report)
     if args.command == "workers":
         holdings = client.list_workers(args.client, max_groups_per_worker=max(0, args.groups))
-        return holdings, render_workers(holdings)
+        # ListWorkers names the holder of a lease only when it ends with its holder's silence (batches()'): the
+        # leases of the others (collect_leased(), collect_result(lease=...)) are counted from GetState, for the text.
+        unnamed = 0 if args.json or args.client else client.state().leased - sum(w.leased for w in holdings)
+        return holdings, render_workers(holdings, unnamed_leased=max(0, unnamed))
     raise ValueError(f"unknown command {args.command!r}")
 
 
@@ -391,17 +394,18 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
 
     Health needs no token; over TLS (`tls`) the server certificate is verified as for any call.
     """
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # only the probe needs the health stubs
-
     credentials, tls_options = resolve_tls(tls)
     check_target(address, plaintext=credentials is None)  # a port gRPC would dial modulo 65536 probes another server
     options = [*proxy_options(address).items(), *tls_options]  # a sidecar's probe must not go through a proxy
     channel = (grpc.secure_channel(address, credentials, options) if credentials
                else grpc.insecure_channel(address, options))
     with channel:
+        # A generic call with the messages encoded by hand: grpcio-health-checking is the server's dependency, not
+        # the client's, and a client-only install has no grpc_health.
+        check = channel.unary_unary(_health.HEALTH_CHECK_METHOD, request_serializer=_health.encode_request,
+                                    response_deserializer=_health.decode_response)
         try:
-            response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            response = check(service, timeout=timeout)
         except grpc.RpcError as error:
             status = error.code().name
             details = _tls.tidy(error.details() or "")
@@ -414,28 +418,34 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
                 hint = f"; {trouble.text}" if trouble is not None else ""
                 print(f"coda-client: no health answer from {address}: {status}: {details}{hint}", file=sys.stderr)
         else:
-            status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            status = _health.status_name(response)
     out.write(json.dumps({"service": service, "status": status}) + "\n" if json_lines
               else f"{service or '(server)'}: {status}\n")
     return 0 if status == "SERVING" else 1
 
 
-def render_workers(holdings: Sequence[WorkerHoldings]) -> str:
-    """One line per worker (running groups, oldest held), then its listed groups indented."""
+def render_workers(holdings: Sequence[WorkerHoldings], unnamed_leased: int = 0) -> str:
+    """One line per worker (running groups, oldest held) or trainer (groups leased to it by batches()), then its
+    listed groups indented; then the leased groups no holder is named for (`unnamed_leased`), if any."""
+    unnamed = (f"{unnamed_leased} {'more ' if holdings else ''}group{'' if unnamed_leased == 1 else 's'} leased, "
+               "holder not named: Collect leases that do not end with their holder's silence (collect_leased(), "
+               "collect_result(lease=...)); back in the buffer unless acknowledged before they run out\n"
+               if unnamed_leased else "")
     if not holdings:
-        return "no running groups\n"
+        return unnamed or "no running groups, and no groups leased to trainers\n"
     lines = []
     for worker in holdings:
         loaded = (f", engine at weight version {worker.loaded_weight_version}"
                   if worker.loaded_weight_version is not None else "")
         leased = f", {worker.leased} groups leased ({', '.join(worker.lease_ids)})" if worker.lease_ids else ""
         lines.append(f"{worker.client_id or '(no client id)'}: {worker.running} running, oldest held "
-                     f"{worker.oldest_held_seconds:.1f}s{loaded}{leased}")
+                     f"{worker.oldest_held_seconds:.1f}s{loaded}{leased}"
+                     + (" to this trainer, not yet acknowledged" if worker.lease_ids and not worker.running else ""))
         for g in worker.groups:
             lease = f", lease {g.lease_remaining_seconds:.0f}s left" if g.lease_remaining_seconds is not None else ""
             lines.append(f"  {g.prompt_id} seq {g.seq}: {g.trajectories}/{g.group_size} trajectories, held "
                          f"{g.held_seconds:.1f}s{lease}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + unnamed
 
 
 def as_json(value: Any) -> Any:

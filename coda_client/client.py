@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from . import _calls, _tls, arrays as _arrays, wire_forms as _wire
+from . import _calls, _health, _tls, arrays as _arrays, wire_forms as _wire
 from ._calls import Call
 from ._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -44,9 +44,10 @@ from .batches import (
     BatchShape,
     check_group_size,
     check_reachable,
+    starting_state,
     step_batches,
 )
-from .errors import PacerClientError, translate
+from .errors import PacerClientError, UnavailableError, translate
 from .types import (
     Checkpoint,
     CollectResult,
@@ -79,7 +80,7 @@ log = logging.getLogger(__name__)
 _INHERITED_CHANNELS: list[Any] = []
 # The call AsyncPacerClient.connection_trouble makes to learn why connections fail: the standard health check
 # (empty request: the server as a whole), needing no token, and answered by any gRPC server that has one.
-_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+_HEALTH_CHECK = _health.HEALTH_CHECK_METHOD
 CONNECTION_PROBE_SECONDS = 10.0
 
 
@@ -94,19 +95,54 @@ if hasattr(os, "register_at_fork"):
 
 
 class _StreamBase:
-    """Shared state of a watch stream: the gRPC call and whether this side cancelled it."""
+    """Shared state of a watch stream: the gRPC call and whether this side cancelled it.
+
+    `first_event_within`: seconds the first event (the server's current state, sent at once) may take from the
+    first read; then the stream is cut and the read raises UnavailableError. A client that waits for ready gives
+    its timeout: its stream, which has no deadline, otherwise waited silently for good for a server never there.
+    None: no bound (gRPC itself ends the stream of a client that does not wait for ready, finding no server)."""
 
     def __init__(self, call: Any, target: str | None = None,
-                 explain: Callable[[str], str | None] | None = None) -> None:
+                 explain: Callable[[str], str | None] | None = None,
+                 first_event_within: float | None = None) -> None:
         self._call = call
         self._target = target
         self._explain = explain  # the client's reading of a connection error (errors.translate)
         self._cancelled = False
+        self._first_event_within = first_event_within
+        self._answered = False  # an event arrived: the stream has no bound from then on
+        self._late = False  # cut because the first event did not come in time
+        self._lock = threading.Lock()
 
     def cancel(self) -> None:
         """Ends the stream; a pending or later read finishes the iteration instead of raising."""
         self._cancelled = True
         self._call.cancel()
+
+    def _bounded(self) -> bool:
+        """Whether this read is bound to bring the first event in time."""
+        return self._first_event_within is not None and not self._answered and not self._cancelled
+
+    def _cut_late(self) -> None:
+        """The first event did not come in time: the stream is cut (its read then raises _no_first_event)."""
+        with self._lock:
+            if self._answered or self._cancelled:
+                return
+            self._late = True
+        self._call.cancel()
+
+    def _heard(self) -> None:
+        with self._lock:
+            self._answered, self._late = True, False
+
+    def _no_first_event(self) -> UnavailableError:
+        # An UnavailableError, as for a stream gRPC ends finding no server: callers that reconnect on it (the worker
+        # kit, batches()) do so alike.
+        return UnavailableError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"cannot reach the pacer at {self._target}: no control event within {self._first_event_within:g} s (the "
+            f"client's timeout) of the first read; the client waits for a server to be ready (wait_for_ready=True), "
+            f"so nothing may listen there, or the server is still starting")
 
 
 class ControlStream(_StreamBase):
@@ -116,12 +152,23 @@ class ControlStream(_StreamBase):
         return self
 
     def __next__(self) -> ControlEvent:
+        timer = None
+        if self._bounded():  # a timer cuts the stream: a blocking read cannot be given a timeout of its own
+            timer = threading.Timer(self._first_event_within, self._cut_late)
+            timer.daemon = True
+            timer.start()
         try:
             message = next(self._call)
         except grpc.RpcError as exc:
+            if self._late:
+                raise self._no_first_event() from None
             if self._cancelled:  # our own cancel (or the client's close): a normal end, not an error
                 raise StopIteration from None
             raise translate(exc, self._target, explain=self._explain) from exc
+        finally:
+            if timer is not None:
+                timer.cancel()
+        self._heard()
         return ControlEvent.from_pb(message)
 
     def __enter__(self) -> ControlStream:
@@ -139,7 +186,7 @@ class AsyncControlStream(_StreamBase):
 
     async def __anext__(self) -> ControlEvent:
         try:
-            message = await self._call.read()
+            message = await (self._first_read() if self._bounded() else self._call.read())
         except asyncio.CancelledError:
             # grpc.aio reports a locally cancelled call as CancelledError; only swallow it when we
             # cancelled the call, so cancelling the awaiting task still propagates.
@@ -152,7 +199,24 @@ class AsyncControlStream(_StreamBase):
             raise translate(exc, self._target, explain=self._explain) from exc
         if message is grpc.aio.EOF:
             raise StopAsyncIteration
+        self._heard()
         return ControlEvent.from_pb(message)
+
+    async def _first_read(self) -> Any:
+        """The first read, cut (UnavailableError) when nothing came within `first_event_within`. Through
+        asyncio.wait, not wait_for: on Python 3.10 and 3.11 that can swallow the caller's own cancel."""
+        read = asyncio.ensure_future(self._call.read())
+        try:
+            await asyncio.wait((read,), timeout=self._first_event_within)
+        except asyncio.CancelledError:
+            read.cancel()
+            raise
+        if not read.done():
+            self._cut_late()
+            read.cancel()
+            if self._late:
+                raise self._no_first_event()
+        return await read
 
     async def __aenter__(self) -> AsyncControlStream:
         return self
@@ -165,6 +229,23 @@ def _release_failed(lease_id: str, failed: PacerClientError, cause: BaseExceptio
     """A lease given back after `cause` could not be released: its groups return when it runs out instead."""
     log.warning("the groups of lease %s could not be given back after %s (%s); they return to the buffer when the "
                 "lease runs out", lease_id, type(cause).__name__, failed)
+
+
+def _collect_cut(request_id: str, cause: BaseException) -> None:
+    """A plain Collect (no lease, its request id made here) was interrupted after it was sent: said, with its id,
+    since the groups the server took for it may never reach the caller (such a Collect is at-most-once)."""
+    log.warning("collect: the Collect with request_id %s was interrupted (%s) after it was sent: the groups the server "
+                "took for it, if any, never reached the caller and are lost unless it is asked again under that id "
+                "(a Collect without a lease is at-most-once): collect the same num_groups with request_id=%r while "
+                "the server remembers it (its last 16 Collects). To collect safely under interruption use "
+                "batches(), or collect_result(..., lease=SECONDS) and ack(result.lease_id), or pass request_id= "
+                "and retry with it", request_id, type(cause).__name__, request_id)
+
+
+def _unsafe_collect(lease: float, request_id: str | None, cause: BaseException) -> bool:
+    """Whether `cause` (an interruption of the caller's, not an error of the call: Ctrl-C, a cancelled task, an
+    asyncio timeout) may have lost a Collect's groups without the caller having a way to get them back."""
+    return not isinstance(cause, Exception) and not lease and request_id is None
 
 
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
@@ -334,6 +415,10 @@ class _ClientBase:
             stream.cancel()
         return channel
 
+    def _first_event_within(self) -> float | None:
+        """A watch's bound on its first event: the client's timeout when it waits for ready (_StreamBase)."""
+        return self.timeout if self.wait_for_ready else None
+
     def _watch_call(self) -> Any:
         """Starts WatchControl (no deadline: the stream lives until cancelled or the server ends it)."""
         return self._stub_for_process().WatchControl(_calls.watch_request(), metadata=self._metadata)
@@ -465,7 +550,13 @@ class PacerClient(_ClientBase):
     ) -> list[TrajectoryGroup]:
         """Takes num_groups complete groups, waiting up to `wait` seconds; [] on timeout unless allow_partial.
         Fewer when all of them would not fit this client's max_message_bytes (the rest stay buffered:
-        collect again); FailedPreconditionError (reason MESSAGE_TOO_LARGE) when the oldest alone does not."""
+        collect again); FailedPreconditionError (reason MESSAGE_TOO_LARGE) when the oldest alone does not.
+
+        At-most-once: the groups leave the buffer when the server answers, so a call interrupted after it was sent
+        (Ctrl-C, a cancelled task, asyncio.wait_for's timeout) may take groups its caller never receives; it then
+        logs a warning naming its request id. To collect safely under interruption use batches(), or
+        collect_result(lease=...) with ack(), or pass `request_id` and, after an interruption, call collect again
+        with the same id: the server answers it with the same groups (docs/trainer.md)."""
         return self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id).groups
 
     def collect_result(
@@ -484,8 +575,14 @@ class PacerClient(_ClientBase):
         reads the answer at once and names the lease in every heartbeat from then on, so the server counts it named
         at its grant: if this process dies before naming it, it comes back within the grace even while another
         process under the same client id goes on. batches() does all of this itself."""
-        return self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step,
-                                       release_when_silent, held_lease_ids, named_at_grant))
+        call = self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step, release_when_silent,
+                             held_lease_ids, named_at_grant)
+        try:
+            return self._run(call)
+        except BaseException as cause:
+            if _unsafe_collect(lease, request_id, cause):
+                _collect_cut(call.request.request_id, cause)
+            raise
 
     def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
         """Consumes a leased Collect's groups for good; returns how many."""
@@ -552,7 +649,7 @@ class PacerClient(_ClientBase):
 
         def server_state() -> PacerState:  # asked once, and only when needed
             if not asked:
-                asked.append(self.state())
+                asked.append(starting_state(self, reconnect))  # through a server restarting meanwhile
             return asked[0]
 
         shape = BatchShape.of(mini_batch_size, group_size, lambda: server_state().group_sizes,
@@ -629,7 +726,7 @@ class PacerClient(_ClientBase):
 
     def watch(self) -> ControlStream:
         """Control events, first the current state; iterate it, cancel() it, or close the client to end it."""
-        stream = ControlStream(self._watch_call(), self._reach, self._explain)
+        stream = ControlStream(self._watch_call(), self._reach, self._explain, self._first_event_within())
         self._track(stream)
         return stream
 
@@ -741,7 +838,8 @@ class AsyncPacerClient(_ClientBase):
     async def collect(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
     ) -> list[TrajectoryGroup]:
-        """Coroutine form of PacerClient.collect."""
+        """Coroutine form of PacerClient.collect (at-most-once as it is: a cancelled one logs a warning naming its
+        request id; see there)."""
         result = await self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id)
         return result.groups
 
@@ -750,9 +848,16 @@ class AsyncPacerClient(_ClientBase):
         lease: float = 0.0, trainer_step: int | None = None, release_when_silent: bool = False,
         held_lease_ids: Sequence[str] = (), named_at_grant: bool = False,
     ) -> CollectResult:
-        """Coroutine form of PacerClient.collect_result."""
-        return await self._run(self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step,
-                                             release_when_silent, held_lease_ids, named_at_grant))
+        """Coroutine form of PacerClient.collect_result (a plain one cancelled, e.g. by asyncio.wait_for, logs the
+        warning collect() describes)."""
+        call = self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step, release_when_silent,
+                             held_lease_ids, named_at_grant)
+        try:
+            return await self._run(call)
+        except BaseException as cause:
+            if _unsafe_collect(lease, request_id, cause):
+                _collect_cut(call.request.request_id, cause)
+            raise
 
     async def ack(self, lease_id: str, *, request_id: str | None = None) -> int:
         """Coroutine form of PacerClient.ack."""
@@ -842,7 +947,7 @@ class AsyncPacerClient(_ClientBase):
 
     def watch(self) -> AsyncControlStream:
         """Async iterator of control events (`async for event in client.watch()`); cancel() or close() ends it."""
-        stream = AsyncControlStream(self._watch_call(), self._reach, self._explain)
+        stream = AsyncControlStream(self._watch_call(), self._reach, self._explain, self._first_event_within())
         self._track(stream)
         return stream
 
