@@ -773,13 +773,16 @@ class _IteratorBase:
         """A leased Collect of the batch (or of `num_groups`, the rest of one), cut by the server to fit the client;
         through CollectStream, whose messages of a few MiB arrive faster than one large answer."""
         shape = self.shape
-        return _calls.collect(shape.num_groups if num_groups is None else num_groups, wait=self.poll,
+        call = _calls.collect(shape.num_groups if num_groups is None else num_groups, wait=self.poll,
                               allow_partial=False, request_id=None, timeout=self._client.timeout, lease=self.lease,
                               arrays="numpy", rank=shape.rank, world_size=shape.world_size,
                               token_budget=shape.token_budget, trainer_step=self.step,
                               max_response_bytes=self._client.max_receive_bytes, streamed=self._streamed,
                               release_when_silent=self._release_when_silent, held_lease_ids=list(self._held_leases),
                               named_at_grant=self._named_at_grant)
+        if self.run:  # a rank's Collect (world_size > 1): the launch it belongs to
+            call.request.run = self.run
+        return call
 
     def _start_heartbeats(self, twin: bool) -> None:
         """Names the client (trainer-...) if it has no id, before its first call, then heartbeats on a thread of its
@@ -1076,9 +1079,9 @@ class _BatchIteratorCore(_IteratorBase):
     def __init__(self, client: PacerClient, shape: BatchShape | int, *, lease: float = DEFAULT_LEASE_SECONDS,
                  poll: float = DEFAULT_POLL_SECONDS, num_batches: int | str | None = None,
                  mask_offpolicy: bool = False, step: int | None = None,
-                 reconnect: float = DEFAULT_RECONNECT_SECONDS) -> None:
+                 reconnect: float = DEFAULT_RECONNECT_SECONDS, run: str = "") -> None:
         super().__init__(client, shape, lease=lease, poll=poll, num_batches=num_batches,
-                         mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect)
+                         mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect, run=run)
         self._lock = threading.Lock()
         self._inflight: set[Any] = set()  # Collects in progress, cancelled by close() or a server shutdown
         self._acks_inflight: set[Any] = set()  # acknowledgements in progress, cancelled by a server shutdown
@@ -1384,14 +1387,14 @@ class _AsyncBatchIteratorCore(_IteratorBase):
                  lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
                  num_batches: int | str | None = None, mask_offpolicy: bool = False,
                  token_budget: int | None = None, rank: int = 0, world_size: int = 1,
-                 step: int | None = None, reconnect: float = DEFAULT_RECONNECT_SECONDS) -> None:
+                 step: int | None = None, reconnect: float = DEFAULT_RECONNECT_SECONDS, run: str = "") -> None:
         # The group size may have to be asked from the server, which needs the event loop: resolved on start
         # (the arguments are checked now, against the group size 1 where it is not known yet).
         self._shape_arguments = dict(token_budget=token_budget, rank=rank, world_size=world_size)
         self._group_size = group_size
         shape = BatchShape.of(mini_batch_size, group_size or 1, None, **self._shape_arguments)
         super().__init__(client, shape, lease=lease, poll=poll, num_batches=num_batches,
-                         mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect)
+                         mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect, run=run)
         self._present = asyncio.Event()  # the server answers (cleared while it is away)
         self._present.set()
         self._shape_resolved = group_size is not None or mini_batch_size is None

@@ -619,6 +619,7 @@ class PacerClient(_ClientBase):
         lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
         num_batches: int | str | None = None, mask_offpolicy: bool = False, token_budget: int | None = None,
         rank: int = 0, world_size: int = 1, step: int | None = None, reconnect: float = DEFAULT_RECONNECT_SECONDS,
+        run: str = "",
     ) -> BatchIterator:
         """The trainer's iterator (docs/trainer.md): packed mini-batches of `mini_batch_size` trajectories
         (whole groups; group_size defaults to the server's), each from a leased Collect (several when the
@@ -628,7 +629,11 @@ class PacerClient(_ClientBase):
         tokens; `mini_batch_size`, if given, caps the trajectories). `rank` and `world_size`: one rank of a
         data-parallel trainer; `mini_batch_size` (or `token_budget`) is then the global mini-batch, and each
         batch is this rank's share of it: whole groups, shares balanced by tokens, the same split for every
-        rank (the server makes it), each share leased to its rank alone.
+        rank (the server makes it), each share leased to its rank alone. `run`: the ranks' launch, the same on every
+        rank and new on every launch or restart of them (under torchrun
+        f"{TORCHELASTIC_RUN_ID}-{TORCHELASTIC_RESTART_COUNT}"; docs/trainer.md): a rank starting under a new run has
+        the server end the shares of the earlier run first, so that ranks killed together and started again at once
+        all begin at one new global mini-batch (CollectRequest.run; with world_size > 1 only; "": none named).
 
         The next Collect runs in the background while the caller trains on the current batch; asking for the
         next batch (or `ack()`) acknowledges the current one. A thread heartbeats while the caller trains, so a
@@ -661,7 +666,7 @@ class PacerClient(_ClientBase):
         if not shape.token_budget:  # a batch the window can never fill: say so now, not by waiting forever
             check_reachable(server_state(), shape.num_groups, mini_batch_size)
         return BatchIterator(self, shape, lease=lease, poll=poll, num_batches=num_batches,
-                             mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect)
+                             mask_offpolicy=mask_offpolicy, step=step, reconnect=reconnect, run=run)
 
     def reset(
         self,
@@ -890,12 +895,13 @@ class AsyncPacerClient(_ClientBase):
         lease: float = DEFAULT_LEASE_SECONDS, poll: float = DEFAULT_POLL_SECONDS,
         num_batches: int | str | None = None, mask_offpolicy: bool = False, token_budget: int | None = None,
         rank: int = 0, world_size: int = 1, step: int | None = None, reconnect: float = DEFAULT_RECONNECT_SECONDS,
+        run: str = "",
     ) -> AsyncBatchIterator:
         """Async form of PacerClient.batches: `async with client.batches(128) as batches: async for batch in
         batches: ...` (the group size is asked from the server on the first iteration)."""
         return AsyncBatchIterator(self, mini_batch_size, group_size, lease=lease, poll=poll, num_batches=num_batches,
                                   mask_offpolicy=mask_offpolicy, token_budget=token_budget, rank=rank,
-                                  world_size=world_size, step=step, reconnect=reconnect)
+                                  world_size=world_size, step=step, reconnect=reconnect, run=run)
 
     async def reset(
         self,

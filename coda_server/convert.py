@@ -203,10 +203,10 @@ def lease_holder(request: pb.CollectRequest, caller: str) -> str:
 
 def batch_shape(request: pb.CollectRequest) -> BatchShape:
     """A Collect's shape (world_size 0, the proto default, is a single consumer: RequestChecks.check_collect refuses
-    any rank but 0 with it)."""
-    if not (request.token_budget or request.world_size > 1 or request.rank):
+    any rank but 0 with it, and a run)."""
+    if not (request.token_budget or request.world_size > 1 or request.rank or request.run):
         return PLAIN
-    return BatchShape(request.token_budget, request.rank, request.world_size or 1)
+    return BatchShape(request.token_budget, request.rank, request.world_size or 1, request.run)
 
 
 def collect_response(result: CollectResult) -> wire.EncodedAnswer:

@@ -27,7 +27,7 @@ def example_pieces() -> dict[str, str]:
     lines = source.splitlines()
     functions = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
     pieces = {name: "\n".join(lines[functions[name].lineno - 1:functions[name].end_lineno])
-              for name in ("train_step", "train_shares", "split_by_tokens", "train_scatter")}
+              for name in ("train_step", "launch_run", "train_shares", "split_by_tokens", "train_scatter")}
     loop = next(node for node in functions["run_rank"].body if isinstance(node, ast.For))
     pieces["step loop"] = textwrap.dedent("\n".join(lines[loop.lineno - 1:loop.end_lineno]))
     return pieces

@@ -187,7 +187,7 @@ class SubmitResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., groups_completed: _Optional[int] = ...) -> None: ...
 
 class CollectRequest(_message.Message):
-    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds", "rank", "world_size", "token_budget", "trainer_step", "max_response_bytes", "release_when_silent", "held_lease_ids", "named_at_grant")
+    __slots__ = ("num_groups", "wait_seconds", "allow_partial", "request_id", "lease_seconds", "rank", "world_size", "token_budget", "trainer_step", "max_response_bytes", "release_when_silent", "held_lease_ids", "named_at_grant", "run")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class CollectRequest(_message.Message):
     RELEASE_WHEN_SILENT_FIELD_NUMBER: _ClassVar[int]
     HELD_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMED_AT_GRANT_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
     wait_seconds: float
     allow_partial: bool
@@ -214,7 +215,8 @@ class CollectRequest(_message.Message):
     release_when_silent: bool
     held_lease_ids: _containers.RepeatedScalarFieldContainer[str]
     named_at_grant: bool
-    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., trainer_step: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., release_when_silent: _Optional[bool] = ..., held_lease_ids: _Optional[_Iterable[str]] = ..., named_at_grant: _Optional[bool] = ...) -> None: ...
+    run: str
+    def __init__(self, num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., trainer_step: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., release_when_silent: _Optional[bool] = ..., held_lease_ids: _Optional[_Iterable[str]] = ..., named_at_grant: _Optional[bool] = ..., run: _Optional[str] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("lease_id", "request_id")

@@ -247,6 +247,7 @@ class AsyncPacer:
                 raise ShuttingDownError("the pacer is shutting down and takes no new calls")
             groups = pacer.checks.check_collect(num_groups, lease_seconds, shape, holder, named_at_grant)
             pacer.check_collect_reachable(groups, allow_partial, shape)
+            pacer.end_earlier_run(groups, shape)  # ranks started again: the earlier run's shares go back first
             loop = asyncio.get_running_loop()
             wait_id = self._stalls.begin(groups, loop.time())
             answer = None

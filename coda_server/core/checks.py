@@ -335,6 +335,8 @@ class RequestChecks:
                 f"whose rank is 0; allowed: rank in 0..world_size-1 with world_size > 1 for one rank of a "
                 f"data-parallel trainer", violations=[("rank", "must be 0 when world_size is 0 or 1"),
                                                       ("world_size", f"must be > rank ({shape.rank}) to name a rank")])
+        if shape.run:
+            self.check_run(shape)
         if shape.plain:
             return num_groups
         if shape.token_budget < 0:
@@ -358,6 +360,18 @@ class RequestChecks:
                 "a rank's Collect (world_size > 1) must be leased: the other ranks' shares wait under a lease and "
                 "go back to the buffer if no rank takes them", violations=[("lease_seconds", "must be > 0")])
         return num_groups
+
+    def check_run(self, shape: BatchShape) -> None:
+        """A run names a data-parallel launch of ranks: a rank's Collect only, an id as ids are."""
+        if shape.world_size <= 1:
+            # A single consumer has no shares of other ranks to keep in step: a run would silently do nothing.
+            raise InvalidArgumentError(
+                "run applies to a data-parallel rank's Collect (world_size > 1): it names the launch of the ranks, so "
+                "that ranks started again together all begin at one new global mini-batch; a single consumer "
+                "(world_size 0 or 1) sends none", violations=[("run", "needs world_size > 1")])
+        problem = self.id_problem(shape.run)
+        if problem:
+            raise InvalidArgumentError(f"run {problem}", violations=[("run", problem)])
 
     @staticmethod
     def check_weight_version(weight_version: Any, current: int) -> None:

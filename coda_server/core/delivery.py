@@ -96,7 +96,7 @@ class Delivery:
                 raise MessageTooLargeError(f"a rank's share ({len(largest)} groups, from "
                                            f"{entries[largest[0]][1].prompt_id})", max(sizes), limit)
         lease = self._leases.grant_shares(key, [[entries[i] for i in share] for share in shares], shape.rank,
-                                          lease_seconds, now, holder)
+                                          lease_seconds, now, holder, shape.run)
         self._signals.notify()
         ranks = [0] * count
         for rank, share in enumerate(shares):

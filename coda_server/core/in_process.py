@@ -49,8 +49,12 @@ class InProcessCalls:
         self.check_open()  # once: a waiter woken by close() answers with what is there
         poll = self.collect_poll(num_groups, allow_partial, request_id, lease_seconds, shape, trainer_step, max_bytes,
                                  holder, named_at_grant)
-        return self.answers.once("Collect", request_id, lambda: self.waits.until(poll, wait), num_groups, allow_partial,
-                                 lease_seconds, shape)
+
+        def call() -> CollectResult:
+            self.end_earlier_run(num_groups, shape)  # ranks started again: the earlier run's shares go back first
+            return self.waits.until(poll, wait)
+
+        return self.answers.once("Collect", request_id, call, num_groups, allow_partial, lease_seconds, shape)
 
     def collect_now(self, num_groups: int, allow_partial: bool = False, request_id: str = "",
                     lease_seconds: float = 0.0, shape: BatchShape = PLAIN, max_bytes: int = 0,
@@ -58,9 +62,14 @@ class InProcessCalls:
         """Non-waiting collect: all `num_groups`, or with `allow_partial` whatever is there."""
         num_groups = self.checks.check_collect(num_groups, lease_seconds, shape, holder, named_at_grant)
         self.collect_bound.check(num_groups, allow_partial, shape, len(self.buffer))
-        return self.answers.once("Collect", request_id, self.collect_poll(num_groups, allow_partial, request_id,
-                                 lease_seconds, shape, None, max_bytes, holder, named_at_grant).give_up,
-                                 num_groups, allow_partial, lease_seconds, shape)
+        poll = self.collect_poll(num_groups, allow_partial, request_id, lease_seconds, shape, None, max_bytes, holder,
+                                 named_at_grant)
+
+        def call() -> CollectResult:
+            self.end_earlier_run(num_groups, shape)
+            return poll.give_up()
+
+        return self.answers.once("Collect", request_id, call, num_groups, allow_partial, lease_seconds, shape)
 
     def ack(self, lease_id: str, request_id: str = "") -> int:
         """The trainer has the leased groups: they are consumed for good. Returns how many."""

@@ -84,6 +84,8 @@ class Collected(JournalEvent):
     split: tuple[int, ...] = ()
     # The client whose silence also ends the lease (a trainer that heartbeats); "" for none (and events before).
     holder: str = ""
+    # The ranks' run (BatchShape.run): a new mini-batch's cut makes it its shape's; "" for none (and events before).
+    run: str = ""
 
 
 @dataclass(slots=True)

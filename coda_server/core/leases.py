@@ -22,6 +22,12 @@ WITH_ITS_MINI_BATCH = ("was given back with the mini-batch it belonged to, when 
                        f"back before this one was handed out (every rank then takes a new mini-batch); {_BACK}")
 
 
+def started_again(run: str) -> str:
+    """Why a rank's share ended that was cut under an earlier run of its ranks than `run` (`Leases.run_change`)."""
+    return (f"was given back when the ranks started again as run {run!r} (their earlier run's shares all went "
+            f"back); {_BACK}")
+
+
 def holder_silent(holder: str, grace: float) -> str:
     """Why a lease ended whose holder went silent."""
     return (f"ended before this Ack: its holder {holder} was silent for {grace:g} s (no heartbeat or call; "
@@ -91,6 +97,10 @@ class Leases:
         # A rank's share lease id -> its mini-batch's share lease ids, by rank (until its Ack or lapse): a claimed
         # share that ends unacknowledged ends its mini-batch's unclaimed shares with it (`end`).
         self.mini_batches: dict[str, tuple[str, ...]] = {}
+        # By the ranks' shape key: the run their last new mini-batch was cut under ("": none named) and the lease ids
+        # of the shares cut under it (those ended are dropped at the next cut): a rank Collect naming another run
+        # ends the live ones (`run_change`).
+        self.runs: dict[tuple, tuple[str, list[str]]] = {}
 
     # ----------------------------------------------------------------- in-flight leases
 
@@ -134,10 +144,17 @@ class Leases:
         return lease
 
     def grant_shares(self, key: tuple, shares: list[list], rank: int, seconds: float, now: float,
-                     holder: str = "") -> CollectLease:
+                     holder: str = "", run: str = "") -> CollectLease:
         """One lease per rank's share of a mini-batch; `rank`'s is handed out now (held by `holder`), the others
-        wait for their ranks (claim) and lapse like any lease when none comes."""
+        wait for their ranks (claim) and lapse like any lease when none comes. Cut under `run` (`runs`; "" keeps
+        the key's run: a Collect naming none is no new run)."""
         leases = [self.grant(entries, seconds, now) for entries in shares]
+        current, cut = self.runs.get(key, (run, []))
+        if run and run != current:
+            current, cut = run, []  # run_change ended the earlier run's live shares before this Collect took
+        collect = self.collect
+        self.runs[key] = (current, [lease_id for lease_id in cut if lease_id in collect]
+                          + [lease.lease_id for lease in leases])
         slots: list[Optional[str]] = [lease.lease_id for lease in leases]
         if len(slots) > 1:
             lease_ids = tuple(slots)
@@ -148,6 +165,20 @@ class Leases:
             self.open_shares.setdefault(key, []).append(slots)
         leases[rank].holder = holder
         return leases[rank]
+
+    def run_change(self, key: tuple, run: str) -> list[str]:
+        """The live shares to end before a rank Collect under `key` naming `run` takes: those cut under the key's
+        earlier run when `run` is another one (an earlier "" counts as one: a trainer that starts naming runs after one
+        that named none starts clean too), so that the ranks of the new run all start from one new mini-batch. None
+        for the key's current run, or for an empty `run` (no run named). Changes nothing: the Collect's take makes
+        `run` the key's (grant_shares), as the replay of its journaled Collect does."""
+        if not run:
+            return []
+        current = self.runs.get(key)  # the one lookup of the usual rank Collect
+        if current is None or current[0] == run:
+            return []
+        collect = self.collect
+        return [lease_id for lease_id in current[1] if lease_id in collect]
 
     def waiting_shapes(self, besides: tuple) -> tuple:
         """The keys other than `besides` under which a share still waits for its rank (its lease live)."""
@@ -361,7 +392,8 @@ class Leases:
                 "lease_serial": self.serial, "lapsed_leases": list(self.lapsed.items()),
                 "reclaimable_leases": list(self.reclaimable.items()),
                 "open_shares": [(key, [list(slots) for slots in batches]) for key, batches in self.open_shares.items()],
-                "share_mini_batches": list(self.mini_batches.items())}
+                "share_mini_batches": list(self.mini_batches.items()),
+                "share_runs": [(key, run, list(cut)) for key, (run, cut) in self.runs.items()]}
 
     def restore(self, snapshot: Mapping, now: float) -> None:
         for lease_id, entries, seconds, *holder in snapshot["leases"]:  # no holder in snapshots before holders
@@ -376,3 +408,5 @@ class Leases:
                             for key, batches in snapshot.get("open_shares", ())}  # absent before shares existed
         # Absent before a share's end ended its mini-batch's unclaimed ones: those leases' shares end alone.
         self.mini_batches = {lease_id: tuple(shares) for lease_id, shares in snapshot.get("share_mini_batches", ())}
+        # Absent before runs were kept: the shares cut before are under none, and end as they did.
+        self.runs = {tuple(key): (run, list(cut)) for key, run, cut in snapshot.get("share_runs", ())}

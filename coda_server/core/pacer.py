@@ -11,6 +11,7 @@ cross (reset_steps.py, checkpoints.py, recovery.py); the waiting calls' polls ar
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -31,7 +32,7 @@ from .inflight import HeldBytes, InflightTable
 from .intake import Intake
 from .job_end import Lifecycle, report
 from .journal import Acked, Collected, Expired, GatesRechecked, Journal, JournalEvent, Recorder
-from .leases import LAPSED_UNKNOWN, RAN_OUT, RELEASED, Leases
+from .leases import LAPSED_UNKNOWN, RAN_OUT, RELEASED, Leases, started_again
 from .limits import Limits
 from .liveness import Liveness
 from .polls import CollectPoll, DispatchPoll, ResetPoll
@@ -50,6 +51,8 @@ from .waiting import ThreadWaits
 from .in_process import InProcessCalls
 from .views import PacerViews
 from .workers import Workers
+
+log = logging.getLogger("coda_server.leases")
 
 
 class Pacer(InProcessCalls, PacerViews):
@@ -276,6 +279,20 @@ class Pacer(InProcessCalls, PacerViews):
         with self.lock:
             return self.delivery.ready_count(num_groups, shape, partial)
 
+    def end_earlier_run(self, num_groups: int, shape: BatchShape) -> None:
+        """A rank Collect naming another run than the one its shape's last mini-batch was cut under: the shares cut
+        under that earlier run end now, claimed or not, recorded as the expiry it is, before the Collect takes
+        (Leases.run_change). Its take then makes the run its shape's."""
+        if not shape.run:  # the usual Collect: no lookup
+            return
+        with self.lock:
+            ended = self.leases.run_change(shape.key(num_groups), shape.run)
+            if ended:
+                log.info("the ranks started again as run %r: %d share(s) of their earlier run (%s) went back to the "
+                         "buffer, so that every rank starts from one new global mini-batch", shape.run, len(ended),
+                         ", ".join(ended))
+                self.expire([], ended, started_again(shape.run))
+
     def apply_take(self, count: int, timed_out: bool, request_id: str = "", lease_seconds: float = 0.0,
                    shape: BatchShape = PLAIN, num_groups: int = 0, max_bytes: int = 0, split: Sequence[int] = (),
                    holder: str = "", named_at_grant: bool = False) -> CollectResult:
@@ -297,7 +314,7 @@ class Pacer(InProcessCalls, PacerViews):
                 if named_at_grant:
                     self.leases.named_at_grant(result.lease_id, now)
             self.record(Collected(now, count, timed_out, request_id, lease_seconds, shape.token_budget, shape.rank,
-                                   shape.world_size, num_groups, split, holder))
+                                   shape.world_size, num_groups, split, holder, shape.run))
             return result
 
     def apply_ack(self, lease_id: str, request_id: str = "") -> int:

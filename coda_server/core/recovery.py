@@ -262,8 +262,8 @@ class Recovery:
         elif isinstance(event, Collected):
             remember("Collect", event.request_id,
                      self._take(event.count, event.timed_out, event.request_id, event.lease_seconds,
-                                BatchShape(event.token_budget, event.rank, event.world_size), event.num_groups,
-                                split=event.split, holder=event.holder))
+                                BatchShape(event.token_budget, event.rank, event.world_size, event.run),
+                                event.num_groups, split=event.split, holder=event.holder))
         elif isinstance(event, Acked):
             remember("Ack", event.request_id, self._ack(event.lease_id, event.request_id))
         elif isinstance(event, Expired):

@@ -22,11 +22,14 @@ from .types import TrajectoryGroup
 @dataclass(frozen=True)
 class BatchShape:
     """How a Collect cuts its mini-batch: `num_groups` groups, or (`token_budget` > 0) whole groups up to that
-    many tokens; for one rank of a data-parallel trainer (`world_size` > 1), which share of it (`rank`)."""
+    many tokens; for one rank of a data-parallel trainer (`world_size` > 1), which share of it (`rank`), and the
+    launch of the ranks it belongs to (`run`, "": none named; not part of `key`: a new run of one trainer ends the
+    shares cut under its earlier run, Leases.run_change)."""
 
     token_budget: int = 0
     rank: int = 0
     world_size: int = 1
+    run: str = ""
 
     @property
     def plain(self) -> bool:

@@ -2,8 +2,9 @@
 
 The two recipes of docs/trainer.md "Data-parallel trainers", run for real against a coda-server:
 
-* `--recipe shares` (the default): every rank iterates `pacer.batches(M, rank=r, world_size=w)` and gets its
-  share of each global mini-batch from the server (whole groups, balanced by tokens, the same split on every rank);
+* `--recipe shares` (the default): every rank iterates `pacer.batches(M, rank=r, world_size=w, run=...)` and gets
+  its share of each global mini-batch from the server (whole groups, balanced by tokens, the same split on every rank;
+  the run, new on every launch and torchrun restart, has ranks started again together begin at one mini-batch);
 * `--recipe scatter`: rank 0 alone iterates `pacer.batches(M)`, splits each batch by tokens and scatters the shares
   with `dist.scatter_object_list`.
 
@@ -35,6 +36,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -117,19 +119,31 @@ def train_step(model, optimizer, batch: MiniBatch, record: StepRecord) -> float:
     return loss.item()
 
 
+def launch_run() -> str:
+    """This launch's run, the same on every rank and new on every launch or restart: under torchrun its run id and
+    restart count, else a value rank 0 makes and broadcasts (a collective: every rank calls it)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    made = [str(time.time_ns())]
+    dist.broadcast_object_list(made, src=0)  # rank 0's value on every rank
+    return made[0]
+
+
 def train_shares(pacer: PacerClient, model, optimizer, record: StepRecord, rank: int, world_size: int,
-                 M: int, batches_per_step: int, token_budget: int | None = None) -> None:
+                 M: int, batches_per_step: int, token_budget: int | None = None, run: str = "") -> None:
     """One step, the per-rank recipe: this rank's share of each of the step's global mini-batches (cut by
-    `token_budget` response tokens instead of M trajectories when it is given)."""
+    `token_budget` response tokens instead of M trajectories when it is given). `run`: this launch's (launch_run):
+    ranks started again together after a crash all begin at one new global mini-batch."""
     with pacer.batches(mini_batch_size=None if token_budget else M, token_budget=token_budget, rank=rank,
-                       world_size=world_size, num_batches=batches_per_step, lease=600) as batches:
+                       world_size=world_size, num_batches=batches_per_step, lease=600, run=run) as batches:
         for batch in batches:  # this rank's share of the next global mini-batch
             train_step(model, optimizer, batch, record)
 
 
 def train_scatter(pacer: PacerClient, model, optimizer, record: StepRecord, rank: int, world_size: int,
-                  M: int, batches_per_step: int, token_budget: int | None = None) -> None:
-    """One step, the rank-0 recipe: rank 0 holds the iterator, splits each batch and scatters the shares."""
+                  M: int, batches_per_step: int, token_budget: int | None = None, run: str = "") -> None:
+    """One step, the rank-0 recipe: rank 0 holds the iterator, splits each batch and scatters the shares (`run` goes
+    unused: rank 0 collects alone, as a single trainer, and the other ranks get their shares from it)."""
     batches = pacer.batches(mini_batch_size=M, num_batches=batches_per_step, lease=600) if rank == 0 else None
     for _ in range(batches_per_step):
         shares = split_by_tokens(next(batches).source_groups, world_size) if rank == 0 else None
@@ -169,8 +183,9 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict | Non
     record = StepRecord()
     spreads = []
     train = train_shares if args.recipe == "shares" else train_scatter
+    run = launch_run()  # once per launch, before the steps
     for step in range(args.steps):
-        train(pacer, model, optimizer, record, rank, world_size, M, batches_per_step, args.token_budget)
+        train(pacer, model, optimizer, record, rank, world_size, M, batches_per_step, args.token_budget, run)
         spreads.append(parameter_spread(model))
         dist.barrier()  # every rank done with the step (its shares acknowledged)
         if rank == 0:  # the boundary: the workers abort and submit their partials, the new weights, Resume
