@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, Union, runtime_checkable
 
@@ -499,6 +499,9 @@ class _Group:
         # the group is submitted as FAILED stand-ins carrying it.
         self.refusal: str | None = None
         self.task: asyncio.Task | None = None
+        # Its trajectories in Submits sent and not answered yet: when they are all it has left, the server may have
+        # completed the group already, and a KeepAlive crossing that Submit names it as no longer in flight.
+        self.submitting = 0
 
 
 class _ThreadedEngine:
@@ -690,6 +693,13 @@ class AsyncRolloutWorker:
         # The back-pressure refusal a Submit waits out now, if one does: a give-up at the grace names it as the cause.
         self._pushed_back: ResourceExhaustedError | None = None
         self._stream_up = False  # the control stream's first event (STATE) arrived
+        # Set while no control stream delivers events (none yet, or the last one ended): the connection watch says
+        # that the pacer is away only then, after what the stream said (a SHUTDOWN comes on it as the server goes).
+        self._stream_gone: asyncio.Event | None = None
+        self._shutdown_said = False  # the server announced SHUTDOWN and no control event came since
+        # Set when the channel (re)connects: the control stream then reconnects at once rather than after its
+        # back-off (up to RETRY_MAX_SECONDS), so that the worker hears that the server is back when it is.
+        self._connected: asyncio.Event | None = None
         self._staying_logged = False  # said that its prompts are done and it stays for continuations
         self._job_ended = False  # the trainer ended the job (JOB_ENDED): submit what is held, then return
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -754,6 +764,9 @@ class AsyncRolloutWorker:
         self._submit_wakeup = asyncio.Event()
         self._engine_back = asyncio.Event()
         self._engine_back.set()
+        self._stream_gone = asyncio.Event()
+        self._stream_gone.set()
+        self._connected = asyncio.Event()
         connection = asyncio.create_task(self._watch_connection(), name=f"{self.worker_id}-connection")
         try:
             return await self._run()
@@ -1340,7 +1353,8 @@ class AsyncRolloutWorker:
             return
         fences = {group.prompt.prompt_id: group.seq for group, _ in batch if group.seq is not None}
         try:
-            await self._submit(wire, fences)
+            with self._sending(batch):
+                await self._submit(wire, fences)
         except _TooLarge as exc:  # larger than the server takes (its limit is below the client's)
             if len(batch) > 1:
                 half = len(batch) // 2
@@ -1410,6 +1424,17 @@ class AsyncRolloutWorker:
         traj.status = TrajectoryStatus.FAILED
         self.stats.trajectories_too_large += 1
         return _failed_without_arrays(message, {**message.metadata, "error": reason, "finish_reason": "error"})
+
+    @contextlib.contextmanager
+    def _sending(self, batch: list[tuple[_Group, _Traj]]) -> Iterator[None]:
+        """Counts `batch` in its groups' `submitting` while its Submit is out (the KeepAlive's verdict reads it)."""
+        for group, _traj in batch:
+            group.submitting += 1
+        try:
+            yield
+        finally:
+            for group, _traj in batch:
+                group.submitting -= 1
 
     async def _submit(self, trajectories: list[Trajectory], fences: dict[str, int] | None = None) -> None:
         """Submits `trajectories` until acknowledged; raises what the server refused them with, or _GivenUp when
@@ -1496,7 +1521,8 @@ class AsyncRolloutWorker:
                      extra=_fields(worker=self.worker_id, prompt_id=prompt_id, trajectory_ids=ids, reason=exc.reason))
         stand_ins = [self._refusal_stand_in(traj, message, error) for (_, traj), message in zip(batch, wire)]
         try:
-            await self._submit(stand_ins, fences)
+            with self._sending(batch):
+                await self._submit(stand_ins, fences)
         except _GivenUp as given_up:  # stop()'s grace ran out first: the server refused nothing
             self._given_up(batch, str(given_up))
             return
@@ -1569,20 +1595,30 @@ class AsyncRolloutWorker:
     async def _watch(self) -> None:
         """Follows WatchControl, reconnecting (with back-off) whenever the stream ends: a SHUTDOWN, a lost
         connection, a restarted server."""
+        assert self._stream_gone is not None and self._connected is not None
         delay = RETRY_INITIAL_SECONDS
         while True:
+            self._connected.clear()  # set from now on, it means the channel (re)connected since this attempt began
             stream = self.pacer.watch()
             try:
                 async for event in stream:
                     delay = RETRY_INITIAL_SECONDS
-                    self._outage.answered()
+                    self._stream_gone.clear()
+                    if event.type != ControlEventType.SHUTDOWN:  # a server going away does not answer again
+                        self._shutdown_said = False
+                        self._pacer_answered()
                     if await self._on_event(event):
                         return
             except UnavailableError as exc:
-                self._outage.failed(f"control stream lost ({exc}); reconnecting")
+                self._pacer_away(f"control stream lost ({exc}); reconnecting")
             finally:
+                self._stream_gone.set()
                 stream.cancel()
-            await asyncio.sleep(delay)
+            connected = asyncio.ensure_future(self._connected.wait())
+            try:
+                await asyncio.wait([connected], timeout=delay)
+            finally:
+                connected.cancel()
             delay = min(delay * 2, RETRY_MAX_SECONDS)
 
     async def _on_event(self, event: ControlEvent) -> bool:
@@ -1622,6 +1658,7 @@ class AsyncRolloutWorker:
             # submitting it, retried until a server is back) and dispatch again after the next server's STATE.
             logger.info("%s: SHUTDOWN from the server: dispatch stops until it is back; %d groups kept",
                         self.worker_id, len(self._groups), extra=_fields(worker=self.worker_id))
+            self._shutdown_said = True
             self._stream_up = False
             self._poke()
         return False
@@ -1732,28 +1769,39 @@ class AsyncRolloutWorker:
             held = {g.prompt.prompt_id: g for g in self._groups.values() if g.generation == self.generation}
             if not held:
                 continue
+            asked_at = time.monotonic()
             try:
                 answer = await keep_alive(list(held), dispatch_seqs={p: g.seq for p, g in held.items()
                                                                      if g.seq is not None},
                                           **self._loaded_version_field())
-            except (UnavailableError, DeadlineExceededError) as exc:
-                self._outage.failed(f"KeepAlive not answered ({exc})")
-                continue
             except PacerClientError as exc:
+                if _server_away(exc):
+                    self._pacer_away(f"KeepAlive not answered ({exc})")
+                    continue
                 logger.warning("%s: KeepAlive failed: %s", self.worker_id, exc, extra=_fields(worker=self.worker_id))
                 continue
-            self._outage.answered()
+            self._pacer_answered(asked_at)
             self.stats.keepalive_calls += 1
             if self.keepalive_seconds is None:  # the server's bounds may change across a restart: follow them
                 bounds = [b for b in (answer.lease_seconds, getattr(answer, "liveness_seconds", 0.0)) if b > 0]
                 if not bounds:  # the server never reclaims running groups: nothing to renew
                     return
                 interval = max(0.05, min(bounds) / 3)
-            lost = [held[p] for p in answer.unknown_prompt_ids if p in held and not held[p].abort_requested]
+            lost = [held[p] for p in answer.unknown_prompt_ids if p in held and self._released_by_server(held[p])]
             if lost:
                 logger.warning("%s: %d groups are no longer in flight on the server; aborting them", self.worker_id,
                                len(lost), extra=_fields(worker=self.worker_id, lost=[g.prompt.prompt_id for g in lost]))
                 self._request_abort(lost, reason="their lease is gone")
+
+    def _released_by_server(self, group: _Group) -> bool:
+        """Whether a group a KeepAlive's answer names as no longer in flight was taken from this worker (its lease ran
+        out, or the server took the worker as gone): not when it is aborting already, when it was settled meanwhile (its last Submit accepted, or
+        refused, which said so), nor when all it has left is in a Submit not answered yet. The server completes a
+        group at its last Submit, so a KeepAlive crossing that Submit names it (nothing is lost); the Submit's answer
+        says whether it was taken, and a refusal is logged there."""
+        if group.abort_requested or self._groups.get((group.prompt.prompt_id, group.seq)) is not group:
+            return False
+        return group.submitting < group.unacknowledged
 
     # ------------------------------------------------------------------ ending
 
@@ -1802,6 +1850,7 @@ class AsyncRolloutWorker:
         ends_it, grace = self._stop_asked if reads_only else self._grace_over, self._grace_over
         assert ends_it is not None and grace is not None  # made by run() before any call
         while True:
+            asked_at = time.monotonic()
             attempt = asyncio.ensure_future(call())
             self._calls_in_flight[attempt] = what
             try:
@@ -1814,21 +1863,39 @@ class AsyncRolloutWorker:
             except asyncio.CancelledError:
                 attempt.cancel()  # the worker's own task was cancelled: so is its call
                 raise
-            except (UnavailableError, DeadlineExceededError) as exc:
+            except PacerClientError as exc:
+                if not _server_away(exc):
+                    raise
                 if (what != "Submit" and self._stopping) or grace.done():
                     if isinstance(exc, UnavailableError):
                         raise
                     raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered: {exc}") from exc
                 if what == "Submit":
                     self.stats.submit_retries += 1
-                self._outage.failed(f"{what} not answered ({exc}); retrying in {delay:.1f} s")
+                self._pacer_away(f"{what} not answered ({exc}); retrying in {delay:.1f} s")
                 await self._pause(delay, ends_it)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
                 continue
             finally:
                 self._calls_in_flight.pop(attempt, None)
-            self._outage.answered()
+            self._pacer_answered(asked_at)
             return answer
+
+    def _pacer_away(self, reason: str, kind: str | None = None) -> None:
+        """The pacer cannot be reached (OutageLog: the first failure of an outage warned of, the rest at debug level);
+        after a SHUTDOWN the warning says that the server announced it."""
+        if self._shutdown_said:
+            reason = f"it announced its shutdown (SHUTDOWN) and is not back yet: {reason}"
+        self._outage.failed(reason, kind=kind)
+
+    def _pacer_answered(self, asked_at: float | None = None) -> None:
+        """The pacer answered: ends the outage, unless the answer is to a call made before the outage began (a
+        stopping server finishes the calls it has: that it answers them does not mean it is back)."""
+        since = self._outage.since
+        if since is not None and asked_at is not None and asked_at < since:
+            self._outage.answered_once = True
+            return
+        self._outage.answered()
 
     def _ended_by_stop(self, what: str, reads_only: bool) -> UnavailableError:
         """The error of a call still unanswered at stop() (one that reads only) or when its grace ran out."""
@@ -1858,9 +1925,11 @@ class AsyncRolloutWorker:
         RolloutWorker makes them), silently until their deadline, while the channel's connection attempts fail from
         the first (nothing listens at the address, it cannot be reached, or the TLS handshake fails). One warning,
         the outage's (OutageLog), and one more if the cause turns out to be a TLS setting; the first answer ends it.
-        A TLS misconfiguration before the pacer ever answered (a CA that did not sign the server's certificate, TLS
-        against a plaintext server) stops the worker: waiting would not cure it. A pacer client that cannot tell its
-        connection's state (not AsyncPacerClient) is not watched."""
+        While a control stream still delivers events the server is not said away until it ends (a stopping server
+        says SHUTDOWN on it first). A TLS misconfiguration before the pacer ever answered (a CA that did not sign the
+        server's certificate, TLS against a plaintext server), or something other than a gRPC server at the address,
+        stops the worker: waiting would not cure it. A pacer client that cannot tell its connection's state (not
+        AsyncPacerClient) is not watched."""
         connection_state = getattr(self.pacer, "connection_state", None)
         if connection_state is None:
             return
@@ -1880,20 +1949,28 @@ class AsyncRolloutWorker:
                     state = await connection_state(state)
                 if state is failing:
                     closed_before = await self._connection_failing(closed_before)
+                elif state is grpc.ChannelConnectivity.READY and self._connected is not None:
+                    self._connected.set()  # a control stream waiting out its back-off reconnects now
         except (RuntimeError, grpc.RpcError) as exc:  # the client closed, or a channel of another loop: its calls say
             logger.debug("%s: the connection's state is not watched: %s", self.worker_id, exc)
 
     async def _connection_failing(self, closed_before: bool) -> bool:
         """The connection to the pacer fails: said (or the worker stopped) after what the client reads from gRPC's
         connection error (AsyncPacerClient.connection_trouble). Returns whether the server closed the connection."""
-        ask = getattr(self.pacer, "connection_trouble", None)
-        found = await ask() if ask is not None else ("nothing listens at that address, or it cannot be reached from "
-                                                     "here", None)
+        assert self._stream_gone is not None
+        found = await self._connection_trouble()
+        if found is not None and not self._stream_gone.is_set():
+            # The control stream still runs on the connection gRPC is replacing: a stopping server says SHUTDOWN on
+            # it before it goes. Said after the stream ends, so that the log follows what the stream said.
+            await self._stream_gone.wait()
+            found = await self._connection_trouble()
         if found is None:  # it connected meanwhile
             return False
         details, trouble = found
         if trouble is None:
-            self._outage.failed(f"no connection can be made to it ({details})")
+            trouble = _not_grpc(details)
+        if trouble is None:
+            self._pacer_away(f"no connection can be made to it ({details})")
             return False
         if trouble.kind == "closed" and not closed_before:
             # A server closes connections as it stops, and a port forward before its server is up: said only when
@@ -1901,12 +1978,54 @@ class AsyncRolloutWorker:
             logger.debug("%s: the pacer closed the connection (%s)", self.worker_id, details)
             return True
         if trouble.settled and not self._outage.answered_once:
+            change = "the address" if trouble.kind == _NOT_GRPC else "a TLS setting"
             self._fail(WorkerFailedError(
                 f"{self.worker_id}: no connection can be made to the pacer at {self._target}: {trouble.text} (gRPC: "
-                f"{details}); the worker stopped: a TLS setting must change, waiting would not help"))
+                f"{details}); the worker stopped: {change} must change, waiting would not help"))
             return False
-        self._outage.failed(f"no connection can be made to it: {trouble.text} (gRPC: {details})", kind=trouble.kind)
+        self._pacer_away(f"no connection can be made to it: {trouble.text} (gRPC: {details})", kind=trouble.kind)
         return trouble.kind == "closed"
+
+    async def _connection_trouble(self) -> tuple[str, Any] | None:
+        """The client's reading of why it cannot connect now (None: it can), or a generic one from a client that
+        cannot say."""
+        ask = getattr(self.pacer, "connection_trouble", None)
+        if ask is None:
+            return "nothing listens at that address, or it cannot be reached from here", None
+        return await ask()
+
+
+# gRPC's words when what answers its connection preface does not speak HTTP/2 (an HTTP/1 server's reply, or bytes
+# of some other protocol, read as an HTTP/2 frame).
+_NOT_HTTP2 = re.compile(r"Failed parsing HTTP/2|Expected SETTINGS frame", re.IGNORECASE)
+_NOT_GRPC = "not-grpc"
+
+
+@dataclass(frozen=True)
+class _NotGrpc:
+    """A connection trouble of the worker's own reading (as coda_client's ConnectionTrouble): no gRPC server there."""
+
+    kind: str
+    settled: bool
+    text: str
+
+
+def _not_grpc(details: str) -> _NotGrpc | None:
+    """The trouble when gRPC's connection error says that something other than a gRPC server answers at the address
+    (it does not speak HTTP/2): a wrong port, e.g. a web server's or the metrics port. Waiting does not cure it."""
+    if not _NOT_HTTP2.search(details):
+        return None
+    return _NotGrpc(_NOT_GRPC, True, "something other than a gRPC server answers at that address (it does not speak "
+                    "HTTP/2: a web server, a metrics port?): a wrong port? The pacer listens at its server.address")
+
+
+def _server_away(exc: PacerClientError) -> bool:
+    """Whether a call's error says the server was away or going (the call is retried with its request id, so it
+    applies once), not a refusal: UNAVAILABLE, DEADLINE_EXCEEDED (a call waiting for a server that did not come), or
+    CANCELLED, which only the other side gives (this worker's own cancel is asyncio's): gRPC ends so a call that
+    reaches a server as it stops. Read as a refusal, a Submit cut so was dropped, and the server held its group
+    until the worker's liveness grace ran out."""
+    return isinstance(exc, (UnavailableError, DeadlineExceededError)) or exc.code == grpc.StatusCode.CANCELLED
 
 
 def _failed_without_arrays(message: Trajectory, metadata: dict[str, str]) -> Trajectory:
