@@ -24,7 +24,7 @@ from coda_worker.engines.fake import FakeEngine
 from coda_worker.worker import ListPromptSource, Prompt, RolloutWorker, WorkerFailedError
 from server_harness import ServerProcess, until
 from test_durability_crash import free_port
-from test_security_transport import make_ca, make_leaf, tls_overrides
+from test_security_transport import SERVER_LEAF, make_pki, tls_overrides
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command line")
 
@@ -39,14 +39,7 @@ STOP_AFTER_SECONDS = 60.0
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("certs")
-    make_ca(directory, "ca")
-    make_leaf(directory, "server", "ca", "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
-                                         "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
-    make_leaf(directory, "client", "ca", "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n")
-    make_ca(directory, "rogue-ca")
-    make_leaf(directory, "rogue-server", "rogue-ca", "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
-                                                     "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
+    directory = make_pki(tmp_path_factory.mktemp("certs"), ("rogue-server", SERVER_LEAF))
     (directory / "token").write_text(TOKEN + "\n")
     return directory
 

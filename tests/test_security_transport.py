@@ -51,16 +51,24 @@ def make_leaf(directory: Path, name: str, ca: str, extensions: str) -> None:
             "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=directory)
 
 
+SERVER_LEAF = "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n"
+CLIENT_LEAF = "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n"
+
+
+def make_pki(directory: Path, *rogue_leaves: tuple[str, str]) -> Path:
+    """A CA with a server and a client certificate, and a rogue CA with these (name, extensions) leaves of its own."""
+    make_ca(directory, "ca")
+    make_leaf(directory, "server", "ca", SERVER_LEAF)
+    make_leaf(directory, "client", "ca", CLIENT_LEAF)
+    make_ca(directory, "rogue-ca")
+    for name, extensions in rogue_leaves:
+        make_leaf(directory, name, "rogue-ca", extensions)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("certs")
-    make_ca(directory, "ca")
-    make_leaf(directory, "server", "ca", "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
-                                         "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
-    make_leaf(directory, "client", "ca", "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n")
-    make_ca(directory, "rogue-ca")
-    make_leaf(directory, "rogue-client", "rogue-ca", "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n")
-    return directory
+    return make_pki(tmp_path_factory.mktemp("certs"), ("rogue-client", CLIENT_LEAF))
 
 
 def tls_overrides(certs: Path, *, mutual: bool = False) -> tuple[str, ...]:
