@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from .protocol import SERVICE
+
 # The full method name, for channel.unary_unary.
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+# The service names a coda server's health service answers for (a NOT_FOUND names none of them).
+SERVER_SERVICES = ("", "readiness", "liveness", SERVICE)
 # HealthCheckResponse.ServingStatus, by number.
 SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
@@ -61,6 +65,12 @@ def decode_response(data: bytes) -> int:
         if at > len(data):
             raise ValueError("a truncated HealthCheckResponse")
     return status
+
+
+def unknown_service(service: str) -> str:
+    """What a NOT_FOUND answer to Check means: the server answered, and serves no health service of that name."""
+    known = ", ".join(f'"{name}"' for name in SERVER_SERVICES)
+    return f"{service or '(server)'}: the server knows no health service of that name; it serves: {known}"
 
 
 def status_name(number: int) -> str:

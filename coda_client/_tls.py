@@ -1,5 +1,5 @@
-"""The client's TLS files checked before any connection, and gRPC's connection errors read as a TLS misconfiguration
-or an outage, with the likely fix."""
+"""The client's TLS files checked before any connection, and gRPC's connection errors read as a TLS misconfiguration,
+a wrong address or an outage, with the likely fix."""
 
 from __future__ import annotations
 
@@ -102,13 +102,31 @@ class ConnectionTrouble:
     """Why connections to the server fail, read from gRPC's connection error.
 
     kind: "tls-untrusted", "tls-expired", "tls-name", "tls-not-tls", "tls-files", "tls-client-cert" (the handshake
-    failed on a setting) or "closed" (the server closed each connection as it opened); `settled`: a TLS
-    misconfiguration, which fails every attempt alike until a setting changes (not an outage: waiting does not help);
-    `text`: what goes wrong and the likely fix, one clause."""
+    failed on a setting), "closed" (the server closed each connection as it opened) or NOT_GRPC (what answers does
+    not speak HTTP/2: no gRPC server there); `settled`: a TLS misconfiguration or a wrong address, which fails every
+    attempt alike until a setting changes (not an outage: waiting does not help); `text`: what goes wrong and the
+    likely fix, one clause."""
 
     kind: str
     settled: bool
     text: str
+
+
+# ConnectionTrouble.kind when something other than a gRPC server answers at the address.
+NOT_GRPC = "not-grpc"
+# gRPC's words when what answers its connection preface does not speak HTTP/2 (an HTTP/1 server's reply, or bytes
+# of some other protocol, read as an HTTP/2 frame).
+_NOT_HTTP2 = re.compile(r"Failed parsing HTTP/2|Expected SETTINGS frame", re.IGNORECASE)
+
+
+def not_grpc(details: str) -> ConnectionTrouble | None:
+    """The trouble when gRPC's connection error `details` says that something other than a gRPC server answers at
+    the address (it does not speak HTTP/2): a wrong port, e.g. a web server's or the metrics port; else None."""
+    if not _NOT_HTTP2.search(details):
+        return None
+    return ConnectionTrouble(NOT_GRPC, True, "something other than a gRPC server answers at that address (it does "
+                             "not speak HTTP/2: a web server, a metrics port?): a wrong port? The pacer listens at "
+                             "its server.address")
 
 
 def tidy(details: str) -> str:
@@ -122,8 +140,9 @@ def _after(details: str, marker: str) -> str:
 
 
 def diagnose(details: str, tls: Any, names: Mapping[str, str] = PYTHON_NAMES) -> ConnectionTrouble | None:
-    """What gRPC's connection error `details` says about this client's TLS settings, or None (nothing about TLS:
-    refused, unreachable, no route...). `tls`: None for plaintext, the TlsConfig, or other credentials (unknown)."""
+    """What gRPC's connection error `details` says about this client's TLS settings or the address (no gRPC server
+    there), or None (refused, unreachable, no route...). `tls`: None for plaintext, the TlsConfig, or other
+    credentials (unknown)."""
     plaintext, known = tls is None, hasattr(tls, "root_certificates")
     has_roots = known and tls.root_certificates is not None
     has_client_cert = known and tls.certificate_chain is not None
@@ -160,7 +179,7 @@ def diagnose(details: str, tls: Any, names: Mapping[str, str] = PYTHON_NAMES) ->
         if known:
             return ConnectionTrouble("closed", False, _client_cert_text(
                 "the server closed each connection after the TLS handshake", has_client_cert, names))
-    return None
+    return not_grpc(details)
 
 
 def _client_cert_text(what: str, has_client_cert: bool, names: Mapping[str, str]) -> str:

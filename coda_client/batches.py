@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -634,9 +634,11 @@ class _StartWait:
     server away (restarting at a step boundary) is asked again, as the running iterator's calls are, for up to
     `reconnect` seconds, said once as the outage begins and once as it ends; then ServerGoneError."""
 
-    def __init__(self, target: str, reconnect: float) -> None:
+    def __init__(self, target: str, reconnect: float, trouble: Callable[[str], Any] | None = None) -> None:
         self.target = target
         self.reconnect = check_reconnect(reconnect)
+        # The client's reading of a connection error (its _connection_trouble): a settled one is no outage.
+        self.trouble = trouble
         self.deadline: float | None = None
         self.delay = _AWAY_RETRY_INITIAL_SECONDS
         self.outage = OutageLog(
@@ -648,7 +650,7 @@ class _StartWait:
     def pause(self, exc: PacerClientError) -> float | None:
         """Seconds to wait before asking again after `exc`; None when `exc` is no outage (the caller raises it).
         ServerGoneError once `reconnect` has passed since the first failure."""
-        if not _server_away(exc.code):
+        if not _server_away(exc.code) or self._settled(exc):
             return None
         now = time.monotonic()
         self.deadline = now + self.reconnect if self.deadline is None else self.deadline
@@ -660,6 +662,14 @@ class _StartWait:
         pause, self.delay = min(self.delay, self.deadline - now), min(self.delay * 2, _AWAY_RETRY_MAX_SECONDS)
         return pause
 
+    def _settled(self, exc: PacerClientError) -> bool:
+        """Whether `exc` says what waiting does not cure (no gRPC server at the address, a TLS misconfiguration):
+        said at once, as the iterator has never reached a pacer there, rather than asked again for `reconnect`."""
+        if self.trouble is None or exc.code != grpc.StatusCode.UNAVAILABLE or exc.reason:
+            return False
+        found = self.trouble(exc.details)
+        return bool(getattr(found, "settled", False))
+
     def answered(self) -> None:
         self.outage.answered()
 
@@ -667,7 +677,7 @@ class _StartWait:
 def starting_state(client: PacerClient, reconnect: float) -> PacerState:
     """The server's state for a blocking iterator about to start, through an outage of up to `reconnect` seconds
     (_StartWait): entering batches() while the server restarts waits for it as the iterator's own calls do."""
-    start = _StartWait(client.target, reconnect)
+    start = _StartWait(client.target, reconnect, getattr(client, "_connection_trouble", None))
     while True:
         try:
             state = client.state()
@@ -1434,7 +1444,7 @@ class _AsyncBatchIteratorCore(_IteratorBase):
 
     async def _starting_state(self) -> PacerState:
         """Coroutine form of starting_state: a server restarting as the iterator starts is waited for."""
-        start = _StartWait(self._client.target, self.reconnect)
+        start = _StartWait(self._client.target, self.reconnect, getattr(self._client, "_connection_trouble", None))
         while True:
             try:
                 state = await self._client.state()

@@ -390,7 +390,8 @@ def render_end_job(report: JobEndReport) -> str:
 
 def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: Optional[TlsConfig] = None,
                  json_lines: bool = False) -> int:
-    """Exit code for orchestration: 0 SERVING, 1 anything else (including unreachable).
+    """Exit code for orchestration: 0 SERVING, 1 anything else (including unreachable, and a service name the server
+    does not know).
 
     Health needs no token; over TLS (`tls`) the server certificate is verified as for any call.
     """
@@ -408,6 +409,14 @@ def probe_health(address: str, service: str, timeout: float, out: TextIO, tls: O
             response = check(service, timeout=timeout)
         except grpc.RpcError as error:
             status = error.code().name
+            if error.code() == grpc.StatusCode.NOT_FOUND:  # the server answered: no health service of that name
+                line = _health.unknown_service(service)
+                if json_lines:
+                    print(f"coda-client: {line}", file=sys.stderr)
+                    out.write(json.dumps({"service": service, "status": status}) + "\n")
+                else:
+                    out.write(line + "\n")
+                return 1
             details = _tls.tidy(error.details() or "")
             trouble = (_tls.diagnose(details, tls, _tls.CLI_NAMES) if error.code() == grpc.StatusCode.UNAVAILABLE
                        else None)

@@ -51,6 +51,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 
 import grpc
 
+from coda_client import _tls
 from coda_client._calls import estimated_submit_bytes
 from coda_client._outage import OutageLog
 from coda_client.client import AsyncPacerClient
@@ -702,6 +703,7 @@ class AsyncRolloutWorker:
         self._connected: asyncio.Event | None = None
         self._staying_logged = False  # said that its prompts are done and it stays for continuations
         self._job_ended = False  # the trainer ended the job (JOB_ENDED): submit what is held, then return
+        self._job_mode_said = False  # the end's mode was logged (a Dispatch answer's end does not carry it)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abort_task: asyncio.Task | None = None
         # The engine could not be reached: since when (None: it answers), the task asking it meanwhile, the event
@@ -936,7 +938,7 @@ class AsyncRolloutWorker:
             return None
         self.stats.dispatch_calls += 1
         if result.job_ended:  # the control stream says so too; whichever comes first ends the dispatching
-            self._end_of_job(ResetMode.UNSPECIFIED)
+            self._end_of_job(ResetMode.UNSPECIFIED, from_dispatch=True)
         # Whether dispatch is paused is the control stream's to say (PAUSE, RESUME, the STATE on connect): a
         # Dispatch answered just before a RESUME could otherwise pause the worker after it.
         self._observe(result.generation, result.weight_version)
@@ -1670,8 +1672,12 @@ class AsyncRolloutWorker:
         for the RESUME that follows it."""
         self._restores = event.restores
         self._resync = True
-        logger.warning("%s: the server restored a checkpoint (step %d, weight version %d): aborting %d groups, "
-                       "re-reading the prompt cursor", self.worker_id, event.step, event.weight_version,
+        # The event carries the server's values now, not the checkpoint's: on a reconnect's STATE the trainer may
+        # have stepped on since the Restore.
+        when = ("was restored from a checkpoint since this worker last heard it" if event.type == ControlEventType.STATE
+                else "restored a checkpoint")
+        logger.warning("%s: the server %s; it is now at step %d, weight version %d: aborting %d groups, re-reading "
+                       "the prompt cursor", self.worker_id, when, event.step, event.weight_version,
                        len(self._groups), extra=_fields(worker=self.worker_id, step=event.step,
                                                         weight_version=event.weight_version))
         self._request_abort([g for g in self._groups.values() if not g.abort_requested],
@@ -1700,19 +1706,36 @@ class AsyncRolloutWorker:
                            extra=_fields(worker=self.worker_id, weight_version=weight_version,
                                          engine_weight_version=loaded))
 
-    def _end_of_job(self, mode: ResetMode | int) -> None:
+    def _end_of_job(self, mode: ResetMode | int, *, from_dispatch: bool = False) -> None:
         """The trainer ended the job: no more dispatching; abort (ABORT) or finish what is held, submit it,
-        return. A mode not given (a reconnect's STATE, a Dispatch answer) lets the running groups finish."""
-        if self._job_ended:
+        return. A Dispatch answer (`from_dispatch`) says the end without its mode, which the control stream's
+        JOB_ENDED brings (logged then); a mode not given by an event (an older server's STATE) lets the groups
+        finish."""
+        if from_dispatch:
+            if not self._job_ended:
+                self._job_ended = True
+                logger.info("%s: the job ended (from a Dispatch answer); its mode comes on the control stream: no "
+                            "more dispatching, submitting the %d groups here, then stopping", self.worker_id,
+                            len(self._groups), extra=_fields(worker=self.worker_id, groups=len(self._groups)))
+                self._poke()
+            return
+        if self._job_ended and self._job_mode_said:
             if mode == ResetMode.ABORT:
                 self._request_abort(list(self._groups.values()), reason="the job ended (abort)")
             return
-        self._job_ended = True
+        first = not self._job_ended
+        self._job_ended = self._job_mode_said = True
         # A STATE after EndJob carries its mode (a server older than that says none: the groups then finish).
         how = ("abort" if mode == ResetMode.ABORT else "finish" if mode == ResetMode.WAIT
                else "mode not said by the server: finishing")
-        logger.info("%s: JOB_ENDED (%s): submitting the %d groups here, then stopping", self.worker_id, how,
-                    len(self._groups), extra=_fields(worker=self.worker_id, mode=int(mode), groups=len(self._groups)))
+        if first:
+            logger.info("%s: JOB_ENDED (%s): submitting the %d groups here, then stopping", self.worker_id, how,
+                        len(self._groups), extra=_fields(worker=self.worker_id, mode=int(mode),
+                                                         groups=len(self._groups)))
+        else:  # the end came first in a Dispatch answer: this event brings its mode
+            logger.info("%s: JOB_ENDED (%s), the mode of the end a Dispatch answer said: submitting the %d groups "
+                        "here, then stopping", self.worker_id, how, len(self._groups),
+                        extra=_fields(worker=self.worker_id, mode=int(mode), groups=len(self._groups)))
         if mode == ResetMode.ABORT:
             self._request_abort(list(self._groups.values()), reason="the job ended (abort)")
         self._poke()
@@ -1968,7 +1991,7 @@ class AsyncRolloutWorker:
             return False
         details, trouble = found
         if trouble is None:
-            trouble = _not_grpc(details)
+            trouble = _tls.not_grpc(details)  # a pacer client that reads no cause: the shared reading
         if trouble is None:
             self._pacer_away(f"no connection can be made to it ({details})")
             return False
@@ -1978,7 +2001,7 @@ class AsyncRolloutWorker:
             logger.debug("%s: the pacer closed the connection (%s)", self.worker_id, details)
             return True
         if trouble.settled and not self._outage.answered_once:
-            change = "the address" if trouble.kind == _NOT_GRPC else "a TLS setting"
+            change = "the address" if trouble.kind == _tls.NOT_GRPC else "a TLS setting"
             self._fail(WorkerFailedError(
                 f"{self.worker_id}: no connection can be made to the pacer at {self._target}: {trouble.text} (gRPC: "
                 f"{details}); the worker stopped: {change} must change, waiting would not help"))
@@ -1993,30 +2016,6 @@ class AsyncRolloutWorker:
         if ask is None:
             return "nothing listens at that address, or it cannot be reached from here", None
         return await ask()
-
-
-# gRPC's words when what answers its connection preface does not speak HTTP/2 (an HTTP/1 server's reply, or bytes
-# of some other protocol, read as an HTTP/2 frame).
-_NOT_HTTP2 = re.compile(r"Failed parsing HTTP/2|Expected SETTINGS frame", re.IGNORECASE)
-_NOT_GRPC = "not-grpc"
-
-
-@dataclass(frozen=True)
-class _NotGrpc:
-    """A connection trouble of the worker's own reading (as coda_client's ConnectionTrouble): no gRPC server there."""
-
-    kind: str
-    settled: bool
-    text: str
-
-
-def _not_grpc(details: str) -> _NotGrpc | None:
-    """The trouble when gRPC's connection error says that something other than a gRPC server answers at the address
-    (it does not speak HTTP/2): a wrong port, e.g. a web server's or the metrics port. Waiting does not cure it."""
-    if not _NOT_HTTP2.search(details):
-        return None
-    return _NotGrpc(_NOT_GRPC, True, "something other than a gRPC server answers at that address (it does not speak "
-                    "HTTP/2: a web server, a metrics port?): a wrong port? The pacer listens at its server.address")
 
 
 def _server_away(exc: PacerClientError) -> bool:
