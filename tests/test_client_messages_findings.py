@@ -19,6 +19,7 @@ from conftest import core_overrides
 from server_harness import REPO_ROOT, ServerProcess, until as until_sync
 from test_durability_crash import free_port
 from test_worker_loop import CONDITION_TIMEOUT, HeldEngine, make_worker, prompts, until
+from test_worker_user_findings import HeldEventStream
 
 NOT_GRPC = "something other than a gRPC server answers at that address"
 WRONG_PORT = "a wrong port? The pacer listens at its server.address"
@@ -162,24 +163,7 @@ class JobEndFirstByDispatch(AsyncPacerClient):
         return result
 
     def watch(self):
-        return _HeldStream(super().watch(), self.dispatch_said_end)
-
-
-class _HeldStream:
-    def __init__(self, stream, gate: asyncio.Event) -> None:
-        self.stream, self.gate = stream, gate
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        event = await self.stream.__anext__()
-        if event.type == ControlEventType.JOB_ENDED:
-            await self.gate.wait()
-        return event
-
-    def cancel(self) -> None:
-        self.stream.cancel()
+        return HeldEventStream(super().watch(), ControlEventType.JOB_ENDED, self.dispatch_said_end)
 
 
 def test_a_job_end_said_by_dispatch_first_is_not_called_modeless(server, caplog):

@@ -182,20 +182,21 @@ def test_a_submit_cut_cancelled_by_a_stopping_server_is_sent_again_not_dropped(s
 
 # ---------------------------------------------------------------------- a server stopped with SIGTERM
 
-class _LateShutdownStream:
-    """A watch stream that hands the worker the SHUTDOWN event only once its connection watch has looked at the
-    failing connection: the order the event loop ran them in a user's run."""
+class HeldEventStream:
+    """A watch stream that hands its reader events of one type only once `gate` is set: the order the event loop ran
+    things in a user's run, made certain (here: SHUTDOWN only once the worker's connection watch looked at the failing
+    connection)."""
 
-    def __init__(self, stream, looked: asyncio.Event) -> None:
-        self._stream, self._looked = stream, looked
+    def __init__(self, stream, held_type: ControlEventType, gate: asyncio.Event) -> None:
+        self._stream, self._held_type, self._gate = stream, held_type, gate
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
         event = await self._stream.__anext__()
-        if event.type == ControlEventType.SHUTDOWN:
-            await self._looked.wait()
+        if event.type == self._held_type:
+            await self._gate.wait()
         return event
 
     def cancel(self) -> None:
@@ -214,7 +215,7 @@ class LateShutdownPacer(AsyncPacerClient):
         return found
 
     def watch(self):
-        return _LateShutdownStream(super().watch(), self.looked)
+        return HeldEventStream(super().watch(), ControlEventType.SHUTDOWN, self.looked)
 
 
 def test_a_server_stopped_with_sigterm_is_said_to_shut_down_then_away_then_back_when_it_is(tmp_path, caplog):
