@@ -42,9 +42,8 @@ def test_an_older_runtime_fails_the_import_in_one_line_naming_what_coda_pacer_ne
 
 
 def test_the_generating_versions_are_those_pyproject_asks_for_at_least():
-    import tomllib
-
     from coda_client._proto import GRPCIO_GENERATED, PROTOBUF_GENERATED
-    dependencies = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    from conftest import read_pyproject
+    dependencies = read_pyproject()["project"]["dependencies"]
     assert f"grpcio>={GRPCIO_GENERATED}" in dependencies and any(
         d.startswith(f"protobuf>={PROTOBUF_GENERATED},") for d in dependencies), dependencies
