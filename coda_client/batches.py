@@ -1191,8 +1191,13 @@ class _BatchIteratorCore(_IteratorBase):
                 raise _Away
             rpc = getattr(stub, call.method)
             # A streamed answer's call is a future too: cancel() cuts it short like a unary call's.
-            future = (rpc if call.streamed else rpc.future)(call.request, timeout=call.timeout,
-                                                             metadata=self._client._metadata)
+            try:
+                future = (rpc if call.streamed else rpc.future)(call.request, timeout=call.timeout,
+                                                                 metadata=self._client._metadata)
+            except ValueError:  # "Channel closed!": the client was closed between taking its stub and this call
+                if self._client._closed:
+                    raise RuntimeError(f"{self._client!r} is closed") from None
+                raise
             (self._acks_inflight if survives_close else self._inflight).add(future)
         try:
             return call.convert(read_stream(future) if call.streamed else future.result())
