@@ -120,6 +120,14 @@ def source_directory(plugin: Any) -> Optional[str]:
     return os.path.dirname(os.path.abspath(source)) if source else None
 
 
+def signature_text(function: Any) -> str:
+    """A callable's parameters as written ("(self, groups, count)"), or "(...)" when they cannot be read."""
+    try:
+        return str(inspect.signature(function)).split(" ->")[0]
+    except (TypeError, ValueError):
+        return "(...)"
+
+
 def where(plugin: Any) -> str:
     """A plugin's name and its file ("Name in /path/file.py"), or its module and name when its file is unknown."""
     name = getattr(plugin, "__qualname__", type(plugin).__name__)

@@ -21,6 +21,7 @@ import inspect
 from typing import AbstractSet, Any, Callable, Iterable, Optional, Sequence
 
 from .errors import ConfigError, not_built
+from .plugins import signature_text, where
 from .registry import Registry
 from .types import TrajectoryGroup
 
@@ -78,7 +79,7 @@ def check_replay_strategy(name: Any, key: str = REPLAY_STRATEGIES.config_key) ->
     plugin = REPLAY_STRATEGIES.get(chosen)
     problem = _api_problem(plugin)
     if problem is not None:
-        raise ConfigError(f"{key} = {name!r}: the buffer replay strategy {chosen!r} ({_where(plugin)}) {problem}; "
+        raise ConfigError(f"{key} = {name!r}: the buffer replay strategy {chosen!r} ({where(plugin)}) {problem}; "
                           f"a buffer replay strategy is {REPLAY_API} (docs/partial-rollouts.md)")
     return plugin
 
@@ -98,7 +99,7 @@ def create_replay_strategy(name: Any, config: Any = None,
     except Exception as exc:  # a custom strategy's bug: one line at start-up, not a traceback
         registered = ", ".join(REPLAY_STRATEGIES.names())
         raise not_built(f"{key} = {name!r}", "the buffer replay strategy", exc,
-                        f"fix it ({_where(cls)}) or choose another (registered: {registered})") from None
+                        f"fix it ({where(cls)}) or choose another (registered: {registered})") from None
 
 
 def create_replay_strategies(config: Any) -> list[BufferReplayStrategy]:
@@ -114,7 +115,7 @@ def _api_problem(plugin: Any) -> Optional[str]:
     """What `plugin` is that keeps it from serving as a buffer replay strategy, or None when it keeps the API."""
     if not isinstance(plugin, type):
         if inspect.isfunction(plugin) or inspect.ismethod(plugin) or inspect.isbuiltin(plugin):
-            return (f"is a function taking {_parameters(plugin)} (LoongSage's form, which pops the groups from "
+            return (f"is a function taking {signature_text(plugin)} (LoongSage's form, which pops the groups from "
                     f"the buffer itself), not a class")
         return f"is a {type(plugin).__name__} object, not a class"
     select = getattr(plugin, "select", None)
@@ -123,27 +124,10 @@ def _api_problem(plugin: Any) -> Optional[str]:
     try:
         inspect.signature(select).bind(None, [], 1, 0)  # (self, restored, count, step)
     except TypeError:
-        return f"is a class whose select takes {_parameters(select)}"
+        return f"is a class whose select takes {signature_text(select)}"
     except ValueError:  # no signature to read (a builtin): let it be tried
         pass
     return None
-
-
-def _parameters(function: Any) -> str:
-    try:
-        return str(inspect.signature(function)).split(" ->")[0]
-    except (TypeError, ValueError):
-        return "(...)"
-
-
-def _where(plugin: Any) -> str:
-    """The plugin's name and its file, when known (else its module)."""
-    name = getattr(plugin, "__qualname__", type(plugin).__name__)
-    try:
-        source = inspect.getsourcefile(plugin)
-    except TypeError:
-        source = None
-    return f"{name} in {source}" if source else f"{getattr(plugin, '__module__', '?')}.{name}"
 
 
 class RestoredGroups:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .errors import ConfigError, not_built
 from .incidents import WrongAnswer
-from .plugins import failure, raised_at, source_directory, source_file, where
+from .plugins import failure, raised_at, signature_text, source_directory, source_file, where
 from .registry import Registry
 from .settings import setting
 from .types import TrajectoryStatus
@@ -380,7 +380,7 @@ def check_strategy(name: Any, key: str = "fully_async.sliding_window") -> type:
                           f"strategy) or take its module out of the strategy directories")
     if not (isinstance(plugin, type) and issubclass(plugin, SlidingWindowStrategy)):
         if inspect.isfunction(plugin) or inspect.ismethod(plugin) or inspect.isbuiltin(plugin):
-            what = f"is a function taking {_parameters(plugin)}, not a class"
+            what = f"is a function taking {signature_text(plugin)}, not a class"
         elif isinstance(plugin, type):
             what = "is a class not derived from SlidingWindowStrategy"
         else:
@@ -388,13 +388,6 @@ def check_strategy(name: Any, key: str = "fully_async.sliding_window") -> type:
         raise ConfigError(f"{key} = {name!r}: the strategy {where(plugin)} {what}; a sliding_window strategy is "
                           f"{STRATEGY_API} (docs/custom-strategies.md)")
     return plugin
-
-
-def _parameters(function: Any) -> str:
-    try:
-        return str(inspect.signature(function)).split(" ->")[0]
-    except (TypeError, ValueError):
-        return "(...)"
 
 
 def _at(cls: type, exc: BaseException) -> str:
