@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,10 +15,9 @@ from coda_client import AsyncPacerClient, ControlEventType, PacerClient
 from coda_client.errors import ServerGoneError, UnavailableError
 from coda_worker.worker import AsyncRolloutWorker
 from conftest import core_overrides
-from server_harness import REPO_ROOT, ServerProcess, until as until_sync
-from test_durability_crash import free_port
+from server_harness import REPO_ROOT, ServerProcess
 from test_worker_loop import CONDITION_TIMEOUT, HeldEngine, make_worker, prompts, until
-from test_worker_user_findings import HeldEventStream
+from test_worker_user_findings import HeldEventStream, web_server
 
 NOT_GRPC = "something other than a gRPC server answers at that address"
 WRONG_PORT = "a wrong port? The pacer listens at its server.address"
@@ -48,22 +46,8 @@ def server(tmp_path):
 
 @pytest.fixture
 def web_address(tmp_path):
-    """`python -m http.server` on 127.0.0.1 (a wrong port a user gave), stopped by its PID."""
-    port = free_port()
-    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def listens() -> bool:
-        assert web.poll() is None, "python -m http.server exited"
-        with socket.socket() as probe:
-            return probe.connect_ex(("127.0.0.1", port)) == 0
-
-    try:
-        until_sync(listens, "python -m http.server to listen")
-        yield f"127.0.0.1:{port}"
-    finally:
-        web.terminate()
-        web.wait(CONDITION_TIMEOUT)
+    with web_server(tmp_path) as address:
+        yield address
 
 
 def test_the_clients_calls_say_a_web_server_answers_and_batches_does_not_wait_for_it(web_address):

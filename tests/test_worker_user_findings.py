@@ -4,12 +4,14 @@ than a gRPC server answers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
 import subprocess
 import sys
 from collections import Counter
+from typing import Iterator
 
 import grpc
 import pytest
@@ -267,9 +269,11 @@ def test_a_server_stopped_with_sigterm_is_said_to_shut_down_then_away_then_back_
 
 # ---------------------------------------------------------------------- something other than a gRPC server
 
-def _web_server(tmp_path) -> tuple[subprocess.Popen, str]:
+@contextlib.contextmanager
+def web_server(directory) -> Iterator[str]:
+    """`python -m http.server` on 127.0.0.1 (a wrong port a user gave); yields its address, stops it by its PID."""
     port = free_port()
-    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path,
+    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=directory,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def listens() -> bool:
@@ -277,8 +281,12 @@ def _web_server(tmp_path) -> tuple[subprocess.Popen, str]:
         with socket.socket() as probe:
             return probe.connect_ex(("127.0.0.1", port)) == 0
 
-    until_sync(listens, "python -m http.server to listen")
-    return web, f"127.0.0.1:{port}"
+    try:
+        until_sync(listens, "python -m http.server to listen")
+        yield f"127.0.0.1:{port}"
+    finally:
+        web.terminate()
+        web.wait(CONDITION_TIMEOUT)
 
 
 @pytest.mark.parametrize("wait_for_ready", [True, False], ids=["wait-for-ready", "fail-fast"])
@@ -286,20 +294,15 @@ def test_a_worker_pointed_at_a_web_server_stops_at_once_saying_it_is_no_grpc_ser
     """`python -m http.server` at the address (a wrong port): the kit said the pacer was away (nothing listens, or
     gRPC's "Failed parsing HTTP/2") and retried for good. Now run() raises WorkerFailedError at once, saying that
     something other than a gRPC server answers there."""
-    web, address = _web_server(tmp_path)
-    try:
-        async def go():
-            async with AsyncPacerClient(address, timeout=60.0, wait_for_ready=wait_for_ready) as pacer:
-                worker = make_worker(pacer, HeldEngine(), prompts(2), shutdown_grace=600.0)
-                with pytest.raises(WorkerFailedError) as failed:
-                    await asyncio.wait_for(worker.run(), CONDITION_TIMEOUT)  # not the call's 60 s, nor for good
-                return worker, str(failed.value)
+    async def go(address: str):
+        async with AsyncPacerClient(address, timeout=60.0, wait_for_ready=wait_for_ready) as pacer:
+            worker = make_worker(pacer, HeldEngine(), prompts(2), shutdown_grace=600.0)
+            with pytest.raises(WorkerFailedError) as failed:
+                await asyncio.wait_for(worker.run(), CONDITION_TIMEOUT)  # not the call's 60 s, nor for good
+            return worker, str(failed.value)
 
-        with caplog.at_level(logging.INFO, logger="coda_worker"):
-            worker, message = asyncio.run(go())
-    finally:
-        web.terminate()
-        web.wait(CONDITION_TIMEOUT)
+    with web_server(tmp_path) as address, caplog.at_level(logging.INFO, logger="coda_worker"):
+        worker, message = asyncio.run(go(address))
     assert f"no connection can be made to the pacer at {address}: something other than a gRPC server answers at " \
            "that address" in message, message
     assert "a wrong port?" in message and "the address must change" in message, message
