@@ -112,6 +112,11 @@ def test_a_restore_that_cannot_apply_changes_nothing():
     newer = checkpoints.MAGIC + checkpoints._HEADER.pack(checkpoints.CHECKPOINT_FORMAT + 1) + b"..."
     with pytest.raises(checkpoints.CheckpointFormatError, match="format 3, this server reads formats 1 and 2"):
         checkpoints.decode(newer, CODEC)
+    damaged = {**checkpoint, "cursor": "not a cursor"}  # in process, the dict is validated whole as decode does
+    before = pacer.state()
+    with pytest.raises(checkpoints.CheckpointFormatError, match="nothing changed"):
+        pacer.restore(damaged)
+    assert pacer.state() == before
     pacer.begin_reset()
     before = pacer.state()
     with pytest.raises(ResetInProgressError, match="Reset is running"):

@@ -331,9 +331,10 @@ class AsyncPacer:
         """`encode(checkpoint)` of a checkpoint (checkpoints.take), run off the event loop: nothing pauses. The
         checkpoint shares the pacer's groups, which are never changed, so it may be read without the lock."""
         self.check_ready()
-        checkpoint = self.pacer.checkpoint(counted=False)
+        taking = self.pacer.checkpoints
+        checkpoint = taking.take()
         encoded = await asyncio.to_thread(encode, checkpoint)  # may refuse it (CHECKPOINT_TOO_LARGE): not counted
-        self.pacer.checkpoints.taken(checkpoint)
+        taking.taken(checkpoint)
         checkpoint_log.info("checkpoint taken at step %d (weight version %d): %d buffered groups, %d kept, %d prompts "
                             "in flight", checkpoint["step"], checkpoint["weight_version"], len(checkpoint["buffer"]),
                             len(checkpoint["kept"]), len(checkpoint["in_flight"]),
@@ -349,7 +350,7 @@ class AsyncPacer:
         checkpoint = await asyncio.to_thread(checkpoints.decode, blob, codec)
 
         async def call() -> RestoreResult:
-            result = self.pacer.apply_restore(checkpoint, request_id, validated=True)  # decode validated it
+            result = self.pacer.apply_restore(checkpoint, request_id)  # decode validated it
             # Said here, where it happens: a retry answered the remembered result restores nothing.
             checkpoint_log.warning(checkpoints.restore_summary(result),
                                    extra={"fields": {"event": "restore", **dataclasses.asdict(result)}})

@@ -367,14 +367,12 @@ class Checkpoints:
                 f"or the configuration changed since; restore it on a server started with the settings it was "
                 f"taken under (nothing was changed)", violations=[("checkpoint", "must be this job's")])
 
-    def restore(self, checkpoint: dict[str, Any], validated: bool = False) -> RestoreResult:
+    def restore(self, checkpoint: dict[str, Any]) -> RestoreResult:
         """Bring the pacer back to the checkpoint's step: everything held now is discarded and counted, the
         checkpoint's buffer and kept groups are put back as they were, the prompts in flight then (and every
         prompt admitted since) are offered again, and workers are told (PAUSE with ABORT, then RESUME at its
         weight version unless it was taken while dispatch was paused: then the trainer's Resume reopens it).
-        `validated`: `decode` validated it already (off the event loop), else it is validated here."""
-        if not validated:
-            validate(checkpoint)
+        `checkpoint` was validated whole first (by `decode`, or by `validate`), outside the lock."""
         with self._lock:
             self._lifecycle.check_open()
             self.check(checkpoint)

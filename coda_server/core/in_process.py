@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
+from .checkpoints import validate
 from .polls import ResetPoll
 from .reset_steps import reset_wait
 from .shares import PLAIN, BatchShape
@@ -110,6 +111,7 @@ class InProcessCalls:
 
     def restore(self, checkpoint: dict, request_id: str = "") -> RestoreResult:
         """Bring the pacer back to `checkpoint` (a dict from `checkpoint()`), see `Checkpoints.restore`."""
+        validate(checkpoint)  # whole, before anything changes
         return self.answers.once("Restore", request_id, lambda: self.apply_restore(checkpoint, request_id))
 
     def release(self, lease_id: str, request_id: str = "") -> int:

@@ -389,17 +389,16 @@ class Pacer(InProcessCalls, PacerViews):
         """A consistent copy of everything a Reset leaves behind (nothing is in flight then), for a snapshot."""
         return self.snapshots.export()
 
-    def checkpoint(self, counted: bool = True) -> dict:
-        """What the pacer needs to continue from the current step (checkpoints.py), taken without pausing;
-        `counted` False: its caller counts it once sent (Checkpoints.taken)."""
+    def checkpoint(self) -> dict:
+        """What the pacer needs to continue from the current step (checkpoints.py), taken without pausing."""
         checkpoint = self.checkpoints.take()
-        if counted:
-            self.checkpoints.taken(checkpoint)
+        self.checkpoints.taken(checkpoint)
         return checkpoint
 
-    def apply_restore(self, checkpoint: dict, request_id: str = "", validated: bool = False) -> RestoreResult:
+    def apply_restore(self, checkpoint: dict, request_id: str = "") -> RestoreResult:
+        """Restore a validated checkpoint (checkpoints.decode or checkpoints.validate checked it whole)."""
         with self.lock:
-            result = self.checkpoints.restore(checkpoint, validated)
+            result = self.checkpoints.restore(checkpoint)
             if self.recorder.recording:
                 # Journalled as a snapshot (nothing is in flight now) holding this answer, as a Reset's end is.
                 self.answers.remember("Restore", request_id, result)
