@@ -24,7 +24,8 @@ CONDITION_TIMEOUT = 60.0
 STALL = "while dispatch admits nothing"
 
 # Two strategies that hold the trainer until a flag file appears (so each test ends its own wait): one whose
-# will_collect forgot its `return` (None: every complete group refused), one whose window stays at 0.
+# will_collect refuses every complete group (False; a forgotten `return`'s None is the strategy's incident at once:
+# tests/test_plugin_findings.py), one whose window stays at 0.
 HOLDING = '''
 import os
 from coda_server import SlidingWindowStrategy, register_sliding_window_strategy
@@ -45,9 +46,7 @@ class GateForgotReturn(SlidingWindowStrategy):
 
     def will_collect(self, group):
         ok = super().will_collect(group)
-        if os.path.exists(self.flag):
-            return ok
-        # forgot: return ok
+        return ok if os.path.exists(self.flag) else False
 
 
 @register_sliding_window_strategy("closed-window")
@@ -202,7 +201,7 @@ def test_coda_sim_says_a_stall_is_the_strategys_gate_holding_complete_groups(tmp
         "    def compute_dispatch_count(self, buf_qsize):\n"
         "        return 4 - self._running_count - buf_qsize\n\n"
         "    def will_collect(self, group):\n"
-        "        super().will_collect(group)  # forgot: return\n")
+        "        return False  # refuses every group\n")
     config = load_sim_config(overrides=TINY + [f"server.custom_strategy_dirs=[{tmp_path}]"])
     with pytest.raises(SimulationError, match=r"stalled .* running 4 \(4 of them complete, held by the strategy's "
                                               r"will_collect\), buffered 0"):

@@ -59,18 +59,25 @@ class CollectStalls:
         summary = state.config_summary
         asked = max(self._waiting.values())
         held, aborted = self._held_by_gate()
+        bounded = bool(getattr(pacer.hooks, "bounded_by_window", False))
+        sizes = summary.get("num_trajectories_per_prompt")
+        if bounded:
+            window = (f"window C = int(B * (1 + stale_steps)) = int({summary.get('num_prompts_per_step')} * (1 + "
+                      f"{summary.get('stale_steps')})) = {state.window_size} groups (N = {sizes}, strategy "
+                      f"{state.strategy})")
+        else:  # a custom window that C does not bound (no bounded_by_window): the formula would mislead
+            window = (f"window: strategy {state.strategy}'s own (compute_dispatch_count), admitting {state.capacity} "
+                      f"now, not bounded by C = int(B * (1 + stale_steps)) (N = {sizes})")
         log.warning(
             "a trainer has waited %.0f s for groups (Collect for %d groups, in one call or several polls, none taking "
-            "any) while dispatch admits nothing: %d buffered, %d running, %d leased%s; window C = int(B * (1 + "
-            "stale_steps)) = int(%s * (1 + %s)) = %d groups (N = %s, strategy %s)%s", waited, asked, state.buffered,
-            state.running, state.leased,
-            ", dispatch paused (Reset without resume?)" if state.paused else "",
-            summary.get("num_prompts_per_step"), summary.get("stale_steps"), state.window_size,
-            summary.get("num_trajectories_per_prompt"), state.strategy,
+            "any) while dispatch admits nothing: %d buffered, %d running, %d leased%s; %s%s",
+            waited, asked, state.buffered, state.running, state.leased,
+            ", dispatch paused (Reset without resume?)" if state.paused else "", window,
             "" if state.paused else self._hint(state.strategy, state.running, state.buffered, held, aborted),
             extra={"fields": {"num_groups": asked, "waited_seconds": round(waited, 1),
                               "buffered": state.buffered, "running": state.running, "leased": state.leased,
-                              "held_by_gate": held, "window_size": state.window_size}})
+                              "held_by_gate": held, "window_size": state.window_size,
+                              "bounded_by_window": bounded}})
 
     def _held_by_gate(self) -> tuple[int, int]:
         """(complete running groups the strategy's will_collect has refused so far, those of them holding an ABORTED

@@ -13,6 +13,7 @@ from .incidents import DIRTY_GROUP, HOOK_FAILED, QUARANTINED, describe_exception
 from .inflight import HeldBytes, InflightGroup, InflightTable, StepTally
 from .leases import LAPSED_UNKNOWN, Leases
 from .replay import RestoredGroups
+from .strategy import checked_gate
 from .types import Incident, TrajectoryGroup, TrajectoryStatus
 
 log = logging.getLogger("coda_server.leases")
@@ -150,7 +151,7 @@ class Collector:
 
     def _ask_gate(self, group: InflightGroup) -> Optional[bool]:
         try:
-            return bool(self._hooks.will_collect(MappingProxyType(group.trajectories)))
+            return checked_gate(self._hooks.will_collect(MappingProxyType(group.trajectories)))
         except Exception as exc:
             self._quarantine_after_hook(group, "will_collect", exc)
             return None

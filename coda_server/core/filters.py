@@ -138,6 +138,10 @@ def filter_problems(spec: Any, config: Any = None) -> list[str]:
             problems.append(f"rollout.filter.{name}: unknown group filter {name!r}; registered filters: "
                             f"{', '.join(FILTERS.names())}{FILTERS.did_you_mean(name)}")
             continue
+        refusal = FILTERS.clash_refusal(name, "rollout.filter")
+        if refusal:  # the Registry's rule for a chosen name two modules register, as for strategies
+            problems.append(refusal)
+            continue
         problem = _parameter_problem(FILTERS.get(name), params)
         if problem:
             problems.append(f"rollout.filter.{name} = {params!r}: {problem}")

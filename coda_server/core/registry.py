@@ -16,6 +16,8 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, config_key: str):
         self.kind = kind
         self.config_key = config_key
+        # What plugins register with ("group filter": register_group_filter), named by a clash's remedy.
+        self.decorator = "register_" + kind.replace(" ", "_")
         self._classes: dict[str, T] = {}
         # name -> (the class kept, what names it and the refused one with their files): choosing a name two plugins
         # claim is refused (`clash`). Said now: the refused class's module is gone from sys.modules once skipped.
@@ -52,6 +54,25 @@ class Registry(Generic[T]):
         if not isinstance(name, str) or name not in self._clashes:
             return ""
         return f"two modules register the {self.kind} name {name!r}: {self._clashes[name][1]}"
+
+    def clash_refusal(self, name: object, key: str = "") -> str:
+        """The one-line refusal of a configuration choosing `name` (at `key`) that two modules register, naming
+        both files; "" when `name` is not ambiguous. Only a chosen name is refused: another clash is the load
+        warning alone, so a stray module cannot stop a server that does not use it."""
+        clash = self.clash(name)
+        if not clash:
+            return ""
+        return (f"{key or self.config_key} = {name!r}: {clash}; give one of them another name (@{self.decorator}) or "
+                f"take its module out of server.custom_strategy_dirs (and coda_server/custom/)")
+
+    def chosen(self, name: str, key: str = "") -> T:
+        """The class registered as `name`, which a configuration chose (at `key`): ConfigError for an unknown name
+        (`get`) and for a name two modules register (`clash_refusal`)."""
+        plugin = self.get(name)
+        refusal = self.clash_refusal(name, key)
+        if refusal:
+            raise ConfigError(refusal)
+        return plugin
 
     def names(self) -> list[str]:
         return sorted(self._classes)

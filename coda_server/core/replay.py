@@ -76,7 +76,7 @@ def check_replay_strategy(name: Any, key: str = REPLAY_STRATEGIES.config_key) ->
     what is required.
     """
     chosen = name or DEFAULT_REPLAY_STRATEGY
-    plugin = REPLAY_STRATEGIES.get(chosen)
+    plugin = REPLAY_STRATEGIES.chosen(chosen, key)
     problem = _api_problem(plugin)
     if problem is not None:
         raise ConfigError(f"{key} = {name!r}: the buffer replay strategy {chosen!r} ({where(plugin)}) {problem}; "

@@ -61,6 +61,22 @@ def checked_count(value: Any) -> int:
                       f"{DISPATCH_COUNT_ALLOWED}")
 
 
+#: What will_collect may return, as a refusal says it.
+GATE_ANSWER_ALLOWED = "True or False (a NumPy bool too; not None, an int, a str or any other object)"
+
+
+def checked_gate(value: Any) -> bool:
+    """will_collect's answer as a bool: True or False as they are, a NumPy bool converted; anything else (None, from
+    a forgotten `return`, above all) is refused with WrongAnswer, saying what it was, rather than read as a refusal
+    that would hold the group until the next Reset without a word."""
+    if value is True or value is False:
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise WrongAnswer(f"returned {value!r:.80} ({kind.__name__}), not a bool: it must return {GATE_ANSWER_ALLOWED}")
+
+
 class SlidingWindowStrategy(abc.ABC):
     """Decides how many prompt groups may be dispatched now and which complete groups may be collected.
 
@@ -289,7 +305,7 @@ class ThreadSafeStrategy(SlidingWindowStrategy):
 
     def will_collect(self, group: Mapping[str, Any]) -> bool:
         with self.lock:
-            return bool(self._strategy.will_collect(group))
+            return checked_gate(self._strategy.will_collect(group))
 
     def on_submitted(self, trajectory: Any) -> None:
         with self.lock:
@@ -373,11 +389,7 @@ def check_strategy(name: Any, key: str = "fully_async.sliding_window") -> type:
     """The class registered as `name`, checked before anything is built, as `check_replay_strategy` checks a buffer
     replay strategy: ConfigError in one line, naming `key`, for an unknown name, a name two modules register (both
     files named), and a plugin that is not a SlidingWindowStrategy class (its file named)."""
-    plugin = STRATEGIES.get(name)
-    clash = STRATEGIES.clash(name)
-    if clash:
-        raise ConfigError(f"{key} = {name!r}: {clash}; give one of them another name (@register_sliding_window_"
-                          f"strategy) or take its module out of the strategy directories")
+    plugin = STRATEGIES.chosen(name, key)
     if not (isinstance(plugin, type) and issubclass(plugin, SlidingWindowStrategy)):
         if inspect.isfunction(plugin) or inspect.ismethod(plugin) or inspect.isbuiltin(plugin):
             what = f"is a function taking {signature_text(plugin)}, not a class"
