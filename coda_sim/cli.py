@@ -181,7 +181,8 @@ def workload_line(cfg: sim_config.SimConfig, pacer) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    # Intermixed: key=value overrides may come before, between and after options (`a.b=1 --steps 5 c.d=2`).
+    args = build_parser().parse_intermixed_args(argv)
     if args.list_presets:
         for name in sim_config.preset_names():
             first = (sim_config.preset_path(name).read_text().splitlines() or [""])[0].lstrip("# ")
