@@ -2,6 +2,8 @@
 answer would drop what it asked for without a word. A true retry (the same call again) still gets the first answer."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from coda_client import PacerClient, Trajectory, TrajectoryStatus
@@ -42,6 +44,30 @@ def test_a_submit_reusing_a_request_id_for_other_trajectories_is_refused_and_cha
                                                                          first.groups_completed)
     fresh = client.submit(group("ru-b"), request_id="worker-7-submit-2")  # the new call under a new id goes in
     assert (fresh.accepted, client.state().running) == (N, 0)
+
+
+def test_a_submit_retried_under_its_request_id_with_other_content_is_refused_not_answered_accepted(client):
+    """A retry carrying the same trajectory ids with another reward was answered `accepted` from memory, and the new
+    reward was dropped without a word (the trainer got the first). It is refused now, as long as the generation keeps
+    what it accepted: while the group is held and after the trainer took it."""
+    client.dispatch(["rc-a"])
+    first = client.submit(group("rc-a"), request_id="worker-3-submit-1")
+    changed = group("rc-a")
+    changed[1] = dataclasses.replace(changed[1], reward=5.0)
+    for holder in ("the buffer", "the trainer"):
+        before = client.state()
+        with pytest.raises(BadRequestError, match="differ in content from the ones accepted under those ids") as refused:
+            client.submit(changed, request_id="worker-3-submit-1")
+        assert ("trajectories[1]", "'rc-a#1' differs from the trajectory accepted under this id") in [
+            (v.field, v.description) for v in refused.value.field_violations], holder
+        after = client.state()
+        assert (after.submitted, after.duplicates, after.buffered) == (before.submitted, before.duplicates,
+                                                                       before.buffered), holder
+        again = client.submit(group("rc-a"), request_id="worker-3-submit-1")  # a true retry: the first answer
+        assert (again.accepted, again.groups_completed) == (first.accepted, first.groups_completed), holder
+        if holder == "the buffer":
+            taken = client.collect_result(1)
+            assert [t.reward for t in taken.groups[0].trajectories] == [0.0, 1.0]
 
 
 def test_dispatch_collect_ack_and_resume_reusing_a_request_id_for_another_request_are_refused(client):

@@ -49,8 +49,13 @@ class AnswerBook:
     """The remembered answers of recent mutating calls, by method and request_id, oldest dropped first."""
 
     def __init__(self, limits: Limits, lock: threading.RLock, check_request_id: Callable[[str], None],
-                 methods: Mapping[str, bool] = REMEMBERED_METHODS):
-        """`methods`: the remembered methods -> whether their answers carry trajectories (the RPC table's)."""
+                 methods: Mapping[str, bool] = REMEMBERED_METHODS,
+                 retry_checks: Mapping[str, Callable[..., None]] = MappingProxyType({})):
+        """`methods`: the remembered methods -> whether their answers carry trajectories (the RPC table's).
+        `retry_checks`: method -> a check run, under the lock, with the arguments of a retry about to be answered
+        from memory: what the summaries cannot afford to compare on every call (a Submit's content) is compared
+        there, on the rare retry only; it raises to refuse the retry."""
+        self._retry_checks = retry_checks
         self._lock = lock  # the pacer's lock: answers change together with the state they answer for
         self._check_request_id = check_request_id  # says what is wrong with an id that is not well formed
         self._id_limit = limits.max_opaque_id_length  # the usual well-formed id is told here, without that call
@@ -88,6 +93,7 @@ class AnswerBook:
             answer = answers.get(request_id)
             if answer is not None:
                 self._check_same_request(method, request_id, request)
+                self._check_retry(method, asked)
                 return answer
             result = self._noting_request(method, request_id, request, call)
             self._keep(method, answers, request_id, result)  # remember(), under the lock already held
@@ -110,6 +116,9 @@ class AnswerBook:
         answer = self._answers[method].get(request_id)  # a single dict read is atomic: no lock to see it
         if answer is not None:
             self._check_same_request(method, request_id, request)
+            if method in self._retry_checks:
+                with self._lock:
+                    self._check_retry(method, asked)
             return answer
         key = (method, request_id)
         running = self._running
@@ -172,6 +181,11 @@ class AnswerBook:
             f"other {', '.join(names)}; a retry must repeat its call as it was (it then gets the first call's "
             f"answer), and a new call needs a new request_id",
             violations=[("request_id", f"already used by a {method} with other {', '.join(names)}")])
+
+    def _check_retry(self, method: str, asked: tuple) -> None:
+        check = self._retry_checks.get(method)
+        if check is not None and asked:
+            check(*asked)
 
     def _settle_detached(self, method: str, request_id: str, key: tuple[str, str], done: asyncio.Future) -> None:
         """A detached call ended: remember its answer (a failure is not remembered), then let retries run anew."""

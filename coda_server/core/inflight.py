@@ -306,6 +306,22 @@ class InflightTable:
         self._complete += len(completed)
         return completed, [group for group in touched.values() if not group.complete], added
 
+    def check_retried_submit(self, trajectories: Sequence[Trajectory], dispatch_seqs: Any = None) -> None:
+        """A Submit answered from memory (its request_id's first answer): refuse it if it carries, under the ids
+        accepted then, other content, which that answer would drop without a word. Compared while this generation
+        keeps what it accepted (not after a Reset or Restore)."""
+        accepted = self._accepted
+        changed = [(i, t.trajectory_id) for i, t in enumerate(trajectories)
+                   if t.trajectory_id in accepted and not t.same_content(accepted[t.trajectory_id])]
+        if changed:
+            raise InvalidArgumentError(
+                f"Submit refused, nothing done: it repeats the request_id of a Submit already answered, yet "
+                f"{len(changed)} of its trajectories ({changed[0][1]!r} first) differ in content from the ones "
+                f"accepted under those ids then; a retry must repeat the call as it was (it then gets the first "
+                f"answer), and new content needs a new request_id and new trajectory ids",
+                violations=[(f"trajectories[{i}]", f"{tid!r} differs from the trajectory accepted under this id")
+                            for i, tid in changed])
+
     def remove_complete(self, group: InflightGroup) -> None:
         """A complete group left the trajectory queue (to the buffer, a filter, or quarantine)."""
         del self.groups[group.prompt_id]

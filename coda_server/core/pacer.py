@@ -113,10 +113,11 @@ class Pacer(InProcessCalls, PacerViews):
         self.lifecycle = Lifecycle()  # shut down? the job ended?
         self.check_open = self.lifecycle.check_open
         self.waits = ThreadWaits(self.lock, self._clock, lambda: self.lifecycle.closed)
-        self.answers = AnswerBook(limits, self.lock, self.checks.check_request_id)
+        self.inflight = InflightTable(limits.remembered_generations)
+        self.answers = AnswerBook(limits, self.lock, self.checks.check_request_id,
+                                  retry_checks={"Submit": self.inflight.check_retried_submit})
         self.leases = Leases(limits.inflight_lease_seconds)
         self.liveness = Liveness(limits.worker_liveness_seconds, limits.trainer_liveness_seconds)
-        self.inflight = InflightTable(limits.remembered_generations)
         self.buffer = buffer = PipelineBuffer()
         attach = getattr(hooks, "attach", None)  # a strategy not derived from SlidingWindowStrategy may lack it
         if attach is not None:  # the strategy's clock and buffer view are this pacer's (the clock pinned in replay)
