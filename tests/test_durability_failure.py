@@ -4,12 +4,14 @@ again the server is ready again by itself, with nothing lost."""
 from __future__ import annotations
 
 import resource
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coda_client import PacerClient
+from coda_client.errors import UnavailableError
 from coda_client._proto import pacer_pb2 as pb
 from coda_client.cli import render_state
 from coda_server.core.journal import Submitted
@@ -88,6 +90,40 @@ def test_a_journal_that_cannot_write_is_said_plainly_refuses_changes_and_recover
         assert (state.buffered, state.submitted) == (3, 6), state  # nothing acknowledged was lost
     finally:
         server.close()
+
+
+def test_a_trainers_lease_does_not_run_out_while_the_server_refuses_its_ack(tmp_path):
+    """The state volume full: the trainer's Acks were refused STATE_DIR_UNWRITABLE while its Collect lease ran out
+    (the server's own clock went on), so once the disk had room the retried Ack failed LEASE_EXPIRED and the groups,
+    back in the buffer, were trained twice. Now no lease runs out while the journal cannot write, and each gets its
+    full time again once it can: the retried Ack is taken."""
+    state_dir = tmp_path / "state"
+    lease = 5.0
+    overrides = (*core_overrides("no-window", B=4, stale=1.0, N=2, filters="[]"), f"server.state_dir={state_dir}")
+    with ServerProcess(tmp_path, *overrides) as server, PacerClient(server.address) as client:
+        stub = server.stub()
+        stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id=p) for p in ("a", "b", "c")]), timeout=10)
+        stub.Submit(pb.SubmitRequest(trajectories=group("a") + group("b")), timeout=10)
+        taken = client.collect_result(2, lease=lease)
+        granted = time.monotonic()
+        assert len(taken.groups) == 2 and taken.lease_id
+        largest = max(path.stat().st_size for path in state_dir.glob("pacer.sqlite3*"))
+        resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE, (largest, resource.RLIM_INFINITY))
+        with pytest.raises(grpc.RpcError):  # a worker's Submit meets the full volume first
+            stub.Submit(pb.SubmitRequest(trajectories=group("c"), request_id="s-c"), timeout=10)
+        with pytest.raises(UnavailableError, match="journal"):  # then the trainer's Ack, refused before it runs
+            client.ack(taken.lease_id, request_id="ack-1")
+        until(lambda: "clocks stopped while the journal cannot write" in server.log(), "the clocks stopped")
+        # Well past the lease's deadline on any clock, with the server's lease ticks running all along.
+        until(lambda: time.monotonic() > granted + lease + 2.0, "the lease's deadline to pass", timeout=lease + 30)
+        state = client.state()
+        assert (state.leased, state.buffered) == (2, 1), state  # c went in before the journal failed it
+        assert "ran out without Ack" not in server.log()
+        resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        until(lambda: "clocks restarted" in server.log(), "the clocks restarted")
+        assert client.ack(taken.lease_id, request_id="ack-1") == 2  # the trainer's retry: taken, nothing redelivered
+        state = client.state()
+        assert (state.leased, state.buffered, state.consumed) == (0, 1, 2), state  # c, which the disk then took
 
 
 class UnencodableTrajectories:

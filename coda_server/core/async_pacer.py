@@ -59,6 +59,7 @@ class AsyncPacer:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
         self._draining = False
+        self._clocks_stopped = False  # leases and liveness held still while the journal could not write
         self._lease_task: Optional[asyncio.Task] = None
         self._recheck_task: Optional[asyncio.Task] = None
         self._stalls = CollectStalls(pacer)
@@ -96,6 +97,19 @@ class AsyncPacer:
             if self.recovering or self.pacer.closed:
                 continue
             self._stalls.warn_if_stalled(asyncio.get_running_loop().time())
+            journal = self.pacer.recorder.journal
+            if journal is not None and journal.error is not None:
+                # The server refuses every change while it cannot journal (an Ack, a Submit): no client can keep its
+                # leases alive, so none runs out and nobody is taken as gone; their clocks restart when it writes.
+                if not self._clocks_stopped:
+                    self._clocks_stopped = True
+                    log.warning("lease and liveness clocks stopped while the journal cannot write: no lease runs out "
+                                "and no client is taken as gone while the server refuses their calls")
+                continue
+            if self._clocks_stopped:
+                self._clocks_stopped = False
+                self.pacer.restart_clocks()
+                log.warning("lease and liveness clocks restarted: every lease has its full time again")
             try:
                 prompts, leases = self.pacer.expire_leases()
             except Exception:  # a broken strategy hook must not stop lease expiry for good

@@ -346,6 +346,14 @@ class Pacer(InProcessCalls, PacerViews):
                 self.expire(prompt_ids, lapsed, RAN_OUT)
             return prompt_ids, lapsed
 
+    def restart_clocks(self) -> None:
+        """Every lease gets its full time again from now, and every watched client counts as heard now: the time
+        the server refused their calls (its state directory could not be written) does not count against them."""
+        with self.lock:
+            now = self._clock.now()
+            self.leases.restart_clocks(now, self.inflight.values())
+            self.liveness.restart_clocks(now)
+
     def expire(self, prompt_ids: list[str], lease_ids: list[str], why: str = LAPSED_UNKNOWN) -> None:
         """These in-flight groups and Collect leases end now, recorded (`why`: what an Ack of such a lease is told)."""
         with self.lock:
