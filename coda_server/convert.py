@@ -127,9 +127,10 @@ def _problem(submitted_trajectory: wire.SubmittedTrajectory) -> Optional[str]:
     return problem
 
 
-def reset_mode(value: int) -> ResetMode:
+def reset_mode(value: int, method: str = "Reset") -> ResetMode:
+    """A Reset's or an EndJob's (`method`) mode, refused when it is no ResetMode."""
     if value not in ResetMode._value2member_map_:
-        raise InvalidArgumentError(f"reset mode {value} is not allowed; use RESET_MODE_ABORT, RESET_MODE_WAIT "
+        raise InvalidArgumentError(f"{method} mode {value} is not allowed; use RESET_MODE_ABORT, RESET_MODE_WAIT "
                                    f"or RESET_MODE_UNSPECIFIED (server default)",
                                    violations=[("mode", "must be RESET_MODE_ABORT, RESET_MODE_WAIT or unspecified")])
     return ResetMode(value)

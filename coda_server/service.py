@@ -198,7 +198,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
 
     @maps_errors
     async def EndJob(self, request: pb.EndJobRequest, context) -> pb.EndJobResponse:
-        report = await self._pacer.end_job(convert.reset_mode(request.mode),
+        report = await self._pacer.end_job(convert.reset_mode(request.mode, "EndJob"),
                                            bounded_wait(request.wait_seconds, context), request.request_id)
         return convert.end_job_response(report)
 

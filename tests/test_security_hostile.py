@@ -165,8 +165,9 @@ CASES = [
     ("Submit", pb.SubmitRequest(trajectories=[traj(f"t{i}", token_ids=[1], logprobs=[1.0, 2.0]) for i in range(CAP)]),
      INVALID, ["trajectories[0]", "equal lengths", "990 more violations not shown"]),
     # ------------------------------------------------------------------ Reset / Resume
-    ("Reset", pb.ResetRequest(mode=9), INVALID, ["reset mode 9 is not allowed"]),
-    ("Reset", pb.ResetRequest(mode=-1), INVALID, ["reset mode -1"]),
+    ("Reset", pb.ResetRequest(mode=9), INVALID, ["Reset mode 9 is not allowed"]),
+    ("Reset", pb.ResetRequest(mode=-1), INVALID, ["Reset mode -1"]),
+    ("EndJob", pb.EndJobRequest(mode=9), INVALID, ["EndJob mode 9 is not allowed"]),
     ("Reset", pb.ResetRequest(wait_seconds=-3), INVALID, ["wait_seconds"]),
     ("Reset", pb.ResetRequest(resume=True, weight_version=-1), INVALID, ["weight_version -1", ">= the current 0"]),
     ("Reset", pb.ResetRequest(request_id="x" * 129), INVALID, ["request_id is 129 characters long"]),
