@@ -142,7 +142,7 @@ CASES = [
      ["more than its 2 trajectories"]),
     ("Submit", pb.SubmitRequest(trajectories=[traj(ds_index=1)]), INVALID, ["ds_index 1 differs"]),
     ("Submit", pb.SubmitRequest(trajectories=[traj(reward=1.0), traj(reward=2.0)]), INVALID,
-     ["already accepted with different content"]),
+     ["comes twice in this Submit, with different content"]),
     ("Submit", pb.SubmitRequest(trajectories=[traj(prompt_id="never-dispatched")]), NOT_FOUND, ["never dispatched"]),
     ("Submit", pb.SubmitRequest(trajectories=[traj("ok-t"), traj("bad", reward=math.nan)]), INVALID,
      ["trajectories[1].reward"]),  # all-or-nothing: the valid first trajectory is not accepted either

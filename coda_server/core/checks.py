@@ -235,7 +235,8 @@ class RequestChecks:
             if earlier is not None:
                 if not t.same_content(earlier):
                     violations.append((f"trajectories[{i}].trajectory_id",
-                                       f"{tid!r} was already accepted with different content"))
+                                       f"{tid!r} was already accepted with different content" if tid in accepted
+                                       else f"{tid!r} comes twice in this Submit, with different content"))
                     continue
                 group = inflight.get(pid) if tid not in in_batch else None
                 if group is not None and tid not in group.trajectories:
