@@ -64,6 +64,8 @@ STALL_WARNING_SECONDS = 60.0
 # without resuming and now waits for a batch waits on itself.
 PAUSED_WARNING_SECONDS = 5.0
 STALL_REPEAT_SECONDS = 600.0
+# The clock of those warnings (when the caller asked, when the wait for its batch began); tests put their own.
+_stall_clock = time.monotonic
 # The longest close() waits for the iterator's own tasks to end once cut (they end at once).
 _CLOSE_WAIT_SECONDS = 5.0
 # The longest close() lets a prefetch still in progress go on before cutting it: an answer on its way (the groups
@@ -584,22 +586,35 @@ class _BatchWait:
     def __init__(self, what: str, target: str) -> None:
         self.what = what  # "mini-batch of 8 groups", "share for rank 1 of 2 of a mini-batch of 8 groups"
         self.target = target
-        self.began = time.monotonic()
+        self.began = _stall_clock()
         self.next_report = 0.0
         self.reported_at: float | None = None  # when the caller began waiting, once a warning said so
+
+    @staticmethod
+    def _after(paused: bool) -> float:
+        return min(PAUSED_WARNING_SECONDS, STALL_WARNING_SECONDS) if paused else STALL_WARNING_SECONDS
 
     def due(self, asked_at: float | None, paused: bool = False) -> bool:
         """Whether to ask the server's state and report it now; `asked_at`: when the caller asked for the batch
         (None: it has not yet); `paused`: the control stream last said dispatch is paused."""
-        now = time.monotonic()
-        after = min(PAUSED_WARNING_SECONDS, STALL_WARNING_SECONDS) if paused else STALL_WARNING_SECONDS
-        return asked_at is not None and now - max(self.began, asked_at) >= after and now >= self.next_report
+        now = _stall_clock()
+        return (asked_at is not None and now - max(self.began, asked_at) >= self._after(paused)
+                and now >= self.next_report)
+
+    def poll(self, poll: float, asked_at: float | None, paused: bool = False) -> float:
+        """The next Collect's wait: `poll`, cut to end when a warning falls due, since due() is asked after each
+        Collect (a whole poll waited past that moment said the paused warning after up to 10 s, not 5). Before the
+        caller asks, at most the soonest warning's delay: the caller may ask, dispatch pause, while it waits."""
+        if asked_at is None:
+            return min(poll, PAUSED_WARNING_SECONDS, STALL_WARNING_SECONDS)
+        falls_due = max(max(self.began, asked_at) + self._after(paused), self.next_report)
+        return min(poll, max(0.0, falls_due - _stall_clock()))
 
     def report(self, state: PacerState | Exception, asked_at: float) -> None:
         since = max(self.began, asked_at)
-        self.next_report = time.monotonic() + STALL_REPEAT_SECONDS
+        self.next_report = _stall_clock() + STALL_REPEAT_SECONDS
         self.reported_at = since
-        log.warning("batches: no %s for %.0f s from the pacer at %s: %s", self.what, time.monotonic() - since,
+        log.warning("batches: no %s for %.0f s from the pacer at %s: %s", self.what, _stall_clock() - since,
                     self.target, self.why(state))
 
     @staticmethod
@@ -619,7 +634,7 @@ class _BatchWait:
 
     def done(self) -> None:
         if self.reported_at is not None:
-            log.info("batches: the %s came after %.0f s", self.what, time.monotonic() - self.reported_at)
+            log.info("batches: the %s came after %.0f s", self.what, _stall_clock() - self.reported_at)
 
 
 def check_reconnect(reconnect: float) -> float:
@@ -779,11 +794,13 @@ class _IteratorBase:
         """Groups of each global mini-batch (with a token budget: at most; 0 is the server's limit)."""
         return self.shape.num_groups
 
-    def _collect_call(self, num_groups: int | None = None) -> _calls.Call[CollectResult]:
+    def _collect_call(self, num_groups: int | None = None, wait: float | None = None) -> _calls.Call[CollectResult]:
         """A leased Collect of the batch (or of `num_groups`, the rest of one), cut by the server to fit the client;
-        through CollectStream, whose messages of a few MiB arrive faster than one large answer."""
+        through CollectStream, whose messages of a few MiB arrive faster than one large answer. `wait`: its wait
+        (None: `poll`)."""
         shape = self.shape
-        call = _calls.collect(shape.num_groups if num_groups is None else num_groups, wait=self.poll,
+        call = _calls.collect(shape.num_groups if num_groups is None else num_groups,
+                              wait=self.poll if wait is None else wait,
                               allow_partial=False, request_id=None, timeout=self._client.timeout, lease=self.lease,
                               arrays="numpy", rank=shape.rank, world_size=shape.world_size,
                               token_budget=shape.token_budget, trainer_step=self.step,
@@ -993,6 +1010,11 @@ class _IteratorBase:
         if self.shape.world_size > 1 or self.shape.token_budget or not results[-1].cut_to_fit:
             return 0
         return self.shape.num_groups - sum(len(r.groups) for r in results)
+
+    def _poll(self, wait: _BatchWait, job_ended: bool) -> float:
+        """The next Collect's wait (_BatchWait.poll); a whole `poll` once the job ended: the groups still coming
+        in have that long before an empty answer ends the iteration."""
+        return self.poll if job_ended else wait.poll(self.poll, self._asked_at, self._paused)
 
     def _batch_wait(self) -> _BatchWait:
         shape = self.shape
@@ -1228,13 +1250,13 @@ class _BatchIteratorCore(_IteratorBase):
         wait = self._batch_wait()
         while missing := self._rest(results):
             job_ended = self.job_ended  # read before the Collect: a batch completed after the end still counts
-            sent = time.monotonic()
+            sent, poll = time.monotonic(), self._poll(wait, job_ended)
             try:
-                result = self._call(self._collect_call(missing if results else None))
+                result = self._call(self._collect_call(missing if results else None, poll))
             except PacerClientError as exc:
                 if not self._without_stream(exc):
                     raise
-                result = self._call(self._collect_call(missing if results else None))  # nothing was taken
+                result = self._call(self._collect_call(missing if results else None, poll))  # nothing was taken
             self._took(result, sent)
             if result.groups:
                 results.append(result)
@@ -1265,7 +1287,7 @@ class _BatchIteratorCore(_IteratorBase):
             if self._pending is None or self._closed:
                 raise _Stopped
             pending, self._pending = self._pending, None
-            self._asked_at = time.monotonic()
+            self._asked_at = _stall_clock()
             try:
                 batch = pending.result()
                 while not self._still_held(batch):
@@ -1548,13 +1570,13 @@ class _AsyncBatchIteratorCore(_IteratorBase):
         wait = self._batch_wait()
         while missing := self._rest(results):
             job_ended = self.job_ended
-            sent = time.monotonic()
+            sent, poll = time.monotonic(), self._poll(wait, job_ended)
             try:
-                result = await self._call(self._collect_call(missing if results else None))
+                result = await self._call(self._collect_call(missing if results else None, poll))
             except PacerClientError as exc:
                 if not self._without_stream(exc):
                     raise
-                result = await self._call(self._collect_call(missing if results else None))  # nothing was taken
+                result = await self._call(self._collect_call(missing if results else None, poll))  # nothing was taken
             self._took(result, sent)
             if result.groups:
                 results.append(result)
@@ -1579,7 +1601,7 @@ class _AsyncBatchIteratorCore(_IteratorBase):
             if self._pending is None or self._closed:
                 raise _Stopped
             pending, self._pending = self._pending, None
-            self._asked_at = time.monotonic()
+            self._asked_at = _stall_clock()
             try:
                 batch = await pending
                 while not await self._still_held(batch):

@@ -47,7 +47,7 @@ from .batches import (
     starting_state,
     step_batches,
 )
-from .errors import PacerClientError, UnavailableError, translate
+from .errors import NOT_CONNECTED, DeadlineExceededError, PacerClientError, UnavailableError, translate
 from .types import (
     Checkpoint,
     CollectResult,
@@ -82,6 +82,9 @@ _INHERITED_CHANNELS: list[Any] = []
 # (empty request: the server as a whole), needing no token, and answered by any gRPC server that has one.
 _HEALTH_CHECK = _health.HEALTH_CHECK_METHOD
 CONNECTION_PROBE_SECONDS = 10.0
+# The same look, bounded tighter, after a call of a client that waits for ready ran out its deadline unconnected: its
+# caller has waited the call's timeout already (the look returns at once while connection attempts fail).
+NOT_CONNECTED_PROBE_SECONDS = 2.0
 
 
 def _after_fork_in_child() -> None:
@@ -232,20 +235,27 @@ def _release_failed(lease_id: str, failed: PacerClientError, cause: BaseExceptio
 
 
 def _collect_cut(request_id: str, cause: BaseException) -> None:
-    """A plain Collect (no lease, its request id made here) was interrupted after it was sent: said, with its id,
-    since the groups the server took for it may never reach the caller (such a Collect is at-most-once)."""
-    log.warning("collect: the Collect with request_id %s was interrupted (%s) after it was sent: the groups the server "
+    """A plain Collect (no lease, its request id made here) was interrupted after it was sent, or ran out its
+    deadline: said, with its id, since the groups the server took for it may never reach the caller (such a
+    Collect is at-most-once; a server may answer after the client gave up)."""
+    how = ("got no answer within its deadline" if isinstance(cause, DeadlineExceededError)
+           else f"was interrupted ({type(cause).__name__})")
+    log.warning("collect: the Collect with request_id %s %s after it was sent: the groups the server "
                 "took for it, if any, never reached the caller and are lost unless it is asked again under that id "
                 "(a Collect without a lease is at-most-once): collect the same num_groups with request_id=%r while "
                 "the server remembers it (its last 16 Collects). To collect safely under interruption use "
                 "batches(), or collect_result(..., lease=SECONDS) and ack(result.lease_id), or pass request_id= "
-                "and retry with it", request_id, type(cause).__name__, request_id)
+                "and retry with it", request_id, how, request_id)
 
 
 def _unsafe_collect(lease: float, request_id: str | None, cause: BaseException) -> bool:
-    """Whether `cause` (an interruption of the caller's, not an error of the call: Ctrl-C, a cancelled task, an
-    asyncio timeout) may have lost a Collect's groups without the caller having a way to get them back."""
-    return not isinstance(cause, Exception) and not lease and request_id is None
+    """Whether `cause` may have lost a Collect's groups without the caller having a way to get them back: an
+    interruption of the caller's (not an error of the call: Ctrl-C, a cancelled task, an asyncio timeout), or a
+    deadline run out after the call was sent (the server may answer it, taking groups, after the client gave up;
+    not one that never connected: nothing was sent)."""
+    lost = not isinstance(cause, Exception) or (isinstance(cause, DeadlineExceededError)
+                                                and cause.reason != NOT_CONNECTED)
+    return lost and not lease and request_id is None
 
 
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
@@ -352,6 +362,31 @@ class _ClientBase:
         """The likely cause and fix of an UNAVAILABLE with these `details`, for its message (errors.translate)."""
         trouble = self._connection_trouble(details)
         return trouble.text if trouble is not None else None
+
+    def _failure(self, exc: grpc.RpcError) -> PacerClientError:
+        """The PacerClientError of a failed call (errors.translate)."""
+        return translate(exc, self._reach, self.wait_for_ready, self._explain)
+
+    def _unconnected(self, error: PacerClientError) -> bool:
+        """Whether `error` is a DEADLINE_EXCEEDED of a call that waited for ready on a channel not READY now: it may
+        never have connected, which a look at the connection (_not_connected) tells and says why."""
+        return (self.wait_for_ready and error.code == grpc.StatusCode.DEADLINE_EXCEEDED and not error.reason
+                and self._channel is not None and not self._channel_ready())
+
+    def _channel_ready(self) -> bool:
+        raise NotImplementedError
+
+    def _not_connected(self, error: PacerClientError, probe: grpc.RpcError | None) -> PacerClientError:
+        """`error` (a wait_for_ready call's DEADLINE_EXCEEDED) saying why the client never connected, as a client
+        that does not wait would have said at once (nothing listens, not a gRPC server, an untrusted certificate),
+        when the look at the connection that followed (`probe`: its error, None when it answered) failed to
+        connect too; else `error` as it is (a server that answers, only slowly)."""
+        if probe is None or probe.code() != grpc.StatusCode.UNAVAILABLE:
+            return error
+        why = translate(probe, self._reach, explain=self._explain)
+        return DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"{error.details}; the client could not connect within the call's deadline: "
+                                     f"{why.details}", reason=NOT_CONNECTED)
 
     def adopt_client_id(self, client_id: str) -> str:
         """Names a client that has no client id (the worker kit names its client after the worker, so that
@@ -514,8 +549,29 @@ class PacerClient(_ClientBase):
             if call.streamed:  # the answer's messages, every one received
                 response = read_stream(response)
         except grpc.RpcError as exc:
-            raise translate(exc, self._reach, self.wait_for_ready, self._explain) from exc
+            error = self._failure(exc)
+            if self._unconnected(error):
+                with contextlib.suppress(ValueError, AttributeError):  # closed meanwhile: the error as it is
+                    error = self._not_connected(error, self._probe(NOT_CONNECTED_PROBE_SECONDS))
+            raise error from exc
         return call.convert(response)
+
+    def _channel_ready(self) -> bool:
+        # The blocking channel tells its state only through a subscription (a thread); its core's answer is at hand.
+        check = getattr(getattr(self._channel, "_channel", None), "check_connectivity_state", None)
+        try:
+            return check is not None and check(False) == grpc.ChannelConnectivity.READY.value[0]
+        except Exception:  # closed meanwhile: the look (_probe) tells
+            return False
+
+    def _probe(self, timeout: float) -> grpc.RpcError | None:
+        """A health check that does not wait for a connection (AsyncPacerClient.connection_trouble's look): its
+        error, or None when it was answered."""
+        try:
+            self._channel.unary_unary(_HEALTH_CHECK)(b"", timeout=timeout, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            return exc
+        return None
 
     def dispatch(
         self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
@@ -553,8 +609,9 @@ class PacerClient(_ClientBase):
         collect again); FailedPreconditionError (reason MESSAGE_TOO_LARGE) when the oldest alone does not.
 
         At-most-once: the groups leave the buffer when the server answers, so a call interrupted after it was sent
-        (Ctrl-C, a cancelled task, asyncio.wait_for's timeout) may take groups its caller never receives; it then
-        logs a warning naming its request id. To collect safely under interruption use batches(), or
+        (Ctrl-C, a cancelled task, asyncio.wait_for's timeout), or one that ran out its deadline (the server may
+        answer after the client gave up), may take groups its caller never receives; it then logs a warning naming
+        its request id. To collect safely under interruption use batches(), or
         collect_result(lease=...) with ack(), or pass `request_id` and, after an interruption, call collect again
         with the same id: the server answers it with the same groups (docs/trainer.md)."""
         return self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id).groups
@@ -791,8 +848,27 @@ class AsyncPacerClient(_ClientBase):
             else:
                 response = await rpc(call.request, timeout=call.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise translate(exc, self._reach, self.wait_for_ready, self._explain) from exc
+            error = self._failure(exc)
+            if self._unconnected(error):
+                with contextlib.suppress(ValueError, AttributeError, grpc.aio.UsageError):  # closed meanwhile
+                    error = self._not_connected(error, await self._probe(NOT_CONNECTED_PROBE_SECONDS))
+            raise error from exc
         return call.convert(response)
+
+    def _channel_ready(self) -> bool:
+        try:
+            return self._channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+        except Exception:  # closed meanwhile: the look (_probe) tells
+            return False
+
+    async def _probe(self, timeout: float) -> grpc.RpcError | None:
+        """A health check that does not wait for a connection: its error, or None when it was answered. The
+        pacer's own calls, waiting for ready, only time out."""
+        try:
+            await self._channel.unary_unary(_HEALTH_CHECK)(b"", timeout=timeout, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            return exc
+        return None
 
     async def connection_state(self, after: grpc.ChannelConnectivity | None = None) -> grpc.ChannelConnectivity:
         """The channel's connectivity: at once when `after` is None (and the channel starts connecting), else once it
@@ -813,15 +889,11 @@ class AsyncPacerClient(_ClientBase):
         Read from a health check that does not wait for a connection: the pacer's own calls (wait_for_ready) only
         time out. The worker kit asks it while its connection fails."""
         self._stub_for_process()
-        probe = self._channel.unary_unary(_HEALTH_CHECK)
-        try:
-            await probe(b"", timeout=CONNECTION_PROBE_SECONDS, wait_for_ready=False)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:  # an answer of some kind: it connected
-                return None
-            details = _tls.tidy(exc.details() or "")
-            return details, self._connection_trouble(details)
-        return None
+        failed = await self._probe(CONNECTION_PROBE_SECONDS)
+        if failed is None or failed.code() != grpc.StatusCode.UNAVAILABLE:  # an answer of some kind: it connected
+            return None
+        details = _tls.tidy(failed.details() or "")
+        return details, self._connection_trouble(details)
 
     async def dispatch(
         self, candidates: Iterable[PromptRef | str] = (), *, wait: float = 0.0, request_id: str | None = None,
@@ -843,8 +915,8 @@ class AsyncPacerClient(_ClientBase):
     async def collect(
         self, num_groups: int, *, wait: float = 0.0, allow_partial: bool = False, request_id: str | None = None
     ) -> list[TrajectoryGroup]:
-        """Coroutine form of PacerClient.collect (at-most-once as it is: a cancelled one logs a warning naming its
-        request id; see there)."""
+        """Coroutine form of PacerClient.collect (at-most-once as it is: a cancelled one, or one that ran out its
+        deadline, logs a warning naming its request id; see there)."""
         result = await self.collect_result(num_groups, wait=wait, allow_partial=allow_partial, request_id=request_id)
         return result.groups
 
@@ -853,8 +925,8 @@ class AsyncPacerClient(_ClientBase):
         lease: float = 0.0, trainer_step: int | None = None, release_when_silent: bool = False,
         held_lease_ids: Sequence[str] = (), named_at_grant: bool = False,
     ) -> CollectResult:
-        """Coroutine form of PacerClient.collect_result (a plain one cancelled, e.g. by asyncio.wait_for, logs the
-        warning collect() describes)."""
+        """Coroutine form of PacerClient.collect_result (a plain one cancelled, e.g. by asyncio.wait_for, or out of
+        its deadline, logs the warning collect() describes)."""
         call = self._collect(num_groups, wait, allow_partial, request_id, lease, trainer_step, release_when_silent,
                              held_lease_ids, named_at_grant)
         try:

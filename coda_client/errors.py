@@ -12,6 +12,7 @@ from ._tls import tidy
 
 __all__ = [
     "STALE_GENERATION",
+    "NOT_CONNECTED",
     "ERROR_DOMAIN",
     "FieldViolation",
     "PacerClientError",
@@ -33,6 +34,10 @@ __all__ = [
 STALE_GENERATION = "STALE_GENERATION"
 # google.rpc.ErrorInfo reason for an Ack naming a lease the server does not know.
 UNKNOWN_LEASE = "UNKNOWN_LEASE"
+# DeadlineExceededError.reason (set by the client, not the server) when a call that waited for ready (wait_for_ready)
+# ran out its deadline without a connection to any server: nothing was sent; its message says why, as the
+# UnavailableError of a client that does not wait would (nothing listens, not a gRPC server, an untrusted certificate).
+NOT_CONNECTED = "NOT_CONNECTED"
 # google.rpc.ErrorInfo domain the server uses.
 ERROR_DOMAIN = "coda.pacer.v1"
 
@@ -127,7 +132,8 @@ class ServerGoneError(UnavailableError):
 
 
 class DeadlineExceededError(PacerClientError):
-    """DEADLINE_EXCEEDED: no answer in time (with wait_for_ready=True, also a server that never became reachable)."""
+    """DEADLINE_EXCEEDED: no answer in time; with wait_for_ready=True, also a server that never became reachable:
+    then `reason` is NOT_CONNECTED and the message says why the client could not connect."""
 
 
 _BY_CODE: dict[grpc.StatusCode, type[PacerClientError]] = {
