@@ -4,6 +4,7 @@
     python examples/rl_cpu/run.py --compare       # the synchronous loop and three strategies, 3 seeds each
     python examples/rl_cpu/run.py --kill-server-at 5
     python examples/rl_cpu/run.py --rollback-at 5   # the trainer dies after step 7, restarts from step 5's checkpoint
+    python examples/rl_cpu/run.py --rollback-at 0   # ... after step 2, from the checkpoint taken before the first batch
 
 starts, on 127.0.0.1, vLLM's OpenAI-compatible server (CPU build, pinned to core 0) serving the example's tiny
 Llama, and per run coda-server (durable state in the run's directory), worker processes
@@ -319,6 +320,8 @@ def train_fully_async(pacer, engines, policy, prompts, ledger, args, *, on_step=
     from policy import Rollouts
 
     versions = versions if versions is not None else itertools.count(1)
+    if after_step is not None and start == 0:
+        after_step(0, 0)  # --rollback-at 0: the checkpoint of the initial policy, before the first batch
     for step in range(start, args.steps):
         with pacer.batches(args.mini_batch_size, num_batches=args.batches_per_step, lease=300.0,
                            mask_offpolicy=True, step=step) as batches:
@@ -343,10 +346,11 @@ class TrainerDied(Exception):
 
 
 class Rollback:
-    """--rollback-at K: after step K the trainer saves its checkpoint (policy, what it knows of the run) and the
-    pacer's beside it; after step K + 2 it dies. `restart()` is the trainer coming back from that checkpoint:
-    generation paused, the engines given step K's weights back, the pacer restored, the loop going on from
-    step K with new weight versions (the two thrown away are never used again)."""
+    """--rollback-at K: after step K (K = 0: before the first batch, with the initial policy) the trainer saves its
+    checkpoint (policy, what it knows of the run) and the pacer's beside it; after step K + 2 it dies. `restart()`
+    is the trainer coming back from that checkpoint: generation paused, the engines given step K's weights back,
+    the pacer restored, the loop going on from step K with new weight versions (the two thrown away are never
+    used again)."""
 
     def __init__(self, at: int, directory: Path) -> None:
         self.at, self.directory = at, directory
@@ -794,8 +798,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kill-server-at", type=int, default=None,
                         help="SIGKILL coda-server at this step (while workers generate) and restart it")
     parser.add_argument("--rollback-at", type=int, default=None,
-                        help="checkpoint the trainer and the pacer after this step; after two more steps the trainer "
-                             "dies and restarts from that checkpoint, restoring the pacer")
+                        help="checkpoint the trainer and the pacer after this step (0: before the first batch, with "
+                             "the initial policy); after two more steps the trainer dies and restarts from that "
+                             "checkpoint, restoring the pacer")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--prompts-per-step", type=int, default=8, help="B")
     parser.add_argument("--group-size", type=int, default=8, help="N")
@@ -830,8 +835,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--stale-steps must be a finite number >= 0, got {args.stale_steps}")
     if args.kill_server_at is not None and not 1 <= args.kill_server_at <= args.steps:
         parser.error(f"--kill-server-at must be a step from 1 to --steps ({args.steps}), got {args.kill_server_at}")
-    if args.rollback_at is not None and not 1 <= args.rollback_at <= args.steps - 2:
-        parser.error(f"--rollback-at K needs steps K + 1 and K + 2 to run (the trainer dies after K + 2): K from 1 to "
+    if args.rollback_at is not None and not 0 <= args.rollback_at <= args.steps - 2:
+        parser.error(f"--rollback-at K needs steps K + 1 and K + 2 to run (the trainer dies after K + 2): K from 0 to "
                      f"{args.steps - 2} with --steps {args.steps}, got {args.rollback_at}")
     known = registered_strategies()
     if known is not None:
