@@ -172,7 +172,9 @@ def diagnose(details: str, tls: Any, names: Mapping[str, str] = PYTHON_NAMES) ->
                                    r"ALERT_CERTIFICATE_UNKNOWN|ALERT_ACCESS_DENIED", details):
         return ConnectionTrouble("tls-client-cert", True,
                                  _client_cert_text("the server refused the TLS handshake", has_client_cert, names))
-    if "Socket closed" in details:
+    # Only when connecting failed so: a call or stream cut on a connection that had worked ("Stream removed", a
+    # server killed or restarted) says "Socket closed" too, and is no TLS matter.
+    if "Socket closed" in details and "failed to connect" in details:
         if plaintext:
             return ConnectionTrouble("closed", False, "the server closed each connection as it opened (this client "
                                      f"connects without TLS); the server may require TLS: {names['use_tls']}")

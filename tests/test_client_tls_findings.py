@@ -20,6 +20,7 @@ import pytest
 
 from coda_client import PacerClient
 from coda_client._channel import TlsConfig
+from coda_client.errors import UnavailableError
 from coda_worker.engines.fake import FakeEngine
 from coda_worker.worker import ListPromptSource, Prompt, RolloutWorker, WorkerFailedError
 from server_harness import ServerProcess, until
@@ -274,3 +275,17 @@ def test_the_command_names_its_own_flags_and_what_a_health_only_port_is(certs, p
 def test_python_m_coda_client_cli_runs_the_command(certs, plain_server):
     result = command("--address", plain_server.address, "--token-file", str(certs / "token"), "state", module=True)
     assert result.returncode == 0 and "strategy no-window" in result.stdout, (result.stdout, result.stderr)
+
+
+def test_a_stream_cut_by_a_killed_server_is_not_said_as_a_tls_setting(tmp_path):
+    """A plaintext client's watch stream cut by a server killed with kill -9 ends "Stream removed (Socket closed)":
+    it was said as "the server closed each connection as it opened ... may require TLS", which sent an on-call
+    engineer after TLS. Only connecting that fails so is a TLS matter."""
+    with ServerProcess(tmp_path) as server, PacerClient(server.address, timeout=10) as client:
+        events = client.watch()
+        next(events)  # the STATE event: the stream is open
+        server.kill()
+        with pytest.raises(UnavailableError) as cut:
+            next(events)
+    assert "Socket closed" in str(cut.value), str(cut.value)
+    assert "TLS" not in str(cut.value) and "closed each connection" not in str(cut.value), str(cut.value)
