@@ -75,6 +75,15 @@ _CLOSE_PREFETCH_WAIT_SECONDS = 1.0
 _FIRST_BEAT_RETRY_SECONDS = 1.0
 
 
+def _refusal(error: Any) -> Any:
+    """`error` (a PacerClientError) when it is the server refusing calls for now with a reason of its own (its state
+    directory cannot be written, it is still recovering), which the control stream does not show: the server is up;
+    else None (a server shutting down or away is said by the control stream's outage)."""
+    reason = getattr(error, "reason", "")
+    return error if reason and reason != "SHUTTING_DOWN" and getattr(error, "code", None) == grpc.StatusCode.UNAVAILABLE \
+        else None
+
+
 def _server_away(code: Any) -> bool:
     """Whether a call that ended with `code` is to be sent again (same request id) once a server answers: the server
     shut down or died (CANCELLED, UNAVAILABLE), or no answer was read before the deadline (DEADLINE_EXCEEDED): a
@@ -750,6 +759,13 @@ class _IteratorBase:
                        f"reconnecting, and calls wait up to reconnect={self.reconnect:g} s for a server to answer",
             attempt="batches: control stream still away ({reason}); reconnecting",
             back=f"batches: control stream of the pacer at {client.target} back after {{seconds}} s")
+        # Calls the server refuses for now while it is up (UNAVAILABLE with a reason: its state directory cannot be
+        # written, it is recovering): asked again as for an outage, and said once each time it begins and ends.
+        self._refusals = OutageLog(
+            log, began=f"batches: the pacer at {client.target} refuses calls for now ({{reason}}); asking again for "
+                       f"up to reconnect={self.reconnect:g} s",
+            attempt="batches: the pacer still refuses calls ({reason})",
+            back=f"batches: the pacer at {client.target} takes calls again after {{seconds}} s")
         self.server_shut_down = False  # the server announced SHUTDOWN and no server answered again in time
         # The trainer ended the job (JOB_ENDED): once a Collect finds too few groups, nothing more will come and
         # the iteration ends instead of polling for ever.
@@ -1190,8 +1206,12 @@ class _BatchIteratorCore(_IteratorBase):
         delay = _AWAY_RETRY_INITIAL_SECONDS
         while True:
             try:
-                return self._call_once(call, survives_close)
-            except _Away:
+                answer = self._call_once(call, survives_close)
+                self._refusals.answered()
+                return answer
+            except _Away as away:
+                if away.args:
+                    self._refusals.failed(away.args[0])
                 now = time.monotonic()
                 deadline = now + self.reconnect if deadline is None else deadline
                 if now >= deadline:
@@ -1235,7 +1255,9 @@ class _BatchIteratorCore(_IteratorBase):
                 if not self._shutdown.wait(SHUTDOWN_EVENT_WAIT_SECONDS if exc.code() == grpc.StatusCode.CANCELLED
                                            else 0):
                     self._present.clear()
-                raise _Away from None
+                refusal = _refusal(translate(exc, self._client.target)) if exc.code() == grpc.StatusCode.UNAVAILABLE \
+                    else None
+                raise (_Away(refusal) if refusal is not None else _Away()) from None
             raise translate(exc, self._client.target, self._client.wait_for_ready,
                             getattr(self._client, "_explain", None)) from exc
         finally:
@@ -1520,8 +1542,12 @@ class _AsyncBatchIteratorCore(_IteratorBase):
         delay = _AWAY_RETRY_INITIAL_SECONDS
         while True:
             try:
-                return await self._call_once(call, survives_close)
-            except _Away:
+                answer = await self._call_once(call, survives_close)
+                self._refusals.answered()
+                return answer
+            except _Away as away:
+                if away.args:
+                    self._refusals.failed(away.args[0])
                 now = time.monotonic()
                 deadline = now + self.reconnect if deadline is None else deadline
                 if now >= deadline:
@@ -1560,7 +1586,8 @@ class _AsyncBatchIteratorCore(_IteratorBase):
                 if not self._shutdown.is_set() and not await _set_within(
                         self._shutdown, SHUTDOWN_EVENT_WAIT_SECONDS if exc.code == grpc.StatusCode.CANCELLED else 0.001):
                     self._present.clear()
-                raise _Away from None
+                refusal = _refusal(exc)
+                raise (_Away(refusal) if refusal is not None else _Away()) from None
             raise
         finally:
             calls.discard(task)

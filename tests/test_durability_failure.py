@@ -3,7 +3,9 @@ are refused UNAVAILABLE with a retry delay and nothing is applied meanwhile, and
 again the server is ready again by itself, with nothing lost."""
 from __future__ import annotations
 
+import logging
 import resource
+import threading
 import time
 
 import grpc
@@ -124,6 +126,38 @@ def test_a_trainers_lease_does_not_run_out_while_the_server_refuses_its_ack(tmp_
         assert client.ack(taken.lease_id, request_id="ack-1") == 2  # the trainer's retry: taken, nothing redelivered
         state = client.state()
         assert (state.leased, state.buffered, state.consumed) == (0, 1, 2), state  # c, which the disk then took
+
+
+def test_a_trainer_iterating_batches_says_once_that_the_server_refuses_its_calls_and_when_it_takes_them_again(
+        tmp_path, caplog):
+    """batches() asked again quietly while the server refused its Ack STATE_DIR_UNWRITABLE: the trainer's log said
+    nothing for as long as the state volume was full. It says it once, with the server's reason, and says when
+    the server takes calls again."""
+    state_dir = tmp_path / "state"
+    overrides = (*core_overrides("no-window", B=4, stale=1.0, N=2, M=2, filters="[]"), f"server.state_dir={state_dir}")
+    with ServerProcess(tmp_path, *overrides) as server, PacerClient(server.address) as client:
+        stub = server.stub()
+        prompts = ("a", "b", "c", "d", "e")
+        stub.Dispatch(pb.DispatchRequest(candidates=[pb.PromptRef(prompt_id=p) for p in prompts]), timeout=10)
+        stub.Submit(pb.SubmitRequest(trajectories=[t for p in prompts[:4] for t in group(p)]), timeout=10)
+        with caplog.at_level(logging.INFO, logger="coda_client.batches"), client.batches(2, lease=600.0) as batches:
+            first = next(iter(batches))
+            largest = max(path.stat().st_size for path in state_dir.glob("pacer.sqlite3*"))
+            resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE, (largest, resource.RLIM_INFINITY))
+            with pytest.raises(grpc.RpcError):  # a worker's Submit meets the full volume first
+                stub.Submit(pb.SubmitRequest(trajectories=group("e"), request_id="s-e"), timeout=10)
+            following: list = []
+            taker = threading.Thread(target=lambda: following.append(next(iter(batches))))  # acks the first
+            taker.start()
+            refused = "refuses calls for now"
+            until(lambda: any(refused in r.getMessage() for r in caplog.records), "the trainer's warning")
+            resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            taker.join(60)
+        assert len(following) == 1 and len(first.groups) == 1, following  # M = 2 trajectories: one group
+    said = [r.getMessage() for r in caplog.records if r.name == "coda_client.batches"]
+    warned = [m for m in said if refused in m]
+    assert len(warned) == 1 and "STATE_DIR_UNWRITABLE" in warned[0] and "journal" in warned[0], said
+    assert any("takes calls again" in m for m in said), said
 
 
 class UnencodableTrajectories:
