@@ -30,7 +30,7 @@ from . import _calls
 from ._channel import read_stream
 from ._outage import OutageLog
 from .arrays import dtype_of, numpy
-from .errors import PacerClientError, ServerGoneError, translate
+from .errors import PacerClientError, ServerGoneError, refuses_for_now, translate
 from .types import (CollectResult, ControlEvent, ControlEventType, KeepAliveResult, PacerState, Trajectory,
                     TrajectoryGroup)
 
@@ -73,15 +73,6 @@ _CLOSE_WAIT_SECONDS = 5.0
 _CLOSE_PREFETCH_WAIT_SECONDS = 1.0
 # Between heartbeats before the server has said its liveness grace (then a third of it, as workers beat).
 _FIRST_BEAT_RETRY_SECONDS = 1.0
-
-
-def _refusal(error: Any) -> Any:
-    """`error` (a PacerClientError) when it is the server refusing calls for now with a reason of its own (its state
-    directory cannot be written, it is still recovering), which the control stream does not show: the server is up;
-    else None (a server shutting down or away is said by the control stream's outage)."""
-    reason = getattr(error, "reason", "")
-    return error if reason and reason != "SHUTTING_DOWN" and getattr(error, "code", None) == grpc.StatusCode.UNAVAILABLE \
-        else None
 
 
 def _server_away(code: Any) -> bool:
@@ -1255,9 +1246,8 @@ class _BatchIteratorCore(_IteratorBase):
                 if not self._shutdown.wait(SHUTDOWN_EVENT_WAIT_SECONDS if exc.code() == grpc.StatusCode.CANCELLED
                                            else 0):
                     self._present.clear()
-                refusal = _refusal(translate(exc, self._client.target)) if exc.code() == grpc.StatusCode.UNAVAILABLE \
-                    else None
-                raise (_Away(refusal) if refusal is not None else _Away()) from None
+                refusal = translate(exc, self._client.target) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+                raise (_Away(refusal) if refuses_for_now(refusal) else _Away()) from None
             raise translate(exc, self._client.target, self._client.wait_for_ready,
                             getattr(self._client, "_explain", None)) from exc
         finally:
@@ -1586,8 +1576,7 @@ class _AsyncBatchIteratorCore(_IteratorBase):
                 if not self._shutdown.is_set() and not await _set_within(
                         self._shutdown, SHUTDOWN_EVENT_WAIT_SECONDS if exc.code == grpc.StatusCode.CANCELLED else 0.001):
                     self._present.clear()
-                refusal = _refusal(exc)
-                raise (_Away(refusal) if refusal is not None else _Away()) from None
+                raise (_Away(exc) if refuses_for_now(exc) else _Away()) from None
             raise
         finally:
             calls.discard(task)

@@ -27,6 +27,7 @@ __all__ = [
     "DeadlineExceededError",
     "MessageTooLargeError",
     "ServerGoneError",
+    "refuses_for_now",
     "translate",
 ]
 
@@ -158,6 +159,14 @@ def _status_details(rpc_error: grpc.RpcError) -> StatusDetails:
         # Details are a best-effort extra: a garbled trailer must not hide the real error code.
         pass
     return StatusDetails()
+
+
+def refuses_for_now(error: object) -> bool:
+    """Whether `error` is the server, up, refusing calls for now for a reason of its own (UNAVAILABLE with a reason:
+    its state directory cannot be written, it is still recovering), which is said apart from a server away or
+    shutting down (no reason, or SHUTTING_DOWN): a control stream stays open through it."""
+    return (isinstance(error, PacerClientError) and error.code == grpc.StatusCode.UNAVAILABLE and bool(error.reason)
+            and error.reason != "SHUTTING_DOWN")
 
 
 def translate(rpc_error: grpc.RpcError, target: str | None = None, waited_for_ready: bool = False,

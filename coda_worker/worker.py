@@ -63,6 +63,7 @@ from coda_client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     PacerClientError,
+    refuses_for_now,
     ResourceExhaustedError,
     UnavailableError,
     UnknownPromptError,
@@ -663,6 +664,16 @@ class AsyncRolloutWorker:
                           "holds, if any, go on generating meanwhile",
             attempt=f"{self.worker_id}: the pacer is still away: {{reason}}",
             back=f"{self.worker_id}: the pacer at {getattr(pacer, 'target', '?')} answers again after {{seconds}} s",
+            extra=_fields(worker=self.worker_id))
+        # Changes the pacer refuses for now while it answers (its state directory cannot be written, it recovers):
+        # said apart from an outage, so that a KeepAlive it answers meanwhile does not read as its return.
+        self._refusals = OutageLog(
+            logger, began=f"{self.worker_id}: the pacer at {getattr(pacer, 'target', '?')} refuses changes for now: "
+                          "{reason}; retrying them (with the same request ids) until it takes them; the groups this "
+                          "worker holds, if any, go on generating meanwhile",
+            attempt=f"{self.worker_id}: the pacer still refuses changes: {{reason}}",
+            back=f"{self.worker_id}: the pacer at {getattr(pacer, 'target', '?')} takes changes again after "
+                 "{seconds} s",
             extra=_fields(worker=self.worker_id))
         self.stats = WorkerStats()
         self.weight_version = 0
@@ -1895,13 +1906,18 @@ class AsyncRolloutWorker:
                     raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{what} not answered: {exc}") from exc
                 if what == "Submit":
                     self.stats.submit_retries += 1
-                self._pacer_away(f"{what} not answered ({exc}); retrying in {delay:.1f} s")
+                if refuses_for_now(exc):
+                    self._refusals.failed(f"{what} refused ({exc}); retrying in {delay:.1f} s")
+                else:
+                    self._pacer_away(f"{what} not answered ({exc}); retrying in {delay:.1f} s")
                 await self._pause(delay, ends_it)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
                 continue
             finally:
                 self._calls_in_flight.pop(attempt, None)
             self._pacer_answered(asked_at)
+            if not reads_only:
+                self._refusals.answered()
             return answer
 
     def _pacer_away(self, reason: str, kind: str | None = None) -> None:

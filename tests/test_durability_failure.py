@@ -14,6 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coda_client import PacerClient
 from coda_client.errors import UnavailableError
+from coda_worker.engines.fake import FakeEngine
+from coda_worker.worker import ListPromptSource, Prompt, RolloutWorker
 from coda_client._proto import pacer_pb2 as pb
 from coda_client.cli import render_state
 from coda_server.core.journal import Submitted
@@ -158,6 +160,36 @@ def test_a_trainer_iterating_batches_says_once_that_the_server_refuses_its_calls
     warned = [m for m in said if refused in m]
     assert len(warned) == 1 and "STATE_DIR_UNWRITABLE" in warned[0] and "journal" in warned[0], said
     assert any("takes calls again" in m for m in said), said
+
+
+def test_a_worker_says_once_that_the_server_refuses_its_changes_without_calling_the_server_away_and_back(
+        tmp_path, caplog):
+    """The worker kit called a server refusing its Submits STATE_DIR_UNWRITABLE "away", then "answers again" at each
+    KeepAlive it answered meanwhile, flapping for as long as the volume was full. A refusal is said once, as such,
+    and its end when the server takes a change again."""
+    state_dir = tmp_path / "state"
+    overrides = (*core_overrides("no-window", B=4, stale=1.0, N=2, filters="[]"), f"server.state_dir={state_dir}")
+    prompts = ListPromptSource([Prompt(f"p{i}", [1, 2, 3], epoch=0, index=i) for i in range(400)])
+    with ServerProcess(tmp_path, *overrides) as server, caplog.at_level(logging.DEBUG, logger="coda_worker"):
+        worker = RolloutWorker(server.address, FakeEngine(mean_tokens=4, first_token_seconds=0.01,
+                                                          seconds_per_token=0.001), prompts, worker_id="w-full")
+        worker.start()
+        try:
+            stub = server.stub()
+            until(lambda: stub.GetState(pb.GetStateRequest(), timeout=10).submitted >= 2, "a group submitted")
+            largest = max(path.stat().st_size for path in state_dir.glob("pacer.sqlite3*"))
+            resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE, (largest, resource.RLIM_INFINITY))
+            until(lambda: sum("still refuses changes" in r.getMessage() for r in caplog.records) >= 2,
+                  "the worker's refused changes retried twice")
+            resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            until(lambda: any("takes changes again" in r.getMessage() for r in caplog.records), "changes taken again")
+        finally:
+            worker.stop()
+            worker.join(60)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and r.name.startswith("coda_worker")]
+    refused = [m for m in said if "refuses changes for now" in m]
+    assert len(refused) == 1 and "STATE_DIR_UNWRITABLE" in refused[0], said
+    assert not any("is away" in m or "answers again" in m for m in said), said
 
 
 class UnencodableTrajectories:
