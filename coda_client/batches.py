@@ -743,6 +743,7 @@ class _IteratorBase:
         self.reconnect = float(reconnect)  # seconds calls wait for an away server to answer again
         self._asked_at: float | None = None  # when the caller asked for the batch it waits for now (None: it does not)
         self._paused = False  # what the control stream last said: dispatch is paused (a Reset without its Resume)
+        self._over_budget_said = False  # a group over token_budget was warned of (_note_group_over_budget)
         # The control stream's outages, logged once each (a dead server would otherwise log a line every two
         # seconds until `reconnect` runs out).
         self._outage = OutageLog(
@@ -989,6 +990,20 @@ class _IteratorBase:
             if self._beat_per_lease:
                 self._beat_now.set()  # named to the server at once (`_heartbeats`)
         self._note_other_shapes(result)
+        budget = self.shape.token_budget
+        if budget and len(result.groups) == 1 and not self._over_budget_said:
+            self._note_group_over_budget(result.groups[0], budget)
+
+    def _note_group_over_budget(self, group: Any, budget: int) -> None:
+        """Groups are never cut: a group with more tokens than `token_budget` comes as a mini-batch of its own, over
+        the budget. Said once per iterator (a budget below one group's tokens makes every batch so)."""
+        tokens = sum(len(t.token_ids) for t in group.trajectories)
+        if tokens > budget:
+            self._over_budget_said = True
+            log.warning("batches: group %r holds %d tokens, more than token_budget=%d: groups are never cut, so it "
+                        "comes as a mini-batch of its own, over the budget (said once; a budget below one group's "
+                        "tokens makes every mini-batch one group): set token_budget to several groups' worth",
+                        group.prompt_id, tokens, budget)
 
     def _let_go(self, lease_ids: Sequence[str]) -> None:
         """These leases were acknowledged or given back: no longer held."""

@@ -2,6 +2,7 @@
 a dead rank's share delivered again, the split surviving a restart, and the trainer iterator over gRPC."""
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -603,3 +604,17 @@ def test_a_collect_of_more_than_the_window_that_the_buffer_holds_now_is_answered
             pacer.collect(9, wait=5)
         taken = pacer.collect(8, wait=5)
         assert sorted(g.prompt_id for g in taken) == [f"o{i}" for i in range(8)]
+
+
+def test_a_token_budget_below_one_groups_tokens_is_warned_of_once(tmp_path, caplog):
+    """Groups are never cut, so a group over token_budget comes as a mini-batch of its own: said once per iterator
+    (it passed without a word: every batch over the budget), naming the group, its tokens and the budget."""
+    with ServerProcess(tmp_path, "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=2",
+                       "trainer.mini_batch_size=2") as server, PacerClient(server.address) as pacer:
+        _fill_over_grpc(pacer, ["b0", "b1"], [30, 40])
+        with caplog.at_level(logging.WARNING, logger="coda_client.batches"):
+            with pacer.batches(token_budget=50, num_batches=2, lease=60, poll=5) as batches:
+                sizes = [batch.num_tokens for batch in batches]
+    assert sizes == [60, 80], sizes  # each group over the budget, alone in its mini-batch
+    warned = [r.getMessage() for r in caplog.records if "more than token_budget" in r.getMessage()]
+    assert len(warned) == 1 and "group 'b0' holds 60 tokens, more than token_budget=50" in warned[0], warned
