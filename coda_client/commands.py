@@ -3,6 +3,7 @@ extra is not installed, says so in one line (this module imports nothing beyond 
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -11,7 +12,17 @@ SERVER_EXTRA = "pip install 'coda-pacer[server]'"
 
 def server(argv: Optional[Sequence[str]] = None) -> int:
     """`coda-server`: coda_server.cli."""
+    # SIGTERM (or SIGINT) while the server's packages import, most of a second, is a stop before serving, not a
+    # kill (exit 143) or a traceback; coda_server.cli.main() takes the signals over as its first statement.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stopped_while_importing)
     return _run("coda-server", "coda_server.cli", argv)
+
+
+def _stopped_while_importing(signum: int, frame: object) -> None:
+    print(f"coda-server: stopped before serving: {signal.Signals(signum).name} came during start-up (importing the "
+          f"server's packages); the state directory was not opened, nothing was written", file=sys.stderr)
+    raise SystemExit(0)
 
 
 def simulator(argv: Optional[Sequence[str]] = None) -> int:

@@ -123,7 +123,36 @@ def unknown_option_message(parser: argparse.ArgumentParser, unknown: Sequence[st
     return f"unrecognized argument {first!r}{hint}; the options are {', '.join(options)}, then key=value overrides"
 
 
+class StoppedBeforeServing(BaseException):
+    """SIGTERM or SIGINT came during start-up, before serve() gave the signals to the event loop. A BaseException:
+    the `except Exception` of configuration and plugin loading must not take it for their own failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_before_serving(signum: int, frame: object) -> None:
+    raise StoppedBeforeServing(signum)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # First of all: until serve() hands SIGTERM to the event loop, its default action would kill the process
+    # (exit 143) while the configuration and custom strategy modules load, which may take seconds.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_before_serving)
+    phase = ["reading the command line"]  # where start-up is, for the line a stop there logs
+    try:
+        return _start(argv, phase)
+    except StoppedBeforeServing as stop:
+        logging.basicConfig(level=logging.INFO, format=TEXT_FORMAT)  # a no-op once logging is configured
+        log.info("stopped before serving: %s came during start-up (%s); the state directory was not opened, "
+                 "nothing was written", stop, phase[0], extra=fields(event="stopped_before_serving", phase=phase[0]))
+        return 0
+
+
+def _start(argv: Optional[Sequence[str]], phase: list[str]) -> int:
+    """main() once the stop signals are caught: load the configuration, then serve; `phase[0]` says how far it got."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=TEXT_FORMAT)
     # Before anything starts: a --port-file found unwritable once serving left the server's socket file behind.
@@ -132,6 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if problem is not None:
         print(f"coda-server: {problem}", file=sys.stderr)
         return 2
+    phase[0] = "loading the configuration and custom strategy modules"
     try:
         config = load_config(args.config, args.overrides, config_dir=args.config_path, config_name=args.config_name)
     except ConfigError as exc:
@@ -141,6 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"coda-server: configuration could not be loaded: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     configure_logging(str(config.server.log_format), str(config.server.log_level))
+    phase[0] = "starting the event loop"  # serve() takes the signals over as its first step
     try:
         loop = event_loop.loop_factory(str(setting(config, "server.event_loop")))  # before the coroutine exists
         return event_loop.run(serve(config, port_file=args.port_file), loop)

@@ -90,34 +90,66 @@ def admitted_calls(config: Any) -> int:
     return min(sum(limit.limit for limit in call_limits(config.server).values()) + CONTROL_CALL_ROOM, GRPC_INT_MAX)
 
 
+# What a certificate out of its dates does, per file of server.tls: the server's own makes clients refuse the
+# handshake; the client CA's makes the server refuse every client certificate it issued.
+_WHO_REFUSES = {
+    "cert_file": "clients refuse the handshake",
+    "client_ca_file": "the server refuses every client certificate it issued",
+}
+
+
 def check_certificate_dates(config: Any, now: Optional[datetime] = None) -> None:
-    """An expired server certificate (the first of server.tls.cert_file) is a ConfigError naming the file and its
-    notAfter: every client's handshake would fail with 'certificate has expired', and the server would say nothing.
-    A certificate not valid yet (a clock behind the issuer's: it becomes valid by itself) and an expired one further
-    down the chain (clients may build another path, as with a cross-signed root) are warned about."""
+    """The dates of server.tls.cert_file's and server.tls.client_ca_file's certificates, against `now`.
+
+    The server's certificate (the first of cert_file) expired, or a client CA file whose certificates have all
+    expired or that holds none, is a ConfigError naming the file and the dates: every handshake would fail with
+    'certificate has expired' (or 'unknown ca'), and the server would say nothing. A certificate not valid yet (a
+    clock behind the issuer's: it becomes valid by itself), an expired one further down the server's chain
+    (clients may build another path, as with a cross-signed root) and one expired CA of several are warned about."""
     tls = config.server.get("tls") or {}
-    cert_file = str(tls.get("cert_file") or "")
-    if not cert_file:
+    if not str(tls.get("cert_file") or ""):  # without it the listener is plaintext: client_ca_file is not used
         return
     now = now or datetime.now(timezone.utc)
-    with open(cert_file, encoding="ascii", errors="replace") as handle:  # read already by check_tls_files
+    for key in _WHO_REFUSES:
+        path = str(tls.get(key) or "")
+        if path:
+            _check_file_dates(key, path, now)
+
+
+def _check_file_dates(key: str, path: str, now: datetime) -> None:
+    """check_certificate_dates for one file of server.tls (`key`: cert_file or client_ca_file)."""
+    with open(path, encoding="ascii", errors="replace") as handle:  # read already by check_tls_files
         blocks = re.findall(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", handle.read(), re.S)
+    if not blocks and key == "client_ca_file":  # cert_file without one failed check_tls_files already
+        raise ConfigError(f"server.tls.{key} = {path!r}: holds no certificate (no -----BEGIN CERTIFICATE----- "
+                          f"line), so {_WHO_REFUSES[key]}: give the PEM certificate(s) of the CA that issues the "
+                          f"clients' certificates")
+    dated = []
     for index, block in enumerate(blocks, 1):
         try:
-            not_before, not_after = certificate_validity(ssl.PEM_cert_to_DER_cert(block))
+            dated.append((index, *certificate_validity(ssl.PEM_cert_to_DER_cert(block))))
         except (ValueError, IndexError):  # not the DER expected: gRPC's own check of the chain is the judge then
             continue
-        which = "its certificate" if index == 1 else f"certificate {index} of its chain"
+    # The server presents its first certificate; a client CA file trusts each of its certificates alike.
+    fatal = ({1} if key == "cert_file" else
+             {index for index, _, _ in dated} if all(not_after < now for _, _, not_after in dated) else set())
+    for index, not_before, not_after in dated:
+        which = ("its certificate" if len(blocks) == 1 or (index == 1 and key == "cert_file") else
+                 f"certificate {index} of its chain" if key == "cert_file" else f"certificate {index} of {len(blocks)}")
         if not_after < now:
-            problem = (f"server.tls.cert_file = {cert_file!r}: {which} expired on {_utc(not_after)} (notAfter), so "
-                       f"clients refuse the handshake ('certificate has expired')")
-            if index == 1:
-                raise ConfigError(f"{problem}: renew it")
-            log.warning("%s unless they find another path to a root they trust", problem)
+            problem = (f"server.tls.{key} = {path!r}: {which} expired on {_utc(not_after)} (notAfter), so "
+                       f"{_WHO_REFUSES[key]} ('certificate has expired')")
+            dates = f"it was valid from {_utc(not_before)}"
+            if index in fatal:
+                raise ConfigError(f"{problem}; {dates}: renew it")
+            if key == "cert_file":
+                log.warning("%s unless they find another path to a root they trust; %s", problem, dates)
+            else:
+                log.warning("%s; %s; the file's other certificates are valid", problem, dates)
         elif not_before > now:
-            log.warning("server.tls.cert_file = %r: %s is not valid before %s (notBefore; now %s): clients refuse the "
-                        "handshake until then (is this machine's clock, or the issuer's, wrong?)",
-                        cert_file, which, _utc(not_before), _utc(now))
+            log.warning("server.tls.%s = %r: %s is not valid before %s (notBefore; now %s): %s until then (is this "
+                        "machine's clock, or the issuer's, wrong?)", key, path, which, _utc(not_before), _utc(now),
+                        _WHO_REFUSES[key])
 
 
 def certificate_validity(der: bytes) -> tuple[datetime, datetime]:

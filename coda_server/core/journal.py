@@ -172,8 +172,10 @@ class Journal(Protocol):
 
     directory: Path  # where the state lives, for messages
 
-    def load(self) -> tuple[Optional[dict], list[JournalEvent]]:
-        """The latest snapshot (None if there is none) and the events appended after it, in order."""
+    def load(self, on_read: Optional[Callable[[int], None]] = None) -> tuple[Optional[dict], list[JournalEvent]]:
+        """The latest snapshot (None if there is none) and the events appended after it, in order; `on_read(n)` once
+        n events are read. A backend may also offer `event_count()` (how many events follow the snapshot, or None)
+        and `interrupt()`: recovery's first line and its stop use them when there."""
 
     def append(self, event: JournalEvent) -> int:
         """Queue `event` for writing after everything queued before it; returns its ticket. Must not block on I/O."""

@@ -7,7 +7,9 @@ over its owners, passed explicitly.
 """
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .answers import AnswerBook
@@ -49,6 +51,14 @@ from .steps import StepBoundary
 if TYPE_CHECKING:
     from .workers import Workers
 
+log = logging.getLogger("coda_server.recovery")
+
+# A recovery that takes longer logs how far it got this often: a big journal takes seconds to read and replay, and
+# an operator watching the log would otherwise see nothing between start-up's first line and its last.
+PROGRESS_SECONDS = 5.0
+# A journal this long or longer gets a first line as its recovery begins; a shorter one is rebuilt in well under a
+# second, its "recovered" line follows at once, and a start refused for it stays one line (the error).
+FIRST_LINE_EVENTS = 1000
 SNAPSHOT_FORMAT = 2  # 2: DispatchResult keeps admitted prompt ids and the first seq
 # What to do about a journal that cannot be read back; recovery only reads, so the directory is as it was.
 UNREADABLE_ADVICE = ("the state directory was not modified: start the coda-server version that wrote it, or, if the "
@@ -58,6 +68,47 @@ UNREADABLE_ADVICE = ("the state directory was not modified: start the coda-serve
 
 class RecoveryInterrupted(Exception):
     """A stop was asked for (`Recovery.interrupt`) before the state was rebuilt; nothing was written."""
+
+
+class RecoveryProgress:
+    """Recovery's log lines while it runs: one when it begins (a long journal), then one every `every` seconds of
+    `clock` (a monotonic clock; the pacer's own is pinned to each event's time during replay) saying how many events
+    were read, then replayed, and how fast."""
+
+    def __init__(self, directory: Any, clock: Callable[[], float], every: float):
+        self._directory, self._clock, self._every = directory, clock, every
+        self._phase, self._total, self._began, self._next = "", None, 0.0, 0.0
+
+    def begin(self, total: Optional[int]) -> None:
+        """The first line, for a long journal (or one that cannot count its events): what is read (the snapshot, and
+        the events since it)."""
+        self.phase("read", total)
+        self._next = self._began + self._every
+        if total is not None and total < FIRST_LINE_EVENTS:
+            return
+        events = "the events recorded after it" if total is None else f"the {total} events recorded after it"
+        log.info("recovering the state in %s: reading its snapshot and %s, then replaying them (a progress line "
+                 "every %gs)", self._directory, events, self._every,
+                 extra={"fields": {"event": "recovering", "state_dir": str(self._directory), "events": total}})
+
+    def phase(self, verb: str, total: Optional[int]) -> None:
+        """Events are now `verb` ("read", then "replayed"), `total` of them (None: not known); the lines keep their
+        pace across phases, the rate starts again."""
+        self._phase, self._total = verb, total
+        self._began = self._clock()
+
+    def tick(self, done: int) -> None:
+        """`done` events of the phase are through: a line if the last one is `every` seconds old."""
+        now = self._clock()
+        if now < self._next:
+            return
+        self._next = now + self._every
+        rate = done / (now - self._began) if now > self._began else 0.0
+        of = f" of {self._total}" if self._total is not None else ""
+        log.info("recovering the state in %s: %d%s events %s (%.0f events/s)", self._directory, done, of,
+                 self._phase, rate, extra={"fields": {"event": "recovery_progress", "state_dir": str(self._directory),
+                                                      "phase": self._phase, "done": done, "events": self._total,
+                                                      "events_per_second": round(rate, 1)}})
 
 
 class StrategyRestoreError(Exception):
@@ -152,6 +203,9 @@ class Recovery:
         self._interrupted = threading.Event()
         # (events replayed, events to replay) once the journal is read; None before. Read by another thread.
         self.progress: Optional[tuple[int, int]] = None
+        # The clock and interval of the progress lines (a test sets a fake clock).
+        self.progress_clock: Callable[[], float] = time.monotonic
+        self.progress_seconds = PROGRESS_SECONDS
 
     def interrupt(self) -> None:
         """From any thread: a recovery in progress (or still to begin) stops before its next event, raising
@@ -174,8 +228,11 @@ class Recovery:
         if journal is None:
             return 0
         self._check_interrupted()
+        lines = RecoveryProgress(journal.directory, self.progress_clock, self.progress_seconds)
+        count = getattr(journal, "event_count", None)
+        lines.begin(count() if count is not None else None)
         try:
-            snapshot, recorded_events = journal.load()
+            snapshot, recorded_events = journal.load(on_read=lines.tick)
         except Exception as exc:
             self._check_interrupted()  # the journal stopped reading because it was told to
             # A record the restricted unpickler refuses, a truncated one, a damaged file: one line, not a traceback.
@@ -195,9 +252,11 @@ class Recovery:
                     raise RecoveryError(f"cannot recover the state in {journal.directory}: {exc}") from None
                 except (KeyError, ValueError) as exc:
                     raise RecoveryError(f"cannot read the state snapshot in {journal.directory}: {exc}") from None
+            lines.phase("replayed", len(recorded_events))
             for number, recorded_event in enumerate(recorded_events, 1):
                 self._check_interrupted()  # before the event: a stop leaves nothing half-replayed to write
                 self.progress = (number - 1, len(recorded_events))
+                lines.tick(number - 1)
                 try:
                     event = as_event(recorded_event)
                     with self._clock.pinned(event.at):  # the replayed call sees the time it first ran at

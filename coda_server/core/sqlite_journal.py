@@ -145,9 +145,10 @@ class SqliteJournal:
 
     # ------------------------------------------------------------------ reading
 
-    def load(self) -> tuple[Optional[dict], list[JournalEvent]]:
-        """(snapshot or None, events after it, in order). JournalReadError names a record that cannot be read back;
-        LoadInterrupted after `interrupt()`. Reading changes nothing in the directory."""
+    def load(self, on_read: Optional[Callable[[int], None]] = None) -> tuple[Optional[dict], list[JournalEvent]]:
+        """(snapshot or None, events after it, in order); `on_read(n)` after each event read (recovery's progress
+        lines). JournalReadError names a record that cannot be read back; LoadInterrupted after `interrupt()`.
+        Reading changes nothing in the directory."""
         try:
             row = self._db.execute("SELECT body FROM snapshot WHERE id = 1").fetchone()
             snapshot = self._decode(row[0], 0) if row else None
@@ -156,6 +157,8 @@ class SqliteJournal:
                 if self._interrupted.is_set():
                     raise LoadInterrupted(f"stopped after reading {number - 1} events")
                 events.append(self._decode(body, number))
+                if on_read is not None:
+                    on_read(number)
         except sqlite3.Error as exc:  # a damaged file: SQLite says so only when it reads the damaged page
             raise JournalReadError(f"the journal {self.directory / 'pacer.sqlite3'} could not be read "
                                    f"({getattr(exc, 'sqlite_errorname', type(exc).__name__)}: {exc})") from None
@@ -172,11 +175,17 @@ class SqliteJournal:
                                    f"({type(exc).__name__}: {problem})") from None
 
     def _event_count(self) -> str:
-        """How many events follow the snapshot (counted only for a message: it reads the whole table)."""
+        """How many events follow the snapshot, for a message ("?" if unknown)."""
+        count = self.event_count()
+        return "?" if count is None else str(count)
+
+    def event_count(self) -> Optional[int]:
+        """How many events follow the snapshot, None if the table cannot be read (counted for messages and recovery's
+        first line only: it reads the whole table, though not the records' bodies)."""
         try:
-            return str(self._db.execute("SELECT count(*) FROM events").fetchone()[0])
+            return int(self._db.execute("SELECT count(*) FROM events").fetchone()[0])
         except sqlite3.Error:
-            return "?"
+            return None
 
     def interrupt(self) -> None:
         """From any thread: a `load()` in progress (or to come) stops at its next record with LoadInterrupted."""
