@@ -447,8 +447,17 @@ def render_workers(holdings: Sequence[WorkerHoldings], unnamed_leased: int = 0) 
         loaded = (f", engine at weight version {worker.loaded_weight_version}"
                   if worker.loaded_weight_version is not None else "")
         leased = f", {worker.leased} groups leased ({', '.join(worker.lease_ids)})" if worker.lease_ids else ""
+        # For a worker holding groups, how recently the server heard it and whether it hears PAUSE: a killed one
+        # still lists its groups (with their leases) until its liveness grace or their leases release them. (An
+        # idle worker waits quietly on its stream: its silence says nothing.)
+        named_holder = bool(worker.client_id) and worker.running > 0
+        heard = ("" if not named_holder else ", never heard" if worker.last_heard_seconds is None
+                 else f", last heard {worker.last_heard_seconds:.0f} s ago")
+        streams = worker.watch_streams
+        watch = ("" if not named_holder else ", no watch stream" if not streams
+                 else f", {streams} watch stream{'' if streams == 1 else 's'} open")
         lines.append(f"{worker.client_id or '(no client id)'}: {worker.running} running, oldest held "
-                     f"{worker.oldest_held_seconds:.1f}s{loaded}{leased}"
+                     f"{worker.oldest_held_seconds:.1f}s{heard}{watch}{loaded}{leased}"
                      + (" to this trainer, not yet acknowledged" if worker.lease_ids and not worker.running else ""))
         for g in worker.groups:
             lease = f", lease {g.lease_remaining_seconds:.0f}s left" if g.lease_remaining_seconds is not None else ""

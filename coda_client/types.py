@@ -656,7 +656,9 @@ class PacerState:
     waiting_calls: int
     #: The last server.step_reports_kept step reports, oldest first.
     recent_reports: list[StepReport]
-    #: Running groups reclaimed because their in-flight lease ran out. Metric: coda_pacer_expired_groups_total.
+    #: Running groups reclaimed before they were assembled: their in-flight lease ran out
+    #: (server.inflight_lease_seconds), or their worker went silent for server.worker_liveness_seconds (killed, hung,
+    #: cut off). Metric: coda_pacer_expired_groups_total.
     expired: int
     #: Leased groups returned to the buffer unacknowledged (the lease ran out or was given back, or its trainer went
     #: silent or stopped naming it). Metric: coda_pacer_redelivered_groups_total.
@@ -831,10 +833,15 @@ class WorkerHoldings:
     # Groups leased to it as a trainer (leases its silence ends: batches()'), and those leases, oldest first.
     leased: int = 0
     lease_ids: list[str] = field(default_factory=list)
+    # Seconds since the server last heard a call or stream under this client id; None: it heard none.
+    last_heard_seconds: float | None = None
+    # WatchControl streams open under it now; 0: it hears no PAUSE or RESUME.
+    watch_streams: int = 0
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.WorkerHoldings) -> WorkerHoldings:
         """From the wire message."""
         return _from_fields(cls, msg, groups=[HeldGroup.from_pb(g) for g in msg.groups],
                             loaded_weight_version=_optional(msg, "loaded_weight_version"),
-                            lease_ids=list(msg.lease_ids))
+                            lease_ids=list(msg.lease_ids),
+                            last_heard_seconds=_optional(msg, "last_heard_seconds"))

@@ -364,18 +364,26 @@ def prompt_cursor(cursor: dict) -> pb.PromptCursor:
 
 def list_workers_response(held: list[HeldGroup], max_groups_per_worker: int = 0,
                           loaded_versions: Optional[dict[str, int]] = None,
-                          leases: Optional[dict[str, tuple[list[str], int]]] = None) -> pb.ListWorkersResponse:
+                          leases: Optional[dict[str, tuple[list[str], int]]] = None,
+                          contact: Optional[Callable[[list[str]], dict[str, tuple[Optional[float], int]]]] = None
+                          ) -> pb.ListWorkersResponse:
     """The held groups (oldest first) grouped by client id, ordered by client id, with the weight version each
     worker's engine reported loaded and the leases each trainer holds (`leases`: client id -> lease ids, groups); a
-    client that reported a version or holds a lease is listed even when it runs no group."""
+    client that reported a version or holds a lease is listed even when it runs no group. `contact(client ids)`:
+    seconds since each was last heard (None: not heard) and its open watch streams."""
     loaded_versions, leases = loaded_versions or {}, leases or {}
     by_client: dict[str, list[HeldGroup]] = {client: [] for client in (*loaded_versions, *leases)}
     for group in held:
         by_client.setdefault(group.client_id, []).append(group)
     response = pb.ListWorkersResponse()
+    heard = contact(list(by_client)) if contact is not None else {}
     for client, groups in sorted(by_client.items()):
         worker = response.workers.add(client_id=client, running=len(groups),
                                       oldest_held_seconds=max((g.held_seconds for g in groups), default=0.0))
+        last_heard, streams = heard.get(client, (None, 0))
+        if last_heard is not None:
+            worker.last_heard_seconds = last_heard
+        worker.watch_streams = streams
         if client in loaded_versions:
             worker.loaded_weight_version = loaded_versions[client]
         if client in leases:

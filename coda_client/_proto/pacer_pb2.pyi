@@ -667,7 +667,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerHoldings, _Mapping]]] = ...) -> None: ...
 
 class WorkerHoldings(_message.Message):
-    __slots__ = ("client_id", "running", "oldest_held_seconds", "groups", "loaded_weight_version", "leased", "lease_ids")
+    __slots__ = ("client_id", "running", "oldest_held_seconds", "groups", "loaded_weight_version", "leased", "lease_ids", "last_heard_seconds", "watch_streams")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     OLDEST_HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -675,6 +675,8 @@ class WorkerHoldings(_message.Message):
     LOADED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WATCH_STREAMS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     running: int
     oldest_held_seconds: float
@@ -682,7 +684,9 @@ class WorkerHoldings(_message.Message):
     loaded_weight_version: int
     leased: int
     lease_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, client_id: _Optional[str] = ..., running: _Optional[int] = ..., oldest_held_seconds: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[HeldGroup, _Mapping]]] = ..., loaded_weight_version: _Optional[int] = ..., leased: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    last_heard_seconds: float
+    watch_streams: int
+    def __init__(self, client_id: _Optional[str] = ..., running: _Optional[int] = ..., oldest_held_seconds: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[HeldGroup, _Mapping]]] = ..., loaded_weight_version: _Optional[int] = ..., leased: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ..., last_heard_seconds: _Optional[float] = ..., watch_streams: _Optional[int] = ...) -> None: ...
 
 class HeldGroup(_message.Message):
     __slots__ = ("prompt_id", "seq", "ds_index", "held_seconds", "trajectories", "group_size", "lease_remaining_seconds")

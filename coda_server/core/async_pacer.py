@@ -311,7 +311,8 @@ class AsyncPacer:
             # Logged here, once per Reset: a retry answered the remembered result runs none of this.
             log_reset_finished(result, effective)
             if result.dropped_prompt_ids and wait != 0:  # it waited, and its bound ended the wait: work was lost
-                warn_dropped(result, effective, wait, bound, self.pacer.limits.abort_wait_seconds)
+                warn_dropped(result, effective, wait, bound, self.pacer.limits.abort_wait_seconds,
+                             self.pacer.boundary.dropped_holders(result))
             return result
 
         # The reset runs to its end even if the caller goes away: a half-done reset would leave dispatch

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+# How long a client id's last call is remembered for ListWorkers: a day covers any stall an operator looks at, and
+# bounds the memory of ids that never come back.
+SEEN_KEPT_SECONDS = 86400.0
+
 
 class Liveness:
     """When each watched client was last heard from; `silent(now)` takes those quiet for a grace."""
@@ -29,6 +33,9 @@ class Liveness:
         # client id -> (the weight version its engine reports loaded, when it said so) for ListWorkers; not
         # journaled: every worker says it again on its next Dispatch or KeepAlive
         self._loaded: dict[str, tuple[int, float]] = {}
+        # client id -> when any call or stream last came under it, watched or not, for ListWorkers (an operator
+        # tells a dead worker from a slow one by it); forgotten after SEEN_KEPT_SECONDS
+        self._seen: dict[str, float] = {}
 
     @property
     def shortest_grace(self) -> float:
@@ -36,10 +43,13 @@ class Liveness:
         return min((g for g in (self.grace, self.trainer_grace) if g), default=0.0)
 
     def stream_opened(self, client_id: str, now: float) -> None:
-        if not client_id or not self._on:
+        if not client_id:
             return
+        # Counted with liveness off too: ListWorkers and a Reset's warning say who holds a stream.
         self._streams[client_id] = self._streams.get(client_id, 0) + 1
-        self._last_heard[client_id] = now
+        self._seen[client_id] = now
+        if self._on:
+            self._last_heard[client_id] = now
 
     def stream_closed(self, client_id: str) -> None:
         # The grace still runs from the last call: a closed stream is a worker that died or one reconnecting.
@@ -51,8 +61,23 @@ class Liveness:
 
     def heard(self, client_id: str, now: float) -> None:
         """A call from `client_id`: alive (a client released as silent is watched again while it holds a stream)."""
-        if client_id and (client_id in self._last_heard or client_id in self._streams):
+        if not client_id:
+            return
+        self._seen[client_id] = now
+        if self._on and (client_id in self._last_heard or client_id in self._streams):
             self._last_heard[client_id] = now
+
+    def streams(self, client_id: str) -> int:
+        """The WatchControl streams open under `client_id` now (one that never opens any never hears a PAUSE)."""
+        return self._streams.get(client_id, 0)
+
+    def contact(self, client_ids: Iterable[str], now: float) -> dict[str, tuple[Optional[float], int]]:
+        """For each of these client ids: (seconds since a call or stream last came under it, None: never, or not
+        for SEEN_KEPT_SECONDS), the WatchControl streams it holds open now."""
+        for client_id in [c for c, seen in list(self._seen.items()) if now - seen > SEEN_KEPT_SECONDS]:
+            del self._seen[client_id]
+        return {client_id: (max(0.0, now - self._seen[client_id]) if client_id in self._seen else None,
+                            self._streams.get(client_id, 0)) for client_id in client_ids}
 
     def watched(self, client_id: str) -> bool:
         return bool(client_id) and client_id in self._last_heard

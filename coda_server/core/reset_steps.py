@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from .answers import AnswerBook
 from .buffer import PipelineBuffer
@@ -27,6 +27,7 @@ from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, Traje
 
 
 log = logging.getLogger("coda_server")  # the lifecycle lines (docs/operations.md, "Logs")
+
 
 def reset_wait(mode: ResetMode, wait: Optional[float], until_assembled: float, abort_wait: float = 0.0) -> float:
     """The seconds a Reset waits: `wait` when given; absent, until every running group is assembled, for at most
@@ -48,7 +49,7 @@ class BoundaryCalls:
                  leases: Leases, buffer: PipelineBuffer, totals: dict, hooks: Any, signals: Signals,
                  failures: HookFailures, recorder: Recorder, answers: AnswerBook, clock: PacerClock, *,
                  default_mode: ResetMode, continue_restored: bool, on_resume: Optional[Callable[[int], None]],
-                 snapshot: Callable[[], dict]):
+                 snapshot: Callable[[], dict], streams: Callable[[str], int] = lambda client_id: 0):
         self._lock, self._lifecycle, self._checks, self._steps = lock, lifecycle, checks, steps
         self._inflight, self._collector, self._restored, self._held_bytes = inflight, collector, restored, held_bytes
         self._leases, self._buffer, self._totals, self._hooks = leases, buffer, totals, hooks
@@ -58,6 +59,15 @@ class BoundaryCalls:
         self.continue_restored = continue_restored  # the server keeps restored groups and re-offers them
         self._on_resume = on_resume  # the strategy's optional hook, None when it does not define one
         self._snapshot = snapshot  # the pacer's export_state
+        self._streams = streams  # client id -> its open WatchControl streams (Liveness.streams)
+        # Who held the groups the last finished Reset dropped: (its result, {holder: (groups, open watch streams)}),
+        # for its warning (the answer does not carry it; one Reset runs at a time).
+        self._dropped_holders: tuple[Optional[ResetResult], dict[str, tuple[int, int]]] = (None, {})
+
+    def dropped_holders(self, result: ResetResult) -> dict[str, tuple[int, int]]:
+        """Who held the groups the Reset answered `result` dropped: {client id: (groups, open watch streams)}."""
+        said_for, holders = self._dropped_holders
+        return holders if said_for is result else {}
 
     def begin(self, mode: ResetMode = ResetMode.UNSPECIFIED, *, resume: bool = False,
               weight_version: Optional[int] = None) -> ResetMode:
@@ -136,6 +146,11 @@ class BoundaryCalls:
             self._signals.notify()
             result = ResetResult(restored, dropped, pause_delay, steps.generation, steps.step, steps.weight_version,
                                  steps.paused, report, expired, quarantined, kept)
+            holders: dict[str, tuple[int, int]] = {}
+            for running_group in dropped_groups:
+                count, _ = holders.get(running_group.client_id, (0, 0))
+                holders[running_group.client_id] = (count + 1, self._streams(running_group.client_id))
+            self._dropped_holders = (result, holders)
             self._recorder.record(ResetFinished(now, ready_at_recorded, resume, weight_version, request_id))
             if self._recorder.recording:
                 # The step boundary is the natural checkpoint: nothing is in flight, so the snapshot is small. It
@@ -200,30 +215,52 @@ class BoundaryCalls:
 
 
 def log_reset_finished(result: ResetResult, mode: ResetMode) -> None:
-    """One line saying what a Reset did with the groups it found, in figures (never a line per group)."""
+    """One line saying what a Reset did with the groups it found, in figures (never a line per group). The groups
+    kept for continuation include those released this step (their worker went silent, or their in-flight lease ran
+    out), which the expired total counts when released: said apart, so that the line agrees with it."""
     paused = ("dispatch stays paused until a Resume" if result.paused
               else f"dispatch resumed at weight version {result.weight_version}")
+    kept = len(result.kept_prompt_ids)
+    # kept_prompt_ids: those released this step that still wait, then those this Reset restored (counted by the
+    # step report).
+    released_kept = max(0, kept - result.report.partial_restored_group_count) if kept else 0
+    released = (f" ({released_kept} of them expired this step: worker silent or in-flight lease run out)"
+                if released_kept else "")
     log.info("Reset finished (mode %s) at step %d, generation %d: %d complete group(s) restored, %d kept for "
-             "continuation, %d incomplete dropped, %d expired, %d quarantined; pause delay %.3fs; %s",
-             mode.name.lower(), result.step, result.generation, len(result.restored), len(result.kept_prompt_ids),
+             "continuation%s, %d incomplete dropped, %d expired and handed back, %d quarantined; pause delay %.3fs; %s",
+             mode.name.lower(), result.step, result.generation, len(result.restored), kept, released,
              len(result.dropped_prompt_ids), len(result.expired), len(result.quarantined), result.pause_delay_seconds,
              paused,
              extra={"fields": {"event": "reset_finished", "mode": mode.name.lower(), "step": result.step,
                                "weight_version": result.weight_version, "generation": result.generation,
-                               "restored": len(result.restored), "kept": len(result.kept_prompt_ids),
+                               "restored": len(result.restored), "kept": kept, "kept_expired": released_kept,
                                "dropped": len(result.dropped_prompt_ids), "expired": len(result.expired),
                                "quarantined": len(result.quarantined),
                                "pause_delay_seconds": round(result.pause_delay_seconds, 6), "paused": result.paused}})
 
 
-def warn_dropped(result: ResetResult, mode: ResetMode, wait: Optional[float], bound: float, abort_wait: float) -> None:
+def warn_dropped(result: ResetResult, mode: ResetMode, wait: Optional[float], bound: float, abort_wait: float,
+                 holders: Mapping[str, tuple[int, int]]) -> None:
     """A Reset that waited for running groups and dropped some when its wait ended: said where the operator sees it
     (LoongSage's waiting pause never drops), with the setting that bounds the wait (`reset_wait`'s)."""
     ids = result.dropped_prompt_ids
     why = (f"its wait_seconds ({wait:g} s)" if wait is not None else
            f"server.abort_wait_seconds ({abort_wait:g} s)" if mode == ResetMode.ABORT and abort_wait <= bound
            else f"server.max_wait_seconds or the call's deadline ({bound:g} s)")
+    # A caller without a client id cannot be matched to a stream: whether it watches is not known.
+    deaf = sorted(client for client, (_, streams) in holders.items() if client and not streams)
+    held = ", ".join(f"{client or '(no client id)'} ({count}, "
+                     + ("watch stream unknown" if not client else "watch stream open" if streams
+                        else "no WatchControl stream open") + ")"
+                     for client, (count, streams) in sorted(holders.items()))
+    if deaf:
+        advice = (f"{', '.join(deaf)} never heard the PAUSE (no control stream), so "
+                  "waiting longer would not help: such a client must submit or stop on its own (a worker should "
+                  "watch WatchControl, as RolloutWorker does; `coda-client workers` shows what each holds)")
+    else:
+        advice = "raise it to wait longer"
     log.warning("Reset (mode %s) waited %.1f s for running groups and dropped %d incomplete group(s) (%s%s), "
-                "%d trajectories of them submitted: the wait ended at %s; raise it to wait longer",
+                "%d trajectories of them submitted: the wait ended at %s; %s%s",
                 mode.name.lower(), result.pause_delay_seconds, len(ids), ", ".join(ids[:5]),
-                ", ..." if len(ids) > 5 else "", result.report.partial_dropped_incomplete_count, why)
+                ", ..." if len(ids) > 5 else "", result.report.partial_dropped_incomplete_count, why,
+                f"held by {held}; " if held else "", advice)

@@ -80,7 +80,9 @@ class PacerState:
     recent_reports: list[StepReport] = described("The last server.step_reports_kept step reports, oldest first.",
                                                    default_factory=list)
     expired: int = counter("coda_pacer_expired_groups",
-                           "Running groups reclaimed because their in-flight lease ran out.")
+                           "Running groups reclaimed before they were assembled: their in-flight lease ran out "
+                           "(server.inflight_lease_seconds), or their worker went silent for "
+                           "server.worker_liveness_seconds (killed, hung, cut off).")
     redelivered: int = counter("coda_pacer_redelivered_groups",
                                "Leased groups returned to the buffer unacknowledged (the lease ran out or was "
                                "given back, or its trainer went silent or stopped naming it).")

@@ -26,3 +26,5 @@ class PacerViews:
     liveness_seconds = property(lambda self: self.liveness.grace, doc="server.worker_liveness_seconds.")
     trainer_liveness_seconds = property(lambda self: self.liveness.trainer_grace,
                                         doc="server.trainer_liveness_seconds (the workers' when null).")
+    worker_contact = property(lambda self: self.workers.contact,
+                              doc="contact(client_ids): seconds since each was last heard, its open watch streams.")

@@ -114,6 +114,11 @@ class Workers:
         with self._lock:
             return self._liveness.loaded(self._clock.now(), self._leases.inflight_seconds)
 
+    def contact(self, client_ids: Sequence[str]) -> dict[str, tuple[Optional[float], int]]:
+        """For each client id: seconds since it was last heard (None: not heard), its open WatchControl streams."""
+        with self._lock:
+            return self._liveness.contact(client_ids, self._clock.now())
+
     def held_groups(self, client_id: Optional[str] = None) -> list[HeldGroup]:
         """The running groups (all, or those `client_id` dispatched), oldest first: which worker holds what."""
         with self._lock:
