@@ -273,7 +273,7 @@ def run_command(client: PacerClient, args: argparse.Namespace) -> tuple[Any, str
     if args.command == "restore":
         restored = client.restore(args.path)
         return restored, (f"restored step {restored.step} (weight version {restored.weight_version}): "
-                          f"{restored.reinstated_groups} groups back in the buffer, {restored.kept_groups} kept, "
+                          f"{restored.reinstated_groups} group(s) back in the buffer, {restored.kept_groups} kept, "
                           f"{restored.discarded_groups} discarded ({restored.dropped_running} running), "
                           f"{restored.reoffered_prompts} prompts offered again\n")
     if args.command == "end-job":
