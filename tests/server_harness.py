@@ -130,6 +130,20 @@ class ServerProcess:
         self.close()
 
 
+def refused_start(tmp_path: Path, *overrides: str) -> str:
+    """Starts a server expected to stop at start-up; its output. A server that serves fails the test at once."""
+    server = ServerProcess(tmp_path, *overrides)
+    try:
+        try:
+            server.start()
+        except RuntimeError as refused:
+            assert "server exited with" in str(refused), refused
+            return str(refused)
+        raise AssertionError(f"the server started and served with {overrides}")
+    finally:
+        server.close()
+
+
 @dataclass
 class Refusal:
     """What a failed call said: its code and message, and the google.rpc.Status details the server sent (`rich`)."""

@@ -3,22 +3,20 @@ the PAUSE, when each worker was last heard (ListWorkers, `coda-client workers`),
 expired total, the expired counter's HELP text, and the shipped Prometheus alert rules naming real metrics."""
 from __future__ import annotations
 
-import io
 import re
 import shutil
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from coda_client import ControlStream, PacerClient, PacerClientError, Trajectory, TrajectoryStatus
-from coda_client import cli as client_cli
+from coda_client import PacerClient, Trajectory, TrajectoryStatus
 from conftest import core_overrides
 from server_harness import REPO_ROOT, ServerProcess, until
+from test_reset_wait_report import run_cli, watching
 
 ALERTS = REPO_ROOT / "deploy" / "prometheus" / "alerts.yaml"
 
@@ -30,26 +28,6 @@ def overrides(*extra: str, continue_restored: bool = True) -> list[str]:
 def trajectory(prompt_id: str, index: int) -> Trajectory:
     return Trajectory(trajectory_id=f"{prompt_id}#{index}", prompt_id=prompt_id, status=TrajectoryStatus.COMPLETED,
                       token_ids=[1, 2])
-
-
-def watching(stream: ControlStream) -> threading.Event:
-    """Reads `stream` in a thread; the event is set at its first event (from then on the server counts it)."""
-    opened = threading.Event()
-
-    def read() -> None:
-        try:
-            for _ in stream:
-                opened.set()
-        except PacerClientError:
-            pass
-
-    threading.Thread(target=read, daemon=True).start()
-    return opened
-
-
-def run_cli(address: str, *argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    return client_cli.main(["--address", address, *argv], out=out), out.getvalue()
 
 
 def test_a_reset_that_drops_groups_names_their_holders_and_says_waiting_does_not_help_one_that_never_watches(

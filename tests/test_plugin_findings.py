@@ -13,22 +13,11 @@ import grpc
 import pytest
 
 from coda_client._proto import pacer_pb2 as pb
-from server_harness import ServerProcess, until
+from server_harness import ServerProcess, refused_start, until
 
 SMALL = ("data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=1",
          "trainer.mini_batch_size=1", "fully_async.stale_steps=0", "server.state_dir=")
 STALL = "while dispatch admits nothing"
-
-
-def refused_start(tmp_path: Path, *overrides: str) -> str:
-    """Starts a server expected to stop at start-up; its output. A server that serves fails the test at once."""
-    server = ServerProcess(tmp_path, *SMALL, *overrides)
-    try:
-        with pytest.raises(RuntimeError, match="server exited with") as caught:
-            server.start()
-    finally:
-        server.close()
-    return str(caught.value)
 
 
 def write_modules(directory: Path, **modules: str) -> Path:
@@ -62,7 +51,8 @@ def test_a_filter_name_two_modules_register_stops_start_up_naming_both_files(tmp
     """Was: the server started with the first module's filter; only the load warning said the second was skipped."""
     plugins = write_modules(tmp_path / "plugins", a_keep=FILTER.format(function="keep_all", keep="True"),
                             b_keep=FILTER.format(function="keep_none", keep="False"))
-    output = refused_start(tmp_path, f"server.custom_strategy_dirs=[{plugins}]", "rollout.filter=[status,long-enough]")
+    output = refused_start(tmp_path, *SMALL, f"server.custom_strategy_dirs=[{plugins}]",
+                           "rollout.filter=[status,long-enough]")
     assert "server exited with 2" in output
     (line,) = [line for line in output.splitlines() if "two modules register" in line]
     for text in ("rollout.filter = 'long-enough': two modules register the group filter name 'long-enough'",
@@ -77,7 +67,7 @@ def test_a_filter_name_two_modules_register_stops_start_up_naming_both_files(tmp
 def test_a_buffer_replay_strategy_name_two_modules_register_stops_start_up_naming_both_files(tmp_path):
     plugins = write_modules(tmp_path / "plugins", a_replay=REPLAY.format(cls="NewestFirst"),
                             b_replay=REPLAY.format(cls="NewestFirst2"))
-    output = refused_start(tmp_path, f"server.custom_strategy_dirs=[{plugins}]",
+    output = refused_start(tmp_path, *SMALL, f"server.custom_strategy_dirs=[{plugins}]",
                            "data_source.dataset.buffer_replay_strategy=newest-first")
     assert "server exited with 2" in output
     (line,) = [line for line in output.splitlines() if "two modules register" in line]

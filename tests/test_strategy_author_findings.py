@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from coda_client._proto import pacer_pb2 as pb
-from server_harness import ServerProcess, until
+from server_harness import ServerProcess, refused_start, until
 
 SMALL = ("data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
          "trainer.mini_batch_size=2", "fully_async.stale_steps=0")
@@ -115,17 +115,6 @@ def state(stub) -> pb.GetStateResponse:
     return stub.GetState(pb.GetStateRequest(), timeout=20)
 
 
-def refused_start(tmp_path: Path, *overrides: str) -> str:
-    """Starts a server expected to stop at start-up; its output. A server that serves fails the test at once."""
-    server = ServerProcess(tmp_path, *SMALL, *overrides)
-    try:
-        with pytest.raises(RuntimeError, match="server exited with") as caught:
-            server.start()
-    finally:
-        server.close()
-    return str(caught.value)
-
-
 # ------------------------------------------------------------------ 1. the window's number
 
 def test_a_window_too_large_for_the_wire_is_clamped_and_dispatch_and_getstate_answer(tmp_path, strategies_dir):
@@ -177,7 +166,7 @@ def test_a_restore_that_raises_at_recovery_names_the_strategy_and_says_the_snaps
         assert server.terminate() == 0
     finally:
         server.close()
-    output = refused_start(tmp_path, f"server.custom_strategy_dirs=[{strategies_dir}]",
+    output = refused_start(tmp_path, *SMALL, f"server.custom_strategy_dirs=[{strategies_dir}]",
                            "fully_async.sliding_window=renamed-key", f"server.state_dir={state_dir}")
     assert "server exited with 1" in output
     module = strategies_dir / "authored.py"
@@ -283,7 +272,8 @@ def test_a_strategy_that_cannot_work_stops_start_up_in_one_line_naming_its_file(
     plugins.mkdir()
     module = plugins / f"{name.replace('-', '_')}.py"
     module.write_text(textwrap.dedent(source))
-    output = refused_start(tmp_path, f"server.custom_strategy_dirs=[{plugins}]", f"fully_async.sliding_window={name}")
+    output = refused_start(tmp_path, *SMALL, f"server.custom_strategy_dirs=[{plugins}]",
+                           f"fully_async.sliding_window={name}")
     assert "server exited with 2" in output
     lines = output.splitlines()[1:]  # after "server exited with 2:"
     assert len(lines) == 1 and lines[0].startswith(f"coda-server: fully_async.sliding_window = '{name}': "), output
@@ -304,7 +294,7 @@ def test_two_modules_registering_the_chosen_name_stop_start_up_naming_both_files
     plugins.mkdir()
     (plugins / "a_depth.py").write_text(textwrap.dedent(module.format(cls="DepthWindow", depth=4)))
     (plugins / "b_depth.py").write_text(textwrap.dedent(module.format(cls="DepthWindow2", depth=6)))
-    output = refused_start(tmp_path, f"server.custom_strategy_dirs=[{plugins}]",
+    output = refused_start(tmp_path, *SMALL, f"server.custom_strategy_dirs=[{plugins}]",
                            "fully_async.sliding_window=depth-window")
     assert "server exited with 2" in output
     (line,) = [line for line in output.splitlines() if line.startswith("coda-server:")]
