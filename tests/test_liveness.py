@@ -185,3 +185,24 @@ def test_an_engines_reported_version_is_listed_while_its_worker_is_believed_aliv
     clock.now += 21  # silent past the liveness grace: taken as gone
     pacer.release_silent_workers()
     assert pacer.loaded_versions() == {"raw-client": 4}
+
+
+def test_client_ids_unseen_for_a_day_are_forgotten_though_listworkers_is_never_asked():
+    """Every call notes when its client id was last seen, for ListWorkers. A job whose workers restart under new
+    ids (a pid in the id) would grow that table for as long as the server runs if only ListWorkers pruned it; the
+    server's periodic tick forgets ids unseen for SEEN_KEPT_SECONDS, liveness on or off."""
+    from coda_server.core import Pacer, load_config
+    from coda_server.core.liveness import SEEN_KEPT_SECONDS
+
+    clock = FakeClock()
+    pacer = Pacer(load_config(overrides=[*core_overrides("no-window", B=2, stale=1.0, N=2, filters="[]"),
+                                         "server.worker_liveness_seconds=0"]), clock=clock)
+    for n in range(1000):
+        pacer.heard_from(f"worker-restart-{n}")
+    pacer.release_silent_workers()
+    clock.now += SEEN_KEPT_SECONDS / 2
+    pacer.heard_from("worker-now")
+    clock.now += SEEN_KEPT_SECONDS / 2 + 1
+    pacer.release_silent_workers()  # what the tick calls; no ListWorkers in between
+    remembered = pacer.liveness._seen
+    assert sorted(remembered) == ["worker-now"], f"{len(remembered)} client ids still remembered"

@@ -36,6 +36,7 @@ class Liveness:
         # client id -> when any call or stream last came under it, watched or not, for ListWorkers (an operator
         # tells a dead worker from a slow one by it); forgotten after SEEN_KEPT_SECONDS
         self._seen: dict[str, float] = {}
+        self._next_forget = 0.0  # when `silent` next drops the ids unseen for SEEN_KEPT_SECONDS
 
     @property
     def shortest_grace(self) -> float:
@@ -74,10 +75,13 @@ class Liveness:
     def contact(self, client_ids: Iterable[str], now: float) -> dict[str, tuple[Optional[float], int]]:
         """For each of these client ids: (seconds since a call or stream last came under it, None: never, or not
         for SEEN_KEPT_SECONDS), the WatchControl streams it holds open now."""
-        for client_id in [c for c, seen in list(self._seen.items()) if now - seen > SEEN_KEPT_SECONDS]:
-            del self._seen[client_id]
+        self._forget_unseen(now)
         return {client_id: (max(0.0, now - self._seen[client_id]) if client_id in self._seen else None,
                             self._streams.get(client_id, 0)) for client_id in client_ids}
+
+    def _forget_unseen(self, now: float) -> None:
+        for client_id in [c for c, seen in self._seen.items() if now - seen > SEEN_KEPT_SECONDS]:
+            del self._seen[client_id]
 
     def watched(self, client_id: str) -> bool:
         return bool(client_id) and client_id in self._last_heard
@@ -85,6 +89,9 @@ class Liveness:
     def silent(self, now: float) -> tuple[set[str], set[str]]:
         """The watched clients not heard from for `grace` seconds (gone as workers) and for `trainer_grace` seconds
         (gone as trainers); one silent for both is no longer watched. Asking again before then names it again."""
+        if now >= self._next_forget:  # here, as the server calls it every tick: ListWorkers may never be asked
+            self._next_forget = now + SEEN_KEPT_SECONDS / 24
+            self._forget_unseen(now)
         if not self._on or not self._last_heard:
             return set(), set()
         workers_cutoff = now - self.grace if self.grace else float("-inf")
