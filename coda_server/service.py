@@ -180,7 +180,7 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         loaded = {c: v for c, v in self._pacer.loaded_versions().items() if not wanted or c == wanted}
         return convert.list_workers_response(self._pacer.held_groups(wanted or None), request.max_groups_per_worker,
                                              loaded, self._pacer.held_leases(wanted or None),
-                                             self._pacer.pacer.worker_contact)
+                                             self._pacer.worker_contact)
 
     @maps_errors
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> bytes:

@@ -234,6 +234,9 @@ class AsyncPacer:
     def loaded_versions(self) -> dict[str, int]:
         return self.pacer.loaded_versions()
 
+    def worker_contact(self, client_ids: Sequence[str]) -> dict[str, tuple[Optional[float], int]]:
+        return self.pacer.worker_contact(client_ids)
+
     def keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Optional[Mapping[str, int]] = None,
                    lease_ids: Sequence[str] = ()) -> KeepAliveResult:
         """Renews in-flight leases at once (nothing to wait for: it is not journaled)."""
