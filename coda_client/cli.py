@@ -493,7 +493,7 @@ def render_state(state: PacerState) -> str:
         f"{'JOB ENDED (EndJob: dispatch closed for good)' if state.job_ended else 'PAUSED' if state.paused else 'running'}"
         f"{'  (reset in progress)' if state.resetting else ''}",
         f"window [{bar}] running {state.running} + buffered {state.buffered} of {state.window_size}; "
-        f"dispatch would admit {state.capacity}"
+        + over_the_window(state) + f"dispatch would admit {state.capacity}"
         + (f"; {state.leased} leased to trainers, not yet acknowledged (outside the window)" if state.leased else ""),
         f"totals dispatched {state.dispatched}  submitted {state.submitted}  collected {state.collected}  "
         f"consumed {state.consumed}  filtered {state.filtered}  restored {state.restored}  dropped {state.dropped}  "
@@ -503,6 +503,16 @@ def render_state(state: PacerState) -> str:
         f"queued trajectories {state.queued_trajectories}   waiting long-polls {state.waiting_calls}",
         render_report(state.recent_reports[-1]) if state.recent_reports else "no step report yet (none before the first Reset)",
     ] + ([f"STATE DIRECTORY NOT WRITABLE: {state.state_dir_problem}"] if state.state_dir_problem else []))
+
+
+def over_the_window(state: PacerState) -> str:
+    """Why running + buffered can pass the window's size: leased groups are outside it, so workers fill it again
+    meanwhile, and groups a trainer gives back (a Release, a lease run out, a silent trainer) come back on top."""
+    over = state.running + state.buffered - state.window_size
+    if over <= 0 or not state.window_size:
+        return ""
+    return (f"over the window by {over} (groups given back by a trainer count in it again; dispatch admits "
+            f"again once enough are collected); ")
 
 
 def render_report(report: StepReport) -> str:

@@ -167,3 +167,28 @@ def test_promtool_accepts_the_alert_rules_when_it_is_installed():
         pytest.skip("promtool is not installed (apt-get install prometheus)")
     checked = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
+
+
+def test_the_window_line_says_why_groups_a_trainer_gave_back_fill_the_window_past_its_size(tmp_path):
+    """Leased groups are outside the window, so a worker fills it again meanwhile; a trainer that gives its lease
+    back (Release, or a lease that ran out) puts them in the buffer again on top: `buffered 8 of 4` alone reads as a
+    broken counter. The line says by how much the window is over and why, and that dispatch waits for it."""
+    from coda_client.cli import render_state
+
+    with ServerProcess(tmp_path, *core_overrides("windowed-fifo", B=4, stale=0.0, N=1, M=1)) as server, \
+            PacerClient(server.address) as client:
+        def fill(tag: str) -> None:
+            admitted = client.dispatch([f"{tag}{n}" for n in range(client.state().capacity)]).admitted
+            assert admitted, "nothing admitted: the window did not free"
+            client.submit([trajectory(p, 0) for p in admitted])
+
+        fill("first-")
+        leased = client.collect_result(client.state().buffered, lease=600.0)
+        fill("second-")
+        assert client.release(leased.lease_id) == len(leased.groups)
+        state = client.state()
+        assert state.running + state.buffered > state.window_size
+        window_line = render_state(state).splitlines()[1]
+    over = state.running + state.buffered - state.window_size
+    assert f"over the window by {over}" in window_line, window_line
+    assert "given back" in window_line, window_line
