@@ -283,9 +283,11 @@ def get_state(*, timeout: float) -> Call[PacerState]:
     return Call("GetState", pacer_pb2.GetStateRequest(), timeout, PacerState.from_pb)
 
 
-def checkpoint(*, timeout: float) -> Call[Checkpoint]:
-    """Checkpoint: changes nothing the pacing depends on, so no request id."""
-    return Call("Checkpoint", pacer_pb2.CheckpointRequest(), timeout, Checkpoint.from_pb)
+def checkpoint(*, timeout: float, max_response_bytes: int = 0) -> Call[Checkpoint]:
+    """Checkpoint: changes nothing the pacing depends on, so no request id. `max_response_bytes`: the largest
+    answer this client receives, so the server refuses a larger checkpoint before counting it taken."""
+    return Call("Checkpoint", pacer_pb2.CheckpointRequest(max_response_bytes=max(0, max_response_bytes)), timeout,
+                Checkpoint.from_pb)
 
 
 def restore(blob: bytes, *, request_id: str | None, timeout: float) -> Call[RestoreResult]:

@@ -511,7 +511,7 @@ class _ClientBase:
         return _calls.list_workers(client_id, max_groups_per_worker, timeout=self.timeout)
 
     def _checkpoint(self) -> Call[Any]:
-        return _calls.checkpoint(timeout=self.timeout)
+        return _calls.checkpoint(timeout=self.timeout, max_response_bytes=self.max_receive_bytes)
 
     def _restore(self, checkpoint: Checkpoint | bytes | str | os.PathLike, request_id: str | None) -> Call[Any]:
         return _calls.restore(checkpoint_bytes(checkpoint), request_id=request_id, timeout=self.timeout)

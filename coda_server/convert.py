@@ -334,9 +334,11 @@ def control_event(event: ControlEvent) -> pb.ControlEvent:
                            restores=event.restores, job_ended=event.job_ended)
 
 
-def checkpoint_response(checkpoint: dict, codec: ProtoTrajectories, max_message_bytes: int) -> bytes:
+def checkpoint_response(checkpoint: dict, codec: ProtoTrajectories, max_message_bytes: int,
+                        max_response_bytes: int = 0) -> bytes:
     """The encoded CheckpointResponse: its summary fields, then the blob as field 1 (fields may come in any
-    order), so the blob is copied once into the answer; RESOURCE_EXHAUSTED when it cannot be sent."""
+    order), so the blob is copied once into the answer; RESOURCE_EXHAUSTED when it cannot be sent, or when the
+    caller could not receive it (`max_response_bytes`, 0: unsaid): refused here, it is not counted as taken."""
     head, body = checkpoints.encode_parts(checkpoint, codec)
     size = len(head) + len(body)
     if size > max_message_bytes:
@@ -344,6 +346,12 @@ def checkpoint_response(checkpoint: dict, codec: ProtoTrajectories, max_message_
             f"the checkpoint is {size} bytes, more than server.max_message_bytes ({max_message_bytes}) lets "
             f"one answer carry; raise it (and the client's max_message_bytes) above the buffer's size",
             retry_after=60.0, reason="CHECKPOINT_TOO_LARGE", metadata={"checkpoint_bytes": str(size)})
+    if max_response_bytes and size > max_response_bytes:
+        raise ResourceExhaustedError(
+            f"the checkpoint is {size} bytes, more than this client's max_message_bytes ({max_response_bytes}) "
+            f"lets it receive; raise the client's max_message_bytes above the buffer's size (the server takes up to "
+            f"{max_message_bytes})", retry_after=60.0, reason="CHECKPOINT_TOO_LARGE",
+            metadata={"checkpoint_bytes": str(size)})
     buffered = [group for _, group in checkpoint["buffer"]]
     summary = pb.CheckpointResponse(
         step=checkpoint["step"], weight_version=checkpoint["weight_version"],

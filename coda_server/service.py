@@ -186,7 +186,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> bytes:
         # Encoded off the event loop, blob and answer at once (the RPC table sends the answer as these bytes).
         return await self._pacer.checkpoint(
-            lambda checkpoint: convert.checkpoint_response(checkpoint, self._codec, self._max_message_bytes))
+            lambda checkpoint: convert.checkpoint_response(checkpoint, self._codec, self._max_message_bytes,
+                                                          request.max_response_bytes))
 
     @maps_errors
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreResponse:

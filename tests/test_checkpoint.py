@@ -337,3 +337,24 @@ def test_a_checkpoint_larger_than_a_message_is_refused_naming_the_setting(tmp_pa
         with pytest.raises(ResourceExhaustedError, match="server.max_message_bytes") as refused:
             pacer.checkpoint()
         assert refused.value.reason == "CHECKPOINT_TOO_LARGE" and pacer.state().buffered == 4
+
+
+def test_a_checkpoint_larger_than_the_clients_limit_is_refused_before_it_is_counted(tmp_path):
+    """A client whose max_message_bytes is below the server's could not receive a large checkpoint: gRPC refused the
+    answer at the client, after the server had counted it taken (GetState's checkpoints and last checkpoint said one
+    was taken that no trainer holds). The client says what it receives, the server refuses the checkpoint first."""
+    from coda_client.errors import ResourceExhaustedError
+
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=4, N=2)) as server, \
+            PacerClient(server.address, max_message_bytes=65536) as pacer:
+        pacer.dispatch([f"p{i}" for i in range(4)])
+        for i in range(4):
+            pacer.submit(wire_trajectories(f"p{i}", 0, tokens=3000))
+        before = pacer.state()
+        with pytest.raises(ResourceExhaustedError) as refused:
+            pacer.checkpoint()
+        after = pacer.state()
+    assert refused.value.reason == "CHECKPOINT_TOO_LARGE", refused.value
+    assert "max_message_bytes (65536)" in refused.value.details, refused.value.details
+    assert (after.checkpoints, after.last_checkpoint_step) == (before.checkpoints, before.last_checkpoint_step)
+    assert after.buffered == 4

@@ -469,8 +469,10 @@ class GetStateResponse(_message.Message):
     def __init__(self, running: _Optional[int] = ..., buffered: _Optional[int] = ..., queued_trajectories: _Optional[int] = ..., capacity: _Optional[int] = ..., window_size: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., generation: _Optional[int] = ..., paused: _Optional[bool] = ..., resetting: _Optional[bool] = ..., strategy: _Optional[str] = ..., dispatched: _Optional[int] = ..., submitted: _Optional[int] = ..., collected: _Optional[int] = ..., consumed: _Optional[int] = ..., filtered: _Optional[int] = ..., restored: _Optional[int] = ..., dropped: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., config_summary: _Optional[_Mapping[str, str]] = ..., waiting_calls: _Optional[int] = ..., recent_reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., expired: _Optional[int] = ..., redelivered: _Optional[int] = ..., reclaimed: _Optional[int] = ..., leased: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., recent_incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., restored_kept: _Optional[int] = ..., rolled_back: _Optional[int] = ..., reinstated: _Optional[int] = ..., checkpoints: _Optional[int] = ..., restores: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., last_checkpoint_weight_version: _Optional[int] = ..., last_restore_step: _Optional[int] = ..., last_restore_weight_version: _Optional[int] = ..., job_ended: _Optional[bool] = ..., prompts_per_step: _Optional[int] = ..., group_sizes: _Optional[_Iterable[int]] = ..., mini_batch_size: _Optional[int] = ..., stale_steps: _Optional[float] = ..., collect_limit: _Optional[int] = ..., restored_kept_oldest_seconds: _Optional[float] = ..., state_dir_problem: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("max_response_bytes",)
+    MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_response_bytes: int
+    def __init__(self, max_response_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("checkpoint", "step", "weight_version", "buffered_groups", "kept_groups", "in_flight_prompts", "trajectory_bytes")
