@@ -246,14 +246,18 @@ def reset(
     request_id: str | None,
     timeout: float,
     arrays: ArrayMode = "list",
+    max_response_bytes: int = 0,
 ) -> Call[ResetResult]:
-    """Reset: mode "abort", "wait" or None (the server default); wait None leaves wait_seconds absent."""
+    """Reset: mode "abort", "wait" or None (the server default); wait None leaves wait_seconds absent.
+    `max_response_bytes`: the largest answer this client receives; the groups that would not fit stay on the server
+    (ResetResult.cut_to_fit, kept_prompt_ids)."""
     request = _message(
         pacer_pb2.ResetRequest,
         mode=ResetMode.parse(mode),
         resume=resume,
         weight_version=weight_version,
         request_id=request_id_or_new(request_id),
+        max_response_bytes=max(0, max_response_bytes),
     )
     if wait is not None:
         check_numbers(pacer_pb2.ResetRequest, wait_seconds=wait)

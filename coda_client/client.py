@@ -495,7 +495,7 @@ class _ClientBase:
                request_id: str | None) -> Call[Any]:
         return _calls.reset(
             mode, wait=wait, resume=resume, weight_version=weight_version, request_id=request_id, timeout=self.timeout,
-            arrays=self.arrays,
+            arrays=self.arrays, max_response_bytes=self.max_receive_bytes,
         )
 
     def _resume(self, weight_version: int, request_id: str | None) -> Call[Any]:

@@ -509,8 +509,12 @@ class ResetResult:
     expired: list[TrajectoryGroup]  # partial groups whose in-flight lease ran out, for their data source
     quarantined: list[TrajectoryGroup]  # complete groups never buffered (a raising hook, dirty data)
     # Groups the server keeps and re-offers on Dispatch (rollout.continue_restored): those released from silent
-    # workers this step that still wait, then those this Reset restored; `restored` is empty then.
+    # workers this step that still wait, then those this Reset restored; `restored` is empty then. With
+    # cut_to_fit, also the restored and expired groups this answer could not carry.
     kept_prompt_ids: list[str] = field(default_factory=list)
+    # True: the groups to return would not all fit this client's max_message_bytes; the rest stayed on the server
+    # (restored and expired ones kept for continuation, quarantined ones until the next Reset).
+    cut_to_fit: bool = False
 
     @classmethod
     def from_pb(cls, msg: Any, arrays_as: arrays.ArrayMode = "list") -> ResetResult:

@@ -235,7 +235,7 @@ def reset_response(result: ResetResult) -> wire.EncodedAnswer:
     message = pb.ResetResponse(
         dropped_prompt_ids=result.dropped_prompt_ids, pause_delay_seconds=result.pause_delay_seconds,
         generation=result.generation, step=result.step, weight_version=result.weight_version, paused=result.paused,
-        report=step_report(result.report), kept_prompt_ids=result.kept_prompt_ids,
+        report=step_report(result.report), kept_prompt_ids=result.kept_prompt_ids, cut_to_fit=result.cut_to_fit,
     )
     return wire.EncodedAnswer(message, {"restored": [group_parts(g) for g in result.restored],
                                         "expired": [group_parts(g) for g in result.expired],

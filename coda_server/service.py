@@ -159,7 +159,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         result = await self._pacer.reset(convert.reset_mode(request.mode), wait,
                                          request.resume, request.weight_version if request.resume else None,
                                          request.request_id,
-                                         until_assembled=bounded_wait(self._pacer.max_wait_seconds, context))
+                                         until_assembled=bounded_wait(self._pacer.max_wait_seconds, context),
+                                         max_response_bytes=request.max_response_bytes)
         return convert.reset_response(result)
 
     @maps_errors

@@ -181,3 +181,46 @@ def test_a_submit_over_the_servers_limit_is_refused_naming_that_limit(tmp_path):
             assert (state.running, state.buffered) == (1, 0)
             client.submit(payload_trajectories("big", 2, 100 * KB))  # what fits is taken
             assert client.state().buffered == 1
+
+
+def test_a_reset_answers_only_the_restored_groups_its_caller_can_receive_and_keeps_the_rest(tmp_path):
+    """rollout.continue_restored=false: a Reset returns the assembled groups to its caller. Their trajectories once
+    went into one answer whatever its size: a trainer whose client takes less than that got RESOURCE_EXHAUSTED (worded
+    as its own request being too large), while the server had already handed the groups over, and a retry under the
+    same request id got the same answer again: the groups were lost. The answer now carries what fits the caller's
+    limit, oldest first, and the rest stay on the server, kept for continuation and named in kept_prompt_ids."""
+    overrides = core_overrides("no-window", B=4, stale=1.0, N=2, continue_restored=False)
+    with ServerProcess(tmp_path, *overrides) as server:  # the server's own limit: the default, far over LIMIT
+        with PacerClient(server.address, max_message_bytes=LIMIT) as client:
+            client.dispatch(["a", "b"])
+            for prompt_id in ("a", "b"):  # about 600 KB a group: one fits a 1 MB answer, two do not
+                client.submit([Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id,
+                                          status=TrajectoryStatus.ABORTED, payload=b"x" * (300 * KB))
+                               for i in range(2)])
+            result = client.reset("abort", wait=0, resume=True, weight_version=1)
+            assert [g.prompt_id for g in result.restored] == ["a"] and result.cut_to_fit
+            assert result.kept_prompt_ids == ["b"]
+            state = client.state()
+            assert (state.restored, state.restored_kept) == (2, 1)
+            continued = client.dispatch(["n0"])  # the group left out is re-offered, whole
+            assert [g.prompt_id for g in continued.continuations] == ["b"]
+            assert len(continued.continuations[0].trajectories) == 2
+
+
+def test_quarantined_groups_a_reset_answer_cannot_carry_come_with_the_next_reset(tmp_path):
+    """Quarantined groups (a FAILED trajectory with no status filter) are returned by the Reset; those its caller's
+    limit leaves out stay quarantined and the next Reset returns them."""
+    overrides = core_overrides("no-window", B=4, stale=1.0, N=2, filters="[]")
+    with ServerProcess(tmp_path, *overrides) as server:
+        with PacerClient(server.address, max_message_bytes=LIMIT) as client:
+            client.dispatch(["a", "b"])
+            for prompt_id in ("a", "b"):
+                client.submit([Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id,
+                                          status=TrajectoryStatus.FAILED, payload=b"x" * (300 * KB))
+                               for i in range(2)])
+            assert client.state().quarantined == 2
+            first = client.reset("abort", wait=0, resume=True, weight_version=1)
+            assert [g.prompt_id for g in first.quarantined] == ["a"] and first.cut_to_fit
+            second = client.reset("abort", wait=0, resume=True, weight_version=2)
+            assert [g.prompt_id for g in second.quarantined] == ["b"] and not second.cut_to_fit
+            assert len(second.quarantined[0].trajectories) == 2

@@ -271,21 +271,23 @@ class CollectShape(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("mode", "wait_seconds", "resume", "weight_version", "request_id")
+    __slots__ = ("mode", "wait_seconds", "resume", "weight_version", "request_id", "max_response_bytes")
     MODE_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     mode: ResetMode
     wait_seconds: float
     resume: bool
     weight_version: int
     request_id: str
-    def __init__(self, mode: _Optional[_Union[ResetMode, str]] = ..., wait_seconds: _Optional[float] = ..., resume: _Optional[bool] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    max_response_bytes: int
+    def __init__(self, mode: _Optional[_Union[ResetMode, str]] = ..., wait_seconds: _Optional[float] = ..., resume: _Optional[bool] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., max_response_bytes: _Optional[int] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused", "report", "expired", "quarantined", "kept_prompt_ids")
+    __slots__ = ("restored", "dropped_prompt_ids", "pause_delay_seconds", "generation", "step", "weight_version", "paused", "report", "expired", "quarantined", "kept_prompt_ids", "cut_to_fit")
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +299,7 @@ class ResetResponse(_message.Message):
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     KEPT_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CUT_TO_FIT_FIELD_NUMBER: _ClassVar[int]
     restored: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     dropped_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     pause_delay_seconds: float
@@ -308,7 +311,8 @@ class ResetResponse(_message.Message):
     expired: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     quarantined: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
     kept_prompt_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., quarantined: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., kept_prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    cut_to_fit: bool
+    def __init__(self, restored: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., dropped_prompt_ids: _Optional[_Iterable[str]] = ..., pause_delay_seconds: _Optional[float] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., expired: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., quarantined: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ..., kept_prompt_ids: _Optional[_Iterable[str]] = ..., cut_to_fit: _Optional[bool] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("prompt_ids", "dispatch_seqs", "loaded_weight_version", "lease_ids")

@@ -290,7 +290,7 @@ class AsyncPacer:
 
     async def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,
                     weight_version: Optional[int] = None, request_id: str = "",
-                    until_assembled: Optional[float] = None) -> ResetResult:
+                    until_assembled: Optional[float] = None, max_response_bytes: int = 0) -> ResetResult:
         """`wait=None`: wait until every running group is assembled, for at most `until_assembled` seconds
         (default max_wait_seconds; the server passes what the call's deadline allows), and in ABORT mode at
         most server.abort_wait_seconds."""
@@ -310,7 +310,8 @@ class AsyncPacer:
                 self.pacer.abandon_reset()
                 raise ShuttingDownError("the server shuts down while this Reset waits for running groups; it "
                                         "was abandoned (nothing dropped): retry it once the server is back")
-            result = self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
+            result = self.pacer.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id,
+                                             max_response_bytes=max_response_bytes)
             # Logged here, once per Reset: a retry answered the remembered result runs none of this.
             log_reset_finished(result, effective)
             if result.dropped_prompt_ids and wait != 0:  # it waited, and its bound ended the wait: work was lost

@@ -78,8 +78,9 @@ class InProcessCalls:
         return self.answers.once("Ack", request_id, lambda: self.apply_ack(lease_id, request_id), lease_id)
 
     def reset(self, mode: ResetMode = ResetMode.UNSPECIFIED, wait: Optional[float] = 0.0, resume: bool = False,
-              weight_version: Optional[int] = None, request_id: str = "") -> ResetResult:
+              weight_version: Optional[int] = None, request_id: str = "", max_response_bytes: int = 0) -> ResetResult:
         """Pause, wait up to `wait` for running groups to assemble, restore/drop them, optionally resume.
+        `max_response_bytes`: the largest answer the caller takes (BoundaryCalls.finish).
 
         `wait=None`: wait until every running group is assembled: in WAIT mode for at most
         server.max_wait_seconds, in ABORT mode (the workers submit what they have as ABORTED) for at most
@@ -89,7 +90,8 @@ class InProcessCalls:
             with self.lock:  # ready, then finished, with no change in between
                 self.waits.until(ResetPoll(self), reset_wait(effective, wait, self.max_wait_seconds,
                                                              self.limits.abort_wait_seconds))
-                return self.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id)
+                return self.finish_reset(resume=resume, weight_version=weight_version, request_id=request_id,
+                                         max_response_bytes=max_response_bytes)
 
         return self.answers.once("Reset", request_id, call, mode, resume, weight_version)
 

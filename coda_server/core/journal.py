@@ -123,6 +123,8 @@ class ResetFinished(JournalEvent):
     resume: bool
     weight_version: Optional[int]
     request_id: str
+    # The caller's answer limit, which decides what its answer carries (0: the server's; records before it: 0).
+    max_response_bytes: int = 0
 
 
 @dataclass(slots=True)

@@ -158,7 +158,7 @@ class Pacer(InProcessCalls, PacerViews):
         self.boundary = BoundaryCalls(
             self.lock, self.lifecycle, self.checks, steps, self.inflight, self.collector, self.restored,
             self.held_bytes, self.leases, buffer, self.totals, hooks, signals, self.failures, self.recorder,
-            self.answers, self._clock, default_mode=default_mode, continue_restored=continue_restored,
+            self.answers, self._clock, self.limits, default_mode=default_mode, continue_restored=continue_restored,
             on_resume=self._on_resume, snapshot=self.snapshots.export, streams=self.liveness.streams)
         self.workers = workers = Workers(self.lock, self.lifecycle, self.checks, self.inflight, self.leases,
                                          self.liveness, self.collector, self.delivery, self.recorder, self._clock)

@@ -339,7 +339,8 @@ class Recovery:
         elif isinstance(event, ResetFinished):
             self._steps.ready_at = event.ready_at
             remember("Reset", event.request_id, boundary.finish(resume=event.resume, weight_version=event.weight_version,
-                                                                 request_id=event.request_id))
+                                                                 request_id=event.request_id,
+                                                                 max_response_bytes=event.max_response_bytes))
         elif isinstance(event, ResetAbandoned):
             boundary.abandon()
         elif isinstance(event, GatesRechecked):

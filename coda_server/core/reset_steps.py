@@ -16,10 +16,11 @@ from .clock import PacerClock
 from .collector import Collector
 from .errors import ResetInProgressError
 from .incidents import HOOK_FAILED, HookFailures, describe_exception
-from .inflight import HeldBytes, InflightTable
+from .inflight import HeldBytes, InflightTable, fitting_answer
 from .job_end import Lifecycle
 from .journal import JobEnded, Recorder, ResetAbandoned, ResetBegun, ResetFinished, Resumed
 from .leases import Leases
+from .limits import Limits
 from .replay import RestoredGroups
 from .signals import Signals
 from .steps import StepBoundary
@@ -27,6 +28,9 @@ from .types import ControlEventType, ResetMode, ResetResult, ResumeResult, Traje
 
 
 log = logging.getLogger("coda_server")  # the lifecycle lines (docs/operations.md, "Logs")
+
+# A Reset answer's fields besides its groups and the ids it names: the numbers, the step report.
+RESET_ANSWER_FIELDS_BYTES = 1024
 
 
 def reset_wait(mode: ResetMode, wait: Optional[float], until_assembled: float, abort_wait: float = 0.0) -> float:
@@ -47,14 +51,14 @@ class BoundaryCalls:
     def __init__(self, lock: threading.RLock, lifecycle: Lifecycle, checks: RequestChecks, steps: StepBoundary,
                  inflight: InflightTable, collector: Collector, restored: RestoredGroups, held_bytes: HeldBytes,
                  leases: Leases, buffer: PipelineBuffer, totals: dict, hooks: Any, signals: Signals,
-                 failures: HookFailures, recorder: Recorder, answers: AnswerBook, clock: PacerClock, *,
+                 failures: HookFailures, recorder: Recorder, answers: AnswerBook, clock: PacerClock, limits: Limits, *,
                  default_mode: ResetMode, continue_restored: bool, on_resume: Optional[Callable[[int], None]],
                  snapshot: Callable[[], dict], streams: Callable[[str], int] = lambda client_id: 0):
         self._lock, self._lifecycle, self._checks, self._steps = lock, lifecycle, checks, steps
         self._inflight, self._collector, self._restored, self._held_bytes = inflight, collector, restored, held_bytes
         self._leases, self._buffer, self._totals, self._hooks = leases, buffer, totals, hooks
         self._signals, self._failures, self._recorder, self._answers = signals, failures, recorder, answers
-        self._clock = clock
+        self._clock, self._limits = clock, limits
         self.default_mode = default_mode  # rollout.partial: ABORT, else WAIT
         self.continue_restored = continue_restored  # the server keeps restored groups and re-offers them
         self._on_resume = on_resume  # the strategy's optional hook, None when it does not define one
@@ -98,8 +102,10 @@ class BoundaryCalls:
             return is_ready
 
     def finish(self, *, resume: bool = False, weight_version: Optional[int] = None,
-               request_id: str = "") -> ResetResult:
-        """Steps 3-6: restore complete groups, drop incomplete ones, clear, close the step, optionally resume."""
+               request_id: str = "", max_response_bytes: int = 0) -> ResetResult:
+        """Steps 3-6: restore complete groups, drop incomplete ones, clear, close the step, optionally resume.
+        `max_response_bytes`: the largest answer the caller receives (0: the server's limit); the groups the answer
+        cannot carry stay on the server (`_cut_to_fit`)."""
         with self._lock:
             steps, inflight, totals, held_bytes = self._steps, self._inflight, self._totals, self._held_bytes
             if not steps.resetting:
@@ -133,6 +139,8 @@ class BoundaryCalls:
                 # continued since is running again and this Reset restores or drops it like any other.
                 kept_before = [prompt_id for prompt_id in released if prompt_id in self._restored]
                 kept, restored = kept_before + self._restored.keep(restored), []
+            restored, expired, quarantined, cut_to_fit = self._cut_to_fit(
+                restored, expired, quarantined, dropped, kept, max_response_bytes)
             for group in (*restored, *expired, *quarantined):
                 held_bytes.release(group.trajectories)
             for running_group in dropped_groups:
@@ -145,13 +153,14 @@ class BoundaryCalls:
                 self._resume_locked(weight_version)
             self._signals.notify()
             result = ResetResult(restored, dropped, pause_delay, steps.generation, steps.step, steps.weight_version,
-                                 steps.paused, report, expired, quarantined, kept)
+                                 steps.paused, report, expired, quarantined, kept, cut_to_fit)
             holders: dict[str, tuple[int, int]] = {}
             for running_group in dropped_groups:
                 count, _ = holders.get(running_group.client_id, (0, 0))
                 holders[running_group.client_id] = (count + 1, self._streams(running_group.client_id))
             self._dropped_holders = (result, holders)
-            self._recorder.record(ResetFinished(now, ready_at_recorded, resume, weight_version, request_id))
+            self._recorder.record(ResetFinished(now, ready_at_recorded, resume, weight_version, request_id,
+                                                max_response_bytes))
             if self._recorder.recording:
                 # The step boundary is the natural checkpoint: nothing is in flight, so the snapshot is small. It
                 # replaces this Reset's event, so it must hold the answer a retry of this Reset gets (remembered
@@ -159,6 +168,35 @@ class BoundaryCalls:
                 self._answers.remember("Reset", request_id, result)
                 self._recorder.snapshot(self._snapshot())
             return result
+
+    def _cut_to_fit(self, restored: list[TrajectoryGroup], expired: list[TrajectoryGroup],
+                    quarantined: list[TrajectoryGroup], dropped: list[str], kept: list[str],
+                    max_response_bytes: int) -> tuple[list[TrajectoryGroup], list[TrajectoryGroup],
+                                                      list[TrajectoryGroup], bool]:
+        """The restored, expired and quarantined groups one answer can carry to its caller, oldest first, and whether
+        some could not go. Those left out are not lost with an answer the caller could not receive: restored and
+        expired ones are kept for continuation (added to `kept`, re-offered on Dispatch, as
+        rollout.continue_restored keeps them), quarantined ones stay quarantined for the next Reset."""
+        groups = [*restored, *expired, *quarantined]
+        limit = self._limits.answer_bytes(max_response_bytes)
+        if not limit or not groups:
+            return restored, expired, quarantined, False
+        named = [*dropped, *kept, *(group.prompt_id for group in groups)]  # each may end up in a list of ids
+        room = limit - RESET_ANSWER_FIELDS_BYTES - sum(len(prompt_id.encode()) + 6 for prompt_id in named)
+        carried = len(fitting_answer(groups, room))
+        if carried == len(groups):
+            return restored, expired, quarantined, False
+        restored_carried = min(carried, len(restored))
+        expired_carried = min(carried - restored_carried, len(expired))
+        quarantined_carried = carried - restored_carried - expired_carried
+        continued = [*restored[restored_carried:], *expired[expired_carried:]]
+        kept.extend(self._restored.keep(continued))
+        self._collector.restore_quarantined(quarantined[quarantined_carried:])
+        log.warning("the Reset's answer carries %d of %d restored, expired and quarantined groups within the caller's "
+                    "limit of %d bytes: %d kept for continuation (re-offered on Dispatch), %d stay quarantined for "
+                    "the next Reset", carried, len(groups), limit, len(continued),
+                    len(quarantined) - quarantined_carried)
+        return restored[:restored_carried], expired[:expired_carried], quarantined[:quarantined_carried], True
 
     def abandon(self) -> None:
         """A Reset that cannot finish (shutdown): leave the pause on, allow a later Reset."""

@@ -269,6 +269,9 @@ class ResetResult:
     # Groups kept for continuation (rollout.continue_restored): those released this step (a silent worker's) that
     # still wait, then those this Reset restored; `restored` is empty then.
     kept_prompt_ids: list[str] = field(default_factory=list)
+    # True: the groups to return did not all fit the caller's message limit; the rest stayed on the server (kept
+    # for continuation, or quarantined until the next Reset).
+    cut_to_fit: bool = False
 
     def trajectory_bytes(self) -> int:
         """Bytes of the trajectories this answer carries (what remembering it keeps in memory)."""
