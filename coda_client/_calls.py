@@ -113,12 +113,12 @@ def request_id_or_new(request_id: str | None) -> str:
 
 def dispatch(
     candidates: Iterable[PromptRef | str], *, wait: float, request_id: str | None, timeout: float,
-    max_continuations: int | None = None, loaded_weight_version: int | None = None,
+    max_continuations: int | None = None, loaded_weight_version: int | None = None, max_response_bytes: int = 0,
 ) -> Call[DispatchResult]:
     """Dispatch: candidates are prompt ids or PromptRefs, in preference order. Restored groups kept for
     continuation come first: by default (None) in place of as many candidates, else up to
-    `max_continuations` of them on top (0: none). `loaded_weight_version`: what the caller's engine
-    reports loaded (shown by ListWorkers)."""
+    `max_continuations` of them on top (0: none), as many as fit `max_response_bytes` (the largest answer this
+    client receives). `loaded_weight_version`: what the caller's engine reports loaded (shown by ListWorkers)."""
     if isinstance(candidates, (str, bytes)):
         # A bare string would otherwise be iterated as one candidate per character.
         raise TypeError("candidates must be a list of prompt ids or PromptRefs, not a single string")
@@ -129,6 +129,7 @@ def dispatch(
         request_id=request_id_or_new(request_id),
         **({} if max_continuations is None else {"max_continuations": max_continuations}),
         loaded_weight_version=loaded_weight_version,
+        max_response_bytes=max(0, max_response_bytes),
     )
     return Call("Dispatch", request, call_timeout(timeout, wait), DispatchResult.from_pb)
 

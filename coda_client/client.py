@@ -462,7 +462,8 @@ class _ClientBase:
     def _dispatch(self, candidates: Iterable[PromptRef | str], wait: float, request_id: str | None,
                   max_continuations: int | None = None, loaded_weight_version: int | None = None) -> Call[Any]:
         return _calls.dispatch(candidates, wait=wait, request_id=request_id, timeout=self.timeout,
-                               max_continuations=max_continuations, loaded_weight_version=loaded_weight_version)
+                               max_continuations=max_continuations, loaded_weight_version=loaded_weight_version,
+                               max_response_bytes=self.max_receive_bytes)
 
     def _keep_alive(self, prompt_ids: Sequence[str], dispatch_seqs: Mapping[str, int] | None = None,
                     loaded_weight_version: int | None = None, lease_ids: Sequence[str] = ()) -> Call[Any]:

@@ -103,7 +103,8 @@ class RolloutPacerServicer(pacer_pb2_grpc.RolloutPacerServicer):
         result = await self._pacer.dispatch(convert.prompt_refs(candidates) if candidates else [],
                                             bounded_wait(wait, context) if wait else 0.0, request.request_id,
                                             caller,
-                                            request.max_continuations if request.HasField("max_continuations") else None)
+                                            request.max_continuations if request.HasField("max_continuations") else None,
+                                            request.max_response_bytes)
         return convert.dispatch_response(result)
 
     @maps_errors

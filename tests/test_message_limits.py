@@ -224,3 +224,40 @@ def test_quarantined_groups_a_reset_answer_cannot_carry_come_with_the_next_reset
             second = client.reset("abort", wait=0, resume=True, weight_version=2)
             assert [g.prompt_id for g in second.quarantined] == ["b"] and not second.cut_to_fit
             assert len(second.quarantined[0].trajectories) == 2
+
+
+def test_a_dispatch_reoffers_only_the_kept_groups_its_callers_limit_can_carry(tmp_path):
+    """A worker whose client takes less than the server's limit: the kept groups re-offered on Dispatch were sized to
+    the server's limit, so the answer could exceed what the worker receives; its gRPC refused it after the server had
+    handed the groups to it (running under it until a lease or its silence gave them back), and a retry under the
+    same request id got the same answer again. Now they are sized to the caller's limit too."""
+    overrides = core_overrides("no-window", B=4, stale=1.0, N=2, continue_restored=True)
+    with ServerProcess(tmp_path, *overrides) as server:  # the server's own limit: the default, far over LIMIT
+        with PacerClient(server.address) as trainer, PacerClient(server.address, max_message_bytes=LIMIT) as worker:
+            trainer.dispatch(["a", "b"])
+            for prompt_id in ("a", "b"):  # about 600 KB a group: one fits a 1 MB answer, two do not
+                trainer.submit([Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id,
+                                           status=TrajectoryStatus.ABORTED, payload=b"x" * (300 * KB))
+                                for i in range(2)])
+            assert trainer.reset("abort", wait=0, resume=True, weight_version=1).kept_prompt_ids == ["a", "b"]
+            first = worker.dispatch(["n0", "n1"])
+            assert [g.prompt_id for g in first.continuations] == ["a"] and first.admitted == ["n0"]
+            second = worker.dispatch(["n2"])
+            assert [g.prompt_id for g in second.continuations] == ["b"] and second.admitted == []
+
+
+def test_an_answer_over_the_clients_own_limit_is_said_as_such_not_as_a_request_too_large(tmp_path):
+    """gRPC's refusal of an answer at the client ("CLIENT: Received message larger than max") was worded as the
+    client's request being over the server's limit, pointing at server.max_message_bytes and Submits. ListWorkers
+    of a thousand held groups to a client taking 64 KiB: the error names the client's own limit."""
+    from coda_client.errors import ResourceExhaustedError
+
+    with ServerProcess(tmp_path, *core_overrides("no-window", B=1024, stale=1.0, N=2)) as server:
+        with PacerClient(server.address, client_id="w1") as worker:
+            worker.dispatch([f"prompt-{i:04d}-" + "x" * 100 for i in range(1000)])
+        with PacerClient(server.address, max_message_bytes=65536) as operator:
+            with pytest.raises(ResourceExhaustedError) as refused:
+                operator.list_workers()
+            assert len(operator.list_workers(max_groups_per_worker=10)[0].groups) == 10  # asking for less works
+    assert "larger than this client takes" in refused.value.details, refused.value.details
+    assert "server.max_message_bytes" not in refused.value.details, refused.value.details

@@ -112,18 +112,20 @@ class TrajectoryGroup(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., seq: _Optional[int] = ..., ds_index: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("candidates", "wait_seconds", "request_id", "max_continuations", "loaded_weight_version")
+    __slots__ = ("candidates", "wait_seconds", "request_id", "max_continuations", "loaded_weight_version", "max_response_bytes")
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     LOADED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     candidates: _containers.RepeatedCompositeFieldContainer[PromptRef]
     wait_seconds: float
     request_id: str
     max_continuations: int
     loaded_weight_version: int
-    def __init__(self, candidates: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., max_continuations: _Optional[int] = ..., loaded_weight_version: _Optional[int] = ...) -> None: ...
+    max_response_bytes: int
+    def __init__(self, candidates: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., max_continuations: _Optional[int] = ..., loaded_weight_version: _Optional[int] = ..., max_response_bytes: _Optional[int] = ...) -> None: ...
 
 class AdmittedPrompt(_message.Message):
     __slots__ = ("prompt_id", "seq")

@@ -190,7 +190,8 @@ class AsyncPacer:
     # ------------------------------------------------------------- operations
 
     async def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
-                       client_id: str = "", max_continuations: Optional[int] = None) -> DispatchResult:
+                       client_id: str = "", max_continuations: Optional[int] = None,
+                       max_response_bytes: int = 0) -> DispatchResult:
         pacer = self.pacer
         if wait <= 0 and not pacer.answers.under_way("Dispatch", request_id):
             # The usual call, which does not wait: nothing suspends before its answer, so no retry of it can
@@ -198,8 +199,8 @@ class AsyncPacer:
             journal = self._applicable()
             if candidates or max_continuations is not None:
                 result = pacer.answers.once("Dispatch", request_id, lambda: self.waits.now(
-                    pacer.dispatch_poll(candidates, request_id, client_id, max_continuations)), candidates,
-                    max_continuations)
+                    pacer.dispatch_poll(candidates, request_id, client_id, max_continuations, max_response_bytes)),
+                    candidates, max_continuations)
             else:  # a peek: the window as it is (see Pacer.peek)
                 result = pacer.peek(request_id)
             if journal is not None:
@@ -208,7 +209,7 @@ class AsyncPacer:
 
         async def call() -> DispatchResult:
             return await self.waits.until(
-                self.pacer.dispatch_poll(candidates, request_id, client_id, max_continuations), wait)
+                self.pacer.dispatch_poll(candidates, request_id, client_id, max_continuations, max_response_bytes), wait)
 
         return await self._applied("Dispatch", request_id, call, candidates, max_continuations)
 

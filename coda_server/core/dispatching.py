@@ -50,7 +50,8 @@ class Admission:
         self._watch_running = overridden_hook(hooks, "on_dispatched") is not None
 
     def admit(self, candidates: Sequence[PromptRef], request_id: str, client_id: str,
-              max_continuations: Optional[int], continued_ids: Optional[Sequence[str]]) -> DispatchResult:
+              max_continuations: Optional[int], continued_ids: Optional[Sequence[str]],
+              max_response_bytes: int = 0) -> DispatchResult:
         """See `Pacer.apply_dispatch`."""
         inflight, restored, steps = self._inflight, self._restored, self._steps
         if candidates:  # none is a peek at the window
@@ -60,9 +61,10 @@ class Admission:
         if continued_ids is not None:
             continued = restored.by_ids(continued_ids)
         elif wanted and allowed and restored:
-            # Those whose trajectories fit one Dispatch answer; the rest wait for the next Dispatch (a group too
-            # large alone is not handed out: GetState's restored_kept_oldest_seconds shows it waiting).
-            continued = fitting_answer(restored.choose(min(allowed, wanted), steps.step), self._limits.answer_bytes(0))
+            # Those whose trajectories fit one answer the caller receives; the rest wait for the next Dispatch (a
+            # group too large alone is not handed out: GetState's restored_kept_oldest_seconds shows it waiting).
+            continued = fitting_answer(restored.choose(min(allowed, wanted), steps.step),
+                                       self._limits.answer_bytes(max_response_bytes))
         else:
             continued = []
         # By default the kept groups take the place of as many candidates (the caller proposed that much room).

@@ -17,13 +17,14 @@ class InProcessCalls:
     (coda-sim, an embedded pacer, tests), over the Pacer's checks, polls and `apply_*` steps."""
 
     def dispatch(self, candidates: Sequence[PromptRef], wait: float = 0.0, request_id: str = "",
-                 client_id: str = "", max_continuations: Optional[int] = None) -> DispatchResult:
+                 client_id: str = "", max_continuations: Optional[int] = None,
+                 max_response_bytes: int = 0) -> DispatchResult:
         """Admit the first k candidates the strategy allows now, after up to `max_continuations` kept restored
-        groups; with `wait`, wait up to that long for one slot. `client_id` names who holds the admitted
-        groups (`held_groups`)."""
+        groups (those that fit an answer of `max_response_bytes`); with `wait`, wait up to that long for one slot.
+        `client_id` names who holds the admitted groups (`held_groups`)."""
         if not candidates and max_continuations is None:  # a peek: answered at once, whatever the wait
             return self.peek(request_id)
-        poll = self.dispatch_poll(candidates, request_id, client_id, max_continuations)
+        poll = self.dispatch_poll(candidates, request_id, client_id, max_continuations, max_response_bytes)
         return self.answers.once("Dispatch", request_id, lambda: self.waits.until(poll, wait), candidates,
                                  max_continuations)
 

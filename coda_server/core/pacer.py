@@ -211,9 +211,9 @@ class Pacer(InProcessCalls, PacerViews):
     # ----------------------------------------------------------------- dispatch
 
     def dispatch_poll(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "",
-                      max_continuations: Optional[int] = None) -> DispatchPoll:
+                      max_continuations: Optional[int] = None, max_response_bytes: int = 0) -> DispatchPoll:
         self.checks.check_max_continuations(max_continuations)
-        return DispatchPoll(self, candidates, request_id, client_id, max_continuations)
+        return DispatchPoll(self, candidates, request_id, client_id, max_continuations, max_response_bytes)
 
     def peek(self, request_id: str = "") -> DispatchResult:
         """`dispatch` without candidates or `max_continuations`: the window as it is (Admission.peek), at once (a
@@ -223,14 +223,16 @@ class Pacer(InProcessCalls, PacerViews):
 
     def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "",
                        max_continuations: Optional[int] = None,
-                       continued_ids: Optional[Sequence[str]] = None) -> DispatchResult:
+                       continued_ids: Optional[Sequence[str]] = None, *, max_response_bytes: int = 0) -> DispatchResult:
         """Validate the candidates and admit what the strategy allows now (dispatching.py): first kept
         restored groups (replay names them: `continued_ids`), then candidates. `max_continuations` None (the
         default) re-offers kept groups first in place of candidates, as many as the caller proposes (LoongSage's
         data source hands out its restored groups before new prompts); a number takes up to that many on top
-        (0: none, for a caller that cannot continue a partial group)."""
+        (0: none, for a caller that cannot continue a partial group). The kept groups handed out are those whose
+        trajectories fit one answer of `max_response_bytes` (the caller's limit; 0: the server's)."""
         with self.lock:
-            return self.admission.admit(candidates, request_id, client_id, max_continuations, continued_ids)
+            return self.admission.admit(candidates, request_id, client_id, max_continuations, continued_ids,
+                                        max_response_bytes)
 
     def admissible_now(self) -> int:
         """What a Dispatch would admit now (0 while paused or closed); cheap, unlike re-validating candidates."""

@@ -26,7 +26,8 @@ class Admitting(Protocol):
     def check_open(self) -> None: ...
     def admissible_now(self) -> int: ...
     def apply_dispatch(self, candidates: Sequence[PromptRef], request_id: str = "", client_id: str = "",
-                       max_continuations: Optional[int] = None) -> DispatchResult: ...
+                       max_continuations: Optional[int] = None, *,
+                       max_response_bytes: int = 0) -> DispatchResult: ...
 
 
 class Collecting(Protocol):
@@ -59,15 +60,17 @@ class DispatchPoll:
     continuation, and a worker that ended instead would leave it waiting for good (as would one ending while a
     Reset's kept groups wait for the RESUME). With nothing running or kept, none can come: answered."""
 
-    __slots__ = ("_pacer", "_candidates", "_request_id", "_client_id", "_max_continuations", "_last")
+    __slots__ = ("_pacer", "_candidates", "_request_id", "_client_id", "_max_continuations", "_max_response_bytes",
+                 "_last")
 
     def __init__(self, pacer: Admitting, candidates: Sequence[PromptRef], request_id: str, client_id: str = "",
-                 max_continuations: Optional[int] = None):
+                 max_continuations: Optional[int] = None, max_response_bytes: int = 0):
         self._pacer = pacer
         self._candidates = candidates
         self._request_id = request_id
         self._client_id = client_id
         self._max_continuations = max_continuations
+        self._max_response_bytes = max_response_bytes
         self._last: Optional[DispatchResult] = None
 
     def attempt(self) -> Optional[DispatchResult]:
@@ -79,7 +82,8 @@ class DispatchPoll:
             else:  # re-validating a large candidate list on every change would stall the loop: only with room
                 candidates = self._candidates if pacer.admissible_now() else ()
             result = self._last = pacer.apply_dispatch(candidates, self._request_id, self._client_id,
-                                                       self._max_continuations)
+                                                       self._max_continuations,
+                                                       max_response_bytes=self._max_response_bytes)
             ended = result.job_ended  # nothing will ever be admitted: answer now
             if result.admitted_ids or result.continued or ended:
                 return result
