@@ -53,8 +53,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                              "plus \"uds\" and \"health_port\" when those listeners are set; address and port "
                              "are null without a TCP listener")
     parser.add_argument("--version", action="version", version=f"coda-server {package_version()} ({SERVICE})")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied last")
-    args, unknown = parser.parse_known_args(argv)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides (before, between or after the options), applied last")
+    # Intermixed: key=value overrides may come before, between and after the options (`a.b=1 --config f c.d=2`).
+    args, unknown = parser.parse_known_intermixed_args(argv)
     if unknown:
         parser.error(unknown_option_message(parser, unknown, argv if argv is not None else sys.argv[1:]))
     hydra = args.config_path is not None or args.config_name is not None
@@ -106,9 +107,6 @@ def unknown_option_message(parser: argparse.ArgumentParser, unknown: Sequence[st
     server.address=HOST:PORT, and an option is spelled out in full."""
     first = unknown[0]
     name, _, value = first.partition("=")
-    if not first.startswith("-"):  # an override after an option that follows other overrides: argparse takes one run
-        return (f"override {first!r} comes after an option that follows other overrides; give the options first, "
-                f"then every key=value override together")
     if name in _LISTEN_OPTIONS:
         if not value and first in argv and argv.index(first) + 1 < len(argv):
             value = argv[argv.index(first) + 1]

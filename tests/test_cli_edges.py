@@ -243,7 +243,7 @@ def test_a_client_that_could_never_make_a_call_is_refused_when_made(arguments, m
     (["--port=6000"], "server.address=127.0.0.1:6000"),
     (["--host", "0.0.0.0"], "server.address=0.0.0.0:50051"),
     (["--conf", "run.yaml"], "did you mean --config or --config-name or --config-path?"),
-    (["a.b=1", "--config", "run.yaml", "c.d=2"], "override 'c.d=2' comes after an option that follows other overrides"),
+    (["a.b=1", "--port", "6000", "c.d=2"], "server.address=127.0.0.1:6000"),
 ])
 def test_coda_server_refuses_an_option_it_has_not_instead_of_taking_it_for_another(argv, says, tmp_path, monkeypatch,
                                                                                  capsys):
@@ -257,6 +257,14 @@ def test_coda_server_refuses_an_option_it_has_not_instead_of_taking_it_for_anoth
     assert stopped.value.code == 2
     assert says in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_coda_server_takes_overrides_before_between_and_after_its_options():
+    """Was: `override 'c.d=2' comes after an option that follows other overrides` for the second run of overrides."""
+    from coda_server import cli as server_cli
+
+    args = server_cli.parse_args(["a.b=1", "--config", "run.yaml", "c.d=2", "--port-file", "p.json", "e.f=3"])
+    assert (args.overrides, args.config, str(args.port_file)) == (["a.b=1", "c.d=2", "e.f=3"], "run.yaml", "p.json")
 
 
 def test_coda_client_says_the_address_option_when_given_server_or_port(capsys):
