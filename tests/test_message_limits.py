@@ -35,6 +35,14 @@ def fill(client: PacerClient, prompt_ids: Sequence[str], size: int, n: int = 2) 
         client.submit(payload_trajectories(prompt_id, n, size))
 
 
+def two_groups_of_600_kb(client: PacerClient, status: TrajectoryStatus = TrajectoryStatus.ABORTED) -> None:
+    """Dispatches and fills groups "a" and "b", about 600 KB each: one fits a 1 MB answer, two do not."""
+    client.dispatch(["a", "b"])
+    for prompt_id in ("a", "b"):
+        client.submit([Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id, status=status,
+                                  payload=b"x" * (300 * KB)) for i in range(2)])
+
+
 @pytest.fixture
 def server(tmp_path):
     with ServerProcess(tmp_path, *core_overrides("no-window", B=4, stale=1.0, N=2)) as process:
@@ -151,11 +159,7 @@ def test_a_dispatch_reoffers_only_the_kept_groups_its_answer_can_carry(tmp_path)
     overrides = core_overrides("no-window", B=4, stale=1.0, N=2, continue_restored=True)
     with ServerProcess(tmp_path, *overrides, f"server.max_message_bytes={LIMIT}") as server:
         with PacerClient(server.address, max_message_bytes=LIMIT) as client:
-            client.dispatch(["a", "b"])
-            for prompt_id in ("a", "b"):  # about 600 KB a group: one fits a 1 MB answer, two do not
-                client.submit([Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id,
-                                          status=TrajectoryStatus.ABORTED, payload=b"x" * (300 * KB))
-                               for i in range(2)])
+            two_groups_of_600_kb(client)
             client.reset("abort", wait=0, resume=True, weight_version=1)
             first = client.dispatch(["n0", "n1"])
             assert [g.prompt_id for g in first.continuations] == ["a"] and first.admitted == ["n0"]
@@ -192,11 +196,7 @@ def test_a_reset_answers_only_the_restored_groups_its_caller_can_receive_and_kee
     overrides = core_overrides("no-window", B=4, stale=1.0, N=2, continue_restored=False)
     with ServerProcess(tmp_path, *overrides) as server:  # the server's own limit: the default, far over LIMIT
         with PacerClient(server.address, max_message_bytes=LIMIT) as client:
-            client.dispatch(["a", "b"])
-            for prompt_id in ("a", "b"):  # about 600 KB a group: one fits a 1 MB answer, two do not
-                client.submit([Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id,
-                                          status=TrajectoryStatus.ABORTED, payload=b"x" * (300 * KB))
-                               for i in range(2)])
+            two_groups_of_600_kb(client)
             result = client.reset("abort", wait=0, resume=True, weight_version=1)
             assert [g.prompt_id for g in result.restored] == ["a"] and result.cut_to_fit
             assert result.kept_prompt_ids == ["b"]
@@ -213,11 +213,7 @@ def test_quarantined_groups_a_reset_answer_cannot_carry_come_with_the_next_reset
     overrides = core_overrides("no-window", B=4, stale=1.0, N=2, filters="[]")
     with ServerProcess(tmp_path, *overrides) as server:
         with PacerClient(server.address, max_message_bytes=LIMIT) as client:
-            client.dispatch(["a", "b"])
-            for prompt_id in ("a", "b"):
-                client.submit([Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id,
-                                          status=TrajectoryStatus.FAILED, payload=b"x" * (300 * KB))
-                               for i in range(2)])
+            two_groups_of_600_kb(client, TrajectoryStatus.FAILED)
             assert client.state().quarantined == 2
             first = client.reset("abort", wait=0, resume=True, weight_version=1)
             assert [g.prompt_id for g in first.quarantined] == ["a"] and first.cut_to_fit
@@ -234,11 +230,7 @@ def test_a_dispatch_reoffers_only_the_kept_groups_its_callers_limit_can_carry(tm
     overrides = core_overrides("no-window", B=4, stale=1.0, N=2, continue_restored=True)
     with ServerProcess(tmp_path, *overrides) as server:  # the server's own limit: the default, far over LIMIT
         with PacerClient(server.address) as trainer, PacerClient(server.address, max_message_bytes=LIMIT) as worker:
-            trainer.dispatch(["a", "b"])
-            for prompt_id in ("a", "b"):  # about 600 KB a group: one fits a 1 MB answer, two do not
-                trainer.submit([Trajectory(trajectory_id=f"{prompt_id}#{i}", prompt_id=prompt_id,
-                                           status=TrajectoryStatus.ABORTED, payload=b"x" * (300 * KB))
-                                for i in range(2)])
+            two_groups_of_600_kb(trainer)
             assert trainer.reset("abort", wait=0, resume=True, weight_version=1).kept_prompt_ids == ["a", "b"]
             first = worker.dispatch(["n0", "n1"])
             assert [g.prompt_id for g in first.continuations] == ["a"] and first.admitted == ["n0"]
