@@ -161,6 +161,18 @@ def test_the_shipped_alert_rules_name_only_metrics_a_real_server_exports(tmp_pat
     assert len(names) == len(alerts) and len(alerts) >= 7, names
 
 
+def test_every_alert_links_a_runbook_section_that_exists():
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens. A link to an anchor the
+    runbook does not have lands an on-call engineer at the top of the page."""
+    runbook = (REPO_ROOT / "docs" / "runbook.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+               for line in runbook.splitlines() if line.startswith("#")}
+    rules = yaml.safe_load(ALERTS.read_text())
+    for rule in (rule for group in rules["groups"] for rule in group["rules"]):
+        page, _, anchor = rule["annotations"]["runbook"].partition("#")
+        assert page == "docs/runbook.md" and anchor in anchors, (rule["alert"], anchor, sorted(anchors))
+
+
 def test_promtool_accepts_the_alert_rules_when_it_is_installed():
     promtool = shutil.which("promtool")
     if promtool is None:
