@@ -451,11 +451,16 @@ def render_workers(holdings: Sequence[WorkerHoldings], unnamed_leased: int = 0) 
         # still lists its groups (with their leases) until its liveness grace or their leases release them. (An
         # idle worker waits quietly on its stream: its silence says nothing.)
         named_holder = bool(worker.client_id) and worker.running > 0
-        heard = ("" if not named_holder else ", never heard" if worker.last_heard_seconds is None
-                 else f", last heard {worker.last_heard_seconds:.0f} s ago")
         streams = worker.watch_streams
-        watch = ("" if not named_holder else ", no watch stream" if not streams
-                 else f", {streams} watch stream{'' if streams == 1 else 's'} open")
+        if not named_holder:
+            heard = watch = ""
+        elif streams is None:  # an older server: it says neither, which is not "never heard, no stream"
+            heard, watch = ", last heard and watch streams not reported by this server (an older release)", ""
+        else:
+            heard = (", never heard" if worker.last_heard_seconds is None
+                     else f", last heard {worker.last_heard_seconds:.0f} s ago")
+            watch = (", no watch stream" if not streams
+                     else f", {streams} watch stream{'' if streams == 1 else 's'} open")
         lines.append(f"{worker.client_id or '(no client id)'}: {worker.running} running, oldest held "
                      f"{worker.oldest_held_seconds:.1f}s{heard}{watch}{loaded}{leased}"
                      + (" to this trainer, not yet acknowledged" if worker.lease_ids and not worker.running else ""))

@@ -839,8 +839,9 @@ class WorkerHoldings:
     lease_ids: list[str] = field(default_factory=list)
     # Seconds since the server last heard a call or stream under this client id; None: it heard none.
     last_heard_seconds: float | None = None
-    # WatchControl streams open under it now; 0: it hears no PAUSE or RESUME.
-    watch_streams: int = 0
+    # WatchControl streams open under it now; 0: it hears no PAUSE or RESUME. None: the server does not report
+    # contact (an older release), and then last_heard_seconds None says nothing either.
+    watch_streams: int | None = None
 
     @classmethod
     def from_pb(cls, msg: pacer_pb2.WorkerHoldings) -> WorkerHoldings:
@@ -848,4 +849,5 @@ class WorkerHoldings:
         return _from_fields(cls, msg, groups=[HeldGroup.from_pb(g) for g in msg.groups],
                             loaded_weight_version=_optional(msg, "loaded_weight_version"),
                             lease_ids=list(msg.lease_ids),
-                            last_heard_seconds=_optional(msg, "last_heard_seconds"))
+                            last_heard_seconds=_optional(msg, "last_heard_seconds"),
+                            watch_streams=_optional(msg, "watch_streams"))

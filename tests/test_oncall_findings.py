@@ -204,3 +204,22 @@ def test_the_window_line_says_why_groups_a_trainer_gave_back_fill_the_window_pas
     over = state.running + state.buffered - state.window_size
     assert f"over the window by {over}" in window_line, window_line
     assert "given back" in window_line, window_line
+
+
+def test_workers_against_an_older_server_says_contact_is_not_reported_not_that_a_live_worker_is_dead():
+    """A server from before ListWorkers reported contact (fields 8 and 9 of WorkerHoldings) sends neither: the
+    CLI read that as `never heard, no watch stream` for a live worker, which the runbook reads as dead or deaf. The
+    bytes here are what such a server sends; the same worker from this server still reads as before."""
+    from coda_client._proto import pacer_pb2 as pb
+    from coda_client.cli import render_workers
+    from coda_client.types import WorkerHoldings
+
+    older = pb.WorkerHoldings(client_id="kit-1", running=6, oldest_held_seconds=2.5,
+                              groups=[pb.HeldGroup(prompt_id="p0", seq=1, trajectories=1, group_size=4)])
+    line = render_workers([WorkerHoldings.from_pb(pb.WorkerHoldings.FromString(older.SerializeToString()))])
+    assert "not reported by this server" in line and "never heard" not in line and "no watch stream" not in line, line
+    current = pb.WorkerHoldings()
+    current.CopyFrom(older)
+    current.watch_streams = 0  # this server always sets it: here a worker it never heard, without a stream
+    line = render_workers([WorkerHoldings.from_pb(pb.WorkerHoldings.FromString(current.SerializeToString()))])
+    assert "never heard, no watch stream" in line, line
