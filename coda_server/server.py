@@ -321,9 +321,11 @@ class PacerServer:
             raise RecoveryInterrupted(f"stopped after replaying all {replayed} events")
         self.async_pacer.recovering = False
         state, seconds = self.pacer.state(), time.monotonic() - started
+        # The groups as the `stopped` line counts them: leased ones are kept across the restart too.
         log.info("recovered state from %s in %.2fs: %d events replayed since the last snapshot; step %d, "
-                 "generation %d, %d running, %d buffered groups", self.journal.directory,
-                 seconds, replayed, state.step, state.generation, state.running, state.buffered,
+                 "generation %d, %d running, %d buffered and %d leased groups%s", self.journal.directory,
+                 seconds, replayed, state.step, state.generation, state.running, state.buffered, state.leased,
+                 ", dispatch paused" if state.paused else "",
                  extra=fields(event="recovered", state_dir=str(self.journal.directory), seconds=round(seconds, 3),
                               replayed_events=replayed, step=state.step, weight_version=state.weight_version,
                               generation=state.generation, running=state.running, buffered=state.buffered,

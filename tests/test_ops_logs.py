@@ -224,17 +224,24 @@ def test_valid_listener_addresses_load(overrides, key, expected):
     assert load_config(overrides=overrides, load_plugins=False).server[key] == expected
 
 
-def test_the_stop_line_counts_the_leased_groups_it_keeps_too(tmp_path):
+def test_the_stop_and_recovered_lines_count_the_leased_groups_kept_too(tmp_path):
     """Groups leased to a trainer at shutdown are kept like buffered ones (a trainer may still acknowledge them after
-    the restart): the last line says how many, beside the buffered."""
-    with ServerProcess(tmp_path, *CONFIG, "server.log_format=json") as server, PacerClient(server.address) as pacer:
+    the restart): the last line says how many, beside the buffered, and so does the next start's `recovered` line
+    (it counted running and buffered groups only: an operator saw 4 leased groups stopped and none come back)."""
+    overrides = (*CONFIG, "server.log_format=json", f"server.state_dir={tmp_path / 'state'}")
+    with ServerProcess(tmp_path, *overrides) as server, PacerClient(server.address) as pacer:
         pacer.dispatch(["p0", "p1"])
         pacer.submit([trajectory("p0", 0), trajectory("p1", 0)])
         server.stub().Collect(pb.CollectRequest(num_groups=1, lease_seconds=600), timeout=10)  # held at the stop
         assert server.terminate() == 0
         stopped = [json.loads(line) for line in server.log().splitlines() if '"stopped"' in line]
+    with ServerProcess(tmp_path, *overrides) as server:  # the same state directory: its start counts them alike
+        assert server.terminate() == 0
+        recovered = [json.loads(line) for line in server.log().splitlines() if '"recovered"' in line]
     assert [(line["buffered"], line["leased"]) for line in stopped] == [(1, 1)]
     assert "1 buffered and 1 leased groups kept in the state directory" in stopped[0]["msg"]
+    assert [(line["buffered"], line["leased"]) for line in recovered] == [(1, 1)], recovered
+    assert "1 buffered and 1 leased groups" in recovered[0]["msg"], recovered[0]["msg"]
 
 
 def test_a_restart_does_not_log_again_the_pauses_and_resumes_its_recovery_replays(tmp_path):
