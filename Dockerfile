@@ -1,5 +1,6 @@
 # coda rollout pacing service: a slim image that runs `coda-server` as a non-root sidecar.
-#   docker build -t coda-pacer:0.1.0 -t coda-pacer:latest .      (the tag is the version in pyproject.toml)
+#   docker build -t coda-pacer:0.1.0 -t coda-pacer:latest .      (the tag is the version in pyproject.toml; add
+#     -t coda-pacer:0.1.0-$(git rev-parse --short HEAD) so a rebuild leaves the previous image to roll back to)
 #   docker run --stop-timeout 30 -p 50051:50051 -p 9464:9464 -v coda-state:/var/lib/coda coda-pacer:0.1.0
 # Only the paths COPY names enter the build context (.dockerignore): local custom strategies are mounted, not baked in.
 FROM python:3.11-slim

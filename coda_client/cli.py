@@ -31,7 +31,7 @@ from . import _health, _tls  # noqa: E402
 from ._channel import TlsConfig, check_target, check_token, proxy_options, resolve_tls  # noqa: E402
 from .client import PacerClient  # noqa: E402
 from .errors import PacerClientError, UnauthenticatedError  # noqa: E402
-from .protocol import SERVICE, package_version  # noqa: E402
+from .protocol import SERVICE, package_version, source_digest  # noqa: E402
 from .types import (  # noqa: E402
     ControlEvent, ControlEventType, JobEndReport, PacerState, ResetResult, StepReport, WorkerHoldings,
 )
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     # No abbreviations of the options before the command: `--server HOST:PORT` would be taken for --server-name.
     parser = argparse.ArgumentParser(prog="coda-client", description="Talk to a running coda-server.",
                                      allow_abbrev=False)
-    parser.add_argument("--version", action="version", version=f"coda-client {package_version()} ({SERVICE})")
+    parser.add_argument("--version", action="version",
+                        version=f"coda-client {package_version()} (source {source_digest()}, {SERVICE})")
     parser.add_argument("--address", "--target", default=os.environ.get("CODA_ADDRESS", DEFAULT_ADDRESS),
                         help=f"server host:port, PacerClient's target (default: $CODA_ADDRESS, else {DEFAULT_ADDRESS})")
     parser.add_argument("--timeout", type=float, default=10.0,

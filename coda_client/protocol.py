@@ -2,9 +2,13 @@
 and the LoongSage prompt-id form that orders the buffer and places a prompt in the prompt cursor."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.metadata
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 # Who is calling (a worker or trainer name), sent with every call when the client is given one; the server
@@ -36,6 +40,29 @@ def package_version() -> str:
         return importlib.metadata.version("coda-pacer")
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed)"
+
+
+# The packages of the distribution whose code decides what a build does (their .py files, the server's shipped
+# YAML), read from beside this one, wherever it is installed.
+_BUILD_PACKAGES = ("coda_client", "coda_server", "coda_worker", "coda_sim")
+_BUILD_SUFFIXES = (".py", ".yaml")
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """12 hex digits of a digest of this build's source, for --version and the start-up line: two builds of one
+    version (a rebuilt image under the same tag, a rollback) read differently, with no release step to forget."""
+    root = Path(__file__).resolve().parent.parent
+    files = []
+    for package in _BUILD_PACKAGES:
+        # Links followed: in a source tree coda_server/conf links to conf/, in a wheel it is a directory.
+        for directory, subdirectories, names in os.walk(root / package, followlinks=True):
+            subdirectories[:] = [name for name in subdirectories if name != "__pycache__"]
+            files += [Path(directory, name) for name in names if name.endswith(_BUILD_SUFFIXES)]
+    digest = hashlib.sha256()
+    for path in sorted(files, key=lambda path: path.relative_to(root).as_posix()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import grpc
 
-from coda_client.protocol import SERVICE, package_version
+from coda_client.protocol import SERVICE, package_version, source_digest
 
 from . import allocator, event_loop
 from .core.config import config_summary, load_config
@@ -52,7 +52,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="once serving, write {\"address\", \"port\", \"metrics_port\"} as JSON here (for scripts and tests), "
                              "plus \"uds\" and \"health_port\" when those listeners are set; address and port "
                              "are null without a TCP listener")
-    parser.add_argument("--version", action="version", version=f"coda-server {package_version()} ({SERVICE})")
+    parser.add_argument("--version", action="version",
+                        version=f"coda-server {package_version()} (source {source_digest()}, {SERVICE})")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides (before, between or after the options), applied last")
     # Intermixed: key=value overrides may come before, between and after the options (`a.b=1 --config f c.d=2`).
     args, unknown = parser.parse_known_intermixed_args(argv)
@@ -233,8 +234,9 @@ async def serve(config, *, port_file: Optional[Path] = None) -> int:
 
 def started(server: PacerServer, config) -> None:
     """The start-up lines, once the server serves."""
-    log.info("coda-pacer %s (Python %s, grpcio %s)", package_version(), sys.version.split()[0], grpc.__version__,
-             extra=fields(event="version", version=package_version()))
+    log.info("coda-pacer %s, source %s (Python %s, grpcio %s)", package_version(), source_digest(),
+             sys.version.split()[0], grpc.__version__,
+             extra=fields(event="version", version=package_version(), source=source_digest()))
     if not config.fully_async.enable:  # after start: a start-up that fails says so in one line
         log.info("fully_async.enable is false; the server paces all the same (the key is kept for LoongSage configs)")
     log.info("%s", allocator.describe(int(config.server.allocator_retain_bytes), server.allocator_retains))

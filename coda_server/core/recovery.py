@@ -162,8 +162,8 @@ class Snapshot:
         """Put every owner back as the snapshot has it (caller holds the lock)."""
         if snapshot.get("format") != SNAPSHOT_FORMAT:
             raise ValueError(f"it is in format {snapshot.get('format')!r}, written by another version of coda-server; "
-                             f"this version reads format {SNAPSHOT_FORMAT} (move server.state_dir aside to start "
-                             f"afresh)")
+                             f"this version reads format {SNAPSHOT_FORMAT} (start the version that wrote it, or move "
+                             f"server.state_dir aside to start afresh and Restore the trainer's checkpoint)")
         self._steps.restore(snapshot)
         self._inflight.restore(snapshot)
         self._totals.update(snapshot["totals"])
