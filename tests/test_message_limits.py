@@ -205,6 +205,7 @@ def test_a_reset_answers_only_the_restored_groups_its_caller_can_receive_and_kee
             continued = client.dispatch(["n0"])  # the group left out is re-offered, whole
             assert [g.prompt_id for g in continued.continuations] == ["b"]
             assert len(continued.continuations[0].trajectories) == 2
+        assert "the Reset's answer carries 1 of 2 restored" in server.log(), server.log()
 
 
 def test_quarantined_groups_a_reset_answer_cannot_carry_come_with_the_next_reset(tmp_path):

@@ -192,10 +192,11 @@ class BoundaryCalls:
         continued = [*restored[restored_carried:], *expired[expired_carried:]]
         kept.extend(self._restored.keep(continued))
         self._collector.restore_quarantined(quarantined[quarantined_carried:])
-        log.warning("the Reset's answer carries %d of %d restored, expired and quarantined groups within the caller's "
-                    "limit of %d bytes: %d kept for continuation (re-offered on Dispatch), %d stay quarantined for "
-                    "the next Reset", carried, len(groups), limit, len(continued),
-                    len(quarantined) - quarantined_carried)
+        if not self._recorder.replaying:  # said when it happens, not again when a restart replays it
+            log.warning("the Reset's answer carries %d of %d restored, expired and quarantined groups within the "
+                        "caller's limit of %d bytes: %d kept for continuation (re-offered on Dispatch), %d stay "
+                        "quarantined for the next Reset", carried, len(groups), limit, len(continued),
+                        len(quarantined) - quarantined_carried)
         return restored[:restored_carried], expired[:expired_carried], quarantined[:quarantined_carried], True
 
     def abandon(self) -> None:
