@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coda_client.protocol import package_version, source_digest
+from coda_client.protocol import source_digest
 from conftest import core_overrides
 from server_harness import REPO_ROOT, ServerProcess
 
@@ -36,11 +36,8 @@ def test_the_digest_follows_the_source_not_where_it_is_installed(tmp_path):
     assert digest_of_tree(copy) != source_digest()
 
 
-def test_version_and_the_start_up_line_name_the_source(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "coda_server", "--version"], capture_output=True, text=True,
-                          timeout=60, cwd=REPO_ROOT)
-    assert done.stdout.strip() == f"coda-server {package_version()} (source {source_digest()}, " \
-                                  "coda.pacer.v1.RolloutPacer)", done.stdout
+def test_the_start_up_line_names_the_source_in_json_too(tmp_path):
+    """(`--version` and the text line: tests/test_cli_edges.py.)"""
     with ServerProcess(tmp_path, *core_overrides(), "server.log_format=json") as server:
         assert server.terminate() == 0
         lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]

@@ -281,17 +281,18 @@ def test_both_commands_say_their_version_and_the_server_logs_it_at_start(server,
     """`--version` was an unrecognized argument; a bug report needs the version, and so does an operator reading a
     server's log."""
     from coda_server import cli as server_cli
-    from coda_client.protocol import package_version
+    from coda_client.protocol import package_version, source_digest
 
     for main in (server_cli.parse_args, client_cli.main):
         with pytest.raises(SystemExit) as stopped:
             main(["--version"])
         assert stopped.value.code == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"coda-server {package_version()} (coda.pacer.v1.RolloutPacer)",
-                   f"coda-client {package_version()} (coda.pacer.v1.RolloutPacer)"]
+    assert out == [f"coda-server {package_version()} (source {source_digest()}, coda.pacer.v1.RolloutPacer)",
+                   f"coda-client {package_version()} (source {source_digest()}, coda.pacer.v1.RolloutPacer)"]
     assert re.match(r"\d+\.\d+", package_version())  # installed (pip install -e) in the test environment
-    assert f"coda-pacer {package_version()} (Python " in server.log()
+    assert re.fullmatch(r"[0-9a-f]{12}", source_digest())
+    assert f"coda-pacer {package_version()}, source {source_digest()} (Python " in server.log()
 
 
 def test_a_token_file_that_cannot_be_read_is_named_by_its_flag(tmp_path, capsys):
