@@ -341,17 +341,17 @@ def checkpoint_response(checkpoint: dict, codec: ProtoTrajectories, max_message_
     caller could not receive it (`max_response_bytes`, 0: unsaid): refused here, it is not counted as taken."""
     head, body = checkpoints.encode_parts(checkpoint, codec)
     size = len(head) + len(body)
-    if size > max_message_bytes:
+    # The smaller limit refuses it, named with what to raise.
+    if max_response_bytes and max_response_bytes < max_message_bytes:
+        limit, what = max_response_bytes, "this client's max_message_bytes"
+        advice = f"raise the client's max_message_bytes (the server takes up to {max_message_bytes})"
+    else:
+        limit, what = max_message_bytes, "server.max_message_bytes"
+        advice = "raise it (and the client's max_message_bytes)"
+    if size > limit:
         raise ResourceExhaustedError(
-            f"the checkpoint is {size} bytes, more than server.max_message_bytes ({max_message_bytes}) lets "
-            f"one answer carry; raise it (and the client's max_message_bytes) above the buffer's size",
-            retry_after=60.0, reason="CHECKPOINT_TOO_LARGE", metadata={"checkpoint_bytes": str(size)})
-    if max_response_bytes and size > max_response_bytes:
-        raise ResourceExhaustedError(
-            f"the checkpoint is {size} bytes, more than this client's max_message_bytes ({max_response_bytes}) "
-            f"lets it receive; raise the client's max_message_bytes above the buffer's size (the server takes up to "
-            f"{max_message_bytes})", retry_after=60.0, reason="CHECKPOINT_TOO_LARGE",
-            metadata={"checkpoint_bytes": str(size)})
+            f"the checkpoint is {size} bytes, more than {what} ({limit}) lets one answer carry; {advice} above the "
+            f"buffer's size", retry_after=60.0, reason="CHECKPOINT_TOO_LARGE", metadata={"checkpoint_bytes": str(size)})
     buffered = [group for _, group in checkpoint["buffer"]]
     summary = pb.CheckpointResponse(
         step=checkpoint["step"], weight_version=checkpoint["weight_version"],
