@@ -189,17 +189,17 @@ def translate(rpc_error: grpc.RpcError, target: str | None = None, waited_for_re
         cls = StaleGenerationError
     elif cls is UnknownPromptError and status.reason == UNKNOWN_LEASE:
         cls = UnknownLeaseError
-    if cls is ResourceExhaustedError and not status.reason and "CLIENT: Received message larger than max" in (
-            message or ""):
-        # This client's gRPC refused an answer over its own receive limit: the server answered, the caller got none.
-        message = (f"the answer is larger than this client takes ({message}): this client's limit is its "
-                   f"max_message_bytes; raise it, or ask for less per call (ListWorkers: max_groups_per_worker)")
-    elif cls is ResourceExhaustedError and not status.reason and "larger than max" in (message or ""):
-        # gRPC's own refusal of a request over the server's limit ("Received message larger than max (N vs. M)"),
-        # sent before any handler: no reason, no retry delay; a retry fails alike.
-        message = (f"the request is larger than the server takes ({message}): the server's limit is its "
-                   f"server.max_message_bytes; send less per call (a Submit: fewer or shorter trajectories) or raise "
-                   f"that limit, and the client's max_message_bytes with it (it refuses such a call before sending)")
+    if cls is ResourceExhaustedError and not status.reason and "larger than max" in (message or ""):
+        # gRPC's own refusal of a message over a limit ("Received message larger than max (N vs. M)"): no reason,
+        # no retry delay; a retry fails alike.
+        if "CLIENT: Received message larger than max" in message:  # this client refused the answer: the server answered, the caller got none
+            message = (f"the answer is larger than this client takes ({message}): this client's limit is its "
+                       f"max_message_bytes; raise it, or ask for less per call (ListWorkers: max_groups_per_worker)")
+        else:  # the server refused the request, before any handler ran
+            message = (f"the request is larger than the server takes ({message}): the server's limit is its "
+                       f"server.max_message_bytes; send less per call (a Submit: fewer or shorter trajectories) or "
+                       f"raise that limit, and the client's max_message_bytes with it (it refuses such a call before "
+                       f"sending)")
     elif cls is UnavailableError and target and not status.reason:
         message = f"cannot reach the pacer at {target}: {tidy(message or '')}"
         hint = explain(message) if explain is not None else None
