@@ -54,7 +54,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                              "are null without a TCP listener")
     parser.add_argument("--version", action="version",
                         version=f"coda-server {package_version()} (source {source_digest()}, {SERVICE})")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides (before, between or after the options), applied last")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides (before, between or after the options), applied last")
     # Intermixed: key=value overrides may come before, between and after the options (`a.b=1 --config f c.d=2`).
     args, unknown = parser.parse_known_intermixed_args(argv)
     if unknown:
